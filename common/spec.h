@@ -1,0 +1,55 @@
+// Loading, defaulting and validating JobSpec and ClusterSpec.
+//
+// Specs on disk are the proto3 JSON mapping of detour.v1.JobSpec /
+// detour.v1.ClusterSpec. Every error names the offending field by its JSON
+// path and the value, e.g. `pipeline.skip_ratio: 1.2 is outside [0, 1)`.
+// Functions here are thread-safe (no shared state).
+#ifndef DETOUR_COMMON_SPEC_H_
+#define DETOUR_COMMON_SPEC_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour {
+
+// Parses JSON text into a message. Unknown fields and wrong types are
+// INVALID_ARGUMENT naming the field. `what` names the source in messages.
+absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json,
+                                             absl::string_view what = "job spec");
+absl::StatusOr<v1::ClusterSpec> ParseClusterSpecJson(
+    absl::string_view json, absl::string_view what = "cluster spec");
+
+// Reads, parses, defaults and validates a spec file. NOT_FOUND when the file
+// is missing.
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
+absl::StatusOr<v1::ClusterSpec> LoadClusterSpec(const std::string& path);
+
+// Expands the model preset (explicit fields win) and fills every zero field
+// with the default its proto comment names. Idempotent. Does not validate.
+void ApplyJobDefaults(v1::JobSpec* spec);
+void ApplyClusterDefaults(v1::ClusterSpec* spec);
+
+// Checks a defaulted spec. INVALID_ARGUMENT naming the field and value.
+absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+absl::Status ValidateClusterSpec(const v1::ClusterSpec& spec);
+
+// Both of the above, for specs that arrive over gRPC.
+absl::StatusOr<v1::JobSpec> NormalizeJobSpec(v1::JobSpec spec);
+absl::StatusOr<v1::ClusterSpec> NormalizeClusterSpec(v1::ClusterSpec spec);
+
+// The shape of a named preset ("tiny", "small", "500m", "1.5b", "8b").
+// NOT_FOUND for an unknown name.
+absl::StatusOr<v1::ModelShape> ModelPreset(absl::string_view name);
+
+// Stages visited per microbatch, P = max(1, round(S·(1-k))), stage 0 included.
+int VisitedStages(const v1::PipelineSpec& pipeline);
+
+// Writes a message as indented JSON (proto3 mapping, original field names).
+std::string ToJson(const google::protobuf::Message& message);
+
+}  // namespace detour
+
+#endif  // DETOUR_COMMON_SPEC_H_

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs the Debian packages detour builds and tests with. Idempotent: when every
+# package is already present it only checks (well under a second) and exits 0.
+#
+#   tools/install_deps.sh            install what is missing (needs root or sudo)
+#   tools/install_deps.sh --check    list what is missing; exit 1 if anything is
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  libtorch-dev libgloo-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcivetweb-dev civetweb
+  prometheus
+  curl iperf3
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install_deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+if [[ "${1:-}" == "--check" ]]; then
+  echo "install_deps: missing: ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "install_deps: installing ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then
+  if command -v sudo >/dev/null; then SUDO="sudo"; else
+    echo "install_deps: need root (or sudo) to install: ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+# The package lists may be missing or stale on a fresh machine.
+$SUDO apt-get update -qq
+# prometheus is only wanted for promtool; skip its recommends (and its service).
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+echo "install_deps: done"
