@@ -1,0 +1,406 @@
+#include "common/spec.h"
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace detour {
+namespace {
+
+using v1::ClusterSpec;
+using v1::JobSpec;
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
+}
+
+// Sets a scalar proto field to `value` when it holds its zero value.
+#define DETOUR_DEFAULT(msg, field, value) \
+  do {                                    \
+    if ((msg)->field() == 0) (msg)->set_##field(value); \
+  } while (0)
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", path));
+  return text.str();
+}
+
+template <typename M>
+absl::StatusOr<M> ParseJson(absl::string_view json, absl::string_view what) {
+  M message;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  auto status = google::protobuf::util::JsonStringToMessage(
+      std::string(json), &message, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", std::string(status.message())));
+  }
+  return message;
+}
+
+bool ValidName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(c) && c != '-' && c != '_' && c != '.') return false;
+  }
+  return true;
+}
+
+std::string Num(double v) { return absl::StrFormat("%g", v); }
+
+}  // namespace
+
+absl::StatusOr<v1::ModelShape> ModelPreset(absl::string_view name) {
+  v1::ModelShape s;
+  s.set_preset(std::string(name));
+  auto set = [&s](uint32_t layers, uint32_t d, uint32_t heads, uint32_t kv,
+                  uint32_t ffn, uint32_t ctx, uint32_t vocab) {
+    s.set_num_layers(layers);
+    s.set_d_model(d);
+    s.set_num_heads(heads);
+    s.set_num_kv_heads(kv);
+    s.set_ffn_dim(ffn);
+    s.set_context_length(ctx);
+    s.set_vocab_size(vocab);
+  };
+  if (name == "tiny") {
+    set(8, 128, 4, 4, 384, 128, 256);
+  } else if (name == "small") {
+    set(12, 384, 6, 6, 1024, 256, 256);
+  } else if (name == "500m") {
+    set(24, 1024, 16, 16, 4096, 1024, 32000);
+  } else if (name == "1.5b") {
+    set(24, 2048, 16, 16, 8192, 4096, 32000);
+  } else if (name == "8b") {
+    set(32, 4096, 32, 8, 14336, 8192, 128256);
+    s.set_rope_theta(500000);
+  } else {
+    return absl::NotFoundError(absl::StrCat(
+        "unknown model preset \"", name, "\" (known: tiny, small, 500m, 1.5b, 8b)"));
+  }
+  return s;
+}
+
+int VisitedStages(const v1::PipelineSpec& pipeline) {
+  const double s = pipeline.num_stages();
+  const int p = static_cast<int>(std::lround(s * (1.0 - pipeline.skip_ratio())));
+  return p < 1 ? 1 : p;
+}
+
+void ApplyJobDefaults(JobSpec* spec) {
+  v1::ModelShape* m = spec->mutable_model();
+  if (!m->preset().empty()) {
+    auto preset = ModelPreset(m->preset());
+    if (preset.ok()) {
+      // Explicit fields win over the preset's.
+      v1::ModelShape merged = *preset;
+      merged.MergeFrom(*m);
+      *m = merged;
+    }
+  }
+  DETOUR_DEFAULT(m, num_kv_heads, m->num_heads());
+  if (m->ffn_dim() == 0 && m->d_model() > 0) {
+    const uint32_t raw = (8 * m->d_model() + 2) / 3;
+    m->set_ffn_dim((raw + 63) / 64 * 64);
+  }
+  DETOUR_DEFAULT(m, vocab_size, 256u);
+  DETOUR_DEFAULT(m, context_length, 128u);
+  DETOUR_DEFAULT(m, rope_theta, 10000.0);
+  DETOUR_DEFAULT(m, norm_eps, 1e-5);
+
+  v1::PipelineSpec* p = spec->mutable_pipeline();
+  DETOUR_DEFAULT(p, num_stages, 4u);
+  DETOUR_DEFAULT(p, data_nodes, 1u);
+  DETOUR_DEFAULT(p, replicas_per_stage, 1u);
+  DETOUR_DEFAULT(p, microbatches_per_data_node, 4u);
+  DETOUR_DEFAULT(p, samples_per_microbatch, 1u);
+  DETOUR_DEFAULT(p, max_jump, 3u);
+  DETOUR_DEFAULT(p, max_swap_distance, 1u);
+  DETOUR_DEFAULT(p, max_total_swap_distance, 2u);
+  DETOUR_DEFAULT(p, memory_slots, 3u);
+  if (p->scheduler() == v1::SCHEDULER_UNSPECIFIED) p->set_scheduler(v1::SCHEDULER_SKIPPIPE);
+  if (p->grad_normalization() == v1::GRAD_NORM_UNSPECIFIED) {
+    p->set_grad_normalization(v1::GRAD_NORM_VISITS);
+  }
+  if (p->wire_dtype().empty()) p->set_wire_dtype("fp32");
+
+  v1::OptimizerSpec* o = spec->mutable_optimizer();
+  if (o->kind() == v1::OPTIMIZER_UNSPECIFIED) o->set_kind(v1::OPTIMIZER_ADAMW);
+  v1::AdamWSpec* a = o->mutable_adamw();
+  DETOUR_DEFAULT(a, lr, 3e-4);
+  DETOUR_DEFAULT(a, beta1, 0.9);
+  DETOUR_DEFAULT(a, beta2, 0.95);
+  DETOUR_DEFAULT(a, eps, 1e-8);
+  DETOUR_DEFAULT(a, weight_decay, 0.1);
+  DETOUR_DEFAULT(o, min_lr_ratio, 0.1);
+  DETOUR_DEFAULT(o, grad_clip_norm, 1.0);
+  v1::KfacSpec* k = o->mutable_kfac();
+  DETOUR_DEFAULT(k, damping, 1e-3);
+  DETOUR_DEFAULT(k, factor_decay, 1.0);
+  DETOUR_DEFAULT(k, curvature_microbatches, 1u);
+  DETOUR_DEFAULT(k, lr, a->lr());
+  DETOUR_DEFAULT(k, momentum, 0.9);
+  DETOUR_DEFAULT(k, slack, 0.05);
+  if (k->placement() == v1::KFAC_PLACEMENT_UNSPECIFIED) {
+    k->set_placement(v1::KFAC_PLACEMENT_BUBBLES);
+  }
+
+  v1::DataSpec* d = spec->mutable_data();
+  if (d->source() == v1::DATA_SOURCE_UNSPECIFIED) d->set_source(v1::DATA_SOURCE_EMBEDDED);
+  DETOUR_DEFAULT(d, validation_fraction, 0.05);
+
+  DETOUR_DEFAULT(spec->mutable_checkpoint(), keep_last, 2u);
+  if (spec->device().empty()) spec->set_device("cpu");
+}
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  if (!ValidName(spec.name())) {
+    return Invalid("name", absl::StrCat("\"", spec.name(),
+                                        "\" must be 1-64 letters, digits, '-', '_' or '.'"));
+  }
+  const v1::ModelShape& m = spec.model();
+  if (!m.preset().empty()) {
+    auto preset = ModelPreset(m.preset());
+    if (!preset.ok()) return Invalid("model.preset", preset.status().message());
+  }
+  if (m.num_layers() == 0) return Invalid("model.num_layers", "must be > 0 (or name a preset)");
+  if (m.d_model() == 0) return Invalid("model.d_model", "must be > 0 (or name a preset)");
+  if (m.num_heads() == 0) return Invalid("model.num_heads", "must be > 0 (or name a preset)");
+  if (m.d_model() % m.num_heads() != 0) {
+    return Invalid("model.num_heads", absl::StrCat(m.num_heads(), " does not divide d_model ",
+                                                   m.d_model()));
+  }
+  if ((m.d_model() / m.num_heads()) % 2 != 0) {
+    return Invalid("model.num_heads",
+                   absl::StrCat("head size ", m.d_model() / m.num_heads(),
+                                " must be even for rotary embeddings"));
+  }
+  if (m.num_kv_heads() == 0 || m.num_heads() % m.num_kv_heads() != 0) {
+    return Invalid("model.num_kv_heads", absl::StrCat(m.num_kv_heads(),
+                                                      " must divide num_heads ", m.num_heads()));
+  }
+  if (m.vocab_size() < 2) return Invalid("model.vocab_size", absl::StrCat(m.vocab_size(), " < 2"));
+  if (!(m.rope_theta() > 0)) return Invalid("model.rope_theta", Num(m.rope_theta()) + " must be > 0");
+  if (!(m.norm_eps() > 0)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " must be > 0");
+
+  const v1::PipelineSpec& p = spec.pipeline();
+  if (p.num_stages() > m.num_layers()) {
+    return Invalid("pipeline.num_stages",
+                   absl::StrCat(p.num_stages(), " stages exceed model.num_layers ",
+                                m.num_layers(), " (each stage needs at least one layer)"));
+  }
+  if (!(p.skip_ratio() >= 0.0 && p.skip_ratio() < 1.0)) {
+    return Invalid("pipeline.skip_ratio", Num(p.skip_ratio()) + " is outside [0, 1)");
+  }
+  const int visited = VisitedStages(p);
+  if (p.num_stages() > 1 && p.skip_ratio() > 0 && visited > static_cast<int>(p.num_stages())) {
+    return Invalid("pipeline.skip_ratio", "visits more stages than exist");
+  }
+  if (p.max_jump() == 0) return Invalid("pipeline.max_jump", "must be >= 1");
+  if (p.max_swaps() > 0 && p.max_swap_distance() == 0) {
+    return Invalid("pipeline.max_swap_distance", "must be >= 1 when max_swaps > 0");
+  }
+  if (p.memory_slots() == 0) return Invalid("pipeline.memory_slots", "must be >= 1");
+  const std::set<std::string> dtypes = {"fp32", "fp16", "bf16"};
+  if (!dtypes.count(p.wire_dtype())) {
+    return Invalid("pipeline.wire_dtype",
+                   absl::StrCat("\"", p.wire_dtype(), "\" is not one of fp32, fp16, bf16"));
+  }
+  // A stage that no microbatch could ever reach would never train.
+  if (visited > 1 && p.num_stages() > 1) {
+    const uint64_t visits = uint64_t{p.data_nodes()} * p.microbatches_per_data_node() *
+                            static_cast<uint64_t>(visited - 1);
+    if (visits < p.num_stages() - 1) {
+      return Invalid("pipeline.microbatches_per_data_node",
+                     absl::StrCat(p.microbatches_per_data_node(),
+                                  " microbatches per data node cannot visit all ",
+                                  p.num_stages() - 1, " non-zero stages at skip ratio ",
+                                  Num(p.skip_ratio())));
+    }
+  }
+
+  const v1::OptimizerSpec& o = spec.optimizer();
+  if (!(o.adamw().lr() > 0) || !std::isfinite(o.adamw().lr())) {
+    return Invalid("optimizer.adamw.lr", Num(o.adamw().lr()) + " must be > 0");
+  }
+  for (auto [name, v] : {std::pair<const char*, double>{"beta1", o.adamw().beta1()},
+                         {"beta2", o.adamw().beta2()}}) {
+    if (!(v >= 0 && v < 1)) {
+      return Invalid(absl::StrCat("optimizer.adamw.", name), Num(v) + " is outside [0, 1)");
+    }
+  }
+  if (o.adamw().weight_decay() < 0) {
+    return Invalid("optimizer.adamw.weight_decay", Num(o.adamw().weight_decay()) + " is negative");
+  }
+  if (o.grad_clip_norm() < 0) {
+    return Invalid("optimizer.grad_clip_norm", Num(o.grad_clip_norm()) + " is negative");
+  }
+  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
+    return Invalid("optimizer.min_lr_ratio", Num(o.min_lr_ratio()) + " is outside [0, 1]");
+  }
+  const v1::KfacSpec& k = o.kfac();
+  if (!(k.damping() > 0)) return Invalid("optimizer.kfac.damping", Num(k.damping()) + " must be > 0");
+  if (!(k.factor_decay() > 0 && k.factor_decay() <= 1)) {
+    return Invalid("optimizer.kfac.factor_decay", Num(k.factor_decay()) + " is outside (0, 1]");
+  }
+  if (k.curvature_microbatches() > p.microbatches_per_data_node()) {
+    return Invalid("optimizer.kfac.curvature_microbatches",
+                   absl::StrCat(k.curvature_microbatches(), " exceeds microbatches_per_data_node ",
+                                p.microbatches_per_data_node()));
+  }
+  if (!(k.slack() >= 0 && k.slack() < 1)) {
+    return Invalid("optimizer.kfac.slack", Num(k.slack()) + " is outside [0, 1)");
+  }
+
+  const v1::DataSpec& d = spec.data();
+  if (d.source() == v1::DATA_SOURCE_TEXT && d.path().empty()) {
+    return Invalid("data.path", "required when data.source is DATA_SOURCE_TEXT");
+  }
+  if (!(d.validation_fraction() >= 0 && d.validation_fraction() <= 0.5)) {
+    return Invalid("data.validation_fraction", Num(d.validation_fraction()) + " is outside [0, 0.5]");
+  }
+  if (spec.iterations() == 0) return Invalid("iterations", "must be > 0");
+  if (spec.device() != "cpu" && spec.device() != "cuda") {
+    return Invalid("device", absl::StrCat("\"", spec.device(), "\" is not cpu or cuda"));
+  }
+  return absl::OkStatus();
+}
+
+void ApplyClusterDefaults(ClusterSpec* spec) {
+  for (v1::NodeSpec& n : *spec->mutable_nodes()) DETOUR_DEFAULT(&n, speed, 1.0);
+  DETOUR_DEFAULT(spec, intra_region_latency_ms, 1.0);
+  DETOUR_DEFAULT(spec, intra_region_bandwidth_gbytes_per_s, 5.0);
+  v1::ComputeModel* c = spec->mutable_compute();
+  DETOUR_DEFAULT(c, tflops, 100.0);
+  DETOUR_DEFAULT(c, backward_factor, 2.0);
+  DETOUR_DEFAULT(c, loss_factor, 0.25);
+  DETOUR_DEFAULT(c, activation_bytes, 2u);
+  DETOUR_DEFAULT(c, gradient_bytes, 2u);
+}
+
+absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
+  if (spec.nodes().empty()) return Invalid("nodes", "the cluster has no nodes");
+  std::set<std::string> ids;
+  std::set<std::string> regions;
+  for (int i = 0; i < spec.nodes_size(); ++i) {
+    const v1::NodeSpec& n = spec.nodes(i);
+    const std::string field = absl::StrCat("nodes[", i, "]");
+    if (n.id().empty()) return Invalid(field + ".id", "is empty");
+    if (!ids.insert(n.id()).second) {
+      return Invalid(field + ".id", absl::StrCat("\"", n.id(), "\" is used twice"));
+    }
+    if (n.region().empty()) return Invalid(field + ".region", absl::StrCat("node ", n.id(), " has no region"));
+    if (!(n.speed() > 0) || !std::isfinite(n.speed())) {
+      return Invalid(field + ".speed", Num(n.speed()) + " must be > 0");
+    }
+    regions.insert(n.region());
+  }
+  std::set<std::pair<std::string, std::string>> pairs;
+  for (int i = 0; i < spec.links_size(); ++i) {
+    const v1::RegionLink& l = spec.links(i);
+    const std::string field = absl::StrCat("links[", i, "]");
+    if (l.region_a().empty() || l.region_b().empty()) {
+      return Invalid(field, "region_a and region_b are required");
+    }
+    if (l.region_a() == l.region_b()) {
+      return Invalid(field, absl::StrCat("links region ", l.region_a(),
+                                         " to itself; use intra_region_* instead"));
+    }
+    if (!(l.latency_ms() >= 0) || !std::isfinite(l.latency_ms())) {
+      return Invalid(field + ".latency_ms", Num(l.latency_ms()) + " must be >= 0");
+    }
+    if (!(l.bandwidth_gbytes_per_s() > 0) || !std::isfinite(l.bandwidth_gbytes_per_s())) {
+      return Invalid(field + ".bandwidth_gbytes_per_s",
+                     absl::StrCat(Num(l.bandwidth_gbytes_per_s()), " must be > 0 (",
+                                  l.region_a(), "-", l.region_b(), ")"));
+    }
+    auto key = std::minmax(l.region_a(), l.region_b());
+    if (!pairs.insert({key.first, key.second}).second) {
+      return Invalid(field, absl::StrCat("region pair ", l.region_a(), "-", l.region_b(),
+                                         " is given twice"));
+    }
+  }
+  for (auto a = regions.begin(); a != regions.end(); ++a) {
+    for (auto b = std::next(a); b != regions.end(); ++b) {
+      if (!pairs.count({*a, *b})) {
+        return Invalid("links", absl::StrCat("missing region pair ", *a, "-", *b,
+                                             " (both regions have nodes)"));
+      }
+    }
+  }
+  if (!(spec.intra_region_latency_ms() >= 0)) {
+    return Invalid("intra_region_latency_ms", Num(spec.intra_region_latency_ms()) + " must be >= 0");
+  }
+  if (!(spec.intra_region_bandwidth_gbytes_per_s() > 0)) {
+    return Invalid("intra_region_bandwidth_gbytes_per_s",
+                   Num(spec.intra_region_bandwidth_gbytes_per_s()) + " must be > 0");
+  }
+  const v1::ComputeModel& c = spec.compute();
+  if (!(c.tflops() > 0)) return Invalid("compute.tflops", Num(c.tflops()) + " must be > 0");
+  if (!(c.backward_factor() > 0)) {
+    return Invalid("compute.backward_factor", Num(c.backward_factor()) + " must be > 0");
+  }
+  if (c.loss_factor() < 0) return Invalid("compute.loss_factor", Num(c.loss_factor()) + " is negative");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json, absl::string_view what) {
+  return ParseJson<JobSpec>(json, what);
+}
+
+absl::StatusOr<ClusterSpec> ParseClusterSpecJson(absl::string_view json, absl::string_view what) {
+  return ParseJson<ClusterSpec>(json, what);
+}
+
+absl::StatusOr<JobSpec> NormalizeJobSpec(JobSpec spec) {
+  ApplyJobDefaults(&spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  return spec;
+}
+
+absl::StatusOr<ClusterSpec> NormalizeClusterSpec(ClusterSpec spec) {
+  ApplyClusterDefaults(&spec);
+  RETURN_IF_ERROR(ValidateClusterSpec(spec));
+  return spec;
+}
+
+absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpecJson(text, path));
+  auto normalized = NormalizeJobSpec(std::move(spec));
+  if (!normalized.ok()) return Annotate(normalized.status(), path);
+  return normalized;
+}
+
+absl::StatusOr<ClusterSpec> LoadClusterSpec(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(ClusterSpec spec, ParseClusterSpecJson(text, path));
+  auto normalized = NormalizeClusterSpec(std::move(spec));
+  if (!normalized.ok()) return Annotate(normalized.status(), path);
+  return normalized;
+}
+
+std::string ToJson(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+}  // namespace detour

@@ -1,0 +1,205 @@
+#include "common/spec.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/test_paths.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+using ::detour::testing::SourceDir;
+
+// A minimal valid job; tests break one field at a time.
+constexpr char kGoodJob[] = R"({
+  "name": "t",
+  "model": {"preset": "tiny"},
+  "pipeline": {"num_stages": 4, "data_nodes": 2, "replicas_per_stage": 2,
+               "microbatches_per_data_node": 4, "skip_ratio": 0.25},
+  "iterations": 10
+})";
+
+absl::Status JobStatus(const std::string& json) {
+  auto parsed = ParseJobSpecJson(json);
+  if (!parsed.ok()) return parsed.status();
+  return NormalizeJobSpec(*parsed).status();
+}
+
+std::string Replace(std::string text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  return text.replace(at, from.size(), to);
+}
+
+TEST(JobSpec, ShippedExamplesLoad) {
+  for (const char* name : {"/examples/jobs/tiny_local.json", "/examples/jobs/geo20_1.5b.json"}) {
+    auto spec = LoadJobSpec(SourceDir() + name);
+    ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
+  }
+}
+
+TEST(JobSpec, PresetExpandsAndDefaultsApply) {
+  auto spec = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().num_layers(), 8u);
+  EXPECT_EQ(spec->model().d_model(), 128u);
+  EXPECT_EQ(spec->model().num_kv_heads(), 4u);
+  EXPECT_EQ(spec->pipeline().memory_slots(), 3u);
+  EXPECT_EQ(spec->pipeline().scheduler(), v1::SCHEDULER_SKIPPIPE);
+  EXPECT_EQ(spec->optimizer().kind(), v1::OPTIMIZER_ADAMW);
+  EXPECT_DOUBLE_EQ(spec->optimizer().adamw().lr(), 3e-4);
+  EXPECT_EQ(spec->device(), "cpu");
+  EXPECT_EQ(VisitedStages(spec->pipeline()), 3);
+  // Idempotent.
+  auto again = NormalizeJobSpec(*spec);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->SerializeAsString(), spec->SerializeAsString());
+}
+
+TEST(JobSpec, ExplicitFieldsOverridePreset) {
+  auto spec = NormalizeJobSpec(*ParseJobSpecJson(
+      Replace(kGoodJob, R"("preset": "tiny")", R"("preset": "tiny", "num_layers": 12)")));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().num_layers(), 12u);
+  EXPECT_EQ(spec->model().d_model(), 128u);
+}
+
+TEST(JobSpec, UnknownFieldIsNamed) {
+  absl::Status s = JobStatus(Replace(kGoodJob, R"("iterations": 10)",
+                                     R"("iterations": 10, "iteratons": 5)"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("iteratons"));
+}
+
+TEST(JobSpec, WrongTypeIsNamed) {
+  absl::Status s = JobStatus(Replace(kGoodJob, R"("num_stages": 4)", R"("num_stages": "four")"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("num_stages"));
+}
+
+TEST(JobSpec, NegativeCountIsNamed) {
+  absl::Status s = JobStatus(Replace(kGoodJob, R"("data_nodes": 2)", R"("data_nodes": -2)"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("data_nodes"));
+}
+
+TEST(JobSpec, SkipRatioOutsideRange) {
+  for (const char* bad : {"1.0", "1.2", "-0.1"}) {
+    absl::Status s = JobStatus(Replace(kGoodJob, R"("skip_ratio": 0.25)",
+                                       std::string(R"("skip_ratio": )") + bad));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("pipeline.skip_ratio")) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("outside [0, 1)")) << bad;
+  }
+}
+
+TEST(JobSpec, MoreStagesThanLayers) {
+  absl::Status s = JobStatus(Replace(kGoodJob, R"("num_stages": 4)", R"("num_stages": 9)"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("pipeline.num_stages: 9 stages exceed model.num_layers 8"));
+}
+
+TEST(JobSpec, OtherFieldChecks) {
+  struct Case {
+    std::string from, to, field;
+  };
+  const Case cases[] = {
+      {R"("name": "t")", R"("name": "bad name!")", "name"},
+      {R"("name": "t")", R"("name": "")", "name"},
+      {R"("preset": "tiny")", R"("preset": "huge")", "model.preset"},
+      {R"("iterations": 10)", R"("iterations": 0)", "iterations"},
+      {R"("preset": "tiny")", R"("preset": "tiny", "num_heads": 3)", "model.num_heads"},
+      {R"("iterations": 10)", R"("iterations": 10, "device": "tpu")", "device"},
+      {R"("iterations": 10)", R"("iterations": 10, "data": {"source": "DATA_SOURCE_TEXT"})",
+       "data.path"},
+      {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "wire_dtype": "int8")",
+       "pipeline.wire_dtype"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = JobStatus(Replace(kGoodJob, c.from, c.to));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.to;
+    EXPECT_THAT(s.message(), HasSubstr(c.field)) << c.to << " -> " << s;
+  }
+}
+
+TEST(JobSpec, MissingFileIsNotFound) {
+  auto spec = LoadJobSpec("/nonexistent/job.json");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(spec.status().message(), HasSubstr("/nonexistent/job.json"));
+}
+
+TEST(JobSpec, MalformedJsonNamesTheFile) {
+  auto spec = ParseJobSpecJson("{\"name\": ", "broken.json");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.status().message(), HasSubstr("broken.json"));
+}
+
+constexpr char kGoodCluster[] = R"({
+  "nodes": [{"id": "a", "region": "Oregon"}, {"id": "b", "region": "Tokyo"},
+            {"id": "c", "region": "Tokyo", "speed": 2}],
+  "links": [{"region_a": "Oregon", "region_b": "Tokyo", "latency_ms": 96,
+             "bandwidth_gbytes_per_s": 0.5}]
+})";
+
+absl::Status ClusterStatus(const std::string& json) {
+  auto parsed = ParseClusterSpecJson(json);
+  if (!parsed.ok()) return parsed.status();
+  return NormalizeClusterSpec(*parsed).status();
+}
+
+TEST(ClusterSpec, ShippedExampleLoads) {
+  auto spec = LoadClusterSpec(SourceDir() + "/examples/clusters/geo20.json");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->nodes_size(), 20);
+}
+
+TEST(ClusterSpec, DefaultsApply) {
+  auto spec = NormalizeClusterSpec(*ParseClusterSpecJson(kGoodCluster));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_DOUBLE_EQ(spec->nodes(0).speed(), 1.0);
+  EXPECT_DOUBLE_EQ(spec->nodes(2).speed(), 2.0);
+  EXPECT_DOUBLE_EQ(spec->intra_region_latency_ms(), 1.0);
+  EXPECT_DOUBLE_EQ(spec->compute().backward_factor(), 2.0);
+}
+
+TEST(ClusterSpec, MissingRegionPairIsNamed) {
+  absl::Status s = ClusterStatus(Replace(kGoodCluster, R"("region": "Tokyo", "speed": 2)",
+                                         R"("region": "Seoul")"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("missing region pair"));
+  EXPECT_THAT(s.message(), HasSubstr("Seoul"));
+}
+
+TEST(ClusterSpec, BadValuesAreNamed) {
+  struct Case {
+    std::string from, to, expect;
+  };
+  const Case cases[] = {
+      {R"("bandwidth_gbytes_per_s": 0.5)", R"("bandwidth_gbytes_per_s": 0)",
+       "links[0].bandwidth_gbytes_per_s"},
+      {R"("latency_ms": 96)", R"("latency_ms": -1)", "links[0].latency_ms"},
+      {R"({"id": "b")", R"({"id": "a")", "nodes[1].id"},
+      {R"("speed": 2)", R"("speed": -2)", "nodes[2].speed"},
+      {R"("id": "a", "region": "Oregon")", R"("id": "a")", "nodes[0].region"},
+      {R"("latency_ms": 96)", R"("latency_ms": 96, "jitter": 3)", "jitter"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ClusterStatus(Replace(kGoodCluster, c.from, c.to));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.to;
+    EXPECT_THAT(s.message(), HasSubstr(c.expect)) << c.to << " -> " << s;
+  }
+}
+
+TEST(ToJson, RoundTrips) {
+  auto spec = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
+  ASSERT_TRUE(spec.ok());
+  auto back = ParseJobSpecJson(ToJson(*spec));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->SerializeAsString(), spec->SerializeAsString());
+}
+
+}  // namespace
+}  // namespace detour
