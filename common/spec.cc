@@ -1,15 +1,14 @@
 #include "common/spec.h"
 
 #include <cmath>
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -28,15 +27,6 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
   do {                                    \
     if ((msg)->field() == 0) (msg)->set_##field(value); \
   } while (0)
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", path));
-  return text.str();
-}
 
 template <typename M>
 absl::StatusOr<M> ParseJson(absl::string_view json, absl::string_view what) {
@@ -379,7 +369,7 @@ absl::StatusOr<ClusterSpec> NormalizeClusterSpec(ClusterSpec spec) {
 }
 
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpecJson(text, path));
   auto normalized = NormalizeJobSpec(std::move(spec));
   if (!normalized.ok()) return Annotate(normalized.status(), path);
@@ -387,7 +377,7 @@ absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
 }
 
 absl::StatusOr<ClusterSpec> LoadClusterSpec(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   ASSIGN_OR_RETURN(ClusterSpec spec, ParseClusterSpecJson(text, path));
   auto normalized = NormalizeClusterSpec(std::move(spec));
   if (!normalized.ok()) return Annotate(normalized.status(), path);

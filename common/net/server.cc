@@ -1,0 +1,63 @@
+#include "common/net/server.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace detour {
+
+absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
+                                              absl::string_view what) {
+  // gRPC would otherwise log its own bind failure and return null.
+  absl::Status free = CheckPortFree(options.listen, what);
+  if (!free.ok()) return free;
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen.ToString(), grpc::InsecureServerCredentials(),
+                           &port);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  for (grpc::Service* service : options.services) builder.RegisterService(service);
+  if (!options.interceptors.empty()) {
+    builder.experimental().SetInterceptorCreators(std::move(options.interceptors));
+  }
+  RunningServer running;
+  running.server = builder.BuildAndStart();
+  if (running.server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat(what, ": cannot listen on ",
+                                               options.listen.ToString(),
+                                               " (address in use or not local)"));
+  }
+  running.port = port;
+  SetServing(running.server.get(), true);
+  return running;
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Reconnect quickly after a peer restarts (default backoff grows to 2 min).
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+void SetServing(grpc::Server* server, bool serving) {
+  if (server == nullptr || server->GetHealthCheckService() == nullptr) return;
+  server->GetHealthCheckService()->SetServingStatus(serving);
+}
+
+}  // namespace detour

@@ -1,0 +1,50 @@
+// Building a gRPC server the way every detour daemon wants it: health service,
+// server reflection, no SO_REUSEPORT (a busy port is an error, not a silently
+// shared listener), raised message limits, and a clear error when the listen
+// address cannot be bound.
+#ifndef DETOUR_COMMON_NET_SERVER_H_
+#define DETOUR_COMMON_NET_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/net/address.h"
+#include "grpcpp/grpcpp.h"
+
+namespace detour {
+
+struct GrpcServerOptions {
+  HostPort listen;
+  // Services to register; not owned, must outlive the server.
+  std::vector<grpc::Service*> services;
+  // Largest message accepted or sent, in bytes.
+  int max_message_bytes = 64 << 20;
+  // Optional interceptor factories (e.g. RPC metrics); ownership moves in.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
+};
+
+struct RunningServer {
+  std::unique_ptr<grpc::Server> server;
+  // The bound port (the chosen one when options.listen.port was 0).
+  int port = 0;
+};
+
+// Starts the server. UNAVAILABLE naming the address when it is in use or
+// cannot be bound. `what` names the listener in errors ("--listen").
+absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
+                                              absl::string_view what);
+
+// Channel to a peer with the limits above and keep-alive pings so a dead peer
+// is noticed on long-lived streams.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target,
+                                           int max_message_bytes = 64 << 20);
+
+// Sets the overall and per-service health status of a running server.
+void SetServing(grpc::Server* server, bool serving);
+
+}  // namespace detour
+
+#endif  // DETOUR_COMMON_NET_SERVER_H_

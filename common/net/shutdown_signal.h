@@ -1,0 +1,20 @@
+// SIGTERM/SIGINT handling for daemons. Block the signals in every thread by
+// calling BlockShutdownSignals() first thing in main (threads inherit the
+// mask), then wait for one on the main thread with WaitForShutdownSignal.
+// No async-signal handler runs, so nothing unsafe happens in signal context.
+#ifndef DETOUR_COMMON_NET_SHUTDOWN_SIGNAL_H_
+#define DETOUR_COMMON_NET_SHUTDOWN_SIGNAL_H_
+
+#include "absl/time/time.h"
+
+namespace detour {
+
+void BlockShutdownSignals();
+
+// Returns the signal number received (SIGTERM, SIGINT), or 0 when `timeout`
+// passed without one.
+int WaitForShutdownSignal(absl::Duration timeout);
+
+}  // namespace detour
+
+#endif  // DETOUR_COMMON_NET_SHUTDOWN_SIGNAL_H_

@@ -1,0 +1,197 @@
+#include "coordinator/control_service.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/net/grpc_status.h"
+#include "common/net/reactor_support.h"
+
+namespace detour {
+namespace {
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& s) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(s));
+  return reactor;
+}
+
+}  // namespace
+
+// One worker's Session stream. Reads are handled inline (they only touch the
+// registry); writes go through an outbox. Deleted when gRPC is done with it
+// and no other thread holds a reference.
+class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  explicit SessionReactor(ControlServiceImpl* service) : service_(service) {
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the worker closed its side or went away
+      Close(grpc::Status::OK);
+      return;
+    }
+    if (!HandleMessage()) return;
+    StartRead(&incoming_);
+  }
+
+  void OnWriteDone(bool ok) override { Apply(outbox_.WriteDone(ok)); }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&service_->mu_);
+      auto it = service_->sessions_.find(worker_id_);
+      if (it != service_->sessions_.end() && it->second == this) service_->sessions_.erase(it);
+    }
+    if (!worker_id_.empty()) LogInfo("session of worker ", worker_id_, " ended");
+    Unref();
+  }
+
+  void Send(v1::CoordinatorMessage message) { Apply(outbox_.Enqueue(std::move(message))); }
+  void Close(grpc::Status status) { Apply(outbox_.RequestFinish(std::move(status))); }
+
+  void AddRef() { refs_.AddRef(); }
+  void Unref() {
+    if (refs_.Release()) delete this;
+  }
+
+ private:
+  // False when the stream is being closed.
+  bool HandleMessage() {
+    const absl::Time now = absl::Now();
+    if (worker_id_.empty()) {
+      auto id = service_->registry_->WorkerForToken(incoming_.session_token());
+      if (!id.ok()) {
+        Close(ToGrpcStatus(id.status()));
+        return false;
+      }
+      SessionReactor* replaced = nullptr;
+      {
+        absl::MutexLock lock(&service_->mu_);
+        if (service_->closing_) {
+          Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
+          return false;
+        }
+        worker_id_ = *id;
+        auto& slot = service_->sessions_[worker_id_];
+        if (slot != nullptr) {
+          replaced = slot;
+          replaced->AddRef();
+        }
+        slot = this;
+      }
+      if (replaced != nullptr) {  // the worker re-registered; drop its old stream
+        replaced->Close(grpc::Status(grpc::StatusCode::ABORTED, "replaced by a newer session"));
+        replaced->Unref();
+      }
+      LogInfo("session of worker ", worker_id_, " open");
+    }
+    if (incoming_.has_heartbeat()) {
+      auto id = service_->registry_->Heartbeat(incoming_.session_token(), incoming_.heartbeat(),
+                                               now);
+      if (!id.ok()) {
+        Close(ToGrpcStatus(id.status()));
+        return false;
+      }
+      if (service_->hooks_.on_heartbeat) service_->hooks_.on_heartbeat(*id);
+    } else if (service_->hooks_.on_message) {
+      service_->hooks_.on_message(worker_id_, incoming_);
+    }
+    return true;
+  }
+
+  void Apply(const ServerOutbox<v1::CoordinatorMessage>::Action& action) {
+    if (action.write != nullptr) StartWrite(action.write);
+    if (action.finish) Finish(action.status);
+  }
+
+  ControlServiceImpl* const service_;
+  v1::WorkerMessage incoming_;
+  std::string worker_id_;  // only touched by the read path and OnDone
+  ServerOutbox<v1::CoordinatorMessage> outbox_;
+  ReactorRefs refs_;
+};
+
+ControlServiceImpl::ControlServiceImpl(WorkerRegistry* registry, Hooks hooks)
+    : registry_(registry), hooks_(std::move(hooks)) {}
+
+ControlServiceImpl::~ControlServiceImpl() = default;
+
+grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerContext* context,
+                                                       const v1::RegisterRequest* request,
+                                                       v1::RegisterResponse* response) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_) {
+      return Reply(context, absl::UnavailableError("coordinator is shutting down"));
+    }
+  }
+  auto registered = registry_->Register(*request, absl::Now());
+  if (!registered.ok()) return Reply(context, registered.status());
+  *response = *std::move(registered);
+  LogInfo("worker ", response->worker_id(), " registered (region ", request->region(),
+          ", address ", request->address().empty() ? "-" : request->address(), ")");
+  if (hooks_.on_register) {
+    for (const v1::WorkerInfo& info : registry_->List(true)) {
+      if (info.worker_id() == response->worker_id()) hooks_.on_register(info);
+    }
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* ControlServiceImpl::Session(
+    grpc::CallbackServerContext* context) {
+  return new SessionReactor(this);
+}
+
+grpc::ServerUnaryReactor* ControlServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
+                                                          const v1::ListWorkersRequest* request,
+                                                          v1::ListWorkersResponse* response) {
+  for (v1::WorkerInfo& info : registry_->List(request->include_lost())) {
+    *response->add_workers() = std::move(info);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+absl::Status ControlServiceImpl::Send(const std::string& worker_id,
+                                      v1::CoordinatorMessage message) {
+  SessionReactor* reactor = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(worker_id);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker_id, " has no open session"));
+    }
+    reactor = it->second;
+    reactor->AddRef();
+  }
+  reactor->Send(std::move(message));
+  reactor->Unref();
+  return absl::OkStatus();
+}
+
+void ControlServiceImpl::CloseSessions() {
+  std::vector<SessionReactor*> open;
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    for (auto& [id, reactor] : sessions_) {
+      reactor->AddRef();
+      open.push_back(reactor);
+    }
+  }
+  for (SessionReactor* reactor : open) {
+    reactor->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
+    reactor->Unref();
+  }
+}
+
+int ControlServiceImpl::open_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(sessions_.size());
+}
+
+}  // namespace detour

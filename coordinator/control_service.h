@@ -1,0 +1,66 @@
+// ControlService: worker registration, the per-worker Session stream
+// (heartbeats in; assignments, plans and cancellations out) and ListWorkers.
+// Thread-safe; gRPC callback API, nothing blocks a reaction.
+#ifndef DETOUR_COORDINATOR_CONTROL_SERVICE_H_
+#define DETOUR_COORDINATOR_CONTROL_SERVICE_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "coordinator/worker_registry.h"
+#include "detour/v1/control_service.grpc.pb.h"
+
+namespace detour {
+
+class SessionReactor;
+
+class ControlServiceImpl final : public v1::ControlService::CallbackService {
+ public:
+  // Observers of control-plane events (metrics, logs). Called on gRPC threads;
+  // must be quick and must not block.
+  struct Hooks {
+    std::function<void(const v1::WorkerInfo&)> on_register;
+    std::function<void(const std::string& worker_id)> on_heartbeat;
+    // Any non-heartbeat message from a worker (results, timings, errors).
+    std::function<void(const std::string& worker_id, const v1::WorkerMessage&)> on_message;
+  };
+
+  // Does not own `registry`, which must outlive the service.
+  ControlServiceImpl(WorkerRegistry* registry, Hooks hooks);
+  ~ControlServiceImpl() override;
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
+                                     const v1::RegisterRequest* request,
+                                     v1::RegisterResponse* response) override;
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
+                                        const v1::ListWorkersRequest* request,
+                                        v1::ListWorkersResponse* response) override;
+
+  // Queues a message on the worker's session. NOT_FOUND when the worker has
+  // no open session.
+  absl::Status Send(const std::string& worker_id, v1::CoordinatorMessage message);
+
+  // Ends every session with UNAVAILABLE (coordinator draining); workers then
+  // reconnect to whichever coordinator comes up.
+  void CloseSessions();
+
+  int open_sessions() const;
+
+ private:
+  friend class SessionReactor;
+  WorkerRegistry* const registry_;
+  const Hooks hooks_;
+  mutable absl::Mutex mu_;
+  // Open sessions by worker id (set once the first message authenticates).
+  std::map<std::string, SessionReactor*> sessions_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_CONTROL_SERVICE_H_

@@ -1,0 +1,125 @@
+#include "coordinator/coordinator.h"
+
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/metrics/grpc_metrics.h"
+#include "common/metrics/process_metrics.h"
+#include "common/status.h"
+#include "common/version.h"
+
+namespace detour {
+
+Coordinator::Coordinator(const CoordinatorOptions& options)
+    : options_(options),
+      registry_(options.worker_silence, options.heartbeat_interval),
+      jobs_(options.data_dir) {}
+
+Coordinator::~Coordinator() { Drain(absl::Seconds(1)); }
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
+    const CoordinatorOptions& options) {
+  std::unique_ptr<Coordinator> coordinator(new Coordinator(options));
+  RETURN_IF_ERROR(coordinator->Init());
+  return coordinator;
+}
+
+absl::Status Coordinator::Init() {
+  ASSIGN_OR_RETURN(int loaded, jobs_.Load());
+  if (loaded > 0) LogInfo("loaded ", loaded, " job(s) from ", options_.data_dir);
+
+  metrics::Registry& m = metrics_registry_;
+  RETURN_IF_ERROR(metrics::RegisterProcessMetrics(m));
+  RETURN_IF_ERROR(metrics::RegisterBuildInfo(m, "coordinator", kVersion, kGitRevision));
+  ASSIGN_OR_RETURN(workers_gauge_, m.AddGauge("detour_coordinator_workers",
+                                              "Registered workers by state.", {"state"}));
+  ASSIGN_OR_RETURN(jobs_gauge_, m.AddGauge("detour_coordinator_jobs",
+                                           "Jobs known to the coordinator by state.", {"state"}));
+  ASSIGN_OR_RETURN(auto* heartbeats, m.AddCounter("detour_coordinator_heartbeats",
+                                                  "Heartbeats received from workers."));
+  ASSIGN_OR_RETURN(heartbeats_, heartbeats->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* registrations,
+                   m.AddCounter("detour_coordinator_registrations",
+                                "Successful worker registrations (including re-registrations)."));
+  ASSIGN_OR_RETURN(registrations_, registrations->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* lost, m.AddCounter("detour_coordinator_workers_lost",
+                                            "Workers marked lost after falling silent."));
+  ASSIGN_OR_RETURN(workers_lost_, lost->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* sessions, m.AddGauge("detour_coordinator_sessions",
+                                              "Open worker Session streams."));
+  ASSIGN_OR_RETURN(sessions_, sessions->WithLabels({}));
+  UpdateGauges();
+
+  job_service_ = std::make_unique<JobServiceImpl>(&jobs_);
+  ControlServiceImpl::Hooks hooks;
+  hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
+  hooks.on_heartbeat = [this](const std::string&) { heartbeats_->Increment(); };
+  control_service_ = std::make_unique<ControlServiceImpl>(&registry_, std::move(hooks));
+
+  GrpcServerOptions server_options;
+  server_options.listen = options_.listen;
+  server_options.services = {job_service_.get(), control_service_.get()};
+  ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
+  server_options.interceptors.push_back(std::move(interceptor));
+  ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));
+  grpc_port_ = server_.port;
+
+  if (options_.metrics_port >= 0) {
+    metrics_ = std::make_unique<metrics::MetricsHttpServer>(&metrics_registry_);
+    absl::Status started = metrics_->Start(options_.metrics_bind, options_.metrics_port);
+    if (!started.ok()) {
+      server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
+      return Annotate(started, "--metrics_port");
+    }
+  }
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  return absl::OkStatus();
+}
+
+void Coordinator::UpdateGauges() {
+  for (auto state : {v1::WORKER_STATE_IDLE, v1::WORKER_STATE_BUSY, v1::WORKER_STATE_LOST}) {
+    std::string name = absl::AsciiStrToLower(v1::WorkerState_Name(state).substr(13));
+    if (auto g = workers_gauge_->WithLabels({name}); g.ok()) (*g)->Set(registry_.Count(state));
+  }
+  auto counts = jobs_.CountByState();
+  for (int s = v1::JOB_STATE_PENDING; s <= v1::JOB_STATE_CANCELLED; ++s) {
+    auto state = static_cast<v1::JobState>(s);
+    std::string name = absl::AsciiStrToLower(v1::JobState_Name(state).substr(10));
+    if (auto g = jobs_gauge_->WithLabels({name}); g.ok()) (*g)->Set(counts[state]);
+  }
+  if (control_service_) sessions_->Set(control_service_->open_sessions());
+}
+
+void Coordinator::ReaperLoop() {
+  // Check often enough that a worker is lost within ~10% of the silence.
+  const absl::Duration tick =
+      std::max(absl::Milliseconds(50), std::min(absl::Seconds(1), options_.worker_silence / 10));
+  while (!stop_reaper_.WaitForNotificationWithTimeout(tick)) {
+    for (const std::string& id : registry_.MarkSilentWorkersLost(absl::Now())) {
+      LogWarning("worker ", id, " lost: no heartbeat for ",
+                 absl::FormatDuration(options_.worker_silence));
+      workers_lost_->Increment();
+    }
+    UpdateGauges();
+  }
+}
+
+void Coordinator::Drain(absl::Duration deadline) {
+  absl::MutexLock lock(&drain_mu_);
+  if (drained_) return;
+  drained_ = true;
+  if (server_.server) {
+    SetServing(server_.server.get(), false);
+    control_service_->CloseSessions();
+    job_service_->CloseWatches();
+    server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    server_.server->Wait();
+  }
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  if (metrics_) metrics_->Stop();
+}
+
+}  // namespace detour

@@ -1,0 +1,85 @@
+// The coordinator daemon as a library: gRPC server (JobService,
+// ControlService, health, reflection), worker registry with loss detection,
+// job store, and its Prometheus endpoint. main.cc only parses flags and waits
+// for a signal; tests can run a Coordinator in-process.
+#ifndef DETOUR_COORDINATOR_COORDINATOR_H_
+#define DETOUR_COORDINATOR_COORDINATOR_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/metrics/http_server.h"
+#include "common/metrics/metrics.h"
+#include "common/net/address.h"
+#include "common/net/server.h"
+#include "coordinator/control_service.h"
+#include "coordinator/job_service.h"
+#include "coordinator/job_store.h"
+#include "coordinator/worker_registry.h"
+
+namespace detour {
+
+struct CoordinatorOptions {
+  HostPort listen{"127.0.0.1", 7070};
+  std::string metrics_bind = "0.0.0.0";
+  // 0 = pick a free port; -1 = no metrics endpoint.
+  int metrics_port = 9470;
+  std::string data_dir = "detour-data/coordinator";
+  absl::Duration worker_silence = absl::Seconds(10);
+  absl::Duration heartbeat_interval = absl::Seconds(2);
+};
+
+// Thread-safe. Start() returns a running coordinator; Drain() stops it.
+class Coordinator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
+  ~Coordinator();
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+
+  // Graceful stop: health NOT_SERVING, refuse new work, end sessions and
+  // watch streams, wait for in-flight RPCs up to `deadline`, stop metrics.
+  // Idempotent.
+  void Drain(absl::Duration deadline);
+
+  WorkerRegistry& registry() { return registry_; }
+  JobStore& jobs() { return jobs_; }
+
+ private:
+  explicit Coordinator(const CoordinatorOptions& options);
+  absl::Status Init();
+  void ReaperLoop();
+  void UpdateGauges();
+
+  const CoordinatorOptions options_;
+  metrics::Registry metrics_registry_;
+  WorkerRegistry registry_;
+  JobStore jobs_;
+  std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<ControlServiceImpl> control_service_;
+  RunningServer server_;
+  int grpc_port_ = 0;
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_;
+
+  // Metric handles, owned by metrics_registry_.
+  metrics::GaugeFamily* workers_gauge_ = nullptr;
+  metrics::GaugeFamily* jobs_gauge_ = nullptr;
+  metrics::Counter* heartbeats_ = nullptr;
+  metrics::Counter* registrations_ = nullptr;
+  metrics::Counter* workers_lost_ = nullptr;
+  metrics::Gauge* sessions_ = nullptr;
+
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
+  absl::Mutex drain_mu_;
+  bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_COORDINATOR_H_

@@ -1,0 +1,181 @@
+#include "coordinator/job_service.h"
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/net/grpc_status.h"
+#include "common/net/reactor_support.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace detour {
+namespace {
+
+constexpr char kStoredMessage[] =
+    "accepted and stored; this coordinator version does not execute jobs yet (the "
+    "distributed runtime arrives in a later release)";
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& s) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(s));
+  return reactor;
+}
+
+v1::JobEvent EventFor(const v1::Job& job) {
+  v1::JobEvent event;
+  *event.mutable_job() = job;
+  *event.mutable_time() = google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
+      absl::ToUnixNanos(absl::Now()));
+  return event;
+}
+
+}  // namespace
+
+// Streams a job's changes until it reaches a final state. Owned by gRPC until
+// OnDone; store listeners reach it through a handle.
+class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
+ public:
+  WatchReactor(JobServiceImpl* service, const std::string& job_id)
+      : service_(service), handle_(std::make_shared<ReactorHandle<WatchReactor>>(this)) {
+    {
+      absl::MutexLock lock(&service_->mu_);
+      if (service_->closing_) {
+        Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                                 "coordinator is shutting down")));
+        return;
+      }
+      service_->watches_[this] = true;
+    }
+    auto handle = handle_;
+    listener_ = service_->store_->AddListener(job_id, [handle](const v1::Job& job) {
+      handle->With([&job](WatchReactor* r) { r->Push(job); });
+    });
+    // Snapshot after subscribing, so no change can fall between the two.
+    auto job = service_->store_->Get(job_id);
+    if (!job.ok()) {
+      Apply(outbox_.RequestFinish(ToGrpcStatus(job.status())));
+      return;
+    }
+    Push(*job);
+  }
+
+  void Push(const v1::Job& job) {
+    if (JobStore::IsFinal(job.state())) {
+      Apply(outbox_.EnqueueLast(EventFor(job), grpc::Status::OK));
+    } else {
+      Apply(outbox_.Enqueue(EventFor(job)));
+    }
+  }
+
+  void Close(grpc::Status status) { Apply(outbox_.RequestFinish(std::move(status))); }
+
+  void OnWriteDone(bool ok) override { Apply(outbox_.WriteDone(ok)); }
+  void OnCancel() override { Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
+
+  void OnDone() override {
+    if (listener_ != 0) service_->store_->RemoveListener(listener_);
+    {
+      absl::MutexLock lock(&service_->mu_);
+      service_->watches_.erase(this);
+    }
+    handle_->Detach();
+    Unref();
+  }
+
+  void AddRef() { refs_.AddRef(); }
+  void Unref() {
+    if (refs_.Release()) delete this;
+  }
+
+ private:
+  void Apply(const ServerOutbox<v1::JobEvent>::Action& action) {
+    if (action.write != nullptr) StartWrite(action.write);
+    if (action.finish) Finish(action.status);
+  }
+
+  JobServiceImpl* const service_;
+  std::shared_ptr<ReactorHandle<WatchReactor>> handle_;
+  ServerOutbox<v1::JobEvent> outbox_;
+  ReactorRefs refs_;
+  uint64_t listener_ = 0;
+};
+
+JobServiceImpl::JobServiceImpl(JobStore* store) : store_(store) {}
+
+JobServiceImpl::~JobServiceImpl() = default;
+
+grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* context,
+                                                 const v1::SubmitJobRequest* request,
+                                                 v1::Job* response) {
+  auto spec = NormalizeJobSpec(request->spec());
+  if (!spec.ok()) return Reply(context, Annotate(spec.status(), "spec"));
+  auto job = store_->Create(*spec, absl::Now(), kStoredMessage);
+  if (!job.ok()) return Reply(context, job.status());
+  LogInfo("job ", job->id(), " (", job->spec().name(), ") submitted");
+  *response = *std::move(job);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* context,
+                                              const v1::GetJobRequest* request,
+                                              v1::Job* response) {
+  if (request->job_id().empty()) {
+    return Reply(context, absl::InvalidArgumentError("job_id: required"));
+  }
+  auto job = store_->Get(request->job_id());
+  if (!job.ok()) return Reply(context, job.status());
+  *response = *std::move(job);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* context,
+                                               const v1::ListJobsRequest* request,
+                                               v1::ListJobsResponse* response) {
+  if (!v1::JobState_IsValid(request->state())) {
+    return Reply(context, absl::InvalidArgumentError(
+                              absl::StrCat("state: unknown value ", request->state())));
+  }
+  for (v1::Job& job : store_->List(request->state())) *response->add_jobs() = std::move(job);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(
+    grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
+  return new WatchReactor(this, request->job_id());
+}
+
+grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* context,
+                                                 const v1::CancelJobRequest* request,
+                                                 v1::Job* response) {
+  if (request->job_id().empty()) {
+    return Reply(context, absl::InvalidArgumentError("job_id: required"));
+  }
+  auto job = store_->Cancel(request->job_id(), absl::Now());
+  if (!job.ok()) return Reply(context, job.status());
+  LogInfo("job ", job->id(), " cancelled");
+  *response = *std::move(job);
+  return Reply(context, absl::OkStatus());
+}
+
+void JobServiceImpl::CloseWatches() {
+  std::vector<WatchReactor*> open;
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    for (auto& [reactor, unused] : watches_) {
+      reactor->AddRef();
+      open.push_back(reactor);
+    }
+  }
+  for (WatchReactor* reactor : open) {
+    reactor->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
+    reactor->Unref();
+  }
+}
+
+}  // namespace detour

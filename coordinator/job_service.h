@@ -1,0 +1,50 @@
+// JobService: the client-facing API (Submit, Get, List, Watch, Cancel) over
+// the JobStore. Thread-safe; gRPC callback API, nothing blocks a reaction.
+#ifndef DETOUR_COORDINATOR_JOB_SERVICE_H_
+#define DETOUR_COORDINATOR_JOB_SERVICE_H_
+
+#include <map>
+#include <memory>
+
+#include "absl/synchronization/mutex.h"
+#include "coordinator/job_store.h"
+#include "detour/v1/job_service.grpc.pb.h"
+
+namespace detour {
+
+class WatchReactor;
+
+class JobServiceImpl final : public v1::JobService::CallbackService {
+ public:
+  // Does not own `store`, which must outlive the service.
+  explicit JobServiceImpl(JobStore* store);
+  ~JobServiceImpl() override;
+
+  grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
+                                   const v1::SubmitJobRequest* request,
+                                   v1::Job* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::GetJobRequest* request, v1::Job* response) override;
+  grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* context,
+                                 const v1::ListJobsRequest* request,
+                                 v1::ListJobsResponse* response) override;
+  grpc::ServerWriteReactor<v1::JobEvent>* Watch(grpc::CallbackServerContext* context,
+                                                const v1::WatchJobRequest* request) override;
+  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
+                                   const v1::CancelJobRequest* request,
+                                   v1::Job* response) override;
+
+  // Ends every open Watch stream with UNAVAILABLE (coordinator draining).
+  void CloseWatches();
+
+ private:
+  friend class WatchReactor;
+  JobStore* const store_;
+  absl::Mutex mu_;
+  std::map<WatchReactor*, bool> watches_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_JOB_SERVICE_H_

@@ -1,0 +1,205 @@
+#include "coordinator/job_store.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace detour {
+namespace {
+
+namespace fs = std::filesystem;
+using google::protobuf::util::TimeUtil;
+
+google::protobuf::Timestamp ToProto(absl::Time t) {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
+}
+
+}  // namespace
+
+JobStore::JobStore(std::string data_dir) : dir_((fs::path(data_dir) / "jobs").string()) {}
+
+bool JobStore::IsFinal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+absl::StatusOr<int> JobStore::Load() {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create job directory ", dir_, ": ", ec.message()));
+  }
+  int loaded = 0;
+  absl::MutexLock lock(&mu_);
+  for (const auto& file : fs::directory_iterator(dir_, ec)) {
+    const std::string path = file.path().string();
+    if (file.path().extension() != ".json") continue;
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    v1::Job job;
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = true;  // written by a newer version
+    auto status = google::protobuf::util::JsonStringToMessage(text.str(), &job, options);
+    if (!status.ok() || job.id().empty()) {
+      LogWarning("skipping unreadable job file ", path, ": ",
+                 status.ok() ? "no id" : std::string(status.message()));
+      continue;
+    }
+    uint64_t number = 0;
+    if (absl::StartsWith(job.id(), "job-") &&
+        absl::SimpleAtoi(job.id().substr(4), &number)) {
+      next_number_ = std::max(next_number_, number + 1);
+    }
+    jobs_[job.id()] = std::move(job);
+    ++loaded;
+  }
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir_, ": ", ec.message()));
+  }
+  return loaded;
+}
+
+absl::Status JobStore::Persist(const v1::Job& job) const {
+  const fs::path final_path = fs::path(dir_) / (job.id() + ".json");
+  const fs::path tmp_path = fs::path(dir_) / (job.id() + ".json.tmp");
+  {
+    std::ofstream out(tmp_path, std::ios::trunc);
+    out << ToJson(job);
+    out.flush();
+    if (!out) {
+      return absl::UnavailableError(absl::StrCat("cannot write ", tmp_path.string()));
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp_path, final_path, ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot rename ", tmp_path.string(), ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,
+                                         const std::string& message) {
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    job.set_id(absl::StrFormat("job-%06d", next_number_));
+    *job.mutable_spec() = spec;
+    job.set_state(v1::JOB_STATE_PENDING);
+    job.set_message(message);
+    *job.mutable_create_time() = ToProto(now);
+    job.mutable_progress()->set_total_iterations(spec.iterations());
+    absl::Status persisted = Persist(job);
+    if (!persisted.ok()) return persisted;
+    ++next_number_;
+    jobs_[job.id()] = job;
+  }
+  Notify(job);
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
+  return it->second;
+}
+
+std::vector<v1::Job> JobStore::List(v1::JobState state) const {
+  std::vector<v1::Job> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) {
+      if (state == v1::JOB_STATE_UNSPECIFIED || job.state() == state) out.push_back(job);
+    }
+  }
+  // Ids are zero-padded sequence numbers: reverse order is newest first.
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
+                                         const std::function<void(v1::Job*)>& mutate) {
+  v1::Job updated;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
+    updated = it->second;
+    mutate(&updated);
+    absl::Status persisted = Persist(updated);
+    if (!persisted.ok()) return persisted;
+    it->second = updated;
+  }
+  Notify(updated);
+  return updated;
+}
+
+absl::StatusOr<v1::Job> JobStore::Cancel(const std::string& id, absl::Time now) {
+  {
+    auto current = Get(id);
+    if (!current.ok()) return current.status();
+    if (IsFinal(current->state())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", id, " already ended (", v1::JobState_Name(current->state()), ")"));
+    }
+  }
+  bool already_final = false;
+  auto job = Update(id, [&](v1::Job* job) {
+    if (IsFinal(job->state())) {  // ended between the check and the update
+      already_final = true;
+      return;
+    }
+    job->set_state(v1::JOB_STATE_CANCELLED);
+    job->set_message("cancelled by request");
+    *job->mutable_end_time() = ToProto(now);
+  });
+  if (job.ok() && already_final) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " already ended"));
+  }
+  return job;
+}
+
+uint64_t JobStore::AddListener(const std::string& id, Listener listener) {
+  absl::MutexLock lock(&listeners_mu_);
+  const uint64_t handle = next_listener_++;
+  listeners_[handle] = ListenerEntry{id, std::move(listener)};
+  return handle;
+}
+
+void JobStore::RemoveListener(uint64_t handle) {
+  absl::MutexLock lock(&listeners_mu_);
+  listeners_.erase(handle);
+}
+
+void JobStore::Notify(const v1::Job& job) {
+  // Listeners are called under listeners_mu_ so RemoveListener guarantees no
+  // call is in progress once it returns; listeners must not call back into
+  // AddListener/RemoveListener.
+  absl::MutexLock lock(&listeners_mu_);
+  for (auto& [handle, entry] : listeners_) {
+    if (entry.job_id == job.id()) entry.fn(job);
+  }
+}
+
+std::map<v1::JobState, int> JobStore::CountByState() const {
+  std::map<v1::JobState, int> counts;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, job] : jobs_) ++counts[job.state()];
+  return counts;
+}
+
+}  // namespace detour

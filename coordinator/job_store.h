@@ -1,0 +1,76 @@
+// Jobs the coordinator has accepted, persisted one JSON file per job under
+// <data_dir>/jobs/ so the job list survives a restart. Thread-safe. Listeners
+// are told about every change of a job (Watch streams use this).
+#ifndef DETOUR_COORDINATOR_JOB_STORE_H_
+#define DETOUR_COORDINATOR_JOB_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "detour/v1/job_service.pb.h"
+
+namespace detour {
+
+class JobStore {
+ public:
+  using Listener = std::function<void(const v1::Job&)>;
+
+  // `data_dir` is created if missing; jobs live in <data_dir>/jobs.
+  explicit JobStore(std::string data_dir);
+
+  // Reads every stored job. Unreadable files are reported and skipped, never
+  // deleted. Returns how many jobs were loaded.
+  absl::StatusOr<int> Load();
+
+  // Stores a new PENDING job for an already validated spec.
+  absl::StatusOr<v1::Job> Create(const v1::JobSpec& spec, absl::Time now,
+                                 const std::string& message);
+  absl::StatusOr<v1::Job> Get(const std::string& id) const;
+  // Newest first; `state` JOB_STATE_UNSPECIFIED = all.
+  std::vector<v1::Job> List(v1::JobState state) const;
+
+  // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION when it
+  // already ended, NOT_FOUND when unknown.
+  absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now);
+
+  // Applies `mutate` to a stored job, persists it and tells listeners.
+  absl::StatusOr<v1::Job> Update(const std::string& id,
+                                 const std::function<void(v1::Job*)>& mutate);
+
+  // Called after every change of job `id` (outside the store's lock, on the
+  // changing thread). Returns a handle for RemoveListener.
+  uint64_t AddListener(const std::string& id, Listener listener);
+  void RemoveListener(uint64_t handle);
+
+  // Jobs per state, for metrics.
+  std::map<v1::JobState, int> CountByState() const;
+
+  static bool IsFinal(v1::JobState state);
+
+ private:
+  absl::Status Persist(const v1::Job& job) const;
+  void Notify(const v1::Job& job);
+
+  const std::string dir_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_number_ ABSL_GUARDED_BY(mu_) = 1;
+
+  absl::Mutex listeners_mu_;
+  struct ListenerEntry {
+    std::string job_id;
+    Listener fn;
+  };
+  std::map<uint64_t, ListenerEntry> listeners_ ABSL_GUARDED_BY(listeners_mu_);
+  uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_JOB_STORE_H_

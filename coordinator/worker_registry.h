@@ -1,0 +1,71 @@
+// The coordinator's view of its workers: registration, heartbeats, and losing
+// workers that fall silent. Thread-safe. Times are passed in so tests can
+// drive the clock.
+#ifndef DETOUR_COORDINATOR_WORKER_REGISTRY_H_
+#define DETOUR_COORDINATOR_WORKER_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "detour/v1/control_service.pb.h"
+
+namespace detour {
+
+class WorkerRegistry {
+ public:
+  // A worker is lost when no heartbeat arrived for `silence`.
+  WorkerRegistry(absl::Duration silence, absl::Duration heartbeat_interval);
+
+  // Validates and records a worker. An empty id gets one assigned ("w1",
+  // "w2", ...). ALREADY_EXISTS when the id belongs to a worker that is still
+  // alive; a lost worker's id may be taken again (it is that worker coming
+  // back). INVALID_ARGUMENT names a bad field.
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request,
+                                                absl::Time now);
+
+  // Records a heartbeat. UNAUTHENTICATED for an unknown or replaced token.
+  // A lost worker that heartbeats again is alive again.
+  absl::StatusOr<std::string> Heartbeat(const std::string& token, const v1::Heartbeat& beat,
+                                        absl::Time now);
+
+  // Worker id for a live session token; UNAUTHENTICATED otherwise.
+  absl::StatusOr<std::string> WorkerForToken(const std::string& token) const;
+
+  // Marks workers silent for longer than the limit as lost; returns the ids
+  // newly lost by this call.
+  std::vector<std::string> MarkSilentWorkersLost(absl::Time now);
+
+  // Snapshot, sorted by worker id.
+  std::vector<v1::WorkerInfo> List(bool include_lost) const;
+
+  // Number of workers in `state`.
+  int Count(v1::WorkerState state) const;
+  uint64_t total_heartbeats() const;
+
+  absl::Duration silence() const { return silence_; }
+
+ private:
+  struct Entry {
+    v1::WorkerInfo info;
+    std::string token;
+    absl::Time last_heartbeat;
+  };
+
+  const absl::Duration silence_;
+  const absl::Duration heartbeat_interval_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> token_to_worker_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_worker_number_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t total_heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_WORKER_REGISTRY_H_

@@ -1,0 +1,417 @@
+// detourctl: command-line client for the detour coordinator.
+//
+// Exit status: 0 success; 1 the coordinator answered with an error (unknown
+// job, invalid spec, ...) or a watched job ended unsuccessfully; 2 bad usage;
+// 3 the coordinator (or --target) is unreachable; 4 health check says not
+// serving.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/flags.h"
+#include "common/net/grpc_status.h"
+#include "common/net/server.h"
+#include "common/spec.h"
+#include "common/version.h"
+#include "detour/v1/control_service.grpc.pb.h"
+#include "detour/v1/job_service.grpc.pb.h"
+#include "google/protobuf/util/time_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace detour {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitUnreachable = 3;
+constexpr int kExitNotServing = 4;
+
+constexpr char kCommands[] = R"(Commands:
+  workers [--all]            list registered workers (--all: include lost ones)
+  health [--target=ADDR] [--service=NAME]
+                             check gRPC health of the coordinator (or ADDR)
+  submit SPEC.json [--watch] submit a job spec (JSON form of detour.v1.JobSpec)
+  get JOB_ID                 show one job
+  list [--state=STATE]       list jobs, newest first (STATE: pending, running, ...)
+  watch JOB_ID               follow a job's progress until it ends
+  cancel JOB_ID              cancel a job that has not ended
+  version                    print the client version
+
+Exit status: 0 success; 1 the coordinator reported an error (or a watched job
+did not succeed); 2 bad usage; 3 coordinator unreachable; 4 not serving.
+
+The coordinator address comes from --coordinator, else $DETOUR_COORDINATOR,
+else 127.0.0.1:7070.)";
+
+struct Globals {
+  std::string coordinator;
+  bool json = false;
+  absl::Duration timeout = absl::Seconds(10);
+};
+
+int Usage(const std::string& message) {
+  std::cerr << "detourctl: " << message << "\nRun 'detourctl --help' for usage.\n";
+  return kExitUsage;
+}
+
+// Prints an RPC failure and maps it to an exit status.
+int RpcFailed(const Globals& g, const grpc::Status& status, absl::string_view what) {
+  const auto code = status.error_code();
+  if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::cerr << "detourctl: " << what << ": coordinator " << g.coordinator
+              << " unreachable: " << status.error_message() << "\n";
+    return kExitUnreachable;
+  }
+  std::cerr << "detourctl: " << what << ": "
+            << absl::StatusCodeToString(FromGrpcStatus(status).code()) << ": "
+            << status.error_message() << "\n";
+  return kExitError;
+}
+
+void SetDeadline(const Globals& g, grpc::ClientContext* context) {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + g.timeout));
+}
+
+std::string Ago(const google::protobuf::Timestamp& t) {
+  if (t.seconds() == 0 && t.nanos() == 0) return "-";
+  const absl::Time when = absl::FromUnixNanos(
+      google::protobuf::util::TimeUtil::TimestampToNanoseconds(t));
+  const double s = absl::ToDoubleSeconds(absl::Now() - when);
+  if (s < 1) return "now";
+  if (s < 120) return absl::StrFormat("%.0fs ago", s);
+  if (s < 7200) return absl::StrFormat("%.0fm ago", s / 60);
+  return absl::StrFormat("%.1fh ago", s / 3600);
+}
+
+std::string ShortState(const std::string& full, size_t prefix) {
+  std::string s = full.substr(prefix);
+  for (char& c : s) c = static_cast<char>(std::tolower(c));
+  return s;
+}
+
+std::string JobStateName(v1::JobState s) { return ShortState(v1::JobState_Name(s), 10); }
+
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      absl::StrAppend(&line, row[i]);
+      if (i + 1 < row.size()) line.append(width[i] - row[i].size() + 2, ' ');
+    }
+    std::cout << line << "\n";
+  }
+}
+
+std::string ProgressText(const v1::Job& job) {
+  const v1::JobProgress& p = job.progress();
+  std::string text = absl::StrFormat("%d/%d", p.iteration(), p.total_iterations());
+  if (p.iteration() > 0) absl::StrAppendFormat(&text, "  loss %.4f", p.loss());
+  if (p.tokens_per_s() > 0) absl::StrAppendFormat(&text, "  %.0f tok/s", p.tokens_per_s());
+  if (p.eta_s() > 0) absl::StrAppendFormat(&text, "  eta %.0fs", p.eta_s());
+  return text;
+}
+
+void PrintJob(const Globals& g, const v1::Job& job) {
+  if (g.json) {
+    std::cout << ToJson(job);
+    return;
+  }
+  std::cout << "id:        " << job.id() << "\n"
+            << "name:      " << job.spec().name() << "\n"
+            << "state:     " << JobStateName(job.state()) << "\n"
+            << "message:   " << job.message() << "\n"
+            << "created:   " << Ago(job.create_time()) << "\n"
+            << "progress:  " << ProgressText(job) << "\n"
+            << "model:     " << (job.spec().model().preset().empty() ? "custom"
+                                                                     : job.spec().model().preset())
+            << ", " << job.spec().model().num_layers() << " layers, d_model "
+            << job.spec().model().d_model() << "\n"
+            << "pipeline:  " << job.spec().pipeline().num_stages() << " stages, "
+            << job.spec().pipeline().data_nodes() << " data nodes, "
+            << job.spec().pipeline().replicas_per_stage() << " replicas/stage, skip "
+            << job.spec().pipeline().skip_ratio() << "\n";
+  for (int i = 0; i < job.stages_size(); ++i) {
+    std::cout << "stage " << i << ":   " << absl::StrJoin(job.stages(i).nodes(), ", ") << "\n";
+  }
+}
+
+int CmdWorkers(const Globals& g, const std::vector<std::string>& args) {
+  bool all = false;
+  FlagSet flags("detourctl workers", "List registered workers.");
+  flags.Bool("all", &all, "include workers marked lost");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (!rest->empty()) return Usage("workers takes no arguments");
+  auto stub = v1::ControlService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::ListWorkersRequest request;
+  request.set_include_lost(all);
+  v1::ListWorkersResponse response;
+  grpc::Status status = stub->ListWorkers(&context, request, &response);
+  if (!status.ok()) return RpcFailed(g, status, "workers");
+  if (g.json) {
+    std::cout << ToJson(response);
+    return kExitOk;
+  }
+  if (response.workers().empty()) {
+    std::cout << "no workers registered\n";
+    return kExitOk;
+  }
+  std::vector<std::vector<std::string>> rows = {
+      {"ID", "STATE", "REGION", "ADDRESS", "DEVICE", "SPEED", "SLOTS", "LAST HEARTBEAT", "JOB"}};
+  for (const v1::WorkerInfo& w : response.workers()) {
+    rows.push_back({w.worker_id(), ShortState(v1::WorkerState_Name(w.state()), 13), w.region(),
+                    w.address(), w.device(), absl::StrFormat("%g", w.speed()),
+                    absl::StrCat(w.memory_slots()), Ago(w.last_heartbeat_time()),
+                    w.job_id().empty() ? "-" : w.job_id()});
+  }
+  PrintTable(rows);
+  return kExitOk;
+}
+
+int CmdHealth(const Globals& g, const std::vector<std::string>& args) {
+  std::string target = g.coordinator;
+  std::string service;
+  FlagSet flags("detourctl health", "Check gRPC health (grpc.health.v1.Health/Check).");
+  flags.String("target", &target, "address to check (default: the coordinator)");
+  flags.String("service", &service, "service name to ask about (default: the whole server)");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (!rest->empty()) return Usage("health takes no arguments");
+  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&context, request, &response);
+  if (!status.ok()) {
+    Globals shown = g;
+    shown.coordinator = target;
+    return RpcFailed(shown, status, "health");
+  }
+  const std::string name =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  if (g.json) {
+    std::cout << absl::StrFormat("{\"target\": \"%s\", \"status\": \"%s\"}\n", target, name);
+  } else {
+    std::cout << target << ": " << name << "\n";
+  }
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk
+                                                                              : kExitNotServing;
+}
+
+int Watch(const Globals& g, const std::string& job_id);
+
+int CmdSubmit(const Globals& g, const std::vector<std::string>& args) {
+  bool watch = false;
+  FlagSet flags("detourctl submit", "Submit a job from a JSON spec file.");
+  flags.Bool("watch", &watch, "follow the job until it ends");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (rest->size() != 1) return Usage("submit needs exactly one spec file");
+  // Validate locally first for a fast, precise error; the coordinator
+  // validates again.
+  auto spec = LoadJobSpec((*rest)[0]);
+  if (!spec.ok()) {
+    std::cerr << "detourctl: submit: " << spec.status().message() << "\n";
+    return spec.status().code() == absl::StatusCode::kNotFound ? kExitUsage : kExitError;
+  }
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = *spec;
+  v1::Job job;
+  grpc::Status status = stub->Submit(&context, request, &job);
+  if (!status.ok()) return RpcFailed(g, status, "submit");
+  if (g.json && !watch) {
+    std::cout << ToJson(job);
+  } else if (!g.json) {
+    std::cout << "submitted " << job.id() << " (" << job.spec().name() << "): "
+              << JobStateName(job.state()) << " — " << job.message() << "\n";
+  }
+  return watch ? Watch(g, job.id()) : kExitOk;
+}
+
+int WithJobId(const Globals& g, const std::vector<std::string>& args, const char* command,
+              std::string* job_id) {
+  FlagSet flags(absl::StrCat("detourctl ", command), "");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (rest->size() != 1) return Usage(absl::StrCat(command, " needs exactly one JOB_ID"));
+  *job_id = (*rest)[0];
+  return -1;
+}
+
+int CmdGet(const Globals& g, const std::vector<std::string>& args) {
+  std::string id;
+  if (int rc = WithJobId(g, args, "get", &id); rc >= 0) return rc;
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::GetJobRequest request;
+  request.set_job_id(id);
+  v1::Job job;
+  grpc::Status status = stub->Get(&context, request, &job);
+  if (!status.ok()) return RpcFailed(g, status, "get");
+  PrintJob(g, job);
+  return kExitOk;
+}
+
+int CmdCancel(const Globals& g, const std::vector<std::string>& args) {
+  std::string id;
+  if (int rc = WithJobId(g, args, "cancel", &id); rc >= 0) return rc;
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::CancelJobRequest request;
+  request.set_job_id(id);
+  v1::Job job;
+  grpc::Status status = stub->Cancel(&context, request, &job);
+  if (!status.ok()) return RpcFailed(g, status, "cancel");
+  if (g.json) {
+    std::cout << ToJson(job);
+  } else {
+    std::cout << job.id() << ": " << JobStateName(job.state()) << "\n";
+  }
+  return kExitOk;
+}
+
+int CmdList(const Globals& g, const std::vector<std::string>& args) {
+  std::string state_text;
+  FlagSet flags("detourctl list", "List jobs, newest first.");
+  flags.String("state", &state_text,
+               "only jobs in this state: pending, assigning, running, succeeded, failed, "
+               "cancelled");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (!rest->empty()) return Usage("list takes no arguments");
+  v1::ListJobsRequest request;
+  if (!state_text.empty()) {
+    std::string upper = absl::StrCat("JOB_STATE_", state_text);
+    for (char& c : upper) c = static_cast<char>(std::toupper(c));
+    v1::JobState state;
+    if (!v1::JobState_Parse(upper, &state) || state == v1::JOB_STATE_UNSPECIFIED) {
+      return Usage(absl::StrCat("--state: \"", state_text, "\" is not a job state"));
+    }
+    request.set_state(state);
+  }
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::ListJobsResponse response;
+  grpc::Status status = stub->List(&context, request, &response);
+  if (!status.ok()) return RpcFailed(g, status, "list");
+  if (g.json) {
+    std::cout << ToJson(response);
+    return kExitOk;
+  }
+  if (response.jobs().empty()) {
+    std::cout << "no jobs\n";
+    return kExitOk;
+  }
+  std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "CREATED", "PROGRESS"}};
+  for (const v1::Job& job : response.jobs()) {
+    rows.push_back({job.id(), job.spec().name(), JobStateName(job.state()),
+                    Ago(job.create_time()), ProgressText(job)});
+  }
+  PrintTable(rows);
+  return kExitOk;
+}
+
+int Watch(const Globals& g, const std::string& job_id) {
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;  // no deadline: jobs run for hours
+  v1::WatchJobRequest request;
+  request.set_job_id(job_id);
+  auto reader = stub->Watch(&context, request);
+  v1::JobEvent event;
+  v1::Job last;
+  const bool tty = ::isatty(STDOUT_FILENO) && !g.json;
+  while (reader->Read(&event)) {
+    last = event.job();
+    if (g.json) {
+      std::cout << ToJson(event) << std::flush;
+    } else {
+      std::cout << (tty ? "\r\033[K" : "") << last.id() << " " << JobStateName(last.state())
+                << "  " << ProgressText(last) << (tty ? "" : "\n") << std::flush;
+    }
+  }
+  if (tty) std::cout << "\n";
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return RpcFailed(g, status, "watch");
+  if (!g.json) std::cout << last.id() << " ended: " << JobStateName(last.state()) << " — "
+                         << last.message() << "\n";
+  return last.state() == v1::JOB_STATE_SUCCEEDED ? kExitOk : kExitError;
+}
+
+int CmdWatch(const Globals& g, const std::vector<std::string>& args) {
+  std::string id;
+  if (int rc = WithJobId(g, args, "watch", &id); rc >= 0) return rc;
+  return Watch(g, id);
+}
+
+int Main(int argc, char** argv) {
+  Globals g;
+  const char* env = std::getenv("DETOUR_COORDINATOR");
+  g.coordinator = env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
+  FlagSet flags("detourctl", "Command-line client for the detour coordinator.\n\n"
+                             "  detourctl [flags] COMMAND [command flags] [args]");
+  flags.String("coordinator", &g.coordinator, "host:port of the coordinator");
+  flags.Bool("json", &g.json, "print results as JSON (the proto3 JSON mapping)");
+  flags.Duration("timeout", &g.timeout, "deadline for each request");
+  flags.SetEpilog(kCommands);
+  auto args = flags.Parse(argc, argv, /*stop_at_positional=*/true);
+  if (!args.ok()) return flags.Fail(args.status());
+  if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel)");
+  if (auto a = ParseHostPort(g.coordinator, "--coordinator", false); !a.ok()) {
+    return Usage(std::string(a.status().message()));
+  }
+  const std::string command = (*args)[0];
+  // Global flags may also follow the command (`detourctl workers --json`).
+  std::vector<std::string> rest;
+  for (size_t i = 1; i < args->size(); ++i) {
+    const std::string& a = (*args)[i];
+    if (a == "--json") {
+      g.json = true;
+    } else if (a.rfind("--coordinator=", 0) == 0) {
+      g.coordinator = a.substr(14);
+    } else {
+      rest.push_back(a);
+    }
+  }
+  if (command == "workers") return CmdWorkers(g, rest);
+  if (command == "health") return CmdHealth(g, rest);
+  if (command == "submit") return CmdSubmit(g, rest);
+  if (command == "get") return CmdGet(g, rest);
+  if (command == "list") return CmdList(g, rest);
+  if (command == "watch") return CmdWatch(g, rest);
+  if (command == "cancel") return CmdCancel(g, rest);
+  if (command == "version") {
+    std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
+    return kExitOk;
+  }
+  return Usage(absl::StrCat("unknown command \"", command, "\""));
+}
+
+}  // namespace
+}  // namespace detour
+
+int main(int argc, char** argv) { return detour::Main(argc, argv); }

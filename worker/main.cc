@@ -1,0 +1,136 @@
+// detour-worker: the data-plane daemon. See docs/OPERATIONS.md.
+#include <unistd.h>
+
+#include <csignal>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/files.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/net/address.h"
+#include "common/net/shutdown_signal.h"
+#include "common/version.h"
+#include "worker/worker.h"
+
+int main(int argc, char** argv) {
+  using namespace detour;
+  BlockShutdownSignals();
+
+  WorkerOptions o;
+  std::string listen = "127.0.0.1:7071";
+  int64_t metrics_port = o.metrics_port;
+  int64_t memory_slots = o.memory_slots;
+  absl::Duration drain_timeout = absl::Seconds(10);
+  std::string ready_file;
+  std::string log_level = "info";
+  bool version = false;
+
+  FlagSet flags("detour-worker",
+                "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
+                "one model stage of a job, and exports Prometheus metrics.");
+  flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
+  flags.String("advertise_address", &o.advertise_address,
+               "host:port peers use to reach this worker (default: from --listen)");
+  flags.String("coordinator", &o.coordinator, "host:port of the coordinator");
+  flags.String("worker_id", &o.worker_id, "stable worker id (default: assigned by coordinator)");
+  flags.String("region", &o.region, "region name, as in cluster specs (e.g. Oregon)");
+  flags.Double("speed", &o.speed, "relative compute speed of this node");
+  flags.Int("memory_slots", &memory_slots, "microbatches this node can hold in flight");
+  flags.String("device", &o.device, "cpu or cuda");
+  flags.String("metrics_bind", &o.metrics_bind, "address for the /metrics HTTP endpoint");
+  flags.Int("metrics_port", &metrics_port, "port for /metrics; 0 picks a free one, -1 disables");
+  flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
+  flags.Duration("connect_timeout", &o.connect_timeout,
+                 "give up when the coordinator stays unreachable this long at start-up "
+                 "(0 = retry forever)");
+  flags.Duration("drain_timeout", &drain_timeout,
+                 "on SIGTERM/SIGINT, how long in-flight work may take before being cut");
+  flags.String("ready_file", &ready_file,
+               "write {\"grpc_port\", \"metrics_port\", \"worker_id\", \"pid\"} JSON here once "
+               "registered");
+  flags.String("log_level", &log_level, "debug, info, warning or error");
+  flags.Bool("version", &version, "print the version and exit");
+  flags.SetEpilog(
+      "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the worker cannot\n"
+      "start (port in use, coordinator refused or unreachable past --connect_timeout),\n"
+      "2 for bad flags.");
+
+  auto args = flags.Parse(argc, argv);
+  if (!args.ok()) return flags.Fail(args.status());
+  if (version) {
+    std::cout << "detour-worker " << kVersion << " (" << kGitRevision << ")\n";
+    return 0;
+  }
+  if (!args->empty()) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument \"", (*args)[0], "\"")));
+  }
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level)) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--log_level: \"", log_level, "\" is not debug, info, warning or error")));
+  }
+  SetLogLevel(level);
+  SetLogComponent("worker");
+
+  auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
+  if (!address.ok()) return flags.Fail(address.status());
+  o.listen = *address;
+  if (auto c = ParseHostPort(o.coordinator, "--coordinator", false); !c.ok()) {
+    return flags.Fail(c.status());
+  }
+  if (!o.advertise_address.empty()) {
+    if (auto a = ParseHostPort(o.advertise_address, "--advertise_address", false); !a.ok()) {
+      return flags.Fail(a.status());
+    }
+  }
+  if (!(o.speed > 0)) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrFormat("--speed: %g must be > 0", o.speed)));
+  }
+  if (memory_slots < 1 || memory_slots > 1024) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--memory_slots: ", memory_slots, " is outside 1..1024")));
+  }
+  if (o.device != "cpu" && o.device != "cuda") {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--device: \"", o.device, "\" is not cpu or cuda")));
+  }
+  if (metrics_port < -1 || metrics_port > 65535) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--metrics_port: ", metrics_port, " is outside -1..65535")));
+  }
+  o.metrics_port = static_cast<int>(metrics_port);
+  o.memory_slots = static_cast<int>(memory_slots);
+
+  if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
+    LogError(dir.message());
+    return 1;
+  }
+  auto worker = Worker::Start(o);
+  if (!worker.ok()) {
+    LogError("cannot start: ", worker.status().message());
+    return 1;
+  }
+  LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
+          ", metrics on port ", (*worker)->metrics_port());
+  if (!ready_file.empty()) {
+    absl::Status written = WriteFileAtomically(
+        ready_file,
+        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"worker_id\": \"%s\", "
+                        "\"pid\": %d}\n",
+                        (*worker)->grpc_port(), (*worker)->metrics_port(),
+                        (*worker)->worker_id(), static_cast<int>(getpid())));
+    if (!written.ok()) LogWarning("--ready_file: ", written.message());
+  }
+  int sig = 0;
+  while ((sig = WaitForShutdownSignal(absl::Hours(1))) == 0) {
+  }
+  LogInfo("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ",
+          absl::FormatDuration(drain_timeout), ")");
+  (*worker)->Drain(drain_timeout);
+  LogInfo("stopped cleanly");
+  return 0;
+}

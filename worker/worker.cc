@@ -1,0 +1,116 @@
+#include "worker/worker.h"
+
+#include <unistd.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/metrics/grpc_metrics.h"
+#include "common/metrics/process_metrics.h"
+#include "common/status.h"
+#include "common/version.h"
+
+namespace detour {
+namespace {
+
+std::string AdvertiseAddress(const WorkerOptions& options, int port) {
+  if (!options.advertise_address.empty()) return options.advertise_address;
+  HostPort address = options.listen;
+  address.port = port;
+  if (address.host == "0.0.0.0" || address.host == "::") {
+    char name[256] = {0};
+    address.host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  }
+  return address.ToString();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(const WorkerOptions& options) {
+  std::unique_ptr<Worker> worker(new Worker(options));
+  RETURN_IF_ERROR(worker->Init());
+  return worker;
+}
+
+Worker::~Worker() { Drain(absl::Seconds(1)); }
+
+absl::Status Worker::Init() {
+  metrics::Registry& m = metrics_registry_;
+  RETURN_IF_ERROR(metrics::RegisterProcessMetrics(m));
+  RETURN_IF_ERROR(metrics::RegisterBuildInfo(m, "worker", kVersion, kGitRevision));
+  ASSIGN_OR_RETURN(auto* sent, m.AddCounter("detour_worker_heartbeats_sent",
+                                            "Heartbeats sent to the coordinator."));
+  ASSIGN_OR_RETURN(heartbeats_sent_, sent->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* registrations,
+                   m.AddCounter("detour_worker_registrations",
+                                "Successful registrations with the coordinator."));
+  ASSIGN_OR_RETURN(registrations_, registrations->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* connected,
+                   m.AddGauge("detour_worker_coordinator_connected",
+                              "1 while a Session stream with the coordinator is open."));
+  ASSIGN_OR_RETURN(connected_, connected->WithLabels({}));
+
+  GrpcServerOptions server_options;
+  server_options.listen = options_.listen;
+  ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
+  server_options.interceptors.push_back(std::move(interceptor));
+  ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));
+
+  if (options_.metrics_port >= 0) {
+    metrics_ = std::make_unique<metrics::MetricsHttpServer>(&metrics_registry_);
+    absl::Status started = metrics_->Start(options_.metrics_bind, options_.metrics_port);
+    if (!started.ok()) {
+      server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
+      return Annotate(started, "--metrics_port");
+    }
+  }
+
+  ControlClient::Options control;
+  control.coordinator = options_.coordinator;
+  control.connect_timeout = options_.connect_timeout;
+  v1::RegisterRequest& r = control.registration;
+  r.set_worker_id(options_.worker_id);
+  r.set_region(options_.region);
+  r.set_speed(options_.speed);
+  r.set_memory_slots(options_.memory_slots);
+  r.set_address(AdvertiseAddress(options_, server_.port));
+  r.set_device(options_.device);
+  r.set_version(kVersion);
+  ControlClient::Hooks hooks;
+  hooks.on_heartbeat_sent = [this] { heartbeats_sent_->Increment(); };
+  hooks.on_registered = [this](const std::string& id) {
+    registrations_->Increment();
+    SetLogComponent(absl::StrCat("worker ", id));
+  };
+  hooks.on_connection_change = [this](bool up) { connected_->Set(up ? 1 : 0); };
+  hooks.on_message = [](const v1::CoordinatorMessage& message) {
+    // Assignments and plans are executed by the distributed runtime, which
+    // is not part of this version; say so rather than ignore them silently.
+    LogWarning("ignoring coordinator message (", message.kind_case(),
+               "): job execution is not implemented in this worker version");
+  };
+  control_ = std::make_unique<ControlClient>(std::move(control), std::move(hooks));
+  absl::Status registered = control_->Start();
+  if (!registered.ok()) {
+    server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
+    if (metrics_) metrics_->Stop();
+    return registered;
+  }
+  return absl::OkStatus();
+}
+
+void Worker::Drain(absl::Duration deadline) {
+  absl::MutexLock lock(&drain_mu_);
+  if (drained_) return;
+  drained_ = true;
+  if (server_.server) SetServing(server_.server.get(), false);
+  if (control_) control_->Stop();
+  if (server_.server) {
+    server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    server_.server->Wait();
+  }
+  if (metrics_) metrics_->Stop();
+}
+
+}  // namespace detour

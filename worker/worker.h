@@ -1,0 +1,71 @@
+// The worker daemon as a library: its gRPC server (health, reflection; the
+// ActivationService joins with the distributed runtime), its control-plane
+// client and its Prometheus endpoint. main.cc parses flags and waits for a
+// signal; tests can run a Worker in-process.
+#ifndef DETOUR_WORKER_WORKER_H_
+#define DETOUR_WORKER_WORKER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/metrics/http_server.h"
+#include "common/metrics/metrics.h"
+#include "common/net/address.h"
+#include "common/net/server.h"
+#include "worker/control_client.h"
+
+namespace detour {
+
+struct WorkerOptions {
+  HostPort listen{"127.0.0.1", 7071};
+  // Address peers and the coordinator use to reach this worker; empty =
+  // derived from --listen (the host name when listening on all interfaces).
+  std::string advertise_address;
+  std::string coordinator = "127.0.0.1:7070";
+  std::string worker_id;
+  std::string region = "local";
+  double speed = 1.0;
+  int memory_slots = 3;
+  std::string device = "cpu";
+  std::string metrics_bind = "0.0.0.0";
+  int metrics_port = 9471;  // 0 = pick a free port; -1 = none
+  std::string data_dir = "detour-data/worker";
+  absl::Duration connect_timeout = absl::ZeroDuration();
+};
+
+// Thread-safe. Start() returns once registered with the coordinator.
+class Worker {
+ public:
+  static absl::StatusOr<std::unique_ptr<Worker>> Start(const WorkerOptions& options);
+  ~Worker();
+
+  int grpc_port() const { return server_.port; }
+  int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+  std::string worker_id() const { return control_ ? control_->worker_id() : ""; }
+
+  // Graceful stop: health NOT_SERVING, close the session, wait for in-flight
+  // RPCs up to `deadline`, stop metrics. Idempotent.
+  void Drain(absl::Duration deadline);
+
+ private:
+  explicit Worker(const WorkerOptions& options) : options_(options) {}
+  absl::Status Init();
+
+  const WorkerOptions options_;
+  metrics::Registry metrics_registry_;
+  RunningServer server_;
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_;
+  std::unique_ptr<ControlClient> control_;
+  metrics::Counter* heartbeats_sent_ = nullptr;
+  metrics::Counter* registrations_ = nullptr;
+  metrics::Gauge* connected_ = nullptr;
+  absl::Mutex drain_mu_;
+  bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_WORKER_WORKER_H_
