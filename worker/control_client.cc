@@ -83,16 +83,21 @@ absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
       return Annotate(status, absl::StrCat("coordinator ", options_.coordinator,
                                            " refused the registration"));
     }
-    const absl::Time now = absl::Now();
-    if (give_up != absl::InfiniteFuture() && now + backoff > give_up) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "coordinator ", options_.coordinator, " unreachable; gave up after ", attempt,
-          " attempts (", status.message(), ")"));
+    // Retry until the deadline, the last wait cut short to end exactly there.
+    absl::Duration wait = backoff;
+    if (give_up != absl::InfiniteFuture()) {
+      const absl::Duration left = give_up - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "coordinator ", options_.coordinator, " unreachable; gave up after ", attempt,
+            " attempts (", status.message(), ")"));
+      }
+      wait = std::min(wait, left);
     }
     LogWarning("coordinator ", options_.coordinator, " unreachable (",
                absl::StatusCodeToString(status.code()), ": ", status.message(),
-               "); attempt ", attempt, ", retrying in ", absl::FormatDuration(backoff));
-    if (stopping_.WaitForNotificationWithTimeout(backoff)) {
+               "); attempt ", attempt, ", retrying in ", absl::FormatDuration(wait));
+    if (stopping_.WaitForNotificationWithTimeout(wait)) {
       return absl::CancelledError("stopped while registering");
     }
     backoff = std::min(backoff * 2, options_.max_backoff);

@@ -1,0 +1,81 @@
+#include "coordinator/job_store.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/spec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/process.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::JobSpec Spec(const std::string& name) {
+  v1::JobSpec spec;
+  spec.set_name(name);
+  spec.mutable_model()->set_preset("tiny");
+  spec.set_iterations(10);
+  return *NormalizeJobSpec(spec);
+}
+
+TEST(JobStore, CreateListGetCancelAndPersist) {
+  const std::string dir = testing::MakeTempDir("jobstore");
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  {
+    JobStore store(dir);
+    ASSERT_EQ(*store.Load(), 0);
+    auto a = store.Create(Spec("a"), t0, "stored");
+    auto b = store.Create(Spec("b"), t0, "stored");
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->id(), "job-000001");
+    EXPECT_EQ(b->id(), "job-000002");
+    EXPECT_EQ(a->progress().total_iterations(), 10u);
+    auto listed = store.List(v1::JOB_STATE_UNSPECIFIED);
+    ASSERT_EQ(listed.size(), 2u);
+    EXPECT_EQ(listed[0].id(), "job-000002");  // newest first
+    auto cancelled = store.Cancel("job-000001", t0 + absl::Seconds(5));
+    ASSERT_TRUE(cancelled.ok());
+    EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+    EXPECT_EQ(store.Cancel("job-000001", t0).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(store.Cancel("job-9", t0).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(store.List(v1::JOB_STATE_PENDING).size(), 1u);
+  }
+  // A new store over the same directory sees the same jobs and continues
+  // numbering after them; a corrupt file is skipped, not deleted.
+  std::ofstream(dir + "/jobs/garbage.json") << "{not json";
+  JobStore reopened(dir);
+  ASSERT_EQ(*reopened.Load(), 2);
+  EXPECT_EQ(reopened.Get("job-000001")->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(reopened.Get("job-000002")->spec().name(), "b");
+  EXPECT_EQ(reopened.Create(Spec("c"), t0, "stored")->id(), "job-000003");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/garbage.json"));
+}
+
+TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
+  JobStore store(testing::MakeTempDir("jobstore"));
+  ASSERT_TRUE(store.Load().ok());
+  auto a = store.Create(Spec("a"), absl::Now(), "stored");
+  auto b = store.Create(Spec("b"), absl::Now(), "stored");
+  std::vector<v1::JobState> seen;
+  const uint64_t handle =
+      store.AddListener(a->id(), [&](const v1::Job& job) { seen.push_back(job.state()); });
+  ASSERT_TRUE(store.Cancel(b->id(), absl::Now()).ok());
+  EXPECT_TRUE(seen.empty());
+  ASSERT_TRUE(store.Cancel(a->id(), absl::Now()).ok());
+  EXPECT_EQ(seen, std::vector<v1::JobState>{v1::JOB_STATE_CANCELLED});
+  store.RemoveListener(handle);
+  ASSERT_TRUE(store.Update(a->id(), [](v1::Job* j) { j->set_message("x"); }).ok());
+  EXPECT_EQ(seen.size(), 1u);
+}
+
+TEST(JobStore, UnwritableDirectoryIsAnError) {
+  JobStore store("/proc/detour-cannot-exist");
+  EXPECT_EQ(store.Load().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace detour

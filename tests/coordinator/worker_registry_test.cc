@@ -1,0 +1,91 @@
+#include "coordinator/worker_registry.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::RegisterRequest Request(const std::string& id) {
+  v1::RegisterRequest r;
+  r.set_worker_id(id);
+  r.set_region("Oregon");
+  r.set_address("127.0.0.1:9000");
+  return r;
+}
+
+TEST(WorkerRegistry, AssignsIdsAndTokens) {
+  WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto a = registry.Register(Request(""), t0);
+  auto b = registry.Register(Request(""), t0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->worker_id(), "w1");
+  EXPECT_EQ(b->worker_id(), "w2");
+  EXPECT_NE(a->session_token(), b->session_token());
+  EXPECT_EQ(a->heartbeat_interval_ms(), 2000u);
+  EXPECT_EQ(*registry.WorkerForToken(a->session_token()), "w1");
+  EXPECT_EQ(registry.Count(v1::WORKER_STATE_IDLE), 2);
+}
+
+TEST(WorkerRegistry, LiveIdCannotBeTakenButLostOneCan) {
+  WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto first = registry.Register(Request("alpha"), t0);
+  ASSERT_TRUE(first.ok());
+  auto dup = registry.Register(Request("alpha"), t0 + absl::Seconds(1));
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(dup.status().message(), HasSubstr("alpha"));
+  // Lost after the silence; then the id may come back with a new token.
+  EXPECT_TRUE(registry.MarkSilentWorkersLost(t0 + absl::Seconds(10)).empty());  // not yet
+  EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(11)),
+            std::vector<std::string>{"alpha"});
+  EXPECT_TRUE(registry.MarkSilentWorkersLost(t0 + absl::Seconds(12)).empty());  // only once
+  auto again = registry.Register(Request("alpha"), t0 + absl::Seconds(12));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(registry.WorkerForToken(first->session_token()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(registry.Count(v1::WORKER_STATE_IDLE), 1);
+}
+
+TEST(WorkerRegistry, HeartbeatsKeepAliveAndReviveLost) {
+  WorkerRegistry registry(absl::Seconds(3), absl::Seconds(1));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto r = registry.Register(Request("w"), t0);
+  v1::Heartbeat beat;
+  for (int i = 1; i <= 5; ++i) {
+    ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(2 * i)).ok());
+    EXPECT_TRUE(registry.MarkSilentWorkersLost(t0 + absl::Seconds(2 * i + 2)).empty());
+  }
+  EXPECT_EQ(registry.List(false)[0].heartbeats(), 5u);
+  EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(14)).size(), 1u);
+  EXPECT_TRUE(registry.List(false).empty());
+  EXPECT_EQ(registry.List(true).size(), 1u);
+  beat.set_job_id("job-000001");
+  ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(15)).ok());
+  EXPECT_EQ(registry.List(false)[0].state(), v1::WORKER_STATE_BUSY);
+  EXPECT_EQ(registry.total_heartbeats(), 6u);
+}
+
+TEST(WorkerRegistry, RejectsBadRegistrations) {
+  WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  v1::RegisterRequest r = Request("bad id!");
+  EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("worker_id"));
+  r = Request("ok");
+  r.set_region("");
+  EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("region"));
+  r = Request("ok");
+  r.set_speed(-1);
+  EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("speed"));
+  r = Request("ok");
+  r.set_address("nowhere");
+  EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("address"));
+  EXPECT_EQ(registry.Heartbeat("forged", v1::Heartbeat(), t0).status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+}  // namespace
+}  // namespace detour

@@ -1,0 +1,354 @@
+// End-to-end: real detour-coordinator and detour-worker processes on
+// ephemeral loopback ports, driven over gRPC, HTTP and signals.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/net/server.h"
+#include "detour/v1/control_service.grpc.pb.h"
+#include "detour/v1/job_service.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/process.h"
+#include "tests/test_paths.h"
+
+namespace detour::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Bin(const std::string& relative) { return BuildDir() + "/" + relative; }
+const std::string kCoordinator = "coordinator/detour-coordinator";
+const std::string kWorker = "worker/detour-worker";
+const std::string kCtl = "tools/detourctl/detourctl";
+
+struct Daemon {
+  std::unique_ptr<ChildProcess> process = std::make_unique<ChildProcess>();
+  int grpc_port = 0;
+  int metrics_port = 0;
+  std::string id;
+};
+
+class DaemonsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = MakeTempDir("detour-e2e"); }
+
+  Daemon StartCoordinator(std::vector<std::string> extra = {}, const std::string& name = "c") {
+    Daemon d;
+    const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
+    std::remove(ready.c_str());
+    std::vector<std::string> argv = {Bin(kCoordinator), "--listen=127.0.0.1:0",
+                                     "--metrics_port=0", "--metrics_bind=127.0.0.1",
+                                     absl::StrCat("--data_dir=", dir_, "/coordinator"),
+                                     "--worker_silence=1500ms", "--heartbeat_interval=200ms",
+                                     absl::StrCat("--ready_file=", ready)};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
+    auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
+    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d.process->Log();
+    if (port.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
+    }
+    auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
+    if (metrics.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d.metrics_port));
+    }
+    return d;
+  }
+
+  Daemon StartWorker(int coordinator_port, const std::string& name,
+                     std::vector<std::string> extra = {}) {
+    Daemon d;
+    const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
+    std::vector<std::string> argv = {Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=0",
+                                     "--metrics_bind=127.0.0.1",
+                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
+                                     absl::StrCat("--data_dir=", dir_, "/", name),
+                                     "--region=Oregon", absl::StrCat("--ready_file=", ready)};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
+    auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
+    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d.process->Log();
+    if (port.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
+    }
+    auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
+    if (id.ok()) d.id = *id;
+    return d;
+  }
+
+  // Runs a short-lived command; returns its exit code and fills `output`.
+  int Run(const std::vector<std::string>& argv, std::string* output,
+          absl::Duration timeout = absl::Seconds(30)) {
+    static int counter = 0;
+    const std::string log = absl::StrCat(dir_, "/cmd", ++counter, ".log");
+    ChildProcess p;
+    EXPECT_TRUE(p.Start(argv, log).ok());
+    auto code = p.Wait(timeout);
+    *output = p.Log();
+    return code.value_or(-1);
+  }
+
+  static v1::ListWorkersResponse ListWorkers(int port, bool include_lost) {
+    auto stub = v1::ControlService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    v1::ListWorkersRequest request;
+    request.set_include_lost(include_lost);
+    v1::ListWorkersResponse response;
+    grpc::Status status = stub->ListWorkers(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+
+  static grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port) {
+    auto stub =
+        grpc::health::v1::Health::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::Status status = stub->Check(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  }
+
+  // Polls until `predicate` holds or `timeout` passes.
+  template <typename P>
+  static bool Eventually(P predicate, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      if (predicate()) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return predicate();
+  }
+
+  std::string dir_;
+};
+
+TEST_F(DaemonsTest, WorkersRegisterHeartbeatAndAreLostWhenKilled) {
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0);
+  Daemon w1 = StartWorker(c.grpc_port, "w1");
+  Daemon w2 = StartWorker(c.grpc_port, "w2");
+  ASSERT_GT(w1.grpc_port, 0);
+  ASSERT_GT(w2.grpc_port, 0);
+
+  v1::ListWorkersResponse listed = ListWorkers(c.grpc_port, false);
+  ASSERT_EQ(listed.workers_size(), 2);
+  for (const v1::WorkerInfo& w : listed.workers()) {
+    EXPECT_EQ(w.state(), v1::WORKER_STATE_IDLE);
+    EXPECT_EQ(w.region(), "Oregon");
+    EXPECT_THAT(w.address(), HasSubstr("127.0.0.1:"));
+  }
+  // Heartbeats keep arriving.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::ListWorkersResponse now = ListWorkers(c.grpc_port, false);
+        for (const auto& w : now.workers()) {
+          if (w.heartbeats() < 3) return false;
+        }
+        return true;
+      },
+      absl::Seconds(5)));
+
+  // Health over gRPC on all three servers.
+  EXPECT_EQ(Health(c.grpc_port), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(w1.grpc_port), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(w2.grpc_port), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // A killed worker is marked lost after the silence (1.5 s), the other stays.
+  w2.process->Signal(SIGKILL);
+  ASSERT_TRUE(w2.process->Wait(absl::Seconds(5)).has_value());
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::ListWorkersResponse now = ListWorkers(c.grpc_port, true);
+        for (const auto& w : now.workers()) {
+          if (w.worker_id() == w2.id) return w.state() == v1::WORKER_STATE_LOST;
+        }
+        return false;
+      },
+      absl::Seconds(6)))
+      << c.process->Log();
+  EXPECT_EQ(ListWorkers(c.grpc_port, false).workers_size(), 1);
+  EXPECT_THAT(c.process->Log(), HasSubstr(absl::StrCat("worker ", w2.id, " lost")));
+
+  // SIGTERM drains both remaining daemons cleanly and quickly.
+  const absl::Time start = absl::Now();
+  w1.process->Signal(SIGTERM);
+  c.process->Signal(SIGTERM);
+  EXPECT_EQ(w1.process->Wait(absl::Seconds(15)), 0) << w1.process->Log();
+  EXPECT_EQ(c.process->Wait(absl::Seconds(15)), 0) << c.process->Log();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(12));
+  EXPECT_THAT(c.process->Log(), HasSubstr("stopped cleanly"));
+  EXPECT_THAT(w1.process->Log(), HasSubstr("stopped cleanly"));
+}
+
+TEST_F(DaemonsTest, MetricsScrapePassesPromtool) {
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.metrics_port, 0);
+  Daemon w = StartWorker(c.grpc_port, "w1");
+  ASSERT_GT(w.grpc_port, 0);
+  ListWorkers(c.grpc_port, false);  // one RPC for the RPC metrics
+  ASSERT_TRUE(Eventually([&] { return ListWorkers(c.grpc_port, false).workers_size() == 1; },
+                         absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(1200));  // the registry gauges refresh every ~150 ms
+  auto response = HttpGet(c.metrics_port, "/metrics");
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_THAT(*response, HasSubstr("200 OK"));
+  EXPECT_THAT(*response, HasSubstr("text/plain; version=0.0.4"));
+  EXPECT_THAT(*response, HasSubstr("detour_coordinator_workers{state=\"idle\"} 1"));
+  EXPECT_THAT(*response, HasSubstr("detour_coordinator_registrations_total 1"));
+  EXPECT_THAT(*response, HasSubstr("detour_build_info{component=\"coordinator\""));
+  EXPECT_THAT(*response, HasSubstr(
+      "detour_rpc_server_handled_total{method=\"/detour.v1.ControlService/ListWorkers\","
+      "code=\"OK\"}"));
+  EXPECT_THAT(*response, HasSubstr("process_resident_memory_bytes"));
+
+  const std::string body = response->substr(response->find("\r\n\r\n") + 4);
+  const std::string file = dir_ + "/scrape.txt";
+  std::ofstream(file) << body;
+  std::string out;
+  const int rc = Run({"/bin/sh", "-c", absl::StrCat("promtool check metrics < ", file)}, &out);
+  EXPECT_EQ(rc, 0) << out;
+}
+
+TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
+  Daemon c = StartCoordinator();
+  Daemon w = StartWorker(c.grpc_port, "w1", {"--worker_id=alpha"});
+  const std::string target = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
+  std::string out;
+  ASSERT_EQ(Run({Bin(kCtl), target, "workers", "--json"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"worker_id\": \"alpha\""));
+  EXPECT_THAT(out, HasSubstr("WORKER_STATE_IDLE"));
+
+  ASSERT_EQ(Run({Bin(kCtl), target, "health"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("SERVING"));
+
+  const std::string spec = SourceDir() + "/examples/jobs/tiny_local.json";
+  ASSERT_EQ(Run({Bin(kCtl), target, "--json", "submit", spec}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"id\": \"job-000001\""));
+  EXPECT_THAT(out, HasSubstr("JOB_STATE_PENDING"));
+  ASSERT_EQ(Run({Bin(kCtl), target, "list"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("job-000001"));
+  EXPECT_THAT(out, HasSubstr("tiny-local"));
+  ASSERT_EQ(Run({Bin(kCtl), target, "cancel", "job-000001"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("cancelled"));
+  // Cancelling twice, unknown jobs, bad specs: errors with exit status 1.
+  EXPECT_EQ(Run({Bin(kCtl), target, "cancel", "job-000001"}, &out), 1);
+  EXPECT_THAT(out, HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_EQ(Run({Bin(kCtl), target, "get", "job-999"}, &out), 1);
+  EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
+  const std::string bad = dir_ + "/bad.json";
+  std::ofstream(bad) << R"({"name": "x", "iterations": 5, "model": {"preset": "tiny"},
+                       "pipeline": {"skip_ratio": 1.5}})";
+  EXPECT_EQ(Run({Bin(kCtl), target, "submit", bad}, &out), 1);
+  EXPECT_THAT(out, HasSubstr("pipeline.skip_ratio"));
+  // Usage errors: 2; unreachable coordinator: 3.
+  EXPECT_EQ(Run({Bin(kCtl), target, "frobnicate"}, &out), 2);
+  EXPECT_EQ(Run({Bin(kCtl), "--coordinator=127.0.0.1:1", "workers"}, &out), 3);
+  EXPECT_THAT(out, HasSubstr("unreachable"));
+
+  // The job list survives a coordinator restart (same data dir).
+  c.process->Signal(SIGTERM);
+  ASSERT_EQ(c.process->Wait(absl::Seconds(15)), 0);
+  Daemon c2 = StartCoordinator({}, "c2");
+  const std::string target2 = absl::StrCat("--coordinator=127.0.0.1:", c2.grpc_port);
+  ASSERT_EQ(Run({Bin(kCtl), target2, "get", "job-000001"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("cancelled"));
+}
+
+TEST_F(DaemonsTest, BusyPortsAreClearErrors) {
+  auto [fd, port] = OccupyPort();
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCoordinator), absl::StrCat("--listen=127.0.0.1:", port),
+                 "--metrics_port=-1", absl::StrCat("--data_dir=", dir_, "/c")},
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("127.0.0.1:", port, " is already in use")));
+  EXPECT_EQ(Run({Bin(kCoordinator), "--listen=127.0.0.1:0", absl::StrCat("--metrics_port=", port),
+                 "--metrics_bind=127.0.0.1", absl::StrCat("--data_dir=", dir_, "/c")},
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("already in use"));
+  EXPECT_THAT(out, HasSubstr("--metrics_port"));
+  EXPECT_EQ(Run({Bin(kWorker), absl::StrCat("--listen=127.0.0.1:", port), "--metrics_port=-1",
+                 absl::StrCat("--data_dir=", dir_, "/w"), "--connect_timeout=1s"},
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("already in use"));
+  ::close(fd);
+}
+
+TEST_F(DaemonsTest, FlagErrorsNameTheFlag) {
+  struct Case {
+    std::string binary;
+    std::string flag;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {kCoordinator, "--lisen=1", "unknown flag --lisen (did you mean --listen?)"},
+      {kCoordinator, "--listen=nowhere", "--listen: \"nowhere\" is not host:port"},
+      {kCoordinator, "--worker_silence=soon", "--worker_silence: \"soon\" is not a duration"},
+      {kCoordinator, "--metrics_port=70000", "--metrics_port: 70000 is outside"},
+      {kWorker, "--speed=-1", "--speed: -1 must be > 0"},
+      {kWorker, "--device=tpu", "--device: \"tpu\" is not cpu or cuda"},
+      {kWorker, "--coordinator=host", "--coordinator: \"host\" is not host:port"},
+      {kWorker, "--memory_slots=x", "--memory_slots: \"x\" is not an integer"},
+  };
+  for (const Case& c : cases) {
+    std::string out;
+    EXPECT_EQ(Run({Bin(c.binary), c.flag}, &out), 2) << c.flag << ": " << out;
+    EXPECT_THAT(out, HasSubstr(c.expect)) << c.flag;
+  }
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCoordinator), "--help"}, &out), 0);
+  EXPECT_THAT(out, HasSubstr("--worker_silence"));
+}
+
+TEST_F(DaemonsTest, UnreachableCoordinatorIsRetriedThenReported) {
+  auto [fd, port] = OccupyPort();
+  ::close(fd);  // nothing listens there now
+  std::string out;
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 absl::StrCat("--coordinator=127.0.0.1:", port),
+                 absl::StrCat("--data_dir=", dir_, "/w"), "--connect_timeout=2s"},
+                &out),
+            1);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(1500));
+  EXPECT_THAT(out, HasSubstr("retrying in"));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("coordinator 127.0.0.1:", port, " unreachable")));
+}
+
+TEST_F(DaemonsTest, WorkerRegistersAgainAfterCoordinatorRestart) {
+  Daemon c = StartCoordinator();
+  const int port = c.grpc_port;
+  Daemon w = StartWorker(port, "w1", {"--worker_id=steady"});
+  ASSERT_GT(w.grpc_port, 0);
+  c.process->Signal(SIGTERM);
+  ASSERT_EQ(c.process->Wait(absl::Seconds(15)), 0);
+  // Same port again, so the worker's retries can find it.
+  Daemon c2 = StartCoordinator({absl::StrCat("--listen=127.0.0.1:", port)}, "c2");
+  ASSERT_EQ(c2.grpc_port, port) << c2.process->Log();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto listed = ListWorkers(port, false);
+        return listed.workers_size() == 1 && listed.workers(0).worker_id() == "steady";
+      },
+      absl::Seconds(10)))
+      << w.process->Log();
+}
+
+}  // namespace
+}  // namespace detour::testing
