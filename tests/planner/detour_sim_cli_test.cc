@@ -1,0 +1,183 @@
+// End-to-end tests of the detour-sim binary: runs it as a process.
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+
+namespace detour {
+namespace {
+
+std::string SourceDir() {
+  const char* dir = std::getenv("DETOUR_SOURCE_DIR");
+  return dir ? dir : DETOUR_TEST_SOURCE_DIR;
+}
+
+struct SimRun {
+  int code = -1;
+  std::string out;  // stdout and stderr
+};
+
+SimRun Sim(const std::string& args, bool merge_stderr = true) {
+  const std::string cmd =
+      absl::StrCat(DETOUR_SIM_BINARY, " ", args, merge_stderr ? " 2>&1" : " 2>/dev/null");
+  SimRun r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string Example() {
+  return absl::StrCat("--cluster ", SourceDir(), "/examples/clusters/geo20.json --job ",
+                      SourceDir(), "/examples/jobs/geo20_1.5b.json");
+}
+
+std::string Temp(const std::string& name) { return ::testing::TempDir() + "/" + name; }
+
+void Write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+google::protobuf::Struct ParseObject(const std::string& json) {
+  google::protobuf::Struct s;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &s).ok()) << json.substr(0, 500);
+  return s;
+}
+
+TEST(DetourSimCliTest, HelpAndUsageErrors) {
+  SimRun help = Sim("--help");
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("detour-sim plan"), std::string::npos);
+  EXPECT_EQ(Sim("").code, 2);
+  SimRun bad = Sim("plan --cluster x.json");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.out.find("--job is required"), std::string::npos) << bad.out;
+  EXPECT_EQ(Sim(absl::StrCat("plan ", Example(), " --bogus")).code, 2);
+  SimRun sched = Sim(absl::StrCat("plan ", Example(), " --scheduler fastest"));
+  EXPECT_EQ(sched.code, 1);
+  EXPECT_NE(sched.out.find("unknown scheduler"), std::string::npos) << sched.out;
+}
+
+TEST(DetourSimCliTest, CompareTableOnShippedExample) {
+  SimRun r = Sim(absl::StrCat("compare ", Example()));
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* s : {"full", "random", "skip-no-collision", "skippipe", "vs full", "1.00x"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  }
+}
+
+TEST(DetourSimCliTest, PlanJsonRoundTripsThroughSimulate) {
+  const std::string trace = Temp("plan_trace.json");
+  const std::string svg = Temp("plan.svg");
+  SimRun plan = Sim(absl::StrCat("plan ", Example(), " --json --trace ", trace, " --svg ", svg),
+                 /*merge_stderr=*/false);
+  ASSERT_EQ(plan.code, 0) << plan.out;
+  google::protobuf::Struct report = ParseObject(plan.out);
+  const auto& f = report.fields();
+  for (const char* key : {"scheduler", "iteration_time_s", "pipeline_time_s", "utilization",
+                          "planning_time_s", "stages", "routes"}) {
+    EXPECT_TRUE(f.count(key)) << key;
+  }
+  EXPECT_EQ(f.at("scheduler").string_value(), "skippipe");
+  EXPECT_EQ(f.at("stages").list_value().values_size(), 6);
+  EXPECT_EQ(f.at("stages").list_value().values(0).list_value().values_size(), 5);
+  const auto& routes = f.at("routes").list_value().values();
+  ASSERT_EQ(routes.size(), 30);
+  const auto& r0 = routes[0].struct_value().fields();
+  EXPECT_EQ(r0.at("microbatch").number_value(), 0);
+  EXPECT_EQ(r0.at("nodes").list_value().values_size(), 4);
+  EXPECT_EQ(r0.at("stages").list_value().values(0).number_value(), 0);
+  EXPECT_EQ(r0.at("data_node").string_value(),
+            r0.at("nodes").list_value().values(0).string_value());
+
+  // Trace and SVG were written and look right.
+  google::protobuf::Struct t = ParseObject(Read(trace));
+  EXPECT_GT(t.fields().at("traceEvents").list_value().values_size(), 100);
+  const std::string picture = Read(svg);
+  EXPECT_EQ(picture.rfind("<svg", 0), 0u);
+  EXPECT_NE(picture.find("idle (bubble)"), std::string::npos);
+
+  const std::string routes_file = Temp("routes.json");
+  Write(routes_file, plan.out);
+  SimRun sim = Sim(absl::StrCat("simulate ", Example(), " --routes ", routes_file, " --json"),
+                /*merge_stderr=*/false);
+  ASSERT_EQ(sim.code, 0) << sim.out;
+  google::protobuf::Struct again = ParseObject(sim.out);
+  EXPECT_DOUBLE_EQ(again.fields().at("pipeline_time_s").number_value(),
+                   f.at("pipeline_time_s").number_value());
+  EXPECT_DOUBLE_EQ(again.fields().at("iteration_time_s").number_value(),
+                   f.at("iteration_time_s").number_value());
+
+  // Unknown node in the routes.
+  const std::string first_node = r0.at("nodes").list_value().values(1).string_value();
+  std::string ghost = plan.out;
+  const std::string needle = absl::StrCat("\"", first_node, "\"");
+  ghost.replace(ghost.find(needle, ghost.find("\"routes\"")), needle.size(), "\"ghost\"");
+  Write(routes_file, ghost);
+  SimRun bad = Sim(absl::StrCat("simulate ", Example(), " --routes ", routes_file));
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.out.find("unknown node \"ghost\""), std::string::npos) << bad.out;
+
+  // A violated constraint: the full pipeline's routes under skip rules.
+  SimRun full = Sim(absl::StrCat("plan ", Example(), " --scheduler full --json"), false);
+  ASSERT_EQ(full.code, 0);
+  Write(routes_file,
+        absl::StrReplaceAll(full.out, {{"\"scheduler\": \"full\"", "\"scheduler\": \"skippipe\""}}));
+  SimRun broken = Sim(absl::StrCat("simulate ", Example(), " --routes ", routes_file));
+  EXPECT_EQ(broken.code, 1);
+  EXPECT_NE(broken.out.find("visits 6 stages, the skip ratio asks for 4"), std::string::npos)
+      << broken.out;
+}
+
+TEST(DetourSimCliTest, BadClustersAreRefused) {
+  const std::string job = Temp("job.json");
+  Write(job, R"({"name": "j", "iterations": 1, "model": {"preset": "tiny"},
+                 "pipeline": {"num_stages": 2}})");
+  const std::string missing = Temp("missing_pair.json");
+  Write(missing, R"({"name": "c", "nodes": [{"id": "a", "region": "x"}, {"id": "b", "region": "y"},
+                     {"id": "c", "region": "z"}],
+                     "links": [{"region_a": "x", "region_b": "y", "latency_ms": 10,
+                                "bandwidth_gbytes_per_s": 1}]})");
+  SimRun r = Sim(absl::StrCat("plan --cluster ", missing, " --job ", job));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("z"), std::string::npos) << r.out;
+
+  const std::string zero = Temp("zero_bw.json");
+  Write(zero, R"({"name": "c", "nodes": [{"id": "a", "region": "x"}, {"id": "b", "region": "y"}],
+                  "links": [{"region_a": "x", "region_b": "y", "latency_ms": 10,
+                             "bandwidth_gbytes_per_s": 0}]})");
+  r = Sim(absl::StrCat("plan --cluster ", zero, " --job ", job));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("bandwidth"), std::string::npos) << r.out;
+
+  r = Sim(absl::StrCat("plan --cluster ", Temp("nope.json"), " --job ", job));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("nope.json"), std::string::npos) << r.out;
+
+  // Too few nodes for the pipeline.
+  const std::string small = Temp("small.json");
+  Write(small, R"({"name": "c", "nodes": [{"id": "a", "region": "x"}]})");
+  r = Sim(absl::StrCat("plan --cluster ", small, " --job ", job));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("needs"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace detour

@@ -1,0 +1,153 @@
+#include "coordinator/planner/path_scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include "common/sim/event_simulator.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/planner/route_validator.h"
+#include "coordinator/planner/stage_assignment.h"
+#include "tests/planner/planner_test_util.h"
+
+namespace detour::planner {
+namespace {
+
+std::vector<std::vector<int>> Nodes(const std::vector<sim::Route>& routes) {
+  std::vector<std::vector<int>> out;
+  for (const auto& r : routes) out.push_back(r.nodes);
+  return out;
+}
+
+// Hundreds of random clusters and rule sets: every scheduler's routes pass
+// the validator (which also proves them deadlock-free), stage visits are
+// equal ±1, and the same seed gives the same routes.
+TEST(PathSchedulerPropertyTest, RandomClustersGiveValidDeterministicRoutes) {
+  int planned = 0, refused = 0, invalid_specs = 0;
+  for (uint64_t seed = 1; seed <= 300; ++seed) {
+    testing::Example e = testing::RandomCase(seed);
+    auto job = NormalizeJobSpec(e.job);
+    if (!job.ok()) {
+      ++invalid_specs;  // The spec validator refuses some random shapes.
+      continue;
+    }
+    auto cost = sim::CostModel::Create(e.cluster, *job);
+    ASSERT_TRUE(cost.ok()) << "seed " << seed << ": " << cost.status();
+    for (v1::SchedulerKind kind : {v1::SCHEDULER_SKIPPIPE, v1::SCHEDULER_RANDOM,
+                                   v1::SCHEDULER_SKIP_NO_COLLISION, v1::SCHEDULER_FULL}) {
+      PlannerOptions o;
+      o.scheduler = kind;
+      o.seed = seed;
+      o.max_evaluations = 60;
+      o.sim.record_timeline = false;
+      auto a = PlanIteration(*cost, *job, o);
+      if (!a.ok()) {
+        // Only an honest "these rules admit no routes" is acceptable.
+        ASSERT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition)
+            << "seed " << seed << " " << SchedulerName(kind) << ": " << a.status();
+        ++refused;
+        continue;
+      }
+      ++planned;
+      const RouteRules rules = RulesFor(job->pipeline(), kind);
+      EXPECT_TRUE(ValidateRoutes(*cost, a->plan, rules).ok())
+          << "seed " << seed << " " << SchedulerName(kind);
+      std::vector<int> visits(rules.num_stages, 0);
+      for (const auto& r : a->plan.routes) {
+        for (size_t i = 1; i < r.stages.size(); ++i) ++visits[r.stages[i]];
+      }
+      if (rules.num_stages > 1) {
+        auto [lo, hi] = std::minmax_element(visits.begin() + 1, visits.end());
+        EXPECT_LE(*hi - *lo, 1) << "seed " << seed;
+      }
+      if (kind == v1::SCHEDULER_SKIPPIPE || kind == v1::SCHEDULER_RANDOM) {
+        auto b = PlanIteration(*cost, *job, o);
+        ASSERT_TRUE(b.ok());
+        EXPECT_EQ(Nodes(a->plan.routes), Nodes(b->plan.routes)) << "seed " << seed;
+        EXPECT_EQ(a->result.iteration_time_s, b->result.iteration_time_s);
+      }
+    }
+  }
+  std::cout << planned << " plans, " << refused << " refused by the planner, " << invalid_specs
+            << " random specs refused by the spec validator\n";
+  EXPECT_GT(planned, 600);
+  EXPECT_GT(planned, 4 * refused);
+}
+
+// The search only accepts improvements over the better of its two starts.
+TEST(PathSchedulerTest, NeverWorseThanItsStarts) {
+  testing::Example e = testing::LoadExample();
+  auto cost = sim::CostModel::Create(e.cluster, e.job);
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  RouteRules rules = RulesFromPipeline(e.job.pipeline());
+  auto a = AssignStages(*cost, rules, 3);
+  ASSERT_TRUE(a.ok());
+  PathSchedulerOptions o;
+  o.max_evaluations = 300;
+  PathScheduler scheduler(*cost, *a, rules, o);
+  auto routes = scheduler.Run();
+  ASSERT_TRUE(routes.ok()) << routes.status();
+  const PathSchedulerStats& s = scheduler.stats();
+  EXPECT_LE(s.final_objective, std::min(s.timed_start, s.static_start));
+  EXPECT_EQ(s.evaluations, 300);
+}
+
+struct Comparison {
+  double full = 0, random = 0, snc = 0, skippipe = 0;
+  double full_iteration = 0, skippipe_iteration = 0;
+};
+
+Comparison Compare(const testing::Example& e, double skip_ratio) {
+  Comparison c;
+  v1::JobSpec job = e.job;
+  job.mutable_pipeline()->set_skip_ratio(skip_ratio);
+  auto cost = sim::CostModel::Create(e.cluster, job);
+  EXPECT_TRUE(cost.ok()) << cost.status();
+  PlannerOptions o;
+  o.seed = job.seed();
+  o.sim.record_timeline = false;
+  for (v1::SchedulerKind kind : {v1::SCHEDULER_FULL, v1::SCHEDULER_RANDOM,
+                                 v1::SCHEDULER_SKIP_NO_COLLISION, v1::SCHEDULER_SKIPPIPE}) {
+    o.scheduler = kind;
+    auto it = PlanIteration(*cost, job, o);
+    EXPECT_TRUE(it.ok()) << it.status();
+    if (!it.ok()) return c;
+    if (!o.assignment) o.assignment = it->plan.assignment;
+    const double t = it->result.pipeline_time_s;
+    switch (kind) {
+      case v1::SCHEDULER_FULL:
+        c.full = t;
+        c.full_iteration = it->result.iteration_time_s;
+        break;
+      case v1::SCHEDULER_RANDOM:
+        c.random = t;
+        break;
+      case v1::SCHEDULER_SKIP_NO_COLLISION:
+        c.snc = t;
+        break;
+      default:
+        c.skippipe = t;
+        c.skippipe_iteration = it->result.iteration_time_s;
+    }
+  }
+  return c;
+}
+
+// The ordering and quality target on the shipped 20-node example.
+TEST(PathSchedulerTest, ShippedExampleOrderingAndQuality) {
+  testing::Example e = testing::LoadExample();
+  Comparison c = Compare(e, 0.33);
+  std::cout << "geo20 skip 0.33 pipeline_s: full " << c.full << " random " << c.random
+            << " skip-no-collision " << c.snc << " skippipe " << c.skippipe
+            << " (ratio " << c.skippipe / c.full << ")\n";
+  EXPECT_LT(c.skippipe, c.snc);
+  EXPECT_LE(c.snc, c.random);
+  EXPECT_LE(c.skippipe, 0.50 * c.full);
+  EXPECT_LT(c.skippipe_iteration, c.full_iteration);
+
+  Comparison quarter = Compare(e, 0.25);
+  std::cout << "geo20 skip 0.25 pipeline_s: full " << quarter.full << " skippipe "
+            << quarter.skippipe << " (ratio " << quarter.skippipe / quarter.full << ")\n";
+  EXPECT_LT(quarter.skippipe, quarter.full);
+}
+
+}  // namespace
+}  // namespace detour::planner

@@ -1,0 +1,544 @@
+// detour-sim: plan and simulate an iteration of a job on a cluster without
+// GPUs, compare schedulers, export timelines. See --help and
+// docs/SCHEDULER.md.
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/sim/cost_model.h"
+#include "common/sim/event_simulator.h"
+#include "common/sim/json_writer.h"
+#include "common/sim/timeline_export.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "coordinator/planner/plan_proto.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/planner/route_validator.h"
+
+namespace detour::sim_tool {
+namespace {
+
+using planner::PlannedIteration;
+using planner::PlannerOptions;
+
+constexpr char kUsage[] = R"(detour-sim: plan and simulate detour training iterations without GPUs.
+
+Usage:
+  detour-sim plan     --cluster C.json --job J.json [--scheduler S] [--seed N]
+                      [--json] [--trace T.json] [--svg T.svg] [common options]
+  detour-sim simulate --cluster C.json --job J.json --routes R.json
+                      [--json] [--trace T.json] [--svg T.svg] [common options]
+  detour-sim compare  --cluster C.json --job J.json [--seed N] [--json]
+                      [--svg-dir DIR] [common options]
+  detour-sim --help
+
+Commands:
+  plan      Assign nodes to stages, plan every microbatch's route with one
+            scheduler, simulate the iteration and report it.
+  simulate  Evaluate routes given from outside: R.json is what `plan --json`
+            writes (its "stages" and "routes"; other fields are ignored).
+            Routes that break the job's rules are refused.
+  compare   Run every scheduler on the same node-to-stage assignment and print
+            them side by side with the ratio to the full pipeline.
+
+Options:
+  --scheduler S     skippipe (default: the job's), full, random, skip-no-collision
+  --seed N          seed for assignment and route search (default: the job's seed)
+  --json            machine-readable output on stdout
+  --trace FILE      Chrome trace-event JSON (open in ui.perfetto.dev)
+  --svg FILE        per-node timeline as SVG
+  --svg-dir DIR     compare: one SVG per scheduler, all on one time scale
+  --tflops X        override the cluster's compute.tflops (speed-1.0 node)
+  --contention M    uplink (default), link or none — see docs/SCHEDULER.md
+  --evaluations N   skippipe local-search budget (simulations); default automatic
+
+Times are simulated seconds. "pipeline" ends with the last backward (the
+SkipPipe paper's metric); "iteration" adds each stage's gradient all-reduce.
+Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.
+)";
+
+struct Args {
+  std::string command;
+  std::string cluster, job, routes, trace, svg, svg_dir;
+  std::string scheduler;
+  bool json = false;
+  bool has_seed = false;
+  uint64_t seed = 0;
+  double tflops = 0;
+  int evaluations = -1;
+  sim::Contention contention = sim::Contention::kSenderUplink;
+};
+
+// Usage errors are INVALID_ARGUMENT with a "usage: " prefix (exit 2).
+absl::Status UsageError(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("usage: ", what));
+}
+
+absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
+  Args a;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) return UsageError("missing command (plan, simulate, compare); see --help");
+  size_t i = 0;
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    a.command = "help";
+    return a;
+  }
+  a.command = args[i++];
+  if (a.command != "plan" && a.command != "simulate" && a.command != "compare") {
+    return UsageError(absl::StrCat("unknown command \"", a.command, "\"; see --help"));
+  }
+  auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
+    if (i >= args.size()) return UsageError(absl::StrCat(flag, " needs a value"));
+    return args[i++];
+  };
+  while (i < args.size()) {
+    const std::string flag = args[i++];
+    if (flag == "--help" || flag == "-h") {
+      a.command = "help";
+      return a;
+    } else if (flag == "--json") {
+      a.json = true;
+    } else if (flag == "--cluster") {
+      ASSIGN_OR_RETURN(a.cluster, value(flag));
+    } else if (flag == "--job") {
+      ASSIGN_OR_RETURN(a.job, value(flag));
+    } else if (flag == "--routes") {
+      ASSIGN_OR_RETURN(a.routes, value(flag));
+    } else if (flag == "--trace") {
+      ASSIGN_OR_RETURN(a.trace, value(flag));
+    } else if (flag == "--svg") {
+      ASSIGN_OR_RETURN(a.svg, value(flag));
+    } else if (flag == "--svg-dir") {
+      ASSIGN_OR_RETURN(a.svg_dir, value(flag));
+    } else if (flag == "--scheduler") {
+      ASSIGN_OR_RETURN(a.scheduler, value(flag));
+    } else if (flag == "--seed") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtoi(v, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", v));
+      a.has_seed = true;
+    } else if (flag == "--tflops") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtod(v, &a.tflops) || !(a.tflops > 0)) {
+        return UsageError(absl::StrCat("--tflops: needs a positive number, got ", v));
+      }
+    } else if (flag == "--evaluations") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtoi(v, &a.evaluations) || a.evaluations < 0) {
+        return UsageError(absl::StrCat("--evaluations: needs a count >= 0, got ", v));
+      }
+    } else if (flag == "--contention") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (v == "uplink") {
+        a.contention = sim::Contention::kSenderUplink;
+      } else if (v == "link") {
+        a.contention = sim::Contention::kPerLink;
+      } else if (v == "none") {
+        a.contention = sim::Contention::kNone;
+      } else {
+        return UsageError(absl::StrCat("--contention: uplink, link or none, got ", v));
+      }
+    } else {
+      return UsageError(absl::StrCat("unknown option ", flag, "; see --help"));
+    }
+  }
+  if (a.cluster.empty()) return UsageError("--cluster is required");
+  if (a.job.empty()) return UsageError("--job is required");
+  if (a.command == "simulate" && a.routes.empty()) return UsageError("simulate needs --routes");
+  if (a.command != "simulate" && !a.routes.empty()) {
+    return UsageError("--routes only goes with simulate");
+  }
+  if (a.command == "compare" && (!a.svg.empty() || !a.trace.empty())) {
+    return UsageError("compare writes timelines with --svg-dir");
+  }
+  return a;
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
+  out << text;
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat("writing ", path, " failed"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Context {
+  v1::ClusterSpec cluster;
+  v1::JobSpec job;
+  sim::CostModel cost;
+};
+
+absl::StatusOr<Context> Load(const Args& a) {
+  ASSIGN_OR_RETURN(v1::ClusterSpec cluster, LoadClusterSpec(a.cluster));
+  ASSIGN_OR_RETURN(v1::JobSpec job, LoadJobSpec(a.job));
+  ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::Create(cluster, job, a.tflops));
+  return Context{std::move(cluster), std::move(job), std::move(cost)};
+}
+
+PlannerOptions Options(const Args& a, const Context& c) {
+  PlannerOptions o;
+  o.seed = a.has_seed ? a.seed : c.job.seed();
+  o.max_evaluations = a.evaluations;
+  o.sim.contention = a.contention;
+  o.sim.record_timeline = true;
+  return o;
+}
+
+void WriteReport(sim::JsonWriter& w, const Context& c, const PlannedIteration& it, uint64_t seed) {
+  const sim::CostModel& cost = c.cost;
+  w.BeginObject();
+  w.Key("scheduler");
+  w.String(planner::SchedulerName(it.scheduler));
+  w.Key("cluster");
+  w.String(c.cluster.name());
+  w.Key("job");
+  w.String(c.job.name());
+  w.Key("seed");
+  w.Int(static_cast<int64_t>(seed));
+  w.Key("iteration_time_s");
+  w.Number(it.result.iteration_time_s);
+  w.Key("pipeline_time_s");
+  w.Number(it.result.pipeline_time_s);
+  w.Key("utilization");
+  w.Number(it.result.utilization);
+  w.Key("pipeline_utilization");
+  w.Number(it.result.pipeline_utilization);
+  w.Key("planning_time_s");
+  w.Number(it.planning_time_s);
+  w.Key("visited_stages");
+  w.Int(it.plan.routes.empty() ? 0 : static_cast<int64_t>(it.plan.routes[0].stages.size()));
+  w.Key("allreduce_s");
+  w.BeginArray();
+  for (double v : it.result.allreduce_s) w.Number(v);
+  w.EndArray();
+  w.Key("stages");
+  w.BeginArray();
+  for (const auto& nodes : it.plan.assignment.stage_nodes) {
+    std::vector<std::string> ids;
+    for (int n : nodes) ids.push_back(cost.node_id(n));
+    w.StringArray(ids);
+  }
+  w.EndArray();
+  w.Key("routes");
+  w.BeginArray();
+  for (size_t r = 0; r < it.plan.routes.size(); ++r) {
+    const sim::Route& route = it.plan.routes[r];
+    std::vector<std::string> ids;
+    for (int n : route.nodes) ids.push_back(cost.node_id(n));
+    w.BeginObject();
+    w.Key("microbatch");
+    w.Int(route.microbatch);
+    w.Key("data_node");
+    w.String(ids.empty() ? "" : ids[0]);
+    w.Key("nodes");
+    w.StringArray(ids);
+    w.Key("stages");
+    w.IntArray(route.stages);
+    if (r < it.result.routes.size()) {
+      w.Key("start_s");
+      w.Number(it.result.routes[r].start_s);
+      w.Key("end_s");
+      w.Number(it.result.routes[r].end_s);
+    }
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("nodes");
+  w.BeginArray();
+  const std::vector<int> stage = it.plan.assignment.NodeStages(cost.num_nodes());
+  for (int n = 0; n < cost.num_nodes(); ++n) {
+    w.BeginObject();
+    w.Key("id");
+    w.String(cost.node_id(n));
+    w.Key("stage");
+    w.Int(stage[n]);
+    w.Key("busy_s");
+    w.Number(n < static_cast<int>(it.result.busy_s.size()) ? it.result.busy_s[n] : 0);
+    w.EndObject();
+  }
+  w.EndArray();
+  w.EndObject();
+}
+
+std::string Describe(const Context& c) {
+  const v1::PipelineSpec& p = c.job.pipeline();
+  return absl::StrFormat(
+      "cluster %s (%d nodes), job %s: %s model, %d stages, %d data nodes x %d microbatches, "
+      "%d replicas per stage, skip %.2f -> %d of %d stages per microbatch",
+      c.cluster.name(), c.cluster.nodes_size(), c.job.name(),
+      c.job.model().preset().empty() ? "explicit" : c.job.model().preset(), p.num_stages(),
+      p.data_nodes(), p.microbatches_per_data_node(), p.replicas_per_stage(), p.skip_ratio(),
+      VisitedStages(p), p.num_stages());
+}
+
+std::string TextReport(const Context& c, const PlannedIteration& it) {
+  std::string out = Describe(c) + "\n";
+  absl::StrAppendFormat(&out, "scheduler %s: pipeline %.3f s, iteration %.3f s (with all-reduce), "
+                        "utilisation %.1f%%, planned in %.3f s\n",
+                        planner::SchedulerName(it.scheduler), it.result.pipeline_time_s,
+                        it.result.iteration_time_s, 100 * it.result.utilization,
+                        it.planning_time_s);
+  for (int s = 0; s < it.plan.assignment.num_stages(); ++s) {
+    absl::StrAppendFormat(&out, "  stage %d:", s);
+    for (int n : it.plan.assignment.stage_nodes[s]) absl::StrAppend(&out, " ", c.cost.node_id(n));
+    absl::StrAppendFormat(&out, "  (all-reduce %.2f s)\n", it.result.allreduce_s[s]);
+  }
+  return out;
+}
+
+absl::Status ExportTimelines(const Args& a, const Context& c, const PlannedIteration& it,
+                             const std::string& trace, const std::string& svg, double max_t) {
+  const std::string title =
+      absl::StrFormat("%s on %s — %s", planner::SchedulerName(it.scheduler), c.cluster.name(),
+                      c.job.name());
+  if (!trace.empty()) {
+    RETURN_IF_ERROR(WriteFile(trace, sim::ChromeTraceJson(c.cost, it.plan, it.result, title)));
+  }
+  if (!svg.empty()) {
+    sim::SvgOptions o;
+    o.title = title;
+    o.max_time_s = max_t;
+    RETURN_IF_ERROR(WriteFile(svg, sim::TimelineSvg(c.cost, it.plan, it.result, o)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Plan(const Args& a) {
+  ASSIGN_OR_RETURN(Context c, Load(a));
+  PlannerOptions o = Options(a, c);
+  if (!a.scheduler.empty()) {
+    ASSIGN_OR_RETURN(o.scheduler, planner::ParseSchedulerName(a.scheduler));
+  }
+  ASSIGN_OR_RETURN(PlannedIteration it, planner::PlanIteration(c.cost, c.job, o));
+  RETURN_IF_ERROR(ExportTimelines(a, c, it, a.trace, a.svg, 0));
+  if (a.json) {
+    sim::JsonWriter w;
+    WriteReport(w, c, it, o.seed);
+    std::cout << w.str() << "\n";
+  } else {
+    std::cout << TextReport(c, it);
+  }
+  return absl::OkStatus();
+}
+
+// Reads the "stages" and "routes" of a plan report.
+absl::Status ReadRoutes(const std::string& path, const sim::CostModel& cost, sim::Plan* plan,
+                        std::string* scheduler) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  google::protobuf::Value root;
+  auto parsed = google::protobuf::util::JsonStringToMessage(text, &root);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not valid JSON: ", parsed.message().as_string()));
+  }
+  if (!root.has_struct_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": expected an object with \"routes\""));
+  }
+  const auto& fields = root.struct_value().fields();
+  if (auto it = fields.find("scheduler"); it != fields.end()) *scheduler = it->second.string_value();
+  auto routes_it = fields.find("routes");
+  if (routes_it == fields.end() || !routes_it->second.has_list_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": \"routes\" must be a list"));
+  }
+  const auto& list = routes_it->second.list_value().values();
+  for (int i = 0; i < list.size(); ++i) {
+    const auto& rf = list[i].struct_value().fields();
+    auto field = [&](const char* name) -> const google::protobuf::Value* {
+      auto f = rf.find(name);
+      return f == rf.end() ? nullptr : &f->second;
+    };
+    const google::protobuf::Value* mb = field("microbatch");
+    const google::protobuf::Value* nodes = field("nodes");
+    const google::protobuf::Value* stages = field("stages");
+    if (!mb || !mb->has_number_value() || !nodes || !nodes->has_list_value() || !stages ||
+        !stages->has_list_value()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: routes[%d] needs \"microbatch\" (number), \"nodes\" and \"stages\" (lists)", path,
+          i));
+    }
+    v1::Route route;
+    route.set_microbatch(static_cast<uint32_t>(mb->number_value()));
+    if (const auto* d = field("data_node")) route.set_data_node(d->string_value());
+    for (const auto& n : nodes->list_value().values()) route.add_nodes(n.string_value());
+    for (const auto& s : stages->list_value().values()) {
+      if (!s.has_number_value() || s.number_value() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: routes[%d].stages must hold stage numbers", path, i));
+      }
+      route.add_stages(static_cast<uint32_t>(s.number_value()));
+    }
+    auto converted = planner::FromProtoRoute(cost, route);
+    if (!converted.ok()) return Annotate(converted.status(), path);
+    plan->routes.push_back(*std::move(converted));
+  }
+  auto stages_it = fields.find("stages");
+  if (stages_it != fields.end() && stages_it->second.has_list_value()) {
+    plan->assignment.stage_nodes.clear();
+    for (const auto& group : stages_it->second.list_value().values()) {
+      std::vector<int> ids;
+      for (const auto& v : group.list_value().values()) {
+        const int n = cost.NodeIndex(v.string_value());
+        if (n < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(path, ": stages: unknown node \"",
+                                                         v.string_value(), "\""));
+        }
+        ids.push_back(n);
+      }
+      plan->assignment.stage_nodes.push_back(std::move(ids));
+    }
+  } else {
+    ASSIGN_OR_RETURN(plan->assignment, planner::AssignmentFromRoutes(cost, plan->routes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Simulate(const Args& a) {
+  ASSIGN_OR_RETURN(Context c, Load(a));
+  PlannedIteration it;
+  std::string scheduler_name;
+  RETURN_IF_ERROR(ReadRoutes(a.routes, c.cost, &it.plan, &scheduler_name));
+  it.scheduler = c.job.pipeline().scheduler();
+  if (!scheduler_name.empty()) {
+    ASSIGN_OR_RETURN(it.scheduler, planner::ParseSchedulerName(scheduler_name));
+  }
+  const planner::RouteRules rules = planner::RulesFor(c.job.pipeline(), it.scheduler);
+  if (absl::Status s = planner::ValidateRoutes(c.cost, it.plan, rules); !s.ok()) {
+    return Annotate(s, a.routes);
+  }
+  PlannerOptions o = Options(a, c);
+  ASSIGN_OR_RETURN(it.result, sim::Simulate(c.cost, it.plan, o.sim));
+  RETURN_IF_ERROR(ExportTimelines(a, c, it, a.trace, a.svg, 0));
+  if (a.json) {
+    sim::JsonWriter w;
+    WriteReport(w, c, it, o.seed);
+    std::cout << w.str() << "\n";
+  } else {
+    std::cout << TextReport(c, it);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Compare(const Args& a) {
+  ASSIGN_OR_RETURN(Context c, Load(a));
+  PlannerOptions o = Options(a, c);
+  std::vector<PlannedIteration> runs;
+  for (v1::SchedulerKind k : {v1::SCHEDULER_FULL, v1::SCHEDULER_RANDOM,
+                              v1::SCHEDULER_SKIP_NO_COLLISION, v1::SCHEDULER_SKIPPIPE}) {
+    o.scheduler = k;
+    ASSIGN_OR_RETURN(PlannedIteration it, planner::PlanIteration(c.cost, c.job, o));
+    // Every scheduler runs on the assignment of the first.
+    if (!o.assignment) o.assignment = it.plan.assignment;
+    runs.push_back(std::move(it));
+  }
+  const PlannedIteration& full = runs[0];
+  if (!a.svg_dir.empty()) {
+    double max_t = 0;
+    for (const auto& r : runs) max_t = std::max(max_t, r.result.iteration_time_s);
+    for (const auto& r : runs) {
+      RETURN_IF_ERROR(ExportTimelines(
+          a, c, r, "", absl::StrCat(a.svg_dir, "/", planner::SchedulerName(r.scheduler), ".svg"),
+          max_t));
+    }
+  }
+  if (a.json) {
+    sim::JsonWriter w;
+    w.BeginObject();
+    w.Key("cluster");
+    w.String(c.cluster.name());
+    w.Key("job");
+    w.String(c.job.name());
+    w.Key("seed");
+    w.Int(static_cast<int64_t>(o.seed));
+    w.Key("schedulers");
+    w.BeginArray();
+    for (const auto& r : runs) {
+      w.BeginObject();
+      w.Key("scheduler");
+      w.String(planner::SchedulerName(r.scheduler));
+      w.Key("pipeline_time_s");
+      w.Number(r.result.pipeline_time_s);
+      w.Key("iteration_time_s");
+      w.Number(r.result.iteration_time_s);
+      w.Key("pipeline_ratio_to_full");
+      w.Number(r.result.pipeline_time_s / full.result.pipeline_time_s);
+      w.Key("iteration_ratio_to_full");
+      w.Number(r.result.iteration_time_s / full.result.iteration_time_s);
+      w.Key("utilization");
+      w.Number(r.result.utilization);
+      w.Key("planning_time_s");
+      w.Number(r.planning_time_s);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::cout << w.str() << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << Describe(c) << "\n\n";
+  std::cout << absl::StrFormat("%-18s %12s %9s %13s %9s %12s %10s\n", "scheduler", "pipeline_s",
+                               "vs full", "iteration_s", "vs full", "utilisation", "plan_s");
+  for (const auto& r : runs) {
+    std::cout << absl::StrFormat(
+        "%-18s %12.2f %8.2fx %13.2f %8.2fx %11.1f%% %10.3f\n", planner::SchedulerName(r.scheduler),
+        r.result.pipeline_time_s, r.result.pipeline_time_s / full.result.pipeline_time_s,
+        r.result.iteration_time_s, r.result.iteration_time_s / full.result.iteration_time_s,
+        100 * r.result.utilization, r.planning_time_s);
+  }
+  std::cout << "\npipeline_s: simulated time until the last backward finishes (SkipPipe's metric).\n"
+               "iteration_s: plus each stage's ring all-reduce of its gradients.\n"
+               "vs full: ratio to the full pipeline on the same nodes (lower is better).\n"
+               "utilisation: share of node-time spent computing over the iteration.\n";
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<Args> args = ParseArgs(argc, argv);
+  if (!args.ok()) {
+    std::cerr << "detour-sim: " << args.status().message() << "\n";
+    return 2;
+  }
+  if (args->command == "help") {
+    std::cout << kUsage;
+    return 0;
+  }
+  absl::Status s;
+  if (args->command == "plan") {
+    s = Plan(*args);
+  } else if (args->command == "simulate") {
+    s = Simulate(*args);
+  } else {
+    s = Compare(*args);
+  }
+  if (!s.ok()) {
+    std::cerr << "detour-sim: error: " << s.ToString() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace detour::sim_tool
+
+int main(int argc, char** argv) { return detour::sim_tool::Main(argc, argv); }
