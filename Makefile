@@ -1,0 +1,44 @@
+# detour — top-level entry points. Each target installs missing Debian
+# packages first (tools/install_deps.sh, fast when all are present), then
+# configures and builds with CMake in $(BUILD_DIR).
+#
+#   make demo    build, then run the local demo (tools/demo.sh)
+#   make test    build, then run the whole test suite with ctest
+#   make build   just build (Release)
+#   make bench   build and run the benchmarks
+#   make clean   remove the build directory
+
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_FLAGS ?=
+CTEST_FLAGS ?=
+
+.PHONY: all deps configure build test demo bench clean
+
+all: build
+
+deps:
+	@tools/install_deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+configure: deps
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+build: configure
+	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && DETOUR_SOURCE_DIR=$(CURDIR) DETOUR_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
+	  ctest --output-on-failure -j$(JOBS) $(CTEST_FLAGS)
+
+demo: build
+	@DETOUR_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) tools/demo.sh
+
+bench: build
+	@tools/run_benchmarks.sh $(BUILD_DIR)
+
+clean:
+	rm -rf $(BUILD_DIR)
