@@ -1,0 +1,174 @@
+#include "worker/model/stage.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include "model_test_util.h"
+#include "worker/model/transformer.h"
+
+namespace detour::model {
+namespace {
+
+using testing::MaxAbsDiff;
+using testing::SmallSpec;
+using testing::ToMap;
+
+class StageTest : public ::testing::Test {
+ protected:
+  void SetUp() override { at::set_num_threads(1); }
+};
+
+TEST(LayerSplitTest, EvenAsPossibleAndContiguous) {
+  for (int layers = 1; layers <= 33; ++layers) {
+    for (int stages = 1; stages <= layers; ++stages) {
+      int next = 0;
+      for (int s = 0; s < stages; ++s) {
+        auto r = StageLayerRange(layers, stages, s);
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->begin, next);
+        EXPECT_GE(r->size(), layers / stages);
+        EXPECT_LE(r->size(), layers / stages + 1);
+        next = r->end;
+      }
+      EXPECT_EQ(next, layers);
+    }
+  }
+  EXPECT_EQ(StageLayerRange(8, 3, 0)->size(), 3);
+  EXPECT_EQ(StageLayerRange(8, 3, 2)->size(), 2);
+  EXPECT_FALSE(StageLayerRange(4, 5, 0).ok());
+  EXPECT_FALSE(StageLayerRange(4, 2, 2).ok());
+}
+
+TEST(ModelConfigTest, PresetsAndErrors) {
+  v1::ModelShape shape;
+  shape.set_preset("8b");
+  auto c = ModelConfigFromShape(shape);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_EQ(c->head_dim(), 128);
+  shape.set_preset("tiny");
+  c = ModelConfigFromShape(shape);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->num_layers, 8);
+  EXPECT_GT(c->TotalParameters(), 1000000);
+  shape.set_num_heads(3);
+  c = ModelConfigFromShape(shape);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("num_heads"), std::string::npos);
+}
+
+TEST_F(StageTest, StagesHoldTheMonolithicParameters) {
+  v1::JobSpec spec = SmallSpec();
+  auto config = ModelConfigFromShape(spec.model());
+  ASSERT_TRUE(config.ok());
+  Transformer reference(*config, spec.seed(), at::Device(at::kCPU));
+  auto ref = ToMap(reference->GlobalParameters());
+  size_t total = 0;
+  for (int s = 0; s < 4; ++s) {
+    auto stage = Stage::FromJobSpec(spec, s, at::Device(at::kCPU));
+    ASSERT_TRUE(stage.ok()) << stage.status();
+    for (const auto& [name, p] : (*stage)->Parameters()) {
+      ASSERT_EQ(ref.count(name), 1u) << name;
+      EXPECT_TRUE(at::equal(p, ref[name])) << name;
+      ++total;
+    }
+  }
+  EXPECT_EQ(total, ref.size());
+  // A different seed gives different weights.
+  auto other = Stage::FromJobSpec(SmallSpec(8), 1, at::Device(at::kCPU));
+  ASSERT_TRUE(other.ok());
+  EXPECT_FALSE(at::equal((*other)->Parameters()[1].second,
+                         ref[(*other)->Parameters()[1].first]));
+}
+
+TEST_F(StageTest, MemorySlotsAndMicrobatchBookkeeping) {
+  v1::JobSpec spec = SmallSpec();
+  spec.mutable_pipeline()->set_memory_slots(2);
+  auto stage = Stage::FromJobSpec(spec, 2, at::Device(at::kCPU));
+  ASSERT_TRUE(stage.ok());
+  at::Tensor h = at::randn({2, 16, 32});
+  ASSERT_TRUE((*stage)->Forward(0, h).ok());
+  EXPECT_EQ((*stage)->Forward(0, h).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE((*stage)->Forward(1, h).ok());
+  auto third = (*stage)->Forward(2, h);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("stage 2"), std::string::npos);
+  EXPECT_EQ((*stage)->Backward(7, h).status().code(),
+            absl::StatusCode::kNotFound);
+  auto g = (*stage)->Backward(0, at::ones({2, 16, 32}));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->sizes(), h.sizes());
+  EXPECT_EQ((*stage)->visits(), 1);
+  EXPECT_EQ((*stage)->in_flight(), 1);
+  ASSERT_TRUE((*stage)->Forward(2, h).ok());
+  (*stage)->DropAll();
+  EXPECT_EQ((*stage)->in_flight(), 0);
+}
+
+TEST_F(StageTest, BadInputsAreStatusesWithContext) {
+  v1::JobSpec spec = SmallSpec();
+  auto s2 = Stage::FromJobSpec(spec, 2, at::Device(at::kCPU));
+  auto s0 = Stage::FromJobSpec(spec, 0, at::Device(at::kCPU));
+  ASSERT_TRUE(s2.ok() && s0.ok());
+  auto bad = (*s2)->Forward(0, at::randn({4, 16, 48}));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("stage 2 forward mb 0: shape [4,16,48]"),
+            std::string::npos)
+      << bad.status();
+  EXPECT_NE(bad.status().message().find("32]"), std::string::npos);
+  // Too long for the context.
+  EXPECT_FALSE((*s2)->Forward(0, at::randn({1, 17, 32})).ok());
+  // Stage 0 wants token ids, and ids inside the vocabulary.
+  EXPECT_FALSE((*s0)->Forward(0, at::randn({1, 8, 32})).ok());
+  auto oob = (*s0)->Forward(1, at::full({1, 8}, 999, at::kLong));
+  EXPECT_FALSE(oob.ok());
+  EXPECT_NE(oob.status().message().find("stage 0 forward mb 1"), std::string::npos);
+  EXPECT_EQ((*s0)->in_flight(), 0);
+  // Loss only on stage 0; wrong gradient shape refused.
+  EXPECT_EQ((*s2)->LossAndBackward(0, at::randn({1, 8, 32}),
+                                   at::zeros({1, 8}, at::kLong))
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*s2)->Forward(3, at::randn({1, 8, 32})).ok());
+  EXPECT_EQ((*s2)->Backward(3, at::randn({1, 8, 31})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StageTest, GradientNormalizationScale) {
+  EXPECT_DOUBLE_EQ(GradNormalizationScale(v1::GRAD_NORM_VISITS, 3, 8), 1.0 / 3);
+  EXPECT_DOUBLE_EQ(GradNormalizationScale(v1::GRAD_NORM_TOTAL, 3, 8), 1.0 / 8);
+  EXPECT_DOUBLE_EQ(GradNormalizationScale(v1::GRAD_NORM_UNSPECIFIED, 4, 8), 0.25);
+  EXPECT_DOUBLE_EQ(GradNormalizationScale(v1::GRAD_NORM_VISITS, 0, 8), 0.0);
+}
+
+TEST_F(StageTest, RotaryIsARotation) {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.d_model = 16;
+  c.num_heads = 2;
+  c.num_kv_heads = 2;
+  c.context_length = 8;
+  RotaryTables rope = RotaryTables::Make(c, at::Device(at::kCPU));
+  at::Tensor x = at::randn({1, 2, 8, 8});
+  at::Tensor y = ApplyRotary(x, rope);
+  // Norm preserved per position; position 0 unchanged.
+  EXPECT_LT(MaxAbsDiff(x.norm(2, -1), y.norm(2, -1)), 1e-5);
+  EXPECT_LT(MaxAbsDiff(x.select(2, 0), y.select(2, 0)), 1e-7);
+  // Relative: <R_m q, R_n k> depends only on m-n.
+  at::Tensor q = at::randn({8});
+  at::Tensor k = at::randn({8});
+  auto rot = [&](const at::Tensor& v, int pos) {
+    at::Tensor t = v.view({1, 1, 1, 8}).expand({1, 1, 8, 8}).contiguous();
+    return ApplyRotary(t, rope).select(2, pos).flatten();
+  };
+  const double d1 = at::dot(rot(q, 5), rot(k, 3)).item<double>();
+  const double d2 = at::dot(rot(q, 2), rot(k, 0)).item<double>();
+  EXPECT_NEAR(d1, d2, 1e-5);
+}
+
+}  // namespace
+}  // namespace detour::model

@@ -1,0 +1,109 @@
+#include "worker/model/model_config.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+
+namespace detour::model {
+
+int64_t ModelConfig::LayerParameters() const {
+  const int64_t d = d_model;
+  const int64_t kv = static_cast<int64_t>(num_kv_heads) * head_dim();
+  // q, o: d×d; k, v: kv×d; gate, up, down: 3·d·ffn; two RMSNorm weights.
+  return 2 * d * d + 2 * kv * d + 3 * d * ffn_dim + 2 * d;
+}
+
+int64_t ModelConfig::TotalParameters() const {
+  // Embedding, LM head (untied), final norm.
+  return num_layers * LayerParameters() +
+         2 * static_cast<int64_t>(vocab_size) * d_model + d_model;
+}
+
+std::string ModelConfig::DebugString() const {
+  return absl::StrCat("layers=", num_layers, " d_model=", d_model,
+                      " heads=", num_heads, " kv_heads=", num_kv_heads,
+                      " ffn=", ffn_dim, " vocab=", vocab_size,
+                      " context=", context_length);
+}
+
+absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
+  v1::ModelShape s = shape;
+  if (!s.preset().empty()) {
+    auto preset = ModelPreset(s.preset());
+    if (!preset.ok()) return preset.status();
+    v1::ModelShape merged = *preset;
+    // Explicit (non-zero) fields override the preset's.
+    if (s.num_layers()) merged.set_num_layers(s.num_layers());
+    if (s.d_model()) merged.set_d_model(s.d_model());
+    if (s.num_heads()) merged.set_num_heads(s.num_heads());
+    if (s.num_kv_heads()) merged.set_num_kv_heads(s.num_kv_heads());
+    if (s.ffn_dim()) merged.set_ffn_dim(s.ffn_dim());
+    if (s.vocab_size()) merged.set_vocab_size(s.vocab_size());
+    if (s.context_length()) merged.set_context_length(s.context_length());
+    if (s.rope_theta() != 0) merged.set_rope_theta(s.rope_theta());
+    if (s.norm_eps() != 0) merged.set_norm_eps(s.norm_eps());
+    s = merged;
+  }
+  ModelConfig c;
+  c.num_layers = static_cast<int>(s.num_layers());
+  c.d_model = static_cast<int>(s.d_model());
+  c.num_heads = static_cast<int>(s.num_heads());
+  c.num_kv_heads =
+      s.num_kv_heads() ? static_cast<int>(s.num_kv_heads()) : c.num_heads;
+  if (s.ffn_dim()) {
+    c.ffn_dim = static_cast<int>(s.ffn_dim());
+  } else {
+    const int raw = (8 * c.d_model + 2) / 3;
+    c.ffn_dim = (raw + 63) / 64 * 64;
+  }
+  c.vocab_size = s.vocab_size() ? static_cast<int>(s.vocab_size()) : 256;
+  c.context_length =
+      s.context_length() ? static_cast<int>(s.context_length()) : 128;
+  c.rope_theta = s.rope_theta() != 0 ? s.rope_theta() : 10000.0;
+  c.norm_eps = s.norm_eps() != 0 ? s.norm_eps() : 1e-5;
+
+  auto bad = [](absl::string_view field, int64_t v, absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.", field, ": ", v, " ", why));
+  };
+  if (c.num_layers <= 0) return bad("num_layers", c.num_layers, "must be > 0");
+  if (c.d_model <= 0) return bad("d_model", c.d_model, "must be > 0");
+  if (c.num_heads <= 0 || c.d_model % c.num_heads != 0) {
+    return bad("num_heads", c.num_heads, "must be > 0 and divide d_model");
+  }
+  if (c.head_dim() % 2 != 0) {
+    return bad("num_heads", c.num_heads,
+               "gives an odd head dimension (rotary embeddings need even)");
+  }
+  if (c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0) {
+    return bad("num_kv_heads", c.num_kv_heads,
+               "must be > 0 and divide num_heads");
+  }
+  if (c.ffn_dim <= 0) return bad("ffn_dim", c.ffn_dim, "must be > 0");
+  if (c.vocab_size <= 0) return bad("vocab_size", c.vocab_size, "must be > 0");
+  if (c.context_length <= 0) {
+    return bad("context_length", c.context_length, "must be > 0");
+  }
+  return c;
+}
+
+absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
+                                           int stage) {
+  if (num_stages < 1 || num_stages > num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline.num_stages: ", num_stages,
+                     " must be in [1, num_layers=", num_layers, "]"));
+  }
+  if (stage < 0 || stage >= num_stages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stage ", stage, " is outside [0, ", num_stages, ")"));
+  }
+  const int base = num_layers / num_stages;
+  const int extra = num_layers % num_stages;
+  LayerRange r;
+  r.begin = stage * base + (stage < extra ? stage : extra);
+  r.end = r.begin + base + (stage < extra ? 1 : 0);
+  return r;
+}
+
+}  // namespace detour::model

@@ -1,0 +1,212 @@
+#include "worker/model/text_data.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "worker/model/byte_tokenizer.h"
+#include "worker/model/corpus.h"
+
+namespace detour::model {
+
+namespace fs = std::filesystem;
+
+uint64_t SplitMix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+absl::Status CheckUtf8(absl::string_view text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    int len = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid UTF-8 lead byte at offset ", i));
+    }
+    if (i + len > n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("truncated UTF-8 sequence at offset ", i));
+    }
+    for (int k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("invalid UTF-8 continuation byte at offset ", i + k));
+      }
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    const bool overlong = (len == 2 && cp < 0x80) ||
+                          (len == 3 && cp < 0x800) ||
+                          (len == 4 && cp < 0x10000);
+    if (overlong || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid UTF-8 code point at offset ", i));
+    }
+    i += len;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path.string()));
+  }
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  std::string text = buffer.str();
+  absl::Status utf8 = CheckUtf8(text);
+  if (!utf8.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path.string(), ": ", utf8.message()));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadTextSource(const std::string& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) {
+    return absl::NotFoundError(absl::StrCat("data path ", path, " not found"));
+  }
+  std::string text;
+  if (fs::is_directory(st)) {
+    std::vector<fs::path> files;
+    for (auto it = fs::recursive_directory_iterator(path, ec);
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      if (it->is_regular_file()) files.push_back(it->path());
+    }
+    if (ec) {
+      return absl::InternalError(
+          absl::StrCat("listing ", path, ": ", ec.message()));
+    }
+    std::sort(files.begin(), files.end());
+    for (const fs::path& f : files) {
+      auto content = ReadFile(f);
+      if (!content.ok()) return content.status();
+      if (!text.empty()) text += '\n';
+      text += *content;
+    }
+  } else {
+    auto content = ReadFile(path);
+    if (!content.ok()) return content.status();
+    text = std::move(*content);
+  }
+  if (text.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("data path ", path, " holds no text"));
+  }
+  return text;
+}
+
+absl::StatusOr<TextDataset> SplitText(absl::string_view text,
+                                      double validation_fraction) {
+  if (!(validation_fraction >= 0.0 && validation_fraction <= 0.5)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.validation_fraction: ", validation_fraction,
+                     " is outside [0, 0.5]"));
+  }
+  size_t cut = text.size() - static_cast<size_t>(
+                                 static_cast<double>(text.size()) *
+                                 validation_fraction);
+  if (cut < text.size()) {
+    const size_t nl = text.find('\n', cut);
+    if (nl != absl::string_view::npos && nl + 1 < text.size()) cut = nl + 1;
+  }
+  TextDataset ds;
+  ds.train = ByteTokenizer::Encode(text.substr(0, cut));
+  ds.validation = ByteTokenizer::Encode(text.substr(cut));
+  return ds;
+}
+
+absl::StatusOr<TextDataset> LoadDataset(const v1::DataSpec& data) {
+  const double fraction =
+      data.validation_fraction() > 0 ? data.validation_fraction() : 0.05;
+  if (data.source() == v1::DATA_SOURCE_TEXT) {
+    if (data.path().empty()) {
+      return absl::InvalidArgumentError(
+          "data.path: required when data.source is DATA_SOURCE_TEXT");
+    }
+    auto text = ReadTextSource(data.path());
+    if (!text.ok()) return text.status();
+    return SplitText(*text, fraction);
+  }
+  return SplitText(EmbeddedCorpus(), fraction);
+}
+
+int64_t NumSamples(int64_t num_tokens, int context_length) {
+  if (context_length <= 0 || num_tokens <= context_length) return 0;
+  return (num_tokens - 1) / context_length;
+}
+
+absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens,
+                                       int64_t index, int context_length) {
+  return tokens.subspan(static_cast<size_t>(index) * context_length,
+                        context_length + 1);
+}
+
+SampleSharder::SampleSharder(int64_t num_samples, int num_data_nodes,
+                             uint64_t seed)
+    : num_samples_(num_samples),
+      num_data_nodes_(num_data_nodes < 1 ? 1 : num_data_nodes),
+      seed_(seed) {
+  int bits = 2;
+  while ((int64_t{1} << bits) < num_samples_) ++bits;
+  if (bits % 2 != 0) ++bits;
+  half_bits_ = bits / 2;
+}
+
+int64_t SampleSharder::Permute(uint64_t epoch, int64_t position) const {
+  const uint64_t mask = (uint64_t{1} << half_bits_) - 1;
+  uint64_t x = static_cast<uint64_t>(position);
+  do {
+    uint64_t left = x >> half_bits_;
+    uint64_t right = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      uint64_t key = seed_ ^ (epoch * 0x100000001b3ULL) ^ (round << 56) ^ right;
+      const uint64_t f = SplitMix64(&key) & mask;
+      const uint64_t next = left ^ f;
+      left = right;
+      right = next;
+    }
+    x = (left << half_bits_) | right;
+  } while (x >= static_cast<uint64_t>(num_samples_));
+  return static_cast<int64_t>(x);
+}
+
+int64_t SampleSharder::SampleAt(int data_node, uint64_t shard_offset) const {
+  if (num_samples_ <= 0) return 0;
+  const uint64_t global =
+      shard_offset * static_cast<uint64_t>(num_data_nodes_) +
+      static_cast<uint64_t>(data_node);
+  const uint64_t n = static_cast<uint64_t>(num_samples_);
+  return Permute(global / n, static_cast<int64_t>(global % n));
+}
+
+}  // namespace detour::model

@@ -1,0 +1,96 @@
+// Training text: reading, train/validation split, samples and deterministic
+// sharding of samples over data nodes and iterations. No LibTorch here; the
+// engine turns token spans into tensors.
+//
+// A *sample* is context_length+1 consecutive tokens (inputs and the targets
+// shifted by one); sample i starts at token i·context_length, so consecutive
+// samples share one boundary token and every token is predicted once.
+// Functions are thread-safe; a TextDataset is immutable after construction and
+// may be shared between threads.
+#ifndef DETOUR_WORKER_MODEL_TEXT_DATA_H_
+#define DETOUR_WORKER_MODEL_TEXT_DATA_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour::model {
+
+// Reads a UTF-8 text file, or every regular file under a directory
+// (recursively, in byte order of their paths, joined by "\n"). NOT_FOUND for a
+// missing path, INVALID_ARGUMENT naming the file and byte offset of invalid
+// UTF-8, FAILED_PRECONDITION for an empty result.
+absl::StatusOr<std::string> ReadTextSource(const std::string& path);
+
+// OK iff `text` is valid UTF-8; otherwise INVALID_ARGUMENT with the offset.
+absl::Status CheckUtf8(absl::string_view text);
+
+// Tokenised text split into a training and a validation part.
+struct TextDataset {
+  std::vector<int32_t> train;
+  std::vector<int32_t> validation;
+};
+
+// Holds out the last `validation_fraction` of the text (cut at the next line
+// start so no line is split) for validation. INVALID_ARGUMENT for a fraction
+// outside [0, 0.5].
+absl::StatusOr<TextDataset> SplitText(absl::string_view text,
+                                      double validation_fraction);
+
+// The text a DataSpec names (embedded corpus or file/directory), split.
+absl::StatusOr<TextDataset> LoadDataset(const v1::DataSpec& data);
+
+// Number of whole samples of `context_length` in `tokens`.
+int64_t NumSamples(int64_t num_tokens, int context_length);
+
+// Sample `index` as a view of context_length+1 tokens. Requires
+// index < NumSamples(tokens.size(), context_length).
+absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens,
+                                       int64_t index, int context_length);
+
+// Deterministic order of samples for data-parallel training. Global positions
+// 0, 1, 2, ... run through epoch 0's permutation of all samples, then epoch
+// 1's (a fresh permutation from the seed), and so on. Data node d of D owns the
+// positions d, d+D, d+2D, ... (its *shard*); shard offset k is global position
+// k·D + d. A data node starting microbatches for iteration i with n samples
+// per iteration reads shard offsets [i·n, (i+1)·n) — the DataSlice of the
+// IterationPlan. Within an epoch no two (node, offset) pairs share a sample.
+// Immutable after construction; thread-safe.
+class SampleSharder {
+ public:
+  SampleSharder(int64_t num_samples, int num_data_nodes, uint64_t seed);
+
+  // Sample index for a node's shard offset.
+  int64_t SampleAt(int data_node, uint64_t shard_offset) const;
+
+  // Shard offsets of `data_node` in `iteration` for n samples per iteration.
+  static uint64_t IterationOffset(uint64_t iteration, int samples_per_iteration) {
+    return iteration * static_cast<uint64_t>(samples_per_iteration);
+  }
+
+  int64_t num_samples() const { return num_samples_; }
+  int num_data_nodes() const { return num_data_nodes_; }
+
+ private:
+  // Keyed bijection of [0, num_samples): a 4-round Feistel network on the
+  // next even power of two with cycle walking. O(1) memory, no shared state.
+  int64_t Permute(uint64_t epoch, int64_t position) const;
+
+  int64_t num_samples_;
+  int num_data_nodes_;
+  uint64_t seed_;
+  int half_bits_;
+};
+
+// splitmix64: the project's portable PRNG step (the standard library's
+// distributions are implementation-defined; this is not).
+uint64_t SplitMix64(uint64_t* state);
+
+}  // namespace detour::model
+
+#endif  // DETOUR_WORKER_MODEL_TEXT_DATA_H_

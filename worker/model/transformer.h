@@ -1,0 +1,119 @@
+// LLaMA-style decoder building blocks (RMSNorm, rotary embeddings, causal
+// attention with optional grouped-query attention, SwiGLU MLP) and the plain
+// monolithic model used as the reference in tests and benchmarks.
+//
+// Parameters are initialised deterministically from (seed, global name): a
+// block's weights depend only on the job seed and its global layer index, never
+// on which stage holds it, so a pipelined model and the monolithic model built
+// from the same seed are identical.
+//
+// Modules here may throw c10::Error (they are LibTorch modules); callers
+// outside worker/model go through Stage, which converts errors to Status.
+// Modules are thread-compatible: one thread at a time per module.
+#ifndef DETOUR_WORKER_MODEL_TRANSFORMER_H_
+#define DETOUR_WORKER_MODEL_TRANSFORMER_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "worker/model/model_config.h"
+
+namespace detour::model {
+
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+// cos/sin tables [context_length, head_dim/2] for rotary embeddings
+// ("rotate half" convention: the first and second halves of a head form the
+// complex pairs).
+struct RotaryTables {
+  at::Tensor cos;
+  at::Tensor sin;
+  static RotaryTables Make(const ModelConfig& config, const at::Device& device);
+};
+
+// x·rsqrt(mean(x²)+eps)·weight over the last dimension.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Applies rotary embeddings to q or k of shape [B, heads, T, head_dim].
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTables& rope);
+
+// Deterministic N(0, std²) tensor for a parameter, from (seed, name); drawn on
+// the CPU so every device gets the same numbers.
+at::Tensor InitNormal(uint64_t seed, const std::string& name,
+                      at::IntArrayRef sizes, double std);
+
+// One transformer block: x + Attn(RMSNorm(x)); then x + SwiGLU(RMSNorm(x)).
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const ModelConfig& config, int global_index, uint64_t seed);
+  at::Tensor forward(const at::Tensor& x, const RotaryTables& rope);
+
+  // Parameters with global names ("layers.3.wq").
+  std::vector<NamedTensor> GlobalParameters() const;
+  int global_index() const { return global_index_; }
+
+ private:
+  ModelConfig config_;
+  int global_index_;
+  at::Tensor attn_norm_, wq_, wk_, wv_, wo_;
+  at::Tensor mlp_norm_, w_gate_, w_up_, w_down_;
+};
+TORCH_MODULE(DecoderLayer);
+
+// Stage 0's first part: token embedding [vocab, d_model].
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(const ModelConfig& config, uint64_t seed);
+  at::Tensor forward(const at::Tensor& tokens);
+  std::vector<NamedTensor> GlobalParameters() const;
+
+ private:
+  at::Tensor weight_;
+};
+TORCH_MODULE(Embedding);
+
+// Stage 0's last part: final RMSNorm, LM head (untied) and the loss.
+class LmHeadImpl : public torch::nn::Module {
+ public:
+  LmHeadImpl(const ModelConfig& config, uint64_t seed);
+  at::Tensor forward(const at::Tensor& hidden);  // logits [B, T, vocab]
+  // Mean token cross-entropy of `hidden` against `targets` [B, T].
+  at::Tensor Loss(const at::Tensor& hidden, const at::Tensor& targets);
+  std::vector<NamedTensor> GlobalParameters() const;
+
+ private:
+  double eps_;
+  at::Tensor norm_;
+  at::Tensor head_;
+};
+TORCH_MODULE(LmHead);
+
+// The whole model as one plain module: the reference the stage split must
+// match, and the baseline of the split-overhead benchmark.
+class TransformerImpl : public torch::nn::Module {
+ public:
+  TransformerImpl(const ModelConfig& config, uint64_t seed,
+                  const at::Device& device);
+  // Mean token loss with the blocks applied in `layer_order` (global indices;
+  // empty = all in order). Layers may be skipped or permuted.
+  at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets,
+                  const std::vector<int>& layer_order = {});
+  std::vector<NamedTensor> GlobalParameters() const;
+
+ private:
+  ModelConfig config_;
+  RotaryTables rope_;
+  Embedding embed_{nullptr};
+  std::vector<DecoderLayer> layers_;
+  LmHead head_{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+}  // namespace detour::model
+
+#endif  // DETOUR_WORKER_MODEL_TRANSFORMER_H_
