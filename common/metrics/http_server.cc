@@ -134,7 +134,6 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
                            nullptr};
   mg_init_data init = {};
   init.callbacks = &callbacks;
-  init.user_data = this;
   init.configuration_options = options;
   char error_text[256] = {};
   unsigned error_code = 0;
@@ -170,7 +169,9 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
         " started but did not report its port"));
   }
   // "**" matches every URI; HandleRequest routes by path itself so that
-  // anything unknown gets a 404 from us rather than from civetweb.
+  // anything unknown gets a 404 from us rather than from civetweb. (civetweb
+  // only takes handlers once started; a request in the instant before this
+  // call gets civetweb's own 404, as there is no document root.)
   mg_set_request_handler(context, "**", &MetricsHttpServer::HandleRequest,
                          this);
   context_ = context;

@@ -36,10 +36,11 @@ class MetricsHttpServer {
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
-  // Listens on `bind_address` (an IPv4 or IPv6 literal, e.g. "127.0.0.1",
-  // "0.0.0.0", "::1") and `port`; port 0 picks a free ephemeral port, see
+  // Listens on `bind_address` (an IPv4 literal such as "127.0.0.1" or
+  // "0.0.0.0"; IPv6 literals only where civetweb was built with IPv6, which
+  // Debian's 1.15 is not) and `port`; port 0 picks a free ephemeral port, see
   // port(). Returns when the socket is listening. Errors:
-  //   INVALID_ARGUMENT     bad address or port
+  //   INVALID_ARGUMENT     bad address or port, or IPv6 without support
   //   FAILED_PRECONDITION  already started
   //   UNAVAILABLE          the port is in use ("metrics port 9100 on
   //                        127.0.0.1 is already in use") or civetweb failed

@@ -184,6 +184,18 @@ TEST(MetricsHttpServerTest, RejectsBadArgumentsAndDoubleStart) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(MetricsHttpServerTest, Ipv6IsServedOrClearlyRefused) {
+  Registry registry;
+  MetricsHttpServer server(&registry);
+  const absl::Status status = server.Start("::1", 0);
+  if (status.ok()) {
+    EXPECT_GT(server.port(), 0);
+  } else {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr("IPv6"));
+  }
+}
+
 TEST(MetricsHttpServerTest, StopClosesThePortAndAllowsRestart) {
   Registry registry;
   MetricsHttpServer server(&registry);
