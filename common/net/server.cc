@@ -26,6 +26,9 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   for (grpc::Service* service : options.services) builder.RegisterService(service);
+  if (options.generic_service != nullptr) {
+    builder.RegisterCallbackGenericService(options.generic_service);
+  }
   if (!options.interceptors.empty()) {
     builder.experimental().SetInterceptorCreators(std::move(options.interceptors));
   }

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/net/address.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 
 namespace detour {
@@ -19,6 +20,9 @@ struct GrpcServerOptions {
   HostPort listen;
   // Services to register; not owned, must outlive the server.
   std::vector<grpc::Service*> services;
+  // Optional generic service for raw-buffer methods (the ActivationService);
+  // not owned.
+  grpc::CallbackGenericService* generic_service = nullptr;
   // Largest message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
   // Optional interceptor factories (e.g. RPC metrics); ownership moves in.

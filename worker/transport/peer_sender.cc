@@ -1,0 +1,269 @@
+#include "worker/transport/peer_sender.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/net/server.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+
+namespace detour {
+namespace {
+
+constexpr char kMethod[] = "/detour.v1.ActivationService/Stream";
+
+std::string AckKey(const std::string& job, uint64_t iteration, uint32_t microbatch,
+                   int direction) {
+  return absl::StrCat(job, "/", iteration, "/", microbatch, "/", direction);
+}
+
+}  // namespace
+
+// One bidirectional stream. A hold keeps it alive while the writer thread may
+// still start operations; it deletes itself in OnDone.
+class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  Stream(PeerSender* owner, grpc::GenericStub* stub) : owner_(owner) {
+    stub->PrepareBidiStreamingCall(&context_, kMethod, grpc::StubOptions(), this);
+    AddHold();
+    StartRead(&incoming_);
+    StartCall();
+  }
+
+  void OnWriteDone(bool ok) override { owner_->OnWriteDone(ok); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      owner_->OnReadEnded();
+      return;
+    }
+    v1::FrameAck ack;
+    grpc::ProtoBufferReader reader(&incoming_);
+    if (ack.ParseFromZeroCopyStream(&reader)) owner_->OnAck(ack);
+    StartRead(&incoming_);
+  }
+
+  void OnDone(const grpc::Status&) override {
+    owner_->OnStreamDone(this);
+    delete this;
+  }
+
+  void Cancel() { context_.TryCancel(); }
+
+ private:
+  PeerSender* const owner_;
+  grpc::ClientContext context_;
+  grpc::ByteBuffer incoming_;
+};
+
+PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
+    : peer_(std::move(peer_address)), options_(options), channel_(MakeChannel(peer_)) {
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+PeerSender::~PeerSender() { Close(); }
+
+void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
+  const size_t chunk = std::max<size_t>(1, options_.chunk_bytes);
+  const uint32_t chunks =
+      data.bytes == 0 ? 1 : static_cast<uint32_t>((data.bytes + chunk - 1) / chunk);
+  header.set_total_bytes(data.bytes);
+  header.set_num_chunks(chunks);
+  const std::string key =
+      AckKey(header.job_id(), header.iteration(), header.microbatch(), header.direction());
+  absl::MutexLock lock(&mu_);
+  if (closing_) {
+    done(absl::CancelledError("sender closed"), 0);
+    return;
+  }
+  if (pending_.count(key)) {
+    done(absl::AlreadyExistsError(absl::StrCat("tensor ", key, " is already being sent to ",
+                                                peer_)),
+         0);
+    return;
+  }
+  const absl::Time now = absl::Now();
+  for (uint32_t i = 0; i < chunks; ++i) {
+    const size_t offset = static_cast<size_t>(i) * chunk;
+    const size_t bytes = std::min(chunk, data.bytes - std::min(data.bytes, offset));
+    header.set_chunk_index(i);
+    header.set_offset(offset);
+    Chunk c;
+    c.buffer = EncodeFrame(header, data, offset, bytes);
+    c.key = key;
+    c.bytes = bytes;
+    c.release = now;
+    if (options_.emulation.enabled()) {
+      // The link carries one chunk at a time; each arrives `latency` after it
+      // finished transmitting. Release times are fixed here so that latency
+      // overlaps across chunks as on a real link.
+      const double bw = options_.emulation.bandwidth_bytes_per_s;
+      const absl::Duration transmit =
+          bw > 0 ? absl::Seconds(static_cast<double>(bytes) / bw) : absl::ZeroDuration();
+      link_free_at_ = std::max(link_free_at_, now) + transmit;
+      c.release = link_free_at_ + options_.emulation.latency;
+    }
+    queue_.push_back(std::move(c));
+  }
+  Pending p;
+  p.header = header;
+  p.data = std::move(data);
+  p.done = std::move(done);
+  p.first_write = absl::InfiniteFuture();
+  p.deadline = now + options_.ack_timeout;
+  pending_.emplace(key, std::move(p));
+}
+
+void PeerSender::FailAll(const absl::Status& status) {
+  std::map<std::string, Pending> failed;
+  failed.swap(pending_);
+  queue_.clear();
+  // Completion callbacks must not block and must not call back into this
+  // sender's Send under our lock; they only record results.
+  for (auto& [key, p] : failed) p.done(status, 0);
+}
+
+void PeerSender::WriterLoop() {
+  grpc::GenericStub stub(channel_);
+  while (true) {
+    mu_.Lock();
+    // Wake for work, for a broken stream, for closing, or to expire overdue
+    // transfers.
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (write_in_flight_) return false;
+      return closing_ || stream_broken_ || !queue_.empty();
+    };
+    absl::Duration wait = absl::Milliseconds(500);
+    if (!queue_.empty() && !write_in_flight_) {
+      wait = std::max(absl::ZeroDuration(), queue_.front().release - absl::Now());
+    }
+    mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
+
+    const absl::Time now = absl::Now();
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (now > it->second.deadline) {
+        it->second.done(absl::DeadlineExceededError(absl::StrCat(
+                            "no acknowledgement from ", peer_, " within ",
+                            absl::FormatDuration(options_.ack_timeout))),
+                        0);
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (write_in_flight_) {
+      mu_.Unlock();
+      continue;
+    }
+    if (stream_broken_ || closing_) {
+      Stream* old = stream_;
+      stream_ = nullptr;
+      const bool closing = closing_;
+      if (stream_broken_) {
+        stream_broken_ = false;
+        FailAll(absl::UnavailableError(absl::StrCat("stream to ", peer_, " broke")));
+      }
+      if (old != nullptr) {
+        mu_.Unlock();
+        if (closing) {
+          old->StartWritesDone();
+          mu_.Lock();
+          const bool ended = mu_.AwaitWithTimeout(
+              absl::Condition(+[](bool* e) { return *e; }, &read_ended_), absl::Seconds(2));
+          mu_.Unlock();
+          if (!ended) old->Cancel();
+        }
+        old->RemoveHold();
+        mu_.Lock();
+      }
+      if (closing) {
+        mu_.Unlock();
+        return;
+      }
+      mu_.Unlock();
+      continue;
+    }
+    if (queue_.empty() || queue_.front().release > absl::Now()) {
+      mu_.Unlock();
+      continue;
+    }
+    Chunk chunk = std::move(queue_.front());
+    queue_.pop_front();
+    auto p = pending_.find(chunk.key);
+    if (p == pending_.end()) {  // its transfer already failed
+      mu_.Unlock();
+      continue;
+    }
+    if (p->second.first_write == absl::InfiniteFuture()) p->second.first_write = absl::Now();
+    if (stream_ == nullptr) {
+      read_ended_ = false;
+      ++live_streams_;
+      stream_ = new Stream(this, &stub);
+    }
+    Stream* stream = stream_;
+    current_ = std::move(chunk);
+    write_in_flight_ = true;
+    mu_.Unlock();
+    stream->StartWrite(&current_.buffer);
+  }
+}
+
+void PeerSender::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  write_in_flight_ = false;
+  current_ = Chunk();
+  if (!ok) stream_broken_ = true;
+}
+
+void PeerSender::OnReadEnded() {
+  absl::MutexLock lock(&mu_);
+  read_ended_ = true;
+  if (!closing_) stream_broken_ = true;
+}
+
+void PeerSender::OnAck(const v1::FrameAck& ack) {
+  const std::string key = AckKey(ack.job_id(), ack.iteration(), ack.microbatch(), ack.direction());
+  Pending p;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(key);
+    if (it == pending_.end()) return;  // late ack for a failed transfer
+    p = std::move(it->second);
+    pending_.erase(it);
+  }
+  const double seconds =
+      p.first_write == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - p.first_write);
+  if (ack.ok()) {
+    p.done(absl::OkStatus(), seconds);
+  } else {
+    p.done(absl::FailedPreconditionError(
+               absl::StrCat("peer ", peer_, " rejected the tensor: ", ack.error())),
+           seconds);
+  }
+}
+
+void PeerSender::OnStreamDone(Stream* stream) {
+  absl::MutexLock lock(&mu_);
+  --live_streams_;
+  if (stream_ == stream) {
+    stream_ = nullptr;
+    stream_broken_ = false;
+  }
+}
+
+void PeerSender::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_ && !writer_.joinable()) return;
+    closing_ = true;
+    FailAll(absl::CancelledError("sender closed"));
+  }
+  if (writer_.joinable()) writer_.join();
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(+[](int* n) { return *n == 0; }, &live_streams_),
+                       absl::Seconds(10));
+}
+
+}  // namespace detour

@@ -1,0 +1,110 @@
+// The sending side of ActivationService towards one peer: a long-lived
+// bidirectional stream, tensors cut into chunks (a few MiB per frame, data
+// slices pointing at the tensor's memory), one write in flight, completion
+// when the peer acknowledges the whole tensor. Optional network emulation
+// delays and rate-limits frames as a geo-distributed link would (tests and
+// benchmarks only). Thread-safe; owns one thread that paces and issues the
+// writes, so gRPC reactions never wait.
+#ifndef DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
+#define DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "detour/v1/activation_service.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "worker/transport/frame_codec.h"
+
+namespace detour {
+
+// Link emulation for one peer. Zero bandwidth = unlimited.
+struct LinkEmulation {
+  absl::Duration latency = absl::ZeroDuration();
+  double bandwidth_bytes_per_s = 0;
+  bool enabled() const {
+    return latency > absl::ZeroDuration() || bandwidth_bytes_per_s > 0;
+  }
+};
+
+struct PeerSenderOptions {
+  size_t chunk_bytes = 4 << 20;
+  LinkEmulation emulation;
+  // A tensor not acknowledged within this time fails with DEADLINE_EXCEEDED.
+  absl::Duration ack_timeout = absl::Seconds(60);
+};
+
+class PeerSender {
+ public:
+  // Status of the whole transfer and its duration in seconds (first chunk
+  // handed to gRPC to the peer's acknowledgement). Called on an internal or
+  // gRPC thread; must not block.
+  using Done = std::function<void(absl::Status, double seconds)>;
+
+  PeerSender(std::string peer_address, PeerSenderOptions options);
+  ~PeerSender();
+  PeerSender(const PeerSender&) = delete;
+  PeerSender& operator=(const PeerSender&) = delete;
+
+  // Queues a tensor. `header` names job, iteration, microbatch, direction,
+  // sender, hop, shape and dtype; chunk fields and total_bytes are filled
+  // here. `data` must stay unmodified until `done` runs.
+  void Send(v1::FrameHeader header, TensorView data, Done done);
+
+  // Fails what is pending with CANCELLED, closes the stream, joins the
+  // thread. Idempotent.
+  void Close();
+
+  const std::string& peer() const { return peer_; }
+
+ private:
+  class Stream;
+  struct Pending {
+    v1::FrameHeader header;
+    TensorView data;
+    Done done;
+    absl::Time first_write;
+    absl::Time deadline;
+  };
+  struct Chunk {
+    grpc::ByteBuffer buffer;
+    std::string key;
+    size_t bytes = 0;
+    absl::Time release;  // emulated: not written before this time
+  };
+
+  void WriterLoop();
+  void OnAck(const v1::FrameAck& ack);
+  void OnWriteDone(bool ok);
+  void OnReadEnded();
+  void OnStreamDone(Stream* stream);
+  void FailAll(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string peer_;
+  const PeerSenderOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+
+  absl::Mutex mu_;
+  std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  // The current stream; only the writer thread starts operations on it.
+  Stream* stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int live_streams_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  Chunk current_;  // the chunk being written; writer thread and OnWriteDone
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time link_free_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::thread writer_;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
