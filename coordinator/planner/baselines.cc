@@ -34,6 +34,62 @@ absl::Status CheckShape(const sim::StageAssignment& assignment, const RouteRules
   return absl::OkStatus();
 }
 
+// Moves visits from over-visited stages (quota < 0) to under-visited ones
+// (quota > 0) by replacing a stage in some route, keeping its order valid.
+absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignment& assignment,
+                             const RouteRules& rules, std::vector<int>& quota,
+                             std::vector<sim::Route>& routes) {
+  std::vector<int> visits(cost.num_nodes(), 0);
+  for (const auto& r : routes) {
+    for (int n : r.nodes) ++visits[n];
+  }
+  for (int u = 1; u < rules.num_stages; ++u) {
+    while (quota[u] < 0) {
+      bool moved = false;
+      for (int v = 1; v < rules.num_stages && !moved; ++v) {
+        if (quota[v] <= 0) continue;
+        for (sim::Route& r : routes) {
+          const auto pos = std::find(r.stages.begin() + 1, r.stages.end(), u);
+          if (pos == r.stages.end()) continue;
+          if (std::find(r.stages.begin(), r.stages.end(), v) != r.stages.end()) continue;
+          sim::Route changed = r;
+          const size_t p = pos - r.stages.begin();
+          changed.stages[p] = v;
+          int node = assignment.stage_nodes[v][0];
+          for (int n : assignment.stage_nodes[v]) {
+            if (visits[n] < visits[node]) node = n;
+          }
+          changed.nodes[p] = node;
+          std::vector<std::pair<int, int>> order;
+          for (size_t i = 1; i < changed.stages.size(); ++i) {
+            order.push_back({changed.stages[i], changed.nodes[i]});
+          }
+          std::sort(order.begin(), order.end());
+          for (size_t i = 0; i < order.size(); ++i) {
+            changed.stages[i + 1] = order[i].first;
+            changed.nodes[i + 1] = order[i].second;
+          }
+          if (!CheckStageOrder(rules, changed.stages).empty()) continue;
+          --visits[r.nodes[p]];
+          ++visits[node];
+          r = std::move(changed);
+          ++quota[u];
+          --quota[v];
+          moved = true;
+          break;
+        }
+      }
+      if (!moved) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "cannot give every stage an equal share of visits under max_jump %d "
+            "(%d of %d stages per route); lower the skip ratio or raise max_jump",
+            rules.max_jump, rules.visited_stages, rules.num_stages));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::vector<double> StageCapacities(const sim::CostModel& cost,
@@ -74,6 +130,23 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
   RouteRequest req;
   req.allowed.assign(num_stages, 0);
   req.required.assign(num_stages, 0);
+  const int visits = rules.visited_stages - 1;
+  const double fraction = num_stages > 1 ? static_cast<double>(visits) / (num_stages - 1) : 0;
+  const double slack = 2.0 + 0.05 * total * fraction;
+  req.stage_price.assign(num_stages, 0);
+  // One "unit" of price: a typical hop (compute both ways plus transfers
+  // both ways) from a data node into the pipeline.
+  double unit = 0;
+  int unit_terms = 0;
+  for (int s = 1; s < num_stages; ++s) {
+    for (int n : assignment.stage_nodes[s]) {
+      const int d = data[(s + n) % data.size()];
+      unit += cost.ForwardTime(n, s) + cost.BackwardTime(n, s) + cost.TransferTime(d, n) +
+              cost.TransferTime(n, d);
+      ++unit_terms;
+    }
+  }
+  if (unit_terms > 0) unit /= unit_terms;
   int left = total;
   while (!queue.empty()) {
     auto [release, k, i] = queue.top();
@@ -81,9 +154,21 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
     const int wave = k / slots[i];
     req.data_node = data[i];
     req.release_s = mode == RouteBuilder::Mode::kTimed ? release : 0;
+    // Hard rules: no stage beyond its quota; a stage whose quota equals the
+    // routes left must be visited by each of them.
     for (int s = 1; s < num_stages; ++s) {
       req.allowed[s] = quota[s] > 0;
       req.required[s] = quota[s] >= left;
+    }
+    // Pacing: a stage that lags its fair share of the remaining visits gets
+    // cheaper, one ahead of it dearer, so greedy choices cannot strand a
+    // stage that the jump limit then makes unreachable.
+    // The tolerance shrinks towards the end, where the last routes must use
+    // exactly the visits left.
+    const double share = left * fraction;
+    const double tolerance = std::max(0.5, std::min(slack, 0.25 * share));
+    for (int s = 1; s < num_stages; ++s) {
+      req.stage_price[s] = -unit * (quota[s] - share) / tolerance;
     }
     std::optional<BuiltRoute> built;
     if (wave_memory_cap) {
@@ -95,6 +180,13 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
       req.node_allowed.clear();
     }
     if (!built) built = builder.Build(req);
+    if (!built) {
+      // The quotas left admit no route under the jump limit: take any valid
+      // route now and rebalance the visit counts afterwards.
+      std::fill(req.allowed.begin() + 1, req.allowed.end(), 1);
+      std::fill(req.required.begin(), req.required.end(), 0);
+      built = builder.Build(req);
+    }
     const int id = MicrobatchId(rules, i, k);
     if (!built) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -114,6 +206,7 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
       queue.push({mode == RouteBuilder::Mode::kTimed ? end[id] : 0.0, k + slots[i], i});
     }
   }
+  RETURN_IF_ERROR(RebalanceVisits(cost, assignment, rules, quota, routes));
   return routes;
 }
 
@@ -194,8 +287,10 @@ absl::StatusOr<std::vector<sim::Route>> FullPipelineRoutes(const sim::CostModel&
 absl::StatusOr<std::vector<sim::Route>> RandomSkipRoutes(const sim::CostModel& cost,
                                                          const sim::StageAssignment& assignment,
                                                          const RouteRules& rules, uint64_t seed) {
+  // Nodes are drawn without regard to load as well: balancing them per wave
+  // would already be a (network-blind) scheduling heuristic.
   auto routes = BuildRouteSet(cost, assignment, rules, RouteBuilder::Mode::kRandom, seed,
-                              /*wave_memory_cap=*/true, /*max_candidates=*/0);
+                              /*wave_memory_cap=*/false, /*max_candidates=*/0);
   if (!routes.ok() || rules.max_swaps == 0) return routes;
   // Random reorderings within the swap limits; dropped again if they could
   // deadlock on memory slots.

@@ -138,8 +138,14 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
   for (int s = 0; s < num_stages; ++s) {
     offset[s + 1] = offset[s] + static_cast<int>(cand[s].size()) * width;
   }
+  // value: the ordering key (kTimed: forward finish + prices); finish: the
+  // forward finish time itself (kTimed only).
   std::vector<double> value(offset[num_stages], kInf);
+  std::vector<double> finish(offset[num_stages], 0);
   std::vector<int> parent(offset[num_stages], -1);
+  auto price = [&](int stage) {
+    return req.stage_price.empty() ? 0.0 : req.stage_price[stage];
+  };
   auto node_of = [&](int idx, int* stage) {
     const int s = static_cast<int>(std::upper_bound(offset.begin(), offset.end(), idx) -
                                    offset.begin()) - 1;
@@ -148,7 +154,8 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
   };
   if (mode_ == Mode::kTimed) {
     const double f0 = cost_.ForwardTime(d, 0);
-    value[0] = calendars_[d].EarliestFit(req.release_s, f0) + f0;
+    finish[0] = calendars_[d].EarliestFit(req.release_s, f0) + f0;
+    value[0] = finish[0];
   } else {
     value[0] = 0;
   }
@@ -164,24 +171,27 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
         for (int s2 = s + 1; s2 <= last && s2 <= next_required[s]; ++s2) {
           for (int j2 = 0; j2 < static_cast<int>(cand[s2].size()); ++j2) {
             const int b = cand[s2][j2];
-            double nv = 0;
+            double nv = v + price(s2);
+            double nf = 0;
             switch (mode_) {
               case Mode::kStatic:
-                nv = v + cost_.TransferTime(a, b) + cost_.TransferTime(b, a) +
-                     cost_.ForwardTime(b, s2) + cost_.BackwardTime(b, s2);
+                nv += cost_.TransferTime(a, b) + cost_.TransferTime(b, a) +
+                      cost_.ForwardTime(b, s2) + cost_.BackwardTime(b, s2);
                 break;
               case Mode::kTimed: {
                 const double f = cost_.ForwardTime(b, s2);
-                nv = calendars_[b].EarliestFit(v + cost_.TransferTime(a, b), f) + f;
+                nf = calendars_[b].EarliestFit(finish[idx] + cost_.TransferTime(a, b), f) + f;
+                nv += nf - finish[idx];
                 break;
               }
               case Mode::kRandom:
-                nv = v + rng_.UniformReal();
+                nv += rng_.UniformReal();
                 break;
             }
             const int idx2 = offset[s2] + j2 * width + c + 1;
             if (nv < value[idx2]) {
               value[idx2] = nv;
+              finish[idx2] = nf;
               parent[idx2] = idx;
             }
           }
@@ -211,7 +221,9 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
           score = value[idx] + cost_.TransferTime(n, d) + cost_.TransferTime(d, n);
           break;
         case Mode::kTimed:
-          score = TimedSchedule(cost_, calendars_, nodes, stages, req.release_s, nullptr);
+          // The end of the backward plus the prices collected on the way.
+          score = TimedSchedule(cost_, calendars_, nodes, stages, req.release_s, nullptr) +
+                  value[idx] - finish[idx];
           break;
         case Mode::kRandom:
           score = value[idx] + rng_.UniformReal();

@@ -48,6 +48,9 @@ struct RouteRequest {
   // Per node, optional: nodes that may be used (e.g. memory left in this
   // wave). Empty = all.
   std::vector<char> node_allowed;
+  // Per stage, optional: seconds added to a route's price for visiting the
+  // stage (negative = encouraged). Keeps visit quotas paced. Empty = none.
+  std::vector<double> stage_price;
 };
 
 struct BuiltRoute {
