@@ -11,6 +11,29 @@
 namespace detour::sim {
 namespace {
 
+std::string XmlEscape(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
 // Assigned nodes ordered by stage, then by position within the stage.
 std::vector<int> RowOrder(const Plan& plan) {
   std::vector<int> rows;
@@ -193,7 +216,7 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
   std::string heading = options.title.empty() ? "iteration timeline" : options.title;
   absl::StrAppendFormat(&svg,
                         "<text x=\"%d\" y=\"20\" font-size=\"15\" font-weight=\"bold\">%s</text>\n",
-                        left, heading);
+                        left, XmlEscape(heading));
   absl::StrAppendFormat(
       &svg,
       "<text x=\"%d\" y=\"38\">pipeline %.2f s, iteration (with all-reduce) %.2f s, "
@@ -222,7 +245,7 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
     const int node = rows[i];
     const int y = top + static_cast<int>(i) * row_h;
     absl::StrAppendFormat(&svg, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s · stage %d</text>\n",
-                          left - 8, y + bar_h - 2, cost.node_id(node), stage[node]);
+                          left - 8, y + bar_h - 2, XmlEscape(cost.node_id(node)), stage[node]);
     // Idle first (background of the pipeline phase), then work on top.
     if (node < static_cast<int>(result.idle.size())) {
       for (const auto& gap : result.idle[node]) {
@@ -241,7 +264,7 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
                             "stroke=\"white\" stroke-width=\"0.3\"><title>%s: %.3f-%.3f s</title>"
                             "</rect>\n",
                             x(a.start_s), y0, std::max(0.5, x(a.end_s) - x(a.start_s)), h,
-                            Colour(a.kind), what, a.start_s, a.end_s);
+                            Colour(a.kind), XmlEscape(what), a.start_s, a.end_s);
     };
     if (node < static_cast<int>(result.compute.size())) {
       for (const Activity& a : result.compute[node]) draw(a, y, bar_h);

@@ -82,7 +82,7 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
   const int budget =
       options_.max_evaluations >= 0
           ? options_.max_evaluations
-          : static_cast<int>(std::clamp(4e6 / std::max<int64_t>(events, 1), 20.0, 3000.0));
+          : static_cast<int>(std::clamp(4e6 / std::max<int64_t>(events, 1), 200.0, 3000.0));
   const int num_routes = static_cast<int>(routes.size());
   const bool can_swap = rules_.max_swaps > 0;
   const int visits = rules_.visited_stages - 1;

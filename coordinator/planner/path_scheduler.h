@@ -35,7 +35,7 @@ namespace detour::planner {
 struct PathSchedulerOptions {
   uint64_t seed = 0;
   // Simulator evaluations for the local search; < 0 = sized to the problem
-  // (about 4e6 simulated events in all, 20 to 3000 evaluations).
+  // (about 4e6 simulated events in all, 200 to 3000 evaluations).
   int max_evaluations = -1;
   // Nodes per stage the route search considers (the most promising).
   int max_candidates = 8;

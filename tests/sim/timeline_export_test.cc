@@ -64,6 +64,7 @@ TEST(TimelineExportTest, SvgHasRowsLegendAndColours) {
   options.title = "demo <plan>";
   const std::string svg = TimelineSvg(f.cost, f.plan, f.result, options);
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("demo &lt;plan&gt;"), std::string::npos);  // Escaped for XML.
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   for (const char* label : {"forward", "backward", "loss + head", "send activation",
                             "send gradient", "idle (bubble)", "n0 · stage 0", "n2 · stage 1"}) {
