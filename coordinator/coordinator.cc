@@ -52,11 +52,21 @@ absl::Status Coordinator::Init() {
   ASSIGN_OR_RETURN(sessions_, sessions->WithLabels({}));
   UpdateGauges();
 
-  job_service_ = std::make_unique<JobServiceImpl>(&jobs_);
+  JobServiceImpl::Hooks job_hooks;
+  job_hooks.on_submitted = [this](const std::string& id) { manager_->Add(id); };
+  job_hooks.on_cancelled = [this](const std::string& id) { manager_->Cancel(id); };
+  job_service_ = std::make_unique<JobServiceImpl>(&jobs_, std::move(job_hooks));
   ControlServiceImpl::Hooks hooks;
   hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
   hooks.on_heartbeat = [this](const std::string&) { heartbeats_->Increment(); };
+  hooks.on_message = [this](const std::string& worker, const v1::WorkerMessage& m) {
+    manager_->OnWorkerMessage(worker, m);
+  };
   control_service_ = std::make_unique<ControlServiceImpl>(&registry_, std::move(hooks));
+  JobManagerOptions job_options = options_.jobs;
+  job_options.metrics = &metrics_registry_;
+  manager_ = std::make_unique<JobManager>(&jobs_, &registry_, control_service_.get(),
+                                          std::move(job_options));
 
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
@@ -75,6 +85,7 @@ absl::Status Coordinator::Init() {
     }
   }
   reaper_ = std::thread([this] { ReaperLoop(); });
+  manager_->Recover();
   return absl::OkStatus();
 }
 
@@ -112,6 +123,8 @@ void Coordinator::Drain(absl::Duration deadline) {
   drained_ = true;
   if (server_.server) {
     SetServing(server_.server.get(), false);
+    // Stop the jobs first so their workers are told before sessions close.
+    manager_->Shutdown();
     control_service_->CloseSessions();
     job_service_->CloseWatches();
     server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));

@@ -18,6 +18,7 @@
 #include "common/net/server.h"
 #include "coordinator/control_service.h"
 #include "coordinator/job_service.h"
+#include "coordinator/job_runner.h"
 #include "coordinator/job_store.h"
 #include "coordinator/worker_registry.h"
 
@@ -31,6 +32,8 @@ struct CoordinatorOptions {
   std::string data_dir = "detour-data/coordinator";
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
+  // Planning network, emulation, timeouts for jobs.
+  JobManagerOptions jobs;
 };
 
 // Thread-safe. Start() returns a running coordinator; Drain() stops it.
@@ -62,6 +65,7 @@ class Coordinator {
   JobStore jobs_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
+  std::unique_ptr<JobManager> manager_;
   RunningServer server_;
   int grpc_port_ = 0;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;

@@ -2,13 +2,16 @@
 add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/control_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/coordinator.cc
+  ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
+  ${CMAKE_CURRENT_LIST_DIR}/timing_estimates.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_registry.cc
 )
 add_library(detour::coordinator ALIAS detour_coordinator_lib)
 target_link_libraries(detour_coordinator_lib
   PUBLIC detour::common detour::net detour::metrics detour::metrics_http detour::metrics_grpc
+         detour::planner detour::sim
          absl::synchronization absl::time
   PRIVATE detour_warnings)
 

@@ -16,9 +16,7 @@
 namespace detour {
 namespace {
 
-constexpr char kStoredMessage[] =
-    "accepted and stored; this coordinator version does not execute jobs yet (the "
-    "distributed runtime arrives in a later release)";
+constexpr char kStoredMessage[] = "accepted; waiting for workers";
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& s) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -105,7 +103,8 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
   uint64_t listener_ = 0;
 };
 
-JobServiceImpl::JobServiceImpl(JobStore* store) : store_(store) {}
+JobServiceImpl::JobServiceImpl(JobStore* store, Hooks hooks)
+    : store_(store), hooks_(std::move(hooks)) {}
 
 JobServiceImpl::~JobServiceImpl() = default;
 
@@ -117,6 +116,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* co
   auto job = store_->Create(*spec, absl::Now(), kStoredMessage);
   if (!job.ok()) return Reply(context, job.status());
   LogInfo("job ", job->id(), " (", job->spec().name(), ") submitted");
+  if (hooks_.on_submitted) hooks_.on_submitted(job->id());
   *response = *std::move(job);
   return Reply(context, absl::OkStatus());
 }
@@ -158,6 +158,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* co
   auto job = store_->Cancel(request->job_id(), absl::Now());
   if (!job.ok()) return Reply(context, job.status());
   LogInfo("job ", job->id(), " cancelled");
+  if (hooks_.on_cancelled) hooks_.on_cancelled(job->id());
   *response = *std::move(job);
   return Reply(context, absl::OkStatus());
 }

@@ -3,6 +3,7 @@
 #ifndef DETOUR_COORDINATOR_JOB_SERVICE_H_
 #define DETOUR_COORDINATOR_JOB_SERVICE_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 
@@ -16,8 +17,13 @@ class WatchReactor;
 
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
+  // Called after a job was stored / cancelled (the JobManager drives it).
+  struct Hooks {
+    std::function<void(const std::string& job_id)> on_submitted;
+    std::function<void(const std::string& job_id)> on_cancelled;
+  };
   // Does not own `store`, which must outlive the service.
-  explicit JobServiceImpl(JobStore* store);
+  JobServiceImpl(JobStore* store, Hooks hooks);
   ~JobServiceImpl() override;
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
@@ -40,6 +46,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
  private:
   friend class WatchReactor;
   JobStore* const store_;
+  const Hooks hooks_;
   absl::Mutex mu_;
   std::map<WatchReactor*, bool> watches_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;

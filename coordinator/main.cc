@@ -10,6 +10,8 @@
 #include "common/log.h"
 #include "common/net/address.h"
 #include "common/net/shutdown_signal.h"
+#include "common/spec.h"
+#include "common/status.h"
 #include "common/version.h"
 #include "coordinator/coordinator.h"
 
@@ -25,6 +27,10 @@ int main(int argc, char** argv) {
   absl::Duration heartbeat_interval = absl::Seconds(2);
   absl::Duration drain_timeout = absl::Seconds(10);
   std::string ready_file;
+  std::string cluster_file;
+  bool emulate_network = false;
+  absl::Duration iteration_timeout = absl::Seconds(600);
+  absl::Duration assign_timeout = absl::Seconds(120);
   std::string log_level = "info";
   bool version = false;
 
@@ -43,6 +49,16 @@ int main(int argc, char** argv) {
                  "on SIGTERM/SIGINT, how long in-flight RPCs may take before being cut");
   flags.String("ready_file", &ready_file,
                "write {\"grpc_port\", \"metrics_port\", \"pid\"} JSON here once serving");
+  flags.String("cluster", &cluster_file,
+               "ClusterSpec JSON whose region links (latency, bandwidth) the planner uses; "
+               "regions it does not cover count as one fast network");
+  flags.Bool("emulate_network", &emulate_network,
+             "make workers delay and rate-limit their frames per --cluster (emulation for "
+             "tests and benchmarks on one machine)");
+  flags.Duration("iteration_timeout", &iteration_timeout,
+                 "fail a job when an iteration takes longer than this");
+  flags.Duration("assign_timeout", &assign_timeout,
+                 "fail a job when its workers take longer than this to build their stages");
   flags.String("log_level", &log_level, "debug, info, warning or error");
   flags.Bool("version", &version, "print the version and exit");
   flags.SetEpilog(
@@ -89,6 +105,16 @@ int main(int argc, char** argv) {
   options.data_dir = data_dir;
   options.worker_silence = worker_silence;
   options.heartbeat_interval = heartbeat_interval;
+  if (!cluster_file.empty()) {
+    auto network = LoadClusterSpec(cluster_file);
+    if (!network.ok()) return flags.Fail(Annotate(network.status(), "--cluster"));
+    options.jobs.network = *network;
+  } else if (emulate_network) {
+    return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
+  }
+  options.jobs.emulate_network = emulate_network;
+  options.jobs.iteration_timeout = iteration_timeout;
+  options.jobs.assign_timeout = assign_timeout;
 
   if (absl::Status dir = EnsureWritableDirectory(data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());

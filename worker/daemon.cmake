@@ -1,5 +1,9 @@
-# The worker daemon. Its control plane needs no LibTorch; the model code in
-# worker/model does (and joins the daemon with the distributed runtime).
+# The worker daemon: control client, ActivationService, and the job runtime
+# (which links LibTorch through worker/model). Needs DETOUR_WITH_TORCH.
+if(NOT DETOUR_WITH_TORCH)
+  message(STATUS "DETOUR_WITH_TORCH=OFF: not building detour-worker")
+  return()
+endif()
 add_library(detour_worker_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/control_client.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker.cc
@@ -7,7 +11,7 @@ add_library(detour_worker_lib STATIC
 add_library(detour::worker ALIAS detour_worker_lib)
 target_link_libraries(detour_worker_lib
   PUBLIC detour::common detour::net detour::metrics detour::metrics_http detour::metrics_grpc
-         absl::synchronization absl::time
+         detour::transport detour::runtime absl::synchronization absl::time
   PRIVATE detour_warnings)
 
 add_executable(detour-worker ${CMAKE_CURRENT_LIST_DIR}/main.cc)

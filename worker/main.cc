@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:7071";
   int64_t metrics_port = o.metrics_port;
   int64_t memory_slots = o.memory_slots;
+  int64_t torch_threads = o.torch_threads;
   absl::Duration drain_timeout = absl::Seconds(10);
   std::string ready_file;
   std::string log_level = "info";
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
   flags.Double("speed", &o.speed, "relative compute speed of this node");
   flags.Int("memory_slots", &memory_slots, "microbatches this node can hold in flight");
   flags.String("device", &o.device, "cpu or cuda");
+  flags.Int("torch_threads", &torch_threads,
+            "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
   flags.String("metrics_bind", &o.metrics_bind, "address for the /metrics HTTP endpoint");
   flags.Int("metrics_port", &metrics_port, "port for /metrics; 0 picks a free one, -1 disables");
   flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
@@ -104,6 +107,11 @@ int main(int argc, char** argv) {
   }
   o.metrics_port = static_cast<int>(metrics_port);
   o.memory_slots = static_cast<int>(memory_slots);
+  if (torch_threads < 0 || torch_threads > 1024) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--torch_threads: ", torch_threads, " is outside 0..1024")));
+  }
+  o.torch_threads = static_cast<int>(torch_threads);
 
   if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());

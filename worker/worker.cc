@@ -51,8 +51,28 @@ absl::Status Worker::Init() {
                               "1 while a Session stream with the coordinator is open."));
   ASSIGN_OR_RETURN(connected_, connected->WithLabels({}));
 
+  JobRuntimeOptions runtime_options;
+  runtime_options.region = options_.region;
+  runtime_options.data_dir = options_.data_dir;
+  runtime_options.device = options_.device;
+  runtime_options.torch_threads = options_.torch_threads;
+  runtime_options.metrics = &metrics_registry_;
+  runtime_ = std::make_unique<JobRuntime>(
+      runtime_options,
+      [this](v1::WorkerMessage message) {
+        return control_ ? control_->Send(std::move(message))
+                        : absl::UnavailableError("not registered");
+      },
+      [this](const std::string& job) {
+        if (control_) control_->SetCurrentJob(job);
+      });
+  ActivationServerOptions activation_options;
+  activation_options.metrics = &metrics_registry_;
+  activations_ = std::make_unique<ActivationServer>(runtime_.get(), activation_options);
+
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
+  server_options.generic_service = activations_.get();
   ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));
@@ -84,11 +104,8 @@ absl::Status Worker::Init() {
     SetLogComponent(absl::StrCat("worker ", id));
   };
   hooks.on_connection_change = [this](bool up) { connected_->Set(up ? 1 : 0); };
-  hooks.on_message = [](const v1::CoordinatorMessage& message) {
-    // Assignments and plans are executed by the distributed runtime, which
-    // is not part of this version; say so rather than ignore them silently.
-    LogWarning("ignoring coordinator message (", message.kind_case(),
-               "): job execution is not implemented in this worker version");
+  hooks.on_message = [this](const v1::CoordinatorMessage& message) {
+    runtime_->OnCoordinatorMessage(message);
   };
   control_ = std::make_unique<ControlClient>(std::move(control), std::move(hooks));
   absl::Status registered = control_->Start();
@@ -106,6 +123,7 @@ void Worker::Drain(absl::Duration deadline) {
   drained_ = true;
   if (server_.server) SetServing(server_.server.get(), false);
   if (control_) control_->Stop();
+  if (runtime_) runtime_->Stop();
   if (server_.server) {
     server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_.server->Wait();

@@ -1,6 +1,6 @@
-// The worker daemon as a library: its gRPC server (health, reflection; the
-// ActivationService joins with the distributed runtime), its control-plane
-// client and its Prometheus endpoint. main.cc parses flags and waits for a
+// The worker daemon as a library: its gRPC server (ActivationService, health,
+// reflection), its control-plane client, the job runtime that executes the
+// coordinator's plans, and its Prometheus endpoint. main.cc parses flags and waits for a
 // signal; tests can run a Worker in-process.
 #ifndef DETOUR_WORKER_WORKER_H_
 #define DETOUR_WORKER_WORKER_H_
@@ -16,6 +16,8 @@
 #include "common/net/address.h"
 #include "common/net/server.h"
 #include "worker/control_client.h"
+#include "worker/runtime/job_runtime.h"
+#include "worker/transport/activation_server.h"
 
 namespace detour {
 
@@ -34,6 +36,8 @@ struct WorkerOptions {
   int metrics_port = 9471;  // 0 = pick a free port; -1 = none
   std::string data_dir = "detour-data/worker";
   absl::Duration connect_timeout = absl::ZeroDuration();
+  // LibTorch intra-op threads; 0 = LibTorch's default (all cores).
+  int torch_threads = 0;
 };
 
 // Thread-safe. Start() returns once registered with the coordinator.
@@ -58,6 +62,8 @@ class Worker {
   metrics::Registry metrics_registry_;
   RunningServer server_;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;
+  std::unique_ptr<JobRuntime> runtime_;
+  std::unique_ptr<ActivationServer> activations_;
   std::unique_ptr<ControlClient> control_;
   metrics::Counter* heartbeats_sent_ = nullptr;
   metrics::Counter* registrations_ = nullptr;

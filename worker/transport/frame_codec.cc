@@ -173,9 +173,10 @@ absl::StatusOr<DecodedFrame> DecodeFrame(const grpc::ByteBuffer& buffer) {
 absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                  uint64_t max_tensor_bytes) {
   if (h.job_id().empty()) return absl::InvalidArgumentError("frame header: job_id is empty");
-  if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD) {
+  if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
+      h.direction() != v1::DIRECTION_ALLREDUCE) {
     return absl::InvalidArgumentError(
-        absl::StrCat("frame header: direction ", h.direction(), " is not FORWARD or BACKWARD"));
+        absl::StrCat("frame header: direction ", h.direction(), " is not FORWARD, BACKWARD or ALLREDUCE"));
   }
   const size_t element = DTypeSize(h.dtype());
   if (element == 0) {

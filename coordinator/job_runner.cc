@@ -1,0 +1,522 @@
+#include "coordinator/job_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/sim/cost_model.h"
+#include "common/spec.h"
+#include "common/stage_layers.h"
+#include "common/status.h"
+#include "coordinator/planner/plan_proto.h"
+#include "coordinator/planner/planner.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace detour {
+namespace {
+
+google::protobuf::Timestamp Now() {
+  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
+}
+
+}  // namespace
+
+// How a job ended: its final state and the reason.
+struct JobEnd {
+  v1::JobState state;
+  std::string message;
+};
+
+class JobRunner {
+ public:
+  JobRunner(JobManager* manager, std::string job_id)
+      : manager_(manager), job_id_(std::move(job_id)) {}
+
+  ~JobRunner() {
+    RequestStop(JobEnd{v1::JOB_STATE_FAILED, "coordinator stopped while the job was running"});
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Start() { thread_ = std::thread([this] { Run(); }); }
+
+  void Post(const std::string& worker_id, const v1::WorkerMessage& message) {
+    absl::MutexLock lock(&mu_);
+    inbox_.emplace_back(worker_id, message);
+  }
+
+  void RequestStop(JobEnd stop) {
+    absl::MutexLock lock(&mu_);
+    if (!stop_) stop_ = std::move(stop);
+  }
+
+  bool finished() const {
+    absl::MutexLock lock(&mu_);
+    return finished_;
+  }
+
+ private:
+  using Message = std::pair<std::string, v1::WorkerMessage>;
+
+  void Run() {
+    auto end = Drive();
+    Finish(end);
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+  }
+
+  JobEnd Drive() {
+    auto job = manager_->jobs_->Get(job_id_);
+    if (!job.ok()) return {v1::JOB_STATE_FAILED, std::string(job.status().message())};
+    spec_ = job->spec();
+    const v1::PipelineSpec& p = spec_.pipeline();
+    const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
+
+    // PENDING: wait for workers.
+    std::string last_message;
+    while (true) {
+      if (auto s = CheckStop(); s) return *s;
+      int idle = 0;
+      auto reserved = manager_->Reserve(job_id_, needed, &idle);
+      if (reserved) {
+        workers_ = *reserved;
+        break;
+      }
+      const std::string message =
+          absl::StrCat("waiting for ", needed, " idle workers (", idle, " available)");
+      if (message != last_message) {
+        SetState(v1::JOB_STATE_PENDING, message);
+        last_message = message;
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+
+    // ASSIGNING.
+    SetState(v1::JOB_STATE_ASSIGNING,
+             absl::StrCat("assigning stages to ", workers_.size(), " workers"));
+    if (auto s = Assign(); s) return *s;
+
+    // RUNNING.
+    SetState(v1::JOB_STATE_RUNNING, "training");
+    manager_->jobs_->Update(job_id_, [](v1::Job* j) { *j->mutable_start_time() = Now(); })
+        .IgnoreError();
+    const absl::Time started = absl::Now();
+    for (uint64_t it = 0; it < spec_.iterations(); ++it) {
+      if (auto s = RunIteration(it, started); s) return *s;
+    }
+    return {v1::JOB_STATE_SUCCEEDED, absl::StrCat("trained ", spec_.iterations(), " iterations")};
+  }
+
+  std::optional<JobEnd> Assign() {
+    // The planning cluster: the reserved workers with the operator's network.
+    v1::ClusterSpec cluster = manager_->options_.network;
+    cluster.clear_nodes();
+    std::set<std::string> regions;
+    for (const v1::WorkerInfo& w : workers_) {
+      v1::NodeSpec* n = cluster.add_nodes();
+      n->set_id(w.worker_id());
+      n->set_region(w.region());
+      n->set_speed(w.speed());
+      n->set_memory_slots(w.memory_slots());
+      n->set_address(w.address());
+      regions.insert(w.region());
+      region_of_[w.worker_id()] = w.region();
+    }
+    // Regions the network does not describe are treated as one fast network
+    // (a uniform cluster, the right model for a single site).
+    std::set<std::pair<std::string, std::string>> known;
+    for (const v1::RegionLink& l : cluster.links()) {
+      known.insert(std::minmax(l.region_a(), l.region_b()));
+    }
+    for (auto a = regions.begin(); a != regions.end(); ++a) {
+      for (auto b = std::next(a); b != regions.end(); ++b) {
+        if (known.count({*a, *b})) continue;
+        v1::RegionLink* l = cluster.add_links();
+        l->set_region_a(*a);
+        l->set_region_b(*b);
+        l->set_latency_ms(cluster.intra_region_latency_ms() > 0 ? cluster.intra_region_latency_ms()
+                                                                : 1.0);
+        l->set_bandwidth_gbytes_per_s(cluster.intra_region_bandwidth_gbytes_per_s() > 0
+                                          ? cluster.intra_region_bandwidth_gbytes_per_s()
+                                          : 5.0);
+      }
+    }
+    auto normalized = NormalizeClusterSpec(cluster);
+    if (!normalized.ok()) return JobEnd{v1::JOB_STATE_FAILED, std::string(normalized.status().message())};
+    cluster_ = *normalized;
+    auto cost = sim::CostModel::Create(cluster_, spec_);
+    if (!cost.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("cost model: ", cost.status().message())};
+    cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
+    planner::PlannerOptions options;
+    options.seed = spec_.seed();
+    auto first = planner::PlanIteration(*cost_, spec_, options);
+    if (!first.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", first.status().message())};
+    assignment_ = first->plan.assignment;
+    first_plan_ = std::move(*first);
+
+    // Stage assignments.
+    std::vector<v1::Peer> peers;
+    stage_of_.clear();
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      for (int n : assignment_.stage_nodes[s]) {
+        const std::string& id = cost_->node_id(n);
+        stage_of_[id] = s;
+        v1::Peer peer;
+        peer.set_worker_id(id);
+        peer.set_region(region_of_[id]);
+        peer.set_stage(s);
+        for (const v1::WorkerInfo& w : workers_) {
+          if (w.worker_id() == id) peer.set_address(w.address());
+        }
+        peers.push_back(peer);
+      }
+    }
+    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+      j->clear_stages();
+      for (int s = 0; s < assignment_.num_stages(); ++s) {
+        auto* nodes = j->add_stages();
+        for (int n : assignment_.stage_nodes[s]) nodes->add_nodes(cost_->node_id(n));
+      }
+    }).IgnoreError();
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      auto layers = StageLayers(static_cast<int>(spec_.model().num_layers()),
+                                static_cast<int>(spec_.pipeline().num_stages()), s);
+      if (!layers.ok()) return JobEnd{v1::JOB_STATE_FAILED, std::string(layers.status().message())};
+      for (int n : assignment_.stage_nodes[s]) {
+        v1::CoordinatorMessage m;
+        v1::StageAssignment* a = m.mutable_assignment();
+        a->set_job_id(job_id_);
+        *a->mutable_spec() = spec_;
+        a->set_stage(s);
+        a->set_layer_begin(layers->begin);
+        a->set_layer_end(layers->end);
+        for (const v1::Peer& p : peers) *a->add_peers() = p;
+        for (int r : assignment_.stage_nodes[s]) a->add_replica_group(cost_->node_id(r));
+        a->set_seed(spec_.seed());
+        a->set_worker_id(cost_->node_id(n));
+        if (manager_->options_.emulate_network) *a->mutable_emulate_network() = cluster_;
+        if (auto sent = manager_->control_->Send(cost_->node_id(n), std::move(m)); !sent.ok()) {
+          return JobEnd{v1::JOB_STATE_FAILED, std::string(sent.message())};
+        }
+      }
+    }
+    std::set<std::string> waiting;
+    for (const auto& [id, s] : stage_of_) waiting.insert(id);
+    const absl::Time deadline = absl::Now() + manager_->options_.assign_timeout;
+    while (!waiting.empty()) {
+      std::deque<Message> batch;
+      if (auto s = Wait(deadline, &batch, [&] {
+            return absl::StrCat("stage builds of ", absl::StrJoin(waiting, ", "));
+          });
+          s) {
+        return s;
+      }
+      for (auto& [worker, m] : batch) {
+        if (m.has_stage_ready() && m.stage_ready().job_id() == job_id_) waiting.erase(worker);
+      }
+    }
+    LogInfo("job ", job_id_, ": all ", stage_of_.size(), " stages built");
+    return std::nullopt;
+  }
+
+  std::optional<JobEnd> RunIteration(uint64_t iteration, absl::Time started) {
+    const absl::Time begin = absl::Now();
+    planner::PlannedIteration planned;
+    if (iteration == 0) {
+      planned = first_plan_;
+    } else {
+      planner::PlannerOptions options;
+      options.seed = spec_.seed() + iteration;
+      options.assignment = assignment_;
+      const uint32_t k = spec_.pipeline().full_model_every();
+      if (k > 0 && (iteration + 1) % k == 0) options.scheduler = v1::SCHEDULER_FULL;
+      auto p = planner::PlanIteration(*cost_, spec_, options);
+      if (!p.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", p.status().message())};
+      planned = std::move(*p);
+    }
+    v1::CoordinatorMessage m;
+    v1::IterationPlan* plan = m.mutable_plan();
+    plan->set_job_id(job_id_);
+    plan->set_iteration(iteration);
+    for (const sim::Route& r : planned.plan.routes) {
+      *plan->add_routes() = planner::ToProtoRoute(*cost_, r);
+    }
+    plan->set_predicted_time_s(planned.result.iteration_time_s);
+    const int total_microbatches = plan->routes_size();
+    for (const auto& [id, s] : stage_of_) {
+      if (auto sent = manager_->control_->Send(id, m); !sent.ok()) {
+        return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", id, ": ", sent.message())};
+      }
+    }
+
+    // Gradient norms (one per worker), then the step, then results.
+    const absl::Time deadline = absl::Now() + manager_->options_.iteration_timeout;
+    std::map<int, double> stage_norm;
+    std::set<std::string> norms_from;
+    std::map<std::string, v1::IterationResult> results;
+    bool stepped = false;
+    while (results.size() < stage_of_.size()) {
+      std::deque<Message> batch;
+      auto waiting_for = [&] {
+        std::vector<std::string> missing;
+        for (const auto& [id, s] : stage_of_) {
+          if (!(stepped ? results.count(id) : norms_from.count(id))) missing.push_back(id);
+        }
+        return absl::StrCat(stepped ? "iteration results" : "gradient norms", " of iteration ",
+                            iteration, " from ", absl::StrJoin(missing, ", "));
+      };
+      if (auto s = Wait(deadline, &batch, waiting_for); s) return s;
+      for (auto& [worker, msg] : batch) {
+        if (msg.has_grad_norm() && msg.grad_norm().iteration() == iteration) {
+          norms_from.insert(worker);
+          stage_norm.emplace(static_cast<int>(msg.grad_norm().stage()),
+                             msg.grad_norm().squared_norm());
+        } else if (msg.has_result() && msg.result().iteration() == iteration) {
+          results[worker] = msg.result();
+        } else if (msg.has_timing() && msg.timing().iteration() == iteration) {
+          manager_->estimates_.Add(msg.timing(), region_of_, stage_of_);
+        }
+      }
+      if (!stepped && norms_from.size() == stage_of_.size()) {
+        double squared = 0;
+        for (const auto& [s, sq] : stage_norm) squared += sq;
+        v1::CoordinatorMessage step;
+        step.mutable_step()->set_job_id(job_id_);
+        step.mutable_step()->set_iteration(iteration);
+        step.mutable_step()->set_squared_norm(squared);
+        for (const auto& [id, s] : stage_of_) {
+          if (auto sent = manager_->control_->Send(id, step); !sent.ok()) {
+            return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", id, ": ", sent.message())};
+          }
+        }
+        stepped = true;
+      }
+    }
+
+    // Checks: replicas identical, every microbatch completed exactly once.
+    std::map<int, uint64_t> checksum;
+    std::map<uint32_t, int> completions;
+    double loss_sum = 0;
+    uint64_t tokens = 0;
+    for (const auto& [id, r] : results) {
+      auto [it, fresh] = checksum.emplace(static_cast<int>(r.stage()), r.parameter_checksum());
+      if (!fresh && it->second != r.parameter_checksum()) {
+        return JobEnd{v1::JOB_STATE_FAILED,
+                    absl::StrCat("replicas of stage ", r.stage(), " diverged at iteration ",
+                                 iteration, " (worker ", id, ")")};
+      }
+      if (r.stage() == 0) {
+        for (uint32_t mb : r.microbatches()) ++completions[mb];
+        loss_sum += r.loss_sum();
+        tokens += r.tokens();
+      }
+    }
+    for (int mb = 0; mb < total_microbatches; ++mb) {
+      if (completions[static_cast<uint32_t>(mb)] != 1) {
+        return JobEnd{v1::JOB_STATE_FAILED,
+                    absl::StrCat("microbatch ", mb, " of iteration ", iteration, " completed ",
+                                 completions[static_cast<uint32_t>(mb)], " times")};
+      }
+    }
+
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
+    const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
+    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+      v1::JobProgress* p = j->mutable_progress();
+      p->set_iteration(iteration + 1);
+      p->set_total_iterations(spec_.iterations());
+      p->set_loss(loss);
+      p->set_iteration_time_s(seconds);
+      p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
+      const double per_iteration = elapsed / static_cast<double>(iteration + 1);
+      p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));
+    }).IgnoreError();
+    LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
+    return std::nullopt;
+  }
+
+  // Waits until a message arrives, the deadline passes, a worker of the job
+  // is lost or reports an error, or the job is stopped.
+  template <typename Describe>
+  std::optional<JobEnd> Wait(absl::Time deadline, std::deque<Message>* batch, Describe describe) {
+    while (true) {
+      if (auto s = CheckStop(); s) return s;
+      for (const v1::WorkerInfo& w : manager_->registry_->List(true)) {
+        if (stage_of_.count(w.worker_id()) && w.state() == v1::WORKER_STATE_LOST) {
+          return JobEnd{v1::JOB_STATE_FAILED,
+                      absl::StrCat("worker ", w.worker_id(), " lost (no heartbeat for ",
+                                   absl::FormatDuration(manager_->registry_->silence()),
+                                   ") while waiting for ", describe())};
+        }
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !inbox_.empty() || stop_.has_value();
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+        batch->swap(inbox_);
+      }
+      for (const auto& [worker, m] : *batch) {
+        if (m.has_error() && m.error().job_id() == job_id_) {
+          return JobEnd{v1::JOB_STATE_FAILED, m.error().message()};
+        }
+      }
+      if (!batch->empty()) return std::nullopt;
+      if (absl::Now() > deadline) {
+        return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("timed out waiting for ", describe())};
+      }
+    }
+  }
+
+  std::optional<JobEnd> CheckStop() {
+    absl::MutexLock lock(&mu_);
+    return stop_;
+  }
+
+  void SetState(v1::JobState state, const std::string& message) {
+    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+      j->set_state(state);
+      j->set_message(message);
+    }).IgnoreError();
+  }
+
+  void Finish(const JobEnd& end) {
+    // Release every worker of the job, whatever the outcome.
+    for (const auto& [id, s] : stage_of_) {
+      v1::CoordinatorMessage m;
+      m.mutable_cancel()->set_job_id(job_id_);
+      m.mutable_cancel()->set_reason(end.message);
+      manager_->control_->Send(id, std::move(m)).IgnoreError();
+    }
+    manager_->Release(job_id_);
+    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+      if (JobStore::IsFinal(j->state())) return;  // e.g. cancelled by request
+      j->set_state(end.state);
+      j->set_message(end.message);
+      *j->mutable_end_time() = Now();
+    }).IgnoreError();
+    if (end.state == v1::JOB_STATE_FAILED) {
+      LogWarning("job ", job_id_, " failed: ", end.message);
+    } else {
+      LogInfo("job ", job_id_, " ", v1::JobState_Name(end.state), ": ", end.message);
+    }
+  }
+
+  JobManager* const manager_;
+  const std::string job_id_;
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  std::deque<Message> inbox_ ABSL_GUARDED_BY(mu_);
+  std::optional<JobEnd> stop_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Runner-thread state.
+  v1::JobSpec spec_;
+  std::vector<v1::WorkerInfo> workers_;
+  v1::ClusterSpec cluster_;
+  std::unique_ptr<sim::CostModel> cost_;
+  sim::StageAssignment assignment_;
+  planner::PlannedIteration first_plan_;
+  std::map<std::string, int> stage_of_;
+  std::map<std::string, std::string> region_of_;
+};
+
+JobManager::JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
+                       JobManagerOptions options)
+    : jobs_(jobs),
+      registry_(registry),
+      control_(control),
+      options_(std::move(options)),
+      estimates_(options_.metrics) {}
+
+JobManager::~JobManager() { Shutdown(); }
+
+void JobManager::Recover() {
+  for (const v1::Job& job : jobs_->List(v1::JOB_STATE_UNSPECIFIED)) {
+    if (job.state() == v1::JOB_STATE_ASSIGNING || job.state() == v1::JOB_STATE_RUNNING) {
+      jobs_->Update(job.id(), [](v1::Job* j) {
+        j->set_state(v1::JOB_STATE_FAILED);
+        j->set_message("coordinator restarted while the job was running; resubmit it");
+        *j->mutable_end_time() = Now();
+      }).IgnoreError();
+    } else if (job.state() == v1::JOB_STATE_PENDING) {
+      Add(job.id());
+    }
+  }
+}
+
+void JobManager::Add(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_ || runners_.count(job_id)) return;
+  // Forget runners that are done.
+  for (auto it = runners_.begin(); it != runners_.end();) {
+    it = it->second->finished() ? runners_.erase(it) : std::next(it);
+  }
+  auto runner = std::make_unique<JobRunner>(this, job_id);
+  runner->Start();
+  runners_[job_id] = std::move(runner);
+}
+
+void JobManager::Cancel(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = runners_.find(job_id);
+  if (it != runners_.end()) it->second->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "cancelled by request"});
+}
+
+void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message) {
+  std::string job;
+  switch (message.kind_case()) {
+    case v1::WorkerMessage::kStageReady: job = message.stage_ready().job_id(); break;
+    case v1::WorkerMessage::kTiming: job = message.timing().job_id(); break;
+    case v1::WorkerMessage::kResult: job = message.result().job_id(); break;
+    case v1::WorkerMessage::kError: job = message.error().job_id(); break;
+    case v1::WorkerMessage::kGradNorm: job = message.grad_norm().job_id(); break;
+    default: return;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = runners_.find(job);
+  if (it != runners_.end()) it->second->Post(worker_id, message);
+}
+
+void JobManager::Shutdown() {
+  std::map<std::string, std::unique_ptr<JobRunner>> runners;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    runners.swap(runners_);
+  }
+  runners.clear();  // each destructor stops and joins its runner
+}
+
+std::optional<std::vector<v1::WorkerInfo>> JobManager::Reserve(const std::string& job_id,
+                                                               int count, int* idle) {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::WorkerInfo> free;
+  for (const v1::WorkerInfo& w : registry_->List(false)) {
+    if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) free.push_back(w);
+  }
+  *idle = static_cast<int>(free.size());
+  if (static_cast<int>(free.size()) < count) return std::nullopt;
+  free.resize(count);
+  for (const v1::WorkerInfo& w : free) reserved_[w.worker_id()] = job_id;
+  return free;
+}
+
+void JobManager::Release(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = reserved_.begin(); it != reserved_.end();) {
+    it = it->second == job_id ? reserved_.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace detour

@@ -1,0 +1,94 @@
+// Drives submitted jobs through their life on the registered workers:
+//   PENDING    until enough idle workers can be reserved for the job;
+//   ASSIGNING  stage assignment by the planner, StageAssignment to every
+//              worker, wait for each to report its stage built;
+//   RUNNING    per iteration: plan routes, send the IterationPlan, collect
+//              each stage's gradient norm, send StepCommand, collect
+//              IterationResults (checking that replicas stayed identical and
+//              every microbatch completed exactly once), publish progress;
+//   SUCCEEDED / FAILED (with the reason, e.g. the worker that was lost) /
+//   CANCELLED.
+// One thread per active job (not a gRPC thread); messages from workers are
+// queued to it. Thread-safe.
+#ifndef DETOUR_COORDINATOR_JOB_RUNNER_H_
+#define DETOUR_COORDINATOR_JOB_RUNNER_H_
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/metrics/metrics.h"
+#include "coordinator/control_service.h"
+#include "coordinator/job_store.h"
+#include "coordinator/timing_estimates.h"
+#include "coordinator/worker_registry.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour {
+
+struct JobManagerOptions {
+  // Region latencies and bandwidths for planning (ClusterSpec links and
+  // intra-region defaults; its nodes are ignored). Empty = a uniform network.
+  v1::ClusterSpec network;
+  // Ask workers to emulate `network` on their outgoing frames (tests and
+  // benchmarks on one machine).
+  bool emulate_network = false;
+  absl::Duration assign_timeout = absl::Seconds(120);
+  absl::Duration iteration_timeout = absl::Seconds(600);
+  metrics::Registry* metrics = nullptr;  // not owned; may be null
+};
+
+class JobRunner;
+
+// Owns the runners, reserves workers for them, routes worker messages.
+class JobManager {
+ public:
+  // Does not own its arguments; they must outlive the manager.
+  JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
+             JobManagerOptions options);
+  ~JobManager();
+
+  // Starts runners for stored PENDING jobs; marks jobs that were ASSIGNING or
+  // RUNNING when the coordinator stopped as FAILED (their workers dropped
+  // them). Call once after the store is loaded.
+  void Recover();
+  // Starts driving a freshly submitted job.
+  void Add(const std::string& job_id);
+  // Cancels a job: its workers are told to drop it within seconds.
+  void Cancel(const std::string& job_id);
+  // From ControlService (gRPC thread): results, norms, timings, errors.
+  void OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message);
+  // Stops every runner; running jobs become FAILED ("coordinator stopped").
+  void Shutdown();
+
+  // Reserves `count` idle workers for `job_id`, or none. Sorted by id.
+  std::optional<std::vector<v1::WorkerInfo>> Reserve(const std::string& job_id, int count,
+                                                     int* idle);
+  void Release(const std::string& job_id);
+
+  const JobManagerOptions& options() const { return options_; }
+  TimingEstimates& estimates() { return estimates_; }
+
+ private:
+  friend class JobRunner;
+  JobStore* const jobs_;
+  WorkerRegistry* const registry_;
+  ControlServiceImpl* const control_;
+  const JobManagerOptions options_;
+  TimingEstimates estimates_;
+
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<JobRunner>> runners_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> reserved_ ABSL_GUARDED_BY(mu_);  // worker -> job
+  std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_JOB_RUNNER_H_

@@ -1,0 +1,46 @@
+// Running estimates of per-node compute times and per-link transfer times,
+// from workers' TimingReports: the input of adaptive re-planning. Exported as
+// Prometheus histograms with bounded labels (stage, task kind, direction,
+// peer region — never microbatch ids). Thread-safe.
+#ifndef DETOUR_COORDINATOR_TIMING_ESTIMATES_H_
+#define DETOUR_COORDINATOR_TIMING_ESTIMATES_H_
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "common/metrics/metrics.h"
+#include "detour/v1/plan.pb.h"
+
+namespace detour {
+
+class TimingEstimates {
+ public:
+  // Weight of a new observation in the exponential moving averages.
+  static constexpr double kAlpha = 0.3;
+
+  explicit TimingEstimates(metrics::Registry* metrics);
+
+  // `regions` maps node ids to regions (for the peer-region label);
+  // `stage_of` maps node ids to the stage they hold.
+  void Add(const v1::TimingReport& report, const std::map<std::string, std::string>& regions,
+           const std::map<std::string, int>& stage_of);
+
+  // Mean seconds of `kind` tasks on `node`; 0 when never seen.
+  double Compute(const std::string& node, v1::TaskTiming::Kind kind) const;
+  // Seconds per byte and fixed seconds are not separable from few samples;
+  // this is the mean seconds of a transfer on the link.
+  double Transfer(const std::string& from, const std::string& to) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, int>, double> compute_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, double> transfer_ ABSL_GUARDED_BY(mu_);
+  metrics::HistogramFamily* task_seconds_ = nullptr;
+  metrics::HistogramFamily* transfer_seconds_ = nullptr;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_TIMING_ESTIMATES_H_

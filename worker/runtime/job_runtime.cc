@@ -1,0 +1,806 @@
+#include "worker/runtime/job_runtime.h"
+
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "worker/model/engine.h"
+#include "worker/model/optimizer.h"
+#include "worker/model/stage.h"
+#include "worker/model/text_data.h"
+#include "worker/model/torch_status.h"
+#include "worker/transport/frame_codec.h"
+#include "worker/transport/peer_sender.h"
+
+namespace detour {
+namespace {
+
+at::ScalarType TorchType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FP16: return at::kHalf;
+    case v1::DTYPE_BF16: return at::kBFloat16;
+    case v1::DTYPE_INT64: return at::kLong;
+    default: return at::kFloat;
+  }
+}
+
+v1::DType WireDType(const std::string& name) {
+  if (name == "fp16") return v1::DTYPE_FP16;
+  if (name == "bf16") return v1::DTYPE_BF16;
+  return v1::DTYPE_FP32;
+}
+
+// FNV-1a over the parameters' bytes: equal across replicas iff identical.
+uint64_t Checksum(const std::vector<model::NamedTensor>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& [name, t] : params) {
+    at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0, n = c.nbytes(); i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& from_region,
+                               const std::string& to_region) {
+  LinkEmulation e;
+  if (net.nodes().empty() && net.links().empty()) return e;
+  double latency_ms = net.intra_region_latency_ms() > 0 ? net.intra_region_latency_ms() : 1.0;
+  double gbps = net.intra_region_bandwidth_gbytes_per_s() > 0
+                    ? net.intra_region_bandwidth_gbytes_per_s()
+                    : 5.0;
+  if (from_region != to_region) {
+    for (const v1::RegionLink& l : net.links()) {
+      if ((l.region_a() == from_region && l.region_b() == to_region) ||
+          (l.region_b() == from_region && l.region_a() == to_region)) {
+        latency_ms = l.latency_ms();
+        gbps = l.bandwidth_gbytes_per_s();
+      }
+    }
+  }
+  e.latency = absl::Milliseconds(latency_ms);
+  e.bandwidth_bytes_per_s = gbps * 1e9;
+  return e;
+}
+
+}  // namespace
+
+class JobRuntime::Impl {
+ public:
+  Impl(JobRuntimeOptions options, SendFn send, JobFn set_job)
+      : options_(std::move(options)), send_(std::move(send)), set_job_(std::move(set_job)) {
+    InitMetrics();
+    executor_ = std::thread([this] { Loop(); });
+  }
+
+  ~Impl() { Stop(); }
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&queue_mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    if (executor_.joinable()) executor_.join();
+    Abandon();
+  }
+
+  void Post(std::function<void()> fn) {
+    absl::MutexLock lock(&queue_mu_);
+    if (stopping_) return;
+    queue_.push_back(std::move(fn));
+  }
+
+  void OnCoordinatorMessage(const v1::CoordinatorMessage& message) {
+    Post([this, message] {
+      switch (message.kind_case()) {
+        case v1::CoordinatorMessage::kAssignment: OnAssignment(message.assignment()); break;
+        case v1::CoordinatorMessage::kPlan: OnPlan(message.plan()); break;
+        case v1::CoordinatorMessage::kStep: OnStep(message.step()); break;
+        case v1::CoordinatorMessage::kCancel: OnCancel(message.cancel()); break;
+        default: LogWarning("ignoring an empty coordinator message");
+      }
+    });
+  }
+
+  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) {
+    std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
+    {
+      absl::MutexLock lock(&accept_mu_);
+      if (accept_job_.empty() || h.job_id() != accept_job_) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("this worker holds no stage of job ", h.job_id()));
+      }
+      if (h.iteration() < accept_iteration_ || h.iteration() > accept_iteration_ + 1) {
+        Count(late_frames_);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
+      }
+      if (h.direction() == v1::DIRECTION_ALLREDUCE) {
+        if (shape != std::vector<int64_t>{accept_flat_numel_} || h.dtype() != v1::DTYPE_FP32) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "all-reduce tensor [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
+              " does not match this stage's ", accept_flat_numel_, " fp32 gradients"));
+        }
+      } else if (shape != accept_activation_shape_ || h.dtype() != accept_wire_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "activation [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
+            " does not match the job's [", absl::StrJoin(accept_activation_shape_, ","), "] ",
+            v1::DType_Name(accept_wire_)));
+      }
+    }
+    return model::GuardTorch("allocating a received tensor", [&]() -> absl::StatusOr<MutableBuffer> {
+      auto tensor = std::make_shared<at::Tensor>(
+          at::empty(shape, at::TensorOptions().dtype(TorchType(h.dtype()))));
+      MutableBuffer b;
+      b.data = tensor->data_ptr();
+      b.bytes = tensor->nbytes();
+      b.keepalive = tensor;
+      return b;
+    });
+  }
+
+  void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) {
+    auto tensor = std::static_pointer_cast<at::Tensor>(buffer.keepalive);
+    Post([this, h, tensor] { OnTensor(h, *tensor); });
+  }
+
+ private:
+  enum class Phase { kIdle, kRunning, kReducing, kWaitingStep };
+
+  struct Iteration {
+    v1::IterationPlan plan;
+    absl::Time received;
+    std::map<uint32_t, const v1::Route*> routes;  // by microbatch id
+    std::deque<uint32_t> to_start;                 // data node: own microbatches
+    int in_flight = 0;
+    int expected_tasks = 0;
+    int done_tasks = 0;
+    std::set<std::string> applied;  // (direction, mb, hop) already run
+    std::vector<model::Microbatch> microbatches;  // data nodes
+    double loss_sum = 0;
+    uint64_t tokens = 0;
+    std::vector<uint32_t> microbatches_done;
+    int local_visits = 0;
+    std::map<int, std::pair<at::Tensor, int>> reduce_inputs;  // rank -> (flat grad, visits)
+    v1::TimingReport timing;
+    Phase phase = Phase::kRunning;
+  };
+
+  // --- executor ---------------------------------------------------------
+
+  void Loop() {
+    if (options_.torch_threads > 0) at::set_num_threads(options_.torch_threads);
+    while (true) {
+      std::function<void()> fn;
+      {
+        absl::MutexLock lock(&queue_mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) {
+          return stopping_ || !queue_.empty();
+        };
+        queue_mu_.Await(absl::Condition(&ready));
+        if (stopping_) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  void OnAssignment(const v1::StageAssignment& a) {
+    if (!job_id_.empty()) {
+      LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
+                 "; abandoning the old job");
+      Abandon();
+    }
+    absl::Status built = Build(a);
+    if (!built.ok()) {
+      LogError("cannot build stage ", a.stage(), " of job ", a.job_id(), ": ", built.message());
+      ReportError(a.job_id(), 0, built);
+      Abandon();
+      return;
+    }
+    LogInfo("job ", job_id_, ": holding stage ", stage_index_, " (layers ", a.layer_begin(), "-",
+            a.layer_end(), "), replica ", rank_ + 1, " of ", group_.size());
+    v1::WorkerMessage ready;
+    ready.mutable_stage_ready()->set_job_id(job_id_);
+    ready.mutable_stage_ready()->set_stage(stage_index_);
+    uint64_t params = 0;
+    for (const auto& [name, t] : stage_->Parameters()) params += t.numel();
+    ready.mutable_stage_ready()->set_num_parameters(params);
+    Send(std::move(ready));
+  }
+
+  absl::Status Build(const v1::StageAssignment& a) {
+    ASSIGN_OR_RETURN(v1::JobSpec spec, NormalizeJobSpec(a.spec()));
+    if (a.worker_id().empty()) return absl::InvalidArgumentError("assignment names no worker_id");
+    me_ = a.worker_id();
+    job_id_ = a.job_id();
+    spec_ = spec;
+    stage_index_ = static_cast<int>(a.stage());
+    group_.assign(a.replica_group().begin(), a.replica_group().end());
+    rank_ = -1;
+    for (size_t i = 0; i < group_.size(); ++i) {
+      if (group_[i] == me_) rank_ = static_cast<int>(i);
+    }
+    if (rank_ < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("worker ", me_,
+                                                     " is not in its own replica group"));
+    }
+    const c10::Device device = options_.device == "cuda" ? c10::Device(c10::kCUDA)
+                                                         : c10::Device(c10::kCPU);
+    device_ = device;
+    // Non-data nodes take whatever the plan routes to them: the planner
+    // bounds their activation memory; refusing work here could deadlock the
+    // pipeline. Data nodes bound their own starts by memory_slots.
+    v1::JobSpec stage_spec = spec;
+    const uint32_t total = spec.pipeline().data_nodes() * spec.pipeline().microbatches_per_data_node();
+    stage_spec.mutable_pipeline()->set_memory_slots(std::max(spec.pipeline().memory_slots(), total));
+    ASSIGN_OR_RETURN(stage_, model::Stage::FromJobSpec(stage_spec, stage_index_, device));
+    optimizer_ = std::make_unique<model::AdamW>(stage_->Parameters(), spec.optimizer().adamw());
+    flat_numel_ = 0;
+    for (const auto& [name, t] : stage_->Parameters()) flat_numel_ += t.numel();
+    if (stage_index_ == 0) {
+      ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
+      train_tokens_ = std::move(data.train);
+    }
+    wire_ = WireDType(spec.pipeline().wire_dtype());
+    for (const v1::Peer& p : a.peers()) {
+      peers_[p.worker_id()] = p;
+      if (p.worker_id() == me_) continue;
+      PeerSenderOptions o;
+      o.emulation = EmulationBetween(a.emulate_network(), options_.region, p.region());
+      senders_[p.worker_id()] = std::make_unique<PeerSender>(p.address(), o);
+    }
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_job_ = job_id_;
+      accept_iteration_ = 0;
+      accept_activation_shape_ = {spec.pipeline().samples_per_microbatch(),
+                                  spec.model().context_length(), spec.model().d_model()};
+      accept_wire_ = wire_;
+      accept_flat_numel_ = flat_numel_;
+    }
+    if (set_job_) set_job_(job_id_);
+    return absl::OkStatus();
+  }
+
+  void OnPlan(const v1::IterationPlan& plan) {
+    if (plan.job_id() != job_id_ || stage_ == nullptr) {
+      LogWarning("dropping plan for job ", plan.job_id(), " (holding ",
+                 job_id_.empty() ? "none" : job_id_, ")");
+      return;
+    }
+    if (it_ != nullptr) {
+      LogWarning("dropping plan for iteration ", plan.iteration(), ": iteration ",
+                 it_->plan.iteration(), " is still running");
+      return;
+    }
+    it_ = std::make_unique<Iteration>();
+    Iteration& it = *it_;
+    it.plan = plan;
+    it.received = absl::Now();
+    it.timing.set_job_id(job_id_);
+    it.timing.set_iteration(plan.iteration());
+    it.timing.set_node(me_);
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_iteration_ = plan.iteration();
+    }
+    for (const v1::Route& r : it.plan.routes()) {
+      it.routes[r.microbatch()] = &r;
+      for (int p = 0; p < r.nodes_size(); ++p) {
+        if (r.nodes(p) == me_) it.expected_tasks += 2;
+      }
+      if (r.data_node() == me_) it.to_start.push_back(r.microbatch());
+    }
+    if (!it.to_start.empty()) {
+      auto mbs = model::IterationMicrobatches(spec_, train_tokens_, plan.iteration(), device_);
+      if (!mbs.ok()) return Fail(mbs.status());
+      it.microbatches = std::move(*mbs);
+    }
+    StartMicrobatches();
+    // Tensors of this iteration that arrived before its plan.
+    std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
+    early.swap(early_);
+    for (auto& [h, t] : early) {
+      if (h.iteration() == plan.iteration()) OnTensor(h, t);
+    }
+    MaybeFinishLocal();
+  }
+
+  void StartMicrobatches() {
+    Iteration& it = *it_;
+    const int slots = static_cast<int>(spec_.pipeline().memory_slots());
+    while (!it.to_start.empty() && it.in_flight < slots) {
+      const uint32_t mb = it.to_start.front();
+      it.to_start.pop_front();
+      if (mb >= it.microbatches.size()) {
+        return Fail(absl::InvalidArgumentError(absl::StrCat("plan names microbatch ", mb,
+                                                            " beyond the iteration's data")));
+      }
+      ++it.in_flight;
+      RunForward(mb, 0, it.microbatches[mb].tokens);
+      if (it_ == nullptr) return;  // failed
+    }
+  }
+
+  // Forward of `mb` at position `pos` of its route (this node), then on.
+  void RunForward(uint32_t mb, int pos, const at::Tensor& input) {
+    Iteration& it = *it_;
+    const v1::Route& r = *it.routes.at(mb);
+    const absl::Time start = absl::Now();
+    auto out = stage_->Forward(mb, input);
+    if (!out.ok()) return Fail(out.status());
+    Record(v1::TaskTiming::KIND_FORWARD, mb, start);
+    ++it.done_tasks;
+    if (pos + 1 < r.nodes_size()) {
+      SendTensor(r.nodes(pos + 1), v1::DIRECTION_FORWARD, mb, pos + 1, *out);
+    } else if (r.nodes_size() == 1) {
+      RunLoss(mb, *out);  // the route visits stage 0 only
+    } else {
+      SendTensor(r.data_node(), v1::DIRECTION_FORWARD, mb, r.nodes_size(), *out);
+    }
+  }
+
+  void RunLoss(uint32_t mb, const at::Tensor& hidden) {
+    Iteration& it = *it_;
+    const v1::Route& r = *it.routes.at(mb);
+    const absl::Time start = absl::Now();
+    auto loss = stage_->LossAndBackward(mb, hidden, it.microbatches[mb].targets);
+    if (!loss.ok()) return Fail(loss.status());
+    Record(v1::TaskTiming::KIND_LOSS, mb, start);
+    it.loss_sum += loss->loss;
+    it.tokens += static_cast<uint64_t>(loss->tokens);
+    const int last = r.nodes_size() - 1;
+    if (last == 0) {
+      RunBackward(mb, 0, loss->grad_hidden);
+    } else {
+      SendTensor(r.nodes(last), v1::DIRECTION_BACKWARD, mb, last, loss->grad_hidden);
+    }
+  }
+
+  void RunBackward(uint32_t mb, int pos, const at::Tensor& grad) {
+    Iteration& it = *it_;
+    const v1::Route& r = *it.routes.at(mb);
+    const absl::Time start = absl::Now();
+    auto gin = stage_->Backward(mb, grad);
+    if (!gin.ok()) return Fail(gin.status());
+    Record(v1::TaskTiming::KIND_BACKWARD, mb, start);
+    ++it.done_tasks;
+    ++it.local_visits;
+    it.microbatches_done.push_back(mb);
+    if (pos > 0) {
+      SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin);
+    } else {
+      --it.in_flight;
+      StartMicrobatches();
+    }
+  }
+
+  void OnTensor(const v1::FrameHeader& h, at::Tensor t) {
+    if (h.job_id() != job_id_) return;
+    if (it_ == nullptr || h.iteration() != it_->plan.iteration()) {
+      if (it_ == nullptr || h.iteration() == it_->plan.iteration() + 1) {
+        early_.emplace_back(h, t);  // its plan is on the way
+      } else {
+        Count(late_frames_);
+      }
+      return;
+    }
+    Iteration& it = *it_;
+    if (h.direction() == v1::DIRECTION_ALLREDUCE) {
+      const int from = static_cast<int>(h.microbatch());
+      if (from < 0 || from >= static_cast<int>(group_.size()) || from == rank_ ||
+          it.reduce_inputs.count(from)) {
+        Count(unexpected_frames_);
+        return;
+      }
+      it.reduce_inputs[from] = {t, static_cast<int>(h.hop())};
+      TryReduce();
+      return;
+    }
+    const std::string key = absl::StrCat(h.direction(), "/", h.microbatch(), "/", h.hop());
+    auto route = it.routes.find(h.microbatch());
+    const int hop = static_cast<int>(h.hop());
+    bool expected = route != it.routes.end() && !it.applied.count(key);
+    if (expected) {
+      const v1::Route& r = *route->second;
+      if (h.direction() == v1::DIRECTION_FORWARD) {
+        expected = (hop < r.nodes_size() && r.nodes(hop) == me_ && hop > 0) ||
+                   (hop == r.nodes_size() && r.data_node() == me_);
+      } else {
+        expected = hop < r.nodes_size() && r.nodes(hop) == me_;
+      }
+    }
+    if (!expected) {
+      Count(unexpected_frames_);
+      LogWarning("dropping unexpected ", v1::Direction_Name(h.direction()), " tensor mb ",
+                 h.microbatch(), " hop ", h.hop(), " from ", h.sender());
+      return;
+    }
+    it.applied.insert(key);
+    at::Tensor x = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+    if (device_ != c10::Device(c10::kCPU)) x = x.to(device_);
+    const v1::Route& r = *route->second;
+    if (h.direction() == v1::DIRECTION_FORWARD) {
+      if (hop == r.nodes_size()) {
+        RunLoss(h.microbatch(), x);
+      } else {
+        RunForward(h.microbatch(), hop, x);
+      }
+    } else {
+      RunBackward(h.microbatch(), hop, x);
+    }
+    if (it_ != nullptr) MaybeFinishLocal();
+  }
+
+  void MaybeFinishLocal() {
+    Iteration& it = *it_;
+    if (it.phase != Phase::kRunning || it.done_tasks < it.expected_tasks) return;
+    it.phase = Phase::kReducing;
+    // Share this replica's summed gradient with the other replicas.
+    if (group_.size() > 1) {
+      auto flat = FlatGradients(it.local_visits > 0);
+      if (!flat.ok()) return Fail(flat.status());
+      local_flat_ = *flat;
+      for (size_t i = 0; i < group_.size(); ++i) {
+        if (static_cast<int>(i) == rank_) continue;
+        SendTensor(group_[i], v1::DIRECTION_ALLREDUCE, static_cast<uint32_t>(rank_),
+                   static_cast<uint32_t>(it.local_visits), local_flat_);
+        if (it_ == nullptr) return;
+      }
+    }
+    TryReduce();
+  }
+
+  absl::StatusOr<at::Tensor> FlatGradients(bool visited) {
+    return model::GuardTorch("flattening gradients", [&]() -> absl::StatusOr<at::Tensor> {
+      std::vector<at::Tensor> parts;
+      for (const auto& [name, p] : stage_->Parameters()) {
+        at::Tensor g = visited && p.grad().defined() ? p.grad() : at::zeros_like(p);
+        parts.push_back(g.detach().to(at::kCPU).to(at::kFloat).reshape({-1}));
+      }
+      return at::cat(parts).contiguous();
+    });
+  }
+
+  void TryReduce() {
+    Iteration& it = *it_;
+    if (it.phase != Phase::kReducing) return;
+    if (it.reduce_inputs.size() + 1 < group_.size()) return;
+    const absl::Time start = absl::Now();
+    int total_visits = it.local_visits;
+    for (const auto& [rank, input] : it.reduce_inputs) total_visits += input.second;
+    if (group_.size() > 1) {
+      // Sum in rank order so every replica computes the identical result.
+      absl::Status s = model::GuardTorch("all-reduce", [&]() -> absl::Status {
+        at::Tensor sum;
+        for (int r = 0; r < static_cast<int>(group_.size()); ++r) {
+          const at::Tensor& part = r == rank_ ? local_flat_ : it.reduce_inputs.at(r).first;
+          sum = sum.defined() ? sum + part : part.clone();
+        }
+        if (total_visits == 0) return absl::OkStatus();
+        int64_t offset = 0;
+        for (const auto& [name, p] : stage_->Parameters()) {
+          at::Tensor slice = sum.narrow(0, offset, p.numel()).view(p.sizes()).to(p.device());
+          offset += p.numel();
+          if (p.grad().defined()) {
+            p.mutable_grad().copy_(slice);
+          } else {
+            p.mutable_grad() = slice.clone();
+          }
+        }
+        return absl::OkStatus();
+      });
+      if (!s.ok()) return Fail(s);
+      local_flat_ = at::Tensor();
+    }
+    Record(v1::TaskTiming::KIND_ALLREDUCE, 0, start);
+    const double scale = model::GradNormalizationScale(spec_.pipeline().grad_normalization(),
+                                                       total_visits, it.plan.routes_size());
+    if (scale != 1.0 && scale != 0.0) {
+      absl::Status s = stage_->ScaleGradients(scale);
+      if (!s.ok()) return Fail(s);
+    }
+    auto sq = stage_->SquaredGradNorm();
+    if (!sq.ok()) return Fail(sq.status());
+    it.phase = Phase::kWaitingStep;
+    v1::WorkerMessage m;
+    v1::GradientNorm* n = m.mutable_grad_norm();
+    n->set_job_id(job_id_);
+    n->set_iteration(it.plan.iteration());
+    n->set_stage(stage_index_);
+    n->set_squared_norm(*sq);
+    Send(std::move(m));
+  }
+
+  void OnStep(const v1::StepCommand& step) {
+    if (it_ == nullptr || step.job_id() != job_id_ || step.iteration() != it_->plan.iteration() ||
+        it_->phase != Phase::kWaitingStep) {
+      LogWarning("dropping step command for ", step.job_id(), " iteration ", step.iteration());
+      return;
+    }
+    Iteration& it = *it_;
+    const absl::Time start = absl::Now();
+    const double lr = model::ScheduledLearningRate(spec_.optimizer(), it.plan.iteration(),
+                                                   spec_.iterations());
+    const double clip = model::GlobalClipScale(step.squared_norm(),
+                                               spec_.optimizer().grad_clip_norm());
+    absl::Status stepped = optimizer_->Step(lr, clip);
+    if (!stepped.ok()) return Fail(stepped);
+    stage_->ZeroGrad();
+    Record(v1::TaskTiming::KIND_OPTIMIZER, 0, start);
+    const double duration = absl::ToDoubleSeconds(absl::Now() - it.received);
+    it.timing.set_iteration_time_s(duration);
+    v1::WorkerMessage timing;
+    *timing.mutable_timing() = it.timing;
+    Send(std::move(timing));
+
+    v1::WorkerMessage result;
+    v1::IterationResult* r = result.mutable_result();
+    r->set_job_id(job_id_);
+    r->set_iteration(it.plan.iteration());
+    r->set_loss_sum(it.loss_sum);
+    r->set_tokens(it.tokens);
+    for (uint32_t mb : it.microbatches_done) r->add_microbatches(mb);
+    r->set_parameter_checksum(Checksum(stage_->Parameters()));
+    r->set_stage(stage_index_);
+    r->set_duration_s(duration);
+    const uint64_t done_iteration = it.plan.iteration();
+    it_.reset();
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_iteration_ = done_iteration + 1;
+    }
+    if (iterations_metric_ != nullptr) iterations_metric_->Increment();
+    Send(std::move(result));
+  }
+
+  void OnCancel(const v1::CancelJob& cancel) {
+    if (cancel.job_id() != job_id_) return;
+    LogInfo("job ", job_id_, " released: ", cancel.reason());
+    Abandon();
+  }
+
+  // --- helpers ----------------------------------------------------------
+
+  void SendTensor(const std::string& to, v1::Direction direction, uint32_t mb, uint32_t hop,
+                  const at::Tensor& tensor) {
+    auto sender = senders_.find(to);
+    if (sender == senders_.end()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("no peer ", to, " in the assignment")));
+    }
+    at::Tensor wire = tensor.detach();
+    v1::DType dtype = v1::DTYPE_FP32;
+    if (direction != v1::DIRECTION_ALLREDUCE && wire_ != v1::DTYPE_FP32) {
+      wire = wire.to(TorchType(wire_));
+      dtype = wire_;
+    } else if (wire.scalar_type() != at::kFloat) {
+      wire = wire.to(at::kFloat);
+    }
+    wire = wire.to(at::kCPU).contiguous();
+    v1::FrameHeader h;
+    h.set_job_id(job_id_);
+    h.set_iteration(it_->plan.iteration());
+    h.set_microbatch(mb);
+    h.set_direction(direction);
+    h.set_sender(me_);
+    h.set_hop(hop);
+    for (int64_t d : wire.sizes()) h.add_shape(d);
+    h.set_dtype(dtype);
+    auto holder = std::make_shared<at::Tensor>(wire);
+    TensorView view;
+    view.data = holder->data_ptr();
+    view.bytes = holder->nbytes();
+    view.keepalive = holder;
+    const uint64_t iteration = it_->plan.iteration();
+    const uint64_t bytes = view.bytes;
+    const std::string job = job_id_;
+    sender->second->Send(std::move(h), std::move(view),
+                         [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
+                           Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
+                         });
+  }
+
+  void OnTransferDone(const std::string& job, uint64_t iteration, const std::string& to,
+                      v1::Direction direction, uint64_t bytes, const absl::Status& status,
+                      double seconds) {
+    if (job != job_id_) return;
+    if (!status.ok()) {
+      if (it_ != nullptr && it_->plan.iteration() == iteration) {
+        Fail(Annotate(status, absl::StrCat("sending ", v1::Direction_Name(direction), " to ", to)));
+      }
+      return;
+    }
+    if (transfer_metric_ != nullptr) {
+      auto h = transfer_metric_->WithLabels(
+          {direction == v1::DIRECTION_FORWARD    ? "forward"
+           : direction == v1::DIRECTION_BACKWARD ? "backward"
+                                                 : "allreduce"});
+      if (h.ok()) (*h)->Observe(seconds);
+    }
+    if (it_ != nullptr && it_->plan.iteration() == iteration) {
+      v1::TransferTiming* t = it_->timing.add_transfers();
+      t->set_peer(to);
+      t->set_forward(direction == v1::DIRECTION_FORWARD);
+      t->set_bytes(bytes);
+      t->set_duration_s(seconds);
+    }
+  }
+
+  void Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {
+    const absl::Time end = absl::Now();
+    const double seconds = absl::ToDoubleSeconds(end - start);
+    if (it_ != nullptr) {
+      v1::TaskTiming* t = it_->timing.add_tasks();
+      t->set_kind(kind);
+      t->set_microbatch(mb);
+      t->set_start_s(absl::ToDoubleSeconds(start - it_->received));
+      t->set_duration_s(seconds);
+    }
+    if (busy_metric_ != nullptr) (void)busy_metric_->IncrementBy(seconds);
+    if (task_metric_ != nullptr) {
+      auto h = task_metric_->WithLabels(
+          {absl::AsciiStrToLower(v1::TaskTiming::Kind_Name(kind).substr(5))});
+      if (h.ok()) (*h)->Observe(seconds);
+    }
+  }
+
+  void Fail(const absl::Status& status) {
+    LogError("job ", job_id_, ": ", status.message());
+    ReportError(job_id_, it_ ? it_->plan.iteration() : 0, status);
+    Abandon();
+  }
+
+  void ReportError(const std::string& job, uint64_t iteration, const absl::Status& status) {
+    v1::WorkerMessage m;
+    v1::JobError* e = m.mutable_error();
+    e->set_job_id(job);
+    e->set_iteration(iteration);
+    e->set_code(static_cast<int>(status.code()));
+    e->set_message(absl::StrCat("worker ", me_, ": ", status.message()));
+    Send(std::move(m));
+  }
+
+  // Forgets the current job: stage, peers, iteration state.
+  void Abandon() {
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_job_.clear();
+    }
+    for (auto& [id, sender] : senders_) sender->Close();
+    senders_.clear();
+    peers_.clear();
+    it_.reset();
+    early_.clear();
+    optimizer_.reset();
+    stage_.reset();
+    train_tokens_.clear();
+    local_flat_ = at::Tensor();
+    if (!job_id_.empty() && set_job_) set_job_("");
+    job_id_.clear();
+  }
+
+  void Send(v1::WorkerMessage message) {
+    absl::Status s = send_(std::move(message));
+    if (!s.ok()) LogWarning("cannot reach the coordinator: ", s.message());
+  }
+
+  void InitMetrics() {
+    metrics::Registry* m = options_.metrics;
+    if (m == nullptr) return;
+    if (auto f = m->AddHistogram("detour_worker_task_seconds",
+                                 "Compute time of pipeline tasks on this worker.",
+                                 metrics::DefaultLatencyBuckets(), {"kind"});
+        f.ok()) {
+      task_metric_ = *f;
+    }
+    if (auto f = m->AddHistogram("detour_worker_transfer_seconds",
+                                 "Time from handing a tensor to gRPC to the peer's "
+                                 "acknowledgement.",
+                                 metrics::DefaultLatencyBuckets(), {"direction"});
+        f.ok()) {
+      transfer_metric_ = *f;
+    }
+    auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
+      auto f = m->AddCounter(name, help);
+      if (!f.ok()) return nullptr;
+      auto c = (*f)->WithLabels({});
+      return c.ok() ? *c : nullptr;
+    };
+    busy_metric_ = counter("detour_worker_busy_seconds",
+                           "Seconds spent computing pipeline and optimiser tasks.");
+    iterations_metric_ = counter("detour_worker_iterations", "Iterations completed.");
+    late_frames_ = counter("detour_worker_frames_late",
+                           "Tensors for an old or unknown iteration, dropped.");
+    unexpected_frames_ = counter("detour_worker_frames_unexpected",
+                                 "Tensors not matching the plan (hop, duplicate), dropped.");
+  }
+
+  static void Count(metrics::Counter* c) {
+    if (c != nullptr) c->Increment();
+  }
+
+  const JobRuntimeOptions options_;
+  const SendFn send_;
+  const JobFn set_job_;
+
+  // Executor queue.
+  absl::Mutex queue_mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(queue_mu_);
+  bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
+  std::thread executor_;
+
+  // What Allocate accepts (read on gRPC threads).
+  absl::Mutex accept_mu_;
+  std::string accept_job_ ABSL_GUARDED_BY(accept_mu_);
+  uint64_t accept_iteration_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  std::vector<int64_t> accept_activation_shape_ ABSL_GUARDED_BY(accept_mu_);
+  v1::DType accept_wire_ ABSL_GUARDED_BY(accept_mu_) = v1::DTYPE_FP32;
+  int64_t accept_flat_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
+
+  // Executor-only state.
+  std::string me_;  // this worker's id, from the assignment
+  std::string job_id_;
+  v1::JobSpec spec_;
+  int stage_index_ = 0;
+  std::vector<std::string> group_;
+  int rank_ = 0;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  std::unique_ptr<model::Stage> stage_;
+  std::unique_ptr<model::AdamW> optimizer_;
+  int64_t flat_numel_ = 0;
+  std::vector<int32_t> train_tokens_;
+  v1::DType wire_ = v1::DTYPE_FP32;
+  std::map<std::string, v1::Peer> peers_;
+  std::map<std::string, std::unique_ptr<PeerSender>> senders_;
+  std::unique_ptr<Iteration> it_;
+  std::vector<std::pair<v1::FrameHeader, at::Tensor>> early_;
+  at::Tensor local_flat_;
+
+  metrics::HistogramFamily* task_metric_ = nullptr;
+  metrics::HistogramFamily* transfer_metric_ = nullptr;
+  metrics::Counter* busy_metric_ = nullptr;
+  metrics::Counter* iterations_metric_ = nullptr;
+  metrics::Counter* late_frames_ = nullptr;
+  metrics::Counter* unexpected_frames_ = nullptr;
+};
+
+JobRuntime::JobRuntime(JobRuntimeOptions options, SendFn send, JobFn set_job)
+    : impl_(std::make_unique<Impl>(std::move(options), std::move(send), std::move(set_job))) {}
+
+JobRuntime::~JobRuntime() { Stop(); }
+
+void JobRuntime::OnCoordinatorMessage(const v1::CoordinatorMessage& message) {
+  impl_->OnCoordinatorMessage(message);
+}
+
+absl::StatusOr<MutableBuffer> JobRuntime::Allocate(const v1::FrameHeader& header) {
+  return impl_->Allocate(header);
+}
+
+void JobRuntime::Deliver(const v1::FrameHeader& header, MutableBuffer buffer) {
+  impl_->Deliver(header, std::move(buffer));
+}
+
+void JobRuntime::Stop() { impl_->Stop(); }
+
+}  // namespace detour

@@ -1,0 +1,67 @@
+// Executes the coordinator's instructions for one job on one worker: builds
+// the assigned stage (worker/model), follows each IterationPlan — data nodes
+// start their microbatches within their memory slots, every hop runs its
+// forward and sends the activations on, the data node computes the loss and
+// the gradient walks the route back — then all-reduces the stage's gradient
+// with its replicas, reports the gradient norm, steps when the coordinator
+// says so, and reports the iteration's result and timings.
+//
+// Every message names its job and iteration: tensors for another job, an old
+// iteration or an unexpected hop are rejected at the transport and counted,
+// never applied. All LibTorch work runs on one executor thread owned here;
+// transport and control callbacks only enqueue. Thread-safe.
+//
+// The header stays free of LibTorch so the daemon's other files compile fast.
+#ifndef DETOUR_WORKER_RUNTIME_JOB_RUNTIME_H_
+#define DETOUR_WORKER_RUNTIME_JOB_RUNTIME_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/metrics/metrics.h"
+#include "detour/v1/control_service.pb.h"
+#include "worker/transport/activation_server.h"
+
+namespace detour {
+
+struct JobRuntimeOptions {
+  // Region of this worker (for network emulation between regions).
+  std::string region;
+  // Checkpoints go under <data_dir>/checkpoints/<job>.
+  std::string data_dir;
+  std::string device = "cpu";
+  // LibTorch intra-op threads for this worker; 0 = LibTorch's default.
+  int torch_threads = 0;
+  metrics::Registry* metrics = nullptr;  // not owned; may be null
+};
+
+class JobRuntime : public TensorSink {
+ public:
+  // Sends a message to the coordinator (the worker's Session stream).
+  using SendFn = std::function<absl::Status(v1::WorkerMessage)>;
+  // Tells the heartbeat which job the worker is busy with ("" = idle).
+  using JobFn = std::function<void(const std::string&)>;
+
+  JobRuntime(JobRuntimeOptions options, SendFn send, JobFn set_job);
+  ~JobRuntime() override;
+
+  // From the control client's reader thread; never blocks.
+  void OnCoordinatorMessage(const v1::CoordinatorMessage& message);
+
+  // TensorSink, called on gRPC threads.
+  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& header) override;
+  void Deliver(const v1::FrameHeader& header, MutableBuffer buffer) override;
+
+  // Abandons the current job and stops the executor. Idempotent.
+  void Stop();
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_WORKER_RUNTIME_JOB_RUNTIME_H_
