@@ -18,123 +18,14 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "tests/e2e/process.h"
-#include "tests/test_paths.h"
+#include "tests/e2e/local_cluster.h"
 
 namespace detour::testing {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string Bin(const std::string& relative) { return BuildDir() + "/" + relative; }
-const std::string kCoordinator = "coordinator/detour-coordinator";
-const std::string kWorker = "worker/detour-worker";
-const std::string kCtl = "tools/detourctl/detourctl";
-
-struct Daemon {
-  std::unique_ptr<ChildProcess> process = std::make_unique<ChildProcess>();
-  int grpc_port = 0;
-  int metrics_port = 0;
-  std::string id;
-};
-
-class DaemonsTest : public ::testing::Test {
- protected:
-  void SetUp() override { dir_ = MakeTempDir("detour-e2e"); }
-
-  Daemon StartCoordinator(std::vector<std::string> extra = {}, const std::string& name = "c") {
-    Daemon d;
-    const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
-    std::remove(ready.c_str());
-    std::vector<std::string> argv = {Bin(kCoordinator), "--listen=127.0.0.1:0",
-                                     "--metrics_port=0", "--metrics_bind=127.0.0.1",
-                                     absl::StrCat("--data_dir=", dir_, "/coordinator"),
-                                     "--worker_silence=1500ms", "--heartbeat_interval=200ms",
-                                     absl::StrCat("--ready_file=", ready)};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
-    auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
-    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d.process->Log();
-    if (port.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
-    }
-    auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
-    if (metrics.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d.metrics_port));
-    }
-    return d;
-  }
-
-  Daemon StartWorker(int coordinator_port, const std::string& name,
-                     std::vector<std::string> extra = {}) {
-    Daemon d;
-    const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
-    std::vector<std::string> argv = {Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=0",
-                                     "--metrics_bind=127.0.0.1",
-                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
-                                     absl::StrCat("--data_dir=", dir_, "/", name),
-                                     "--region=Oregon", absl::StrCat("--ready_file=", ready)};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
-    auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
-    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d.process->Log();
-    if (port.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
-    }
-    auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
-    if (id.ok()) d.id = *id;
-    return d;
-  }
-
-  // Runs a short-lived command; returns its exit code and fills `output`.
-  int Run(const std::vector<std::string>& argv, std::string* output,
-          absl::Duration timeout = absl::Seconds(30)) {
-    static int counter = 0;
-    const std::string log = absl::StrCat(dir_, "/cmd", ++counter, ".log");
-    ChildProcess p;
-    EXPECT_TRUE(p.Start(argv, log).ok());
-    auto code = p.Wait(timeout);
-    *output = p.Log();
-    return code.value_or(-1);
-  }
-
-  static v1::ListWorkersResponse ListWorkers(int port, bool include_lost) {
-    auto stub = v1::ControlService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::ListWorkersRequest request;
-    request.set_include_lost(include_lost);
-    v1::ListWorkersResponse response;
-    grpc::Status status = stub->ListWorkers(&context, request, &response);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    return response;
-  }
-
-  static grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port) {
-    auto stub =
-        grpc::health::v1::Health::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    grpc::health::v1::HealthCheckRequest request;
-    grpc::health::v1::HealthCheckResponse response;
-    grpc::Status status = stub->Check(&context, request, &response);
-    EXPECT_TRUE(status.ok()) << status.error_message();
-    return response.status();
-  }
-
-  // Polls until `predicate` holds or `timeout` passes.
-  template <typename P>
-  static bool Eventually(P predicate, absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      if (predicate()) return true;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    return predicate();
-  }
-
-  std::string dir_;
-};
+using DaemonsTest = E2eTest;
 
 TEST_F(DaemonsTest, WorkersRegisterHeartbeatAndAreLostWhenKilled) {
   Daemon c = StartCoordinator();

@@ -1,0 +1,187 @@
+// End-to-end training: real coordinator and worker processes on loopback
+// train a small model over gRPC streams. The full-pipeline run must follow
+// the in-process engine's loss trajectory (same seed, same routes), which
+// proves the transport and the backward routing; skip runs with replicas must
+// train with replicas identical and every microbatch completed exactly once
+// (the coordinator checks both every iteration and fails the job otherwise).
+#include <signal.h>
+
+#include <cmath>
+
+#include "common/spec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/local_cluster.h"
+#include "worker/model/engine.h"
+#include "worker/model/text_data.h"
+
+namespace detour::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using TrainingTest = E2eTest;
+
+// A model small enough that an iteration takes well under a second on CPU.
+v1::JobSpec MicroJob(int stages, int data_nodes, int replicas, double skip, int iterations) {
+  v1::JobSpec spec;
+  spec.set_name("e2e");
+  v1::ModelShape* m = spec.mutable_model();
+  m->set_num_layers(stages);
+  m->set_d_model(32);
+  m->set_num_heads(2);
+  m->set_ffn_dim(64);
+  m->set_context_length(16);
+  v1::PipelineSpec* p = spec.mutable_pipeline();
+  p->set_num_stages(stages);
+  p->set_data_nodes(data_nodes);
+  p->set_replicas_per_stage(replicas);
+  p->set_microbatches_per_data_node(2);
+  p->set_samples_per_microbatch(2);
+  p->set_skip_ratio(skip);
+  if (skip == 0) p->set_scheduler(v1::SCHEDULER_FULL);
+  spec.mutable_optimizer()->mutable_adamw()->set_lr(3e-3);
+  spec.set_iterations(iterations);
+  spec.set_seed(11);
+  return *NormalizeJobSpec(spec);
+}
+
+std::vector<std::string> WorkerFlags() { return {"--torch_threads=1"}; }
+
+TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
+  const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
+  }
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  v1::Job final_job;
+  const std::vector<double> distributed =
+      WatchLosses(c.grpc_port, submitted.id(), &final_job, absl::Seconds(120));
+  ASSERT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message() << "\n"
+                                                        << c.process->Log();
+  ASSERT_EQ(distributed.size(), 4u);
+
+  // The same job in one process: full routes 0 -> 1 -> 2 for every microbatch.
+  auto engine = model::PipelineEngine::Create(spec, c10::Device(c10::kCPU));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto data = model::LoadDataset(spec.data());
+  ASSERT_TRUE(data.ok());
+  std::vector<v1::Route> routes(2);
+  for (int mb = 0; mb < 2; ++mb) {
+    routes[mb].set_microbatch(mb);
+    for (int s = 0; s < 3; ++s) routes[mb].add_stages(s);
+  }
+  for (uint64_t it = 0; it < 4; ++it) {
+    auto mbs = model::IterationMicrobatches(spec, data->train, it, c10::Device(c10::kCPU));
+    ASSERT_TRUE(mbs.ok());
+    auto stats = (*engine)->RunIteration(it, routes, *mbs);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_NEAR(distributed[it], stats->loss, 1e-4 * std::max(1.0, stats->loss))
+        << "iteration " << it;
+  }
+  EXPECT_LT(distributed.back(), distributed.front());
+}
+
+TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
+  // 4 stages, 2 data nodes, 2 replicas of each other stage, each microbatch
+  // visits 3 of the 4 stages.
+  const v1::JobSpec spec = MicroJob(4, 2, 2, 0.25, 6);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers;
+  for (int i = 0; i < 8; ++i) {
+    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
+  }
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  v1::Job final_job;
+  const std::vector<double> losses =
+      WatchLosses(c.grpc_port, submitted.id(), &final_job, absl::Seconds(180));
+  // The coordinator fails the job if replicas diverge or a microbatch is
+  // lost or doubled, so success proves both.
+  ASSERT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message() << "\n"
+                                                        << c.process->Log();
+  ASSERT_EQ(losses.size(), 6u);
+  EXPECT_LT(losses.back(), losses.front());
+  ASSERT_EQ(final_job.stages_size(), 4);
+  for (const auto& stage : final_job.stages()) EXPECT_EQ(stage.nodes_size(), 2);
+  // Workers are released afterwards.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::ListWorkersResponse now = ListWorkers(c.grpc_port, false);
+        for (const auto& w : now.workers()) {
+          if (w.state() != v1::WORKER_STATE_IDLE) return false;
+        }
+        return now.workers_size() == 8;
+      },
+      absl::Seconds(10)));
+}
+
+TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
+  const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
+  }
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  ASSERT_TRUE(Eventually(
+      [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 2; },
+      absl::Seconds(60)));
+  std::string out;
+  ASSERT_EQ(Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "cancel",
+                 submitted.id()},
+                &out),
+            0)
+      << out;
+  const absl::Time cancelled = absl::Now();
+  EXPECT_EQ(GetJob(c.grpc_port, submitted.id()).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::ListWorkersResponse now = ListWorkers(c.grpc_port, false);
+        for (const auto& w : now.workers()) {
+          if (w.state() != v1::WORKER_STATE_IDLE) return false;
+        }
+        return true;
+      },
+      absl::Seconds(10)));
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(10));
+  // Its progress stops.
+  const uint64_t at = GetJob(c.grpc_port, submitted.id()).progress().iteration();
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ(GetJob(c.grpc_port, submitted.id()).progress().iteration(), at);
+}
+
+TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
+  const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
+  }
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  ASSERT_TRUE(Eventually(
+      [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 1; },
+      absl::Seconds(60)));
+  workers[1].process->Signal(SIGKILL);
+  v1::Job job;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        job = GetJob(c.grpc_port, submitted.id());
+        return job.state() == v1::JOB_STATE_FAILED;
+      },
+      absl::Seconds(15)))
+      << job.message();
+  EXPECT_THAT(job.message(), HasSubstr(workers[1].id));
+  // The surviving workers are released.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::ListWorkersResponse now = ListWorkers(c.grpc_port, false);
+        int idle = 0;
+        for (const auto& w : now.workers()) idle += w.state() == v1::WORKER_STATE_IDLE;
+        return idle == 2;
+      },
+      absl::Seconds(10)));
+}
+
+}  // namespace
+}  // namespace detour::testing
