@@ -65,6 +65,9 @@ absl::Status Coordinator::Init() {
   control_service_ = std::make_unique<ControlServiceImpl>(&registry_, std::move(hooks));
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
+  if (job_options.checkpoint_root.empty()) {
+    job_options.checkpoint_root = options_.data_dir + "/checkpoints";
+  }
   manager_ = std::make_unique<JobManager>(&jobs_, &registry_, control_service_.get(),
                                           std::move(job_options));
 

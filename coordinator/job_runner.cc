@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <filesystem>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
@@ -249,6 +251,18 @@ class JobRunner {
       *plan->add_routes() = planner::ToProtoRoute(*cost_, r);
     }
     plan->set_predicted_time_s(planned.result.iteration_time_s);
+    const v1::CheckpointPolicy& policy = spec_.checkpoint();
+    const bool checkpoint =
+        !policy.disabled() &&
+        ((policy.every_iterations() > 0 && (iteration + 1) % policy.every_iterations() == 0) ||
+         iteration + 1 == spec_.iterations());
+    std::string checkpoint_dir;
+    if (checkpoint) {
+      checkpoint_dir = absl::StrFormat("%s/%s/iter-%06d", manager_->options_.checkpoint_root,
+                                       job_id_, iteration + 1);
+      plan->set_checkpoint(true);
+      plan->set_checkpoint_dir(checkpoint_dir);
+    }
     const int total_microbatches = plan->routes_size();
     for (const auto& [id, s] : stage_of_) {
       if (auto sent = manager_->control_->Send(id, m); !sent.ok()) {
@@ -326,6 +340,10 @@ class JobRunner {
       }
     }
 
+    if (checkpoint) {
+      if (auto s = CommitCheckpoint(iteration + 1, checkpoint_dir, results, deadline); s) return s;
+    }
+
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
     const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
@@ -340,6 +358,55 @@ class JobRunner {
       p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));
     }).IgnoreError();
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
+    return std::nullopt;
+  }
+
+  // Asks the first data node to write the manifest over the stage files the
+  // results name, waits for it, then keeps only the newest keep_last.
+  std::optional<JobEnd> CommitCheckpoint(uint64_t iterations_done, const std::string& dir,
+                                         const std::map<std::string, v1::IterationResult>& results,
+                                         absl::Time deadline) {
+    v1::CoordinatorMessage m;
+    v1::CommitCheckpoint* c = m.mutable_commit();
+    c->set_job_id(job_id_);
+    c->set_iteration(iterations_done);
+    c->set_dir(dir);
+    std::set<uint32_t> stages;
+    for (const auto& [id, r] : results) {
+      if (r.has_checkpoint() && stages.insert(r.checkpoint().stage()).second) {
+        *c->add_files() = r.checkpoint();
+      }
+    }
+    if (static_cast<int>(stages.size()) != assignment_.num_stages()) {
+      return JobEnd{v1::JOB_STATE_FAILED,
+                    absl::StrCat("checkpoint ", dir, ": ", stages.size(), " of ",
+                                 assignment_.num_stages(), " stage files were written")};
+    }
+    const std::string writer = cost_->node_id(assignment_.stage_nodes[0][0]);
+    if (auto sent = manager_->control_->Send(writer, std::move(m)); !sent.ok()) {
+      return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", writer, ": ", sent.message())};
+    }
+    while (true) {
+      std::deque<Message> batch;
+      if (auto s = Wait(deadline, &batch, [&] { return absl::StrCat("checkpoint ", dir); }); s) {
+        return s;
+      }
+      bool committed = false;
+      for (auto& [worker, msg] : batch) {
+        committed |= msg.has_checkpoint_committed() && msg.checkpoint_committed().dir() == dir;
+      }
+      if (committed) break;
+    }
+    LogInfo("job ", job_id_, ": checkpoint ", dir);
+    checkpoints_.push_back(dir);
+    const uint32_t keep = std::max<uint32_t>(1, spec_.checkpoint().keep_last());
+    while (checkpoints_.size() > keep) {
+      std::error_code ec;
+      std::filesystem::remove_all(checkpoints_.front(), ec);
+      checkpoints_.pop_front();
+    }
+    manager_->jobs_->Update(job_id_, [&](v1::Job* j) { j->set_last_checkpoint(dir); })
+        .IgnoreError();
     return std::nullopt;
   }
 
@@ -429,6 +496,7 @@ class JobRunner {
   planner::PlannedIteration first_plan_;
   std::map<std::string, int> stage_of_;
   std::map<std::string, std::string> region_of_;
+  std::deque<std::string> checkpoints_;  // newest last
 };
 
 JobManager::JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
@@ -481,6 +549,9 @@ void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerM
     case v1::WorkerMessage::kResult: job = message.result().job_id(); break;
     case v1::WorkerMessage::kError: job = message.error().job_id(); break;
     case v1::WorkerMessage::kGradNorm: job = message.grad_norm().job_id(); break;
+    case v1::WorkerMessage::kCheckpointCommitted:
+      job = message.checkpoint_committed().job_id();
+      break;
     default: return;
   }
   absl::MutexLock lock(&mu_);

@@ -38,6 +38,10 @@ struct JobManagerOptions {
   // Ask workers to emulate `network` on their outgoing frames (tests and
   // benchmarks on one machine).
   bool emulate_network = false;
+  // Checkpoints go to <checkpoint_root>/<job>/iter-NNNNNN. Workers write
+  // there too, so on a real cluster it must be a path every machine shares.
+  // Empty = <coordinator data_dir>/checkpoints.
+  std::string checkpoint_root;
   absl::Duration assign_timeout = absl::Seconds(120);
   absl::Duration iteration_timeout = absl::Seconds(600);
   metrics::Registry* metrics = nullptr;  // not owned; may be null

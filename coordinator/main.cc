@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   absl::Duration drain_timeout = absl::Seconds(10);
   std::string ready_file;
   std::string cluster_file;
+  std::string checkpoint_root;
   bool emulate_network = false;
   absl::Duration iteration_timeout = absl::Seconds(600);
   absl::Duration assign_timeout = absl::Seconds(120);
@@ -52,6 +53,9 @@ int main(int argc, char** argv) {
   flags.String("cluster", &cluster_file,
                "ClusterSpec JSON whose region links (latency, bandwidth) the planner uses; "
                "regions it does not cover count as one fast network");
+  flags.String("checkpoint_root", &checkpoint_root,
+               "where jobs' checkpoints go (default <data_dir>/checkpoints); workers write "
+               "their stage files there, so on a real cluster use a path all machines share");
   flags.Bool("emulate_network", &emulate_network,
              "make workers delay and rate-limit their frames per --cluster (emulation for "
              "tests and benchmarks on one machine)");
@@ -113,6 +117,7 @@ int main(int argc, char** argv) {
     return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
   }
   options.jobs.emulate_network = emulate_network;
+  options.jobs.checkpoint_root = checkpoint_root;
   options.jobs.iteration_timeout = iteration_timeout;
   options.jobs.assign_timeout = assign_timeout;
 

@@ -1,12 +1,9 @@
 #include "tests/e2e/process.h"
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -17,95 +14,6 @@
 #include "absl/time/clock.h"
 
 namespace detour::testing {
-
-ChildProcess::~ChildProcess() {
-  if (running()) {
-    ::kill(pid_, SIGKILL);
-    Wait(absl::Seconds(5));
-  }
-}
-
-absl::Status ChildProcess::Start(const std::vector<std::string>& argv,
-                                 const std::string& log_path) {
-  log_path_ = log_path;
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid < 0) return absl::InternalError("fork failed");
-  if (pid == 0) {
-    const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-      ::close(fd);
-    }
-    // Signals blocked by the test runner must not stay blocked in the child.
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  pid_ = pid;
-  return absl::OkStatus();
-}
-
-void ChildProcess::Signal(int sig) {
-  if (running()) ::kill(pid_, sig);
-}
-
-std::optional<int> ChildProcess::Wait(absl::Duration timeout) {
-  if (exit_code_.has_value()) return exit_code_;
-  if (pid_ <= 0) return std::nullopt;
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      return exit_code_;
-    }
-    if (absl::Now() > deadline) return std::nullopt;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-}
-
-std::string ChildProcess::Log() const {
-  std::ifstream in(log_path_);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-absl::StatusOr<std::string> WaitForReadyField(const std::string& path, const std::string& key,
-                                              absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    std::ifstream in(path);
-    if (in) {
-      std::stringstream text;
-      text << in.rdbuf();
-      const std::string s = text.str();
-      const std::string needle = absl::StrCat("\"", key, "\": ");
-      const size_t at = s.find(needle);
-      if (at != std::string::npos) {
-        size_t begin = at + needle.size();
-        size_t end = begin;
-        if (s[begin] == '"') {
-          ++begin;
-          end = s.find('"', begin);
-        } else {
-          end = s.find_first_of(",}", begin);
-        }
-        if (end != std::string::npos) return s.substr(begin, end - begin);
-      }
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::DeadlineExceededError(absl::StrCat("no \"", key, "\" in ", path, " after ",
-                                                  absl::FormatDuration(timeout)));
-}
 
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/local_cluster.h"
+#include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/text_data.h"
 
@@ -81,6 +82,23 @@ TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
         << "iteration " << it;
   }
   EXPECT_LT(distributed.back(), distributed.front());
+
+  // The checkpoint written at the end holds the same weights as the engine.
+  ASSERT_FALSE(final_job.last_checkpoint().empty());
+  auto restored = model::PipelineEngine::Create(spec, c10::Device(c10::kCPU));
+  ASSERT_TRUE(restored.ok());
+  auto manifest = model::LoadCheckpoint(final_job.last_checkpoint(), **restored);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->iteration, 4u);
+  for (int s = 0; s < 3; ++s) {
+    const auto expected = (*engine)->stage(s).Parameters();
+    const auto got = (*restored)->stage(s).Parameters();
+    ASSERT_EQ(expected.size(), got.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(expected[i].second.allclose(got[i].second, 1e-4, 1e-5))
+          << "stage " << s << " " << expected[i].first;
+    }
+  }
 }
 
 TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {

@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
@@ -115,6 +116,7 @@ class JobRuntime::Impl {
         case v1::CoordinatorMessage::kPlan: OnPlan(message.plan()); break;
         case v1::CoordinatorMessage::kStep: OnStep(message.step()); break;
         case v1::CoordinatorMessage::kCancel: OnCancel(message.cancel()); break;
+        case v1::CoordinatorMessage::kCommit: OnCommit(message.commit()); break;
         default: LogWarning("ignoring an empty coordinator message");
       }
     });
@@ -564,6 +566,18 @@ class JobRuntime::Impl {
     r->set_parameter_checksum(Checksum(stage_->Parameters()));
     r->set_stage(stage_index_);
     r->set_duration_s(duration);
+    if (it.plan.checkpoint() && rank_ == 0) {
+      // One replica per stage writes: replicas are identical.
+      auto entry = model::WriteStageFile(it.plan.checkpoint_dir(), *stage_, *optimizer_);
+      if (!entry.ok()) return Fail(Annotate(entry.status(), "writing the checkpoint"));
+      v1::CheckpointFile* f = r->mutable_checkpoint();
+      f->set_stage(entry->stage);
+      f->set_file(entry->file);
+      f->set_layer_begin(entry->layers.begin);
+      f->set_layer_end(entry->layers.end);
+      f->set_bytes(entry->bytes);
+      f->set_checksum(entry->checksum);
+    }
     const uint64_t done_iteration = it.plan.iteration();
     it_.reset();
     {
@@ -572,6 +586,33 @@ class JobRuntime::Impl {
     }
     if (iterations_metric_ != nullptr) iterations_metric_->Increment();
     Send(std::move(result));
+  }
+
+  void OnCommit(const v1::CommitCheckpoint& commit) {
+    if (commit.job_id() != job_id_ || stage_ == nullptr) return;
+    model::CheckpointManifest manifest;
+    manifest.iteration = commit.iteration();
+    manifest.model = stage_->config();
+    manifest.num_stages = static_cast<int>(spec_.pipeline().num_stages());
+    manifest.replicas_per_stage = static_cast<int>(spec_.pipeline().replicas_per_stage());
+    manifest.seed = spec_.seed();
+    for (const v1::CheckpointFile& f : commit.files()) {
+      model::StageFileEntry e;
+      e.stage = static_cast<int>(f.stage());
+      e.file = f.file();
+      e.layers.begin = static_cast<int>(f.layer_begin());
+      e.layers.end = static_cast<int>(f.layer_end());
+      e.bytes = f.bytes();
+      e.checksum = f.checksum();
+      manifest.stages.push_back(e);
+    }
+    absl::Status written = model::WriteManifest(commit.dir(), manifest);
+    if (!written.ok()) return Fail(Annotate(written, "writing the checkpoint manifest"));
+    v1::WorkerMessage m;
+    m.mutable_checkpoint_committed()->set_job_id(job_id_);
+    m.mutable_checkpoint_committed()->set_iteration(commit.iteration());
+    m.mutable_checkpoint_committed()->set_dir(commit.dir());
+    Send(std::move(m));
   }
 
   void OnCancel(const v1::CancelJob& cancel) {

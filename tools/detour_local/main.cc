@@ -1,0 +1,326 @@
+// detour-local: a whole detour cluster on this machine, for demos and trying
+// things out. Starts a coordinator and N workers on loopback, submits a job,
+// shows a live progress line, writes the loss curve, and stops everything
+// cleanly at the end or on Ctrl-C.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/files.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/net/server.h"
+#include "common/net/shutdown_signal.h"
+#include "common/plot.h"
+#include "common/spec.h"
+#include "common/subprocess.h"
+#include "detour/v1/job_service.grpc.pb.h"
+
+namespace detour {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Args {
+  std::string job = "examples/jobs/tiny_local.json";
+  int64_t workers = 0;
+  std::string out = "demo-out";
+  std::string bin_dir;
+  std::string cluster;
+  bool emulate_network = false;
+  int64_t torch_threads = 1;
+  int64_t iterations = 0;
+};
+
+std::string FormatEta(double s) {
+  if (s <= 0) return "-";
+  const int t = static_cast<int>(s + 0.5);
+  return t >= 60 ? absl::StrFormat("%dm%02ds", t / 60, t % 60) : absl::StrFormat("%ds", t);
+}
+
+// The build tree: this binary lives in <build>/tools/detour_local/.
+std::string DefaultBinDir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "build";
+  return self.parent_path().parent_path().parent_path().string();
+}
+
+class Launcher {
+ public:
+  explicit Launcher(Args args) : args_(std::move(args)) {}
+
+  int Run() {
+    auto spec = LoadJobSpec(args_.job);
+    if (!spec.ok()) {
+      std::cerr << "detour-local: " << spec.status().message() << "\n";
+      return 2;
+    }
+    if (args_.iterations > 0) spec->set_iterations(args_.iterations);
+    const v1::PipelineSpec& p = spec->pipeline();
+    const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
+    const int workers = args_.workers > 0 ? static_cast<int>(args_.workers) : needed;
+    if (workers < needed) {
+      std::cerr << "detour-local: --workers " << workers << " is fewer than the " << needed
+                << " the job needs (" << p.data_nodes() << " data nodes + "
+                << p.num_stages() - 1 << " stages x " << p.replicas_per_stage() << " replicas)\n";
+      return 2;
+    }
+    std::vector<std::string> regions;
+    if (!args_.cluster.empty()) {
+      auto cluster = LoadClusterSpec(args_.cluster);
+      if (!cluster.ok()) {
+        std::cerr << "detour-local: --cluster: " << cluster.status().message() << "\n";
+        return 2;
+      }
+      for (const v1::NodeSpec& n : cluster->nodes()) regions.push_back(n.region());
+    }
+    std::error_code ec;
+    fs::remove_all(args_.out, ec);
+    if (absl::Status dir = EnsureWritableDirectory(args_.out, "--out"); !dir.ok()) {
+      std::cerr << "detour-local: " << dir.message() << "\n";
+      return 1;
+    }
+    const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
+
+    std::cout << "detour-local: coordinator + " << workers << " workers on loopback (logs in "
+              << args_.out << "/)\n";
+    std::vector<std::string> cargv = {
+        bin + "/coordinator/detour-coordinator", "--listen=127.0.0.1:0", "--metrics_port=0",
+        "--metrics_bind=127.0.0.1", absl::StrCat("--data_dir=", args_.out, "/coordinator"),
+        absl::StrCat("--ready_file=", args_.out, "/coordinator.ready"),
+        "--heartbeat_interval=500ms", "--worker_silence=5s"};
+    if (!args_.cluster.empty()) cargv.push_back(absl::StrCat("--cluster=", args_.cluster));
+    if (args_.emulate_network) cargv.push_back("--emulate_network");
+    if (absl::Status s = coordinator_.Start(cargv, args_.out + "/coordinator.log", true); !s.ok()) {
+      std::cerr << "detour-local: " << s.message() << "\n";
+      return 1;
+    }
+    auto port = WaitForReadyField(args_.out + "/coordinator.ready", "grpc_port", absl::Seconds(30));
+    auto metrics_port =
+        WaitForReadyField(args_.out + "/coordinator.ready", "metrics_port", absl::Seconds(1));
+    if (!port.ok()) {
+      std::cerr << "detour-local: the coordinator did not start; see " << args_.out
+                << "/coordinator.log:\n" << coordinator_.Log();
+      return 1;
+    }
+    address_ = absl::StrCat("127.0.0.1:", *port);
+    std::cout << "  coordinator  gRPC " << address_ << ", metrics http://127.0.0.1:"
+              << (metrics_port.ok() ? *metrics_port : "?") << "/metrics\n";
+    for (int i = 0; i < workers; ++i) {
+      const std::string region = regions.empty() ? "local" : regions[i % regions.size()];
+      auto w = std::make_unique<ChildProcess>();
+      std::vector<std::string> wargv = {
+          bin + "/worker/detour-worker", "--listen=127.0.0.1:0", "--metrics_port=-1",
+          absl::StrCat("--coordinator=", address_), absl::StrCat("--worker_id=w", i + 1),
+          absl::StrCat("--region=", region), absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
+          absl::StrCat("--torch_threads=", args_.torch_threads),
+          absl::StrCat("--ready_file=", args_.out, "/w", i + 1, ".ready")};
+      if (absl::Status s = w->Start(wargv, absl::StrCat(args_.out, "/w", i + 1, ".log"), true);
+          !s.ok()) {
+        std::cerr << "detour-local: " << s.message() << "\n";
+        return 1;
+      }
+      workers_.push_back(std::move(w));
+    }
+    for (int i = 0; i < workers; ++i) {
+      auto id = WaitForReadyField(absl::StrCat(args_.out, "/w", i + 1, ".ready"), "worker_id",
+                                  absl::Seconds(60));
+      if (!id.ok()) {
+        std::cerr << "detour-local: worker " << i + 1 << " did not start:\n" << workers_[i]->Log();
+        return 1;
+      }
+    }
+    std::cout << "  workers      w1..w" << workers << " registered\n";
+    return SubmitAndFollow(*spec);
+  }
+
+  // Called from the signal thread.
+  void Interrupt() {
+    interrupted_ = true;
+    absl::MutexLock lock(&mu_);
+    if (watch_ != nullptr) watch_->TryCancel();
+  }
+
+  // Stops the daemons: workers first, then the coordinator.
+  void StopAll() {
+    for (auto& w : workers_) w->Signal(SIGTERM);
+    for (auto& w : workers_) w->Stop(absl::Seconds(15));
+    coordinator_.Stop(absl::Seconds(15));
+  }
+
+ private:
+  int SubmitAndFollow(const v1::JobSpec& spec) {
+    auto stub = v1::JobService::NewStub(MakeChannel(address_));
+    v1::Job job;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      v1::SubmitJobRequest request;
+      *request.mutable_spec() = spec;
+      grpc::Status s = stub->Submit(&context, request, &job);
+      if (!s.ok()) {
+        std::cerr << "detour-local: submit: " << s.error_message() << "\n";
+        return 1;
+      }
+    }
+    std::cout << "  job          " << job.id() << " (" << spec.name() << "): "
+              << spec.model().preset() << " model, " << spec.pipeline().num_stages()
+              << " stages, skip " << spec.pipeline().skip_ratio() << ", "
+              << spec.iterations() << " iterations\n\n";
+    const bool tty = ::isatty(STDOUT_FILENO);
+    std::string csv = "iteration,loss,iteration_time_s,tokens_per_s\n";
+    PlotSeries curve{absl::StrCat(spec.name(), " (", spec.pipeline().num_stages(),
+                                  " stages, skip ", spec.pipeline().skip_ratio(), ")"),
+                     {}};
+    grpc::ClientContext context;
+    {
+      absl::MutexLock lock(&mu_);
+      watch_ = &context;
+    }
+    if (interrupted_) context.TryCancel();
+    v1::WatchJobRequest request;
+    request.set_job_id(job.id());
+    auto reader = stub->Watch(&context, request);
+    v1::JobEvent event;
+    uint64_t shown = 0;
+    uint64_t last_printed = 0;
+    std::string last_state;
+    const absl::Time start = absl::Now();
+    while (reader->Read(&event)) {
+      job = event.job();
+      const v1::JobProgress& pr = job.progress();
+      const std::string state = v1::JobState_Name(job.state()).substr(10);
+      if (pr.iteration() > shown) {
+        shown = pr.iteration();
+        absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f\n", pr.iteration(), pr.loss(),
+                              pr.iteration_time_s(), pr.tokens_per_s());
+        curve.points.emplace_back(static_cast<double>(pr.iteration()), pr.loss());
+      }
+      const std::string line = absl::StrFormat(
+          "%-9s iteration %d/%d  loss %.4f  %.0f tok/s  eta %s  (%.0fs)",
+          state, pr.iteration(), pr.total_iterations(), pr.loss(), pr.tokens_per_s(),
+          FormatEta(pr.eta_s()), absl::ToDoubleSeconds(absl::Now() - start));
+      if (tty) {
+        std::cout << "\r\033[K" << line << std::flush;
+      } else if (state != last_state || (pr.iteration() != last_printed &&
+                                         (shown % 10 == 0 || shown == pr.total_iterations()))) {
+        std::cout << line << "\n" << std::flush;
+        last_printed = pr.iteration();
+      }
+      last_state = state;
+    }
+    grpc::Status watched = reader->Finish();
+    {
+      absl::MutexLock lock(&mu_);
+      watch_ = nullptr;
+    }
+    if (tty) std::cout << "\n";
+    if (interrupted_) {
+      std::cout << "detour-local: interrupted; cancelling " << job.id() << "\n";
+      grpc::ClientContext cancel_context;
+      cancel_context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+      v1::CancelJobRequest cancel;
+      cancel.set_job_id(job.id());
+      v1::Job cancelled;
+      stub->Cancel(&cancel_context, cancel, &cancelled);
+    } else if (!watched.ok()) {
+      std::cerr << "detour-local: watch: " << watched.error_message() << "\n";
+    }
+    WriteCurve(csv, curve);
+    std::cout << job.id() << " " << v1::JobState_Name(job.state()).substr(10) << ": "
+              << job.message() << "\n";
+    if (!curve.points.empty()) {
+      std::cout << absl::StrFormat("loss %.4f -> %.4f over %d iterations in %.0f s\n",
+                                   curve.points.front().second, curve.points.back().second,
+                                   curve.points.size(),
+                                   absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    std::cout << "loss curve: " << args_.out << "/loss.csv, " << args_.out << "/loss.svg\n";
+    if (!job.last_checkpoint().empty()) {
+      std::cout << "checkpoint: " << job.last_checkpoint() << "\n";
+    }
+    if (interrupted_) return 130;
+    return job.state() == v1::JOB_STATE_SUCCEEDED ? 0 : 1;
+  }
+
+  void WriteCurve(const std::string& csv, const PlotSeries& curve) {
+    PlotOptions options;
+    options.title = "detour-local: training loss";
+    const std::string svg = LinePlotSvg({curve}, options);
+    for (const auto& [name, content] : {std::pair<std::string, std::string>{"loss.csv", csv},
+                                        {"loss.svg", svg}}) {
+      if (absl::Status s = WriteFileAtomically(args_.out + "/" + name, content); !s.ok()) {
+        std::cerr << "detour-local: " << s.message() << "\n";
+      }
+    }
+  }
+
+  const Args args_;
+  std::string address_;
+  ChildProcess coordinator_;
+  std::vector<std::unique_ptr<ChildProcess>> workers_;
+  std::atomic<bool> interrupted_{false};
+  absl::Mutex mu_;
+  grpc::ClientContext* watch_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+int Main(int argc, char** argv) {
+  BlockShutdownSignals();
+  Args a;
+  FlagSet flags("detour-local",
+                "Runs a coordinator and workers on this machine, trains a job on them with a "
+                "live progress line, writes the loss curve, and stops everything at the end "
+                "(or on Ctrl-C).");
+  flags.String("job", &a.job, "job spec (JSON form of detour.v1.JobSpec)");
+  flags.Int("workers", &a.workers, "workers to start (default: exactly what the job needs)");
+  flags.String("out", &a.out, "directory for logs, data dirs, the loss curve (emptied first)");
+  flags.String("bin_dir", &a.bin_dir, "build directory holding the daemons (default: this "
+                                      "binary's build tree)");
+  flags.String("cluster", &a.cluster,
+               "ClusterSpec JSON: workers take its nodes' regions, the planner its links");
+  flags.Bool("emulate_network", &a.emulate_network,
+             "workers delay and rate-limit their frames per --cluster (emulation)");
+  flags.Int("torch_threads", &a.torch_threads, "LibTorch threads per worker");
+  flags.Int("iterations", &a.iterations, "override the job's iterations (0 = the job's)");
+  auto rest = flags.Parse(argc, argv);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (!rest->empty()) return flags.Fail(absl::InvalidArgumentError("unexpected arguments"));
+  if (a.emulate_network && a.cluster.empty()) {
+    return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
+  }
+  SetLogComponent("detour-local");
+  Launcher launcher(a);
+  std::atomic<bool> done{false};
+  std::thread signals([&] {
+    while (!done) {
+      if (WaitForShutdownSignal(absl::Milliseconds(200)) != 0) {
+        launcher.Interrupt();
+        break;
+      }
+    }
+  });
+  const int code = launcher.Run();
+  std::cout << "detour-local: stopping the daemons\n" << std::flush;
+  launcher.StopAll();
+  done = true;
+  signals.join();
+  return code;
+}
+
+}  // namespace
+}  // namespace detour
+
+int main(int argc, char** argv) { return detour::Main(argc, argv); }
