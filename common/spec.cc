@@ -201,6 +201,15 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("pipeline.skip_ratio", "visits more stages than exist");
   }
   if (p.max_jump() == 0) return Invalid("pipeline.max_jump", "must be >= 1");
+  // With P-1 hops of at most max_jump stages each, routes reach stage
+  // max_jump·(P-1) at most; every stage must be reachable.
+  if (visited > 1 && uint64_t{p.max_jump()} * static_cast<uint64_t>(visited - 1) <
+                         p.num_stages() - 1) {
+    return Invalid("pipeline.max_jump",
+                   absl::StrCat(p.max_jump(), " is too small: ", visited - 1,
+                                " hops of at most ", p.max_jump(), " stages cannot reach stage ",
+                                p.num_stages() - 1));
+  }
   if (p.max_swaps() > 0 && p.max_swap_distance() == 0) {
     return Invalid("pipeline.max_swap_distance", "must be >= 1 when max_swaps > 0");
   }

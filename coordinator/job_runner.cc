@@ -158,6 +158,7 @@ class JobRunner {
     cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
     planner::PlannerOptions options;
     options.seed = spec_.seed();
+    options.sim.record_timeline = false;  // only the predicted time is used
     auto first = planner::PlanIteration(*cost_, spec_, options);
     if (!first.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", first.status().message())};
     assignment_ = first->plan.assignment;
@@ -237,6 +238,7 @@ class JobRunner {
       planner::PlannerOptions options;
       options.seed = spec_.seed() + iteration;
       options.assignment = assignment_;
+      options.sim.record_timeline = false;
       const uint32_t k = spec_.pipeline().full_model_every();
       if (k > 0 && (iteration + 1) % k == 0) options.scheduler = v1::SCHEDULER_FULL;
       auto p = planner::PlanIteration(*cost_, spec_, options);

@@ -1,97 +1,43 @@
 #!/usr/bin/env bash
-# The local demo: a coordinator and three workers on loopback, driven with
-# detourctl, then the path scheduler on the shipped 20-node geo-distributed
-# example (when detour-sim is built). Everything stops cleanly at the end and
-# on Ctrl-C. Run it through `make demo`, or directly after a build:
-#   DETOUR_BUILD_DIR=build tools/demo.sh
+# The demo behind `make demo`:
+#  1. real training on this machine: a coordinator and 8 workers on loopback
+#     train the `tiny` model on the embedded corpus — 4 stages (2 data nodes,
+#     2 replicas of each other stage), 25% skip (every microbatch visits 3 of
+#     the 4 stages) — with a live progress line; it leaves the loss curve and
+#     a checkpoint in demo-out/;
+#  2. the path scheduler on the shipped 20-node, 11-region cluster: every
+#     scheduler side by side, and timeline SVGs of `full` and `skippipe`.
+# Everything stops cleanly at the end and on Ctrl-C.
+#   DETOUR_BUILD_DIR=build tools/demo.sh      (after a build; `make demo` does both)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${DETOUR_BUILD_DIR:-$ROOT/build}
-COORD=$BUILD/coordinator/detour-coordinator
-WORKER=$BUILD/worker/detour-worker
-CTL=$BUILD/tools/detourctl/detourctl
-SIM=$BUILD/tools/detour_sim/detour-sim
-WORKERS=${DEMO_WORKERS:-3}
 OUT=${DEMO_OUT:-$ROOT/demo-out}
-
-for bin in "$COORD" "$WORKER" "$CTL"; do
+LOCAL=$BUILD/tools/detour_local/detour-local
+SIM=$BUILD/tools/detour_sim/detour-sim
+for bin in "$LOCAL" "$SIM" "$BUILD/coordinator/detour-coordinator" "$BUILD/worker/detour-worker"; do
   [[ -x $bin ]] || { echo "demo: $bin is missing; run 'make build' first" >&2; exit 1; }
 done
 
-rm -rf "$OUT"
-mkdir -p "$OUT"
-PIDS=()
-cleanup() {
-  local code=$?
-  if [[ ${#PIDS[@]} -gt 0 ]]; then
-    echo "== stopping ${#PIDS[@]} daemons (SIGTERM)"
-    kill -TERM "${PIDS[@]}" 2>/dev/null || true
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  fi
-  exit $code
-}
-trap cleanup EXIT
-trap 'echo; echo "demo: interrupted"; exit 130' INT TERM
+echo "== 1. training the tiny model across 8 local workers (examples/jobs/tiny_local.json)"
+"$LOCAL" --job "$ROOT/examples/jobs/tiny_local.json" --out "$OUT" --bin_dir "$BUILD" \
+  ${DEMO_ITERATIONS:+--iterations "$DEMO_ITERATIONS"}
 
-wait_for() {  # file key
-  for _ in $(seq 1 200); do
-    if [[ -s $1 ]] && grep -q "\"$2\"" "$1"; then
-      sed -E "s/.*\"$2\": \"?([^\",}]*)\"?.*/\1/" "$1"
-      return 0
-    fi
-    sleep 0.05
-  done
-  echo "demo: timed out waiting for $1" >&2
-  return 1
-}
-
-echo "== starting a coordinator on loopback (logs in $OUT/)"
-"$COORD" --listen=127.0.0.1:0 --metrics_port=0 --metrics_bind=127.0.0.1 \
-  --data_dir="$OUT/coordinator" --ready_file="$OUT/coordinator.ready" \
-  --worker_silence=3s --heartbeat_interval=500ms 2>"$OUT/coordinator.log" &
-PIDS+=($!)
-GRPC_PORT=$(wait_for "$OUT/coordinator.ready" grpc_port)
-METRICS_PORT=$(wait_for "$OUT/coordinator.ready" metrics_port)
-export DETOUR_COORDINATOR=127.0.0.1:$GRPC_PORT
-echo "   coordinator: gRPC 127.0.0.1:$GRPC_PORT, metrics http://127.0.0.1:$METRICS_PORT/metrics"
-
-REGIONS=(Oregon Virginia Tokyo Frankfurt Sydney Seoul)
-echo "== starting $WORKERS workers"
-for i in $(seq 1 "$WORKERS"); do
-  region=${REGIONS[$(( (i - 1) % ${#REGIONS[@]} ))]}
-  "$WORKER" --listen=127.0.0.1:0 --metrics_port=0 --metrics_bind=127.0.0.1 \
-    --coordinator="$DETOUR_COORDINATOR" --worker_id="demo-w$i" --region="$region" \
-    --data_dir="$OUT/worker$i" --ready_file="$OUT/worker$i.ready" 2>"$OUT/worker$i.log" &
-  PIDS+=($!)
-done
-for i in $(seq 1 "$WORKERS"); do wait_for "$OUT/worker$i.ready" worker_id >/dev/null; done
-sleep 0.6  # a heartbeat or two
-
-echo; echo "\$ detourctl workers"
-"$CTL" workers
-echo; echo "\$ detourctl health"
-"$CTL" health
-echo; echo "\$ detourctl submit examples/jobs/tiny_local.json"
-"$CTL" submit "$ROOT/examples/jobs/tiny_local.json"
-echo; echo "\$ detourctl list"
-"$CTL" list
-echo; echo "\$ curl -s http://127.0.0.1:$METRICS_PORT/metrics | grep ^detour_coordinator"
-curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | grep '^detour_coordinator' || true
-
-if [[ -x $SIM ]]; then
-  echo; echo "== path scheduler on the shipped 20-node, 11-region cluster (1.5B-shaped stages, 33% skip)"
-  echo "\$ detour-sim compare --cluster examples/clusters/geo20.json --job examples/jobs/geo20_1.5b.json"
-  "$SIM" compare --cluster "$ROOT/examples/clusters/geo20.json" \
-    --job "$ROOT/examples/jobs/geo20_1.5b.json"
-  for s in full skippipe; do
-    "$SIM" plan --cluster "$ROOT/examples/clusters/geo20.json" \
-      --job "$ROOT/examples/jobs/geo20_1.5b.json" --scheduler "$s" \
-      --svg "$OUT/timeline_$s.svg" --trace "$OUT/trace_$s.json" >/dev/null
-  done
-  echo "   timelines: $OUT/timeline_full.svg and $OUT/timeline_skippipe.svg (open in a browser);"
-  echo "   Chrome traces: $OUT/trace_*.json (open in https://ui.perfetto.dev)"
-fi
 echo
-echo "Job execution (real training across the workers) arrives with the distributed"
-echo "runtime; today the coordinator stores and lists submitted jobs."
+echo "== 2. the path scheduler on 20 nodes over 11 regions (1.5B-shaped stages, 33% skip)"
+echo "\$ detour-sim compare --cluster examples/clusters/geo20.json --job examples/jobs/geo20_1.5b.json"
+"$SIM" compare --cluster "$ROOT/examples/clusters/geo20.json" \
+  --job "$ROOT/examples/jobs/geo20_1.5b.json"
+for s in full skippipe; do
+  "$SIM" plan --cluster "$ROOT/examples/clusters/geo20.json" \
+    --job "$ROOT/examples/jobs/geo20_1.5b.json" --scheduler "$s" \
+    --svg "$OUT/timeline_$s.svg" --trace "$OUT/trace_$s.json" >/dev/null
+done
+echo
+echo "Files in $OUT/:"
+echo "  loss.csv, loss.svg            the training loss curve"
+echo "  coordinator/checkpoints/      the checkpoint (manifest.json + one file per stage)"
+echo "  timeline_{full,skippipe}.svg  per-node timelines: the bubbles shrink with skippipe"
+echo "  trace_*.json                  the same as Chrome traces (open in ui.perfetto.dev)"
+echo "  *.log                         the daemons' logs"

@@ -117,6 +117,7 @@ TEST(JobSpec, OtherFieldChecks) {
        "data.path"},
       {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "wire_dtype": "int8")",
        "pipeline.wire_dtype"},
+      {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.5, "max_jump": 1)", "pipeline.max_jump"},
   };
   for (const Case& c : cases) {
     absl::Status s = JobStatus(Replace(kGoodJob, c.from, c.to));

@@ -103,8 +103,9 @@ TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
 
 TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
   // 4 stages, 2 data nodes, 2 replicas of each other stage, each microbatch
-  // visits 3 of the 4 stages.
-  const v1::JobSpec spec = MicroJob(4, 2, 2, 0.25, 6);
+  // visits 3 of the 4 stages; activations and gradients travel as bf16.
+  v1::JobSpec spec = MicroJob(4, 2, 2, 0.25, 6);
+  spec.mutable_pipeline()->set_wire_dtype("bf16");  // half-size activations on the wire
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers;
   for (int i = 0; i < 8; ++i) {

@@ -1,0 +1,193 @@
+// ActivationService throughput and latency against raw TCP on loopback,
+// measured in the same run. A transfer = the sender hands over N bytes and
+// waits for the receiver's acknowledgement (the receiver has copied them into
+// its own buffer), for both transports.
+//
+//   build/benchmarks/transport/transport_bench --benchmark_min_time=1
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "benchmark/benchmark.h"
+#include "common/net/server.h"
+#include "worker/transport/activation_server.h"
+#include "worker/transport/peer_sender.h"
+
+namespace detour {
+namespace {
+
+// --- raw TCP baseline ------------------------------------------------------
+
+bool WriteAll(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = ::read(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// Receives length-prefixed messages into its own buffer and acks each.
+class RawTcpPeer {
+ public:
+  RawTcpPeer() {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(listen_fd_, 1);
+    socklen_t len = sizeof(addr);
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    server_ = std::thread([this] { Serve(); });
+    client_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    ::connect(client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    const int one = 1;
+    ::setsockopt(client_fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  ~RawTcpPeer() {
+    ::shutdown(client_fd_, SHUT_RDWR);
+    ::close(client_fd_);
+    server_.join();
+    ::close(listen_fd_);
+  }
+  bool Transfer(const std::vector<char>& data) {
+    const uint64_t n = data.size();
+    if (!WriteAll(client_fd_, &n, sizeof(n)) || !WriteAll(client_fd_, data.data(), n)) return false;
+    char ack;
+    return ReadAll(client_fd_, &ack, 1);
+  }
+
+ private:
+  void Serve() {
+    const int fd = ::accept(listen_fd_, nullptr, nullptr);
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::vector<char> buffer;
+    while (true) {
+      uint64_t n;
+      if (!ReadAll(fd, &n, sizeof(n))) break;
+      buffer.resize(n);
+      if (!ReadAll(fd, buffer.data(), n)) break;
+      const char ack = 1;
+      if (!WriteAll(fd, &ack, 1)) break;
+    }
+    ::close(fd);
+  }
+  int listen_fd_ = -1, client_fd_ = -1, port_ = 0;
+  std::thread server_;
+};
+
+void BM_RawTcp(benchmark::State& state) {
+  RawTcpPeer peer;
+  std::vector<char> data(static_cast<size_t>(state.range(0)), 'x');
+  for (auto _ : state) {
+    if (!peer.Transfer(data)) state.SkipWithError("raw transfer failed");
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+// --- detour ActivationService ----------------------------------------------
+
+// Accepts every tensor into one reused buffer.
+class ReusingSink : public TensorSink {
+ public:
+  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) override {
+    if (buffer_->size() < h.total_bytes()) buffer_->resize(h.total_bytes());
+    MutableBuffer b;
+    b.data = buffer_->data();
+    b.bytes = buffer_->size();
+    b.keepalive = buffer_;
+    return b;
+  }
+  void Deliver(const v1::FrameHeader&, MutableBuffer) override {}
+
+ private:
+  std::shared_ptr<std::vector<char>> buffer_ = std::make_shared<std::vector<char>>();
+};
+
+struct DetourPeer {
+  DetourPeer() {
+    server = std::make_unique<ActivationServer>(&sink, ActivationServerOptions{});
+    GrpcServerOptions options;
+    options.listen = HostPort{"127.0.0.1", 0};
+    options.generic_service = server.get();
+    running = std::move(*StartGrpcServer(std::move(options), "bench"));
+    sender = std::make_unique<PeerSender>(absl::StrCat("127.0.0.1:", running.port),
+                                          PeerSenderOptions());
+  }
+  ~DetourPeer() {
+    sender.reset();
+    running.server->Shutdown();
+  }
+  bool Transfer(const std::shared_ptr<std::vector<char>>& data, uint32_t id) {
+    v1::FrameHeader h;
+    h.set_job_id("bench");
+    h.set_iteration(0);
+    h.set_microbatch(id);
+    h.set_direction(v1::DIRECTION_FORWARD);
+    h.set_sender("bench");
+    h.add_shape(static_cast<int64_t>(data->size()) / 4);
+    h.set_dtype(v1::DTYPE_FP32);
+    TensorView view;
+    view.data = data->data();
+    view.bytes = data->size();
+    view.keepalive = data;
+    absl::Notification done;
+    bool ok = false;
+    sender->Send(std::move(h), std::move(view), [&](absl::Status s, double) {
+      ok = s.ok();
+      done.Notify();
+    });
+    done.WaitForNotification();
+    return ok;
+  }
+  ReusingSink sink;
+  std::unique_ptr<ActivationServer> server;
+  RunningServer running;
+  std::unique_ptr<PeerSender> sender;
+};
+
+void BM_Detour(benchmark::State& state) {
+  DetourPeer peer;
+  auto data = std::make_shared<std::vector<char>>(static_cast<size_t>(state.range(0)), 'x');
+  uint32_t id = 0;
+  for (auto _ : state) {
+    if (!peer.Transfer(data, id++)) state.SkipWithError("detour transfer failed");
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+BENCHMARK(BM_RawTcp)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Detour)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace detour
+
+BENCHMARK_MAIN();
