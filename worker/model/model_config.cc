@@ -87,6 +87,20 @@ absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
   return c;
 }
 
+v1::ModelShape ShapeFromConfig(const ModelConfig& c) {
+  v1::ModelShape s;
+  s.set_num_layers(c.num_layers);
+  s.set_d_model(c.d_model);
+  s.set_num_heads(c.num_heads);
+  s.set_num_kv_heads(c.num_kv_heads);
+  s.set_ffn_dim(c.ffn_dim);
+  s.set_vocab_size(c.vocab_size);
+  s.set_context_length(c.context_length);
+  s.set_rope_theta(c.rope_theta);
+  s.set_norm_eps(c.norm_eps);
+  return s;
+}
+
 absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
                                            int stage) {
   if (num_stages < 1 || num_stages > num_layers) {

@@ -38,6 +38,9 @@ struct ModelConfig {
 // (INVALID_ARGUMENT naming the field; NOT_FOUND for an unknown preset).
 absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape);
 
+// The explicit ModelShape (no preset) of a config; inverse of the above.
+v1::ModelShape ShapeFromConfig(const ModelConfig& config);
+
 // Half-open range [begin, end) of global layer indices.
 struct LayerRange {
   int begin = 0;

@@ -1,0 +1,181 @@
+// Model-core benchmarks (results in docs/BENCHMARKS.md, "Model core").
+//
+// BM_SplitOverhead/<preset>: forward+backward tokens/s through the stage
+//   split (PipelineEngine, 4 stages, full routes) and through one plain
+//   Transformer module of the same shape and seed, interleaved round by round
+//   in the same process; reports both rates (medians) and the split's
+//   overhead. The machines are noisy, so only the ratio is meaningful.
+// BM_SlotMemory/<preset>: heap bytes one in-flight microbatch holds in a
+//   stage between Forward and Backward, per transformer block and sample,
+//   measured with mallinfo2 at two reduced context lengths and, where it
+//   fits in memory, at the preset's full context; the full-context value is
+//   extrapolated with m(T) = a·T + b·T² (attention scores grow with T²).
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "common/spec.h"
+#include "worker/model/engine.h"
+#include "worker/model/routes.h"
+#include "worker/model/transformer.h"
+
+namespace detour::model {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double Seconds(std::chrono::steady_clock::time_point a,
+               std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+void BM_SplitOverhead(benchmark::State& state, const std::string& preset,
+                      int samples, int microbatches) {
+  at::set_num_threads(1);
+  v1::JobSpec spec;
+  spec.set_name("bench");
+  spec.set_iterations(1);
+  spec.mutable_model()->set_preset(preset);
+  spec.mutable_pipeline()->set_num_stages(4);
+  spec.mutable_pipeline()->set_samples_per_microbatch(samples);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(microbatches);
+  ApplyJobDefaults(&spec);
+  auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
+  auto config = ModelConfigFromShape(spec.model());
+  if (!engine.ok() || !config.ok()) {
+    state.SkipWithError("cannot build the model");
+    return;
+  }
+  Transformer plain(*config, spec.seed(), at::Device(at::kCPU));
+  const int ctx = config->context_length;
+  std::vector<Microbatch> mbs;
+  for (int m = 0; m < microbatches; ++m) {
+    at::Tensor t = at::randint(0, config->vocab_size, {samples, ctx + 1}, at::kLong);
+    mbs.push_back({t.narrow(1, 0, ctx).contiguous(), t.narrow(1, 1, ctx).contiguous()});
+  }
+  std::vector<v1::Route> routes;
+  for (int m = 0; m < microbatches; ++m) routes.push_back(MakeRoute(m, {0, 1, 2, 3}));
+  auto run_plain = [&] {
+    for (const auto& mb : mbs) {
+      at::Tensor loss = plain->Loss(mb.tokens, mb.targets);
+      torch::autograd::backward({loss});
+    }
+    for (auto& [n, p] : plain->GlobalParameters()) p.mutable_grad() = at::Tensor();
+  };
+  auto run_split = [&] {
+    auto loss = (*engine)->Accumulate(routes, mbs);
+    if (!loss.ok()) std::abort();
+    for (int s = 0; s < 4; ++s) (*engine)->stage(s).ZeroGrad();
+  };
+  run_plain();  // warm-up both
+  run_split();
+  std::vector<double> t_plain, t_split;
+  for (auto _ : state) {
+    // Alternate the order so drifts in machine load hit both sides.
+    const bool plain_first = t_plain.size() % 2 == 0;
+    for (int k = 0; k < 2; ++k) {
+      const bool do_plain = (k == 0) == plain_first;
+      const auto a = std::chrono::steady_clock::now();
+      if (do_plain) run_plain(); else run_split();
+      const auto b = std::chrono::steady_clock::now();
+      (do_plain ? t_plain : t_split).push_back(Seconds(a, b));
+    }
+  }
+  const double tokens = static_cast<double>(microbatches) * samples * ctx;
+  state.counters["plain_tok_per_s"] = tokens / Median(t_plain);
+  state.counters["split_tok_per_s"] = tokens / Median(t_split);
+  state.counters["split_overhead_pct"] =
+      100.0 * (Median(t_split) / Median(t_plain) - 1.0);
+  // Per-round ratios are less sensitive to slow drifts than ratio of medians.
+  std::vector<double> ratios;
+  for (size_t i = 0; i < std::min(t_plain.size(), t_split.size()); ++i) {
+    ratios.push_back(t_split[i] / t_plain[i]);
+  }
+  state.counters["split_overhead_pct_paired"] = 100.0 * (Median(ratios) - 1.0);
+}
+
+int64_t HeapInUse() {
+  struct mallinfo2 mi = mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+// Bytes held by one microbatch of one sample at context length `t` in
+// `stage` (a one-block stage built for the longest `t` measured).
+double SlotBytes(Stage& stage, int t) {
+  const int d = stage.config().d_model;
+  at::Tensor x = at::randn({1, t, d});
+  at::Tensor g = at::randn({1, t, d});
+  // Warm-up so one-time allocations are not counted.
+  if (!stage.Forward(0, x).ok() || !stage.Backward(0, g).ok()) return -1;
+  const int64_t before = HeapInUse();
+  auto out = stage.Forward(1, x);
+  const int64_t after = HeapInUse();
+  stage.DropAll();
+  if (!out.ok()) return -1;
+  return static_cast<double>(after - before);
+}
+
+void BM_SlotMemory(benchmark::State& state, const std::string& preset, bool measure_full) {
+  at::set_num_threads(1);
+  v1::ModelShape shape;
+  shape.set_preset(preset);
+  auto config = ModelConfigFromShape(shape);
+  if (!config.ok()) {
+    state.SkipWithError("bad preset");
+    return;
+  }
+  const int t_full = config->context_length;
+  const int t1 = std::min(256, t_full / 2), t2 = 2 * t1;
+  // Stage 1 of 2 of a two-block model: one block, no embedding or head.
+  ModelConfig one = *config;
+  one.num_layers = 2;
+  one.context_length = measure_full ? t_full : t2;
+  StageOptions options;
+  options.memory_slots = 2;
+  auto stage = Stage::Create(one, 1, 2, options);
+  if (!stage.ok()) {
+    state.SkipWithError("cannot build the stage");
+    return;
+  }
+  double m1 = 0, m2 = 0, full = -1;
+  for (auto _ : state) {
+    m1 = SlotBytes(**stage, t1);
+    m2 = SlotBytes(**stage, t2);
+    if (measure_full) full = SlotBytes(**stage, t_full);
+  }
+  // m(T) = a·T + b·T² through (t1, m1), (t2, m2).
+  const double b = (m2 / t2 - m1 / t1) / (t2 - t1);
+  const double a = m1 / t1 - b * t1;
+  const double extrapolated = a * t_full + b * t_full * static_cast<double>(t_full);
+  state.counters["MiB_per_layer_sample"] = (full > 0 ? full : extrapolated) / (1 << 20);
+  state.counters["MiB_extrapolated"] = extrapolated / (1 << 20);
+  if (full > 0) state.counters["MiB_measured_full_ctx"] = full / (1 << 20);
+  state.counters["context"] = t_full;
+  state.counters["layers"] = config->num_layers;
+}
+
+BENCHMARK_CAPTURE(BM_SplitOverhead, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SplitOverhead, small, "small", 1, 2)->Iterations(3)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SlotMemory, tiny, "tiny", true)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SlotMemory, small, "small", true)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SlotMemory, 500m, "500m", true)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SlotMemory, 1_5b, "1.5b", false)->Iterations(1)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_SlotMemory, 8b, "8b", false)->Iterations(1)->Unit(benchmark::kSecond);
+
+}  // namespace
+}  // namespace detour::model
+
+BENCHMARK_MAIN();

@@ -1,0 +1,373 @@
+// detour-train: trains the model in one process through the pipeline engine
+// with full, skipping and reordering routes, and reports loss curves and the
+// perplexity with all layers vs half of them. See --help and docs/MODEL.md.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/engine.h"
+#include "worker/model/evaluate.h"
+#include "worker/model/routes.h"
+
+namespace detour::train_tool {
+namespace {
+
+namespace fs = std::filesystem;
+using model::PipelineEngine;
+
+constexpr char kUsage[] = R"(detour-train: in-process convergence experiments for detour's model core.
+
+Usage:
+  detour-train [--job J.json] [--preset tiny] [--iterations N] [--runs SPEC]
+               [--out DIR] [options]
+
+Each run trains the same model from the same seed with its own routes and
+writes, under --out: loss.csv (every iteration), loss.svg (the curves),
+results.md (perplexity table), ckpt-<run>/ (final checkpoint).
+
+Options:
+  --job FILE          JobSpec JSON (model, optimiser, data, seed, microbatches)
+  --preset NAME       model preset when no --job (default tiny)
+  --iterations N      training iterations per run (default 300)
+  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS, e.g.
+                      full:4:0:0,skip25:4:0.25:0 (default: full:4:0:0,
+                      skip25:4:0.25:0, skip25-swap:4:0.25:1, skip33:6:0.3333:0,
+                      skip33-swap:6:0.3333:1)
+  --microbatches M    microbatches per iteration (default: the job's, 4)
+  --samples B         samples per microbatch (default: the job's, else 2)
+  --lr X              peak learning rate (default: the job's, else 3e-3)
+  --warmup N          warm-up iterations (default: the job's, else 20)
+  --seed N            seed (default: the job's)
+  --eval-every K      validation loss every K iterations (default 50)
+  --eval-samples N    validation samples per evaluation (default 64; the final
+                      table uses 4x as many)
+  --threads N         intra-op threads (default 1; more only on idle cores)
+  --device D          cpu (default) or cuda (needs a CUDA build of LibTorch)
+  --out DIR           output directory (default detour-train-out)
+Exit status: 0 on success, 1 on a failed run, 2 on bad usage.
+)";
+
+struct Run {
+  std::string name;
+  int stages = 4;
+  double skip = 0;
+  int swaps = 0;
+};
+
+struct Args {
+  std::string job, preset = "tiny", out = "detour-train-out", device = "cpu";
+  std::string runs = "full:4:0:0,skip25:4:0.25:0,skip25-swap:4:0.25:1,"
+                     "skip33:6:0.3333:0,skip33-swap:6:0.3333:1";
+  int64_t iterations = 300, microbatches = 0, samples = 0, warmup = -1;
+  int64_t eval_every = 50, eval_samples = 64, threads = 1;
+  double lr = 0;
+  bool has_seed = false;
+  uint64_t seed = 0;
+};
+
+bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    if (i + 1 >= argc) {
+      *error = absl::StrCat(flag, " needs a value");
+      return false;
+    }
+    const std::string v = argv[++i];
+    bool ok = true;
+    if (flag == "--job") a->job = v;
+    else if (flag == "--preset") a->preset = v;
+    else if (flag == "--out") a->out = v;
+    else if (flag == "--device") a->device = v;
+    else if (flag == "--runs") a->runs = v;
+    else if (flag == "--iterations") ok = absl::SimpleAtoi(v, &a->iterations) && a->iterations > 0;
+    else if (flag == "--microbatches") ok = absl::SimpleAtoi(v, &a->microbatches) && a->microbatches > 0;
+    else if (flag == "--samples") ok = absl::SimpleAtoi(v, &a->samples) && a->samples > 0;
+    else if (flag == "--warmup") ok = absl::SimpleAtoi(v, &a->warmup) && a->warmup >= 0;
+    else if (flag == "--eval-every") ok = absl::SimpleAtoi(v, &a->eval_every) && a->eval_every > 0;
+    else if (flag == "--eval-samples") ok = absl::SimpleAtoi(v, &a->eval_samples) && a->eval_samples > 0;
+    else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
+    else if (flag == "--lr") ok = absl::SimpleAtod(v, &a->lr) && a->lr > 0;
+    else if (flag == "--seed") ok = a->has_seed = absl::SimpleAtoi(v, &a->seed);
+    else {
+      *error = absl::StrCat("unknown flag ", flag);
+      return false;
+    }
+    if (!ok) {
+      *error = absl::StrCat(flag, ": bad value \"", v, "\"");
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
+  std::vector<Run> runs;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(item, ':');
+    Run r;
+    if (f.size() != 4 || f[0].empty() || !absl::SimpleAtoi(f[1], &r.stages) ||
+        !absl::SimpleAtod(f[2], &r.skip) || !absl::SimpleAtoi(f[3], &r.swaps) ||
+        r.stages < 1 || r.skip < 0 || r.skip >= 1 || r.swaps < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--runs: \"", item, "\" is not NAME:STAGES:SKIP:SWAPS"));
+    }
+    r.name = f[0];
+    runs.push_back(r);
+  }
+  if (runs.empty()) return absl::InvalidArgumentError("--runs: no run given");
+  return runs;
+}
+
+struct Curve {
+  std::string name;
+  std::vector<double> train;                    // per iteration
+  std::vector<std::pair<int64_t, double>> val;  // (iteration, loss)
+  double seconds = 0;
+  int visited = 0;
+  int stages = 0;
+};
+
+std::string Svg(const std::vector<Curve>& curves, int64_t iterations) {
+  const double w = 760, h = 420, left = 60, right = 170, top = 20, bottom = 40;
+  double lo = 1e9, hi = -1e9;
+  for (const auto& c : curves) {
+    for (double v : c.train) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+  }
+  hi = std::min(hi, lo + 4.0);  // the first iterations would squash the rest
+  lo = std::floor(lo * 2) / 2;
+  hi = std::ceil(hi * 2) / 2;
+  auto x = [&](double it) { return left + (w - left - right) * it / std::max<int64_t>(1, iterations - 1); };
+  auto y = [&](double v) {
+    v = std::min(std::max(v, lo), hi);
+    return top + (h - top - bottom) * (hi - v) / (hi - lo);
+  };
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                          "#8c564b", "#e377c2", "#7f7f7f"};
+  std::string s = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" "
+      "height=\"100%%\" fill=\"white\"/>\n",
+      w, h);
+  for (double v = lo; v <= hi + 1e-9; v += 0.5) {
+    absl::StrAppendFormat(&s,
+                          "<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" "
+                          "stroke=\"#ddd\"/><text x=\"%.1f\" y=\"%.1f\" "
+                          "text-anchor=\"end\">%.1f</text>\n",
+                          left, w - right, y(v), y(v), left - 6, y(v) + 4, v);
+  }
+  absl::StrAppendFormat(&s,
+                        "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">iteration "
+                        "(0..%d); training loss, 10-iteration moving average; dots: "
+                        "validation</text>\n",
+                        (left + w - right) / 2, h - 10, iterations - 1);
+  for (size_t k = 0; k < curves.size(); ++k) {
+    const Curve& c = curves[k];
+    const char* color = colors[k % 8];
+    std::string points;
+    double acc = 0;
+    for (size_t i = 0; i < c.train.size(); ++i) {
+      acc += c.train[i];
+      if (i >= 10) acc -= c.train[i - 10];
+      const double avg = acc / std::min<size_t>(i + 1, 10);
+      absl::StrAppendFormat(&points, "%.1f,%.1f ", x(i), y(avg));
+    }
+    absl::StrAppendFormat(&s,
+                          "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
+                          "points=\"%s\"/>\n",
+                          color, points);
+    for (const auto& [it, v] : c.val) {
+      absl::StrAppendFormat(&s, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n",
+                            x(it), y(v), color);
+    }
+    absl::StrAppendFormat(&s,
+                          "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"3\" "
+                          "fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
+                          w - right + 12, top + 10 + 18 * k, color, w - right + 32,
+                          top + 15 + 18 * k, c.name);
+  }
+  return s + "</svg>\n";
+}
+
+absl::Status WriteFile(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  out.flush();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path.string()));
+  return absl::OkStatus();
+}
+
+absl::Status Main(const Args& args) {
+  at::set_num_threads(static_cast<int>(args.threads));
+  if (args.device != "cpu" && !(args.device.rfind("cuda", 0) == 0 && at::hasCUDA())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device ", args.device, ": this LibTorch build has no such device"));
+  }
+  const c10::Device device(args.device);
+  v1::JobSpec base;
+  if (!args.job.empty()) {
+    ASSIGN_OR_RETURN(base, LoadJobSpec(args.job));
+  } else {
+    base.set_name("detour-train");
+    base.mutable_model()->set_preset(args.preset);
+    base.mutable_pipeline()->set_samples_per_microbatch(2);
+    base.mutable_optimizer()->mutable_adamw()->set_lr(3e-3);
+    base.mutable_optimizer()->set_warmup_iterations(20);
+  }
+  base.set_iterations(static_cast<uint64_t>(args.iterations));
+  if (args.has_seed) base.set_seed(args.seed);
+  if (args.microbatches > 0) {
+    base.mutable_pipeline()->set_microbatches_per_data_node(args.microbatches);
+    base.mutable_pipeline()->set_data_nodes(1);
+  }
+  if (args.samples > 0) base.mutable_pipeline()->set_samples_per_microbatch(args.samples);
+  if (args.lr > 0) base.mutable_optimizer()->mutable_adamw()->set_lr(args.lr);
+  if (args.warmup >= 0) base.mutable_optimizer()->set_warmup_iterations(args.warmup);
+  ApplyJobDefaults(&base);
+  ASSIGN_OR_RETURN(std::vector<Run> runs, ParseRuns(args.runs));
+  ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(base.data()));
+  const int total_mbs = static_cast<int>(base.pipeline().data_nodes() *
+                                         base.pipeline().microbatches_per_data_node());
+  std::error_code ec;
+  fs::create_directories(args.out, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", args.out));
+  std::printf("model %s, %d microbatches x %u samples x %u tokens, %lld iterations, "
+              "train %zu / validation %zu tokens\n",
+              base.model().preset().c_str(), total_mbs,
+              base.pipeline().samples_per_microbatch(), base.model().context_length(),
+              static_cast<long long>(args.iterations), data.train.size(),
+              data.validation.size());
+
+  std::vector<Curve> curves;
+  std::string csv = "run,iteration,train_loss,val_loss,lr,grad_norm,seconds\n";
+  for (const Run& run : runs) {
+    v1::JobSpec spec = base;
+    spec.mutable_pipeline()->set_num_stages(run.stages);
+    spec.mutable_pipeline()->set_skip_ratio(run.skip);
+    spec.mutable_pipeline()->set_max_swaps(run.swaps);
+    RETURN_IF_ERROR(Annotate(ValidateJobSpec(spec), run.name));
+    ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(spec, device));
+    Curve curve;
+    curve.name = run.name;
+    curve.stages = run.stages;
+    curve.visited = VisitedStages(spec.pipeline());
+    const absl::Time start = absl::Now();
+    for (int64_t it = 0; it < args.iterations; ++it) {
+      ASSIGN_OR_RETURN(auto routes,
+                       model::GenerateRoutes(spec.pipeline(), total_mbs, spec.seed(), it));
+      ASSIGN_OR_RETURN(auto mbs,
+                       model::IterationMicrobatches(spec, data.train, it, device));
+      ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
+      curve.train.push_back(stats.loss);
+      std::string val;
+      if ((it + 1) % args.eval_every == 0 || it + 1 == args.iterations) {
+        model::EvalOptions eo;
+        eo.max_samples = args.eval_samples;
+        ASSIGN_OR_RETURN(auto r, model::Perplexity(engine->stages(), data.validation, eo));
+        curve.val.emplace_back(it, r.mean_nll);
+        val = absl::StrFormat("%.5f", r.mean_nll);
+        std::printf("%-12s it %5lld  train %.4f  val %.4f  (%.0f s)\n", run.name.c_str(),
+                    static_cast<long long>(it + 1), stats.loss, r.mean_nll,
+                    absl::ToDoubleSeconds(absl::Now() - start));
+        std::fflush(stdout);
+      }
+      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f\n", run.name, it,
+                            stats.loss, val, stats.learning_rate, stats.grad_norm,
+                            absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    curve.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", run.name);
+    fs::remove_all(ckpt, ec);
+    RETURN_IF_ERROR(model::SaveCheckpoint(ckpt.string(), *engine,
+                                          static_cast<uint64_t>(args.iterations), ""));
+    curves.push_back(std::move(curve));
+  }
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.csv", csv));
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.svg", Svg(curves, args.iterations)));
+
+  // Perplexity table: every run's final weights, re-split one layer per
+  // stage (checkpoints are keyed by global layer), so all runs are measured
+  // on the same layer subsets.
+  const int layers = static_cast<int>(base.model().num_layers());
+  v1::JobSpec eval_spec = base;
+  eval_spec.mutable_pipeline()->set_num_stages(layers);
+  eval_spec.mutable_pipeline()->set_skip_ratio(0);
+  std::vector<int> all;
+  for (int l = 0; l < layers; ++l) all.push_back(l);
+  const std::vector<int> every_other = model::SpreadRoute(layers, 0.5);
+  std::vector<int> first_half(all.begin(), all.begin() + (layers + 1) / 2);
+  std::string table = absl::StrCat(
+      "| run | stages | visited | train s | final train loss | ppl all ", layers,
+      " layers | ppl half, layers {", absl::StrJoin(every_other, ","),
+      "} | ratio | ppl half, layers {", absl::StrJoin(first_half, ","),
+      "} | ratio |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Curve& c : curves) {
+    ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(eval_spec, device));
+    const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", c.name);
+    ASSIGN_OR_RETURN(auto manifest, model::LoadCheckpoint(ckpt.string(), *engine));
+    (void)manifest;
+    model::EvalOptions eo;
+    eo.max_samples = 4 * args.eval_samples;
+    double ppl[3];
+    const std::vector<int>* routes[3] = {&all, &every_other, &first_half};
+    for (int k = 0; k < 3; ++k) {
+      eo.route = *routes[k];
+      ASSIGN_OR_RETURN(auto r, model::Perplexity(engine->stages(), data.validation, eo));
+      ppl[k] = r.perplexity;
+    }
+    double tail = 0;
+    const size_t n = std::min<size_t>(10, c.train.size());
+    for (size_t i = c.train.size() - n; i < c.train.size(); ++i) tail += c.train[i] / n;
+    absl::StrAppendFormat(&table, "| %s | %d | %d | %.0f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.2fx |\n",
+                          c.name, c.stages, c.visited, c.seconds, tail, ppl[0], ppl[1],
+                          ppl[1] / ppl[0], ppl[2], ppl[2] / ppl[0]);
+  }
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "results.md", table));
+  std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,ckpt-*}\n", table.c_str(),
+              args.out.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace detour::train_tool
+
+int main(int argc, char** argv) {
+  detour::train_tool::Args args;
+  std::string error;
+  if (!detour::train_tool::ParseArgs(argc, argv, &args, &error)) {
+    std::fprintf(stderr, "detour-train: %s\n\n%s", error.c_str(), detour::train_tool::kUsage);
+    return 2;
+  }
+  absl::Status s = detour::train_tool::Main(args);
+  if (!s.ok()) {
+    std::fprintf(stderr, "detour-train: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
