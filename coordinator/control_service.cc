@@ -31,7 +31,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the worker closed its side or went away
-      Close(grpc::Status::OK);
+      Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
     }
     if (!HandleMessage()) return;

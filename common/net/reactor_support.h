@@ -104,6 +104,22 @@ class ServerOutbox {
     return action;
   }
 
+  // Finishes with `status` once every queued message is written (the peer
+  // half-closed: it still gets all answers). Only the first request counts.
+  Action FinishAfterQueued(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    Action action;
+    if (finishing_) return action;
+    finishing_ = true;
+    final_status_ = std::move(status);
+    if (!in_flight_) {  // nothing queued either
+      finished_ = true;
+      action.finish = true;
+      action.status = final_status_;
+    }
+    return action;
+  }
+
   bool finishing() const {
     absl::MutexLock lock(&mu_);
     return finishing_;

@@ -24,6 +24,11 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Tensor streams: let a whole chunk be in flight before the reader drains
+  // it, and frame it in large HTTP/2 frames.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 128 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   if (options.generic_service != nullptr) {
@@ -55,6 +60,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int max_me
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 128 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 

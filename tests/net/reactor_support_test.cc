@@ -56,6 +56,26 @@ TEST(ServerOutbox, LastMessageThenFinish) {
   EXPECT_TRUE(done.status.ok());
 }
 
+TEST(ServerOutbox, FinishAfterQueuedDrainsTheQueueFirst) {
+  ServerOutbox<std::string> box;
+  ASSERT_NE(box.Enqueue("a").write, nullptr);
+  box.Enqueue("b");
+  auto f = box.FinishAfterQueued(grpc::Status::OK);
+  EXPECT_FALSE(f.finish);
+  EXPECT_EQ(box.Enqueue("late").write, nullptr);  // refused once finishing
+  auto next = box.WriteDone(true);
+  ASSERT_NE(next.write, nullptr);
+  EXPECT_EQ(*next.write, "b");  // still delivered
+  EXPECT_FALSE(next.finish);
+  auto done = box.WriteDone(true);
+  EXPECT_EQ(done.write, nullptr);
+  EXPECT_TRUE(done.finish);
+  EXPECT_TRUE(done.status.ok());
+  // Idle: finishes at once.
+  ServerOutbox<std::string> idle;
+  EXPECT_TRUE(idle.FinishAfterQueued(grpc::Status::OK).finish);
+}
+
 TEST(ServerOutbox, FailedWriteFinishesWithUnavailable) {
   ServerOutbox<std::string> box;
   box.Enqueue("a");

@@ -51,8 +51,8 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
-      Apply(outbox_.RequestFinish(grpc::Status::OK));
+    if (!ok) {  // the sender closed its side: answer what it sent, then end
+      Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
     }
     Handle();
