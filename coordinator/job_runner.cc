@@ -231,6 +231,7 @@ class JobRunner {
 
   std::optional<JobEnd> RunIteration(uint64_t iteration, absl::Time started) {
     const absl::Time begin = absl::Now();
+    absl::Duration overhead;  // coordinator work, not waiting
     planner::PlannedIteration planned;
     if (iteration == 0) {
       planned = first_plan_;
@@ -271,6 +272,7 @@ class JobRunner {
         return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", id, ": ", sent.message())};
       }
     }
+    overhead += absl::Now() - begin;
 
     // Gradient norms (one per worker), then the step, then results.
     const absl::Time deadline = absl::Now() + manager_->options_.iteration_timeout;
@@ -301,6 +303,7 @@ class JobRunner {
         }
       }
       if (!stepped && norms_from.size() == stage_of_.size()) {
+        const absl::Time step_start = absl::Now();
         double squared = 0;
         for (const auto& [s, sq] : stage_norm) squared += sq;
         v1::CoordinatorMessage step;
@@ -313,6 +316,7 @@ class JobRunner {
           }
         }
         stepped = true;
+        overhead += absl::Now() - step_start;
       }
     }
 
@@ -355,6 +359,8 @@ class JobRunner {
       p->set_total_iterations(spec_.iterations());
       p->set_loss(loss);
       p->set_iteration_time_s(seconds);
+      p->set_predicted_iteration_time_s(planned.result.iteration_time_s);
+      p->set_coordinator_overhead_s(absl::ToDoubleSeconds(overhead));
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
       const double per_iteration = elapsed / static_cast<double>(iteration + 1);
       p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));

@@ -16,6 +16,7 @@
 #include "detour/v1/control_service.grpc.pb.h"
 #include "detour/v1/job_service.grpc.pb.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/local_cluster.h"
@@ -157,6 +158,54 @@ TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
   const std::string target2 = absl::StrCat("--coordinator=127.0.0.1:", c2.grpc_port);
   ASSERT_EQ(Run({Bin(kCtl), target2, "get", "job-000001"}, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr("cancelled"));
+}
+
+// Lists services through gRPC server reflection with a hand-encoded request
+// (ServerReflectionRequest.list_services = field 7), returning the raw reply.
+std::string ReflectionListServices(int port) {
+  grpc::GenericStub stub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(
+      &context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);
+  const char request[] = {0x3a, 0x01, '*'};  // field 7 (string), length 1
+  grpc::Slice slice(request, sizeof(request));
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  cq.Next(&tag, &ok);
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  std::string text;
+  grpc::Slice single;
+  if (ok && reply.DumpToSingleSlice(&single).ok()) {
+    text.assign(reinterpret_cast<const char*>(single.begin()), single.size());
+  }
+  call->WritesDone(reinterpret_cast<void*>(4));
+  cq.Next(&tag, &ok);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return text;
+}
+
+TEST_F(DaemonsTest, ServersAnswerReflection) {
+  Daemon c = StartCoordinator();
+  Daemon w = StartWorker(c.grpc_port, "w1");
+  const std::string coordinator = ReflectionListServices(c.grpc_port);
+  EXPECT_THAT(coordinator, HasSubstr("detour.v1.JobService"));
+  EXPECT_THAT(coordinator, HasSubstr("detour.v1.ControlService"));
+  EXPECT_THAT(coordinator, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
+  const std::string worker = ReflectionListServices(w.grpc_port);
+  EXPECT_THAT(worker, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
 }
 
 TEST_F(DaemonsTest, BusyPortsAreClearErrors) {

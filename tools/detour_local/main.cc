@@ -181,7 +181,9 @@ class Launcher {
               << " stages, skip " << spec.pipeline().skip_ratio() << ", "
               << spec.iterations() << " iterations\n\n";
     const bool tty = ::isatty(STDOUT_FILENO);
-    std::string csv = "iteration,loss,iteration_time_s,tokens_per_s\n";
+    std::string csv =
+        "iteration,loss,iteration_time_s,tokens_per_s,predicted_iteration_time_s,"
+        "coordinator_overhead_s\n";
     PlotSeries curve{absl::StrCat(spec.name(), " (", spec.pipeline().num_stages(),
                                   " stages, skip ", spec.pipeline().skip_ratio(), ")"),
                      {}};
@@ -205,8 +207,9 @@ class Launcher {
       const std::string state = v1::JobState_Name(job.state()).substr(10);
       if (pr.iteration() > shown) {
         shown = pr.iteration();
-        absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f\n", pr.iteration(), pr.loss(),
-                              pr.iteration_time_s(), pr.tokens_per_s());
+        absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f,%.4f,%.5f\n", pr.iteration(), pr.loss(),
+                              pr.iteration_time_s(), pr.tokens_per_s(),
+                              pr.predicted_iteration_time_s(), pr.coordinator_overhead_s());
         curve.points.emplace_back(static_cast<double>(pr.iteration()), pr.loss());
       }
       const std::string line = absl::StrFormat(
