@@ -3,6 +3,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
+#include "common/stage_layers.h"
+#include "common/status.h"
 
 namespace detour::model {
 
@@ -103,20 +105,11 @@ v1::ModelShape ShapeFromConfig(const ModelConfig& c) {
 
 absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
                                            int stage) {
-  if (num_stages < 1 || num_stages > num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pipeline.num_stages: ", num_stages,
-                     " must be in [1, num_layers=", num_layers, "]"));
-  }
-  if (stage < 0 || stage >= num_stages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stage ", stage, " is outside [0, ", num_stages, ")"));
-  }
-  const int base = num_layers / num_stages;
-  const int extra = num_layers % num_stages;
+  // One rule for the whole system: the coordinator assigns with the same one.
+  ASSIGN_OR_RETURN(LayerSpan span, StageLayers(num_layers, num_stages, stage));
   LayerRange r;
-  r.begin = stage * base + (stage < extra ? stage : extra);
-  r.end = r.begin + base + (stage < extra ? 1 : 0);
+  r.begin = span.begin;
+  r.end = span.end;
   return r;
 }
 
