@@ -32,7 +32,9 @@ double TickStep(double span, int target) {
 }  // namespace
 
 std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions& o) {
-  const double left = 70, right = 20, top = 40, bottom = 55;
+  // The legend is a row between the title and the plot, so it never hides
+  // data nor gets cut at the edge.
+  const double left = 70, right = 20, top = 58, bottom = 55;
   const double w = o.width - left - right, h = o.height - top - bottom;
   double x0 = std::numeric_limits<double>::infinity(), x1 = -x0, y0 = x0, y1 = -x0;
   for (const PlotSeries& s : series) {
@@ -88,6 +90,7 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
                         "transform=\"rotate(-90 16 %.1f)\">%s</text>\n",
                         left + w / 2, o.height - 12, Escape(o.x_label), top + h / 2, top + h / 2,
                         Escape(o.y_label));
+  double legend_x = left;
   for (size_t i = 0; i < series.size(); ++i) {
     const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
     std::string points;
@@ -99,12 +102,12 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
                           "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
                           "points=\"%s\"/>\n",
                           color, points);
-    const double ly = top + 14 + 18 * static_cast<double>(i);
     absl::StrAppendFormat(&svg,
-                          "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                          "stroke-width=\"3\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
-                          left + w - 170, ly, left + w - 145, ly, color, left + w - 140, ly + 4,
-                          Escape(series[i].name));
+                          "<line x1=\"%.1f\" y1=\"42\" x2=\"%.1f\" y2=\"42\" stroke=\"%s\" "
+                          "stroke-width=\"3\"/><text x=\"%.1f\" y=\"46\">%s</text>\n",
+                          legend_x, legend_x + 22, color, legend_x + 27, Escape(series[i].name));
+    // About 7 px per character of 12 px sans-serif.
+    legend_x += 45 + 7.0 * static_cast<double>(series[i].name.size());
   }
   return svg + "</svg>\n";
 }
