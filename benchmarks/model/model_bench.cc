@@ -3,8 +3,9 @@
 // BM_SplitOverhead/<preset>: forward+backward tokens/s through the stage
 //   split (PipelineEngine, 4 stages, full routes) and through one plain
 //   Transformer module of the same shape and seed, interleaved round by round
-//   in the same process; reports both rates (medians) and the split's
-//   overhead. The machines are noisy, so only the ratio is meaningful.
+//   in the same process; reports both rates (medians, in tokens per CPU
+//   second, one intra-op thread) and the split's overhead. The machines are
+//   shared and noisy, so the ratio is what counts.
 // BM_SlotMemory/<preset>: heap bytes one in-flight microbatch holds in a
 //   stage between Forward and Backward, per transformer block and sample,
 //   measured with mallinfo2 at two reduced context lengths and, where it
@@ -13,7 +14,7 @@
 #include <malloc.h>
 
 #include <algorithm>
-#include <chrono>
+#include <ctime>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -37,9 +38,12 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-double Seconds(std::chrono::steady_clock::time_point a,
-               std::chrono::steady_clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
+// Process CPU time: with one intra-op thread it is the compute itself, and
+// unlike wall time it does not grow when other builds share the cores.
+double CpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 void BM_SplitOverhead(benchmark::State& state, const std::string& preset,
@@ -88,10 +92,9 @@ void BM_SplitOverhead(benchmark::State& state, const std::string& preset,
     const bool plain_first = t_plain.size() % 2 == 0;
     for (int k = 0; k < 2; ++k) {
       const bool do_plain = (k == 0) == plain_first;
-      const auto a = std::chrono::steady_clock::now();
+      const double a = CpuSeconds();
       if (do_plain) run_plain(); else run_split();
-      const auto b = std::chrono::steady_clock::now();
-      (do_plain ? t_plain : t_split).push_back(Seconds(a, b));
+      (do_plain ? t_plain : t_split).push_back(CpuSeconds() - a);
     }
   }
   const double tokens = static_cast<double>(microbatches) * samples * ctx;
