@@ -1,5 +1,7 @@
 #include "common/stage_layers.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace detour {
@@ -14,11 +16,14 @@ absl::StatusOr<LayerSpan> StageLayers(int num_layers, int num_stages, int stage)
     return absl::InvalidArgumentError(
         absl::StrCat("stage ", stage, " is outside [0, ", num_stages, ")"));
   }
+  // The last `extra` stages get one block more: stage 0 already carries the
+  // embedding, the LM head and the loss.
   const int base = num_layers / num_stages;
   const int extra = num_layers % num_stages;
+  const int first_bigger = num_stages - extra;
   LayerSpan r;
-  r.begin = stage * base + (stage < extra ? stage : extra);
-  r.end = r.begin + base + (stage < extra ? 1 : 0);
+  r.begin = stage * base + std::max(0, stage - first_bigger);
+  r.end = r.begin + base + (stage >= first_bigger ? 1 : 0);
   return r;
 }
 

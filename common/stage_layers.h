@@ -1,7 +1,8 @@
 // How a model's transformer blocks are cut into pipeline stages: stage s of S
 // holds a consecutive range, sizes differing by at most one, the larger
-// ranges first. Shared by the coordinator (assignments) and the worker's
-// model code, so both always agree.
+// ranges last (stage 0 also carries the embedding, LM head and loss). Shared
+// by the coordinator (assignments), the simulator's cost model and the
+// worker's model code, so all three always agree.
 #ifndef DETOUR_COMMON_STAGE_LAYERS_H_
 #define DETOUR_COMMON_STAGE_LAYERS_H_
 

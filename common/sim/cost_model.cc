@@ -1,5 +1,7 @@
 #include "common/sim/cost_model.h"
 
+#include "common/stage_layers.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -8,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/spec.h"
+#include "common/stage_layers.h"
 #include "common/status.h"
 
 namespace detour::sim {
@@ -36,9 +39,11 @@ ModelCosts ComputeModelCosts(const v1::ModelShape& shape) {
 }
 
 std::vector<int> LayersPerStage(int num_layers, int num_stages) {
-  std::vector<int> layers(num_stages, num_layers / num_stages);
-  const int rest = num_layers % num_stages;
-  for (int i = 0; i < rest; ++i) ++layers[num_stages - 1 - i];
+  std::vector<int> layers;
+  for (int s = 0; s < num_stages; ++s) {
+    auto span = StageLayers(num_layers, num_stages, s);
+    layers.push_back(span.ok() ? span->size() : 0);
+  }
   return layers;
 }
 

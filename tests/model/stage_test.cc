@@ -35,8 +35,8 @@ TEST(LayerSplitTest, EvenAsPossibleAndContiguous) {
       EXPECT_EQ(next, layers);
     }
   }
-  EXPECT_EQ(StageLayerRange(8, 3, 0)->size(), 3);
-  EXPECT_EQ(StageLayerRange(8, 3, 2)->size(), 2);
+  EXPECT_EQ(StageLayerRange(8, 3, 0)->size(), 2);  // stage 0 also has the head
+  EXPECT_EQ(StageLayerRange(8, 3, 2)->size(), 3);
   EXPECT_FALSE(StageLayerRange(4, 5, 0).ok());
   EXPECT_FALSE(StageLayerRange(4, 2, 2).ok());
 }
