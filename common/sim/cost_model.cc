@@ -1,7 +1,5 @@
 #include "common/sim/cost_model.h"
 
-#include "common/stage_layers.h"
-
 #include <algorithm>
 #include <cmath>
 #include <map>
