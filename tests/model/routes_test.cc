@@ -101,6 +101,14 @@ TEST(ParseRoutesJsonTest, PlanOrArray) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->size(), 2u);
   EXPECT_EQ((*plan)[1].stages(1), 2u);
+  // The shape `detour-sim plan --json` writes: extra report fields ignored.
+  auto sim = ParseRoutesJson(R"({"scheduler": "skippipe", "stages": [["d0", "d1"], ["w1"]],
+      "routes": [{"microbatch": 0, "data_node": "d0", "nodes": ["d0", "w1"],
+                  "stages": [0, 1], "start_s": 0.0, "end_s": 1.5}],
+      "nodes": [{"id": "d0", "stage": 0}]})");
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  ASSERT_EQ(sim->size(), 1u);
+  EXPECT_EQ((*sim)[0].nodes(1), "w1");
   auto array = ParseRoutesJson(R"([{"microbatch": 4, "stages": [0, 3, 1]}])");
   ASSERT_TRUE(array.ok());
   EXPECT_EQ((*array)[0].microbatch(), 4u);

@@ -49,10 +49,14 @@ Options:
   --job FILE          JobSpec JSON (model, optimiser, data, seed, microbatches)
   --preset NAME       model preset when no --job (default tiny)
   --iterations N      training iterations per run (default 300)
-  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS, e.g.
+  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS ("" for none), e.g.
                       full:4:0:0,skip25:4:0.25:0 (default: full:4:0:0,
                       skip25:4:0.25:0, skip25-swap:4:0.25:1, skip33:6:0.3333:0,
                       skip33-swap:6:0.3333:1)
+  --plan NAME:FILE    add a run that reuses the routes of FILE every iteration:
+                      what `detour-sim plan --json` writes (or an
+                      IterationPlan / route array in JSON); stages = the
+                      job's num_stages (--job) or the highest stage + 1
   --microbatches M    microbatches per iteration (default: the job's, 4)
   --samples B         samples per microbatch (default: the job's, else 2)
   --lr X              peak learning rate (default: the job's, else 3e-3)
@@ -72,10 +76,12 @@ struct Run {
   int stages = 4;
   double skip = 0;
   int swaps = 0;
+  std::vector<v1::Route> fixed_routes;  // --plan: used every iteration
 };
 
 struct Args {
   std::string job, preset = "tiny", out = "detour-train-out", device = "cpu";
+  std::vector<std::string> plans;
   std::string runs = "full:4:0:0,skip25:4:0.25:0,skip25-swap:4:0.25:1,"
                      "skip33:6:0.3333:0,skip33-swap:6:0.3333:1";
   int64_t iterations = 300, microbatches = 0, samples = 0, warmup = -1;
@@ -103,6 +109,7 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (flag == "--out") a->out = v;
     else if (flag == "--device") a->device = v;
     else if (flag == "--runs") a->runs = v;
+    else if (flag == "--plan") a->plans.push_back(v);
     else if (flag == "--iterations") ok = absl::SimpleAtoi(v, &a->iterations) && a->iterations > 0;
     else if (flag == "--microbatches") ok = absl::SimpleAtoi(v, &a->microbatches) && a->microbatches > 0;
     else if (flag == "--samples") ok = absl::SimpleAtoi(v, &a->samples) && a->samples > 0;
@@ -138,7 +145,6 @@ absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
     r.name = f[0];
     runs.push_back(r);
   }
-  if (runs.empty()) return absl::InvalidArgumentError("--runs: no run given");
   return runs;
 }
 
@@ -251,6 +257,28 @@ absl::Status Main(const Args& args) {
   if (args.warmup >= 0) base.mutable_optimizer()->set_warmup_iterations(args.warmup);
   ApplyJobDefaults(&base);
   ASSIGN_OR_RETURN(std::vector<Run> runs, ParseRuns(args.runs));
+  for (const std::string& plan : args.plans) {
+    const size_t colon = plan.find(':');
+    if (colon == std::string::npos || colon == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--plan: \"", plan, "\" is not NAME:FILE"));
+    }
+    std::ifstream in(plan.substr(colon + 1));
+    if (!in) return absl::NotFoundError(absl::StrCat("--plan: cannot open ", plan.substr(colon + 1)));
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    Run r;
+    r.name = plan.substr(0, colon);
+    ASSIGN_OR_RETURN(r.fixed_routes, model::ParseRoutesJson(text));
+    if (r.fixed_routes.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--plan ", plan, ": no routes"));
+    }
+    int highest = 0;
+    for (const auto& route : r.fixed_routes) {
+      for (uint32_t st : route.stages()) highest = std::max(highest, static_cast<int>(st));
+    }
+    r.stages = args.job.empty() ? highest + 1 : static_cast<int>(base.pipeline().num_stages());
+    runs.push_back(std::move(r));
+  }
+  if (runs.empty()) return absl::InvalidArgumentError("no run: give --runs or --plan");
   ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(base.data()));
   const int total_mbs = static_cast<int>(base.pipeline().data_nodes() *
                                          base.pipeline().microbatches_per_data_node());
@@ -271,16 +299,32 @@ absl::Status Main(const Args& args) {
     spec.mutable_pipeline()->set_num_stages(run.stages);
     spec.mutable_pipeline()->set_skip_ratio(run.skip);
     spec.mutable_pipeline()->set_max_swaps(run.swaps);
-    RETURN_IF_ERROR(Annotate(ValidateJobSpec(spec), run.name));
+    const int run_mbs = run.fixed_routes.empty() ? total_mbs
+                                                 : static_cast<int>(run.fixed_routes.size());
+    if (!run.fixed_routes.empty()) {
+      // One data stream of as many microbatches as the plan has routes; the
+      // in-process engine needs no node identities.
+      spec.mutable_pipeline()->set_data_nodes(1);
+      spec.mutable_pipeline()->set_replicas_per_stage(1);
+      spec.mutable_pipeline()->set_microbatches_per_data_node(run_mbs);
+      spec.mutable_pipeline()->set_skip_ratio(0);
+    }
+    if (run.fixed_routes.empty()) {
+      RETURN_IF_ERROR(Annotate(ValidateJobSpec(spec), run.name));
+    }
     ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(spec, device));
     Curve curve;
     curve.name = run.name;
     curve.stages = run.stages;
-    curve.visited = VisitedStages(spec.pipeline());
+    curve.visited = run.fixed_routes.empty() ? VisitedStages(spec.pipeline())
+                                             : run.fixed_routes[0].stages_size();
     const absl::Time start = absl::Now();
     for (int64_t it = 0; it < args.iterations; ++it) {
-      ASSIGN_OR_RETURN(auto routes,
-                       model::GenerateRoutes(spec.pipeline(), total_mbs, spec.seed(), it));
+      std::vector<v1::Route> routes = run.fixed_routes;
+      if (routes.empty()) {
+        ASSIGN_OR_RETURN(routes,
+                         model::GenerateRoutes(spec.pipeline(), run_mbs, spec.seed(), it));
+      }
       ASSIGN_OR_RETURN(auto mbs,
                        model::IterationMicrobatches(spec, data.train, it, device));
       ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
