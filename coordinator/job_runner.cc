@@ -366,7 +366,37 @@ class JobRunner {
       p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));
     }).IgnoreError();
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
+    const int every = manager_->options_.replan_every;
+    if (every > 0 && (iteration + 1) % every == 0) UpdateSpeedsFromTimings();
     return std::nullopt;
+  }
+
+  // Re-derives every node's speed from its measured forward time against the
+  // cost model's prediction, and rebuilds the cost model for later planning.
+  // The stage assignment stays (moving stages would mean moving weights).
+  void UpdateSpeedsFromTimings() {
+    v1::ClusterSpec updated = cluster_;
+    int changed = 0;
+    for (v1::NodeSpec& n : *updated.mutable_nodes()) {
+      auto stage = stage_of_.find(n.id());
+      const int index = cost_->NodeIndex(n.id());
+      if (stage == stage_of_.end() || index < 0) continue;
+      const double measured =
+          manager_->estimates_.Compute(n.id(), v1::TaskTiming::KIND_FORWARD);
+      const double predicted = cost_->ForwardTime(index, stage->second);
+      if (!(measured > 0) || !(predicted > 0)) continue;
+      n.set_speed(n.speed() * predicted / measured);
+      ++changed;
+    }
+    if (changed == 0) return;
+    auto cost = sim::CostModel::Create(updated, spec_);
+    if (!cost.ok()) {
+      LogWarning("job ", job_id_, ": keeping the old cost model: ", cost.status().message());
+      return;
+    }
+    cluster_ = std::move(updated);
+    cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
+    LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings");
   }
 
   // Asks the first data node to write the manifest over the stage files the

@@ -43,6 +43,10 @@ struct JobManagerOptions {
   // Empty = <coordinator data_dir>/checkpoints.
   std::string checkpoint_root;
   absl::Duration assign_timeout = absl::Seconds(120);
+  // Every this many iterations, the node speeds the planner assumes are
+  // replaced by the ones the workers' timing reports show (forward times);
+  // routes of later iterations are planned with them. 0 = never.
+  int replan_every = 5;
   absl::Duration iteration_timeout = absl::Seconds(600);
   metrics::Registry* metrics = nullptr;  // not owned; may be null
 };

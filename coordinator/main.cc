@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   bool emulate_network = false;
   absl::Duration iteration_timeout = absl::Seconds(600);
   absl::Duration assign_timeout = absl::Seconds(120);
+  int64_t replan_every = 5;
   std::string log_level = "info";
   bool version = false;
 
@@ -63,6 +64,9 @@ int main(int argc, char** argv) {
                  "fail a job when an iteration takes longer than this");
   flags.Duration("assign_timeout", &assign_timeout,
                  "fail a job when its workers take longer than this to build their stages");
+  flags.Int("replan_every", &replan_every,
+            "every this many iterations, plan with node speeds measured from the workers' "
+            "timing reports (0 = keep the declared speeds)");
   flags.String("log_level", &log_level, "debug, info, warning or error");
   flags.Bool("version", &version, "print the version and exit");
   flags.SetEpilog(
@@ -120,6 +124,11 @@ int main(int argc, char** argv) {
   options.jobs.checkpoint_root = checkpoint_root;
   options.jobs.iteration_timeout = iteration_timeout;
   options.jobs.assign_timeout = assign_timeout;
+  if (replan_every < 0) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--replan_every: ", replan_every, " is negative")));
+  }
+  options.jobs.replan_every = static_cast<int>(replan_every);
 
   if (absl::Status dir = EnsureWritableDirectory(data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());

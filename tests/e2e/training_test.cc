@@ -106,7 +106,8 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
   // visits 3 of the 4 stages; activations and gradients travel as bf16.
   v1::JobSpec spec = MicroJob(4, 2, 2, 0.25, 6);
   spec.mutable_pipeline()->set_wire_dtype("bf16");  // half-size activations on the wire
-  Daemon c = StartCoordinator();
+  // Re-plan with measured speeds every 2 iterations.
+  Daemon c = StartCoordinator({"--replan_every=2", "--log_level=debug"});
   std::vector<Daemon> workers;
   for (int i = 0; i < 8; ++i) {
     workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
@@ -121,6 +122,7 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
                                                         << c.process->Log();
   ASSERT_EQ(losses.size(), 6u);
   EXPECT_LT(losses.back(), losses.front());
+  EXPECT_THAT(c.process->Log(), HasSubstr("node speeds updated from 8 workers' timings"));
   ASSERT_EQ(final_job.stages_size(), 4);
   for (const auto& stage : final_job.stages()) EXPECT_EQ(stage.nodes_size(), 2);
   // Workers are released afterwards.
