@@ -52,9 +52,9 @@ struct LayerRange {
 };
 
 // Layers held by `stage` of `num_stages` for a model of `num_layers` blocks.
-// The split is as even as possible: every stage gets floor(L/S) blocks and the
-// first L mod S stages one more. Stage 0 gets a full share too (its extra work,
-// embedding and LM head, is small next to a block for the reference shapes).
+// The split is common/stage_layers.h's (one rule for coordinator, simulator
+// and workers): consecutive ranges differing by at most one block, the larger
+// ranges last, since stage 0 also carries the embedding, LM head and loss.
 // INVALID_ARGUMENT unless 1 <= num_stages <= num_layers and
 // 0 <= stage < num_stages.
 absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
