@@ -56,6 +56,7 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
     return svg + absl::StrFormat("<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">no data</text>\n</svg>\n",
                                  o.width / 2, o.height / 2);
   }
+  if (o.max_y_span > 0) y1 = std::min(y1, y0 + o.max_y_span);
   if (x1 == x0) x1 = x0 + 1;
   if (y1 == y0) {
     y0 -= 0.5;
@@ -65,7 +66,10 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
   y0 -= pad;
   y1 += pad;
   auto px = [&](double x) { return left + (x - x0) / (x1 - x0) * w; };
-  auto py = [&](double y) { return top + (1 - (y - y0) / (y1 - y0)) * h; };
+  auto py = [&](double y) {
+    y = std::min(std::max(y, y0), y1);
+    return top + (1 - (y - y0) / (y1 - y0)) * h;
+  };
 
   absl::StrAppendFormat(&svg,
                         "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
@@ -91,17 +95,28 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
                         left + w / 2, o.height - 12, Escape(o.x_label), top + h / 2, top + h / 2,
                         Escape(o.y_label));
   double legend_x = left;
+  const size_t palette = sizeof(kColors) / sizeof(kColors[0]);
   for (size_t i = 0; i < series.size(); ++i) {
-    const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
-    std::string points;
-    for (const auto& [x, y] : series[i].points) {
-      if (!std::isfinite(x) || !std::isfinite(y)) continue;
-      absl::StrAppendFormat(&points, "%.1f,%.1f ", px(x), py(y));
+    const int index = series[i].color >= 0 ? series[i].color : static_cast<int>(i);
+    const char* color = kColors[static_cast<size_t>(index) % palette];
+    if (series[i].markers) {
+      for (const auto& [x, y] : series[i].points) {
+        if (!std::isfinite(x) || !std::isfinite(y)) continue;
+        absl::StrAppendFormat(&svg, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n",
+                              px(x), py(y), color);
+      }
+    } else {
+      std::string points;
+      for (const auto& [x, y] : series[i].points) {
+        if (!std::isfinite(x) || !std::isfinite(y)) continue;
+        absl::StrAppendFormat(&points, "%.1f,%.1f ", px(x), py(y));
+      }
+      absl::StrAppendFormat(&svg,
+                            "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
+                            "points=\"%s\"/>\n",
+                            color, points);
     }
-    absl::StrAppendFormat(&svg,
-                          "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
-                          "points=\"%s\"/>\n",
-                          color, points);
+    if (series[i].name.empty()) continue;
     absl::StrAppendFormat(&svg,
                           "<line x1=\"%.1f\" y1=\"42\" x2=\"%.1f\" y2=\"42\" stroke=\"%s\" "
                           "stroke-width=\"3\"/><text x=\"%.1f\" y=\"46\">%s</text>\n",

@@ -12,6 +12,11 @@ namespace detour {
 struct PlotSeries {
   std::string name;
   std::vector<std::pair<double, double>> points;  // (x, y), x increasing
+  // Dots instead of a line (e.g. validation measurements).
+  bool markers = false;
+  // Colour index into the palette; -1 = the series' position. Lets a line
+  // and its markers share a colour.
+  int color = -1;
 };
 
 struct PlotOptions {
@@ -20,6 +25,10 @@ struct PlotOptions {
   std::string y_label = "loss";
   int width = 800;
   int height = 480;
+  // Upper end of the y axis at most this far above the lowest value (0 = no
+  // cap): early losses would otherwise squash the rest; points above are
+  // drawn at the edge.
+  double max_y_span = 0;
 };
 
 // Axes with ticks, one polyline per series in distinct colours, a legend.

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/plot.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "worker/model/checkpoint.h"
@@ -157,68 +158,31 @@ struct Curve {
   int stages = 0;
 };
 
+// Training loss as a 10-iteration moving average per run, validation losses
+// as dots in the same colour.
 std::string Svg(const std::vector<Curve>& curves, int64_t iterations) {
-  const double w = 760, h = 420, left = 60, right = 170, top = 20, bottom = 40;
-  double lo = 1e9, hi = -1e9;
-  for (const auto& c : curves) {
-    for (double v : c.train) {
-      lo = std::min(lo, v);
-      hi = std::max(hi, v);
-    }
-  }
-  hi = std::min(hi, lo + 4.0);  // the first iterations would squash the rest
-  lo = std::floor(lo * 2) / 2;
-  hi = std::ceil(hi * 2) / 2;
-  auto x = [&](double it) { return left + (w - left - right) * it / std::max<int64_t>(1, iterations - 1); };
-  auto y = [&](double v) {
-    v = std::min(std::max(v, lo), hi);
-    return top + (h - top - bottom) * (hi - v) / (hi - lo);
-  };
-  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
-                          "#8c564b", "#e377c2", "#7f7f7f"};
-  std::string s = absl::StrFormat(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" "
-      "height=\"100%%\" fill=\"white\"/>\n",
-      w, h);
-  for (double v = lo; v <= hi + 1e-9; v += 0.5) {
-    absl::StrAppendFormat(&s,
-                          "<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" "
-                          "stroke=\"#ddd\"/><text x=\"%.1f\" y=\"%.1f\" "
-                          "text-anchor=\"end\">%.1f</text>\n",
-                          left, w - right, y(v), y(v), left - 6, y(v) + 4, v);
-  }
-  absl::StrAppendFormat(&s,
-                        "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">iteration "
-                        "(0..%d); training loss, 10-iteration moving average; dots: "
-                        "validation</text>\n",
-                        (left + w - right) / 2, h - 10, iterations - 1);
+  std::vector<PlotSeries> series;
   for (size_t k = 0; k < curves.size(); ++k) {
     const Curve& c = curves[k];
-    const char* color = colors[k % 8];
-    std::string points;
+    PlotSeries train{c.name, {}, false, static_cast<int>(k)};
     double acc = 0;
     for (size_t i = 0; i < c.train.size(); ++i) {
       acc += c.train[i];
       if (i >= 10) acc -= c.train[i - 10];
-      const double avg = acc / std::min<size_t>(i + 1, 10);
-      absl::StrAppendFormat(&points, "%.1f,%.1f ", x(i), y(avg));
+      train.points.emplace_back(static_cast<double>(i), acc / std::min<size_t>(i + 1, 10));
     }
-    absl::StrAppendFormat(&s,
-                          "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
-                          "points=\"%s\"/>\n",
-                          color, points);
-    for (const auto& [it, v] : c.val) {
-      absl::StrAppendFormat(&s, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n",
-                            x(it), y(v), color);
-    }
-    absl::StrAppendFormat(&s,
-                          "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"3\" "
-                          "fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
-                          w - right + 12, top + 10 + 18 * k, color, w - right + 32,
-                          top + 15 + 18 * k, c.name);
+    PlotSeries val{"", {}, true, static_cast<int>(k)};
+    for (const auto& [it, v] : c.val) val.points.emplace_back(static_cast<double>(it), v);
+    series.push_back(std::move(train));
+    series.push_back(std::move(val));
   }
-  return s + "</svg>\n";
+  PlotOptions options;
+  options.title = absl::StrFormat(
+      "training loss (10-iteration moving average), dots: validation; %d iterations",
+      iterations);
+  options.max_y_span = 4.0;  // the first iterations would squash the rest
+  options.width = 900;
+  return LinePlotSvg(series, options);
 }
 
 absl::Status WriteFile(const fs::path& path, const std::string& text) {
