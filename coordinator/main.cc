@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/net/daemon_flags.h"
 #include "common/files.h"
 #include "common/flags.h"
 #include "common/log.h"
@@ -21,36 +22,28 @@ int main(int argc, char** argv) {
 
   std::string listen = "127.0.0.1:7070";
   std::string metrics_bind = "0.0.0.0";
-  int64_t metrics_port = 9470;
   std::string data_dir = "detour-data/coordinator";
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
-  absl::Duration drain_timeout = absl::Seconds(10);
-  std::string ready_file;
   std::string cluster_file;
   std::string checkpoint_root;
   bool emulate_network = false;
   absl::Duration iteration_timeout = absl::Seconds(600);
   absl::Duration assign_timeout = absl::Seconds(120);
   int64_t replan_every = 5;
-  std::string log_level = "info";
-  bool version = false;
+  DaemonFlags common;
+  common.metrics_port = 9470;
 
   FlagSet flags("detour-coordinator",
                 "Runs the detour coordinator: accepts jobs (JobService), registers workers and "
                 "keeps their heartbeats (ControlService), and exports Prometheus metrics.");
   flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
   flags.String("metrics_bind", &metrics_bind, "address for the /metrics HTTP endpoint");
-  flags.Int("metrics_port", &metrics_port, "port for /metrics; 0 picks a free one, -1 disables");
   flags.String("data_dir", &data_dir, "directory for the job store (created if missing)");
   flags.Duration("worker_silence", &worker_silence,
                  "a worker with no heartbeat for this long is marked lost");
   flags.Duration("heartbeat_interval", &heartbeat_interval,
                  "heartbeat period asked of workers (must be below --worker_silence)");
-  flags.Duration("drain_timeout", &drain_timeout,
-                 "on SIGTERM/SIGINT, how long in-flight RPCs may take before being cut");
-  flags.String("ready_file", &ready_file,
-               "write {\"grpc_port\", \"metrics_port\", \"pid\"} JSON here once serving");
   flags.String("cluster", &cluster_file,
                "ClusterSpec JSON whose region links (latency, bandwidth) the planner uses; "
                "regions it does not cover count as one fast network");
@@ -67,38 +60,21 @@ int main(int argc, char** argv) {
   flags.Int("replan_every", &replan_every,
             "every this many iterations, plan with node speeds measured from the workers' "
             "timing reports (0 = keep the declared speeds)");
-  flags.String("log_level", &log_level, "debug, info, warning or error");
-  flags.Bool("version", &version, "print the version and exit");
+  common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags.SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
       "start (port in use, unwritable --data_dir), 2 for bad flags.");
 
-  auto args = flags.Parse(argc, argv);
-  if (!args.ok()) return flags.Fail(args.status());
-  if (version) {
-    std::cout << "detour-coordinator " << kVersion << " (" << kGitRevision << ")\n";
-    return 0;
+  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator",
+                              "coordinator");
+      code >= 0) {
+    return code;
   }
-  if (!args->empty()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", (*args)[0], "\"")));
-  }
-  LogLevel level;
-  if (!ParseLogLevel(log_level, &level)) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--log_level: \"", log_level, "\" is not debug, info, warning or error")));
-  }
-  SetLogLevel(level);
-  SetLogComponent("coordinator");
 
   CoordinatorOptions options;
   auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
   if (!address.ok()) return flags.Fail(address.status());
   options.listen = *address;
-  if (metrics_port < -1 || metrics_port > 65535) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--metrics_port: ", metrics_port, " is outside -1..65535")));
-  }
   if (worker_silence <= absl::ZeroDuration() || heartbeat_interval <= absl::ZeroDuration()) {
     return flags.Fail(absl::InvalidArgumentError(
         "--worker_silence and --heartbeat_interval must be positive"));
@@ -109,7 +85,7 @@ int main(int argc, char** argv) {
         ") must be shorter than --worker_silence (", absl::FormatDuration(worker_silence), ")")));
   }
   options.metrics_bind = metrics_bind;
-  options.metrics_port = static_cast<int>(metrics_port);
+  options.metrics_port = static_cast<int>(common.metrics_port);
   options.data_dir = data_dir;
   options.worker_silence = worker_silence;
   options.heartbeat_interval = heartbeat_interval;
@@ -142,20 +118,16 @@ int main(int argc, char** argv) {
   LogInfo("detour-coordinator ", kVersion, " serving gRPC on ", options.listen.host, ":",
           (*coordinator)->grpc_port(), ", metrics on port ", (*coordinator)->metrics_port(),
           ", data in ", data_dir);
-  if (!ready_file.empty()) {
+  if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
-        ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
+        common.ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
                                     (*coordinator)->grpc_port(), (*coordinator)->metrics_port(),
                                     static_cast<int>(getpid())));
     if (!written.ok()) LogWarning("--ready_file: ", written.message());
   }
 
-  int sig = 0;
-  while ((sig = WaitForShutdownSignal(absl::Hours(1))) == 0) {
-  }
-  LogInfo("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ",
-          absl::FormatDuration(drain_timeout), ")");
-  (*coordinator)->Drain(drain_timeout);
+  AwaitShutdownSignal(common.drain_timeout);
+  (*coordinator)->Drain(common.drain_timeout);
   LogInfo("stopped cleanly");
   return 0;
 }

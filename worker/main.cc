@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/net/daemon_flags.h"
 #include "common/files.h"
 #include "common/flags.h"
 #include "common/log.h"
@@ -20,13 +21,10 @@ int main(int argc, char** argv) {
 
   WorkerOptions o;
   std::string listen = "127.0.0.1:7071";
-  int64_t metrics_port = o.metrics_port;
   int64_t memory_slots = o.memory_slots;
   int64_t torch_threads = o.torch_threads;
-  absl::Duration drain_timeout = absl::Seconds(10);
-  std::string ready_file;
-  std::string log_level = "info";
-  bool version = false;
+  DaemonFlags common;
+  common.metrics_port = o.metrics_port;
 
   FlagSet flags("detour-worker",
                 "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
@@ -43,40 +41,20 @@ int main(int argc, char** argv) {
   flags.Int("torch_threads", &torch_threads,
             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
   flags.String("metrics_bind", &o.metrics_bind, "address for the /metrics HTTP endpoint");
-  flags.Int("metrics_port", &metrics_port, "port for /metrics; 0 picks a free one, -1 disables");
   flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
   flags.Duration("connect_timeout", &o.connect_timeout,
                  "give up when the coordinator stays unreachable this long at start-up "
                  "(0 = retry forever)");
-  flags.Duration("drain_timeout", &drain_timeout,
-                 "on SIGTERM/SIGINT, how long in-flight work may take before being cut");
-  flags.String("ready_file", &ready_file,
-               "write {\"grpc_port\", \"metrics_port\", \"worker_id\", \"pid\"} JSON here once "
-               "registered");
-  flags.String("log_level", &log_level, "debug, info, warning or error");
-  flags.Bool("version", &version, "print the version and exit");
+  common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"worker_id\", \"pid\"}");
   flags.SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the worker cannot\n"
       "start (port in use, coordinator refused or unreachable past --connect_timeout),\n"
       "2 for bad flags.");
 
-  auto args = flags.Parse(argc, argv);
-  if (!args.ok()) return flags.Fail(args.status());
-  if (version) {
-    std::cout << "detour-worker " << kVersion << " (" << kGitRevision << ")\n";
-    return 0;
+  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-worker", "worker");
+      code >= 0) {
+    return code;
   }
-  if (!args->empty()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", (*args)[0], "\"")));
-  }
-  LogLevel level;
-  if (!ParseLogLevel(log_level, &level)) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--log_level: \"", log_level, "\" is not debug, info, warning or error")));
-  }
-  SetLogLevel(level);
-  SetLogComponent("worker");
 
   auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
   if (!address.ok()) return flags.Fail(address.status());
@@ -101,11 +79,7 @@ int main(int argc, char** argv) {
     return flags.Fail(absl::InvalidArgumentError(
         absl::StrCat("--device: \"", o.device, "\" is not cpu or cuda")));
   }
-  if (metrics_port < -1 || metrics_port > 65535) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--metrics_port: ", metrics_port, " is outside -1..65535")));
-  }
-  o.metrics_port = static_cast<int>(metrics_port);
+  o.metrics_port = static_cast<int>(common.metrics_port);
   o.memory_slots = static_cast<int>(memory_slots);
   if (torch_threads < 0 || torch_threads > 1024) {
     return flags.Fail(absl::InvalidArgumentError(
@@ -124,21 +98,17 @@ int main(int argc, char** argv) {
   }
   LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
           ", metrics on port ", (*worker)->metrics_port());
-  if (!ready_file.empty()) {
+  if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
-        ready_file,
+        common.ready_file,
         absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"worker_id\": \"%s\", "
                         "\"pid\": %d}\n",
                         (*worker)->grpc_port(), (*worker)->metrics_port(),
                         (*worker)->worker_id(), static_cast<int>(getpid())));
     if (!written.ok()) LogWarning("--ready_file: ", written.message());
   }
-  int sig = 0;
-  while ((sig = WaitForShutdownSignal(absl::Hours(1))) == 0) {
-  }
-  LogInfo("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ",
-          absl::FormatDuration(drain_timeout), ")");
-  (*worker)->Drain(drain_timeout);
+  AwaitShutdownSignal(common.drain_timeout);
+  (*worker)->Drain(common.drain_timeout);
   LogInfo("stopped cleanly");
   return 0;
 }
