@@ -208,6 +208,36 @@ TEST_F(DaemonsTest, ServersAnswerReflection) {
   EXPECT_THAT(worker, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
 }
 
+TEST_F(DaemonsTest, LauncherStopsEverythingOnCtrlC) {
+  const std::string job = dir_ + "/job.json";
+  std::ofstream(job) << R"({"name": "ctrlc", "model": {"num_layers": 2, "d_model": 32,
+      "num_heads": 2, "ffn_dim": 64, "context_length": 16},
+    "pipeline": {"num_stages": 2, "microbatches_per_data_node": 2,
+                 "samples_per_microbatch": 2, "scheduler": "SCHEDULER_FULL"},
+    "iterations": 1000000})";
+  const std::string out = dir_ + "/launcher";
+  ChildProcess launcher;
+  ASSERT_TRUE(launcher
+                  .Start({Bin("tools/detour_local/detour-local"), "--job=" + job,
+                          "--out=" + out, "--bin_dir=" + BuildDir()},
+                         dir_ + "/launcher.log")
+                  .ok());
+  ASSERT_TRUE(Eventually([&] { return launcher.Log().find("RUNNING") != std::string::npos; },
+                         absl::Seconds(60)))
+      << launcher.Log();
+  launcher.Signal(SIGINT);
+  EXPECT_EQ(launcher.Wait(absl::Seconds(30)), 130) << launcher.Log();
+  EXPECT_THAT(launcher.Log(), HasSubstr("interrupted; cancelling"));
+  // No daemon of this launcher is left running.
+  std::string out_text;
+  // "launche[r]" matches the daemons' arguments but not this shell's own.
+  const std::string pattern = dir_ + "/launche[r]/";
+  EXPECT_EQ(Run({"/bin/sh", "-c", "pgrep -f -- '" + pattern + "' || true"}, &out_text), 0);
+  EXPECT_EQ(out_text, "") << "left running: " << out_text;
+  // The loss curve so far is written even when interrupted.
+  EXPECT_TRUE(std::ifstream(out + "/loss.csv").good());
+}
+
 TEST_F(DaemonsTest, BusyPortsAreClearErrors) {
   auto [fd, port] = OccupyPort();
   std::string out;
