@@ -1,5 +1,7 @@
 #include "worker/model/checkpoint.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 
@@ -22,7 +24,9 @@ class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
     at::set_num_threads(1);
-    root_ = fs::path(::testing::TempDir()) / "detour_checkpoint_test";
+    // One directory per process: ctest runs tests of this binary in parallel.
+    root_ = fs::path(::testing::TempDir()) /
+            ("detour_checkpoint_test." + std::to_string(::getpid()));
     fs::remove_all(root_);
     fs::create_directories(root_);
     tokens_ = SplitText(GenerateCorpus(3, 20000), 0.0)->train;

@@ -1,6 +1,8 @@
 // Tokenizer, text reading, split, sharding and the embedded corpus.
 #include "worker/model/text_data.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -49,7 +51,8 @@ TEST(Utf8Test, AcceptsValidRejectsInvalid) {
 }
 
 TEST(ReadTextSourceTest, FileAndDirectory) {
-  const fs::path dir = fs::path(::testing::TempDir()) / "detour_text_source";
+  const fs::path dir = fs::path(::testing::TempDir()) /
+                       ("detour_text_source." + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "sub");
   std::ofstream(dir / "b.txt") << "second";

@@ -3,6 +3,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -44,7 +45,10 @@ std::string Example() {
                       SourceDir(), "/examples/jobs/geo20_1.5b.json");
 }
 
-std::string Temp(const std::string& name) { return ::testing::TempDir() + "/" + name; }
+// Per-process names: ctest runs this binary's tests in parallel.
+std::string Temp(const std::string& name) {
+  return ::testing::TempDir() + "/" + std::to_string(::getpid()) + "." + name;
+}
 
 void Write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
