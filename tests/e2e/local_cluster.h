@@ -82,6 +82,16 @@ class E2eTest : public ::testing::Test {
     return d;
   }
 
+  // Starts `count` workers named w0..w<count-1> against the coordinator.
+  std::vector<Daemon> StartWorkers(int coordinator_port, int count,
+                                   const std::vector<std::string>& extra = {}) {
+    std::vector<Daemon> workers;
+    for (int i = 0; i < count; ++i) {
+      workers.push_back(StartWorker(coordinator_port, absl::StrCat("w", i), extra));
+    }
+    return workers;
+  }
+
   // Runs a short-lived command; returns its exit code and fills `output`.
   int Run(const std::vector<std::string>& argv, std::string* output,
           absl::Duration timeout = absl::Seconds(30)) {

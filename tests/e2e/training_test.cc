@@ -51,10 +51,7 @@ std::vector<std::string> WorkerFlags() { return {"--torch_threads=1"}; }
 TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
   const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
   Daemon c = StartCoordinator();
-  std::vector<Daemon> workers;
-  for (int i = 0; i < 3; ++i) {
-    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
-  }
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
   v1::Job final_job;
   const std::vector<double> distributed =
@@ -108,10 +105,7 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
   spec.mutable_pipeline()->set_wire_dtype("bf16");  // half-size activations on the wire
   // Re-plan with measured speeds every 2 iterations.
   Daemon c = StartCoordinator({"--replan_every=2", "--log_level=debug"});
-  std::vector<Daemon> workers;
-  for (int i = 0; i < 8; ++i) {
-    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
-  }
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 8, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
   v1::Job final_job;
   const std::vector<double> losses =
@@ -140,10 +134,7 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
 TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
   const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
   Daemon c = StartCoordinator();
-  std::vector<Daemon> workers;
-  for (int i = 0; i < 3; ++i) {
-    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
-  }
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
   ASSERT_TRUE(Eventually(
       [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 2; },
@@ -175,10 +166,7 @@ TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
 TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
   const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
   Daemon c = StartCoordinator();
-  std::vector<Daemon> workers;
-  for (int i = 0; i < 3; ++i) {
-    workers.push_back(StartWorker(c.grpc_port, absl::StrCat("w", i), WorkerFlags()));
-  }
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
   ASSERT_TRUE(Eventually(
       [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 1; },
