@@ -145,6 +145,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   DETOUR_DEFAULT(k, lr, a->lr());
   DETOUR_DEFAULT(k, momentum, 0.9);
   DETOUR_DEFAULT(k, slack, 0.05);
+  DETOUR_DEFAULT(k, kl_clip, 1e-3);
   if (k->placement() == v1::KFAC_PLACEMENT_UNSPECIFIED) {
     k->set_placement(v1::KFAC_PLACEMENT_BUBBLES);
   }
@@ -263,6 +264,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (!(k.slack() >= 0 && k.slack() < 1)) {
     return Invalid("optimizer.kfac.slack", Num(k.slack()) + " is outside [0, 1)");
+  }
+  if (!(k.lr() > 0)) return Invalid("optimizer.kfac.lr", Num(k.lr()) + " must be > 0");
+  if (!(k.momentum() >= 0 && k.momentum() < 1)) {
+    return Invalid("optimizer.kfac.momentum", Num(k.momentum()) + " is outside [0, 1)");
+  }
+  if (!std::isfinite(k.kl_clip())) {
+    return Invalid("optimizer.kfac.kl_clip", Num(k.kl_clip()) + " is not finite");
   }
 
   const v1::DataSpec& d = spec.data();

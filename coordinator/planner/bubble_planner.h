@@ -1,0 +1,170 @@
+// K-FAC work in the pipeline's idle gaps (pipefisher.md §3–4): the bubble
+// planner. No LibTorch; runs in the coordinator and in detour-sim.
+//
+// Every node holding transformer blocks owes, per K-FAC refresh and per block:
+//   CURVATURE_A(layer, mb)  after the forward of mb on that node (module "")
+//   CURVATURE_B(layer, mb)  after the backward of mb on that node (module "")
+//   SYNC_FACTORS(layer)     replicated stages with sync on: after every
+//                           replica's curvature of the layer; runs in the
+//                           iteration's all-reduce (placed at its end, serial)
+//   INVERT_A(layer, m), INVERT_B(layer, m) for each projection m: after all
+//                           curvature (and sync) of the layer
+// The planner is stateful: work that does not fit an iteration's gaps spills
+// into the following iterations; refresh r's new inverses take effect on all
+// workers at once at the step of the iteration in which its last item ends
+// (IterationBubbles::activate_refresh), and refresh r+1 starts in the next
+// iteration. The number of iterations one refresh takes is the refresh
+// interval. Items whose duration·(1+slack) exceeds every gap the node had in
+// the last `serial_after` iterations, and everything left when a fixed
+// KfacSpec.refresh_interval is reached, run serially at step end (serial =
+// true; counted as overhead). KFAC_PLACEMENT_SERIAL puts all work there.
+//
+// Curvature microbatches: on each node, the first `curvature_microbatches`
+// microbatches (lowest ids) of the iteration whose route visits the node and
+// that still owe curvature for the current refresh. A microbatch's A and B
+// items are placed in the iteration the microbatch runs in (its saved inputs
+// and output gradients live only there).
+//
+// Placement: greedy first-fit in time order per node, priority CURVATURE_A,
+// CURVATURE_B, INVERT_A, INVERT_B (layer order within a kind); an item is
+// placed at t when its dependencies are met by t and
+// t + duration·(1+slack) <= gap end.
+//
+// Thread-compatible.
+#ifndef DETOUR_COORDINATOR_PLANNER_BUBBLE_PLANNER_H_
+#define DETOUR_COORDINATOR_PLANNER_BUBBLE_PLANNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/sim/cost_model.h"
+#include "common/sim/event_simulator.h"
+#include "common/sim/plan.h"
+#include "detour/v1/plan.pb.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour::planner {
+
+// The projections of a block, in the order tasks are emitted.
+const std::vector<std::string>& KfacModules();  // q k v o gate up down
+
+// Durations of one block's K-FAC work on one node, in seconds.
+struct KfacLayerCost {
+  double curvature_a_s = 0;  // one microbatch, every projection's A
+  double curvature_b_s = 0;  // one microbatch, every projection's B
+  // Per projection, indexed like KfacModules().
+  std::vector<double> invert_a_s;
+  std::vector<double> invert_b_s;
+  double precondition_s = 0;  // at every step, serial
+  double sync_s = 0;          // factor all-reduce among the replicas
+};
+
+// FLOP-count estimate of KfacLayerCost for `shape` with
+// `tokens_per_microbatch` tokens on a node doing `flops_per_s` (the cost
+// model's effective speed), documented in docs/KFAC.md.
+KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape,
+                                    double tokens_per_microbatch,
+                                    double flops_per_s);
+
+struct KfacNodeWork {
+  std::string node_id;
+  int stage = -1;
+  std::vector<int> layers;            // global block indices held
+  std::vector<KfacLayerCost> costs;   // indexed like layers
+};
+
+struct KfacWorkload {
+  // Indexed like the timelines' nodes (e.g. cluster node index); nodes that
+  // hold no blocks have empty `layers`.
+  std::vector<KfacNodeWork> nodes;
+};
+
+// One node's compute during an iteration.
+struct BusyInterval {
+  enum class Kind { kForward, kBackward, kLoss, kOther };
+  double start_s = 0;
+  double end_s = 0;
+  Kind kind = Kind::kOther;
+  int microbatch = -1;
+};
+
+struct NodeTimeline {
+  std::vector<BusyInterval> busy;  // sorted by start, non-overlapping
+};
+
+// One iteration as seen by the planner. Gaps are [0, end_s) minus busy time;
+// end_s is the iteration's end before the step (all-reduce included).
+struct IterationTimeline {
+  double end_s = 0;
+  std::vector<NodeTimeline> nodes;  // indexed like KfacWorkload::nodes
+};
+
+// Timeline of a simulated iteration (SimResult with record_timeline).
+IterationTimeline TimelineFromSimulation(const sim::SimResult& result);
+
+// Timeline from workers' timing reports (TaskTiming start/duration relative
+// to each worker's plan receipt); `node_ids` gives the index of each node.
+// Reports of unknown nodes are ignored; missing nodes get empty timelines.
+IterationTimeline TimelineFromReports(const std::vector<v1::TimingReport>& reports,
+                                      const std::vector<std::string>& node_ids);
+
+struct IterationBubbles {
+  // The iteration's tasks for every node (bubble and serial ones).
+  std::vector<v1::BubbleTask> tasks;
+  // Refresh whose inverses take effect at this iteration's step.
+  std::optional<uint64_t> activate_refresh;
+  // Per node: K-FAC seconds inside gaps, and serial seconds at step end.
+  std::vector<double> bubble_s;
+  std::vector<double> serial_s;
+  // Iteration time with the serial work: end_s + max serial_s.
+  double iteration_time_s = 0;
+  // Busy (pipeline) fraction of nodes holding blocks over end_s, and the
+  // same with K-FAC work, over iteration_time_s.
+  double utilization_before = 0;
+  double utilization_after = 0;
+};
+
+struct BubblePlannerOptions {
+  // Iterations without a gap large enough before an item goes serial.
+  int serial_after = 2;
+};
+
+class BubblePlanner {
+ public:
+  // `kfac` defaulted (NormalizeJobSpec). INVALID_ARGUMENT for a node with
+  // costs not matching its layers or negative durations.
+  static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload,
+                                              const v1::KfacSpec& kfac,
+                                              BubblePlannerOptions options = {});
+
+  // Places work into iteration `iteration`'s timeline. `plan` gives the
+  // routes (which microbatches visit which node) in index form. Iterations
+  // must be planned in increasing order. INVALID_ARGUMENT when the timeline
+  // has another node count than the workload.
+  absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
+                                                 const sim::Plan& plan,
+                                                 const IterationTimeline& timeline);
+
+  // Refreshes completed so far, and the iterations each took.
+  uint64_t completed_refreshes() const;
+  const std::vector<int>& refresh_intervals() const;
+  // Mean of refresh_intervals(), 0 before the first.
+  double mean_refresh_interval() const;
+
+  BubblePlanner(BubblePlanner&&) noexcept;
+  BubblePlanner& operator=(BubblePlanner&&) noexcept;
+  ~BubblePlanner();
+
+ private:
+  struct State;
+  explicit BubblePlanner(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace detour::planner
+
+#endif  // DETOUR_COORDINATOR_PLANNER_BUBBLE_PLANNER_H_
