@@ -149,6 +149,10 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (k->placement() == v1::KFAC_PLACEMENT_UNSPECIFIED) {
     k->set_placement(v1::KFAC_PLACEMENT_BUBBLES);
   }
+  if (o->kind() == v1::OPTIMIZER_KFAC &&
+      (spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1)) {
+    k->set_sync_factors(true);  // replicas must precondition identically
+  }
 
   v1::DataSpec* d = spec->mutable_data();
   if (d->source() == v1::DATA_SOURCE_UNSPECIFIED) d->set_source(v1::DATA_SOURCE_EMBEDDED);

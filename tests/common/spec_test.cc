@@ -126,6 +126,48 @@ TEST(JobSpec, OtherFieldChecks) {
   }
 }
 
+TEST(JobSpec, KfacDefaultsAndSync) {
+  const std::string kfac = Replace(kGoodJob, "\"iterations\": 10",
+                                   "\"iterations\": 10, \"optimizer\": {\"kind\": "
+                                   "\"OPTIMIZER_KFAC\"}");
+  auto spec = NormalizeJobSpec(*ParseJobSpecJson(kfac));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::KfacSpec& k = spec->optimizer().kfac();
+  EXPECT_DOUBLE_EQ(k.damping(), 1e-3);
+  EXPECT_DOUBLE_EQ(k.kl_clip(), 1e-3);
+  EXPECT_EQ(k.placement(), v1::KFAC_PLACEMENT_BUBBLES);
+  // Replicated stages must sync their factors to stay identical.
+  EXPECT_TRUE(k.sync_factors());
+
+  // One replica everywhere: nothing to sync; AdamW jobs are left alone.
+  std::string single = Replace(kfac, "\"data_nodes\": 2", "\"data_nodes\": 1");
+  single = Replace(single, "\"replicas_per_stage\": 2", "\"replicas_per_stage\": 1");
+  auto one = NormalizeJobSpec(*ParseJobSpecJson(single));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_FALSE(one->optimizer().kfac().sync_factors());
+  auto adamw = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
+  ASSERT_TRUE(adamw.ok());
+  EXPECT_FALSE(adamw->optimizer().kfac().sync_factors());
+}
+
+TEST(JobSpec, KfacBadValuesAreNamed) {
+  auto with = [](const std::string& kfac) {
+    return Replace(kGoodJob, "\"iterations\": 10",
+                   "\"iterations\": 10, \"optimizer\": {\"kind\": \"OPTIMIZER_KFAC\", "
+                   "\"kfac\": " + kfac + "}");
+  };
+  EXPECT_THAT(JobStatus(with(R"({"damping": -1})")).message(), HasSubstr("optimizer.kfac.damping"));
+  EXPECT_THAT(JobStatus(with(R"({"momentum": 1.5})")).message(),
+              HasSubstr("optimizer.kfac.momentum"));
+  EXPECT_THAT(JobStatus(with(R"({"lr": -0.1})")).message(), HasSubstr("optimizer.kfac.lr"));
+  EXPECT_THAT(JobStatus(with(R"({"factor_decay": 2})")).message(),
+              HasSubstr("optimizer.kfac.factor_decay"));
+  EXPECT_THAT(JobStatus(with(R"({"curvature_microbatches": 9})")).message(),
+              HasSubstr("optimizer.kfac.curvature_microbatches"));
+  EXPECT_THAT(JobStatus(with(R"({"slack": 1})")).message(), HasSubstr("optimizer.kfac.slack"));
+  EXPECT_TRUE(JobStatus(with(R"({"kl_clip": -1, "refresh_interval": 4})")).ok());
+}
+
 TEST(JobSpec, MissingFileIsNotFound) {
   auto spec = LoadJobSpec("/nonexistent/job.json");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
