@@ -14,21 +14,34 @@
 // workers at once at the step of the iteration in which its last item ends
 // (IterationBubbles::activate_refresh), and refresh r+1 starts in the next
 // iteration. The number of iterations one refresh takes is the refresh
-// interval. Items whose duration·(1+slack) exceeds every gap the node had in
-// the last `serial_after` iterations, and everything left when a fixed
-// KfacSpec.refresh_interval is reached, run serially at step end (serial =
-// true; counted as overhead). KFAC_PLACEMENT_SERIAL puts all work there.
+// interval. An item goes serial at step end (serial = true; counted as
+// overhead) when, in `serial_after` iterations in which it was ready, no gap
+// of its node after its ready time was as long as duration·(1+slack) (other
+// K-FAC work not counted: an item crowded out by other K-FAC work spills
+// instead). With a fixed KfacSpec.refresh_interval K, refresh r covers K
+// iterations: everything still owed in its K-th iteration runs serially there
+// and the refresh is activated at that step (also when its work ended
+// earlier). KFAC_PLACEMENT_SERIAL puts all of a refresh's work at the end of
+// one iteration (every iteration, or the K-th with a fixed interval).
+// Serial work starts at end_s, in the order curvature, sync, inversions.
 //
 // Curvature microbatches: on each node, the first `curvature_microbatches`
 // microbatches (lowest ids) of the iteration whose route visits the node and
 // that still owe curvature for the current refresh. A microbatch's A and B
 // items are placed in the iteration the microbatch runs in (its saved inputs
-// and output gradients live only there).
+// and output gradients live only there); what cannot be placed there is owed
+// by later microbatches. A node that no microbatch visits for `serial_after`
+// iterations (or in the last iteration of a fixed interval) contributes fewer
+// curvature microbatches to the refresh rather than stall it.
 //
 // Placement: greedy first-fit in time order per node, priority CURVATURE_A,
-// CURVATURE_B, INVERT_A, INVERT_B (layer order within a kind); an item is
-// placed at t when its dependencies are met by t and
-// t + duration·(1+slack) <= gap end.
+// CURVATURE_B, INVERT_A, INVERT_B (layer order within a kind, then microbatch
+// resp. projection); an item is placed at t when its dependencies are met by
+// t and t + duration·(1+slack) <= gap end; the next item may start at
+// t + duration·(1+slack). Each inversion task is one whole projection's A or
+// B factor (part 0, num_parts 1). Tasks are emitted per node (workload
+// order), bubble tasks before serial ones, by planned start.
+// Details and formulas: docs/KFAC.md §Planner.
 //
 // Thread-compatible.
 #ifndef DETOUR_COORDINATOR_PLANNER_BUBBLE_PLANNER_H_
@@ -60,7 +73,8 @@ struct KfacLayerCost {
   std::vector<double> invert_a_s;
   std::vector<double> invert_b_s;
   double precondition_s = 0;  // at every step, serial
-  double sync_s = 0;          // factor all-reduce among the replicas
+  double sync_s = 0;          // factor all-reduce among the replicas (network:
+                              // EstimateKfacLayerCost leaves it 0)
 };
 
 // FLOP-count estimate of KfacLayerCost for `shape` with
@@ -103,11 +117,16 @@ struct IterationTimeline {
   std::vector<NodeTimeline> nodes;  // indexed like KfacWorkload::nodes
 };
 
-// Timeline of a simulated iteration (SimResult with record_timeline).
+// Timeline of a simulated iteration (SimResult with record_timeline): forward,
+// backward and loss are pipeline work; the gradient all-reduce is kOther (busy:
+// the worker is in its collective). end_s = iteration_time_s.
 IterationTimeline TimelineFromSimulation(const sim::SimResult& result);
 
 // Timeline from workers' timing reports (TaskTiming start/duration relative
 // to each worker's plan receipt); `node_ids` gives the index of each node.
+// FORWARD/BACKWARD/LOSS are pipeline work, ALLREDUCE/OPTIMIZER kOther; BUBBLE
+// tasks are left out (they are this planner's own work, re-placed each
+// iteration). Overlaps are trimmed. end_s = max iteration_time_s.
 // Reports of unknown nodes are ignored; missing nodes get empty timelines.
 IterationTimeline TimelineFromReports(const std::vector<v1::TimingReport>& reports,
                                       const std::vector<std::string>& node_ids);
@@ -117,13 +136,18 @@ struct IterationBubbles {
   std::vector<v1::BubbleTask> tasks;
   // Refresh whose inverses take effect at this iteration's step.
   std::optional<uint64_t> activate_refresh;
-  // Per node: K-FAC seconds inside gaps, and serial seconds at step end.
+  // Per node: K-FAC seconds inside gaps; the serial span after end_s (serial
+  // work plus waiting for replicas to sync at once); the preconditioning of
+  // every step (sum of the layers' precondition_s, no task emitted: the
+  // worker does it in its step).
   std::vector<double> bubble_s;
   std::vector<double> serial_s;
-  // Iteration time with the serial work: end_s + max serial_s.
+  std::vector<double> precondition_s;
+  // Iteration time with K-FAC: end_s + max over nodes (serial_s + precondition_s).
   double iteration_time_s = 0;
-  // Busy (pipeline) fraction of nodes holding blocks over end_s, and the
-  // same with K-FAC work, over iteration_time_s.
+  // Busy (pipeline: forward, backward, loss) fraction of nodes holding blocks
+  // over end_s, and the same plus all K-FAC work (bubble, serial,
+  // precondition) over iteration_time_s.
   double utilization_before = 0;
   double utilization_after = 0;
 };
@@ -136,15 +160,17 @@ struct BubblePlannerOptions {
 class BubblePlanner {
  public:
   // `kfac` defaulted (NormalizeJobSpec). INVALID_ARGUMENT for a node with
-  // costs not matching its layers or negative durations.
+  // costs not matching its layers (or invert_* not sized like KfacModules()),
+  // negative or non-finite durations, negative slack, serial_after < 1.
   static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload,
                                               const v1::KfacSpec& kfac,
                                               BubblePlannerOptions options = {});
 
   // Places work into iteration `iteration`'s timeline. `plan` gives the
   // routes (which microbatches visit which node) in index form. Iterations
-  // must be planned in increasing order. INVALID_ARGUMENT when the timeline
-  // has another node count than the workload.
+  // must be planned in increasing order (gaps allowed). INVALID_ARGUMENT when
+  // the timeline has another node count than the workload, or the iteration
+  // does not increase.
   absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
                                                  const sim::Plan& plan,
                                                  const IterationTimeline& timeline);

@@ -1,0 +1,713 @@
+#include "coordinator/planner/bubble_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+
+namespace detour::planner {
+namespace {
+
+using Kind = v1::BubbleTask::Kind;
+
+// Times compare with a small tolerance: timelines come from sums of doubles.
+constexpr double kEps = 1e-9;
+
+constexpr int kNumModules = 7;
+
+// Input and output width of each projection (KfacModules order).
+struct ModuleDims {
+  double f_in = 0;
+  double f_out = 0;
+};
+
+std::vector<ModuleDims> ProjectionDims(const v1::ModelShape& shape) {
+  const double d = shape.d_model();
+  const double heads = std::max<uint32_t>(1, shape.num_heads());
+  const double kv_heads = shape.num_kv_heads() > 0 ? shape.num_kv_heads() : heads;
+  const double kv = d * kv_heads / heads;
+  double ffn = shape.ffn_dim();
+  if (ffn <= 0) ffn = std::ceil(8.0 * d / 3.0 / 64.0) * 64.0;
+  return {{d, d}, {d, kv}, {d, kv}, {d, d}, {d, ffn}, {d, ffn}, {ffn, d}};
+}
+
+// Free time of one node: [0, end) minus busy, as sorted segments.
+std::vector<std::pair<double, double>> Gaps(const NodeTimeline& node, double end) {
+  std::vector<BusyInterval> busy = node.busy;
+  std::sort(busy.begin(), busy.end(),
+            [](const BusyInterval& a, const BusyInterval& b) { return a.start_s < b.start_s; });
+  std::vector<std::pair<double, double>> gaps;
+  double t = 0;
+  for (const BusyInterval& b : busy) {
+    const double s = std::min(b.start_s, end);
+    if (s > t + kEps) gaps.push_back({t, s});
+    t = std::max(t, b.end_s);
+  }
+  if (end > t + kEps) gaps.push_back({t, end});
+  return gaps;
+}
+
+// True when an item of length `need` ready at `ready` fits some gap.
+bool FitsSomeGap(const std::vector<std::pair<double, double>>& gaps, double ready, double need) {
+  for (const auto& [s, e] : gaps) {
+    if (std::max(s, ready) + need <= e + kEps) return true;
+  }
+  return false;
+}
+
+double PipelineBusy(const NodeTimeline& node, double end) {
+  double busy = 0;
+  for (const BusyInterval& b : node.busy) {
+    if (b.kind == BusyInterval::Kind::kOther) continue;
+    busy += std::max(0.0, std::min(b.end_s, end) - std::max(b.start_s, 0.0));
+  }
+  return busy;
+}
+
+}  // namespace
+
+const std::vector<std::string>& KfacModules() {
+  static const auto* modules =
+      new std::vector<std::string>{"q", "k", "v", "o", "gate", "up", "down"};
+  return *modules;
+}
+
+KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape, double tokens_per_microbatch,
+                                    double flops_per_s) {
+  const std::vector<ModuleDims> dims = ProjectionDims(shape);
+  const double tokens = tokens_per_microbatch;
+  const double speed = flops_per_s > 0 ? flops_per_s : 1.0;
+  KfacLayerCost c;
+  // A: one product per distinct input — q/k/v share the block input, gate/up
+  // share the normalised attention output; o and down have their own.
+  const double d = dims[0].f_in;
+  const double ffn = dims[6].f_in;
+  c.curvature_a_s = 2.0 * tokens * (d * d + d * d + d * d + ffn * ffn) / speed;
+  double b_flops = 0;
+  double precondition = 0;
+  for (const ModuleDims& m : dims) {
+    b_flops += 2.0 * tokens * m.f_out * m.f_out;
+    // Cholesky (n³/3) plus the inverse from it (≈ 2n³/3).
+    c.invert_a_s.push_back(m.f_in * m.f_in * m.f_in / speed);
+    c.invert_b_s.push_back(m.f_out * m.f_out * m.f_out / speed);
+    // B⁻¹·∇W (f_out² f_in) then ·A⁻¹ (f_out f_in²), two FLOPs per multiply-add.
+    precondition += 2.0 * (m.f_out * m.f_out * m.f_in + m.f_out * m.f_in * m.f_in);
+  }
+  c.curvature_b_s = b_flops / speed;
+  c.precondition_s = precondition / speed;
+  c.sync_s = 0;
+  return c;
+}
+
+IterationTimeline TimelineFromSimulation(const sim::SimResult& result) {
+  IterationTimeline t;
+  t.end_s = result.iteration_time_s;
+  t.nodes.resize(result.compute.size());
+  for (size_t n = 0; n < result.compute.size(); ++n) {
+    for (const sim::Activity& a : result.compute[n]) {
+      BusyInterval b;
+      b.start_s = a.start_s;
+      b.end_s = a.end_s;
+      b.microbatch = a.microbatch;
+      switch (a.kind) {
+        case sim::ActivityKind::kForward:
+          b.kind = BusyInterval::Kind::kForward;
+          break;
+        case sim::ActivityKind::kBackward:
+          b.kind = BusyInterval::Kind::kBackward;
+          break;
+        case sim::ActivityKind::kLoss:
+          b.kind = BusyInterval::Kind::kLoss;
+          break;
+        default:
+          // The all-reduce: the worker is in its collective, no bubble.
+          b.kind = BusyInterval::Kind::kOther;
+          b.microbatch = -1;
+          break;
+      }
+      t.nodes[n].busy.push_back(b);
+    }
+    std::sort(t.nodes[n].busy.begin(), t.nodes[n].busy.end(),
+              [](const BusyInterval& a, const BusyInterval& b) { return a.start_s < b.start_s; });
+  }
+  return t;
+}
+
+IterationTimeline TimelineFromReports(const std::vector<v1::TimingReport>& reports,
+                                      const std::vector<std::string>& node_ids) {
+  IterationTimeline t;
+  t.nodes.resize(node_ids.size());
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < node_ids.size(); ++i) index.emplace(node_ids[i], static_cast<int>(i));
+  for (const v1::TimingReport& r : reports) {
+    auto it = index.find(r.node());
+    if (it == index.end()) continue;
+    t.end_s = std::max(t.end_s, r.iteration_time_s());
+    std::vector<BusyInterval>& busy = t.nodes[it->second].busy;
+    for (const v1::TaskTiming& task : r.tasks()) {
+      // Bubble tasks are what this planner places: counting them as busy
+      // would evict K-FAC work from the gaps it was measured in.
+      if (task.kind() == v1::TaskTiming::KIND_BUBBLE) continue;
+      BusyInterval b;
+      b.start_s = task.start_s();
+      b.end_s = task.start_s() + std::max(0.0, task.duration_s());
+      switch (task.kind()) {
+        case v1::TaskTiming::KIND_FORWARD:
+          b.kind = BusyInterval::Kind::kForward;
+          b.microbatch = static_cast<int>(task.microbatch());
+          break;
+        case v1::TaskTiming::KIND_BACKWARD:
+          b.kind = BusyInterval::Kind::kBackward;
+          b.microbatch = static_cast<int>(task.microbatch());
+          break;
+        case v1::TaskTiming::KIND_LOSS:
+          b.kind = BusyInterval::Kind::kLoss;
+          b.microbatch = static_cast<int>(task.microbatch());
+          break;
+        default:
+          b.kind = BusyInterval::Kind::kOther;
+          break;
+      }
+      busy.push_back(b);
+    }
+  }
+  // Sorted, and overlaps (clock jitter between threads) trimmed.
+  for (NodeTimeline& node : t.nodes) {
+    std::sort(node.busy.begin(), node.busy.end(),
+              [](const BusyInterval& a, const BusyInterval& b) { return a.start_s < b.start_s; });
+    std::vector<BusyInterval> clean;
+    double last_end = -std::numeric_limits<double>::infinity();
+    for (BusyInterval b : node.busy) {
+      b.start_s = std::max(b.start_s, last_end);
+      if (b.end_s <= b.start_s) continue;
+      last_end = b.end_s;
+      clean.push_back(b);
+    }
+    node.busy = std::move(clean);
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+
+struct BubblePlanner::State {
+  KfacWorkload workload;
+  v1::KfacSpec kfac;
+  BubblePlannerOptions options;
+
+  // Per node and layer position, for the refresh in flight.
+  struct NodeState {
+    std::vector<int> owed_a, owed_b;      // curvature microbatches still owed
+    std::vector<int> miss_a, miss_b;      // iterations without any fitting gap
+    std::vector<bool> synced;             // factors all-reduced (or no sync needed)
+    std::vector<double> curvature_end;    // when the layer's last curvature ended
+                                          // this iteration (0 when done earlier)
+    // Inversions still to run: (kind, layer position, module), priority order.
+    struct Inversion {
+      Kind kind;
+      int layer = 0;
+      int module = 0;
+      int misses = 0;
+    };
+    std::vector<Inversion> inversions;
+  };
+  std::vector<NodeState> nodes;
+  bool in_refresh = false;
+  uint64_t refresh = 0;
+  uint64_t refresh_start = 0;
+  std::optional<uint64_t> last_iteration;
+  std::vector<int> intervals;
+
+  bool HasWork() const {
+    for (const KfacNodeWork& n : workload.nodes) {
+      if (!n.layers.empty()) return true;
+    }
+    return false;
+  }
+  bool NeedsSync(int node) const;
+  void StartRefresh(uint64_t iteration);
+};
+
+bool BubblePlanner::State::NeedsSync(int node) const {
+  if (!kfac.sync_factors()) return false;
+  const KfacNodeWork& w = workload.nodes[node];
+  if (w.layers.empty() || w.stage < 0) return false;
+  for (size_t m = 0; m < workload.nodes.size(); ++m) {
+    if (static_cast<int>(m) != node && workload.nodes[m].stage == w.stage &&
+        !workload.nodes[m].layers.empty()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void BubblePlanner::State::StartRefresh(uint64_t iteration) {
+  in_refresh = true;
+  refresh_start = iteration;
+  const int k = static_cast<int>(std::max<uint32_t>(1, kfac.curvature_microbatches()));
+  nodes.assign(workload.nodes.size(), NodeState());
+  for (size_t n = 0; n < workload.nodes.size(); ++n) {
+    const size_t layers = workload.nodes[n].layers.size();
+    NodeState& s = nodes[n];
+    s.owed_a.assign(layers, k);
+    s.owed_b.assign(layers, k);
+    s.miss_a.assign(layers, 0);
+    s.miss_b.assign(layers, 0);
+    s.synced.assign(layers, !NeedsSync(static_cast<int>(n)));
+    s.curvature_end.assign(layers, 0);
+    for (Kind kind : {v1::BubbleTask::KIND_INVERT_A, v1::BubbleTask::KIND_INVERT_B}) {
+      for (size_t l = 0; l < layers; ++l) {
+        for (int m = 0; m < kNumModules; ++m) {
+          s.inversions.push_back({kind, static_cast<int>(l), m, 0});
+        }
+      }
+    }
+  }
+}
+
+BubblePlanner::BubblePlanner(std::unique_ptr<State> state) : state_(std::move(state)) {}
+BubblePlanner::BubblePlanner(BubblePlanner&&) noexcept = default;
+BubblePlanner& BubblePlanner::operator=(BubblePlanner&&) noexcept = default;
+BubblePlanner::~BubblePlanner() = default;
+
+absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
+                                                    const v1::KfacSpec& kfac,
+                                                    BubblePlannerOptions options) {
+  if (options.serial_after < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: serial_after %d must be >= 1", options.serial_after));
+  }
+  if (!(kfac.slack() >= 0) || !std::isfinite(kfac.slack())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: kfac.slack %g must be >= 0", kfac.slack()));
+  }
+  for (size_t n = 0; n < workload.nodes.size(); ++n) {
+    const KfacNodeWork& w = workload.nodes[n];
+    if (w.costs.size() != w.layers.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "bubble planner: node %d (%s) has %d layers but %d cost entries", n, w.node_id,
+          w.layers.size(), w.costs.size()));
+    }
+    for (size_t l = 0; l < w.costs.size(); ++l) {
+      const KfacLayerCost& c = w.costs[l];
+      if (c.invert_a_s.size() != kNumModules || c.invert_b_s.size() != kNumModules) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "bubble planner: node %s layer %d: invert_a_s/invert_b_s need %d entries "
+            "(KfacModules), got %d/%d",
+            w.node_id, w.layers[l], kNumModules, c.invert_a_s.size(), c.invert_b_s.size()));
+      }
+      bool bad = !(c.curvature_a_s >= 0) || !(c.curvature_b_s >= 0) ||
+                 !(c.precondition_s >= 0) || !(c.sync_s >= 0);
+      for (int m = 0; m < kNumModules; ++m) {
+        bad = bad || !(c.invert_a_s[m] >= 0) || !(c.invert_b_s[m] >= 0);
+      }
+      if (bad) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "bubble planner: node %s layer %d: durations must be finite and >= 0", w.node_id,
+            w.layers[l]));
+      }
+    }
+  }
+  auto state = std::make_unique<State>();
+  state->workload = std::move(workload);
+  state->kfac = kfac;
+  state->options = options;
+  return BubblePlanner(std::move(state));
+}
+
+uint64_t BubblePlanner::completed_refreshes() const { return state_->intervals.size(); }
+
+const std::vector<int>& BubblePlanner::refresh_intervals() const { return state_->intervals; }
+
+double BubblePlanner::mean_refresh_interval() const {
+  const std::vector<int>& v = state_->intervals;
+  if (v.empty()) return 0;
+  double sum = 0;
+  for (int i : v) sum += i;
+  return sum / v.size();
+}
+
+absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration,
+                                                              const sim::Plan& plan,
+                                                              const IterationTimeline& timeline) {
+  State& st = *state_;
+  const int num_nodes = static_cast<int>(st.workload.nodes.size());
+  if (static_cast<int>(timeline.nodes.size()) != num_nodes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "bubble planner: timeline has %d nodes, the workload %d", timeline.nodes.size(),
+        num_nodes));
+  }
+  if (st.last_iteration && iteration <= *st.last_iteration) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "bubble planner: iteration %d planned after iteration %d", iteration,
+        *st.last_iteration));
+  }
+  if (!(timeline.end_s >= 0) || !std::isfinite(timeline.end_s)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: timeline end %g", timeline.end_s));
+  }
+  st.last_iteration = iteration;
+
+  const double end = timeline.end_s;
+  const double slack = 1.0 + st.kfac.slack();
+  const bool use_bubbles = st.kfac.placement() != v1::KFAC_PLACEMENT_SERIAL;
+  const uint32_t fixed = st.kfac.refresh_interval();
+
+  IterationBubbles out;
+  out.bubble_s.assign(num_nodes, 0);
+  out.serial_s.assign(num_nodes, 0);
+  out.precondition_s.assign(num_nodes, 0);
+
+  const bool work = st.HasWork();
+  if (work && !st.in_refresh) st.StartRefresh(iteration);
+  const uint64_t age = work ? iteration - st.refresh_start + 1 : 0;
+  // The iteration in which everything left must finish.
+  const bool final_iteration = work && (fixed > 0 ? age >= fixed : !use_bubbles);
+  const bool place = work && (use_bubbles || final_iteration);
+
+  // Serial time cursor per node, relative to end_s, and serial work seconds.
+  std::vector<double> serial_cursor(num_nodes, 0);
+  std::vector<double> serial_work(num_nodes, 0);
+  std::vector<v1::BubbleTask> tasks;
+
+  auto make_task = [&](int node, Kind kind, int layer_pos, int module, int microbatch,
+                       double start, double duration, bool serial) {
+    v1::BubbleTask t;
+    t.set_kind(kind);
+    t.set_node(st.workload.nodes[node].node_id);
+    t.set_layer(static_cast<uint32_t>(st.workload.nodes[node].layers[layer_pos]));
+    t.set_module(module >= 0 ? KfacModules()[module] : "");
+    t.set_microbatch(static_cast<uint32_t>(std::max(0, microbatch)));
+    t.set_refresh(st.refresh);
+    t.set_planned_start_s(start);
+    t.set_planned_duration_s(duration);
+    t.set_part(0);
+    t.set_num_parts(1);
+    t.set_serial(serial);
+    tasks.push_back(std::move(t));
+    if (serial) {
+      serial_work[node] += duration;
+    } else {
+      out.bubble_s[node] += duration;
+    }
+  };
+  auto add_serial = [&](int node, Kind kind, int layer_pos, int module, int microbatch,
+                        double duration) {
+    make_task(node, kind, layer_pos, module, microbatch, end + serial_cursor[node], duration,
+              true);
+    serial_cursor[node] += duration;
+  };
+
+  // Microbatches visiting each node, by id.
+  std::vector<std::vector<int>> visiting(num_nodes);
+  for (const sim::Route& r : plan.routes) {
+    for (int n : r.nodes) {
+      if (n >= 0 && n < num_nodes) visiting[n].push_back(r.microbatch);
+    }
+  }
+
+  // One curvature item of this iteration.
+  struct Curv {
+    Kind kind;
+    int layer = 0;
+    int mb = 0;
+    double ready = 0;
+    double duration = 0;
+    bool placed = false;
+  };
+  std::vector<std::vector<Curv>> curv(num_nodes);
+  std::vector<std::vector<std::pair<double, double>>> gaps(num_nodes);
+
+  for (int n = 0; n < num_nodes && place; ++n) {
+    const KfacNodeWork& w = st.workload.nodes[n];
+    if (w.layers.empty()) continue;
+    State::NodeState& ns = st.nodes[n];
+    const NodeTimeline& tl = timeline.nodes[n];
+    gaps[n] = use_bubbles ? Gaps(tl, end) : std::vector<std::pair<double, double>>();
+
+    // Candidate microbatches with their forward / backward end on this node.
+    std::vector<int> mbs = visiting[n];
+    std::sort(mbs.begin(), mbs.end());
+    mbs.erase(std::unique(mbs.begin(), mbs.end()), mbs.end());
+    std::vector<std::pair<int, double>> fwd, bwd;  // (mb, end)
+    for (int mb : mbs) {
+      double f = -1, b = -1;
+      for (const BusyInterval& bi : tl.busy) {
+        if (bi.microbatch != mb) continue;
+        if (bi.kind == BusyInterval::Kind::kForward) f = std::max(f, bi.end_s);
+        if (bi.kind == BusyInterval::Kind::kBackward) b = std::max(b, bi.end_s);
+      }
+      if (f >= 0) fwd.push_back({mb, f});
+      if (b >= 0) bwd.push_back({mb, b});
+    }
+    for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
+      const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
+      const auto& cand = is_a ? fwd : bwd;
+      for (size_t l = 0; l < w.layers.size(); ++l) {
+        const int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
+        const double d = is_a ? w.costs[l].curvature_a_s : w.costs[l].curvature_b_s;
+        for (int i = 0; i < owed && i < static_cast<int>(cand.size()); ++i) {
+          curv[n].push_back({kind, static_cast<int>(l), cand[i].first, cand[i].second, d, false});
+        }
+      }
+    }
+    // Layers whose curvature was complete before this iteration.
+    for (size_t l = 0; l < w.layers.size(); ++l) ns.curvature_end[l] = 0;
+  }
+
+  // Remaining curvature of a layer after this iteration's placements so far.
+  auto owed_after = [&](int n, int l, bool is_a) {
+    State::NodeState& ns = st.nodes[n];
+    int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
+    for (const Curv& c : curv[n]) {
+      if (c.placed && c.layer == l && (c.kind == v1::BubbleTask::KIND_CURVATURE_A) == is_a) {
+        --owed;
+      }
+    }
+    return owed;
+  };
+
+  // --- Greedy first-fit inside the gaps, per node. -------------------------
+  std::vector<std::vector<bool>> inv_placed(num_nodes);
+  for (int n = 0; n < num_nodes && place; ++n) {
+    const KfacNodeWork& w = st.workload.nodes[n];
+    if (w.layers.empty()) continue;
+    State::NodeState& ns = st.nodes[n];
+    inv_placed[n].assign(ns.inversions.size(), false);
+    if (!use_bubbles) continue;
+    const size_t layers = w.layers.size();
+    // Curvature still owed per layer (A + B) and when its last placed item ends.
+    std::vector<int> left(layers, 0);
+    std::vector<double> done_at(layers, 0);
+    for (size_t l = 0; l < layers; ++l) left[l] = ns.owed_a[l] + ns.owed_b[l];
+    auto inv_ready = [&](int l) -> double {
+      if (left[l] > 0 || !ns.synced[l]) return std::numeric_limits<double>::infinity();
+      // With sync the factors were all-reduced at a previous step: ready at 0.
+      return done_at[l];
+    };
+    for (const auto& [gs, ge] : gaps[n]) {
+      double t = gs;
+      while (t < ge - kEps) {
+        bool placed = false;
+        double next_ready = std::numeric_limits<double>::infinity();
+        for (Curv& c : curv[n]) {
+          if (c.placed) continue;
+          if (c.ready > t + kEps) {
+            next_ready = std::min(next_ready, c.ready);
+            continue;
+          }
+          if (t + c.duration * slack > ge + kEps) continue;
+          c.placed = true;
+          make_task(n, c.kind, c.layer, -1, c.mb, t, c.duration, false);
+          t += c.duration * slack;
+          --left[c.layer];
+          done_at[c.layer] = std::max(done_at[c.layer], t);
+          placed = true;
+          break;
+        }
+        if (placed) continue;
+        for (size_t i = 0; i < ns.inversions.size(); ++i) {
+          if (inv_placed[n][i]) continue;
+          const auto& inv = ns.inversions[i];
+          const double ready = inv_ready(inv.layer);
+          if (ready > t + kEps) {
+            next_ready = std::min(next_ready, ready);
+            continue;
+          }
+          const KfacLayerCost& c = w.costs[inv.layer];
+          const double d = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
+                                                                     : c.invert_b_s[inv.module];
+          if (t + d * slack > ge + kEps) continue;
+          inv_placed[n][i] = true;
+          make_task(n, inv.kind, inv.layer, inv.module, -1, t, d, false);
+          t += d * slack;
+          placed = true;
+          break;
+        }
+        if (placed) continue;
+        if (next_ready >= ge - kEps) break;
+        t = std::max(t, next_ready);
+      }
+    }
+    for (size_t l = 0; l < layers; ++l) ns.curvature_end[l] = done_at[l];
+  }
+
+  // --- Curvature: book what was placed, serialise what must be. -----------
+  for (int n = 0; n < num_nodes && place; ++n) {
+    const KfacNodeWork& w = st.workload.nodes[n];
+    if (w.layers.empty()) continue;
+    State::NodeState& ns = st.nodes[n];
+    for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
+      const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
+      for (size_t l = 0; l < w.layers.size(); ++l) {
+        const int l_int = static_cast<int>(l);
+        int owed = owed_after(n, l_int, is_a);
+        if (owed <= 0) {
+          (is_a ? ns.owed_a : ns.owed_b)[l] = 0;
+          continue;
+        }
+        int& misses = is_a ? ns.miss_a[l] : ns.miss_b[l];
+        bool any_candidate = false;
+        bool fits = false;
+        for (const Curv& c : curv[n]) {
+          if (c.placed || c.layer != l_int || c.kind != kind) continue;
+          any_candidate = true;
+          fits = fits || FitsSomeGap(gaps[n], c.ready, c.duration * slack);
+        }
+        if (!fits) ++misses;
+        const bool go_serial = final_iteration || misses >= st.options.serial_after;
+        if (go_serial) {
+          for (Curv& c : curv[n]) {
+            if (c.placed || c.layer != l_int || c.kind != kind) continue;
+            c.placed = true;
+            add_serial(n, kind, l_int, -1, c.mb, c.duration);
+            --owed;
+          }
+          // What no microbatch of this iteration can provide (the node was
+          // visited by too few, or by none for serial_after iterations) is
+          // waived: the refresh goes ahead with fewer curvature microbatches.
+          if (!any_candidate || final_iteration) owed = 0;
+          misses = 0;
+        }
+        (is_a ? ns.owed_a : ns.owed_b)[l] = std::max(0, owed);
+      }
+    }
+  }
+
+  // --- Factor sync: serial, all replicas of a stage at once. ---------------
+  std::vector<std::vector<bool>> synced_now(num_nodes);
+  for (int n = 0; n < num_nodes; ++n) {
+    synced_now[n].assign(st.workload.nodes[n].layers.size(), false);
+  }
+  if (place && st.kfac.sync_factors()) {
+    // Group replicas by stage, and sync layers in layer order.
+    std::map<int, std::vector<int>> stage_nodes;
+    for (int n = 0; n < num_nodes; ++n) {
+      if (st.NeedsSync(n)) stage_nodes[st.workload.nodes[n].stage].push_back(n);
+    }
+    for (const auto& [stage, members] : stage_nodes) {
+      const KfacNodeWork& first = st.workload.nodes[members[0]];
+      for (size_t l = 0; l < first.layers.size(); ++l) {
+        const int layer = first.layers[l];
+        // Position of the layer on every replica; all must be done.
+        bool ready = true;
+        bool all_synced = true;
+        std::vector<int> pos;
+        for (int m : members) {
+          const auto& ls = st.workload.nodes[m].layers;
+          auto it = std::find(ls.begin(), ls.end(), layer);
+          if (it == ls.end()) {
+            ready = false;
+            break;
+          }
+          const int p = static_cast<int>(it - ls.begin());
+          pos.push_back(p);
+          const State::NodeState& ns = st.nodes[m];
+          if (ns.owed_a[p] > 0 || ns.owed_b[p] > 0) ready = false;
+          if (!ns.synced[p]) all_synced = false;
+        }
+        if (!ready || all_synced) continue;
+        double start = 0, duration = 0;
+        for (size_t i = 0; i < members.size(); ++i) {
+          start = std::max(start, serial_cursor[members[i]]);
+          duration = std::max(duration, st.workload.nodes[members[i]].costs[pos[i]].sync_s);
+        }
+        for (size_t i = 0; i < members.size(); ++i) {
+          const int m = members[i];
+          serial_cursor[m] = start;
+          add_serial(m, v1::BubbleTask::KIND_SYNC_FACTORS, pos[i], -1, -1, duration);
+          st.nodes[m].synced[pos[i]] = true;
+          synced_now[m][pos[i]] = true;
+        }
+      }
+    }
+  }
+
+  // --- Inversions: book, count misses, serialise. -------------------------
+  for (int n = 0; n < num_nodes && place; ++n) {
+    const KfacNodeWork& w = st.workload.nodes[n];
+    if (w.layers.empty()) continue;
+    State::NodeState& ns = st.nodes[n];
+    std::vector<State::NodeState::Inversion> remaining;
+    for (size_t i = 0; i < ns.inversions.size(); ++i) {
+      if (inv_placed[n][i]) continue;
+      auto inv = ns.inversions[i];
+      const int l = inv.layer;
+      const bool curvature_done = ns.owed_a[l] == 0 && ns.owed_b[l] == 0;
+      const KfacLayerCost& c = w.costs[l];
+      const double d = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
+                                                                 : c.invert_b_s[inv.module];
+      if (final_iteration) {
+        add_serial(n, inv.kind, l, inv.module, -1, d);
+        continue;
+      }
+      // Ready during this iteration's gaps? (Synced just now: from the next.)
+      const bool was_ready = curvature_done && ns.synced[l] && !synced_now[n][l];
+      if (was_ready && use_bubbles) {
+        if (!FitsSomeGap(gaps[n], ns.curvature_end[l], d * slack)) ++inv.misses;
+        if (inv.misses >= st.options.serial_after) {
+          add_serial(n, inv.kind, l, inv.module, -1, d);
+          continue;
+        }
+      }
+      remaining.push_back(inv);
+    }
+    ns.inversions = std::move(remaining);
+  }
+
+  // --- Refresh completion and activation. ----------------------------------
+  if (work) {
+    bool complete = true;
+    for (int n = 0; n < num_nodes && complete; ++n) {
+      const State::NodeState& ns = st.nodes[n];
+      if (!ns.inversions.empty()) complete = false;
+      for (size_t l = 0; l < ns.owed_a.size() && complete; ++l) {
+        if (ns.owed_a[l] > 0 || ns.owed_b[l] > 0 || !ns.synced[l]) complete = false;
+      }
+    }
+    if (complete && (fixed == 0 || final_iteration)) {
+      out.activate_refresh = st.refresh;
+      st.intervals.push_back(static_cast<int>(age));
+      ++st.refresh;
+      st.in_refresh = false;
+    }
+  }
+
+  // --- Totals. -------------------------------------------------------------
+  double busy = 0, kfac = 0, longest_tail = 0;
+  int holders = 0;
+  for (int n = 0; n < num_nodes; ++n) {
+    const KfacNodeWork& w = st.workload.nodes[n];
+    if (w.layers.empty()) continue;
+    ++holders;
+    for (const KfacLayerCost& c : w.costs) out.precondition_s[n] += c.precondition_s;
+    out.serial_s[n] = serial_cursor[n];
+    busy += PipelineBusy(timeline.nodes[n], end);
+    kfac += out.bubble_s[n] + serial_work[n] + out.precondition_s[n];
+    longest_tail = std::max(longest_tail, out.serial_s[n] + out.precondition_s[n]);
+  }
+  out.iteration_time_s = end + longest_tail;
+  if (holders > 0 && end > 0) out.utilization_before = busy / (holders * end);
+  if (holders > 0 && out.iteration_time_s > 0) {
+    out.utilization_after = (busy + kfac) / (holders * out.iteration_time_s);
+  }
+
+  // Deterministic order: node, bubble before serial, start time, then kind.
+  std::map<std::string, int> node_index;
+  for (int n = 0; n < num_nodes; ++n) node_index.emplace(st.workload.nodes[n].node_id, n);
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const v1::BubbleTask& a, const v1::BubbleTask& b) {
+                     return std::make_tuple(node_index[a.node()], a.serial(), a.planned_start_s(),
+                                            static_cast<int>(a.kind())) <
+                            std::make_tuple(node_index[b.node()], b.serial(), b.planned_start_s(),
+                                            static_cast<int>(b.kind()));
+                   });
+  out.tasks = std::move(tasks);
+  return out;
+}
+
+}  // namespace detour::planner
