@@ -1,5 +1,7 @@
 #include "worker/model/engine.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
@@ -61,7 +63,33 @@ absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
         stage->Parameters(), engine->spec_.optimizer().adamw()));
     engine->stages_.push_back(std::move(stage));
   }
+  if (engine->spec_.optimizer().kind() == v1::OPTIMIZER_KFAC) {
+    for (int i = 0; i < s_count; ++i) {
+      ASSIGN_OR_RETURN(auto kfac, Kfac::Create(engine->stages_[i].get(),
+                                               engine->spec_.optimizer()));
+      engine->optimizers_[i]->set_precondition_hook(kfac.get());
+      engine->kfacs_.push_back(std::move(kfac));
+    }
+  }
   return engine;
+}
+
+uint32_t PipelineEngine::kfac_refresh_interval() const {
+  if (kfacs_.empty()) return 0;
+  const uint32_t k = spec_.optimizer().kfac().refresh_interval();
+  return k == 0 ? 10 : k;
+}
+
+void PipelineEngine::CaptureForIteration(uint64_t iteration, int num_microbatches) {
+  if (kfacs_.empty() || iteration % kfac_refresh_interval() != 0) return;
+  const uint32_t per_node = std::max<uint32_t>(
+      1, spec_.pipeline().microbatches_per_data_node());
+  const uint32_t curvature = spec_.optimizer().kfac().curvature_microbatches();
+  for (int m = 0; m < num_microbatches; ++m) {
+    if (static_cast<uint32_t>(m) % per_node >= curvature) continue;
+    for (auto& k : kfacs_) k->Capture(static_cast<uint32_t>(m));
+    kfac_captured_ = true;
+  }
 }
 
 std::vector<Stage*> PipelineEngine::stages() {
@@ -125,6 +153,14 @@ absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
                                                     int total_microbatches) {
   IterationStats stats;
   for (auto& stage : stages_) stats.visits.push_back(stage->visits());
+  if (kfac_captured_) {
+    kfac_captured_ = false;
+    for (auto& k : kfacs_) {
+      absl::Status refreshed = k->RefreshSerially();
+      k->DropAllCaptures();
+      RETURN_IF_ERROR(refreshed);
+    }
+  }
   RETURN_IF_ERROR(NormalizeGradients(total_microbatches));
   double squared = 0;
   for (auto& stage : stages_) {
@@ -146,6 +182,7 @@ absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
 absl::StatusOr<IterationStats> PipelineEngine::RunIteration(
     uint64_t iteration, const std::vector<v1::Route>& routes,
     const std::vector<Microbatch>& microbatches) {
+  CaptureForIteration(iteration, static_cast<int>(microbatches.size()));
   ASSIGN_OR_RETURN(double loss, Accumulate(routes, microbatches));
   ASSIGN_OR_RETURN(IterationStats stats,
                    Step(iteration, static_cast<int>(routes.size())));

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "detour/v1/plan.pb.h"
 #include "detour/v1/spec.pb.h"
+#include "worker/model/kfac.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
 #include "worker/model/text_data.h"
@@ -50,7 +51,14 @@ absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
 
 class PipelineEngine {
  public:
-  // Builds every stage and its AdamW from a JobSpec (defaults applied).
+  // Builds every stage and its AdamW from a JobSpec (defaults applied). With
+  // optimizer.kind OPTIMIZER_KFAC, also a Kfac per stage as its AdamW's
+  // precondition hook: RunIteration captures the first
+  // kfac.curvature_microbatches microbatches per data node of every refresh
+  // iteration (iteration % refresh_interval == 0; refresh_interval 0 means
+  // every 10 iterations here, the engine has no bubble planner), and Step
+  // runs Kfac::RefreshSerially before the optimiser step of that iteration,
+  // so the new inverses precondition that very step.
   static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(
       const v1::JobSpec& spec, c10::Device device);
 
@@ -66,7 +74,7 @@ class PipelineEngine {
   // of `iteration`, clears gradients.
   absl::StatusOr<IterationStats> Step(uint64_t iteration, int total_microbatches);
 
-  // Accumulate + Step.
+  // Accumulate + Step (with K-FAC: captures for a refresh iteration first).
   absl::StatusOr<IterationStats> RunIteration(
       uint64_t iteration, const std::vector<v1::Route>& routes,
       const std::vector<Microbatch>& microbatches);
@@ -79,6 +87,13 @@ class PipelineEngine {
   int num_stages() const { return static_cast<int>(stages_.size()); }
   Stage& stage(int i) { return *stages_[i]; }
   AdamW& optimizer(int i) { return *optimizers_[i]; }
+  // Null unless the job's optimiser is OPTIMIZER_KFAC.
+  Kfac* kfac(int i) { return kfacs_.empty() ? nullptr : kfacs_[i].get(); }
+  // K-FAC refresh period of the engine (see Create); 0 without K-FAC.
+  uint32_t kfac_refresh_interval() const;
+  // Captures the curvature microbatches of `iteration` when it is a refresh
+  // iteration (RunIteration calls it; callers of Accumulate may too).
+  void CaptureForIteration(uint64_t iteration, int num_microbatches);
   std::vector<Stage*> stages();
   const v1::JobSpec& spec() const { return spec_; }
 
@@ -88,6 +103,9 @@ class PipelineEngine {
   v1::JobSpec spec_;
   std::vector<std::unique_ptr<Stage>> stages_;
   std::vector<std::unique_ptr<AdamW>> optimizers_;
+  // After stages_: destroyed first (they hold pointers to the stages).
+  std::vector<std::unique_ptr<Kfac>> kfacs_;
+  bool kfac_captured_ = false;
   bool normalized_ = false;
 };
 

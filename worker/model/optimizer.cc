@@ -68,6 +68,11 @@ absl::Status AdamW::Step(double lr, double grad_scale) {
     }
     std::set<std::string> self_updated;
     if (hook_ != nullptr) {
+      absl::Status begin = hook_->BeginStep(lr);
+      if (!begin.ok()) {
+        return absl::Status(begin.code(), absl::StrCat("precondition hook: ",
+                                                       begin.message()));
+      }
       std::map<int, std::vector<NamedTensor>> by_layer;
       for (const auto& np : params_) {
         const int layer = LayerOf(np.first);

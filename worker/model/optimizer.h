@@ -52,6 +52,13 @@ class PreconditionHook {
   // are parameters the hook has updated itself (K-FAC with its own lr and
   // momentum); AdamW skips them. A non-OK status aborts the step before any
   // parameter of the stage changes.
+  // Called once per AdamW::Step before the first Precondition call, after
+  // clipping, even when no block has a gradient: a hook that needs the whole
+  // stage's gradients (K-FAC's KL clipping) computes them here. Default: none.
+  virtual absl::Status BeginStep(double lr) {
+    (void)lr;
+    return absl::OkStatus();
+  }
   virtual absl::Status Precondition(int layer,
                                     const std::vector<NamedTensor>& params,
                                     double lr,

@@ -30,6 +30,7 @@ struct Stage::Impl {
   std::vector<DecoderLayer> layers;
   LmHead head{nullptr};
   std::map<uint32_t, Slot> slots;
+  std::map<uint32_t, std::vector<std::shared_ptr<LayerCapture>>> captures;
   int visits = 0;
 
   std::string Context(absl::string_view what, uint32_t mb) const {
@@ -166,7 +167,25 @@ absl::StatusOr<at::Tensor> Stage::Forward(uint32_t mb, const at::Tensor& input) 
       slot.input = input.to(s.options.device).detach().requires_grad_(true);
       x = slot.input;
     }
-    slot.output = s.RunLayers(x);
+    auto cap = s.captures.find(mb);
+    if (cap != s.captures.end()) {
+      // One-shot: the records belong to the capture's owner; the layers
+      // drop their references whatever happens in the forward.
+      std::vector<std::shared_ptr<LayerCapture>> records = std::move(cap->second);
+      s.captures.erase(cap);
+      struct Reset {
+        std::vector<DecoderLayer>* layers;
+        ~Reset() {
+          for (auto& l : *layers) l->set_capture(nullptr);
+        }
+      } reset{&s.layers};
+      for (size_t i = 0; i < s.layers.size(); ++i) {
+        s.layers[i]->set_capture(records[i]);
+      }
+      slot.output = s.RunLayers(x);
+    } else {
+      slot.output = s.RunLayers(x);
+    }
     at::Tensor out = slot.output.detach();
     s.slots.emplace(mb, std::move(slot));
     return out;
@@ -312,6 +331,19 @@ absl::StatusOr<double> Stage::SquaredGradNorm() const {
         return total;
       });
 }
+
+absl::Status Stage::SetCapture(
+    uint32_t mb, std::vector<std::shared_ptr<LayerCapture>> records) {
+  if (records.size() != impl_->layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stage ", impl_->index, " capture mb ", mb, ": ", records.size(),
+        " records for ", impl_->layers.size(), " blocks"));
+  }
+  impl_->captures[mb] = std::move(records);
+  return absl::OkStatus();
+}
+
+void Stage::ClearCapture(uint32_t mb) { impl_->captures.erase(mb); }
 
 double GradNormalizationScale(v1::GradNormalization mode, int visits,
                               int total_microbatches) {

@@ -41,6 +41,7 @@
 namespace detour::model {
 
 using NamedTensor = std::pair<std::string, at::Tensor>;
+struct LayerCapture;  // transformer.h
 
 struct StageOptions {
   // Microbatches held between Forward and Backward (PipelineSpec.memory_slots).
@@ -122,6 +123,16 @@ class Stage {
   absl::Status ScaleGradients(double factor);
   // Sum of squared gradient elements (for global-norm clipping).
   absl::StatusOr<double> SquaredGradNorm() const;
+
+  // K-FAC capture (used by Kfac, kfac.h): the next Forward of `mb` fills
+  // records[i] for the i-th block this stage holds (LayerCapture, in
+  // transformer.h), then forgets them; the records' owner keeps them. Replaces
+  // an earlier capture of `mb` whose forward has not run. INVALID_ARGUMENT
+  // when the record count differs from the stage's block count.
+  absl::Status SetCapture(uint32_t mb,
+                          std::vector<std::shared_ptr<LayerCapture>> records);
+  // Forgets a capture set for `mb` whose forward has not run (no-op if none).
+  void ClearCapture(uint32_t mb);
 
  private:
   struct Impl;

@@ -94,11 +94,30 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
   const int64_t h = config_.num_heads;
   const int64_t kvh = config_.num_kv_heads;
   const int64_t hd = config_.head_dim();
+  LayerCapture* cap = capture_.get();
+  std::weak_ptr<LayerCapture> weak = capture_;
+  // y = a·Wᵀ; with a capture, keeps a and hooks y's gradient.
+  auto project = [&](const at::Tensor& a, const at::Tensor& w, int input,
+                     int module) {
+    at::Tensor y = at::linear(a, w);
+    if (cap != nullptr) {
+      if (!cap->inputs[input].defined()) cap->inputs[input] = a.detach();
+      if (y.requires_grad()) {
+        y.register_hook([weak, module](const at::Tensor& grad) {
+          if (auto c = weak.lock()) c->output_grads[module] = grad.detach();
+        });
+      }
+    }
+    return y;
+  };
 
   at::Tensor a = RmsNorm(x, attn_norm_, config_.norm_eps);
-  at::Tensor q = at::linear(a, wq_).view({b, t, h, hd}).transpose(1, 2);
-  at::Tensor k = at::linear(a, wk_).view({b, t, kvh, hd}).transpose(1, 2);
-  at::Tensor v = at::linear(a, wv_).view({b, t, kvh, hd}).transpose(1, 2);
+  at::Tensor q = project(a, wq_, LayerCapture::kAttnIn, 0)
+                     .view({b, t, h, hd}).transpose(1, 2);
+  at::Tensor k = project(a, wk_, LayerCapture::kAttnIn, 1)
+                     .view({b, t, kvh, hd}).transpose(1, 2);
+  at::Tensor v = project(a, wv_, LayerCapture::kAttnIn, 2)
+                     .view({b, t, kvh, hd}).transpose(1, 2);
   q = ApplyRotary(q, rope);
   k = ApplyRotary(k, rope);
   if (kvh != h) {
@@ -111,11 +130,14 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   at::Tensor attn = at::matmul(at::softmax(scores, -1), v);
   attn = attn.transpose(1, 2).reshape({b, t, h * hd});
-  at::Tensor y = x + at::linear(attn, wo_);
+  at::Tensor y = x + project(attn, wo_, LayerCapture::kAttnOut, 3);
 
   at::Tensor m = RmsNorm(y, mlp_norm_, config_.norm_eps);
-  at::Tensor gated = at::silu(at::linear(m, w_gate_)) * at::linear(m, w_up_);
-  return y + at::linear(gated, w_down_);
+  at::Tensor gated = at::silu(project(m, w_gate_, LayerCapture::kMlpIn, 4)) *
+                     project(m, w_up_, LayerCapture::kMlpIn, 5);
+  at::Tensor out = y + project(gated, w_down_, LayerCapture::kMlpHidden, 6);
+  if (cap != nullptr) cap->forward_done = true;
+  return out;
 }
 
 std::vector<NamedTensor> DecoderLayerImpl::GlobalParameters() const {

@@ -13,7 +13,9 @@
 #ifndef DETOUR_WORKER_MODEL_TRANSFORMER_H_
 #define DETOUR_WORKER_MODEL_TRANSFORMER_H_
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,11 +49,40 @@ at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTables& rope);
 at::Tensor InitNormal(uint64_t seed, const std::string& name,
                       at::IntArrayRef sizes, double std);
 
+// What one block's forward records for K-FAC (kfac.h) while a capture is set:
+// the inputs of its projections (detached, [B, T, f_in]) at forward time and,
+// through tensor hooks on the projections' outputs, d loss / d output
+// ([B, T, f_out]) when the backward runs. The hooks hold only a weak
+// reference: dropping the record makes them no-ops.
+struct LayerCapture {
+  // Inputs: kAttnIn feeds q, k, v; kAttnOut feeds o; kMlpIn feeds gate, up;
+  // kMlpHidden (silu(gate)·up) feeds down.
+  enum Input { kAttnIn = 0, kAttnOut = 1, kMlpIn = 2, kMlpHidden = 3 };
+  std::array<at::Tensor, 4> inputs;
+  // Output gradients in KfacModules() order: q k v o gate up down.
+  std::array<at::Tensor, 7> output_grads;
+  bool forward_done = false;
+  bool a_consumed = false;  // inputs turned into A and freed
+  bool b_consumed = false;  // output gradients turned into B and freed
+  bool backward_done() const {
+    for (const auto& g : output_grads) {
+      if (!g.defined()) return false;
+    }
+    return true;
+  }
+};
+
 // One transformer block: x + Attn(RMSNorm(x)); then x + SwiGLU(RMSNorm(x)).
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const ModelConfig& config, int global_index, uint64_t seed);
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope);
+
+  // While set (non-null), forward() fills `capture` (see LayerCapture); the
+  // Stage sets it around the forward of a captured microbatch only.
+  void set_capture(std::shared_ptr<LayerCapture> capture) {
+    capture_ = std::move(capture);
+  }
 
   // Parameters with global names ("layers.3.wq").
   std::vector<NamedTensor> GlobalParameters() const;
@@ -62,6 +93,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   int global_index_;
   at::Tensor attn_norm_, wq_, wk_, wv_, wo_;
   at::Tensor mlp_norm_, w_gate_, w_up_, w_down_;
+  std::shared_ptr<LayerCapture> capture_;
 };
 TORCH_MODULE(DecoderLayer);
 

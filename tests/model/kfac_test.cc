@@ -1,0 +1,411 @@
+// K-FAC: the math against brute-force references, the optimiser on a real
+// Stage, and the engine with OPTIMIZER_KFAC.
+#include "worker/model/kfac.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "model_test_util.h"
+#include "worker/model/corpus.h"
+#include "worker/model/engine.h"
+#include "worker/model/routes.h"
+#include "worker/model/text_data.h"
+#include "worker/model/transformer.h"
+
+namespace detour::model {
+namespace {
+
+using testing::MaxAbsDiff;
+using testing::SmallSpec;
+
+at::TensorOptions F64() { return at::TensorOptions().dtype(at::kDouble); }
+
+at::Tensor RandomSpd(int64_t n, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor x = at::randn({3 * n, n}, gen, F64());
+  return at::matmul(x.t(), x) / (3.0 * n);
+}
+
+class KfacMathTest : public ::testing::Test {
+ protected:
+  void SetUp() override { at::set_num_threads(1); }
+};
+
+// One sample: the exact Fisher block of W (row-major vec) is kron(B, A), the
+// bias block is B.
+TEST_F(KfacMathTest, SingleSampleFisherIsKronOfFactors) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  at::Tensor w = at::randn({3, 4}, gen, F64()).requires_grad_(true);
+  at::Tensor bias = at::randn({3}, gen, F64()).requires_grad_(true);
+  at::Tensor a = at::randn({4}, gen, F64());
+  at::Tensor y = at::matmul(w, a) + bias;
+  at::Tensor y_leaf = y.detach().requires_grad_(true);
+  at::Tensor loss = at::sin(y_leaf).sum() + y_leaf.pow(2).sum();
+  torch::autograd::backward({loss});
+  at::Tensor g = y_leaf.grad();
+  torch::autograd::backward({y}, {g});
+  at::Tensor vec_w = w.grad().reshape({-1});
+  at::Tensor fisher_w = at::outer(vec_w, vec_w);
+  at::Tensor fisher_b = at::outer(bias.grad(), bias.grad());
+
+  auto f = KfacFactorsForLinear(a.view({1, 4}), g.view({1, 3}));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_LT(MaxAbsDiff(at::kron(f->b, f->a), fisher_w), 1e-12);
+  EXPECT_LT(MaxAbsDiff(f->b, fisher_b), 1e-12);
+  // With N samples the factors are means of outer products.
+  at::Tensor as = at::randn({5, 4}, gen, F64());
+  at::Tensor gs = at::randn({5, 3}, gen, F64());
+  auto f5 = KfacFactorsForLinear(as, gs);
+  ASSERT_TRUE(f5.ok());
+  EXPECT_LT(MaxAbsDiff(f5->a, at::outer(as[2], as[2]) / 5 + at::outer(as[0], as[0]) / 5 +
+                                  at::outer(as[1], as[1]) / 5 + at::outer(as[3], as[3]) / 5 +
+                                  at::outer(as[4], as[4]) / 5),
+            1e-12);
+  EXPECT_FALSE(KfacFactorsForLinear(as, gs.narrow(0, 0, 4)).ok());
+}
+
+TEST_F(KfacMathTest, PiDampingSplitsDamping) {
+  KfacDamping d = PiDamping(/*tr A*/ 8, 4, /*tr B*/ 2, 2, /*λ*/ 1e-2);
+  EXPECT_NEAR(d.pi, std::sqrt(2.0), 1e-12);
+  EXPECT_NEAR(d.damping_a, 0.1 * std::sqrt(2.0), 1e-12);
+  EXPECT_NEAR(d.damping_b, 0.1 / std::sqrt(2.0), 1e-12);
+  for (double tr_a : {0.0, std::nan("")}) {
+    KfacDamping z = PiDamping(tr_a, 4, 2, 2, 1e-2);
+    EXPECT_EQ(z.pi, 1);
+    EXPECT_NEAR(z.damping_a, 0.1, 1e-12);
+    EXPECT_NEAR(z.damping_b, 0.1, 1e-12);
+  }
+  KfacDamping inf = PiDamping(8, 4, 0, 2, 1e-2);  // tr B = 0: π = ∞
+  EXPECT_NEAR(inf.damping_a, 0.1, 1e-12);
+  KfacDamping floor = PiDamping(1e20, 1, 1, 1, 1e-16);
+  EXPECT_GE(floor.damping_b, 1e-7);
+}
+
+TEST_F(KfacMathTest, DampedInverseTimesDampedMatrixIsIdentity) {
+  at::Tensor a = RandomSpd(6, 1).to(at::kFloat);
+  at::Tensor b = RandomSpd(5, 2).to(at::kFloat) * 1e-3;
+  KfacDamping d = PiDamping(a.trace().item<double>(), 6, b.trace().item<double>(), 5, 1e-3);
+  for (auto [f, lambda] : {std::make_pair(a, d.damping_a), std::make_pair(b, d.damping_b)}) {
+    double used = 0;
+    auto inv = DampedInverse(f, lambda, &used);
+    ASSERT_TRUE(inv.ok()) << inv.status();
+    EXPECT_EQ(inv->scalar_type(), at::kFloat);
+    EXPECT_EQ(used, lambda);
+    const int64_t n = f.size(0);
+    at::Tensor damped = f + at::eye(n, f.options()) * lambda;
+    EXPECT_LT(MaxAbsDiff(at::matmul(damped, *inv), at::eye(n, f.options())), 1e-4);
+  }
+}
+
+TEST_F(KfacMathTest, SingularFactorsFallBackWithoutNaN) {
+  // Zero factor: π falls back, the inverse is I / sqrt(λ).
+  at::Tensor zero = at::zeros({4, 4});
+  KfacDamping d = PiDamping(0, 4, 3, 3, 1e-4);
+  auto inv = DampedInverse(zero, d.damping_a);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  EXPECT_LT(MaxAbsDiff(*inv, at::eye(4) * 100.0), 1e-3);
+  // Rank 1 with the floor damping: finite (fp32, else fp64, else more damping).
+  at::Tensor v = at::arange(1, 9, at::TensorOptions().dtype(at::kFloat)) * 100;
+  auto inv1 = DampedInverse(at::outer(v, v), 1e-12);
+  ASSERT_TRUE(inv1.ok()) << inv1.status();
+  EXPECT_TRUE(at::isfinite(*inv1).all().item<bool>());
+  // Indefinite: only more damping helps; reported.
+  double used = 0;
+  auto inv2 = DampedInverse(-at::eye(3), 1e-3, &used);
+  ASSERT_TRUE(inv2.ok()) << inv2.status();
+  EXPECT_NEAR(used, 10.0, 1e-9);
+  EXPECT_LT(MaxAbsDiff(*inv2, at::eye(3) / 9.0), 1e-6);
+  // Non-finite: an error, not NaNs.
+  at::Tensor bad = at::eye(3);
+  bad[1][1] = NAN;
+  EXPECT_EQ(DampedInverse(bad, 1e-3).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(KfacMathTest, PreconditionedGradientEqualsDenseSolve) {
+  at::Tensor a = RandomSpd(4, 5);
+  at::Tensor b = RandomSpd(3, 6);
+  KfacDamping d = PiDamping(a.trace().item<double>(), 4, b.trace().item<double>(), 3, 1e-2);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  at::Tensor grad = at::randn({3, 4}, gen, F64());
+  auto a_inv = DampedInverse(a, d.damping_a);
+  auto b_inv = DampedInverse(b, d.damping_b);
+  ASSERT_TRUE(a_inv.ok() && b_inv.ok());
+  auto delta = KfacPreconditionedGradient(grad, *a_inv, *b_inv);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  at::Tensor dense = at::kron(b + at::eye(3, F64()) * d.damping_b,
+                              a + at::eye(4, F64()) * d.damping_a);
+  at::Tensor ref = at::linalg_solve(dense, grad.reshape({12, 1})).reshape({3, 4});
+  EXPECT_LT(MaxAbsDiff(*delta, ref), 1e-10);
+  EXPECT_FALSE(KfacPreconditionedGradient(grad.t(), *a_inv, *b_inv).ok());
+}
+
+// ---- Kfac on a real Stage --------------------------------------------------
+
+v1::JobSpec TwoStageSpec() {
+  v1::JobSpec spec = SmallSpec();
+  spec.mutable_pipeline()->set_num_stages(2);  // 4 blocks: stage 1 holds 2, 3
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  return spec;
+}
+
+class KfacStageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    at::set_num_threads(1);
+    spec_ = TwoStageSpec();
+    auto stage = Stage::FromJobSpec(spec_, 1, at::Device(at::kCPU));
+    ASSERT_TRUE(stage.ok()) << stage.status();
+    stage_ = std::move(*stage);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    x_ = at::randn({2, 8, 32}, gen);
+    grad_out_ = at::randn({2, 8, 32}, gen) * 1e-2;
+  }
+
+  std::unique_ptr<Kfac> MakeKfac(const v1::OptimizerSpec& o) {
+    auto k = Kfac::Create(stage_.get(), o);
+    EXPECT_TRUE(k.ok()) << k.status();
+    return k.ok() ? std::move(*k) : nullptr;
+  }
+
+  // Forward + backward of microbatch mb through stage 1.
+  void RunMicrobatch(uint32_t mb, const at::Tensor& x, const at::Tensor& g) {
+    ASSERT_TRUE(stage_->Forward(mb, x).ok());
+    ASSERT_TRUE(stage_->Backward(mb, g).ok());
+  }
+
+  v1::JobSpec spec_;
+  std::unique_ptr<Stage> stage_;
+  at::Tensor x_, grad_out_;
+};
+
+TEST_F(KfacStageTest, CurvatureErrorsAndNormalisation) {
+  auto kfac = MakeKfac(spec_.optimizer());
+  ASSERT_NE(kfac, nullptr);
+  EXPECT_EQ(kfac->PendingFactorTensors(2).size(), 13u);
+  EXPECT_TRUE(kfac->PendingFactorTensors(0).empty());
+  EXPECT_EQ(kfac->InvertA(2, "q").code(), absl::StatusCode::kFailedPrecondition);
+
+  kfac->Capture(0);
+  EXPECT_TRUE(kfac->captured(0));
+  EXPECT_FALSE(kfac->captured(1));
+  absl::Status early = kfac->CurvatureA(2, 0);
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.message().find("forward"), std::string::npos) << early;
+  ASSERT_TRUE(stage_->Forward(0, x_).ok());
+  ASSERT_TRUE(kfac->CurvatureA(2, 0).ok());
+  absl::Status no_back = kfac->CurvatureB(2, 0);
+  EXPECT_EQ(no_back.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(no_back.message().find("backward"), std::string::npos) << no_back;
+  ASSERT_TRUE(stage_->Backward(0, grad_out_).ok());
+  ASSERT_TRUE(kfac->CurvatureB(3, 0).ok());
+  absl::Status again = kfac->CurvatureA(2, 0);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.message().find("already consumed"), std::string::npos) << again;
+  absl::Status not_captured = kfac->CurvatureA(2, 5);
+  EXPECT_EQ(not_captured.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(not_captured.message().find("layer 2 mb 5"), std::string::npos) << not_captured;
+  EXPECT_EQ(kfac->CurvatureA(0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kfac->CurvatureB(7, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kfac->InvertA(2, "nope").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kfac->InvertA(0, "q").code(), absl::StatusCode::kInvalidArgument);
+
+  // Pending sums: A of layer 2's q/k/v input = Σ n nᵀ with n = RMSNorm(x)
+  // (norm weight 1); B of layer 3's "down" = N² Σ g gᵀ since g_down is the
+  // gradient given to the stage (the residual's last branch), N = 16 tokens.
+  std::vector<at::Tensor> p2 = kfac->PendingFactorTensors(2);
+  std::vector<at::Tensor> p3 = kfac->PendingFactorTensors(3);
+  at::Tensor n = RmsNorm(x_, at::ones({32}), spec_.model().norm_eps()).reshape({16, 32});
+  EXPECT_LT(MaxAbsDiff(p2[0], at::matmul(n.t(), n)), 1e-4);
+  EXPECT_EQ(p2[11].item<double>(), 16);
+  EXPECT_EQ(p2[12].item<double>(), 0);  // layer 2's B not taken yet
+  at::Tensor g = grad_out_.reshape({16, 32});
+  EXPECT_LT(MaxAbsDiff(p3[4 + 6], at::matmul(g.t(), g) * 256.0), 1e-4);
+  EXPECT_EQ(p3[12].item<double>(), 16);
+
+  // Finalised: F = sum / count; B of layer 3's down is the per-token Fisher.
+  ASSERT_TRUE(kfac->InvertB(3, "down").ok());
+  EXPECT_LT(MaxAbsDiff(kfac->FactorB(3, "down"), at::matmul(g.t(), g) * 16.0), 1e-4);
+  for (const at::Tensor& t : kfac->PendingFactorTensors(3)) {
+    EXPECT_EQ(t.abs().sum().item<double>(), 0);  // cleared
+  }
+  kfac->DropCapture(0);
+  EXPECT_FALSE(kfac->captured(0));
+  EXPECT_EQ(kfac->CurvatureB(2, 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// π comes from one snapshot: inverting all A first or all B first gives the
+// same π, damping and inverses, equal to PiDamping of the running factors.
+TEST_F(KfacStageTest, InversionOrderDoesNotChangePi) {
+  auto first = MakeKfac(spec_.optimizer());
+  auto second = MakeKfac(spec_.optimizer());
+  first->Capture(0);
+  RunMicrobatch(0, x_, grad_out_);
+  second->Capture(1);
+  RunMicrobatch(1, x_, grad_out_);
+  for (int layer : {2, 3}) {
+    ASSERT_TRUE(first->CurvatureA(layer, 0).ok());
+    ASSERT_TRUE(first->CurvatureB(layer, 0).ok());
+    ASSERT_TRUE(second->CurvatureA(layer, 1).ok());
+    ASSERT_TRUE(second->CurvatureB(layer, 1).ok());
+  }
+  for (const std::string& m : KfacModules()) ASSERT_TRUE(first->InvertA(2, m).ok());
+  for (const std::string& m : KfacModules()) ASSERT_TRUE(first->InvertB(2, m).ok());
+  for (const std::string& m : KfacModules()) ASSERT_TRUE(second->InvertB(2, m).ok());
+  for (const std::string& m : KfacModules()) ASSERT_TRUE(second->InvertA(2, m).ok());
+  EXPECT_FALSE(first->has_inverses(2));  // staged until Activate
+  first->Activate();
+  second->Activate();
+  EXPECT_TRUE(first->has_inverses(2));
+  EXPECT_FALSE(first->has_inverses(3));
+  for (const std::string& m : KfacModules()) {
+    auto d1 = first->Damping(2, m);
+    auto d2 = second->Damping(2, m);
+    ASSERT_TRUE(d1.ok() && d2.ok());
+    at::Tensor a = first->FactorA(2, m);
+    at::Tensor b = first->FactorB(2, m);
+    KfacDamping want = PiDamping(a.trace().item<double>(), a.size(0),
+                                 b.trace().item<double>(), b.size(0),
+                                 spec_.optimizer().kfac().damping());
+    EXPECT_NEAR(d1->pi, want.pi, 1e-6 * want.pi) << m;
+    EXPECT_NEAR(d2->pi, want.pi, 1e-6 * want.pi) << m;
+    EXPECT_NE(d1->pi, 1.0) << m;
+    EXPECT_LT(MaxAbsDiff(first->InverseA(2, m), second->InverseA(2, m)), 1e-6);
+    EXPECT_LT(MaxAbsDiff(first->InverseB(2, m), second->InverseB(2, m)), 1e-3);
+    // The active inverse inverts the π-damped factor.
+    at::Tensor damped = a + at::eye(a.size(0)) * d1->damping_a;
+    EXPECT_LT(MaxAbsDiff(at::matmul(damped, first->InverseA(2, m)), at::eye(a.size(0))), 1e-3);
+  }
+  // q, k, v share A but not π (their B differ).
+  EXPECT_TRUE(at::equal(first->FactorA(2, "q"), first->FactorA(2, "k")));
+  EXPECT_NE(first->Damping(2, "q")->pi, first->Damping(2, "k")->pi);
+}
+
+TEST_F(KfacStageTest, RunningAverageOfFactors) {
+  v1::OptimizerSpec o = spec_.optimizer();
+  o.mutable_kfac()->set_factor_decay(0.25);
+  auto avg = MakeKfac(o);
+  auto fresh = MakeKfac(spec_.optimizer());
+  at::Tensor x2 = x_ * 2 + 0.5;
+  avg->Capture(0);
+  RunMicrobatch(0, x_, grad_out_);
+  ASSERT_TRUE(avg->RefreshSerially().ok());
+  at::Tensor first_a = avg->FactorA(3, "up").clone();
+  at::Tensor first_b = avg->FactorB(3, "up").clone();
+  avg->Capture(1);
+  RunMicrobatch(1, x2, grad_out_ * 3);
+  ASSERT_TRUE(avg->RefreshSerially().ok());
+  fresh->Capture(2);
+  RunMicrobatch(2, x2, grad_out_ * 3);
+  ASSERT_TRUE(fresh->RefreshSerially().ok());
+  EXPECT_LT(MaxAbsDiff(avg->FactorA(3, "up"), first_a * 0.75 + fresh->FactorA(3, "up") * 0.25),
+            1e-4);
+  EXPECT_LT(MaxAbsDiff(avg->FactorB(3, "up"), first_b * 0.75 + fresh->FactorB(3, "up") * 0.25),
+            1e-5);
+}
+
+// Precondition: ΔW = B⁻¹∇W A⁻¹ applied with lr_kfac = kfac.lr × lr/adamw.lr;
+// AdamW keeps the norms; KL clipping scales the update.
+TEST_F(KfacStageTest, PreconditionUpdatesProjections) {
+  v1::OptimizerSpec o = spec_.optimizer();
+  o.mutable_adamw()->set_lr(1e-3);
+  o.mutable_adamw()->set_weight_decay(0);
+  o.mutable_kfac()->set_lr(2e-2);
+  o.mutable_kfac()->set_momentum(0);
+  o.mutable_kfac()->set_kl_clip(-1);
+  auto kfac = MakeKfac(o);
+  AdamW adam(stage_->Parameters(), o.adamw());
+  adam.set_precondition_hook(kfac.get());
+
+  // No inverses yet: everything is AdamW's, gradients untouched.
+  RunMicrobatch(0, x_, grad_out_);
+  std::map<std::string, at::Tensor> before, grads;
+  for (auto& [name, p] : stage_->Parameters()) {
+    before[name] = p.detach().clone();
+    grads[name] = p.grad().clone();
+  }
+  ASSERT_TRUE(adam.Step(5e-4).ok());
+  for (auto& [name, p] : stage_->Parameters()) {
+    EXPECT_TRUE(at::equal(p.grad(), grads[name])) << name;
+  }
+  stage_->ZeroGrad();
+
+  kfac->Capture(1);
+  RunMicrobatch(1, x_, grad_out_);
+  ASSERT_TRUE(kfac->RefreshSerially().ok());
+  ASSERT_TRUE(kfac->has_inverses(2) && kfac->has_inverses(3));
+  for (auto& [name, p] : stage_->Parameters()) {
+    before[name] = p.detach().clone();
+    grads[name] = p.grad().clone();
+  }
+  const double lr = 5e-4;  // half the peak: lr_kfac = 1e-2
+  ASSERT_TRUE(adam.Step(lr).ok());
+  std::map<std::string, at::Tensor> after = testing::ToMap(stage_->Parameters());
+  const std::string q = "layers.2.wq";
+  at::Tensor want = at::matmul(at::matmul(kfac->InverseB(2, "q"), grads[q]), kfac->InverseA(2, "q"));
+  EXPECT_LT(MaxAbsDiff(after[q].grad(), want), 1e-6);
+  EXPECT_LT(MaxAbsDiff(after[q].detach(), before[q] - want * 1e-2), 1e-7);
+  EXPECT_GT(MaxAbsDiff(want, grads[q]), 1e-3);  // really preconditioned
+  for (auto& [name, p] : after) {
+    EXPECT_TRUE(at::isfinite(p.detach()).all().item<bool>()) << name;
+    EXPECT_FALSE(at::equal(p.detach(), before[name])) << name;  // all stepped
+  }
+  EXPECT_EQ(kfac->last_kl_scale(), 1);
+
+  // KL clipping on: ν = sqrt(kl_clip / (lr_kfac² Σ⟨ΔW, ∇W⟩)) < 1.
+  o.mutable_kfac()->set_kl_clip(1e-12);
+  auto clipped = MakeKfac(o);
+  clipped->Capture(2);
+  stage_->ZeroGrad();
+  RunMicrobatch(2, x_, grad_out_);
+  ASSERT_TRUE(clipped->RefreshSerially().ok());
+  ASSERT_TRUE(clipped->BeginStep(lr).ok());
+  EXPECT_GT(clipped->last_kl_scale(), 0);
+  EXPECT_LT(clipped->last_kl_scale(), 1);
+}
+
+// ---- Engine ------------------------------------------------------------------
+
+TEST(KfacEngineTest, LossFallsOnAFixedBatch) {
+  at::set_num_threads(1);
+  v1::JobSpec spec = SmallSpec();
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  spec.mutable_optimizer()->mutable_adamw()->set_lr(3e-3);
+  spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
+  spec.mutable_optimizer()->mutable_kfac()->set_refresh_interval(2);
+  spec.mutable_optimizer()->set_constant_lr(true);
+  auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_NE((*engine)->kfac(0), nullptr);
+  EXPECT_EQ((*engine)->kfac_refresh_interval(), 2u);
+  auto data = SplitText(GenerateCorpus(1, 20000), 0.0);
+  ASSERT_TRUE(data.ok());
+  auto mbs = IterationMicrobatches(spec, data->train, 0, at::Device(at::kCPU));
+  ASSERT_TRUE(mbs.ok());
+  std::vector<v1::Route> routes;
+  for (uint32_t mb = 0; mb < 4; ++mb) routes.push_back(MakeRoute(mb, {0, 1, 2, 3}));
+  std::vector<double> losses;
+  for (uint64_t it = 0; it < 8; ++it) {
+    auto stats = (*engine)->RunIteration(it, routes, *mbs);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_TRUE(std::isfinite(stats->loss));
+    losses.push_back(stats->loss);
+  }
+  for (int s = 0; s < 4; ++s) {
+    EXPECT_TRUE((*engine)->kfac(s)->has_inverses(s)) << s;  // one block per stage
+    EXPECT_FALSE((*engine)->kfac(s)->captured(0));          // dropped after the step
+  }
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+
+  v1::JobSpec adam_spec = SmallSpec();
+  auto plain = PipelineEngine::Create(adam_spec, at::Device(at::kCPU));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->kfac(0), nullptr);
+}
+
+}  // namespace
+}  // namespace detour::model

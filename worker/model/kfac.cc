@@ -1,0 +1,544 @@
+#include "worker/model/kfac.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "worker/model/torch_status.h"
+#include "worker/model/transformer.h"
+
+namespace detour::model {
+namespace {
+
+constexpr int kNumModules = 7;
+constexpr int kNumInputs = 4;
+constexpr double kMinDamping = 1e-7;
+constexpr int kDampingRetries = 4;
+
+// Parameter name suffix and input group (LayerCapture::Input) per module.
+constexpr const char* kParamSuffix[kNumModules] = {"wq", "wk",     "wv",  "wo",
+                                                   "w_gate", "w_up", "w_down"};
+constexpr int kInputOf[kNumModules] = {
+    LayerCapture::kAttnIn, LayerCapture::kAttnIn,  LayerCapture::kAttnIn,
+    LayerCapture::kAttnOut, LayerCapture::kMlpIn,  LayerCapture::kMlpIn,
+    LayerCapture::kMlpHidden};
+
+int ModuleIndex(const std::string& module) {
+  const auto& m = KfacModules();
+  auto it = std::find(m.begin(), m.end(), module);
+  return it == m.end() ? -1 : static_cast<int>(it - m.begin());
+}
+
+// (layer, module index) of "layers.<i>.<suffix>", or (-1, -1).
+std::pair<int, int> ProjectionOf(const std::string& name) {
+  std::vector<std::string> parts = absl::StrSplit(name, '.');
+  int layer = -1;
+  if (parts.size() != 3 || parts[0] != "layers" ||
+      !absl::SimpleAtoi(parts[1], &layer)) {
+    return {-1, -1};
+  }
+  for (int m = 0; m < kNumModules; ++m) {
+    if (parts[2] == kParamSuffix[m]) return {layer, m};
+  }
+  return {-1, -1};
+}
+
+bool AllFinite(const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); }
+
+}  // namespace
+
+const std::vector<std::string>& KfacModules() {
+  static const auto* modules = new std::vector<std::string>{
+      "q", "k", "v", "o", "gate", "up", "down"};
+  return *modules;
+}
+
+absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
+                                                 const at::Tensor& grad_out) {
+  if (!input.defined() || !grad_out.defined() || input.dim() != 2 ||
+      grad_out.dim() != 2 || input.size(0) != grad_out.size(0) ||
+      input.size(0) == 0) {
+    return absl::InvalidArgumentError(
+        "K-FAC factors: need input [N, f_in] and grad_out [N, f_out], N > 0");
+  }
+  return GuardTorch("K-FAC factors", [&]() -> absl::StatusOr<KfacFactors> {
+    c10::NoGradGuard no_grad;
+    const double n = static_cast<double>(input.size(0));
+    KfacFactors f;
+    f.a = at::matmul(input.t(), input) / n;
+    f.b = at::matmul(grad_out.t(), grad_out) / n;
+    return f;
+  });
+}
+
+KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
+                      int64_t dim_b, double damping) {
+  KfacDamping d;
+  const double root = std::sqrt(damping);
+  double pi = 0;
+  if (dim_a > 0 && dim_b > 0) {
+    pi = std::sqrt((trace_a / static_cast<double>(dim_a)) /
+                   (trace_b / static_cast<double>(dim_b)));
+  }
+  if (!std::isfinite(pi) || pi <= 0) {
+    d.pi = 1;
+    d.damping_a = d.damping_b = std::max(root, kMinDamping);
+    return d;
+  }
+  d.pi = pi;
+  d.damping_a = std::max(root * pi, kMinDamping);
+  d.damping_b = std::max(root / pi, kMinDamping);
+  return d;
+}
+
+absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
+                                         double damping, double* used_damping) {
+  if (!factor.defined() || factor.dim() != 2 || factor.size(0) != factor.size(1)) {
+    return absl::InvalidArgumentError("damped inverse: need a square matrix");
+  }
+  return GuardTorch("damped inverse", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::NoGradGuard no_grad;
+    if (!AllFinite(factor)) {
+      return absl::FailedPreconditionError(
+          "damped inverse: the factor has non-finite entries");
+    }
+    double d = std::max(damping, kMinDamping);
+    const int64_t n = factor.size(0);
+    for (int attempt = 0; attempt <= kDampingRetries; ++attempt, d *= 10) {
+      for (at::ScalarType dtype : {factor.scalar_type(), at::kDouble}) {
+        at::Tensor f = factor.to(dtype);
+        at::Tensor m = (f + f.t()) * 0.5 +
+                       at::eye(n, f.options()) * d;
+        auto [l, info] = at::linalg_cholesky_ex(m);
+        if (info.item<int64_t>() != 0) continue;
+        at::Tensor inv = at::cholesky_inverse(l);
+        if (!AllFinite(inv)) continue;
+        if (used_damping != nullptr) *used_damping = d;
+        return inv.to(factor.scalar_type());
+      }
+    }
+    return absl::InternalError(absl::StrCat(
+        "damped inverse: Cholesky failed up to damping ", d / 10));
+  });
+}
+
+absl::StatusOr<at::Tensor> KfacPreconditionedGradient(const at::Tensor& grad,
+                                                      const at::Tensor& a_inv,
+                                                      const at::Tensor& b_inv) {
+  if (!grad.defined() || !a_inv.defined() || !b_inv.defined() ||
+      grad.dim() != 2 || a_inv.size(0) != grad.size(1) ||
+      b_inv.size(0) != grad.size(0)) {
+    return absl::InvalidArgumentError(
+        "K-FAC precondition: need grad [f_out, f_in], A⁻¹ [f_in, f_in], "
+        "B⁻¹ [f_out, f_out]");
+  }
+  return GuardTorch("K-FAC precondition", [&]() -> absl::StatusOr<at::Tensor> {
+    c10::NoGradGuard no_grad;
+    return at::matmul(at::matmul(b_inv, grad), a_inv);
+  });
+}
+
+Kfac::Kfac(Stage* stage, const v1::OptimizerSpec& spec)
+    : stage_(stage),
+      begin_(stage->layers().begin),
+      damping_(spec.kfac().damping()),
+      factor_decay_(spec.kfac().factor_decay()),
+      kfac_lr_(spec.kfac().lr()),
+      momentum_(spec.kfac().momentum()),
+      kl_clip_(spec.kfac().kl_clip()),
+      adamw_lr_(spec.adamw().lr()),
+      weight_decay_(spec.adamw().weight_decay()) {}
+
+Kfac::~Kfac() { DropAllCaptures(); }
+
+absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
+    Stage* stage, const v1::OptimizerSpec& spec) {
+  if (stage == nullptr) return absl::InvalidArgumentError("K-FAC: null stage");
+  const v1::KfacSpec& k = spec.kfac();
+  if (!(k.damping() > 0) || !std::isfinite(k.damping())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer.kfac.damping: ", k.damping(), " must be > 0"));
+  }
+  if (!(k.factor_decay() > 0 && k.factor_decay() <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.kfac.factor_decay: ", k.factor_decay(), " is outside (0, 1]"));
+  }
+  if (!(k.lr() > 0) || !(spec.adamw().lr() > 0)) {
+    return absl::InvalidArgumentError(
+        "optimizer.kfac.lr and optimizer.adamw.lr must be > 0 (apply defaults)");
+  }
+  if (!(k.momentum() >= 0 && k.momentum() < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
+  }
+  std::unique_ptr<Kfac> kfac(new Kfac(stage, spec));
+  const ModelConfig& c = stage->config();
+  const int64_t d = c.d_model;
+  const int64_t kv = static_cast<int64_t>(c.num_kv_heads) * c.head_dim();
+  const int64_t f = c.ffn_dim;
+  const int64_t in_dim[kNumInputs] = {d, d, d, f};
+  const int64_t out_dim[kNumModules] = {d, kv, kv, d, f, f, d};
+  RETURN_IF_ERROR(GuardTorch("K-FAC allocation", [&]() -> absl::Status {
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(stage->device());
+    for (int l = stage->layers().begin; l < stage->layers().end; ++l) {
+      LayerState& st = kfac->layers_[l];
+      for (int i = 0; i < kNumInputs; ++i) {
+        st.a_sum[i] = at::zeros({in_dim[i], in_dim[i]}, opts);
+      }
+      for (int m = 0; m < kNumModules; ++m) {
+        st.b_sum[m] = at::zeros({out_dim[m], out_dim[m]}, opts);
+      }
+      st.a_count = at::zeros({1}, opts);
+      st.b_count = at::zeros({1}, opts);
+    }
+    return absl::OkStatus();
+  }));
+  return kfac;
+}
+
+void Kfac::Capture(uint32_t mb) {
+  std::vector<std::shared_ptr<LayerCapture>> records;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    records.push_back(std::make_shared<LayerCapture>());
+  }
+  // Sizes match by construction.
+  stage_->SetCapture(mb, records).IgnoreError();
+  captures_[mb] = std::move(records);
+}
+
+bool Kfac::captured(uint32_t mb) const { return captures_.count(mb) != 0; }
+
+void Kfac::DropCapture(uint32_t mb) {
+  captures_.erase(mb);
+  stage_->ClearCapture(mb);
+}
+
+void Kfac::DropAllCaptures() {
+  for (const auto& [mb, records] : captures_) stage_->ClearCapture(mb);
+  captures_.clear();
+}
+
+absl::StatusOr<Kfac::LayerState*> Kfac::Layer(int layer, const std::string& what) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "K-FAC ", what, ": layer ", layer, " is not held by stage ",
+        stage_->index(), " (layers [", stage_->layers().begin, ", ",
+        stage_->layers().end, "))"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<LayerCapture*> Kfac::Record(int layer, uint32_t mb,
+                                           const std::string& what) {
+  RETURN_IF_ERROR(Layer(layer, what).status());
+  auto it = captures_.find(mb);
+  if (it == captures_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "K-FAC ", what, " layer ", layer, " mb ", mb,
+        ": microbatch was not captured (call Capture before its forward)"));
+  }
+  return it->second[layer - begin_].get();
+}
+
+absl::Status Kfac::CurvatureA(int layer, uint32_t mb) {
+  ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, "curvature A"));
+  const std::string ctx = absl::StrCat("K-FAC curvature A layer ", layer, " mb ", mb);
+  if (rec->a_consumed) {
+    return absl::FailedPreconditionError(absl::StrCat(ctx, ": already consumed"));
+  }
+  if (!rec->forward_done) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(ctx, ": the microbatch's forward has not run on this stage"));
+  }
+  LayerState* st = &layers_.at(layer);
+  RETURN_IF_ERROR(GuardTorch(ctx, [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    int64_t n = 0;
+    for (int i = 0; i < kNumInputs; ++i) {
+      at::Tensor a = rec->inputs[i].reshape({-1, rec->inputs[i].size(-1)})
+                         .to(st->a_sum[i].device(), at::kFloat);
+      n = a.size(0);
+      st->a_sum[i].addmm_(a.t(), a);
+    }
+    st->a_count.add_(static_cast<double>(n));
+    return absl::OkStatus();
+  }));
+  for (auto& t : rec->inputs) t = at::Tensor();
+  rec->a_consumed = true;
+  return absl::OkStatus();
+}
+
+absl::Status Kfac::CurvatureB(int layer, uint32_t mb) {
+  ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, "curvature B"));
+  const std::string ctx = absl::StrCat("K-FAC curvature B layer ", layer, " mb ", mb);
+  if (rec->b_consumed) {
+    return absl::FailedPreconditionError(absl::StrCat(ctx, ": already consumed"));
+  }
+  if (!rec->backward_done()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        ctx, ": the microbatch's ", rec->forward_done ? "backward" : "forward",
+        " has not run on this stage"));
+  }
+  LayerState* st = &layers_.at(layer);
+  RETURN_IF_ERROR(GuardTorch(ctx, [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    int64_t n = 0;
+    for (int m = 0; m < kNumModules; ++m) {
+      const at::Tensor& raw = rec->output_grads[m];
+      at::Tensor g = raw.reshape({-1, raw.size(-1)})
+                         .to(st->b_sum[m].device(), at::kFloat);
+      n = g.size(0);
+      // The microbatch loss is a mean over its n tokens: g·n is the
+      // per-token gradient. Σ (n g)(n g)ᵀ = n² Σ g gᵀ.
+      st->b_sum[m].addmm_(g.t(), g, /*beta=*/1.0,
+                          /*alpha=*/static_cast<double>(n) * static_cast<double>(n));
+    }
+    st->b_count.add_(static_cast<double>(n));
+    return absl::OkStatus();
+  }));
+  for (auto& t : rec->output_grads) t = at::Tensor();
+  rec->b_consumed = true;
+  return absl::OkStatus();
+}
+
+std::vector<at::Tensor> Kfac::PendingFactorTensors(int layer) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return {};
+  LayerState& st = it->second;
+  std::vector<at::Tensor> out(st.a_sum.begin(), st.a_sum.end());
+  out.insert(out.end(), st.b_sum.begin(), st.b_sum.end());
+  out.push_back(st.a_count);
+  out.push_back(st.b_count);
+  return out;
+}
+
+absl::Status Kfac::Finalize(int layer, LayerState* st) {
+  return GuardTorch(absl::StrCat("K-FAC finalise layer ", layer), [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    const double na = st->a_count.item<double>();
+    const double nb = st->b_count.item<double>();
+    if (na <= 0 && nb <= 0) return absl::OkStatus();  // nothing new
+    auto blend = [&](at::Tensor* running, const at::Tensor& sum, double n) {
+      at::Tensor fresh = sum / n;
+      if (!running->defined()) {
+        *running = fresh;
+      } else {
+        *running = running->mul(1.0 - factor_decay_).add_(fresh, factor_decay_);
+      }
+    };
+    if (na > 0) {
+      for (int i = 0; i < kNumInputs; ++i) blend(&st->a[i], st->a_sum[i], na);
+    }
+    if (nb > 0) {
+      for (int m = 0; m < kNumModules; ++m) blend(&st->b[m], st->b_sum[m], nb);
+    }
+    // One snapshot of every trace before any sum is cleared.
+    double tr_a[kNumInputs];
+    double tr_b[kNumModules];
+    for (int i = 0; i < kNumInputs; ++i) {
+      tr_a[i] = st->a[i].defined() ? st->a[i].trace().item<double>() : NAN;
+    }
+    for (int m = 0; m < kNumModules; ++m) {
+      tr_b[m] = st->b[m].defined() ? st->b[m].trace().item<double>() : NAN;
+    }
+    for (int m = 0; m < kNumModules; ++m) {
+      const int i = kInputOf[m];
+      const int64_t dim_a = st->a_sum[i].size(0);
+      const int64_t dim_b = st->b_sum[m].size(0);
+      st->proj[m].damping = PiDamping(tr_a[i], dim_a, tr_b[m], dim_b, damping_);
+    }
+    for (auto& t : st->a_sum) t.zero_();
+    for (auto& t : st->b_sum) t.zero_();
+    st->a_count.zero_();
+    st->b_count.zero_();
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a) {
+  const std::string what = is_a ? "invert A" : "invert B";
+  ASSIGN_OR_RETURN(LayerState * st, Layer(layer, what));
+  const int m = ModuleIndex(module);
+  if (m < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "K-FAC ", what, " layer ", layer, ": unknown projection \"", module,
+        "\" (q, k, v, o, gate, up, down)"));
+  }
+  RETURN_IF_ERROR(Finalize(layer, st));
+  const at::Tensor& factor = is_a ? st->a[kInputOf[m]] : st->b[m];
+  if (!factor.defined()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "K-FAC ", what, " layer ", layer, " ", module, ": no ",
+        is_a ? "activation" : "gradient", " curvature yet"));
+  }
+  Projection& p = st->proj[m];
+  auto inv = DampedInverse(factor, is_a ? p.damping.damping_a : p.damping.damping_b);
+  if (!inv.ok()) {
+    return absl::Status(inv.status().code(),
+                        absl::StrCat("K-FAC ", what, " layer ", layer, " ", module,
+                                     ": ", inv.status().message()));
+  }
+  (is_a ? p.a_inv_new : p.b_inv_new) = *std::move(inv);
+  return absl::OkStatus();
+}
+
+absl::Status Kfac::InvertA(int layer, const std::string& module) {
+  return Invert(layer, module, /*is_a=*/true);
+}
+
+absl::Status Kfac::InvertB(int layer, const std::string& module) {
+  return Invert(layer, module, /*is_a=*/false);
+}
+
+void Kfac::Activate() {
+  for (auto& [layer, st] : layers_) {
+    for (Projection& p : st.proj) {
+      if (p.a_inv_new.defined()) p.a_inv = std::move(p.a_inv_new);
+      if (p.b_inv_new.defined()) p.b_inv = std::move(p.b_inv_new);
+      p.a_inv_new = at::Tensor();
+      p.b_inv_new = at::Tensor();
+    }
+  }
+}
+
+bool Kfac::has_inverses(int layer) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return false;
+  for (const Projection& p : it->second.proj) {
+    if (!p.a_inv.defined() || !p.b_inv.defined()) return false;
+  }
+  return true;
+}
+
+absl::Status Kfac::RefreshSerially() {
+  for (const auto& [mb, records] : captures_) {
+    for (size_t i = 0; i < records.size(); ++i) {
+      const int layer = begin_ + static_cast<int>(i);
+      const LayerCapture& rec = *records[i];
+      if (rec.forward_done && !rec.a_consumed) RETURN_IF_ERROR(CurvatureA(layer, mb));
+      if (rec.backward_done() && !rec.b_consumed) RETURN_IF_ERROR(CurvatureB(layer, mb));
+    }
+  }
+  for (auto& [layer, st] : layers_) {
+    const bool has_a = st.a[0].defined() || st.a_count.item<double>() > 0;
+    const bool has_b = st.b[0].defined() || st.b_count.item<double>() > 0;
+    if (!has_a || !has_b) continue;
+    for (const std::string& module : KfacModules()) {
+      RETURN_IF_ERROR(InvertA(layer, module));
+      RETURN_IF_ERROR(InvertB(layer, module));
+    }
+  }
+  Activate();
+  return absl::OkStatus();
+}
+
+absl::Status Kfac::BeginStep(double lr) {
+  step_updates_.clear();
+  step_lr_ = kfac_lr_ * lr / adamw_lr_;
+  last_kl_scale_ = 1;
+  return GuardTorch("K-FAC step", [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    double vg = 0;
+    for (const auto& [name, p] : stage_->Parameters()) {
+      const auto [layer, m] = ProjectionOf(name);
+      if (m < 0 || !p.grad().defined() || !has_inverses(layer)) continue;
+      const Projection& proj = layers_.at(layer).proj[m];
+      const at::Tensor& g = p.grad();
+      at::Tensor delta = at::matmul(at::matmul(proj.b_inv, g), proj.a_inv);
+      vg += (delta * g).sum().item<double>();
+      step_updates_[name] = delta;
+    }
+    if (kl_clip_ > 0 && vg > 0 && std::isfinite(vg)) {
+      last_kl_scale_ = std::min(1.0, std::sqrt(kl_clip_ / (step_lr_ * step_lr_ * vg)));
+    }
+    if (last_kl_scale_ != 1) {
+      for (auto& [name, delta] : step_updates_) delta.mul_(last_kl_scale_);
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& params,
+                                double lr, std::set<std::string>* self_updated) {
+  if (!has_inverses(layer)) return absl::OkStatus();  // AdamW's
+  // Without BeginStep (a caller other than AdamW::Step), compute the step now.
+  for (const auto& [name, p] : params) {
+    if (ProjectionOf(name).second >= 0 && p.grad().defined() &&
+        step_updates_.count(name) == 0) {
+      RETURN_IF_ERROR(BeginStep(lr));
+      break;
+    }
+  }
+  LayerState& st = layers_.at(layer);
+  return GuardTorch(absl::StrCat("K-FAC precondition layer ", layer),
+                    [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, p] : params) {
+      const auto [l, m] = ProjectionOf(name);
+      auto it = step_updates_.find(name);
+      if (m < 0 || l != layer || it == step_updates_.end()) continue;
+      at::Tensor grad = p.grad();
+      grad.copy_(it->second);
+      Projection& proj = st.proj[m];
+      if (!proj.momentum.defined() || momentum_ == 0) {
+        proj.momentum = grad.clone();
+      } else {
+        proj.momentum.mul_(momentum_).add_(grad);
+      }
+      at::Tensor w = p;
+      if (weight_decay_ > 0) w.mul_(1.0 - step_lr_ * weight_decay_);
+      w.add_(proj.momentum, -step_lr_);
+      self_updated->insert(name);
+      step_updates_.erase(it);
+    }
+    return absl::OkStatus();
+  });
+}
+
+at::Tensor Kfac::FactorA(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) return at::Tensor();
+  return it->second.a[kInputOf[m]];
+}
+
+at::Tensor Kfac::FactorB(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) return at::Tensor();
+  return it->second.b[m];
+}
+
+at::Tensor Kfac::InverseA(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) return at::Tensor();
+  return it->second.proj[m].a_inv;
+}
+
+at::Tensor Kfac::InverseB(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) return at::Tensor();
+  return it->second.proj[m].b_inv;
+}
+
+absl::StatusOr<KfacDamping> Kfac::Damping(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("K-FAC damping: no layer ", layer, " projection ", module));
+  }
+  return it->second.proj[m].damping;
+}
+
+}  // namespace detour::model

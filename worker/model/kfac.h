@@ -1,0 +1,221 @@
+// K-FAC (Kronecker-factored approximate curvature) for the seven projections
+// of every transformer block a stage holds: q, k, v, o, gate, up, down
+// (pipefisher.md §2). Embeddings, norms and the LM head stay with AdamW.
+//
+// For a projection y = W·a (W: [f_out, f_in], bias-free):
+//   A = (1/N) Σ a aᵀ      over every token of the curvature microbatches
+//   B = (1/N) Σ g gᵀ      g = N_mb · d loss_mb / d y, per token
+//   ΔW = (B + λ_B I)⁻¹ · ∇W · (A + λ_A I)⁻¹
+// Normalisation: a microbatch's loss is the MEAN token cross-entropy over its
+// N_mb = B·T tokens (LmHead::Loss, reached through Stage::LossAndBackward), so
+// the gradient reaching a projection is 1/N_mb times the per-token gradient;
+// CurvatureB multiplies it back by N_mb (the rows of the captured tensor: a
+// stage sees the whole microbatch). A and B are therefore per-token second
+// moments (B is the empirical Fisher's output factor, with the data's
+// labels), A ⊗ B approximates the per-token Fisher, and the damping λ is in
+// per-token units, independent of the microbatch size. ∇W is the step's
+// normalised gradient (a mean over tokens), so ΔW is a natural gradient.
+//
+// Damping (π-corrected Tikhonov): π = sqrt((tr A/dim A)/(tr B/dim B)),
+// λ_A = sqrt(λ)·π, λ_B = sqrt(λ)/π, each floored at 1e-7; π zero or not
+// finite (or a factor missing) → sqrt(λ) for both. π is computed per
+// projection from one snapshot of all the layer's traces when the layer is
+// finalised (see InvertA), so the order of the inversions does not matter.
+// Inverses: Cholesky in fp32; on failure fp64; then the damping ×10, up to 4
+// times. A non-finite factor is an error, never a NaN inverse.
+//
+// Thread-compatible: one thread at a time (the worker's executor). Does not
+// own the Stage, which must outlive it. Factors live on the stage's device.
+#ifndef DETOUR_WORKER_MODEL_KFAC_H_
+#define DETOUR_WORKER_MODEL_KFAC_H_
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "detour/v1/spec.pb.h"
+#include "worker/model/optimizer.h"
+#include "worker/model/stage.h"
+
+namespace detour::model {
+
+struct LayerCapture;  // transformer.h
+
+// Projections of a block: "q","k","v","o","gate","up","down".
+const std::vector<std::string>& KfacModules();
+
+// ---- The math, as free functions (tests, docs). -------------------------
+
+struct KfacFactors {
+  at::Tensor a;  // [f_in, f_in]  = (1/N) Σ a aᵀ
+  at::Tensor b;  // [f_out, f_out] = (1/N) Σ g gᵀ
+};
+// Factors of one linear layer from its inputs [N, f_in] and output gradients
+// [N, f_out] (taken as given: no rescaling). INVALID_ARGUMENT on bad shapes.
+absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
+                                                 const at::Tensor& grad_out);
+
+struct KfacDamping {
+  double pi = 1;
+  double damping_a = 0;
+  double damping_b = 0;
+};
+// π-corrected damping from the traces and dimensions of A and B (see above).
+KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
+                      int64_t dim_b, double damping);
+
+// (F + damping·I)⁻¹ by Cholesky with the fallbacks above, in F's dtype.
+// `used_damping` (optional) receives the damping that succeeded.
+// FAILED_PRECONDITION for a non-finite F, INTERNAL if every retry fails.
+absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
+                                         double damping,
+                                         double* used_damping = nullptr);
+
+// B⁻¹ · grad · A⁻¹ for grad [f_out, f_in].
+absl::StatusOr<at::Tensor> KfacPreconditionedGradient(const at::Tensor& grad,
+                                                      const at::Tensor& a_inv,
+                                                      const at::Tensor& b_inv);
+
+// ---- Per-stage optimiser. -------------------------------------------------
+//
+// Life of one refresh: Capture(mb) before the forward of each curvature
+// microbatch; CurvatureA(l, mb) after its forward, CurvatureB(l, mb) after its
+// backward (each frees what it consumed); optionally all-reduce
+// PendingFactorTensors(l) among replicas; InvertA/InvertB per projection;
+// Activate() at the step where the new inverses take effect. Precondition
+// (the AdamW hook) uses the active inverses every step in between.
+//
+// Layers without active inverses yet are left to AdamW entirely (their
+// projections are not listed in self_updated), so training starts with
+// AdamW on a layer until its first refresh completes.
+class Kfac : public PreconditionHook {
+ public:
+  // K-FAC for every block of `stage` (not owned, must outlive). `spec` is the
+  // job's OptimizerSpec with defaults applied (NormalizeJobSpec): uses
+  // spec.kfac() (damping, factor_decay, lr, momentum, kl_clip) and
+  // spec.adamw() (peak lr for the schedule ratio, weight_decay).
+  // INVALID_ARGUMENT for a null stage or out-of-range settings.
+  static absl::StatusOr<std::unique_ptr<Kfac>> Create(
+      Stage* stage, const v1::OptimizerSpec& spec);
+  ~Kfac() override;
+
+  // Call BEFORE stage->Forward(mb, ...): keeps the block inputs of mb during
+  // its forward and the projections' output gradients during its backward.
+  // Replaces an earlier capture of the same id. Only captured microbatches
+  // cost memory.
+  void Capture(uint32_t mb);
+  bool captured(uint32_t mb) const;
+
+  // Adds microbatch mb's contribution for block `layer` (global index) to the
+  // pending activation factors A (needs mb's forward done) / gradient factors
+  // B (needs its backward done) and frees that block's saved tensors.
+  // FAILED_PRECONDITION naming layer and mb when the data is not there (not
+  // captured, forward/backward not run, already consumed); INVALID_ARGUMENT
+  // for a layer this stage does not hold.
+  absl::Status CurvatureA(int layer, uint32_t mb);
+  absl::Status CurvatureB(int layer, uint32_t mb);
+  // Forgets the saved tensors of mb (no-op if none).
+  void DropCapture(uint32_t mb);
+  void DropAllCaptures();
+
+  // Pending factor sums of `layer` plus their token counts, for an in-place
+  // all-reduce SUM among the stage's replicas (sync_factors). Fixed order,
+  // identical on every replica: A sums of the inputs of {q,k,v}, o, {gate,
+  // up}, down; B sums of q, k, v, o, gate, up, down; then the A token count
+  // and the B token count (shape [1]). All float32 on the stage's device
+  // (counts are exact up to 2^24 tokens per refresh). Empty for a layer the
+  // stage does not hold. Modifying them in place is allowed.
+  std::vector<at::Tensor> PendingFactorTensors(int layer);
+
+  // Cholesky inverse of the damped factor of one projection (module in
+  // KfacModules()), staged until Activate(). The first inversion call of a
+  // layer after new curvature finalises the layer: pending sums → means
+  // (F_new = sum / count), running average F ← (1-ρ)F + ρF_new (ρ =
+  // factor_decay; the first refresh takes F_new), π per projection from ONE
+  // snapshot of all traces, then the pending sums are cleared. Curvature
+  // added after that starts the next refresh. FAILED_PRECONDITION if the
+  // layer has no curvature of that kind yet; INVALID_ARGUMENT for an unknown
+  // layer or module.
+  absl::Status InvertA(int layer, const std::string& module);
+  absl::Status InvertB(int layer, const std::string& module);
+  // Inverses computed since the last Activate become the ones Precondition
+  // uses (per projection; others keep their previous inverses).
+  void Activate();
+  // All 7 projections of the block have active inverses.
+  bool has_inverses(int layer) const;
+
+  // Serial convenience (in-process engine, detour-train, SERIAL placement):
+  // CurvatureA/B for every captured microbatch whose forward/backward ran,
+  // then InvertA/B of every projection of every held layer that has both
+  // kinds of curvature, then Activate. Captures stay (consumed) until
+  // DropCapture/DropAllCaptures.
+  absl::Status RefreshSerially();
+
+  // PreconditionHook. BeginStep computes, for every layer with active
+  // inverses and every projection with a gradient, ΔW = B⁻¹·∇W·A⁻¹ and one
+  // KL-clipping factor over the stage, ν = min(1, sqrt(kl_clip /
+  // (lr_kfac² Σ⟨ΔW, ∇W⟩))) (kl_clip < 0: ν = 1), where lr_kfac = kfac.lr ×
+  // (lr / adamw.lr) follows the AdamW schedule. Precondition then, per
+  // projection of the layer: ∇W ← ν·ΔW (written into the gradient),
+  // momentum buffer m ← μ·m + ∇W, W ← W·(1 - lr_kfac·weight_decay) -
+  // lr_kfac·m, and names it in self_updated. Layers without inverses: no-op.
+  absl::Status BeginStep(double lr) override;
+  absl::Status Precondition(int layer, const std::vector<NamedTensor>& params,
+                            double lr,
+                            std::set<std::string>* self_updated) override;
+
+  // Introspection for tests and metrics. Undefined tensors / errors when
+  // absent.
+  at::Tensor FactorA(int layer, const std::string& module) const;  // running
+  at::Tensor FactorB(int layer, const std::string& module) const;
+  at::Tensor InverseA(int layer, const std::string& module) const;  // active
+  at::Tensor InverseB(int layer, const std::string& module) const;
+  absl::StatusOr<KfacDamping> Damping(int layer, const std::string& module) const;
+  double last_kl_scale() const { return last_kl_scale_; }  // ν of the last step
+
+ private:
+  struct Projection {
+    at::Tensor a_inv, b_inv;          // active
+    at::Tensor a_inv_new, b_inv_new;  // staged until Activate
+    KfacDamping damping;
+    at::Tensor momentum;
+  };
+  struct LayerState {
+    std::array<at::Tensor, 4> a_sum;  // per input group
+    std::array<at::Tensor, 7> b_sum;  // per projection
+    at::Tensor a_count, b_count;      // [1]
+    std::array<at::Tensor, 4> a;      // running averages (undefined: none yet)
+    std::array<at::Tensor, 7> b;
+    std::array<Projection, 7> proj;
+  };
+
+  Kfac(Stage* stage, const v1::OptimizerSpec& spec);
+  absl::StatusOr<LayerState*> Layer(int layer, const std::string& what);
+  absl::StatusOr<LayerCapture*> Record(int layer, uint32_t mb,
+                                       const std::string& what);
+  absl::Status Finalize(int layer, LayerState* st);
+  absl::Status Invert(int layer, const std::string& module, bool is_a);
+
+  Stage* stage_;
+  int begin_ = 0;  // first global layer held
+  double damping_, factor_decay_, kfac_lr_, momentum_, kl_clip_;
+  double adamw_lr_, weight_decay_;
+  std::map<int, LayerState> layers_;
+  std::map<uint32_t, std::vector<std::shared_ptr<LayerCapture>>> captures_;
+  // BeginStep's clipped updates by parameter name, and the step's lr_kfac.
+  std::map<std::string, at::Tensor> step_updates_;
+  double step_lr_ = 0;
+  double last_kl_scale_ = 1;
+};
+
+}  // namespace detour::model
+
+#endif  // DETOUR_WORKER_MODEL_KFAC_H_
