@@ -272,6 +272,15 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
     if (node < static_cast<int>(result.sends.size())) {
       for (const Activity& a : result.sends[node]) draw(a, y + bar_h + 1, row_h - bar_h - 3);
     }
+    for (const SvgOverlay& o : options.overlays) {
+      if (o.node != node) continue;
+      absl::StrAppendFormat(&svg,
+                            "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" "
+                            "fill=\"%s\" stroke=\"white\" stroke-width=\"0.3\"><title>%s: "
+                            "%.3f-%.3f s</title></rect>\n",
+                            x(o.start_s), y, std::max(0.5, x(o.end_s) - x(o.start_s)), bar_h,
+                            XmlEscape(o.colour), XmlEscape(o.label), o.start_s, o.end_s);
+    }
   }
 
   // Legend.
@@ -290,6 +299,7 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
     legend(Colour(k), Label(k));
   }
   legend("#e6e6e6", "idle (bubble)");
+  for (const auto& [colour, text] : options.overlay_legend) legend(colour.c_str(), text.c_str());
   absl::StrAppendFormat(&svg,
                         "<text x=\"%d\" y=\"%d\" fill=\"#555555\">thick bar: compute; thin bar "
                         "below: the node's uplink (transfers)</text>\n",

@@ -7,6 +7,8 @@
 #define DETOUR_COMMON_SIM_TIMELINE_EXPORT_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "common/sim/cost_model.h"
@@ -21,12 +23,26 @@ namespace detour::sim {
 std::string ChromeTraceJson(const CostModel& cost, const Plan& plan, const SimResult& result,
                             absl::string_view title);
 
+// A bar drawn over a node's compute row in addition to the simulated
+// activities, e.g. K-FAC work placed in the bubbles (docs/KFAC.md).
+struct SvgOverlay {
+  int node = 0;
+  double start_s = 0;
+  double end_s = 0;
+  std::string colour;  // "#rrggbb"
+  std::string label;   // tooltip
+};
+
 struct SvgOptions {
   std::string title;
   // Right end of the time axis in seconds; 0 = the iteration time. Give two
   // timelines the same value to compare them at one scale.
   double max_time_s = 0;
   int width_px = 1400;
+  // Extra bars and their legend entries (colour, text). Empty: the SVG is
+  // exactly what it is without them.
+  std::vector<SvgOverlay> overlays;
+  std::vector<std::pair<std::string, std::string>> overlay_legend;
 };
 
 // SVG document. `result` must come from a run with record_timeline.

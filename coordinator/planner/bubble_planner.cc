@@ -389,7 +389,9 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     t.set_num_parts(1);
     t.set_serial(serial);
     tasks.push_back(std::move(t));
-    if (serial) {
+    if (kind == v1::BubbleTask::KIND_SYNC_FACTORS) {
+      // Network time: on the critical path (serial_s) but not compute.
+    } else if (serial) {
       serial_work[node] += duration;
     } else {
       out.bubble_s[node] += duration;

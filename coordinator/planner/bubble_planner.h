@@ -146,8 +146,9 @@ struct IterationBubbles {
   // Iteration time with K-FAC: end_s + max over nodes (serial_s + precondition_s).
   double iteration_time_s = 0;
   // Busy (pipeline: forward, backward, loss) fraction of nodes holding blocks
-  // over end_s, and the same plus all K-FAC work (bubble, serial,
-  // precondition) over iteration_time_s.
+  // over end_s, and the same plus all K-FAC compute (bubble, serial,
+  // precondition; not the factor sync, which is network time) over
+  // iteration_time_s.
   double utilization_before = 0;
   double utilization_after = 0;
 };

@@ -28,6 +28,7 @@
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/route_validator.h"
+#include "tools/detour_sim/kfac.h"
 
 namespace detour::sim_tool {
 namespace {
@@ -44,6 +45,8 @@ Usage:
                       [--json] [--trace T.json] [--svg T.svg] [common options]
   detour-sim compare  --cluster C.json --job J.json [--seed N] [--json]
                       [--svg-dir DIR] [common options]
+  detour-sim kfac     --schedule gpipe|1f1b --stages D --microbatches N --profile P
+                      | --cluster C.json --job J.json   (see detour-sim kfac --help)
   detour-sim --help
 
 Commands:
@@ -54,6 +57,8 @@ Commands:
             Routes that break the job's rules are refused.
   compare   Run every scheduler on the same node-to-stage assignment and print
             them side by side with the ratio to the full pipeline.
+  kfac      Fill the pipeline's bubbles with K-FAC work (bubble planner) and
+            report utilisation before/after and the refresh interval.
 
 Options:
   --scheduler S     skippipe (default: the job's), full, random, skip-no-collision
@@ -91,7 +96,7 @@ absl::Status UsageError(absl::string_view what) {
 absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   Args a;
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty()) return UsageError("missing command (plan, simulate, compare); see --help");
+  if (args.empty()) return UsageError("missing command (plan, simulate, compare, kfac); see --help");
   size_t i = 0;
   if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     a.command = "help";
@@ -514,6 +519,9 @@ absl::Status Compare(const Args& a) {
 }
 
 int Main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "kfac") {
+    return RunKfac(std::vector<std::string>(argv + 2, argv + argc));
+  }
   absl::StatusOr<Args> args = ParseArgs(argc, argv);
   if (!args.ok()) {
     std::cerr << "detour-sim: " << args.status().message() << "\n";

@@ -1,0 +1,706 @@
+#include "tools/detour_sim/kfac.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/sim/cost_model.h"
+#include "common/sim/event_simulator.h"
+#include "common/sim/json_writer.h"
+#include "common/sim/timeline_export.h"
+#include "common/spec.h"
+#include "common/stage_layers.h"
+#include "common/status.h"
+#include "coordinator/planner/bubble_planner.h"
+#include "coordinator/planner/planner.h"
+
+namespace detour::sim_tool {
+
+const char kKfacUsage[] = R"(detour-sim kfac: K-FAC work in the pipeline's bubbles (docs/KFAC.md).
+
+Usage:
+  detour-sim kfac --schedule gpipe|1f1b --stages D --microbatches N
+                  (--profile P | --forward-ms F --backward-ms B --curvature-ms C
+                   --inversion-ms I [--precondition-ms X] --blocks L) [options]
+  detour-sim kfac --cluster C.json --job J.json [--scheduler skippipe|full|...]
+                  [--tflops X] [--seed N] [options]
+
+Synthetic pipelines: D stages on D nodes, N microbatches, no communication,
+the per-block times (ms) of a profile split evenly over the stages:
+  bert-large-bs32, bert-large-bs8 (24 blocks), bert-base-bs32, bert-base-bs8
+  (12 blocks): the P100 reference profile of PipeFisher. Explicit --*-ms flags
+  override a profile's values.
+Real plans: one planned and simulated iteration of the job (its routes and
+timeline reused every iteration), K-FAC costs from the model shape and each
+node's speed.
+
+Options:
+  --iterations K              plan K iterations (default: until --refreshes
+                              refreshes complete)
+  --refreshes R               default 3
+  --curvature-microbatches M  per node and refresh (default 1)
+  --slack S                   placement margin (default 0.05)
+  --refresh-interval K        fixed interval (default 0: as the bubbles allow)
+  --placement bubbles|serial  default bubbles
+  --sync / --no-sync          all-reduce factors among replicas (default: on
+                              when a stage has replicas)
+  --json                      machine-readable output
+  --svg FILE                  timeline of the first iteration with K-FAC work
+)";
+
+namespace {
+
+absl::Status UsageError(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("usage: ", what));
+}
+
+struct Profile {
+  double forward_ms, backward_ms, curvature_ms, inversion_ms, precondition_ms;
+  int blocks;
+  int d_model;
+};
+
+// pipefisher.md §5: per transformer block on a P100.
+const std::map<std::string, Profile>& Profiles() {
+  static const auto* p = new std::map<std::string, Profile>{
+      {"bert-large-bs8", {4.50, 7.65, 11.93, 126.74, 14.88, 24, 1024}},
+      {"bert-large-bs32", {16.10, 26.95, 43.50, 126.70, 14.73, 24, 1024}},
+      {"bert-base-bs8", {2.73, 4.65, 6.80, 71.64, 6.85, 12, 768}},
+      {"bert-base-bs32", {9.75, 16.45, 25.55, 71.67, 6.81, 12, 768}},
+  };
+  return *p;
+}
+
+struct KfacArgs {
+  // Synthetic.
+  std::string schedule, profile;
+  int stages = 0, microbatches = 0, blocks = 0;
+  std::optional<double> forward_ms, backward_ms, curvature_ms, inversion_ms, precondition_ms;
+  // Real.
+  std::string cluster, job, scheduler;
+  double tflops = 0;
+  bool has_seed = false;
+  uint64_t seed = 0;
+  // Both.
+  int iterations = 0;
+  int refreshes = 3;
+  int curvature_microbatches = 1;
+  double slack = 0.05;
+  int refresh_interval = 0;
+  bool serial = false;
+  std::optional<bool> sync;
+  bool json = false;
+  std::string svg;
+};
+
+absl::StatusOr<KfacArgs> Parse(const std::vector<std::string>& args) {
+  KfacArgs a;
+  size_t i = 0;
+  auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
+    if (i >= args.size()) return UsageError(absl::StrCat(flag, " needs a value"));
+    return args[i++];
+  };
+  auto count = [&](const std::string& flag, int min, int* out) -> absl::Status {
+    ASSIGN_OR_RETURN(std::string v, value(flag));
+    if (!absl::SimpleAtoi(v, out) || *out < min) {
+      return UsageError(absl::StrCat(flag, ": needs a whole number >= ", min, ", got ", v));
+    }
+    return absl::OkStatus();
+  };
+  auto ms = [&](const std::string& flag, std::optional<double>* out) -> absl::Status {
+    ASSIGN_OR_RETURN(std::string v, value(flag));
+    double d = 0;
+    if (!absl::SimpleAtod(v, &d) || !(d >= 0) || !std::isfinite(d)) {
+      return UsageError(absl::StrCat(flag, ": needs a number >= 0, got ", v));
+    }
+    *out = d;
+    return absl::OkStatus();
+  };
+  while (i < args.size()) {
+    const std::string flag = args[i++];
+    if (flag == "--help" || flag == "-h") {
+      return UsageError("help");
+    } else if (flag == "--json") {
+      a.json = true;
+    } else if (flag == "--sync") {
+      a.sync = true;
+    } else if (flag == "--no-sync") {
+      a.sync = false;
+    } else if (flag == "--schedule") {
+      ASSIGN_OR_RETURN(a.schedule, value(flag));
+      if (a.schedule != "gpipe" && a.schedule != "1f1b") {
+        return UsageError(absl::StrCat("--schedule: gpipe or 1f1b, got ", a.schedule));
+      }
+    } else if (flag == "--profile") {
+      ASSIGN_OR_RETURN(a.profile, value(flag));
+      if (!Profiles().count(a.profile)) {
+        return UsageError(absl::StrCat("--profile: unknown profile \"", a.profile,
+                                       "\" (bert-large-bs32, bert-large-bs8, bert-base-bs32, "
+                                       "bert-base-bs8)"));
+      }
+    } else if (flag == "--stages") {
+      RETURN_IF_ERROR(count(flag, 1, &a.stages));
+    } else if (flag == "--microbatches") {
+      RETURN_IF_ERROR(count(flag, 1, &a.microbatches));
+    } else if (flag == "--blocks") {
+      RETURN_IF_ERROR(count(flag, 1, &a.blocks));
+    } else if (flag == "--forward-ms") {
+      RETURN_IF_ERROR(ms(flag, &a.forward_ms));
+    } else if (flag == "--backward-ms") {
+      RETURN_IF_ERROR(ms(flag, &a.backward_ms));
+    } else if (flag == "--curvature-ms") {
+      RETURN_IF_ERROR(ms(flag, &a.curvature_ms));
+    } else if (flag == "--inversion-ms") {
+      RETURN_IF_ERROR(ms(flag, &a.inversion_ms));
+    } else if (flag == "--precondition-ms") {
+      RETURN_IF_ERROR(ms(flag, &a.precondition_ms));
+    } else if (flag == "--cluster") {
+      ASSIGN_OR_RETURN(a.cluster, value(flag));
+    } else if (flag == "--job") {
+      ASSIGN_OR_RETURN(a.job, value(flag));
+    } else if (flag == "--scheduler") {
+      ASSIGN_OR_RETURN(a.scheduler, value(flag));
+    } else if (flag == "--tflops") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtod(v, &a.tflops) || !(a.tflops > 0)) {
+        return UsageError(absl::StrCat("--tflops: needs a positive number, got ", v));
+      }
+    } else if (flag == "--seed") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtoi(v, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", v));
+      a.has_seed = true;
+    } else if (flag == "--iterations") {
+      RETURN_IF_ERROR(count(flag, 1, &a.iterations));
+    } else if (flag == "--refreshes") {
+      RETURN_IF_ERROR(count(flag, 1, &a.refreshes));
+    } else if (flag == "--curvature-microbatches") {
+      RETURN_IF_ERROR(count(flag, 1, &a.curvature_microbatches));
+    } else if (flag == "--refresh-interval") {
+      RETURN_IF_ERROR(count(flag, 0, &a.refresh_interval));
+    } else if (flag == "--slack") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (!absl::SimpleAtod(v, &a.slack) || !(a.slack >= 0 && a.slack < 1)) {
+        return UsageError(absl::StrCat("--slack: needs a number in [0, 1), got ", v));
+      }
+    } else if (flag == "--placement") {
+      ASSIGN_OR_RETURN(std::string v, value(flag));
+      if (v != "bubbles" && v != "serial") {
+        return UsageError(absl::StrCat("--placement: bubbles or serial, got ", v));
+      }
+      a.serial = v == "serial";
+    } else if (flag == "--svg") {
+      ASSIGN_OR_RETURN(a.svg, value(flag));
+    } else {
+      return UsageError(absl::StrCat("unknown option ", flag, "; see detour-sim kfac --help"));
+    }
+  }
+  const bool synthetic = !a.schedule.empty();
+  const bool real = !a.cluster.empty() || !a.job.empty();
+  if (synthetic == real) {
+    return UsageError("kfac needs either --schedule (synthetic) or --cluster and --job");
+  }
+  if (synthetic) {
+    if (a.stages == 0) return UsageError("--stages is required with --schedule");
+    if (a.microbatches == 0) return UsageError("--microbatches is required with --schedule");
+    if (a.profile.empty()) {
+      for (const auto& [flag, v] :
+           std::vector<std::pair<const char*, std::optional<double>>>{
+               {"--forward-ms", a.forward_ms},
+               {"--backward-ms", a.backward_ms},
+               {"--curvature-ms", a.curvature_ms},
+               {"--inversion-ms", a.inversion_ms}}) {
+        if (!v) return UsageError(absl::StrCat(flag, " is required without --profile"));
+      }
+      if (a.blocks == 0) return UsageError("--blocks is required without --profile");
+    }
+    if (!a.scheduler.empty() || a.tflops > 0 || a.has_seed) {
+      return UsageError("--scheduler, --tflops and --seed go with --cluster/--job");
+    }
+  } else {
+    if (a.cluster.empty()) return UsageError("--cluster is required");
+    if (a.job.empty()) return UsageError("--job is required");
+    if (!a.profile.empty() || a.stages || a.microbatches || a.blocks || a.forward_ms ||
+        a.backward_ms || a.curvature_ms || a.inversion_ms || a.precondition_ms) {
+      return UsageError(
+          "--profile, --stages, --microbatches, --blocks and --*-ms go with --schedule");
+    }
+  }
+  return a;
+}
+
+// One scenario, ready for the bubble planner.
+struct Scenario {
+  std::string description;
+  sim::CostModel cost;  // for the SVG (synthetic: unit tables)
+  sim::Plan plan;
+  sim::SimResult result;  // with timeline
+  planner::KfacWorkload workload;
+  v1::KfacSpec kfac;
+};
+
+// Splits a block's measured curvature / inversion time like the FLOP
+// estimate of a block of width d with ffn = 4d (BERT's MLP width).
+planner::KfacLayerCost ProfileLayerCost(const Profile& p) {
+  v1::ModelShape shape;
+  shape.set_d_model(p.d_model);
+  shape.set_num_heads(p.d_model / 64);
+  shape.set_ffn_dim(4 * p.d_model);
+  const planner::KfacLayerCost flops = planner::EstimateKfacLayerCost(shape, 1, 1);
+  planner::KfacLayerCost c;
+  const double curvature = p.curvature_ms * 1e-3;
+  c.curvature_a_s = curvature * flops.curvature_a_s / (flops.curvature_a_s + flops.curvature_b_s);
+  c.curvature_b_s = curvature - c.curvature_a_s;
+  double cubes = 0;
+  for (double v : flops.invert_a_s) cubes += v;
+  for (double v : flops.invert_b_s) cubes += v;
+  for (double v : flops.invert_a_s) c.invert_a_s.push_back(p.inversion_ms * 1e-3 * v / cubes);
+  for (double v : flops.invert_b_s) c.invert_b_s.push_back(p.inversion_ms * 1e-3 * v / cubes);
+  c.precondition_s = p.precondition_ms * 1e-3;
+  return c;
+}
+
+// Uniform pipeline without communication: each stage runs its op list in
+// order, an op starting when the stage is free and its input has arrived.
+absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
+  Profile p{0, 0, 0, 0, 0, a.blocks, 1024};
+  if (!a.profile.empty()) p = Profiles().at(a.profile);
+  if (a.forward_ms) p.forward_ms = *a.forward_ms;
+  if (a.backward_ms) p.backward_ms = *a.backward_ms;
+  if (a.curvature_ms) p.curvature_ms = *a.curvature_ms;
+  if (a.inversion_ms) p.inversion_ms = *a.inversion_ms;
+  if (a.precondition_ms) p.precondition_ms = *a.precondition_ms;
+  if (a.blocks > 0) p.blocks = a.blocks;
+  const int D = a.stages, N = a.microbatches;
+  if (D > p.blocks) {
+    return UsageError(absl::StrFormat("--stages: %d stages for %d blocks", D, p.blocks));
+  }
+  std::vector<int> layers = sim::LayersPerStage(p.blocks, D);
+
+  sim::CostTables t;
+  for (int s = 0; s < D; ++s) t.node_ids.push_back(absl::StrCat("stage", s));
+  t.memory_slots.assign(D, N);
+  t.forward_s.assign(D, std::vector<double>(D, 0));
+  t.backward_s.assign(D, std::vector<double>(D, 0));
+  for (int s = 0; s < D; ++s) {
+    t.forward_s[s][s] = layers[s] * p.forward_ms * 1e-3;
+    t.backward_s[s][s] = layers[s] * p.backward_ms * 1e-3;
+  }
+  t.loss_s.assign(D, 0);
+  t.latency_s.assign(D, std::vector<double>(D, 0));
+  t.bandwidth_bytes_per_s.assign(D, std::vector<double>(D, 1e18));
+  t.activation_bytes = 0;
+  t.stage_gradient_bytes.assign(D, 0);
+  ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::FromTables(t));
+
+  // Op lists: (forward?, microbatch) per stage.
+  std::vector<std::vector<std::pair<bool, int>>> ops(D);
+  for (int s = 0; s < D; ++s) {
+    if (a.schedule == "gpipe") {
+      for (int m = 0; m < N; ++m) ops[s].push_back({true, m});
+      for (int m = N - 1; m >= 0; --m) ops[s].push_back({false, m});
+    } else {
+      const int warm = std::min(D - 1 - s, N);
+      for (int m = 0; m < warm; ++m) ops[s].push_back({true, m});
+      for (int i = 0; i < N - warm; ++i) {
+        ops[s].push_back({true, warm + i});
+        ops[s].push_back({false, i});
+      }
+      for (int m = N - warm; m < N; ++m) ops[s].push_back({false, m});
+    }
+  }
+  std::vector<std::vector<double>> f_end(D, std::vector<double>(N, -1));
+  std::vector<std::vector<double>> b_end(D, std::vector<double>(N, -1));
+  std::vector<size_t> next(D, 0);
+  std::vector<double> free_at(D, 0);
+  sim::SimResult r;
+  r.compute.resize(D);
+  r.busy_s.assign(D, 0);
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int s = 0; s < D; ++s) {
+      while (next[s] < ops[s].size()) {
+        const auto [fwd, m] = ops[s][next[s]];
+        double ready = 0;
+        if (fwd) {
+          ready = s == 0 ? 0 : f_end[s - 1][m];
+        } else {
+          ready = s == D - 1 ? f_end[s][m] : b_end[s + 1][m];
+        }
+        if (ready < 0) break;
+        const double start = std::max(ready, free_at[s]);
+        const double d = fwd ? cost.ForwardTime(s, s) : cost.BackwardTime(s, s);
+        (fwd ? f_end : b_end)[s][m] = start + d;
+        free_at[s] = start + d;
+        r.busy_s[s] += d;
+        sim::Activity act;
+        act.start_s = start;
+        act.end_s = start + d;
+        act.kind = fwd ? sim::ActivityKind::kForward : sim::ActivityKind::kBackward;
+        act.microbatch = m;
+        act.stage = s;
+        r.compute[s].push_back(act);
+        ++next[s];
+        progress = true;
+      }
+    }
+  }
+  double end = 0, busy = 0;
+  for (int s = 0; s < D; ++s) {
+    if (next[s] != ops[s].size()) return absl::InternalError("synthetic pipeline deadlocked");
+    end = std::max(end, free_at[s]);
+    busy += r.busy_s[s];
+  }
+  r.iteration_time_s = r.pipeline_time_s = end;
+  r.utilization = r.pipeline_utilization = end > 0 ? busy / (D * end) : 0;
+  r.idle.resize(D);
+  r.sends.resize(D);
+  for (int s = 0; s < D; ++s) {
+    double at = 0;
+    for (const sim::Activity& act : r.compute[s]) {
+      if (act.start_s > at) r.idle[s].push_back({at, act.start_s});
+      at = act.end_s;
+    }
+    if (end > at) r.idle[s].push_back({at, end});
+  }
+
+  Scenario sc{absl::StrFormat(
+                  "synthetic %s: %d stages, %d microbatches, %d blocks (%s; ms per block: "
+                  "forward %.2f, backward %.2f, curvature %.2f, inversion %.2f, precondition "
+                  "%.2f)",
+                  a.schedule, D, N, p.blocks, a.profile.empty() ? "explicit" : a.profile,
+                  p.forward_ms, p.backward_ms, p.curvature_ms, p.inversion_ms,
+                  p.precondition_ms),
+              std::move(cost), {}, std::move(r), {}, {}};
+  for (int s = 0; s < D; ++s) sc.plan.assignment.stage_nodes.push_back({s});
+  for (int m = 0; m < N; ++m) {
+    sim::Route route;
+    route.microbatch = m;
+    for (int s = 0; s < D; ++s) {
+      route.nodes.push_back(s);
+      route.stages.push_back(s);
+    }
+    sc.plan.routes.push_back(route);
+  }
+  const planner::KfacLayerCost block = ProfileLayerCost(p);
+  int first = 0;
+  for (int s = 0; s < D; ++s) {
+    planner::KfacNodeWork w;
+    w.node_id = sc.cost.node_id(s);
+    w.stage = s;
+    for (int l = 0; l < layers[s]; ++l) {
+      w.layers.push_back(first + l);
+      w.costs.push_back(block);
+    }
+    first += layers[s];
+    sc.workload.nodes.push_back(std::move(w));
+  }
+  return sc;
+}
+
+absl::StatusOr<Scenario> Real(const KfacArgs& a) {
+  ASSIGN_OR_RETURN(v1::ClusterSpec cluster, LoadClusterSpec(a.cluster));
+  ASSIGN_OR_RETURN(v1::JobSpec job, LoadJobSpec(a.job));
+  ASSIGN_OR_RETURN(cluster, NormalizeClusterSpec(cluster));
+  ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::Create(cluster, job, a.tflops));
+  planner::PlannerOptions o;
+  o.seed = a.has_seed ? a.seed : job.seed();
+  o.sim.record_timeline = true;
+  if (!a.scheduler.empty()) {
+    ASSIGN_OR_RETURN(o.scheduler, planner::ParseSchedulerName(a.scheduler));
+  }
+  ASSIGN_OR_RETURN(planner::PlannedIteration it, planner::PlanIteration(cost, job, o));
+
+  const v1::ModelShape& shape = job.model();
+  const v1::PipelineSpec& p = job.pipeline();
+  const double tokens = static_cast<double>(p.samples_per_microbatch()) * shape.context_length();
+  const double tflops = a.tflops > 0 ? a.tflops : cluster.compute().tflops();
+  const int num_stages = it.plan.assignment.num_stages();
+  const std::vector<int> stage = it.plan.assignment.NodeStages(cost.num_nodes());
+  Scenario sc{"", cost, it.plan, it.result, {}, job.optimizer().kfac()};
+  // Factor bytes of one block (fp32), all-reduced like the gradients: a ring
+  // over the stage's replicas.
+  double factor_elems = 0;
+  {
+    const double d = shape.d_model();
+    const double heads = std::max<uint32_t>(1, shape.num_heads());
+    const double kv = d * (shape.num_kv_heads() > 0 ? shape.num_kv_heads() : heads) / heads;
+    const double ffn = shape.ffn_dim();
+    for (auto [fi, fo] : std::vector<std::pair<double, double>>{
+             {d, d}, {d, kv}, {d, kv}, {d, d}, {d, ffn}, {d, ffn}, {ffn, d}}) {
+      factor_elems += fi * fi + fo * fo;
+    }
+  }
+  for (int n = 0; n < cost.num_nodes(); ++n) {
+    planner::KfacNodeWork w;
+    w.node_id = cost.node_id(n);
+    w.stage = stage[n];
+    if (stage[n] >= 0) {
+      ASSIGN_OR_RETURN(LayerSpan span, StageLayers(shape.num_layers(), num_stages, stage[n]));
+      const std::vector<int>& group = it.plan.assignment.stage_nodes[stage[n]];
+      double sync = 0;
+      if (group.size() > 1) {
+        double lat = 0, bw = 0;
+        bool first = true;
+        for (int x : group) {
+          for (int y : group) {
+            if (x == y) continue;
+            lat = std::max(lat, cost.Latency(x, y));
+            bw = first ? cost.Bandwidth(x, y) : std::min(bw, cost.Bandwidth(x, y));
+            first = false;
+          }
+        }
+        const double r = group.size();
+        sync = 2 * (r - 1) * (lat + 4 * factor_elems / r / bw);
+      }
+      const double flops = tflops * 1e12 * cluster.nodes(n).speed();
+      planner::KfacLayerCost c = planner::EstimateKfacLayerCost(shape, tokens, flops);
+      c.sync_s = sync;
+      for (int l = span.begin; l < span.end; ++l) {
+        w.layers.push_back(l);
+        w.costs.push_back(c);
+      }
+    }
+    sc.workload.nodes.push_back(std::move(w));
+  }
+  sc.description = absl::StrFormat(
+      "cluster %s, job %s: scheduler %s, %d stages, %d data nodes x %d microbatches, %d "
+      "replicas, %s model (%d blocks), %.0f tokens per microbatch, %.0f TFLOP/s per speed unit",
+      cluster.name(), job.name(), planner::SchedulerName(it.scheduler), num_stages,
+      p.data_nodes(), p.microbatches_per_data_node(), p.replicas_per_stage(),
+      shape.preset().empty() ? "explicit" : shape.preset(), shape.num_layers(), tokens, tflops);
+  return sc;
+}
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
+  out << text;
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat("writing ", path, " failed"));
+  return absl::OkStatus();
+}
+
+const char* TaskColour(v1::BubbleTask::Kind k) {
+  switch (k) {
+    case v1::BubbleTask::KIND_CURVATURE_A:
+      return "#b07aa1";
+    case v1::BubbleTask::KIND_CURVATURE_B:
+      return "#d4a6c8";
+    case v1::BubbleTask::KIND_SYNC_FACTORS:
+      return "#9c755f";
+    case v1::BubbleTask::KIND_INVERT_A:
+      return "#76b7b2";
+    default:
+      return "#2f8f89";
+  }
+}
+
+absl::Status Run(const KfacArgs& a) {
+  ASSIGN_OR_RETURN(Scenario sc, a.schedule.empty() ? Real(a) : Synthetic(a));
+  v1::KfacSpec& k = sc.kfac;
+  k.set_curvature_microbatches(a.curvature_microbatches);
+  k.set_slack(a.slack);
+  k.set_refresh_interval(a.refresh_interval);
+  k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
+  bool replicated = false;
+  for (const auto& group : sc.plan.assignment.stage_nodes) replicated |= group.size() > 1;
+  k.set_sync_factors(a.sync.value_or(replicated));
+
+  ASSIGN_OR_RETURN(planner::BubblePlanner bp,
+                   planner::BubblePlanner::Create(sc.workload, k));
+  const planner::IterationTimeline timeline = planner::TimelineFromSimulation(sc.result);
+  const int max_iterations = a.iterations > 0 ? a.iterations : 1000;
+  std::vector<planner::IterationBubbles> its;
+  int holders = 0;
+  for (const auto& w : sc.workload.nodes) holders += !w.layers.empty();
+  for (int i = 0; i < max_iterations; ++i) {
+    ASSIGN_OR_RETURN(planner::IterationBubbles b, bp.PlanIteration(i, sc.plan, timeline));
+    its.push_back(std::move(b));
+    if (a.iterations == 0 && bp.completed_refreshes() >= static_cast<uint64_t>(a.refreshes)) {
+      break;
+    }
+  }
+  // Totals over the iterations: node-seconds busy and available.
+  double before_num = 0, before_den = 0, after_num = 0, after_den = 0, end_sum = 0, time_sum = 0;
+  for (const auto& b : its) {
+    before_num += b.utilization_before * holders * timeline.end_s;
+    before_den += holders * timeline.end_s;
+    after_num += b.utilization_after * holders * b.iteration_time_s;
+    after_den += holders * b.iteration_time_s;
+    end_sum += timeline.end_s;
+    time_sum += b.iteration_time_s;
+  }
+  const double before = before_den > 0 ? before_num / before_den : 0;
+  const double after = after_den > 0 ? after_num / after_den : 0;
+  const double overhead = end_sum > 0 ? time_sum / end_sum - 1 : 0;
+
+  if (!a.svg.empty()) {
+    size_t pick = 0;
+    for (size_t i = 0; i < its.size(); ++i) {
+      if (!its[i].tasks.empty()) {
+        pick = i;
+        break;
+      }
+    }
+    sim::SvgOptions o;
+    o.title = absl::StrFormat("K-FAC in the bubbles, iteration %d (utilisation %.1f%% -> %.1f%%)",
+                              pick, 100 * its[pick].utilization_before,
+                              100 * its[pick].utilization_after);
+    o.max_time_s = its[pick].iteration_time_s;
+    std::map<std::string, int> index;
+    for (size_t n = 0; n < sc.workload.nodes.size(); ++n) {
+      index[sc.workload.nodes[n].node_id] = static_cast<int>(n);
+    }
+    for (const v1::BubbleTask& t : its[pick].tasks) {
+      sim::SvgOverlay ov;
+      ov.node = index[t.node()];
+      ov.start_s = t.planned_start_s();
+      ov.end_s = t.planned_start_s() + t.planned_duration_s();
+      ov.colour = TaskColour(t.kind());
+      ov.label = absl::StrCat(v1::BubbleTask::Kind_Name(t.kind()), " layer ", t.layer(),
+                              t.module().empty() ? "" : absl::StrCat(" ", t.module()),
+                              t.serial() ? " (serial)" : "");
+      o.overlays.push_back(std::move(ov));
+    }
+    for (auto kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B,
+                      v1::BubbleTask::KIND_SYNC_FACTORS, v1::BubbleTask::KIND_INVERT_A,
+                      v1::BubbleTask::KIND_INVERT_B}) {
+      static const std::map<int, const char*> names = {
+          {v1::BubbleTask::KIND_CURVATURE_A, "K-FAC curvature A"},
+          {v1::BubbleTask::KIND_CURVATURE_B, "curvature B"},
+          {v1::BubbleTask::KIND_SYNC_FACTORS, "factor sync"},
+          {v1::BubbleTask::KIND_INVERT_A, "inversion A"},
+          {v1::BubbleTask::KIND_INVERT_B, "inversion B"}};
+      o.overlay_legend.push_back({TaskColour(kind), names.at(kind)});
+    }
+    RETURN_IF_ERROR(WriteText(a.svg, sim::TimelineSvg(sc.cost, sc.plan, sc.result, o)));
+  }
+
+  if (a.json) {
+    sim::JsonWriter w;
+    w.BeginObject();
+    w.Key("scenario");
+    w.String(sc.description);
+    w.Key("curvature_microbatches");
+    w.Int(k.curvature_microbatches());
+    w.Key("slack");
+    w.Number(k.slack());
+    w.Key("placement");
+    w.String(a.serial ? "serial" : "bubbles");
+    w.Key("sync_factors");
+    w.Bool(k.sync_factors());
+    w.Key("pipeline_time_s");
+    w.Number(timeline.end_s);
+    w.Key("utilization_before");
+    w.Number(before);
+    w.Key("utilization_after");
+    w.Number(after);
+    w.Key("time_overhead");
+    w.Number(overhead);
+    w.Key("completed_refreshes");
+    w.Int(static_cast<int64_t>(bp.completed_refreshes()));
+    w.Key("mean_refresh_interval");
+    w.Number(bp.mean_refresh_interval());
+    w.Key("refresh_intervals");
+    w.IntArray(bp.refresh_intervals());
+    w.Key("iterations");
+    w.BeginArray();
+    for (size_t i = 0; i < its.size(); ++i) {
+      const auto& b = its[i];
+      double bubble = 0, serial = 0;
+      for (double v : b.bubble_s) bubble += v;
+      for (double v : b.serial_s) serial = std::max(serial, v);
+      w.BeginObject();
+      w.Key("iteration");
+      w.Int(static_cast<int64_t>(i));
+      w.Key("iteration_time_s");
+      w.Number(b.iteration_time_s);
+      w.Key("utilization_before");
+      w.Number(b.utilization_before);
+      w.Key("utilization_after");
+      w.Number(b.utilization_after);
+      w.Key("bubble_s");
+      w.Number(bubble);
+      w.Key("serial_s");
+      w.Number(serial);
+      w.Key("tasks");
+      w.Int(static_cast<int64_t>(b.tasks.size()));
+      w.Key("activate_refresh");
+      if (b.activate_refresh) {
+        w.Int(static_cast<int64_t>(*b.activate_refresh));
+      } else {
+        w.Null();
+      }
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::cout << w.str() << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << sc.description << "\n";
+  std::cout << absl::StrFormat(
+      "K-FAC: %d curvature microbatch(es) per node, slack %.0f%%, %s, refresh interval %s, "
+      "factor sync %s\n\n",
+      k.curvature_microbatches(), 100 * k.slack(), a.serial ? "serial placement" : "in the bubbles",
+      k.refresh_interval() ? absl::StrCat(k.refresh_interval()) : "as the bubbles allow",
+      k.sync_factors() ? "on" : "off");
+  std::cout << absl::StrFormat("%9s %12s %12s %10s %10s %10s %6s %8s\n", "iteration", "pipeline_s",
+                               "iteration_s", "before", "after", "serial_s", "tasks", "refresh");
+  for (size_t i = 0; i < its.size(); ++i) {
+    const auto& b = its[i];
+    double serial = 0;
+    for (double v : b.serial_s) serial = std::max(serial, v);
+    std::cout << absl::StrFormat(
+        "%9d %12.3f %12.3f %9.1f%% %9.1f%% %10.3f %6d %8s\n", i, timeline.end_s,
+        b.iteration_time_s, 100 * b.utilization_before, 100 * b.utilization_after, serial,
+        b.tasks.size(),
+        b.activate_refresh ? absl::StrCat("r", *b.activate_refresh) : std::string("-"));
+  }
+  std::cout << absl::StrFormat(
+      "\nutilisation %.1f%% -> %.1f%% with K-FAC; time +%.1f%% (serial work and preconditioning); "
+      "%d refreshes, mean refresh interval %.2f iterations\n",
+      100 * before, 100 * after, 100 * overhead, bp.completed_refreshes(),
+      bp.mean_refresh_interval());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunKfac(const std::vector<std::string>& args) {
+  for (const std::string& s : args) {
+    if (s == "--help" || s == "-h") {
+      std::cout << kKfacUsage;
+      return 0;
+    }
+  }
+  absl::StatusOr<KfacArgs> a = Parse(args);
+  if (!a.ok()) {
+    std::cerr << "detour-sim kfac: " << a.status().message() << "\n";
+    return 2;
+  }
+  absl::Status s = Run(*a);
+  if (!s.ok()) {
+    if (absl::IsInvalidArgument(s) && absl::StartsWith(s.message(), "usage: ")) {
+      std::cerr << "detour-sim kfac: " << s.message() << "\n";
+      return 2;
+    }
+    std::cerr << "detour-sim kfac: error: " << s.ToString() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace detour::sim_tool
