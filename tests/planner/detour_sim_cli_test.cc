@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -181,6 +182,78 @@ TEST(DetourSimCliTest, BadClustersAreRefused) {
   r = Sim(absl::StrCat("plan --cluster ", small, " --job ", job));
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("needs"), std::string::npos) << r.out;
+}
+
+
+TEST(DetourSimCliTest, KfacSyntheticRaisesUtilisation) {
+  for (const char* schedule : {"1f1b", "gpipe"}) {
+    SimRun r = Sim(absl::StrCat("kfac --schedule ", schedule,
+                                " --stages 8 --microbatches 8 --profile bert-large-bs32 --json"),
+                   /*merge_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    google::protobuf::Struct report = ParseObject(r.out);
+    const auto& f = report.fields();
+    const double before = f.at("utilization_before").number_value();
+    const double after = f.at("utilization_after").number_value();
+    // (N)/(N+D-1) = 8/15 without K-FAC.
+    EXPECT_NEAR(before, 8.0 / 15, 1e-6) << schedule;
+    EXPECT_GT(after, before + 0.03) << schedule;
+    EXPECT_GE(f.at("completed_refreshes").number_value(), 3);
+    EXPECT_GE(f.at("mean_refresh_interval").number_value(), 1);
+    EXPECT_GT(f.at("iterations").list_value().values_size(), 0);
+  }
+  // Text output and the SVG with K-FAC colours.
+  const std::string svg = Temp("kfac.svg");
+  SimRun t = Sim(absl::StrCat("kfac --schedule 1f1b --stages 4 --microbatches 4 --forward-ms 1 "
+                              "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 8 "
+                              "--svg ", svg));
+  ASSERT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("mean refresh interval"), std::string::npos) << t.out;
+  const std::string picture = Read(svg);
+  EXPECT_EQ(picture.rfind("<svg", 0), 0u);
+  EXPECT_NE(picture.find("inversion A"), std::string::npos);
+  EXPECT_NE(picture.find("KIND_CURVATURE_A"), std::string::npos);
+}
+
+TEST(DetourSimCliTest, KfacOnThePlannedExample) {
+  SimRun r = Sim(absl::StrCat("kfac ", Example(), " --no-sync --json"), /*merge_stderr=*/false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  google::protobuf::Struct report = ParseObject(r.out);
+  const auto& f = report.fields();
+  EXPECT_GT(f.at("utilization_after").number_value(), f.at("utilization_before").number_value());
+  EXPECT_FALSE(f.at("sync_factors").bool_value());
+}
+
+TEST(DetourSimCliTest, KfacUsageErrors) {
+  struct Case {
+    std::string args, expect;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"kfac --schedule chimera --stages 2 --microbatches 2 --profile bert-base-bs8",
+            "--schedule"},
+           {"kfac --schedule 1f1b --stages 0 --microbatches 2 --profile bert-base-bs8",
+            "--stages"},
+           {"kfac --schedule 1f1b --microbatches 2 --profile bert-base-bs8", "--stages"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile gpt-huge", "--profile"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --forward-ms 1", "--backward-ms"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+            "--forward-ms -1",
+            "--forward-ms"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 --slack x",
+            "--slack"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 --bogus",
+            "--bogus"},
+           {"kfac --stages 2", "--schedule"},
+       }) {
+    SimRun r = Sim(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+  }
+  SimRun unknown = Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile gpt-huge");
+  EXPECT_NE(unknown.out.find("unknown profile"), std::string::npos) << unknown.out;
+  SimRun help = Sim("kfac --help");
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("bert-large-bs32"), std::string::npos);
 }
 
 }  // namespace
