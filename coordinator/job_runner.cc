@@ -16,6 +16,7 @@
 #include "common/spec.h"
 #include "common/stage_layers.h"
 #include "common/status.h"
+#include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
 #include "google/protobuf/util/time_util.h"
@@ -158,11 +159,21 @@ class JobRunner {
     cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
     planner::PlannerOptions options;
     options.seed = spec_.seed();
-    options.sim.record_timeline = false;  // only the predicted time is used
+    // K-FAC places its work into the simulated timeline's gaps; otherwise
+    // only the predicted time is used.
+    options.sim.record_timeline = kfac();
     auto first = planner::PlanIteration(*cost_, spec_, options);
     if (!first.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", first.status().message())};
     assignment_ = first->plan.assignment;
     first_plan_ = std::move(*first);
+    if (kfac()) {
+      auto bubbles = planner::BubblePlanner::Create(KfacWorkload(), spec_.optimizer().kfac());
+      if (!bubbles.ok()) {
+        return JobEnd{v1::JOB_STATE_FAILED,
+                      absl::StrCat("K-FAC bubble planner: ", bubbles.status().message())};
+      }
+      bubbles_ = std::make_unique<planner::BubblePlanner>(*std::move(bubbles));
+    }
 
     // Stage assignments.
     std::vector<v1::Peer> peers;
@@ -239,7 +250,7 @@ class JobRunner {
       planner::PlannerOptions options;
       options.seed = spec_.seed() + iteration;
       options.assignment = assignment_;
-      options.sim.record_timeline = false;
+      options.sim.record_timeline = kfac();
       const uint32_t k = spec_.pipeline().full_model_every();
       if (k > 0 && (iteration + 1) % k == 0) options.scheduler = v1::SCHEDULER_FULL;
       auto p = planner::PlanIteration(*cost_, spec_, options);
@@ -254,6 +265,17 @@ class JobRunner {
       *plan->add_routes() = planner::ToProtoRoute(*cost_, r);
     }
     plan->set_predicted_time_s(planned.result.iteration_time_s);
+    if (bubbles_ != nullptr) {
+      auto placed = bubbles_->PlanIteration(
+          iteration, planned.plan, planner::TimelineFromSimulation(planned.result));
+      if (!placed.ok()) {
+        return JobEnd{v1::JOB_STATE_FAILED,
+                      absl::StrCat("K-FAC bubble planner: ", placed.status().message())};
+      }
+      for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
+      if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
+      plan->set_predicted_time_s(placed->iteration_time_s);
+    }
     const v1::CheckpointPolicy& policy = spec_.checkpoint();
     const bool checkpoint =
         !policy.disabled() &&
@@ -279,6 +301,7 @@ class JobRunner {
     std::map<int, double> stage_norm;
     std::set<std::string> norms_from;
     std::map<std::string, v1::IterationResult> results;
+    std::map<std::string, v1::TimingReport> timings;
     bool stepped = false;
     while (results.size() < stage_of_.size()) {
       std::deque<Message> batch;
@@ -300,6 +323,7 @@ class JobRunner {
           results[worker] = msg.result();
         } else if (msg.has_timing() && msg.timing().iteration() == iteration) {
           manager_->estimates_.Add(msg.timing(), region_of_, stage_of_);
+          timings[worker] = msg.timing();
         }
       }
       if (!stepped && norms_from.size() == stage_of_.size()) {
@@ -353,13 +377,37 @@ class JobRunner {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
     const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
+    // Measured busy fractions, mean over the workers that reported.
+    double utilization = 0, utilization_kfac = 0;
+    for (const auto& [id, t] : timings) {
+      if (!(t.iteration_time_s() > 0)) continue;
+      double pipeline = 0, kfac_work = 0;
+      for (const v1::TaskTiming& task : t.tasks()) {
+        if (task.kind() == v1::TaskTiming::KIND_BUBBLE) {
+          kfac_work += task.duration_s();
+        } else if (task.kind() == v1::TaskTiming::KIND_FORWARD ||
+                   task.kind() == v1::TaskTiming::KIND_BACKWARD ||
+                   task.kind() == v1::TaskTiming::KIND_LOSS) {
+          pipeline += task.duration_s();
+        }
+      }
+      utilization += pipeline / t.iteration_time_s() / static_cast<double>(timings.size());
+      utilization_kfac +=
+          (pipeline + kfac_work) / t.iteration_time_s() / static_cast<double>(timings.size());
+    }
     manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
       v1::JobProgress* p = j->mutable_progress();
       p->set_iteration(iteration + 1);
       p->set_total_iterations(spec_.iterations());
       p->set_loss(loss);
       p->set_iteration_time_s(seconds);
-      p->set_predicted_iteration_time_s(planned.result.iteration_time_s);
+      p->set_predicted_iteration_time_s(plan->predicted_time_s());
+      p->set_utilization(utilization);
+      p->set_utilization_with_kfac(utilization_kfac);
+      if (bubbles_ != nullptr) {
+        p->set_kfac_refreshes(bubbles_->completed_refreshes());
+        p->set_kfac_refresh_interval(bubbles_->mean_refresh_interval());
+      }
       p->set_coordinator_overhead_s(absl::ToDoubleSeconds(overhead));
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
       const double per_iteration = elapsed / static_cast<double>(iteration + 1);
@@ -369,6 +417,35 @@ class JobRunner {
     const int every = manager_->options_.replan_every;
     if (every > 0 && (iteration + 1) % every == 0) UpdateSpeedsFromTimings();
     return std::nullopt;
+  }
+
+  bool kfac() const { return spec_.optimizer().kind() == v1::OPTIMIZER_KFAC; }
+
+  // Every planning node's blocks and the estimated cost of their K-FAC work
+  // at the node's current speed (cluster_, calibrated from timings).
+  planner::KfacWorkload KfacWorkload() const {
+    planner::KfacWorkload w;
+    const std::vector<int> stage_of = assignment_.NodeStages(cost_->num_nodes());
+    const double tokens = static_cast<double>(spec_.pipeline().samples_per_microbatch()) *
+                          spec_.model().context_length();
+    for (int n = 0; n < cost_->num_nodes(); ++n) {
+      planner::KfacNodeWork node;
+      node.node_id = cost_->node_id(n);
+      node.stage = stage_of[n];
+      if (node.stage >= 0) {
+        auto layers = StageLayers(static_cast<int>(spec_.model().num_layers()),
+                                  static_cast<int>(spec_.pipeline().num_stages()), node.stage);
+        if (layers.ok()) {
+          const double flops = cluster_.compute().tflops() * 1e12 * cluster_.nodes(n).speed();
+          for (int l = layers->begin; l < layers->end; ++l) {
+            node.layers.push_back(l);
+            node.costs.push_back(planner::EstimateKfacLayerCost(spec_.model(), tokens, flops));
+          }
+        }
+      }
+      w.nodes.push_back(std::move(node));
+    }
+    return w;
   }
 
   // Re-derives every node's speed from its measured forward time against the
@@ -531,6 +608,7 @@ class JobRunner {
   v1::ClusterSpec cluster_;
   std::unique_ptr<sim::CostModel> cost_;
   sim::StageAssignment assignment_;
+  std::unique_ptr<planner::BubblePlanner> bubbles_;  // K-FAC jobs only
   planner::PlannedIteration first_plan_;
   std::map<std::string, int> stage_of_;
   std::map<std::string, std::string> region_of_;

@@ -123,6 +123,16 @@ std::string ProgressText(const v1::Job& job) {
   if (p.iteration() > 0) absl::StrAppendFormat(&text, "  loss %.4f", p.loss());
   if (p.tokens_per_s() > 0) absl::StrAppendFormat(&text, "  %.0f tok/s", p.tokens_per_s());
   if (p.eta_s() > 0) absl::StrAppendFormat(&text, "  eta %.0fs", p.eta_s());
+  if (p.utilization() > 0) {
+    absl::StrAppendFormat(&text, "  busy %.0f%%", 100 * p.utilization());
+    if (p.utilization_with_kfac() > p.utilization()) {
+      absl::StrAppendFormat(&text, " (%.0f%% with K-FAC)", 100 * p.utilization_with_kfac());
+    }
+  }
+  if (p.kfac_refreshes() > 0) {
+    absl::StrAppendFormat(&text, "  K-FAC refreshes %d (every %.1f it)", p.kfac_refreshes(),
+                          p.kfac_refresh_interval());
+  }
   return text;
 }
 

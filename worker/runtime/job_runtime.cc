@@ -2,8 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <list>
 #include <map>
 #include <set>
 #include <thread>
@@ -20,6 +23,7 @@
 #include "common/status.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
+#include "worker/model/kfac.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
 #include "worker/model/text_data.h"
@@ -104,6 +108,10 @@ class JobRuntime::Impl {
   }
 
   void Post(std::function<void()> fn) {
+    if (bubble_running_.load(std::memory_order_acquire)) {
+      int64_t none = 0;
+      arrived_during_bubble_ns_.compare_exchange_strong(none, absl::GetCurrentTimeNanos());
+    }
     absl::MutexLock lock(&queue_mu_);
     if (stopping_) return;
     queue_.push_back(std::move(fn));
@@ -136,7 +144,10 @@ class JobRuntime::Impl {
             "iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
       }
       if (h.direction() == v1::DIRECTION_ALLREDUCE) {
-        if (shape != std::vector<int64_t>{accept_flat_numel_} || h.dtype() != v1::DTYPE_FP32) {
+        // Gradients, plus K-FAC factors in iterations that sync them (the
+        // exact size is checked against the plan when the tensor is used).
+        if (shape.size() != 1 || shape[0] < accept_flat_numel_ ||
+            shape[0] > accept_flat_numel_ + accept_factor_numel_ || h.dtype() != v1::DTYPE_FP32) {
           return absl::InvalidArgumentError(absl::StrCat(
               "all-reduce tensor [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
               " does not match this stage's ", accept_flat_numel_, " fp32 gradients"));
@@ -184,25 +195,44 @@ class JobRuntime::Impl {
     std::map<int, std::pair<at::Tensor, int>> reduce_inputs;  // rank -> (flat grad, visits)
     v1::TimingReport timing;
     Phase phase = Phase::kRunning;
+    // K-FAC: microbatches whose forward / backward ran on this node; this
+    // node's bubble tasks not yet run (plan order, serial ones last); the
+    // layers whose factors ride on this iteration's all-reduce.
+    std::set<uint32_t> forward_done;
+    std::set<uint32_t> backward_done;
+    std::list<v1::BubbleTask> bubbles;
+    std::vector<int> sync_layers;
+    double kfac_s = 0;
   };
 
   // --- executor ---------------------------------------------------------
 
+  // Pipeline work (anything posted) always runs first; K-FAC bubble tasks
+  // run one granule at a time only while the queue is empty, so an arriving
+  // forward or backward waits at most for the granule in progress.
   void Loop() {
     if (options_.torch_threads > 0) at::set_num_threads(options_.torch_threads);
     while (true) {
       std::function<void()> fn;
+      const v1::BubbleTask* bubble = nullptr;
       {
         absl::MutexLock lock(&queue_mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) {
-          return stopping_ || !queue_.empty();
-        };
-        queue_mu_.Await(absl::Condition(&ready));
-        if (stopping_) return;
-        fn = std::move(queue_.front());
-        queue_.pop_front();
+        if (!stopping_ && queue_.empty()) bubble = NextBubble();  // executor-only state
+        if (bubble == nullptr) {
+          auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) {
+            return stopping_ || !queue_.empty();
+          };
+          queue_mu_.Await(absl::Condition(&ready));
+          if (stopping_) return;
+          fn = std::move(queue_.front());
+          queue_.pop_front();
+        }
       }
-      fn();
+      if (bubble != nullptr) {
+        RunBubble(bubble, /*at_step_end=*/false);
+      } else {
+        fn();
+      }
     }
   }
 
@@ -259,6 +289,15 @@ class JobRuntime::Impl {
     optimizer_ = std::make_unique<model::AdamW>(stage_->Parameters(), spec.optimizer().adamw());
     flat_numel_ = 0;
     for (const auto& [name, t] : stage_->Parameters()) flat_numel_ += t.numel();
+    factor_numel_ = 0;
+    if (spec.optimizer().kind() == v1::OPTIMIZER_KFAC) {
+      ASSIGN_OR_RETURN(kfac_, model::Kfac::Create(stage_.get(), spec.optimizer()));
+      optimizer_->set_precondition_hook(kfac_.get());
+      const model::LayerRange layers = stage_->layers();
+      for (int l = layers.begin; l < layers.end; ++l) {
+        for (const at::Tensor& t : kfac_->PendingFactorTensors(l)) factor_numel_ += t.numel();
+      }
+    }
     if (stage_index_ == 0) {
       ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
       train_tokens_ = std::move(data.train);
@@ -279,6 +318,7 @@ class JobRuntime::Impl {
                                   spec.model().context_length(), spec.model().d_model()};
       accept_wire_ = wire_;
       accept_flat_numel_ = flat_numel_;
+      accept_factor_numel_ = factor_numel_;
     }
     if (set_job_) set_job_(job_id_);
     return absl::OkStatus();
@@ -318,6 +358,7 @@ class JobRuntime::Impl {
       if (!mbs.ok()) return Fail(mbs.status());
       it.microbatches = std::move(*mbs);
     }
+    if (absl::Status s = TakeBubbleTasks(); !s.ok()) return Fail(s);
     StartMicrobatches();
     // Tensors of this iteration that arrived before its plan.
     std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
@@ -353,6 +394,7 @@ class JobRuntime::Impl {
     if (!out.ok()) return Fail(out.status());
     Record(v1::TaskTiming::KIND_FORWARD, mb, start);
     ++it.done_tasks;
+    it.forward_done.insert(mb);
     if (pos + 1 < r.nodes_size()) {
       SendTensor(r.nodes(pos + 1), v1::DIRECTION_FORWARD, mb, pos + 1, *out);
     } else if (r.nodes_size() == 1) {
@@ -387,6 +429,7 @@ class JobRuntime::Impl {
     if (!gin.ok()) return Fail(gin.status());
     Record(v1::TaskTiming::KIND_BACKWARD, mb, start);
     ++it.done_tasks;
+    it.backward_done.insert(mb);
     ++it.local_visits;
     it.microbatches_done.push_back(mb);
     if (pos > 0) {
@@ -460,7 +503,9 @@ class JobRuntime::Impl {
     it.phase = Phase::kReducing;
     // Share this replica's summed gradient with the other replicas.
     if (group_.size() > 1) {
-      auto flat = FlatGradients(it.local_visits > 0);
+      // Factors to sync need all of this iteration's curvature first.
+      if (!it.sync_layers.empty() && !RunCurvatureNow()) return;
+      auto flat = FlatGradients(it.local_visits > 0, it.sync_layers);
       if (!flat.ok()) return Fail(flat.status());
       local_flat_ = *flat;
       for (size_t i = 0; i < group_.size(); ++i) {
@@ -473,12 +518,19 @@ class JobRuntime::Impl {
     TryReduce();
   }
 
-  absl::StatusOr<at::Tensor> FlatGradients(bool visited) {
+  // The stage's gradients, then the pending K-FAC factors of `sync_layers`,
+  // as one flat fp32 tensor (the all-reduce payload).
+  absl::StatusOr<at::Tensor> FlatGradients(bool visited, const std::vector<int>& sync_layers) {
     return model::GuardTorch("flattening gradients", [&]() -> absl::StatusOr<at::Tensor> {
       std::vector<at::Tensor> parts;
       for (const auto& [name, p] : stage_->Parameters()) {
         at::Tensor g = visited && p.grad().defined() ? p.grad() : at::zeros_like(p);
         parts.push_back(g.detach().to(at::kCPU).to(at::kFloat).reshape({-1}));
+      }
+      for (int layer : sync_layers) {
+        for (const at::Tensor& f : kfac_->PendingFactorTensors(layer)) {
+          parts.push_back(f.detach().to(at::kCPU).to(at::kFloat).reshape({-1}));
+        }
       }
       return at::cat(parts).contiguous();
     });
@@ -497,7 +549,21 @@ class JobRuntime::Impl {
         at::Tensor sum;
         for (int r = 0; r < static_cast<int>(group_.size()); ++r) {
           const at::Tensor& part = r == rank_ ? local_flat_ : it.reduce_inputs.at(r).first;
+          if (part.numel() != local_flat_.numel()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "all-reduce from ", group_[r], " has ", part.numel(), " values, expected ",
+                local_flat_.numel(), " (gradients + K-FAC factors of layers ",
+                absl::StrJoin(it.sync_layers, ","), ")"));
+          }
           sum = sum.defined() ? sum + part : part.clone();
+        }
+        // Synced factors: the tail of the payload, back into place.
+        int64_t tail = flat_numel_;
+        for (int layer : it.sync_layers) {
+          for (at::Tensor& f : kfac_->PendingFactorTensors(layer)) {
+            f.copy_(sum.narrow(0, tail, f.numel()).view(f.sizes()).to(f.device()));
+            tail += f.numel();
+          }
         }
         if (total_visits == 0) return absl::OkStatus();
         int64_t offset = 0;
@@ -541,6 +607,28 @@ class JobRuntime::Impl {
       return;
     }
     Iteration& it = *it_;
+    // K-FAC work of the iteration that found no idle time, and the serial
+    // items, run now: the step may activate what they compute.
+    while (!it.bubbles.empty()) {
+      const v1::BubbleTask* task = nullptr;
+      for (const v1::BubbleTask& t : it.bubbles) {
+        if (BubbleReady(t)) {
+          task = &t;
+          break;
+        }
+      }
+      if (task == nullptr) {
+        return Fail(absl::FailedPreconditionError(absl::StrCat(
+            "K-FAC task ", BubbleTaskName(it.bubbles.front()),
+            " cannot run: the iteration gave it no input (plan inconsistent with the routes)")));
+      }
+      if (!RunBubble(task, /*at_step_end=*/true)) return;
+    }
+    if (kfac_ != nullptr && it.plan.kfac_activate_refresh() > 0) {
+      kfac_->Activate();
+      LogDebug("job ", job_id_, ": K-FAC refresh ", it.plan.kfac_activate_refresh() - 1,
+               " active from iteration ", it.plan.iteration());
+    }
     const absl::Time start = absl::Now();
     const double lr = model::ScheduledLearningRate(spec_.optimizer(), it.plan.iteration(),
                                                    spec_.iterations());
@@ -549,9 +637,11 @@ class JobRuntime::Impl {
     absl::Status stepped = optimizer_->Step(lr, clip);
     if (!stepped.ok()) return Fail(stepped);
     stage_->ZeroGrad();
+    if (kfac_ != nullptr) kfac_->DropAllCaptures();
     Record(v1::TaskTiming::KIND_OPTIMIZER, 0, start);
     const double duration = absl::ToDoubleSeconds(absl::Now() - it.received);
     it.timing.set_iteration_time_s(duration);
+    PublishUtilization(it, duration);
     v1::WorkerMessage timing;
     *timing.mutable_timing() = it.timing;
     Send(std::move(timing));
@@ -619,6 +709,232 @@ class JobRuntime::Impl {
     if (cancel.job_id() != job_id_) return;
     LogInfo("job ", job_id_, " released: ", cancel.reason());
     Abandon();
+  }
+
+  // --- K-FAC bubble work ---------------------------------------------------
+
+  // This node's tasks from the plan: curvature microbatches are captured
+  // (their block inputs and output gradients kept), sync layers noted, the
+  // rest queued in plan order with the serial ones last.
+  absl::Status TakeBubbleTasks() {
+    Iteration& it = *it_;
+    std::vector<v1::BubbleTask> in_gaps, serial;
+    for (const v1::BubbleTask& t : it.plan.bubble_tasks()) {
+      if (t.node() != me_) continue;
+      if (kfac_ == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the plan gives K-FAC task ", BubbleTaskName(t), " to a job without K-FAC"));
+      }
+      const model::LayerRange layers = stage_->layers();
+      if (static_cast<int>(t.layer()) < layers.begin || static_cast<int>(t.layer()) >= layers.end) {
+        return absl::InvalidArgumentError(absl::StrCat("K-FAC task ", BubbleTaskName(t),
+                                                       " names a layer this stage (",
+                                                       layers.begin, "-", layers.end - 1,
+                                                       ") does not hold"));
+      }
+      switch (t.kind()) {
+        case v1::BubbleTask::KIND_CURVATURE_A:
+        case v1::BubbleTask::KIND_CURVATURE_B:
+          if (!it.routes.count(t.microbatch())) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "K-FAC task ", BubbleTaskName(t), " names a microbatch the plan has no route for"));
+          }
+          if (!kfac_->captured(t.microbatch())) kfac_->Capture(t.microbatch());
+          break;
+        case v1::BubbleTask::KIND_SYNC_FACTORS:
+          if (group_.size() > 1) it.sync_layers.push_back(static_cast<int>(t.layer()));
+          continue;
+        case v1::BubbleTask::KIND_INVERT_A:
+        case v1::BubbleTask::KIND_INVERT_B:
+          break;
+        case v1::BubbleTask::KIND_PRECONDITION:
+          continue;  // part of every K-FAC step
+        default:
+          return absl::InvalidArgumentError(
+              absl::StrCat("unknown K-FAC task kind ", static_cast<int>(t.kind())));
+      }
+      (t.serial() ? serial : in_gaps).push_back(t);
+    }
+    it.bubbles.assign(in_gaps.begin(), in_gaps.end());
+    it.bubbles.insert(it.bubbles.end(), serial.begin(), serial.end());
+    std::sort(it.sync_layers.begin(), it.sync_layers.end());
+    it.sync_layers.erase(std::unique(it.sync_layers.begin(), it.sync_layers.end()),
+                         it.sync_layers.end());
+    return absl::OkStatus();
+  }
+
+  static std::string BubbleTaskName(const v1::BubbleTask& t) {
+    std::string name = absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5));
+    absl::StrAppend(&name, "(layer ", t.layer());
+    if (!t.module().empty()) absl::StrAppend(&name, " ", t.module());
+    if (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
+        t.kind() == v1::BubbleTask::KIND_CURVATURE_B) {
+      absl::StrAppend(&name, " mb ", t.microbatch());
+    }
+    absl::StrAppend(&name, ", refresh ", t.refresh(), ")");
+    return name;
+  }
+
+  static bool IsCurvature(const v1::BubbleTask& t) {
+    return t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
+           t.kind() == v1::BubbleTask::KIND_CURVATURE_B;
+  }
+  static bool IsInversion(const v1::BubbleTask& t) {
+    return t.kind() == v1::BubbleTask::KIND_INVERT_A || t.kind() == v1::BubbleTask::KIND_INVERT_B;
+  }
+
+  // Whether a task may run now. Curvature: the microbatch's forward (A) or
+  // backward (B) ran here, and the layer's previous refresh is finalised
+  // (its first inversion ran; Kfac then starts new pending sums). Inversion:
+  // no curvature of the same or an earlier refresh of the layer is left in
+  // this iteration, and its factors are not waiting for the all-reduce.
+  bool BubbleReady(const v1::BubbleTask& t) const {
+    const Iteration& it = *it_;
+    if (IsCurvature(t)) {
+      const bool input = t.kind() == v1::BubbleTask::KIND_CURVATURE_A
+                             ? it.forward_done.count(t.microbatch()) > 0
+                             : it.backward_done.count(t.microbatch()) > 0;
+      if (!input) return false;
+      if (t.refresh() == 0) return true;
+      auto done = finalized_refresh_.find(static_cast<int>(t.layer()));
+      if (done != finalized_refresh_.end() && done->second + 1 >= t.refresh()) return true;
+      for (const v1::BubbleTask& o : it.bubbles) {
+        if (IsInversion(o) && o.layer() == t.layer() && o.refresh() < t.refresh()) return false;
+      }
+      return true;
+    }
+    for (const v1::BubbleTask& o : it.bubbles) {
+      if (IsCurvature(o) && o.layer() == t.layer() && o.refresh() <= t.refresh()) return false;
+    }
+    const bool syncing = std::binary_search(it.sync_layers.begin(), it.sync_layers.end(),
+                                            static_cast<int>(t.layer()));
+    return !syncing || it.phase == Phase::kWaitingStep;
+  }
+
+  // The next bubble task to run while idle, or null. Bubble tasks only while
+  // pipeline work of the iteration remains or is over; serial ones only once
+  // this node's pipeline work is done.
+  const v1::BubbleTask* NextBubble() {
+    if (it_ == nullptr || kfac_ == nullptr) return nullptr;
+    for (const v1::BubbleTask& t : it_->bubbles) {
+      if (t.serial() && it_->phase == Phase::kRunning) continue;
+      if (BubbleReady(t)) return &t;
+    }
+    return nullptr;
+  }
+
+  // Runs one task (it must be in it_->bubbles) and removes it. False when the
+  // job failed.
+  bool RunBubble(const v1::BubbleTask* task, bool at_step_end) {
+    Iteration& it = *it_;
+    auto pos = std::find_if(it.bubbles.begin(), it.bubbles.end(),
+                            [task](const v1::BubbleTask& t) { return &t == task; });
+    const v1::BubbleTask t = *pos;
+    it.bubbles.erase(pos);
+    const absl::Time start = absl::Now();
+    bubble_running_.store(true, std::memory_order_release);
+    absl::Status s = model::GuardTorch("K-FAC", [&]() -> absl::Status {
+      const int layer = static_cast<int>(t.layer());
+      switch (t.kind()) {
+        case v1::BubbleTask::KIND_CURVATURE_A: return kfac_->CurvatureA(layer, t.microbatch());
+        case v1::BubbleTask::KIND_CURVATURE_B: return kfac_->CurvatureB(layer, t.microbatch());
+        case v1::BubbleTask::KIND_INVERT_A: return kfac_->InvertA(layer, t.module());
+        case v1::BubbleTask::KIND_INVERT_B: return kfac_->InvertB(layer, t.module());
+        default: return absl::OkStatus();
+      }
+    });
+    bubble_running_.store(false, std::memory_order_release);
+    const absl::Time end = absl::Now();
+    if (IsInversion(t)) {
+      uint64_t& done = finalized_refresh_[static_cast<int>(t.layer())];
+      done = std::max(done, t.refresh());
+      // A layer no curvature microbatch ever reached (skip routes) has no
+      // factor to invert yet: it stays with AdamW until one does.
+      if (s.code() == absl::StatusCode::kFailedPrecondition &&
+          !(t.kind() == v1::BubbleTask::KIND_INVERT_A
+                ? kfac_->FactorA(static_cast<int>(t.layer()), t.module())
+                : kfac_->FactorB(static_cast<int>(t.layer()), t.module()))
+               .defined()) {
+        LogWarning("job ", job_id_, ": ", BubbleTaskName(t), " skipped: ", s.message());
+        s = absl::OkStatus();
+      }
+    }
+    const int64_t arrived = arrived_during_bubble_ns_.exchange(0);
+    if (arrived != 0 && kfac_delay_metric_ != nullptr) {
+      kfac_delay_metric_->Observe(std::max(0.0, (absl::ToUnixNanos(end) - arrived) * 1e-9));
+    }
+    if (!s.ok()) {
+      Fail(Annotate(s, BubbleTaskName(t)));
+      return false;
+    }
+    Record(v1::TaskTiming::KIND_BUBBLE, t.microbatch(), start);
+    const double seconds = absl::ToDoubleSeconds(end - start);
+    it.kfac_s += seconds;
+    const std::string placement = t.serial() ? "serial" : at_step_end ? "overdue" : "bubble";
+    if (kfac_tasks_metric_ != nullptr) {
+      auto c = kfac_tasks_metric_->WithLabels(
+          {absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5)), placement});
+      if (c.ok()) (*c)->Increment();
+    }
+    if (kfac_seconds_metric_ != nullptr) {
+      auto c = kfac_seconds_metric_->WithLabels({placement});
+      if (c.ok()) (void)(*c)->IncrementBy(seconds);
+    }
+    return true;
+  }
+
+  // Runs every curvature task of the iteration now (they are all ready once
+  // the node's pipeline work is done). False when the job failed.
+  bool RunCurvatureNow() {
+    Iteration& it = *it_;
+    while (true) {
+      const v1::BubbleTask* next = nullptr;
+      for (const v1::BubbleTask& t : it.bubbles) {
+        if (IsCurvature(t) && BubbleReady(t)) {
+          next = &t;
+          break;
+        }
+      }
+      if (next == nullptr) {
+        for (const v1::BubbleTask& t : it.bubbles) {
+          if (IsCurvature(t)) next = &t;  // blocked: an inversion must run first
+        }
+        if (next != nullptr) {
+          for (const v1::BubbleTask& t : it.bubbles) {
+            if (IsInversion(t) && BubbleReady(t)) {
+              next = &t;
+              break;
+            }
+          }
+        }
+      }
+      if (next == nullptr) return true;
+      if (!BubbleReady(*next)) {
+        Fail(absl::FailedPreconditionError(absl::StrCat(
+            "K-FAC task ", BubbleTaskName(*next),
+            " cannot run: the microbatch did not pass this node (plan inconsistent)")));
+        return false;
+      }
+      if (!RunBubble(next, /*at_step_end=*/true)) return false;
+    }
+  }
+
+  // Busy fraction of the iteration: pipeline work, and with K-FAC work.
+  void PublishUtilization(const Iteration& it, double duration) {
+    if (utilization_metric_ == nullptr || duration <= 0) return;
+    double pipeline = 0;
+    for (const v1::TaskTiming& t : it.timing.tasks()) {
+      if (t.kind() == v1::TaskTiming::KIND_FORWARD || t.kind() == v1::TaskTiming::KIND_BACKWARD ||
+          t.kind() == v1::TaskTiming::KIND_LOSS) {
+        pipeline += t.duration_s();
+      }
+    }
+    if (auto g = utilization_metric_->WithLabels({"pipeline"}); g.ok()) {
+      (*g)->Set(pipeline / duration);
+    }
+    if (auto g = utilization_metric_->WithLabels({"pipeline_and_kfac"}); g.ok()) {
+      (*g)->Set((pipeline + it.kfac_s) / duration);
+    }
   }
 
   // --- helpers ----------------------------------------------------------
@@ -733,6 +1049,8 @@ class JobRuntime::Impl {
     it_.reset();
     early_.clear();
     optimizer_.reset();
+    kfac_.reset();
+    finalized_refresh_.clear();
     stage_.reset();
     train_tokens_.clear();
     local_flat_ = at::Tensor();
@@ -774,6 +1092,34 @@ class JobRuntime::Impl {
                            "Tensors for an old or unknown iteration, dropped.");
     unexpected_frames_ = counter("detour_worker_frames_unexpected",
                                  "Tensors not matching the plan (hop, duplicate), dropped.");
+    if (auto f = m->AddGauge("detour_worker_busy_fraction",
+                             "Busy fraction of the last iteration's wall time: work=\"pipeline\" "
+                             "counts forward, backward and loss; work=\"pipeline_and_kfac\" "
+                             "adds K-FAC curvature and inversion work.",
+                             {"work"});
+        f.ok()) {
+      utilization_metric_ = *f;
+    }
+    if (auto f = m->AddCounter("detour_worker_kfac_tasks",
+                               "K-FAC tasks run, by kind and placement: bubble (while idle), "
+                               "serial (planned at step end), overdue (planned in a bubble, "
+                               "run at step end because no idle time came).",
+                               {"kind", "placement"});
+        f.ok()) {
+      kfac_tasks_metric_ = *f;
+    }
+    if (auto f = m->AddCounter("detour_worker_kfac_seconds",
+                               "Seconds of K-FAC work, by placement.", {"placement"});
+        f.ok()) {
+      kfac_seconds_metric_ = *f;
+    }
+    if (auto f = m->AddHistogram("detour_worker_kfac_delay_seconds",
+                                 "How long pipeline work that arrived during a K-FAC bubble "
+                                 "task waited for it to finish.",
+                                 metrics::DefaultLatencyBuckets());
+        f.ok()) {
+      if (auto h = (*f)->WithLabels({}); h.ok()) kfac_delay_metric_ = *h;
+    }
   }
 
   static void Count(metrics::Counter* c) {
@@ -797,6 +1143,7 @@ class JobRuntime::Impl {
   std::vector<int64_t> accept_activation_shape_ ABSL_GUARDED_BY(accept_mu_);
   v1::DType accept_wire_ ABSL_GUARDED_BY(accept_mu_) = v1::DTYPE_FP32;
   int64_t accept_flat_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  int64_t accept_factor_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
 
   // Executor-only state.
   std::string me_;  // this worker's id, from the assignment
@@ -808,7 +1155,14 @@ class JobRuntime::Impl {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::unique_ptr<model::Stage> stage_;
   std::unique_ptr<model::AdamW> optimizer_;
+  std::unique_ptr<model::Kfac> kfac_;  // K-FAC jobs only
+  std::map<int, uint64_t> finalized_refresh_;  // layer -> newest refresh inverted
   int64_t flat_numel_ = 0;
+  int64_t factor_numel_ = 0;  // all held layers' factors (all-reduce bound)
+  // Set while a bubble task runs; the first pipeline message arriving then
+  // records its time (how long bubble work delays pipeline work).
+  std::atomic<bool> bubble_running_{false};
+  std::atomic<int64_t> arrived_during_bubble_ns_{0};
   std::vector<int32_t> train_tokens_;
   v1::DType wire_ = v1::DTYPE_FP32;
   std::map<std::string, v1::Peer> peers_;
@@ -823,6 +1177,10 @@ class JobRuntime::Impl {
   metrics::Counter* iterations_metric_ = nullptr;
   metrics::Counter* late_frames_ = nullptr;
   metrics::Counter* unexpected_frames_ = nullptr;
+  metrics::GaugeFamily* utilization_metric_ = nullptr;
+  metrics::CounterFamily* kfac_tasks_metric_ = nullptr;
+  metrics::CounterFamily* kfac_seconds_metric_ = nullptr;
+  metrics::Histogram* kfac_delay_metric_ = nullptr;
 };
 
 JobRuntime::JobRuntime(JobRuntimeOptions options, SendFn send, JobFn set_job)
