@@ -199,13 +199,15 @@ struct BubblePlanner::State {
   v1::KfacSpec kfac;
   BubblePlannerOptions options;
 
-  // Per node and layer position, for the refresh in flight.
+  // Per node and layer position, for one refresh in flight.
   struct NodeState {
     std::vector<int> owed_a, owed_b;      // curvature microbatches still owed
     std::vector<int> miss_a, miss_b;      // iterations without any fitting gap
     std::vector<bool> synced;             // factors all-reduced (or no sync needed)
     std::vector<double> curvature_end;    // when the layer's last curvature ended
                                           // this iteration (0 when done earlier)
+    std::vector<bool> inverted;           // an inversion of the layer was placed
+                                          // in an earlier iteration
     // Inversions still to run: (kind, layer position, module), priority order.
     struct Inversion {
       Kind kind;
@@ -215,10 +217,17 @@ struct BubblePlanner::State {
     };
     std::vector<Inversion> inversions;
   };
-  std::vector<NodeState> nodes;
-  bool in_refresh = false;
-  uint64_t refresh = 0;
-  uint64_t refresh_start = 0;
+  struct Refresh {
+    uint64_t number = 0;
+    std::vector<NodeState> nodes;
+  };
+  // Refreshes in flight, oldest first: at most two. flight[0] may curvature,
+  // sync, invert and be activated; flight[1] only collects curvature (and
+  // syncs it) until flight[0] is activated.
+  std::vector<Refresh> flight;
+  uint64_t next_refresh = 0;
+  // First planned iteration after the last activation (the refresh window).
+  std::optional<uint64_t> window_start;
   std::optional<uint64_t> last_iteration;
   std::vector<int> intervals;
 
@@ -229,7 +238,7 @@ struct BubblePlanner::State {
     return false;
   }
   bool NeedsSync(int node) const;
-  void StartRefresh(uint64_t iteration);
+  Refresh NewRefresh();
 };
 
 bool BubblePlanner::State::NeedsSync(int node) const {
@@ -245,20 +254,21 @@ bool BubblePlanner::State::NeedsSync(int node) const {
   return false;
 }
 
-void BubblePlanner::State::StartRefresh(uint64_t iteration) {
-  in_refresh = true;
-  refresh_start = iteration;
+BubblePlanner::State::Refresh BubblePlanner::State::NewRefresh() {
+  Refresh r;
+  r.number = next_refresh++;
   const int k = static_cast<int>(std::max<uint32_t>(1, kfac.curvature_microbatches()));
-  nodes.assign(workload.nodes.size(), NodeState());
+  r.nodes.assign(workload.nodes.size(), NodeState());
   for (size_t n = 0; n < workload.nodes.size(); ++n) {
     const size_t layers = workload.nodes[n].layers.size();
-    NodeState& s = nodes[n];
+    NodeState& s = r.nodes[n];
     s.owed_a.assign(layers, k);
     s.owed_b.assign(layers, k);
     s.miss_a.assign(layers, 0);
     s.miss_b.assign(layers, 0);
     s.synced.assign(layers, !NeedsSync(static_cast<int>(n)));
     s.curvature_end.assign(layers, 0);
+    s.inverted.assign(layers, false);
     for (Kind kind : {v1::BubbleTask::KIND_INVERT_A, v1::BubbleTask::KIND_INVERT_B}) {
       for (size_t l = 0; l < layers; ++l) {
         for (int m = 0; m < kNumModules; ++m) {
@@ -267,6 +277,7 @@ void BubblePlanner::State::StartRefresh(uint64_t iteration) {
       }
     }
   }
+  return r;
 }
 
 BubblePlanner::BubblePlanner(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -352,6 +363,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   }
   st.last_iteration = iteration;
 
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   const double end = timeline.end_s;
   const double slack = 1.0 + st.kfac.slack();
   const bool use_bubbles = st.kfac.placement() != v1::KFAC_PLACEMENT_SERIAL;
@@ -363,18 +375,28 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   out.precondition_s.assign(num_nodes, 0);
 
   const bool work = st.HasWork();
-  if (work && !st.in_refresh) st.StartRefresh(iteration);
-  const uint64_t age = work ? iteration - st.refresh_start + 1 : 0;
-  // The iteration in which everything left must finish.
+  if (work && !st.window_start) st.window_start = iteration;
+  // Iterations of the current window, this one included: the oldest refresh
+  // in flight is activated at the end of a window.
+  const uint64_t age = work ? iteration - *st.window_start + 1 : 0;
+  // The iteration in which everything the oldest refresh still owes must finish.
   const bool final_iteration = work && (fixed > 0 ? age >= fixed : !use_bubbles);
+  if (work && st.flight.empty()) st.flight.push_back(st.NewRefresh());
+  // The next refresh joins at once (bubbles, adaptive interval) or in the last
+  // iteration of the current window (fixed interval); never with serial placement.
+  if (work && use_bubbles && st.flight.size() == 1 && (fixed == 0 || final_iteration)) {
+    st.flight.push_back(st.NewRefresh());
+  }
   const bool place = work && (use_bubbles || final_iteration);
+  // Refreshes placing work this iteration: flight[0] (the front) and flight[1].
+  const int num_refreshes = place ? static_cast<int>(st.flight.size()) : 0;
 
   // Serial time cursor per node, relative to end_s, and serial work seconds.
   std::vector<double> serial_cursor(num_nodes, 0);
   std::vector<double> serial_work(num_nodes, 0);
   std::vector<v1::BubbleTask> tasks;
 
-  auto make_task = [&](int node, Kind kind, int layer_pos, int module, int microbatch,
+  auto make_task = [&](int f, int node, Kind kind, int layer_pos, int module, int microbatch,
                        double start, double duration, bool serial) {
     v1::BubbleTask t;
     t.set_kind(kind);
@@ -382,7 +404,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     t.set_layer(static_cast<uint32_t>(st.workload.nodes[node].layers[layer_pos]));
     t.set_module(module >= 0 ? KfacModules()[module] : "");
     t.set_microbatch(static_cast<uint32_t>(std::max(0, microbatch)));
-    t.set_refresh(st.refresh);
+    t.set_refresh(st.flight[f].number);
     t.set_planned_start_s(start);
     t.set_planned_duration_s(duration);
     t.set_part(0);
@@ -397,9 +419,9 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       out.bubble_s[node] += duration;
     }
   };
-  auto add_serial = [&](int node, Kind kind, int layer_pos, int module, int microbatch,
+  auto add_serial = [&](int f, int node, Kind kind, int layer_pos, int module, int microbatch,
                         double duration) {
-    make_task(node, kind, layer_pos, module, microbatch, end + serial_cursor[node], duration,
+    make_task(f, node, kind, layer_pos, module, microbatch, end + serial_cursor[node], duration,
               true);
     serial_cursor[node] += duration;
   };
@@ -421,13 +443,16 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     double duration = 0;
     bool placed = false;
   };
-  std::vector<std::vector<Curv>> curv(num_nodes);
+  // curv[f][n]: refresh flight[f]'s candidates on node n.
+  std::vector<std::vector<std::vector<Curv>>> curv(
+      num_refreshes, std::vector<std::vector<Curv>>(num_nodes));
   std::vector<std::vector<std::pair<double, double>>> gaps(num_nodes);
+  // Microbatches whose forward (backward) ran on the node this iteration.
+  std::vector<int> forwards(num_nodes, 0), backwards(num_nodes, 0);
 
   for (int n = 0; n < num_nodes && place; ++n) {
     const KfacNodeWork& w = st.workload.nodes[n];
     if (w.layers.empty()) continue;
-    State::NodeState& ns = st.nodes[n];
     const NodeTimeline& tl = timeline.nodes[n];
     gaps[n] = use_bubbles ? Gaps(tl, end) : std::vector<std::pair<double, double>>();
 
@@ -446,26 +471,38 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       if (f >= 0) fwd.push_back({mb, f});
       if (b >= 0) bwd.push_back({mb, b});
     }
+    forwards[n] = static_cast<int>(fwd.size());
+    backwards[n] = static_cast<int>(bwd.size());
+    // The oldest refresh takes the lowest microbatch ids; the next one the
+    // following ids: a microbatch feeds one refresh per layer and kind.
     for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
       const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
       const auto& cand = is_a ? fwd : bwd;
       for (size_t l = 0; l < w.layers.size(); ++l) {
-        const int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
         const double d = is_a ? w.costs[l].curvature_a_s : w.costs[l].curvature_b_s;
-        for (int i = 0; i < owed && i < static_cast<int>(cand.size()); ++i) {
-          curv[n].push_back({kind, static_cast<int>(l), cand[i].first, cand[i].second, d, false});
+        size_t next = 0;
+        for (int f = 0; f < num_refreshes; ++f) {
+          const State::NodeState& ns = st.flight[f].nodes[n];
+          const int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
+          for (int i = 0; i < owed && next < cand.size(); ++i, ++next) {
+            curv[f][n].push_back(
+                {kind, static_cast<int>(l), cand[next].first, cand[next].second, d, false});
+          }
         }
       }
     }
     // Layers whose curvature was complete before this iteration.
-    for (size_t l = 0; l < w.layers.size(); ++l) ns.curvature_end[l] = 0;
+    for (int f = 0; f < num_refreshes; ++f) {
+      auto& ends = st.flight[f].nodes[n].curvature_end;
+      std::fill(ends.begin(), ends.end(), 0.0);
+    }
   }
 
   // Remaining curvature of a layer after this iteration's placements so far.
-  auto owed_after = [&](int n, int l, bool is_a) {
-    State::NodeState& ns = st.nodes[n];
+  auto owed_after = [&](int f, int n, int l, bool is_a) {
+    const State::NodeState& ns = st.flight[f].nodes[n];
     int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
-    for (const Curv& c : curv[n]) {
+    for (const Curv& c : curv[f][n]) {
       if (c.placed && c.layer == l && (c.kind == v1::BubbleTask::KIND_CURVATURE_A) == is_a) {
         --owed;
       }
@@ -473,21 +510,34 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     return owed;
   };
 
+  // The front's first inversion of each layer this iteration: its end (with
+  // slack), kInf while none is placed. The next refresh's curvature of the
+  // layer must start after it (or the front inverted the layer earlier).
+  std::vector<std::vector<double>> first_inversion_end(num_nodes);
+  auto curvature_gate = [&](int n, int l) -> double {
+    if (num_refreshes < 2) return 0;
+    if (st.flight[0].nodes[n].inverted[l]) return 0;
+    return first_inversion_end[n][l];
+  };
+
   // --- Greedy first-fit inside the gaps, per node. -------------------------
-  std::vector<std::vector<bool>> inv_placed(num_nodes);
+  // Priority: the front's curvature A, B, its inversions A, B, then the next
+  // refresh's curvature A, B (it may not invert before the front is active).
+  std::vector<std::vector<bool>> inv_placed(num_nodes);  // the front's
   for (int n = 0; n < num_nodes && place; ++n) {
     const KfacNodeWork& w = st.workload.nodes[n];
     if (w.layers.empty()) continue;
-    State::NodeState& ns = st.nodes[n];
+    State::NodeState& ns = st.flight[0].nodes[n];
     inv_placed[n].assign(ns.inversions.size(), false);
-    if (!use_bubbles) continue;
     const size_t layers = w.layers.size();
+    first_inversion_end[n].assign(layers, kInf);
+    if (!use_bubbles) continue;
     // Curvature still owed per layer (A + B) and when its last placed item ends.
     std::vector<int> left(layers, 0);
     std::vector<double> done_at(layers, 0);
     for (size_t l = 0; l < layers; ++l) left[l] = ns.owed_a[l] + ns.owed_b[l];
     auto inv_ready = [&](int l) -> double {
-      if (left[l] > 0 || !ns.synced[l]) return std::numeric_limits<double>::infinity();
+      if (left[l] > 0 || !ns.synced[l]) return kInf;
       // With sync the factors were all-reduced at a previous step: ready at 0.
       return done_at[l];
     };
@@ -495,22 +545,28 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       double t = gs;
       while (t < ge - kEps) {
         bool placed = false;
-        double next_ready = std::numeric_limits<double>::infinity();
-        for (Curv& c : curv[n]) {
-          if (c.placed) continue;
-          if (c.ready > t + kEps) {
-            next_ready = std::min(next_ready, c.ready);
-            continue;
+        double next_ready = kInf;
+        auto try_curvature = [&](int f) {
+          for (Curv& c : curv[f][n]) {
+            if (c.placed) continue;
+            const double ready = f == 0 ? c.ready : std::max(c.ready, curvature_gate(n, c.layer));
+            if (ready > t + kEps) {
+              next_ready = std::min(next_ready, ready);
+              continue;
+            }
+            if (t + c.duration * slack > ge + kEps) continue;
+            c.placed = true;
+            make_task(f, n, c.kind, c.layer, -1, c.mb, t, c.duration, false);
+            t += c.duration * slack;
+            if (f == 0) {
+              --left[c.layer];
+              done_at[c.layer] = std::max(done_at[c.layer], t);
+            }
+            placed = true;
+            return;
           }
-          if (t + c.duration * slack > ge + kEps) continue;
-          c.placed = true;
-          make_task(n, c.kind, c.layer, -1, c.mb, t, c.duration, false);
-          t += c.duration * slack;
-          --left[c.layer];
-          done_at[c.layer] = std::max(done_at[c.layer], t);
-          placed = true;
-          break;
-        }
+        };
+        try_curvature(0);
         if (placed) continue;
         for (size_t i = 0; i < ns.inversions.size(); ++i) {
           if (inv_placed[n][i]) continue;
@@ -525,11 +581,14 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
                                                                      : c.invert_b_s[inv.module];
           if (t + d * slack > ge + kEps) continue;
           inv_placed[n][i] = true;
-          make_task(n, inv.kind, inv.layer, inv.module, -1, t, d, false);
+          make_task(0, n, inv.kind, inv.layer, inv.module, -1, t, d, false);
           t += d * slack;
+          first_inversion_end[n][inv.layer] = std::min(first_inversion_end[n][inv.layer], t);
           placed = true;
           break;
         }
+        if (placed) continue;
+        if (num_refreshes > 1) try_curvature(1);
         if (placed) continue;
         if (next_ready >= ge - kEps) break;
         t = std::max(t, next_ready);
@@ -539,49 +598,63 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   }
 
   // --- Curvature: book what was placed, serialise what must be. -----------
-  for (int n = 0; n < num_nodes && place; ++n) {
-    const KfacNodeWork& w = st.workload.nodes[n];
-    if (w.layers.empty()) continue;
-    State::NodeState& ns = st.nodes[n];
-    for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
-      const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
-      for (size_t l = 0; l < w.layers.size(); ++l) {
-        const int l_int = static_cast<int>(l);
-        int owed = owed_after(n, l_int, is_a);
-        if (owed <= 0) {
-          (is_a ? ns.owed_a : ns.owed_b)[l] = 0;
-          continue;
-        }
-        int& misses = is_a ? ns.miss_a[l] : ns.miss_b[l];
-        bool any_candidate = false;
-        bool fits = false;
-        for (const Curv& c : curv[n]) {
-          if (c.placed || c.layer != l_int || c.kind != kind) continue;
-          any_candidate = true;
-          fits = fits || FitsSomeGap(gaps[n], c.ready, c.duration * slack);
-        }
-        if (!fits) ++misses;
-        const bool go_serial = final_iteration || misses >= st.options.serial_after;
-        if (go_serial) {
-          for (Curv& c : curv[n]) {
-            if (c.placed || c.layer != l_int || c.kind != kind) continue;
-            c.placed = true;
-            add_serial(n, kind, l_int, -1, c.mb, c.duration);
-            --owed;
+  for (int f = 0; f < num_refreshes; ++f) {
+    const bool last_chance = f == 0 && final_iteration;
+    for (int n = 0; n < num_nodes; ++n) {
+      const KfacNodeWork& w = st.workload.nodes[n];
+      if (w.layers.empty()) continue;
+      State::NodeState& ns = st.flight[f].nodes[n];
+      for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
+        const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
+        for (size_t l = 0; l < w.layers.size(); ++l) {
+          const int l_int = static_cast<int>(l);
+          int owed = owed_after(f, n, l_int, is_a);
+          if (owed <= 0) {
+            (is_a ? ns.owed_a : ns.owed_b)[l] = 0;
+            continue;
           }
-          // What no microbatch of this iteration can provide (the node was
-          // visited by too few, or by none for serial_after iterations) is
-          // waived: the refresh goes ahead with fewer curvature microbatches.
-          if (!any_candidate || final_iteration) owed = 0;
-          misses = 0;
+          // The next refresh: not before the front's first inversion of the
+          // layer on this node (in the bubbles this iteration or earlier). A
+          // front inversion that runs serially now only lets it in next time.
+          const double gate = f == 0 ? 0 : curvature_gate(n, l_int);
+          if (gate == kInf) {
+            (is_a ? ns.owed_a : ns.owed_b)[l] = owed;
+            continue;
+          }
+          int& misses = is_a ? ns.miss_a[l] : ns.miss_b[l];
+          bool any_candidate = false;
+          bool fits = false;
+          for (const Curv& c : curv[f][n]) {
+            if (c.placed || c.layer != l_int || c.kind != kind) continue;
+            any_candidate = true;
+            fits = fits || FitsSomeGap(gaps[n], std::max(c.ready, gate), c.duration * slack);
+          }
+          // The older refresh taking every microbatch of the node is no miss.
+          const int ran = is_a ? forwards[n] : backwards[n];
+          const bool taken = f > 0 && !any_candidate && ran > 0;
+          if (!fits && !taken) ++misses;
+          const bool go_serial = last_chance || misses >= st.options.serial_after;
+          if (go_serial) {
+            for (Curv& c : curv[f][n]) {
+              if (c.placed || c.layer != l_int || c.kind != kind) continue;
+              c.placed = true;
+              add_serial(f, n, kind, l_int, -1, c.mb, c.duration);
+              --owed;
+            }
+            // What no microbatch of this iteration can provide (the node was
+            // visited by too few, or by none for serial_after iterations) is
+            // waived: the refresh goes ahead with fewer curvature microbatches.
+            if (!any_candidate || last_chance) owed = 0;
+            misses = 0;
+          }
+          (is_a ? ns.owed_a : ns.owed_b)[l] = std::max(0, owed);
         }
-        (is_a ? ns.owed_a : ns.owed_b)[l] = std::max(0, owed);
       }
     }
   }
 
   // --- Factor sync: serial, all replicas of a stage at once. ---------------
-  std::vector<std::vector<bool>> synced_now(num_nodes);
+  std::vector<std::vector<bool>> synced_now(num_nodes);  // the front's
   for (int n = 0; n < num_nodes; ++n) {
     synced_now[n].assign(st.workload.nodes[n].layers.size(), false);
   }
@@ -591,60 +664,80 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     for (int n = 0; n < num_nodes; ++n) {
       if (st.NeedsSync(n)) stage_nodes[st.workload.nodes[n].stage].push_back(n);
     }
-    for (const auto& [stage, members] : stage_nodes) {
-      const KfacNodeWork& first = st.workload.nodes[members[0]];
-      for (size_t l = 0; l < first.layers.size(); ++l) {
-        const int layer = first.layers[l];
-        // Position of the layer on every replica; all must be done.
-        bool ready = true;
-        bool all_synced = true;
-        std::vector<int> pos;
-        for (int m : members) {
-          const auto& ls = st.workload.nodes[m].layers;
-          auto it = std::find(ls.begin(), ls.end(), layer);
-          if (it == ls.end()) {
-            ready = false;
-            break;
+    for (int f = 0; f < num_refreshes; ++f) {
+      for (const auto& [stage, members] : stage_nodes) {
+        const KfacNodeWork& first = st.workload.nodes[members[0]];
+        for (size_t l = 0; l < first.layers.size(); ++l) {
+          const int layer = first.layers[l];
+          // Position of the layer on every replica; all must be done.
+          bool ready = true;
+          bool all_synced = true;
+          std::vector<int> pos;
+          for (int m : members) {
+            const auto& ls = st.workload.nodes[m].layers;
+            auto it = std::find(ls.begin(), ls.end(), layer);
+            if (it == ls.end()) {
+              ready = false;
+              break;
+            }
+            const int p = static_cast<int>(it - ls.begin());
+            pos.push_back(p);
+            const State::NodeState& ns = st.flight[f].nodes[m];
+            if (ns.owed_a[p] > 0 || ns.owed_b[p] > 0) ready = false;
+            if (!ns.synced[p]) all_synced = false;
+            if (f > 0) {
+              // The next refresh's factors are all-reduced with the pending
+              // sums: only once the front inverted the layer on every replica
+              // in an earlier iteration (rule 1 on all replicas), and not in
+              // an iteration with front inversions of the layer in the
+              // bubbles (the worker holds inversions of a syncing layer until
+              // the all-reduce).
+              const State::NodeState& front = st.flight[0].nodes[m];
+              if (!front.inverted[p]) ready = false;
+              for (size_t i = 0; i < front.inversions.size(); ++i) {
+                if (inv_placed[m][i] && front.inversions[i].layer == p) ready = false;
+              }
+            }
           }
-          const int p = static_cast<int>(it - ls.begin());
-          pos.push_back(p);
-          const State::NodeState& ns = st.nodes[m];
-          if (ns.owed_a[p] > 0 || ns.owed_b[p] > 0) ready = false;
-          if (!ns.synced[p]) all_synced = false;
-        }
-        if (!ready || all_synced) continue;
-        double start = 0, duration = 0;
-        for (size_t i = 0; i < members.size(); ++i) {
-          start = std::max(start, serial_cursor[members[i]]);
-          duration = std::max(duration, st.workload.nodes[members[i]].costs[pos[i]].sync_s);
-        }
-        for (size_t i = 0; i < members.size(); ++i) {
-          const int m = members[i];
-          serial_cursor[m] = start;
-          add_serial(m, v1::BubbleTask::KIND_SYNC_FACTORS, pos[i], -1, -1, duration);
-          st.nodes[m].synced[pos[i]] = true;
-          synced_now[m][pos[i]] = true;
+          if (!ready || all_synced) continue;
+          double start = 0, duration = 0;
+          for (size_t i = 0; i < members.size(); ++i) {
+            start = std::max(start, serial_cursor[members[i]]);
+            duration = std::max(duration, st.workload.nodes[members[i]].costs[pos[i]].sync_s);
+          }
+          for (size_t i = 0; i < members.size(); ++i) {
+            const int m = members[i];
+            serial_cursor[m] = start;
+            add_serial(f, m, v1::BubbleTask::KIND_SYNC_FACTORS, pos[i], -1, -1, duration);
+            st.flight[f].nodes[m].synced[pos[i]] = true;
+            if (f == 0) synced_now[m][pos[i]] = true;
+          }
         }
       }
     }
   }
 
-  // --- Inversions: book, count misses, serialise. -------------------------
+  // --- The front's inversions: book, count misses, serialise. -------------
   for (int n = 0; n < num_nodes && place; ++n) {
     const KfacNodeWork& w = st.workload.nodes[n];
     if (w.layers.empty()) continue;
-    State::NodeState& ns = st.nodes[n];
+    State::NodeState& ns = st.flight[0].nodes[n];
     std::vector<State::NodeState::Inversion> remaining;
+    std::vector<bool> inverted_now(w.layers.size(), false);
     for (size_t i = 0; i < ns.inversions.size(); ++i) {
-      if (inv_placed[n][i]) continue;
       auto inv = ns.inversions[i];
       const int l = inv.layer;
+      if (inv_placed[n][i]) {
+        inverted_now[l] = true;
+        continue;
+      }
       const bool curvature_done = ns.owed_a[l] == 0 && ns.owed_b[l] == 0;
       const KfacLayerCost& c = w.costs[l];
       const double d = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
                                                                  : c.invert_b_s[inv.module];
       if (final_iteration) {
-        add_serial(n, inv.kind, l, inv.module, -1, d);
+        add_serial(0, n, inv.kind, l, inv.module, -1, d);
+        inverted_now[l] = true;
         continue;
       }
       // Ready during this iteration's gaps? (Synced just now: from the next.)
@@ -652,30 +745,34 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       if (was_ready && use_bubbles) {
         if (!FitsSomeGap(gaps[n], ns.curvature_end[l], d * slack)) ++inv.misses;
         if (inv.misses >= st.options.serial_after) {
-          add_serial(n, inv.kind, l, inv.module, -1, d);
+          add_serial(0, n, inv.kind, l, inv.module, -1, d);
+          inverted_now[l] = true;
           continue;
         }
       }
       remaining.push_back(inv);
     }
     ns.inversions = std::move(remaining);
+    for (size_t l = 0; l < w.layers.size(); ++l) {
+      if (inverted_now[l]) ns.inverted[l] = true;
+    }
   }
 
-  // --- Refresh completion and activation. ----------------------------------
-  if (work) {
+  // --- Activation of the front. --------------------------------------------
+  if (num_refreshes > 0) {
     bool complete = true;
     for (int n = 0; n < num_nodes && complete; ++n) {
-      const State::NodeState& ns = st.nodes[n];
+      const State::NodeState& ns = st.flight[0].nodes[n];
       if (!ns.inversions.empty()) complete = false;
       for (size_t l = 0; l < ns.owed_a.size() && complete; ++l) {
         if (ns.owed_a[l] > 0 || ns.owed_b[l] > 0 || !ns.synced[l]) complete = false;
       }
     }
     if (complete && (fixed == 0 || final_iteration)) {
-      out.activate_refresh = st.refresh;
+      out.activate_refresh = st.flight[0].number;
       st.intervals.push_back(static_cast<int>(age));
-      ++st.refresh;
-      st.in_refresh = false;
+      st.window_start.reset();
+      st.flight.erase(st.flight.begin());
     }
   }
 
@@ -698,15 +795,17 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     out.utilization_after = (busy + kfac) / (holders * out.iteration_time_s);
   }
 
-  // Deterministic order: node, bubble before serial, start time, then kind.
+  // Deterministic order: node, bubble before serial, start time, refresh
+  // (older first: at equal times its inversion precedes the next refresh's
+  // curvature), then kind.
   std::map<std::string, int> node_index;
   for (int n = 0; n < num_nodes; ++n) node_index.emplace(st.workload.nodes[n].node_id, n);
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](const v1::BubbleTask& a, const v1::BubbleTask& b) {
                      return std::make_tuple(node_index[a.node()], a.serial(), a.planned_start_s(),
-                                            static_cast<int>(a.kind())) <
+                                            a.refresh(), static_cast<int>(a.kind())) <
                             std::make_tuple(node_index[b.node()], b.serial(), b.planned_start_s(),
-                                            static_cast<int>(b.kind()));
+                                            b.refresh(), static_cast<int>(b.kind()));
                    });
   out.tasks = std::move(tasks);
   return out;

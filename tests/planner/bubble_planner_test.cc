@@ -1,6 +1,7 @@
 // K-FAC bubble planner: hand-built cases (refresh interval, spill, serial,
-// fixed interval, serial placement, sync, errors) and a property test over
-// random timelines and workloads.
+// fixed interval, serial placement, sync, overlapping refreshes, errors) and a
+// property test over random timelines and workloads (dependencies, the
+// overlap rules 1 and 2 of docs/KFAC.md §Planner, intervals).
 #include "coordinator/planner/bubble_planner.h"
 
 #include <gtest/gtest.h>
@@ -124,11 +125,15 @@ TEST(BubblePlannerTest, EverythingFitsRefreshesEveryIteration) {
 
 TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
   // Gap [2, 12): A and B (1 s each) then 5 inversions of 1.5 s; then 6 per
-  // iteration: 5 + 6 + 3 = 14 inversions over three iterations.
+  // iteration: 5 + 6 + 3 = 14 inversions over three iterations. Refresh 1
+  // collects its curvature meanwhile, after refresh 0's inversions (the only
+  // microbatch is refresh 0's in iteration 0): A at 11 in iteration 1, B in
+  // iteration 2.
   OneNode o = MakeOneNode(Cost(1, 1, 1.5), 12);
   auto p = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(p.ok());
   std::vector<int> inversions;
+  std::vector<std::pair<int, double>> next_curvature;  // (kind, start) of refresh 1
   for (uint64_t i = 0; i < 3; ++i) {
     auto it = p->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(it.ok());
@@ -136,15 +141,28 @@ TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
                          Count(*it, v1::BubbleTask::KIND_INVERT_B, false));
     EXPECT_EQ(it->activate_refresh.has_value(), i == 2) << i;
     EXPECT_DOUBLE_EQ(it->serial_s[0], 0);
-    for (const auto& t : it->tasks) EXPECT_EQ(t.refresh(), 0u);
+    for (const auto& t : it->tasks) {
+      if (t.kind() >= v1::BubbleTask::KIND_INVERT_A) EXPECT_EQ(t.refresh(), 0u);
+      if (t.refresh() == 1) next_curvature.push_back({t.kind(), t.planned_start_s()});
+    }
   }
   EXPECT_EQ(inversions, (std::vector<int>{5, 6, 3}));
+  EXPECT_EQ(next_curvature, (std::vector<std::pair<int, double>>{
+                                {v1::BubbleTask::KIND_CURVATURE_A, 11},
+                                {v1::BubbleTask::KIND_CURVATURE_B, 6.5}}));
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3}));
-  // Refresh 1 starts in the next iteration, with curvature again.
+  // Refresh 1 inverts from the next iteration on (its curvature is done);
+  // refresh 2 takes the tail of the gap.
   auto it = p->PlanIteration(3, o.plan, o.timeline);
   ASSERT_TRUE(it.ok());
-  EXPECT_EQ(Count(*it, v1::BubbleTask::KIND_CURVATURE_A, false), 1);
   EXPECT_EQ(it->tasks[0].refresh(), 1u);
+  EXPECT_EQ(it->tasks[0].kind(), v1::BubbleTask::KIND_INVERT_A);
+  EXPECT_DOUBLE_EQ(it->tasks[0].planned_start_s(), 2);
+  EXPECT_EQ(it->tasks.back().refresh(), 2u);
+  EXPECT_EQ(it->tasks.back().kind(), v1::BubbleTask::KIND_CURVATURE_A);
+  for (uint64_t i = 4; i < 9; ++i) ASSERT_TRUE(p->PlanIteration(i, o.plan, o.timeline).ok());
+  // Still 14 inversions per refresh at 6 per iteration, but back to back.
+  EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3, 3, 3}));
 }
 
 TEST(BubblePlannerTest, TooLargeItemSpillsThenGoesSerial) {
@@ -219,7 +237,15 @@ TEST(BubblePlannerTest, FixedIntervalWaitsWhenWorkIsDoneEarly) {
     auto it = p->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(it.ok());
     EXPECT_EQ(it->activate_refresh.has_value(), i % 3 == 2) << i;
-    EXPECT_EQ(it->tasks.empty(), i % 3 != 0) << i;
+    // Refresh r+1 joins in the last iteration of refresh r's window (2, 5):
+    // its curvature there, its inversions right after r's activation (3).
+    EXPECT_EQ(it->tasks.empty(), i == 1 || i == 4) << i;
+    for (const auto& t : it->tasks) {
+      EXPECT_EQ(t.refresh(), (i + 1) / 3) << i;
+      const bool curvature = t.kind() <= v1::BubbleTask::KIND_CURVATURE_B;
+      if (i == 2 || i == 5) EXPECT_TRUE(curvature) << i;
+      if (i == 3) EXPECT_FALSE(curvature) << i;
+    }
   }
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3, 3}));
 }
@@ -289,6 +315,70 @@ TEST(BubblePlannerTest, CurvatureWaitsForItsMicrobatch) {
     }
   }
   EXPECT_TRUE(it->activate_refresh.has_value());
+}
+
+TEST(BubblePlannerTest, LeadingBubbleTakesThePreviousRefreshsInversions) {
+  // Leading bubble [0, 4), forward [4, 5), gap [5, 6), backward [6, 7), gap
+  // [7, 12). A, B and each of the 14 inversions take 0.5 s (7 s in all).
+  OneNode o = MakeOneNode(Cost(0.5, 0.5, 0.5), 12);
+  o.timeline.nodes[0].busy = {{4, 5, BK::kForward, 0}, {6, 7, BK::kBackward, 0}};
+  auto p = BubblePlanner::Create(o.workload, Spec());
+  ASSERT_TRUE(p.ok());
+  // Iteration 0: nothing can use the leading bubble (refresh 0's curvature
+  // needs this iteration's forward and backward); A at 5, B at 7, then 9 of
+  // the 14 inversions up to 12.
+  auto it0 = p->PlanIteration(0, o.plan, o.timeline);
+  ASSERT_TRUE(it0.ok());
+  EXPECT_FALSE(it0->activate_refresh.has_value());
+  EXPECT_EQ(Count(*it0, v1::BubbleTask::KIND_INVERT_A, false) +
+                Count(*it0, v1::BubbleTask::KIND_INVERT_B, false),
+            9);
+  for (const auto& t : it0->tasks) {
+    EXPECT_EQ(t.refresh(), 0u);
+    EXPECT_GE(t.planned_start_s(), 5);
+  }
+  // Iteration 1: refresh 0's last 5 inversions fill the leading bubble
+  // [0, 2.5); refresh 1's curvature runs after the forward and the backward,
+  // and refresh 0 is activated at this step. Refresh 1 may not invert yet.
+  auto it1 = p->PlanIteration(1, o.plan, o.timeline);
+  ASSERT_TRUE(it1.ok());
+  ASSERT_TRUE(it1->activate_refresh.has_value());
+  EXPECT_EQ(*it1->activate_refresh, 0u);
+  ASSERT_EQ(it1->tasks.size(), 7u);
+  for (int i = 0; i < 5; ++i) {
+    const auto& t = it1->tasks[i];
+    EXPECT_EQ(t.refresh(), 0u) << i;
+    EXPECT_GE(t.kind(), v1::BubbleTask::KIND_INVERT_A) << i;
+    EXPECT_DOUBLE_EQ(t.planned_start_s(), 0.5 * i) << i;
+  }
+  EXPECT_EQ(it1->tasks[5].refresh(), 1u);
+  EXPECT_EQ(it1->tasks[5].kind(), v1::BubbleTask::KIND_CURVATURE_A);
+  EXPECT_DOUBLE_EQ(it1->tasks[5].planned_start_s(), 5);
+  EXPECT_EQ(it1->tasks[6].refresh(), 1u);
+  EXPECT_EQ(it1->tasks[6].kind(), v1::BubbleTask::KIND_CURVATURE_B);
+  EXPECT_DOUBLE_EQ(it1->tasks[6].planned_start_s(), 7);
+  EXPECT_DOUBLE_EQ(it1->bubble_s[0], 3.5);
+  // Iteration 2 on: each iteration inverts one refresh (8 in the leading
+  // bubble, 2 in [5, 6), 4 from 7) and collects the next one's curvature
+  // after them: a refresh every iteration (the old planner: every second).
+  for (uint64_t i = 2; i < 5; ++i) {
+    auto it = p->PlanIteration(i, o.plan, o.timeline);
+    ASSERT_TRUE(it.ok());
+    ASSERT_TRUE(it->activate_refresh.has_value()) << i;
+    EXPECT_EQ(*it->activate_refresh, i - 1);
+    std::map<uint64_t, int> per_refresh;
+    for (const auto& t : it->tasks) {
+      ++per_refresh[t.refresh()];
+      EXPECT_FALSE(t.serial());
+      if (t.refresh() == i) {
+        EXPECT_LE(t.kind(), v1::BubbleTask::KIND_CURVATURE_B);
+        EXPECT_GE(t.planned_start_s(), 9);  // after the 4 inversions from 7
+      }
+    }
+    EXPECT_EQ(per_refresh, (std::map<uint64_t, int>{{i - 1, 14}, {i, 2}})) << i;
+    EXPECT_DOUBLE_EQ(it->bubble_s[0], 8);
+  }
+  EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{2, 1, 1, 1}));
 }
 
 TEST(BubblePlannerTest, SyncRunsOnAllReplicasAtOnceBeforeInversions) {
@@ -498,7 +588,7 @@ RandomCase MakeRandom(uint64_t seed, int iterations) {
 
 TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
   constexpr int kIterations = 12;
-  int activations_total = 0, serial_total = 0, bubble_total = 0;
+  int activations_total = 0, serial_total = 0, bubble_total = 0, overlapping_total = 0;
   for (uint64_t seed = 1; seed <= 300; ++seed) {
     SCOPED_TRACE(absl::StrCat("seed ", seed));
     RandomCase c = MakeRandom(seed, kIterations);
@@ -518,6 +608,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
     struct Track {
       When last_curvature{0, -1};
       When first_inversion{1u << 30, 0};
+      double first_inversion_end = 0;  // in first_inversion's iteration
       When sync{0, -1};
       When first_sync{1u << 30, 0};
       int inversions = 0, curv_a = 0, curv_b = 0, syncs = 0;
@@ -526,6 +617,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
     std::map<uint64_t, uint64_t> activated;  // refresh -> iteration
     std::map<uint64_t, uint64_t> last_task_iteration;
     uint64_t expected_refresh = 0;
+    int overlapping = 0;  // iterations with tasks of two refreshes
     for (uint64_t it = 0; it < kIterations; ++it) {
       const IterationTimeline& tl = c.timelines[it];
       auto out = planner->PlanIteration(it, c.plan, tl);
@@ -537,7 +629,18 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         const double s = t.planned_start_s(), d = t.planned_duration_s();
         EXPECT_GE(d, 0);
         EXPECT_EQ(t.num_parts(), 1u);
-        EXPECT_EQ(t.refresh(), expected_refresh);
+        // At most two refreshes in flight: the oldest not activated, and the
+        // next one (not with serial placement).
+        EXPECT_GE(t.refresh(), expected_refresh);
+        EXPECT_LE(t.refresh(), expected_refresh +
+                                   (c.kfac.placement() == v1::KFAC_PLACEMENT_SERIAL ? 0 : 1));
+        // Rule 2: inversions of q only after q-1's activation iteration.
+        if (t.refresh() > 0 && t.kind() >= v1::BubbleTask::KIND_INVERT_A) {
+          ASSERT_TRUE(activated.count(t.refresh() - 1))
+              << "inversion of refresh " << t.refresh() << " before " << t.refresh() - 1
+              << " was activated";
+          EXPECT_LT(activated.at(t.refresh() - 1), it);
+        }
         last_task_iteration[t.refresh()] = it;
         if (t.serial()) {
           ++serial_total;
@@ -584,13 +687,56 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
             break;
           case v1::BubbleTask::KIND_INVERT_A:
           case v1::BubbleTask::KIND_INVERT_B:
-            tr.first_inversion = std::min(tr.first_inversion, start);
+            if (start < tr.first_inversion) {
+              tr.first_inversion = start;
+              tr.first_inversion_end = s + d;
+            }
             ++tr.inversions;
             break;
           default:
             ADD_FAILURE() << "unexpected kind " << t.kind();
         }
       }
+      // Rule 1, per task: curvature of q on (node, layer) only after q-1's
+      // first inversion there (same iteration: from its end). The sync of q
+      // only once that holds on every replica of the stage, and (the worker
+      // holds inversions of a syncing layer until the all-reduce) not in an
+      // iteration with bubble inversions of q-1 for the layer.
+      std::set<uint64_t> refreshes;
+      for (const v1::BubbleTask& t : out->tasks) {
+        refreshes.insert(t.refresh());
+        if (t.refresh() == 0) continue;
+        const int node = index[t.node()];
+        auto first_inversion_done = [&](int m, double at) {
+          auto prev = track.find({t.refresh() - 1, m, t.layer()});
+          if (prev == track.end() || prev->second.inversions == 0) return false;
+          const Track& p = prev->second;
+          return p.first_inversion.first < it ||
+                 (p.first_inversion.first == it && p.first_inversion_end <= at + 1e-9);
+        };
+        if (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
+            t.kind() == v1::BubbleTask::KIND_CURVATURE_B) {
+          EXPECT_TRUE(first_inversion_done(node, t.planned_start_s()))
+              << "curvature of refresh " << t.refresh() << " layer " << t.layer() << " on "
+              << t.node() << " at " << it << "/" << t.planned_start_s()
+              << " before the first inversion of refresh " << t.refresh() - 1;
+        }
+        if (t.kind() == v1::BubbleTask::KIND_SYNC_FACTORS) {
+          for (int m = 0; m < n; ++m) {
+            if (c.workload.nodes[m].stage != c.workload.nodes[node].stage) continue;
+            EXPECT_TRUE(first_inversion_done(m, t.planned_start_s()))
+                << "sync of refresh " << t.refresh() << " before rule 1 holds on replica " << m;
+            for (const v1::BubbleTask& o : out->tasks) {
+              EXPECT_FALSE(o.refresh() + 1 == t.refresh() && o.layer() == t.layer() &&
+                           !o.serial() && o.kind() >= v1::BubbleTask::KIND_INVERT_A &&
+                           index[o.node()] == m)
+                  << "bubble inversion of the previous refresh while syncing layer "
+                  << t.layer();
+            }
+          }
+        }
+      }
+      overlapping += refreshes.size() > 1;
       // No two bubble tasks of a node overlap.
       for (auto& u : used) {
         std::sort(u.begin(), u.end());
@@ -636,6 +782,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
       }
       EXPECT_LE(last_task_iteration[refresh], activated.at(refresh));
     }
+    overlapping_total += overlapping;
     // Intervals add up: refresh r spans (activation r-1, activation r].
     const std::vector<int>& intervals = planner->refresh_intervals();
     ASSERT_EQ(intervals.size(), activated.size());
@@ -647,8 +794,9 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
       }
     }
   }
-  // The random cases exercise both paths.
+  // The random cases exercise both paths, and overlapping refreshes.
   EXPECT_GT(activations_total, 300);
+  EXPECT_GT(overlapping_total, 300);
   EXPECT_GT(serial_total, 0);
   EXPECT_GT(bubble_total, 0);
 }
