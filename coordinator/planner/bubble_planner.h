@@ -6,24 +6,37 @@
 //   CURVATURE_B(layer, mb)  after the backward of mb on that node (module "")
 //   SYNC_FACTORS(layer)     replicated stages with sync on: after every
 //                           replica's curvature of the layer; runs in the
-//                           iteration's all-reduce (placed at its end, serial)
+//                           iteration's all-reduce (placed at its end, serial);
+//                           for refresh q+1 only once q inverted the layer on
+//                           every replica in an earlier iteration and has no
+//                           bubble inversion of it in this one
 //   INVERT_A(layer, m), INVERT_B(layer, m) for each projection m: after all
 //                           curvature (and sync) of the layer
 // The planner is stateful: work that does not fit an iteration's gaps spills
-// into the following iterations; refresh r's new inverses take effect on all
+// into the following iterations. Refreshes overlap, at most two in flight:
+// refresh q+1 joins as soon as q is in flight and collects its curvature of a
+// layer on a node only after q's first inversion of that layer there (the
+// worker's K-FAC finalises the layer's pending factor sums at that inversion;
+// in the same iteration: from its end), and places its inversions only in
+// iterations after q's activation (Kfac::Activate activates every inverse
+// computed since the previous one). Refresh q's new inverses take effect on all
 // workers at once at the step of the iteration in which its last item ends
-// (IterationBubbles::activate_refresh), and refresh r+1 starts in the next
-// iteration. The number of iterations one refresh takes is the refresh
-// interval. An item goes serial at step end (serial = true; counted as
-// overhead) when, in `serial_after` iterations in which it was ready, no gap
-// of its node after its ready time was as long as duration·(1+slack) (other
-// K-FAC work not counted: an item crowded out by other K-FAC work spills
-// instead). With a fixed KfacSpec.refresh_interval K, refresh r covers K
-// iterations: everything still owed in its K-th iteration runs serially there
-// and the refresh is activated at that step (also when its work ended
-// earlier). KFAC_PLACEMENT_SERIAL puts all of a refresh's work at the end of
-// one iteration (every iteration, or the K-th with a fixed interval).
-// Serial work starts at end_s, in the order curvature, sync, inversions.
+// (IterationBubbles::activate_refresh). A microbatch feeds at most one refresh
+// per layer and kind (the older refresh takes the lowest ids). The refresh
+// interval is the number of iterations between two activations (the first:
+// up to and including its activation). An item goes serial at step end
+// (serial = true; counted as overhead) when, in `serial_after` iterations in
+// which it was ready, no gap of its node after its ready time was as long as
+// duration·(1+slack) (other K-FAC work not counted: an item crowded out by
+// other K-FAC work spills instead). With a fixed KfacSpec.refresh_interval K,
+// refreshes are activated exactly every K iterations: everything refresh q
+// still owes in the K-th iteration after q-1's activation runs serially there
+// (also when its work ended earlier, it is activated there); q+1 joins in that
+// last iteration. KFAC_PLACEMENT_SERIAL puts all of a refresh's work at the
+// end of one iteration (every iteration, or the K-th with a fixed interval),
+// without overlap.
+// Serial work starts at end_s, in the order curvature (older refresh first),
+// sync, inversions.
 //
 // Curvature microbatches: on each node, the first `curvature_microbatches`
 // microbatches (lowest ids) of the iteration whose route visits the node and
@@ -34,13 +47,14 @@
 // iterations (or in the last iteration of a fixed interval) contributes fewer
 // curvature microbatches to the refresh rather than stall it.
 //
-// Placement: greedy first-fit in time order per node, priority CURVATURE_A,
-// CURVATURE_B, INVERT_A, INVERT_B (layer order within a kind, then microbatch
-// resp. projection); an item is placed at t when its dependencies are met by
-// t and t + duration·(1+slack) <= gap end; the next item may start at
-// t + duration·(1+slack). Each inversion task is one whole projection's A or
+// Placement: greedy first-fit in time order per node, priority the older
+// refresh's CURVATURE_A, CURVATURE_B, INVERT_A, INVERT_B, then the next
+// refresh's CURVATURE_A, CURVATURE_B (layer order within a kind, then
+// microbatch resp. projection); an item is placed at t when its
+// dependencies are met by t and t + duration·(1+slack) <= gap end; the next
+// item may start at t + duration·(1+slack). Each inversion task is one whole projection's A or
 // B factor (part 0, num_parts 1). Tasks are emitted per node (workload
-// order), bubble tasks before serial ones, by planned start.
+// order), bubble tasks before serial ones, by planned start, then refresh.
 // Details and formulas: docs/KFAC.md §Planner.
 //
 // Thread-compatible.
@@ -176,7 +190,8 @@ class BubblePlanner {
                                                  const sim::Plan& plan,
                                                  const IterationTimeline& timeline);
 
-  // Refreshes completed so far, and the iterations each took.
+  // Refreshes completed (activated) so far, and the iterations between
+  // consecutive activations (the first: up to and including its activation).
   uint64_t completed_refreshes() const;
   const std::vector<int>& refresh_intervals() const;
   // Mean of refresh_intervals(), 0 before the first.
