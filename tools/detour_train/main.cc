@@ -50,8 +50,9 @@ Options:
   --job FILE          JobSpec JSON (model, optimiser, data, seed, microbatches)
   --preset NAME       model preset when no --job (default tiny)
   --iterations N      training iterations per run (default 300)
-  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS ("" for none), e.g.
-                      full:4:0:0,skip25:4:0.25:0 (default: full:4:0:0,
+  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS[:OPTIMIZER] ("" for
+                      none), e.g. full:4:0:0,skip25:4:0.25:0 or
+                      adamw:4:0:0:adamw,kfac:4:0:0:kfac (default: full:4:0:0,
                       skip25:4:0.25:0, skip25-swap:4:0.25:1, skip33:6:0.3333:0,
                       skip33-swap:6:0.3333:1)
   --plan NAME:FILE    add a run that reuses the routes of FILE every iteration:
@@ -66,9 +67,19 @@ Options:
   --eval-every K      validation loss every K iterations (default 50)
   --eval-samples N    validation samples per evaluation (default 64; the final
                       table uses 4x as many)
+  --optimizer O       adamw or kfac: the runs' optimiser unless a run names its
+                      own (default: the job's, else adamw)
+  --kfac-lr X         K-FAC lr at the peak of the schedule (default: the AdamW lr)
+  --kfac-damping X    K-FAC damping λ (default: the job's, else 1e-3)
+  --kfac-refresh N    refresh the K-FAC inverses every N iterations (default:
+                      the job's refresh_interval; 0 = every 10)
+  --kfac-momentum X   momentum of the K-FAC update (default 0.9)
+  --kfac-kl-clip X    KL clip of the K-FAC update, negative = off (default 1e-3)
+  --kfac-curvature N  curvature microbatches per data node and refresh (default 1)
   --threads N         intra-op threads (default 1; more only on idle cores)
   --device D          cpu (default) or cuda (needs a CUDA build of LibTorch)
   --out DIR           output directory (default detour-train-out)
+Flags may be spelled with '_' instead of '-' (--kfac_damping).
 Exit status: 0 on success, 1 on a failed run, 2 on bad usage.
 )";
 
@@ -77,6 +88,7 @@ struct Run {
   int stages = 4;
   double skip = 0;
   int swaps = 0;
+  std::string optimizer;  // "" = --optimizer / the job's
   std::vector<v1::Route> fixed_routes;  // --plan: used every iteration
 };
 
@@ -88,6 +100,9 @@ struct Args {
   int64_t iterations = 300, microbatches = 0, samples = 0, warmup = -1;
   int64_t eval_every = 50, eval_samples = 64, threads = 1;
   double lr = 0;
+  std::string optimizer;
+  double kfac_lr = 0, kfac_damping = 0, kfac_momentum = -1, kfac_kl_clip = 0;
+  int64_t kfac_refresh = -1, kfac_curvature = 0;
   bool has_seed = false;
   uint64_t seed = 0;
 };
@@ -95,6 +110,9 @@ struct Args {
 bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
+    for (size_t c = 2; c < flag.size(); ++c) {
+      if (flag[c] == '_') flag[c] = '-';
+    }
     if (flag == "--help" || flag == "-h") {
       std::cout << kUsage;
       std::exit(0);
@@ -119,6 +137,13 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (flag == "--eval-samples") ok = absl::SimpleAtoi(v, &a->eval_samples) && a->eval_samples > 0;
     else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
     else if (flag == "--lr") ok = absl::SimpleAtod(v, &a->lr) && a->lr > 0;
+    else if (flag == "--optimizer") ok = (a->optimizer = v) == "adamw" || v == "kfac";
+    else if (flag == "--kfac-lr") ok = absl::SimpleAtod(v, &a->kfac_lr) && a->kfac_lr > 0;
+    else if (flag == "--kfac-damping") ok = absl::SimpleAtod(v, &a->kfac_damping) && a->kfac_damping > 0;
+    else if (flag == "--kfac-momentum") ok = absl::SimpleAtod(v, &a->kfac_momentum) && a->kfac_momentum >= 0 && a->kfac_momentum < 1;
+    else if (flag == "--kfac-kl-clip") ok = absl::SimpleAtod(v, &a->kfac_kl_clip) && a->kfac_kl_clip != 0;
+    else if (flag == "--kfac-refresh") ok = absl::SimpleAtoi(v, &a->kfac_refresh) && a->kfac_refresh >= 0;
+    else if (flag == "--kfac-curvature") ok = absl::SimpleAtoi(v, &a->kfac_curvature) && a->kfac_curvature > 0;
     else if (flag == "--seed") ok = a->has_seed = absl::SimpleAtoi(v, &a->seed);
     else {
       *error = absl::StrCat("unknown flag ", flag);
@@ -137,11 +162,15 @@ absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     std::vector<std::string> f = absl::StrSplit(item, ':');
     Run r;
+    if (f.size() == 5 && (f[4] == "adamw" || f[4] == "kfac")) {
+      r.optimizer = f[4];
+      f.pop_back();
+    }
     if (f.size() != 4 || f[0].empty() || !absl::SimpleAtoi(f[1], &r.stages) ||
         !absl::SimpleAtod(f[2], &r.skip) || !absl::SimpleAtoi(f[3], &r.swaps) ||
         r.stages < 1 || r.skip < 0 || r.skip >= 1 || r.swaps < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--runs: \"", item, "\" is not NAME:STAGES:SKIP:SWAPS"));
+          absl::StrCat("--runs: \"", item, "\" is not NAME:STAGES:SKIP:SWAPS[:adamw|kfac]"));
     }
     r.name = f[0];
     runs.push_back(r);
@@ -219,6 +248,17 @@ absl::Status Main(const Args& args) {
   if (args.samples > 0) base.mutable_pipeline()->set_samples_per_microbatch(args.samples);
   if (args.lr > 0) base.mutable_optimizer()->mutable_adamw()->set_lr(args.lr);
   if (args.warmup >= 0) base.mutable_optimizer()->set_warmup_iterations(args.warmup);
+  if (args.optimizer == "kfac") base.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  if (args.optimizer == "adamw") base.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+  v1::KfacSpec* kfac = base.mutable_optimizer()->mutable_kfac();
+  if (args.kfac_lr > 0) kfac->set_lr(args.kfac_lr);
+  if (args.kfac_damping > 0) kfac->set_damping(args.kfac_damping);
+  if (args.kfac_momentum >= 0) kfac->set_momentum(args.kfac_momentum);
+  if (args.kfac_kl_clip != 0) kfac->set_kl_clip(args.kfac_kl_clip);
+  if (args.kfac_refresh >= 0) kfac->set_refresh_interval(static_cast<uint32_t>(args.kfac_refresh));
+  if (args.kfac_curvature > 0) {
+    kfac->set_curvature_microbatches(static_cast<uint32_t>(args.kfac_curvature));
+  }
   ApplyJobDefaults(&base);
   ASSIGN_OR_RETURN(std::vector<Run> runs, ParseRuns(args.runs));
   for (const std::string& plan : args.plans) {
@@ -263,6 +303,8 @@ absl::Status Main(const Args& args) {
     spec.mutable_pipeline()->set_num_stages(run.stages);
     spec.mutable_pipeline()->set_skip_ratio(run.skip);
     spec.mutable_pipeline()->set_max_swaps(run.swaps);
+    if (run.optimizer == "kfac") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+    if (run.optimizer == "adamw") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
     const int run_mbs = run.fixed_routes.empty() ? total_mbs
                                                  : static_cast<int>(run.fixed_routes.size());
     if (!run.fixed_routes.empty()) {
