@@ -415,7 +415,16 @@ class JobRunner {
     }).IgnoreError();
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
     const int every = manager_->options_.replan_every;
-    if (every > 0 && (iteration + 1) % every == 0) UpdateSpeedsFromTimings();
+    if (bubbles_ != nullptr) MeasureKfacSpeeds(*plan, timings);
+    if (every > 0 && (iteration + 1) % every == 0) {
+      UpdateSpeedsFromTimings();
+      if (bubbles_ != nullptr) {
+        // K-FAC costs follow the measured speeds (and K-FAC's own, below).
+        if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
+          LogWarning("job ", job_id_, ": keeping the K-FAC cost estimates: ", s.message());
+        }
+      }
+    }
     return std::nullopt;
   }
 
@@ -423,7 +432,8 @@ class JobRunner {
 
   // Every planning node's blocks and the estimated cost of their K-FAC work
   // at the node's current speed (cluster_, calibrated from timings).
-  planner::KfacWorkload KfacWorkload() const {
+  // Remembers the FLOP/s each node's costs assume (workload_flops_).
+  planner::KfacWorkload KfacWorkload() {
     planner::KfacWorkload w;
     const std::vector<int> stage_of = assignment_.NodeStages(cost_->num_nodes());
     const double tokens = static_cast<double>(spec_.pipeline().samples_per_microbatch()) *
@@ -436,7 +446,8 @@ class JobRunner {
         auto layers = StageLayers(static_cast<int>(spec_.model().num_layers()),
                                   static_cast<int>(spec_.pipeline().num_stages()), node.stage);
         if (layers.ok()) {
-          const double flops = cluster_.compute().tflops() * 1e12 * cluster_.nodes(n).speed();
+          const double flops = KfacFlopsPerSecond(n);
+          workload_flops_[cost_->node_id(n)] = flops;
           for (int l = layers->begin; l < layers->end; ++l) {
             node.layers.push_back(l);
             node.costs.push_back(planner::EstimateKfacLayerCost(spec_.model(), tokens, flops));
@@ -446,6 +457,42 @@ class JobRunner {
       w.nodes.push_back(std::move(node));
     }
     return w;
+  }
+
+  // FLOP/s a node's K-FAC work runs at: measured from its bubble tasks once
+  // it has run some, else the node's speed (which is calibrated on forward
+  // work: matrix products of another shape than K-FAC's, and no Cholesky).
+  double KfacFlopsPerSecond(int node) const {
+    auto measured = kfac_flops_.find(cost_->node_id(node));
+    if (measured != kfac_flops_.end()) return measured->second;
+    return cluster_.compute().tflops() * 1e12 * cluster_.nodes(node).speed();
+  }
+
+  // Every worker's K-FAC speed from this iteration: the FLOPs of the tasks
+  // it ran (planned seconds × the FLOP/s they were planned at) over the
+  // seconds it measured, folded into a moving average.
+  void MeasureKfacSpeeds(const v1::IterationPlan& plan,
+                         const std::map<std::string, v1::TimingReport>& timings) {
+    std::map<std::string, double> planned_flops;
+    for (const v1::BubbleTask& t : plan.bubble_tasks()) {
+      if (t.kind() == v1::BubbleTask::KIND_SYNC_FACTORS) continue;  // network, not compute
+      auto assumed = workload_flops_.find(t.node());
+      if (assumed != workload_flops_.end()) {
+        planned_flops[t.node()] += t.planned_duration_s() * assumed->second;
+      }
+    }
+    for (const auto& [id, flops] : planned_flops) {
+      auto report = timings.find(id);
+      if (report == timings.end() || !(flops > 0)) continue;
+      double seconds = 0;
+      for (const v1::TaskTiming& task : report->second.tasks()) {
+        if (task.kind() == v1::TaskTiming::KIND_BUBBLE) seconds += task.duration_s();
+      }
+      if (!(seconds > 0)) continue;
+      const double speed = flops / seconds;
+      auto [it, fresh] = kfac_flops_.emplace(id, speed);
+      if (!fresh) it->second = 0.7 * it->second + 0.3 * speed;
+    }
   }
 
   // Re-derives every node's speed from its measured forward time against the
@@ -609,6 +656,8 @@ class JobRunner {
   std::unique_ptr<sim::CostModel> cost_;
   sim::StageAssignment assignment_;
   std::unique_ptr<planner::BubblePlanner> bubbles_;  // K-FAC jobs only
+  std::map<std::string, double> kfac_flops_;  // node -> measured K-FAC FLOP/s
+  std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
   planner::PlannedIteration first_plan_;
   std::map<std::string, int> stage_of_;
   std::map<std::string, std::string> region_of_;

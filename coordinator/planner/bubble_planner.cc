@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace detour::planner {
 namespace {
@@ -285,17 +286,7 @@ BubblePlanner::BubblePlanner(BubblePlanner&&) noexcept = default;
 BubblePlanner& BubblePlanner::operator=(BubblePlanner&&) noexcept = default;
 BubblePlanner::~BubblePlanner() = default;
 
-absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
-                                                    const v1::KfacSpec& kfac,
-                                                    BubblePlannerOptions options) {
-  if (options.serial_after < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("bubble planner: serial_after %d must be >= 1", options.serial_after));
-  }
-  if (!(kfac.slack() >= 0) || !std::isfinite(kfac.slack())) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("bubble planner: kfac.slack %g must be >= 0", kfac.slack()));
-  }
+static absl::Status ValidateWorkload(const KfacWorkload& workload) {
   for (size_t n = 0; n < workload.nodes.size(); ++n) {
     const KfacNodeWork& w = workload.nodes[n];
     if (w.costs.size() != w.layers.size()) {
@@ -323,11 +314,49 @@ absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
+                                                    const v1::KfacSpec& kfac,
+                                                    BubblePlannerOptions options) {
+  if (options.serial_after < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: serial_after %d must be >= 1", options.serial_after));
+  }
+  if (!(kfac.slack() >= 0) || !std::isfinite(kfac.slack())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: kfac.slack %g must be >= 0", kfac.slack()));
+  }
+  RETURN_IF_ERROR(ValidateWorkload(workload));
   auto state = std::make_unique<State>();
   state->workload = std::move(workload);
   state->kfac = kfac;
   state->options = options;
   return BubblePlanner(std::move(state));
+}
+
+absl::Status BubblePlanner::UpdateCosts(const KfacWorkload& workload) {
+  RETURN_IF_ERROR(ValidateWorkload(workload));
+  const KfacWorkload& now = state_->workload;
+  if (workload.nodes.size() != now.nodes.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "bubble planner: new costs for %d nodes, the job has %d", workload.nodes.size(),
+        now.nodes.size()));
+  }
+  for (size_t n = 0; n < now.nodes.size(); ++n) {
+    const KfacNodeWork& a = now.nodes[n];
+    const KfacNodeWork& b = workload.nodes[n];
+    if (a.node_id != b.node_id || a.stage != b.stage || a.layers != b.layers) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "bubble planner: new costs for node %d (%s) change its id, stage or layers", n,
+          b.node_id));
+    }
+  }
+  for (size_t n = 0; n < now.nodes.size(); ++n) {
+    state_->workload.nodes[n].costs = workload.nodes[n].costs;
+  }
+  return absl::OkStatus();
 }
 
 uint64_t BubblePlanner::completed_refreshes() const { return state_->intervals.size(); }

@@ -190,6 +190,11 @@ class BubblePlanner {
                                                  const sim::Plan& plan,
                                                  const IterationTimeline& timeline);
 
+  // Replaces the cost estimates (e.g. after measuring speeds); the nodes,
+  // their stages and layers must stay the same (INVALID_ARGUMENT otherwise,
+  // nothing changes). Work already queued is re-timed with the new costs.
+  absl::Status UpdateCosts(const KfacWorkload& workload);
+
   // Refreshes completed (activated) so far, and the iterations between
   // consecutive activations (the first: up to and including its activation).
   uint64_t completed_refreshes() const;

@@ -142,7 +142,9 @@ TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
     EXPECT_EQ(it->activate_refresh.has_value(), i == 2) << i;
     EXPECT_DOUBLE_EQ(it->serial_s[0], 0);
     for (const auto& t : it->tasks) {
-      if (t.kind() >= v1::BubbleTask::KIND_INVERT_A) EXPECT_EQ(t.refresh(), 0u);
+      if (t.kind() >= v1::BubbleTask::KIND_INVERT_A) {
+        EXPECT_EQ(t.refresh(), 0u);
+      }
       if (t.refresh() == 1) next_curvature.push_back({t.kind(), t.planned_start_s()});
     }
   }
@@ -243,8 +245,12 @@ TEST(BubblePlannerTest, FixedIntervalWaitsWhenWorkIsDoneEarly) {
     for (const auto& t : it->tasks) {
       EXPECT_EQ(t.refresh(), (i + 1) / 3) << i;
       const bool curvature = t.kind() <= v1::BubbleTask::KIND_CURVATURE_B;
-      if (i == 2 || i == 5) EXPECT_TRUE(curvature) << i;
-      if (i == 3) EXPECT_FALSE(curvature) << i;
+      if (i == 2 || i == 5) {
+        EXPECT_TRUE(curvature) << i;
+      }
+      if (i == 3) {
+        EXPECT_FALSE(curvature) << i;
+      }
     }
   }
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3, 3}));
@@ -444,6 +450,39 @@ TEST(BubblePlannerTest, Errors) {
   ASSERT_TRUE(q->PlanIteration(4, o.plan, o.timeline).ok());
   EXPECT_EQ(q->PlanIteration(4, o.plan, o.timeline).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BubblePlannerTest, UpdateCostsRetimesLaterWork) {
+  // Everything fits at first; after the costs grow tenfold the inversions no
+  // longer fit the one 10 s gap, so a refresh takes longer.
+  OneNode o = MakeOneNode(Cost(0.5, 0.5, 0.25), 12);
+  auto p = BubblePlanner::Create(o.workload, Spec());
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto first = p->PlanIteration(0, o.plan, o.timeline);
+  ASSERT_TRUE(first.ok());
+  EXPECT_DOUBLE_EQ(first->bubble_s[0], 1 + 14 * 0.25);
+
+  KfacWorkload slower = o.workload;
+  slower.nodes[0].costs = {Cost(0.5, 0.5, 2.5)};
+  ASSERT_TRUE(p->UpdateCosts(slower).ok());
+  auto second = p->PlanIteration(1, o.plan, o.timeline);
+  ASSERT_TRUE(second.ok());
+  for (const v1::BubbleTask& t : second->tasks) {
+    if (t.kind() == v1::BubbleTask::KIND_INVERT_A || t.kind() == v1::BubbleTask::KIND_INVERT_B) {
+      EXPECT_DOUBLE_EQ(t.planned_duration_s(), 2.5);
+    }
+  }
+
+  // Nodes, stages and layers cannot change; a refused update changes nothing.
+  KfacWorkload moved = slower;
+  moved.nodes[0].layers = {3};
+  EXPECT_EQ(p->UpdateCosts(moved).code(), absl::StatusCode::kInvalidArgument);
+  KfacWorkload negative = slower;
+  negative.nodes[0].costs[0].curvature_b_s = -1;
+  EXPECT_EQ(p->UpdateCosts(negative).code(), absl::StatusCode::kInvalidArgument);
+  KfacWorkload renamed = slower;
+  renamed.nodes[0].node_id = "other";
+  EXPECT_EQ(p->UpdateCosts(renamed).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(BubblePlannerTest, TimelineFromSimulation) {
