@@ -77,6 +77,10 @@ class E2eTest : public ::testing::Test {
     if (port.ok()) {
       EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
     }
+    auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
+    if (metrics.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d.metrics_port));
+    }
     auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
     if (id.ok()) d.id = *id;
     return d;

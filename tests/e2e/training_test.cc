@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cmath>
+#include <fstream>
 
 #include "common/spec.h"
 #include "gmock/gmock.h"
@@ -160,6 +161,48 @@ TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
   EXPECT_GT(final_job.progress().utilization(), 0);
   EXPECT_GT(final_job.progress().utilization_with_kfac(), final_job.progress().utilization());
   EXPECT_THAT(c.process->Log(), Not(HasSubstr("diverged")));
+
+  // Every worker exports its K-FAC work and busy fractions, promtool-clean.
+  for (const Daemon& w : workers) {
+    auto response = HttpGet(w.metrics_port, "/metrics");
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_THAT(*response, HasSubstr("detour_worker_kfac_tasks_total{kind=\"curvature_a\""));
+    EXPECT_THAT(*response, HasSubstr("detour_worker_kfac_seconds_total{placement="));
+    EXPECT_THAT(*response, HasSubstr("detour_worker_busy_fraction{work=\"pipeline_and_kfac\"}"));
+    const std::string file = dir_ + "/scrape-" + w.id + ".txt";
+    std::ofstream(file) << response->substr(response->find("\r\n\r\n") + 4);
+    std::string out;
+    EXPECT_EQ(Run({"/bin/sh", "-c", absl::StrCat("promtool check metrics < ", file)}, &out), 0)
+        << out;
+  }
+}
+
+TEST_F(TrainingTest, KfacWithSkipRoutesAndAFixedRefreshInterval) {
+  // Skip routes leave each stage different gaps; a refresh every 3
+  // iterations from 2 curvature microbatches per node; one replica per stage
+  // (no factor sync), so every node inverts from its own curvature.
+  v1::JobSpec spec = MicroJob(4, 1, 1, 0.25, 7);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  v1::KfacSpec* k = spec.mutable_optimizer()->mutable_kfac();
+  k->set_lr(3e-3);
+  k->set_refresh_interval(3);
+  k->set_curvature_microbatches(2);
+  spec = *NormalizeJobSpec(spec);
+  ASSERT_FALSE(spec.optimizer().kfac().sync_factors());
+  Daemon c = StartCoordinator({"--log_level=debug"});
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 4, WorkerFlags());
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  v1::Job final_job;
+  const std::vector<double> losses =
+      WatchLosses(c.grpc_port, submitted.id(), &final_job, absl::Seconds(180));
+  ASSERT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message() << "\n"
+                                                        << c.process->Log();
+  ASSERT_EQ(losses.size(), 7u);
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_LT(losses.back(), losses.front());
+  // Activations at the ends of iterations 3 and 6.
+  EXPECT_EQ(final_job.progress().kfac_refreshes(), 2u);
+  EXPECT_DOUBLE_EQ(final_job.progress().kfac_refresh_interval(), 3);
 }
 
 TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
