@@ -215,6 +215,42 @@ TEST(DetourSimCliTest, KfacSyntheticRaisesUtilisation) {
   EXPECT_NE(picture.find("KIND_CURVATURE_A"), std::string::npos);
 }
 
+// Chimera: two pipelines in opposite directions over the same 8 devices.
+// With N = D the iteration takes D forward and 2D-2 backward times
+// (pipefisher.md §5): BERT-Large bs32 (16.10 / 26.95 ms per block, 3 blocks
+// per stage) gives utilisation 8·43.05 / (8·16.10 + 14·26.95) = 68.05%.
+// pipefisher.md states "≈ 68%" (rounded to a percent), hence the ±0.5
+// point tolerance against it; the slot formula itself holds to rounding.
+TEST(DetourSimCliTest, KfacChimera) {
+  SimRun r = Sim("kfac --schedule chimera --stages 8 --microbatches 8 --profile bert-large-bs32 "
+                 "--no-sync --json",
+                 /*merge_stderr=*/false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  google::protobuf::Struct report = ParseObject(r.out);
+  const auto& f = report.fields();
+  const double before = f.at("utilization_before").number_value();
+  const double after = f.at("utilization_after").number_value();
+  EXPECT_NEAR(before, 0.68, 0.005);
+  EXPECT_NEAR(before, 8 * 43.05 / (8 * 16.10 + 14 * 26.95), 1e-6);
+  EXPECT_NEAR(f.at("pipeline_time_s").number_value(), 3 * (8 * 16.10 + 14 * 26.95) / 1000, 1e-9);
+  EXPECT_GT(after, before + 0.1);
+  EXPECT_FALSE(f.at("sync_factors").bool_value());
+  EXPECT_GE(f.at("completed_refreshes").number_value(), 3);
+  EXPECT_NE(f.at("scenario").string_value().find("chimera"), std::string::npos);
+
+  // D = N = 4, forward 1 ms, backward 2 ms, one block per stage: the
+  // iteration takes 4·1 + 6·2 = 16 ms, each device computes 4·(1+2) = 12 ms.
+  SimRun unit = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+                    "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 --json",
+                    /*merge_stderr=*/false);
+  ASSERT_EQ(unit.code, 0) << unit.out;
+  google::protobuf::Struct u = ParseObject(unit.out);
+  EXPECT_NEAR(u.fields().at("pipeline_time_s").number_value(), 0.016, 1e-12);
+  EXPECT_NEAR(u.fields().at("utilization_before").number_value(), 0.75, 1e-9);
+  // Every stage has two replicas (one per direction): factor sync defaults on.
+  EXPECT_TRUE(u.fields().at("sync_factors").bool_value());
+}
+
 TEST(DetourSimCliTest, KfacOnThePlannedExample) {
   SimRun r = Sim(absl::StrCat("kfac ", Example(), " --no-sync --json"), /*merge_stderr=*/false);
   ASSERT_EQ(r.code, 0) << r.out;
@@ -229,8 +265,12 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
     std::string args, expect;
   };
   for (const Case& c : std::vector<Case>{
-           {"kfac --schedule chimera --stages 2 --microbatches 2 --profile bert-base-bs8",
+           {"kfac --schedule zigzag --stages 2 --microbatches 2 --profile bert-base-bs8",
             "--schedule"},
+           {"kfac --schedule chimera --stages 3 --microbatches 2 --profile bert-base-bs8",
+            "even --stages and --microbatches"},
+           {"kfac --schedule chimera --stages 2 --microbatches 3 --profile bert-base-bs8",
+            "even --stages and --microbatches"},
            {"kfac --schedule 1f1b --stages 0 --microbatches 2 --profile bert-base-bs8",
             "--stages"},
            {"kfac --schedule 1f1b --microbatches 2 --profile bert-base-bs8", "--stages"},

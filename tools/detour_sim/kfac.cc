@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,14 +31,16 @@ namespace detour::sim_tool {
 const char kKfacUsage[] = R"(detour-sim kfac: K-FAC work in the pipeline's bubbles (docs/KFAC.md).
 
 Usage:
-  detour-sim kfac --schedule gpipe|1f1b --stages D --microbatches N
+  detour-sim kfac --schedule gpipe|1f1b|chimera --stages D --microbatches N
                   (--profile P | --forward-ms F --backward-ms B --curvature-ms C
                    --inversion-ms I [--precondition-ms X] --blocks L) [options]
   detour-sim kfac --cluster C.json --job J.json [--scheduler skippipe|full|...]
                   [--tflops X] [--seed N] [options]
 
 Synthetic pipelines: D stages on D nodes, N microbatches, no communication,
-the per-block times (ms) of a profile split evenly over the stages:
+the per-block times (ms) of a profile split evenly over the stages. chimera:
+two pipelines in opposite directions (N/2 microbatches each; D and N even),
+device d holds stage d of one and stage D-1-d of the other. Profiles:
   bert-large-bs32, bert-large-bs8 (24 blocks), bert-base-bs32, bert-base-bs8
   (12 blocks): the P100 reference profile of PipeFisher. Explicit --*-ms flags
   override a profile's values.
@@ -139,8 +142,8 @@ absl::StatusOr<KfacArgs> Parse(const std::vector<std::string>& args) {
       a.sync = false;
     } else if (flag == "--schedule") {
       ASSIGN_OR_RETURN(a.schedule, value(flag));
-      if (a.schedule != "gpipe" && a.schedule != "1f1b") {
-        return UsageError(absl::StrCat("--schedule: gpipe or 1f1b, got ", a.schedule));
+      if (a.schedule != "gpipe" && a.schedule != "1f1b" && a.schedule != "chimera") {
+        return UsageError(absl::StrCat("--schedule: gpipe, 1f1b or chimera, got ", a.schedule));
       }
     } else if (flag == "--profile") {
       ASSIGN_OR_RETURN(a.profile, value(flag));
@@ -213,6 +216,12 @@ absl::StatusOr<KfacArgs> Parse(const std::vector<std::string>& args) {
   if (synthetic) {
     if (a.stages == 0) return UsageError("--stages is required with --schedule");
     if (a.microbatches == 0) return UsageError("--microbatches is required with --schedule");
+    if (a.schedule == "chimera" && (a.stages % 2 != 0 || a.microbatches % 2 != 0)) {
+      return UsageError(absl::StrFormat(
+          "--schedule chimera needs an even --stages and --microbatches (two pipelines in "
+          "opposite directions, N/2 microbatches each), got %d and %d",
+          a.stages, a.microbatches));
+    }
     if (a.profile.empty()) {
       for (const auto& [flag, v] :
            std::vector<std::pair<const char*, std::optional<double>>>{
@@ -247,6 +256,8 @@ struct Scenario {
   sim::SimResult result;  // with timeline
   planner::KfacWorkload workload;
   v1::KfacSpec kfac;
+  // Some stage has more than one replica (the default of --sync).
+  bool replicated = false;
 };
 
 // Splits a block's measured curvature / inversion time like the FLOP
@@ -270,8 +281,62 @@ planner::KfacLayerCost ProfileLayerCost(const Profile& p) {
   return c;
 }
 
-// Uniform pipeline without communication: each stage runs its op list in
-// order, an op starting when the stage is free and its input has arrived.
+// One compute op of a synthetic pipeline: microbatch `mb` at `stage`.
+struct Op {
+  bool forward = true;
+  int mb = 0;
+  int stage = 0;
+};
+
+// Chimera (Li & Hoefler, SC'21): microbatches [0, N/2) flow down (stage s on
+// device s), [N/2, N) flow up (stage s on device D-1-s).
+int ChimeraDevice(int D, int N, int mb, int stage) { return mb < N / 2 ? stage : D - 1 - stage; }
+
+// Per-device op order of Chimera, from a list schedule in unit slots
+// (forward = backward = one slot). In slot t every device runs one op whose
+// input was produced in an earlier slot, choosing by: backward before
+// forward; the lower microbatch index within its pipeline; for a forward the
+// pipeline in which the device's stage comes earlier, for a backward the one
+// in which it comes later (the op with more work after it); the down
+// pipeline. The orders are then replayed with the real durations. With N = D
+// the replay takes D forward and 2D-2 backward times on its critical path
+// for any forward/backward ratio (pipefisher.md §5; checked for D = 2..16).
+std::vector<std::vector<Op>> ChimeraOrders(int D, int N) {
+  const int half = N / 2;
+  std::vector<std::vector<int>> f_slot(N, std::vector<int>(D, -1));
+  std::vector<std::vector<int>> b_slot(N, std::vector<int>(D, -1));
+  std::vector<std::vector<Op>> orders(D);
+  auto done_before = [](int slot, int t) { return slot >= 0 && slot < t; };
+  int left = 2 * N * D;
+  for (int t = 0; left > 0; ++t) {
+    for (int d = 0; d < D; ++d) {
+      std::optional<Op> best;
+      std::tuple<int, int, int, int> best_key;
+      for (int mb = 0; mb < N; ++mb) {
+        const int pipe = mb < half ? 0 : 1;
+        const int s = pipe == 0 ? d : D - 1 - d;
+        const int index = mb - pipe * half;
+        if (f_slot[mb][s] < 0 && (s == 0 || done_before(f_slot[mb][s - 1], t))) {
+          const std::tuple<int, int, int, int> key{1, index, s, pipe};
+          if (!best || key < best_key) best = Op{true, mb, s}, best_key = key;
+        }
+        if (b_slot[mb][s] < 0 &&
+            done_before(s == D - 1 ? f_slot[mb][s] : b_slot[mb][s + 1], t)) {
+          const std::tuple<int, int, int, int> key{0, index, -s, pipe};
+          if (!best || key < best_key) best = Op{false, mb, s}, best_key = key;
+        }
+      }
+      if (!best) continue;
+      (best->forward ? f_slot : b_slot)[best->mb][best->stage] = t;
+      orders[d].push_back(*best);
+      --left;
+    }
+  }
+  return orders;
+}
+
+// Uniform pipeline without communication: each device runs its op list in
+// order, an op starting when the device is free and its input has arrived.
 absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   Profile p{0, 0, 0, 0, 0, a.blocks, 1024};
   if (!a.profile.empty()) p = Profiles().at(a.profile);
@@ -285,16 +350,21 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   if (D > p.blocks) {
     return UsageError(absl::StrFormat("--stages: %d stages for %d blocks", D, p.blocks));
   }
+  const bool chimera = a.schedule == "chimera";
   std::vector<int> layers = sim::LayersPerStage(p.blocks, D);
+  // The device running microbatch mb's stage s.
+  auto device = [&](int mb, int s) { return chimera ? ChimeraDevice(D, N, mb, s) : s; };
 
   sim::CostTables t;
-  for (int s = 0; s < D; ++s) t.node_ids.push_back(absl::StrCat("stage", s));
+  for (int d = 0; d < D; ++d) t.node_ids.push_back(absl::StrCat(chimera ? "device" : "stage", d));
   t.memory_slots.assign(D, N);
   t.forward_s.assign(D, std::vector<double>(D, 0));
   t.backward_s.assign(D, std::vector<double>(D, 0));
-  for (int s = 0; s < D; ++s) {
-    t.forward_s[s][s] = layers[s] * p.forward_ms * 1e-3;
-    t.backward_s[s][s] = layers[s] * p.backward_ms * 1e-3;
+  for (int d = 0; d < D; ++d) {
+    for (int s = 0; s < D; ++s) {
+      t.forward_s[d][s] = layers[s] * p.forward_ms * 1e-3;
+      t.backward_s[d][s] = layers[s] * p.backward_ms * 1e-3;
+    }
   }
   t.loss_s.assign(D, 0);
   t.latency_s.assign(D, std::vector<double>(D, 0));
@@ -303,24 +373,28 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   t.stage_gradient_bytes.assign(D, 0);
   ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::FromTables(t));
 
-  // Op lists: (forward?, microbatch) per stage.
-  std::vector<std::vector<std::pair<bool, int>>> ops(D);
-  for (int s = 0; s < D; ++s) {
-    if (a.schedule == "gpipe") {
-      for (int m = 0; m < N; ++m) ops[s].push_back({true, m});
-      for (int m = N - 1; m >= 0; --m) ops[s].push_back({false, m});
-    } else {
-      const int warm = std::min(D - 1 - s, N);
-      for (int m = 0; m < warm; ++m) ops[s].push_back({true, m});
-      for (int i = 0; i < N - warm; ++i) {
-        ops[s].push_back({true, warm + i});
-        ops[s].push_back({false, i});
+  std::vector<std::vector<Op>> ops(D);
+  if (chimera) {
+    ops = ChimeraOrders(D, N);
+  } else {
+    for (int s = 0; s < D; ++s) {
+      if (a.schedule == "gpipe") {
+        for (int m = 0; m < N; ++m) ops[s].push_back({true, m, s});
+        for (int m = N - 1; m >= 0; --m) ops[s].push_back({false, m, s});
+      } else {
+        const int warm = std::min(D - 1 - s, N);
+        for (int m = 0; m < warm; ++m) ops[s].push_back({true, m, s});
+        for (int i = 0; i < N - warm; ++i) {
+          ops[s].push_back({true, warm + i, s});
+          ops[s].push_back({false, i, s});
+        }
+        for (int m = N - warm; m < N; ++m) ops[s].push_back({false, m, s});
       }
-      for (int m = N - warm; m < N; ++m) ops[s].push_back({false, m});
     }
   }
-  std::vector<std::vector<double>> f_end(D, std::vector<double>(N, -1));
-  std::vector<std::vector<double>> b_end(D, std::vector<double>(N, -1));
+  // End of microbatch mb's forward (backward) at stage s, -1 before.
+  std::vector<std::vector<double>> f_end(N, std::vector<double>(D, -1));
+  std::vector<std::vector<double>> b_end(N, std::vector<double>(D, -1));
   std::vector<size_t> next(D, 0);
   std::vector<double> free_at(D, 0);
   sim::SimResult r;
@@ -329,81 +403,94 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   bool progress = true;
   while (progress) {
     progress = false;
-    for (int s = 0; s < D; ++s) {
-      while (next[s] < ops[s].size()) {
-        const auto [fwd, m] = ops[s][next[s]];
+    for (int d = 0; d < D; ++d) {
+      while (next[d] < ops[d].size()) {
+        const Op op = ops[d][next[d]];
+        const int s = op.stage, m = op.mb;
         double ready = 0;
-        if (fwd) {
-          ready = s == 0 ? 0 : f_end[s - 1][m];
+        if (op.forward) {
+          ready = s == 0 ? 0 : f_end[m][s - 1];
         } else {
-          ready = s == D - 1 ? f_end[s][m] : b_end[s + 1][m];
+          ready = s == D - 1 ? f_end[m][s] : b_end[m][s + 1];
         }
         if (ready < 0) break;
-        const double start = std::max(ready, free_at[s]);
-        const double d = fwd ? cost.ForwardTime(s, s) : cost.BackwardTime(s, s);
-        (fwd ? f_end : b_end)[s][m] = start + d;
-        free_at[s] = start + d;
-        r.busy_s[s] += d;
+        const double start = std::max(ready, free_at[d]);
+        const double dur = op.forward ? cost.ForwardTime(d, s) : cost.BackwardTime(d, s);
+        (op.forward ? f_end : b_end)[m][s] = start + dur;
+        free_at[d] = start + dur;
+        r.busy_s[d] += dur;
         sim::Activity act;
         act.start_s = start;
-        act.end_s = start + d;
-        act.kind = fwd ? sim::ActivityKind::kForward : sim::ActivityKind::kBackward;
+        act.end_s = start + dur;
+        act.kind = op.forward ? sim::ActivityKind::kForward : sim::ActivityKind::kBackward;
         act.microbatch = m;
         act.stage = s;
-        r.compute[s].push_back(act);
-        ++next[s];
+        r.compute[d].push_back(act);
+        ++next[d];
         progress = true;
       }
     }
   }
   double end = 0, busy = 0;
-  for (int s = 0; s < D; ++s) {
-    if (next[s] != ops[s].size()) return absl::InternalError("synthetic pipeline deadlocked");
-    end = std::max(end, free_at[s]);
-    busy += r.busy_s[s];
+  for (int d = 0; d < D; ++d) {
+    if (next[d] != ops[d].size()) return absl::InternalError("synthetic pipeline deadlocked");
+    end = std::max(end, free_at[d]);
+    busy += r.busy_s[d];
   }
   r.iteration_time_s = r.pipeline_time_s = end;
   r.utilization = r.pipeline_utilization = end > 0 ? busy / (D * end) : 0;
   r.idle.resize(D);
   r.sends.resize(D);
-  for (int s = 0; s < D; ++s) {
+  for (int d = 0; d < D; ++d) {
     double at = 0;
-    for (const sim::Activity& act : r.compute[s]) {
-      if (act.start_s > at) r.idle[s].push_back({at, act.start_s});
+    for (const sim::Activity& act : r.compute[d]) {
+      if (act.start_s > at) r.idle[d].push_back({at, act.start_s});
       at = act.end_s;
     }
-    if (end > at) r.idle[s].push_back({at, end});
+    if (end > at) r.idle[d].push_back({at, end});
   }
 
   Scenario sc{absl::StrFormat(
-                  "synthetic %s: %d stages, %d microbatches, %d blocks (%s; ms per block: "
+                  "synthetic %s: %d stages, %d microbatches%s, %d blocks (%s; ms per block: "
                   "forward %.2f, backward %.2f, curvature %.2f, inversion %.2f, precondition "
                   "%.2f)",
-                  a.schedule, D, N, p.blocks, a.profile.empty() ? "explicit" : a.profile,
-                  p.forward_ms, p.backward_ms, p.curvature_ms, p.inversion_ms,
-                  p.precondition_ms),
-              std::move(cost), {}, std::move(r), {}, {}};
-  for (int s = 0; s < D; ++s) sc.plan.assignment.stage_nodes.push_back({s});
+                  a.schedule, D, N,
+                  chimera ? absl::StrFormat(" (%d down, %d up; device d holds stages d and "
+                                            "%d-d, 2 replicas per stage)",
+                                            N / 2, N / 2, D - 1)
+                          : "",
+                  p.blocks, a.profile.empty() ? "explicit" : a.profile, p.forward_ms,
+                  p.backward_ms, p.curvature_ms, p.inversion_ms, p.precondition_ms),
+              std::move(cost), {}, std::move(r), {}, {}, chimera};
+  // One timeline row per device, labelled with its down-pipeline stage.
+  for (int d = 0; d < D; ++d) sc.plan.assignment.stage_nodes.push_back({d});
   for (int m = 0; m < N; ++m) {
     sim::Route route;
     route.microbatch = m;
     for (int s = 0; s < D; ++s) {
-      route.nodes.push_back(s);
+      route.nodes.push_back(device(m, s));
       route.stages.push_back(s);
     }
     sc.plan.routes.push_back(route);
   }
   const planner::KfacLayerCost block = ProfileLayerCost(p);
-  int first = 0;
-  for (int s = 0; s < D; ++s) {
+  std::vector<int> first(D + 1, 0);
+  for (int s = 0; s < D; ++s) first[s + 1] = first[s] + layers[s];
+  for (int d = 0; d < D; ++d) {
     planner::KfacNodeWork w;
-    w.node_id = sc.cost.node_id(s);
-    w.stage = s;
-    for (int l = 0; l < layers[s]; ++l) {
-      w.layers.push_back(first + l);
-      w.costs.push_back(block);
+    w.node_id = sc.cost.node_id(d);
+    // Chimera: device d holds the blocks of stages d and D-1-d, as does
+    // device D-1-d: the two are each other's replicas (the planner groups
+    // replicas by `stage` and matches layers by block index).
+    std::vector<int> stages = {d};
+    if (chimera) stages = {std::min(d, D - 1 - d), std::max(d, D - 1 - d)};
+    w.stage = stages[0];
+    for (int s : stages) {
+      for (int l = first[s]; l < first[s + 1]; ++l) {
+        w.layers.push_back(l);
+        w.costs.push_back(block);
+      }
     }
-    first += layers[s];
     sc.workload.nodes.push_back(std::move(w));
   }
   return sc;
@@ -514,9 +601,8 @@ absl::Status Run(const KfacArgs& a) {
   k.set_slack(a.slack);
   k.set_refresh_interval(a.refresh_interval);
   k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
-  bool replicated = false;
-  for (const auto& group : sc.plan.assignment.stage_nodes) replicated |= group.size() > 1;
-  k.set_sync_factors(a.sync.value_or(replicated));
+  for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
+  k.set_sync_factors(a.sync.value_or(sc.replicated));
 
   ASSIGN_OR_RETURN(planner::BubblePlanner bp,
                    planner::BubblePlanner::Create(sc.workload, k));

@@ -45,7 +45,7 @@ Usage:
                       [--json] [--trace T.json] [--svg T.svg] [common options]
   detour-sim compare  --cluster C.json --job J.json [--seed N] [--json]
                       [--svg-dir DIR] [common options]
-  detour-sim kfac     --schedule gpipe|1f1b --stages D --microbatches N --profile P
+  detour-sim kfac     --schedule gpipe|1f1b|chimera --stages D --microbatches N --profile P
                       | --cluster C.json --job J.json   (see detour-sim kfac --help)
   detour-sim --help
 
