@@ -75,6 +75,22 @@ TEST(DetourSimCliTest, HelpAndUsageErrors) {
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.out.find("--job is required"), std::string::npos) << bad.out;
   EXPECT_EQ(Sim(absl::StrCat("plan ", Example(), " --bogus")).code, 2);
+  // Flags come from common/flags.h: did-you-mean, per-command generated help,
+  // a flag of another command named as such.
+  SimRun typo = Sim(absl::StrCat("plan ", Example(), " --shceduler full"));
+  EXPECT_EQ(typo.code, 2);
+  EXPECT_NE(typo.out.find("did you mean --scheduler?"), std::string::npos) << typo.out;
+  SimRun plan_help = Sim("plan --help");
+  EXPECT_EQ(plan_help.code, 0);
+  EXPECT_NE(plan_help.out.find("--evaluations (int, default -1)"), std::string::npos)
+      << plan_help.out;
+  SimRun routes = Sim(absl::StrCat("plan ", Example(), " --routes r.json"));
+  EXPECT_EQ(routes.code, 2);
+  EXPECT_NE(routes.out.find("--routes only goes with simulate"), std::string::npos) << routes.out;
+  SimRun svg = Sim(absl::StrCat("compare ", Example(), " --svg x.svg"));
+  EXPECT_EQ(svg.code, 2);
+  EXPECT_NE(svg.out.find("--svg-dir"), std::string::npos) << svg.out;
+  EXPECT_EQ(Sim(absl::StrCat("plan ", Example(), " stray")).code, 2);
   SimRun sched = Sim(absl::StrCat("plan ", Example(), " --scheduler fastest"));
   EXPECT_EQ(sched.code, 1);
   EXPECT_NE(sched.out.find("unknown scheduler"), std::string::npos) << sched.out;
@@ -291,9 +307,14 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
   }
   SimRun unknown = Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile gpt-huge");
   EXPECT_NE(unknown.out.find("unknown profile"), std::string::npos) << unknown.out;
+  SimRun typo = Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+                    "--slak 0.1");
+  EXPECT_EQ(typo.code, 2);
+  EXPECT_NE(typo.out.find("did you mean --slack?"), std::string::npos) << typo.out;
   SimRun help = Sim("kfac --help");
   EXPECT_EQ(help.code, 0);
   EXPECT_NE(help.out.find("bert-large-bs32"), std::string::npos);
+  EXPECT_NE(help.out.find("--refreshes (int, default 3)"), std::string::npos) << help.out;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -16,6 +17,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "common/flags.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
 #include "common/sim/json_writer.h"
@@ -28,14 +31,16 @@
 
 namespace detour::sim_tool {
 
-const char kKfacUsage[] = R"(detour-sim kfac: K-FAC work in the pipeline's bubbles (docs/KFAC.md).
+namespace {
 
-Usage:
+// `detour-sim kfac --help`: this text, then the flags FlagSet generates.
+constexpr char kKfacSummary[] = R"(K-FAC work in the pipeline's bubbles (docs/KFAC.md).
+
   detour-sim kfac --schedule gpipe|1f1b|chimera --stages D --microbatches N
                   (--profile P | --forward-ms F --backward-ms B --curvature-ms C
-                   --inversion-ms I [--precondition-ms X] --blocks L) [options]
+                   --inversion-ms I [--precondition-ms X] --blocks L) [flags]
   detour-sim kfac --cluster C.json --job J.json [--scheduler skippipe|full|...]
-                  [--tflops X] [--seed N] [options]
+                  [--tflops X] [--seed N] [flags]
 
 Synthetic pipelines: D stages on D nodes, N microbatches, no communication,
 the per-block times (ms) of a profile split evenly over the stages. chimera:
@@ -46,24 +51,12 @@ device d holds stage d of one and stage D-1-d of the other. Profiles:
   override a profile's values.
 Real plans: one planned and simulated iteration of the job (its routes and
 timeline reused every iteration), K-FAC costs from the model shape and each
-node's speed.
+node's speed.)";
 
-Options:
-  --iterations K              plan K iterations (default: until --refreshes
-                              refreshes complete)
-  --refreshes R               default 3
-  --curvature-microbatches M  per node and refresh (default 1)
-  --slack S                   placement margin (default 0.05)
-  --refresh-interval K        fixed interval (default 0: as the bubbles allow)
-  --placement bubbles|serial  default bubbles
-  --sync / --no-sync          all-reduce factors among replicas (default: on
-                              when a stage has replicas)
-  --json                      machine-readable output
-  --svg FILE                  timeline of the first iteration with K-FAC work
-)";
+constexpr char kKfacEpilog[] =
+    "Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.";
 
-namespace {
-
+// Usage errors found after parsing carry this prefix (exit 2).
 absl::Status UsageError(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("usage: ", what));
 }
@@ -107,111 +100,114 @@ struct KfacArgs {
   std::string svg;
 };
 
-absl::StatusOr<KfacArgs> Parse(const std::vector<std::string>& args) {
+// Declares the flags of `detour-sim kfac` on `flags`, parses `args` and
+// checks the values and their combinations. CANCELLED after --help.
+absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& args) {
   KfacArgs a;
-  size_t i = 0;
-  auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
-    if (i >= args.size()) return UsageError(absl::StrCat(flag, " needs a value"));
-    return args[i++];
-  };
-  auto count = [&](const std::string& flag, int min, int* out) -> absl::Status {
-    ASSIGN_OR_RETURN(std::string v, value(flag));
-    if (!absl::SimpleAtoi(v, out) || *out < min) {
-      return UsageError(absl::StrCat(flag, ": needs a whole number >= ", min, ", got ", v));
+  int64_t stages = 0, microbatches = 0, blocks = 0, iterations = 0, refreshes = a.refreshes,
+          curvature_microbatches = a.curvature_microbatches,
+          refresh_interval = a.refresh_interval;
+  double forward_ms = 0, backward_ms = 0, curvature_ms = 0, inversion_ms = 0,
+         precondition_ms = 0;
+  std::string seed, placement = "bubbles";
+  bool sync = false, no_sync = false;
+  flags.String("schedule", &a.schedule, "synthetic pipeline: gpipe, 1f1b or chimera");
+  flags.String("profile", &a.profile,
+               "per-block times: bert-large-bs32, bert-large-bs8, bert-base-bs32, bert-base-bs8");
+  flags.Int("stages", &stages, "D, synthetic stages (required with --schedule)");
+  flags.Int("microbatches", &microbatches, "N, microbatches (required with --schedule)");
+  flags.Int("blocks", &blocks, "transformer blocks (required without --profile)");
+  flags.Double("forward-ms", &forward_ms, "forward ms per block and microbatch");
+  flags.Double("backward-ms", &backward_ms, "backward ms per block and microbatch");
+  flags.Double("curvature-ms", &curvature_ms, "curvature (A+B) ms per block and microbatch");
+  flags.Double("inversion-ms", &inversion_ms, "inversion ms per block (all factors)");
+  flags.Double("precondition-ms", &precondition_ms, "preconditioning ms per block and step");
+  flags.String("cluster", &a.cluster, "cluster spec (real plan)");
+  flags.String("job", &a.job, "job spec (real plan)");
+  flags.String("scheduler", &a.scheduler,
+               "real plan: skippipe, full, random, skip-no-collision (default: the job's)");
+  flags.Double("tflops", &a.tflops,
+               "real plan: TFLOP/s of a speed-1.0 node (default: the cluster's)");
+  flags.String("seed", &seed, "real plan: seed, an unsigned integer (default: the job's)");
+  flags.Int("iterations", &iterations,
+            "plan K iterations (default 0: until --refreshes refreshes complete)");
+  flags.Int("refreshes", &refreshes, "refreshes to complete when --iterations is 0");
+  flags.Int("curvature-microbatches", &curvature_microbatches,
+            "curvature microbatches per node and refresh");
+  flags.Double("slack", &a.slack, "placement margin, in [0, 1)");
+  flags.Int("refresh-interval", &refresh_interval,
+            "fixed refresh interval (0: as the bubbles allow)");
+  flags.String("placement", &placement, "bubbles or serial");
+  flags.Bool("sync", &sync,
+             "all-reduce factors among a stage's replicas (default: on when a stage has "
+             "replicas; chimera's stages have 2)");
+  flags.Bool("no-sync", &no_sync, "do not all-reduce factors");
+  flags.Bool("json", &a.json, "machine-readable output");
+  flags.String("svg", &a.svg, "timeline of the first iteration with K-FAC work");
+  flags.SetEpilog(kKfacEpilog);
+  ASSIGN_OR_RETURN(std::vector<std::string> rest, flags.Parse(args));
+  if (!rest.empty()) return UsageError(absl::StrCat("unexpected argument \"", rest[0], "\""));
+
+  auto count = [&](const char* name, int64_t v, int min, int* out) -> absl::Status {
+    if (flags.WasSet(name) && (v < min || v > std::numeric_limits<int>::max())) {
+      return UsageError(absl::StrCat("--", name, ": needs a whole number >= ", min, ", got ", v));
     }
+    *out = static_cast<int>(v);
     return absl::OkStatus();
   };
-  auto ms = [&](const std::string& flag, std::optional<double>* out) -> absl::Status {
-    ASSIGN_OR_RETURN(std::string v, value(flag));
-    double d = 0;
-    if (!absl::SimpleAtod(v, &d) || !(d >= 0) || !std::isfinite(d)) {
-      return UsageError(absl::StrCat(flag, ": needs a number >= 0, got ", v));
+  RETURN_IF_ERROR(count("stages", stages, 1, &a.stages));
+  RETURN_IF_ERROR(count("microbatches", microbatches, 1, &a.microbatches));
+  RETURN_IF_ERROR(count("blocks", blocks, 1, &a.blocks));
+  RETURN_IF_ERROR(count("iterations", iterations, 1, &a.iterations));
+  RETURN_IF_ERROR(count("refreshes", refreshes, 1, &a.refreshes));
+  RETURN_IF_ERROR(count("curvature-microbatches", curvature_microbatches, 1,
+                        &a.curvature_microbatches));
+  RETURN_IF_ERROR(count("refresh-interval", refresh_interval, 0, &a.refresh_interval));
+  for (const auto& [name, v, out] :
+       std::vector<std::tuple<const char*, double, std::optional<double>*>>{
+           {"forward-ms", forward_ms, &a.forward_ms},
+           {"backward-ms", backward_ms, &a.backward_ms},
+           {"curvature-ms", curvature_ms, &a.curvature_ms},
+           {"inversion-ms", inversion_ms, &a.inversion_ms},
+           {"precondition-ms", precondition_ms, &a.precondition_ms}}) {
+    if (!flags.WasSet(name)) continue;
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return UsageError(absl::StrCat("--", name, ": needs a number >= 0, got ", v));
     }
-    *out = d;
-    return absl::OkStatus();
-  };
-  while (i < args.size()) {
-    const std::string flag = args[i++];
-    if (flag == "--help" || flag == "-h") {
-      return UsageError("help");
-    } else if (flag == "--json") {
-      a.json = true;
-    } else if (flag == "--sync") {
-      a.sync = true;
-    } else if (flag == "--no-sync") {
-      a.sync = false;
-    } else if (flag == "--schedule") {
-      ASSIGN_OR_RETURN(a.schedule, value(flag));
-      if (a.schedule != "gpipe" && a.schedule != "1f1b" && a.schedule != "chimera") {
-        return UsageError(absl::StrCat("--schedule: gpipe, 1f1b or chimera, got ", a.schedule));
-      }
-    } else if (flag == "--profile") {
-      ASSIGN_OR_RETURN(a.profile, value(flag));
-      if (!Profiles().count(a.profile)) {
-        return UsageError(absl::StrCat("--profile: unknown profile \"", a.profile,
-                                       "\" (bert-large-bs32, bert-large-bs8, bert-base-bs32, "
-                                       "bert-base-bs8)"));
-      }
-    } else if (flag == "--stages") {
-      RETURN_IF_ERROR(count(flag, 1, &a.stages));
-    } else if (flag == "--microbatches") {
-      RETURN_IF_ERROR(count(flag, 1, &a.microbatches));
-    } else if (flag == "--blocks") {
-      RETURN_IF_ERROR(count(flag, 1, &a.blocks));
-    } else if (flag == "--forward-ms") {
-      RETURN_IF_ERROR(ms(flag, &a.forward_ms));
-    } else if (flag == "--backward-ms") {
-      RETURN_IF_ERROR(ms(flag, &a.backward_ms));
-    } else if (flag == "--curvature-ms") {
-      RETURN_IF_ERROR(ms(flag, &a.curvature_ms));
-    } else if (flag == "--inversion-ms") {
-      RETURN_IF_ERROR(ms(flag, &a.inversion_ms));
-    } else if (flag == "--precondition-ms") {
-      RETURN_IF_ERROR(ms(flag, &a.precondition_ms));
-    } else if (flag == "--cluster") {
-      ASSIGN_OR_RETURN(a.cluster, value(flag));
-    } else if (flag == "--job") {
-      ASSIGN_OR_RETURN(a.job, value(flag));
-    } else if (flag == "--scheduler") {
-      ASSIGN_OR_RETURN(a.scheduler, value(flag));
-    } else if (flag == "--tflops") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtod(v, &a.tflops) || !(a.tflops > 0)) {
-        return UsageError(absl::StrCat("--tflops: needs a positive number, got ", v));
-      }
-    } else if (flag == "--seed") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtoi(v, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", v));
-      a.has_seed = true;
-    } else if (flag == "--iterations") {
-      RETURN_IF_ERROR(count(flag, 1, &a.iterations));
-    } else if (flag == "--refreshes") {
-      RETURN_IF_ERROR(count(flag, 1, &a.refreshes));
-    } else if (flag == "--curvature-microbatches") {
-      RETURN_IF_ERROR(count(flag, 1, &a.curvature_microbatches));
-    } else if (flag == "--refresh-interval") {
-      RETURN_IF_ERROR(count(flag, 0, &a.refresh_interval));
-    } else if (flag == "--slack") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtod(v, &a.slack) || !(a.slack >= 0 && a.slack < 1)) {
-        return UsageError(absl::StrCat("--slack: needs a number in [0, 1), got ", v));
-      }
-    } else if (flag == "--placement") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (v != "bubbles" && v != "serial") {
-        return UsageError(absl::StrCat("--placement: bubbles or serial, got ", v));
-      }
-      a.serial = v == "serial";
-    } else if (flag == "--svg") {
-      ASSIGN_OR_RETURN(a.svg, value(flag));
-    } else {
-      return UsageError(absl::StrCat("unknown option ", flag, "; see detour-sim kfac --help"));
-    }
+    *out = v;
   }
+  if (flags.WasSet("schedule") && a.schedule != "gpipe" && a.schedule != "1f1b" &&
+      a.schedule != "chimera") {
+    return UsageError(absl::StrCat("--schedule: gpipe, 1f1b or chimera, got ", a.schedule));
+  }
+  if (flags.WasSet("profile") && !Profiles().count(a.profile)) {
+    return UsageError(absl::StrCat("--profile: unknown profile \"", a.profile,
+                                   "\" (bert-large-bs32, bert-large-bs8, bert-base-bs32, "
+                                   "bert-base-bs8)"));
+  }
+  if (flags.WasSet("tflops") && !(a.tflops > 0)) {
+    return UsageError(absl::StrCat("--tflops: needs a positive number, got ", a.tflops));
+  }
+  if (flags.WasSet("seed")) {
+    if (!absl::SimpleAtoi(seed, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", seed));
+    a.has_seed = true;
+  }
+  if (!(a.slack >= 0 && a.slack < 1)) {
+    return UsageError(absl::StrCat("--slack: needs a number in [0, 1), got ", a.slack));
+  }
+  if (placement != "bubbles" && placement != "serial") {
+    return UsageError(absl::StrCat("--placement: bubbles or serial, got ", placement));
+  }
+  a.serial = placement == "serial";
+  if (flags.WasSet("sync") && flags.WasSet("no-sync") && sync == no_sync) {
+    return UsageError("--sync and --no-sync contradict each other");
+  }
+  if (flags.WasSet("sync")) a.sync = sync;
+  if (flags.WasSet("no-sync")) a.sync = !no_sync;
   const bool synthetic = !a.schedule.empty();
   const bool real = !a.cluster.empty() || !a.job.empty();
   if (synthetic == real) {
-    return UsageError("kfac needs either --schedule (synthetic) or --cluster and --job");
+    return UsageError("needs either --schedule (synthetic) or --cluster and --job");
   }
   if (synthetic) {
     if (a.stages == 0) return UsageError("--stages is required with --schedule");
@@ -766,27 +762,18 @@ absl::Status Run(const KfacArgs& a) {
 }  // namespace
 
 int RunKfac(const std::vector<std::string>& args) {
-  for (const std::string& s : args) {
-    if (s == "--help" || s == "-h") {
-      std::cout << kKfacUsage;
-      return 0;
-    }
+  FlagSet flags("detour-sim kfac", kKfacSummary);
+  absl::StatusOr<KfacArgs> a = Parse(flags, args);
+  absl::Status s = a.ok() ? Run(*a) : a.status();
+  if (s.ok()) return 0;
+  if (absl::IsCancelled(s)) return flags.Fail(s);  // --help
+  if (absl::IsInvalidArgument(s) && (!a.ok() || absl::StartsWith(s.message(), "usage: "))) {
+    absl::string_view message = s.message();
+    absl::ConsumePrefix(&message, "usage: ");
+    return flags.Fail(absl::InvalidArgumentError(message));
   }
-  absl::StatusOr<KfacArgs> a = Parse(args);
-  if (!a.ok()) {
-    std::cerr << "detour-sim kfac: " << a.status().message() << "\n";
-    return 2;
-  }
-  absl::Status s = Run(*a);
-  if (!s.ok()) {
-    if (absl::IsInvalidArgument(s) && absl::StartsWith(s.message(), "usage: ")) {
-      std::cerr << "detour-sim kfac: " << s.message() << "\n";
-      return 2;
-    }
-    std::cerr << "detour-sim kfac: error: " << s.ToString() << "\n";
-    return 1;
-  }
-  return 0;
+  std::cerr << "detour-sim kfac: error: " << s.ToString() << "\n";
+  return 1;
 }
 
 }  // namespace detour::sim_tool

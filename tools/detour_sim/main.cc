@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -19,10 +20,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
 #include "common/sim/json_writer.h"
 #include "common/sim/timeline_export.h"
+#include "common/flags.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "coordinator/planner/plan_proto.h"
@@ -40,14 +43,15 @@ constexpr char kUsage[] = R"(detour-sim: plan and simulate detour training itera
 
 Usage:
   detour-sim plan     --cluster C.json --job J.json [--scheduler S] [--seed N]
-                      [--json] [--trace T.json] [--svg T.svg] [common options]
+                      [--json] [--trace T.json] [--svg T.svg] [flags]
   detour-sim simulate --cluster C.json --job J.json --routes R.json
-                      [--json] [--trace T.json] [--svg T.svg] [common options]
+                      [--json] [--trace T.json] [--svg T.svg] [flags]
   detour-sim compare  --cluster C.json --job J.json [--seed N] [--json]
-                      [--svg-dir DIR] [common options]
+                      [--svg-dir DIR] [flags]
   detour-sim kfac     --schedule gpipe|1f1b|chimera --stages D --microbatches N --profile P
-                      | --cluster C.json --job J.json   (see detour-sim kfac --help)
+                      | --cluster C.json --job J.json
   detour-sim --help
+  detour-sim COMMAND --help   (every flag of COMMAND, with its default)
 
 Commands:
   plan      Assign nodes to stages, plan every microbatch's route with one
@@ -60,21 +64,30 @@ Commands:
   kfac      Fill the pipeline's bubbles with K-FAC work (bubble planner) and
             report utilisation before/after and the refresh interval.
 
-Options:
-  --scheduler S     skippipe (default: the job's), full, random, skip-no-collision
-  --seed N          seed for assignment and route search (default: the job's seed)
-  --json            machine-readable output on stdout
-  --trace FILE      Chrome trace-event JSON (open in ui.perfetto.dev)
-  --svg FILE        per-node timeline as SVG
-  --svg-dir DIR     compare: one SVG per scheduler, all on one time scale
-  --tflops X        override the cluster's compute.tflops (speed-1.0 node)
-  --contention M    uplink (default), link or none — see docs/SCHEDULER.md
-  --evaluations N   skippipe local-search budget (simulations); default automatic
+Common flags (plan, simulate, compare): --tflops X (override the cluster's
+compute.tflops), --contention uplink|link|none (docs/SCHEDULER.md), --seed N;
+plan and compare: --evaluations N (skippipe search budget). Flags take
+`--name value` or `--name=value`; unknown flags get a did-you-mean.
 
 Times are simulated seconds. "pipeline" ends with the last backward (the
 SkipPipe paper's metric); "iteration" adds each stage's gradient all-reduce.
 Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.
 )";
+
+// The summary of `detour-sim COMMAND --help`.
+std::string Summary(const std::string& command) {
+  if (command == "plan") {
+    return "Assigns nodes to stages, plans every microbatch's route with one scheduler,\n"
+           "simulates the iteration and reports it.";
+  }
+  if (command == "simulate") {
+    return "Evaluates routes given from outside: R.json is what `plan --json` writes (its\n"
+           "\"stages\" and \"routes\"; other fields are ignored). Routes that break the\n"
+           "job's rules are refused.";
+  }
+  return "Runs every scheduler on the same node-to-stage assignment and prints them side\n"
+         "by side with the ratio to the full pipeline.";
+}
 
 struct Args {
   std::string command;
@@ -88,87 +101,115 @@ struct Args {
   sim::Contention contention = sim::Contention::kSenderUplink;
 };
 
-// Usage errors are INVALID_ARGUMENT with a "usage: " prefix (exit 2).
-absl::Status UsageError(absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("usage: ", what));
+// Usage errors are INVALID_ARGUMENT (exit 2).
+absl::Status UsageError(absl::string_view what) { return absl::InvalidArgumentError(what); }
+
+constexpr char kEpilog[] =
+    "Times are simulated seconds. \"pipeline\" ends with the last backward (the SkipPipe\n"
+    "paper's metric); \"iteration\" adds each stage's gradient all-reduce. The contention\n"
+    "models are described in docs/SCHEDULER.md.\n"
+    "Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.";
+
+// The commands that take each flag of plan, simulate and compare (for the
+// message when a flag is given to another command).
+const std::map<std::string, std::string>& FlagCommands() {
+  static const auto* m = new std::map<std::string, std::string>{
+      {"cluster", "plan, simulate, compare"},
+      {"job", "plan, simulate, compare"},
+      {"routes", "simulate"},
+      {"scheduler", "plan"},
+      {"seed", "plan, simulate, compare"},
+      {"json", "plan, simulate, compare"},
+      {"trace", "plan, simulate"},
+      {"svg", "plan, simulate"},
+      {"svg-dir", "compare"},
+      {"tflops", "plan, simulate, compare"},
+      {"contention", "plan, simulate, compare"},
+      {"evaluations", "plan, compare"},
+  };
+  return *m;
 }
 
-absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
+// Declares the flags of `command` (plan, simulate or compare) on `flags`,
+// parses `args` (after the command) and checks the values. CANCELLED after
+// --help.
+absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std::string>& args,
+                               FlagSet& flags) {
   Args a;
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty()) return UsageError("missing command (plan, simulate, compare, kfac); see --help");
-  size_t i = 0;
-  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    a.command = "help";
-    return a;
+  a.command = command;
+  std::string seed, contention = "uplink";
+  int64_t evaluations = a.evaluations;
+  const bool plan = command == "plan", simulate = command == "simulate";
+  flags.String("cluster", &a.cluster, "cluster spec C.json (required)");
+  flags.String("job", &a.job, "job spec J.json (required)");
+  if (simulate) {
+    flags.String("routes", &a.routes,
+                 "R.json: what `plan --json` writes (its \"stages\" and \"routes\"; required)");
   }
-  a.command = args[i++];
-  if (a.command != "plan" && a.command != "simulate" && a.command != "compare") {
-    return UsageError(absl::StrCat("unknown command \"", a.command, "\"; see --help"));
+  if (plan) {
+    flags.String("scheduler", &a.scheduler,
+                 "skippipe, full, random, skip-no-collision (default: the job's)");
   }
-  auto value = [&](const std::string& flag) -> absl::StatusOr<std::string> {
-    if (i >= args.size()) return UsageError(absl::StrCat(flag, " needs a value"));
-    return args[i++];
-  };
-  while (i < args.size()) {
-    const std::string flag = args[i++];
-    if (flag == "--help" || flag == "-h") {
-      a.command = "help";
-      return a;
-    } else if (flag == "--json") {
-      a.json = true;
-    } else if (flag == "--cluster") {
-      ASSIGN_OR_RETURN(a.cluster, value(flag));
-    } else if (flag == "--job") {
-      ASSIGN_OR_RETURN(a.job, value(flag));
-    } else if (flag == "--routes") {
-      ASSIGN_OR_RETURN(a.routes, value(flag));
-    } else if (flag == "--trace") {
-      ASSIGN_OR_RETURN(a.trace, value(flag));
-    } else if (flag == "--svg") {
-      ASSIGN_OR_RETURN(a.svg, value(flag));
-    } else if (flag == "--svg-dir") {
-      ASSIGN_OR_RETURN(a.svg_dir, value(flag));
-    } else if (flag == "--scheduler") {
-      ASSIGN_OR_RETURN(a.scheduler, value(flag));
-    } else if (flag == "--seed") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtoi(v, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", v));
-      a.has_seed = true;
-    } else if (flag == "--tflops") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtod(v, &a.tflops) || !(a.tflops > 0)) {
-        return UsageError(absl::StrCat("--tflops: needs a positive number, got ", v));
+  flags.String("seed", &seed,
+               simulate ? "seed reported with the routes, an unsigned integer (default: the "
+                          "job's seed)"
+                        : "seed for assignment and route search, an unsigned integer (default: "
+                          "the job's seed)");
+  flags.Bool("json", &a.json, "machine-readable output on stdout");
+  if (!simulate && !plan) {
+    flags.String("svg-dir", &a.svg_dir, "one SVG per scheduler, all on one time scale");
+  } else {
+    flags.String("trace", &a.trace, "Chrome trace-event JSON (open in ui.perfetto.dev)");
+    flags.String("svg", &a.svg, "per-node timeline as SVG");
+  }
+  flags.Double("tflops", &a.tflops, "override the cluster's compute.tflops (speed-1.0 node)");
+  flags.String("contention", &contention, "uplink, link or none");
+  if (!simulate) {
+    flags.Int("evaluations", &evaluations,
+              "skippipe local-search budget in simulations (-1: automatic)");
+  }
+  flags.SetEpilog(kEpilog);
+  absl::StatusOr<std::vector<std::string>> rest = flags.Parse(args);
+  if (!rest.ok()) {
+    // A flag of another command: say which command takes it.
+    absl::string_view message = rest.status().message();
+    if (absl::ConsumePrefix(&message, "unknown flag --")) {
+      const std::string name(message.substr(0, message.find(' ')));
+      if (command == "compare" && (name == "svg" || name == "trace")) {
+        return UsageError("compare writes timelines with --svg-dir");
       }
-    } else if (flag == "--evaluations") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (!absl::SimpleAtoi(v, &a.evaluations) || a.evaluations < 0) {
-        return UsageError(absl::StrCat("--evaluations: needs a count >= 0, got ", v));
+      if (auto it = FlagCommands().find(name); it != FlagCommands().end()) {
+        return UsageError(absl::StrCat("--", name, " only goes with ", it->second));
       }
-    } else if (flag == "--contention") {
-      ASSIGN_OR_RETURN(std::string v, value(flag));
-      if (v == "uplink") {
-        a.contention = sim::Contention::kSenderUplink;
-      } else if (v == "link") {
-        a.contention = sim::Contention::kPerLink;
-      } else if (v == "none") {
-        a.contention = sim::Contention::kNone;
-      } else {
-        return UsageError(absl::StrCat("--contention: uplink, link or none, got ", v));
-      }
-    } else {
-      return UsageError(absl::StrCat("unknown option ", flag, "; see --help"));
     }
+    return rest.status();
+  }
+  if (!rest->empty()) return UsageError(absl::StrCat("unexpected argument \"", (*rest)[0], "\""));
+  if (flags.WasSet("seed")) {
+    if (!absl::SimpleAtoi(seed, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", seed));
+    a.has_seed = true;
+  }
+  if (flags.WasSet("tflops") && !(a.tflops > 0)) {
+    return UsageError(absl::StrCat("--tflops: needs a positive number, got ", a.tflops));
+  }
+  if (flags.WasSet("evaluations")) {
+    if (evaluations < 0 || evaluations > std::numeric_limits<int>::max()) {
+      return UsageError(absl::StrCat("--evaluations: needs a count >= 0, got ", evaluations));
+    }
+    a.evaluations = static_cast<int>(evaluations);
+  }
+  if (contention == "uplink") {
+    a.contention = sim::Contention::kSenderUplink;
+  } else if (contention == "link") {
+    a.contention = sim::Contention::kPerLink;
+  } else if (contention == "none") {
+    a.contention = sim::Contention::kNone;
+  } else {
+    return UsageError(absl::StrCat("--contention: uplink, link or none, got ", contention));
   }
   if (a.cluster.empty()) return UsageError("--cluster is required");
   if (a.job.empty()) return UsageError("--job is required");
-  if (a.command == "simulate" && a.routes.empty()) return UsageError("simulate needs --routes");
-  if (a.command != "simulate" && !a.routes.empty()) {
-    return UsageError("--routes only goes with simulate");
-  }
-  if (a.command == "compare" && (!a.svg.empty() || !a.trace.empty())) {
-    return UsageError("compare writes timelines with --svg-dir");
-  }
+  if (simulate && a.routes.empty()) return UsageError("simulate needs --routes");
   return a;
 }
 
@@ -519,25 +560,32 @@ absl::Status Compare(const Args& a) {
 }
 
 int Main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "kfac") {
-    return RunKfac(std::vector<std::string>(argv + 2, argv + argc));
-  }
-  absl::StatusOr<Args> args = ParseArgs(argc, argv);
-  if (!args.ok()) {
-    std::cerr << "detour-sim: " << args.status().message() << "\n";
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    std::cerr << "detour-sim: missing command (plan, simulate, compare, kfac); see --help\n";
     return 2;
   }
-  if (args->command == "help") {
+  const std::string& command = args[0];
+  if (command == "--help" || command == "-h" || command == "help") {
     std::cout << kUsage;
     return 0;
   }
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (command == "kfac") return RunKfac(rest);
+  if (command != "plan" && command != "simulate" && command != "compare") {
+    std::cerr << "detour-sim: unknown command \"" << command << "\"; see --help\n";
+    return 2;
+  }
+  FlagSet flags(absl::StrCat("detour-sim ", command), Summary(command));
+  absl::StatusOr<Args> parsed = ParseArgs(command, rest, flags);
+  if (!parsed.ok()) return flags.Fail(parsed.status());
   absl::Status s;
-  if (args->command == "plan") {
-    s = Plan(*args);
-  } else if (args->command == "simulate") {
-    s = Simulate(*args);
+  if (command == "plan") {
+    s = Plan(*parsed);
+  } else if (command == "simulate") {
+    s = Simulate(*parsed);
   } else {
-    s = Compare(*args);
+    s = Compare(*parsed);
   }
   if (!s.ok()) {
     std::cerr << "detour-sim: error: " << s.ToString() << "\n";
