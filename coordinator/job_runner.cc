@@ -378,8 +378,9 @@ class JobRunner {
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
     const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
     // Measured busy fractions, mean over the workers that reported.
-    double utilization = 0, utilization_kfac = 0;
+    double utilization = 0, utilization_kfac = 0, max_delay = 0;
     for (const auto& [id, t] : timings) {
+      max_delay = std::max(max_delay, t.bubble_delay_max_s());
       if (!(t.iteration_time_s() > 0)) continue;
       double pipeline = 0, kfac_work = 0;
       for (const v1::TaskTiming& task : t.tasks()) {
@@ -407,6 +408,7 @@ class JobRunner {
       if (bubbles_ != nullptr) {
         p->set_kfac_refreshes(bubbles_->completed_refreshes());
         p->set_kfac_refresh_interval(bubbles_->mean_refresh_interval());
+        p->set_kfac_max_delay_s(max_delay);
       }
       p->set_coordinator_overhead_s(absl::ToDoubleSeconds(overhead));
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);

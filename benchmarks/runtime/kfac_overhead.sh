@@ -54,8 +54,9 @@ PY
 # Mean of a loss.csv column over iterations 3...
 mean_col() { awk -F, -v c="$2" 'NR>3 {s+=$c; n++} END {if (n) printf "%.4f", s/n; else print "nan"}' "$1"; }
 last_col() { tail -1 "$1" | cut -d, -f"$2"; }
+max_ms() { awk -F, -v c="$2" 'NR>1 && $c*1000>m {m=$c*1000} END {printf "%.1f", m}' "$1"; }
 
-printf "%-6s %-12s %9s %7s %6s %10s %10s %10s\n" setting optimizer iter_s ratio busy busy+kfac refreshes final_loss
+printf "%-6s %-12s %9s %7s %6s %10s %10s %10s %13s\n" setting optimizer iter_s ratio busy busy+kfac refreshes final_loss max_delay_ms
 for setting in $SETTINGS; do
   extra=()
   [ "$setting" = wan ] && extra=(--cluster "$OUT/wan2.json" --emulate_network)
@@ -66,8 +67,8 @@ for setting in $SETTINGS; do
     cp "$csv" "$OUT/${setting}_$j.csv"
     t=$(mean_col "$csv" 3)
     [ -z "$base" ] && base=$t
-    printf "%-6s %-12s %9s %7s %6s %10s %10s %10s\n" "$setting" "$j" "$t" \
+    printf "%-6s %-12s %9s %7s %6s %10s %10s %10s %13s\n" "$setting" "$j" "$t" \
       "$(awk -v a="$t" -v b="$base" 'BEGIN {printf "%.3f", a/b}')" \
-      "$(mean_col "$csv" 7)" "$(mean_col "$csv" 8)" "$(last_col "$csv" 9)" "$(last_col "$csv" 2)"
+      "$(mean_col "$csv" 7)" "$(mean_col "$csv" 8)" "$(last_col "$csv" 9)" "$(last_col "$csv" 2)" "$(max_ms "$csv" 11)"
   done
 done

@@ -183,7 +183,7 @@ class Launcher {
     const bool tty = ::isatty(STDOUT_FILENO);
     std::string csv =
         "iteration,loss,iteration_time_s,tokens_per_s,predicted_iteration_time_s,"
-        "coordinator_overhead_s,utilization,utilization_with_kfac,kfac_refreshes,elapsed_s\n";
+        "coordinator_overhead_s,utilization,utilization_with_kfac,kfac_refreshes,elapsed_s,kfac_max_delay_s\n";
     PlotSeries curve{absl::StrCat(spec.name(), " (", spec.pipeline().num_stages(),
                                   " stages, skip ", spec.pipeline().skip_ratio(), ")"),
                      {}};
@@ -207,12 +207,13 @@ class Launcher {
       const std::string state = v1::JobState_Name(job.state()).substr(10);
       if (pr.iteration() > shown) {
         shown = pr.iteration();
-        absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f,%.4f,%.5f,%.4f,%.4f,%d,%.3f\n",
+        absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f,%.4f,%.5f,%.4f,%.4f,%d,%.3f,%.4f\n",
                               pr.iteration(), pr.loss(), pr.iteration_time_s(),
                               pr.tokens_per_s(), pr.predicted_iteration_time_s(),
                               pr.coordinator_overhead_s(), pr.utilization(),
                               pr.utilization_with_kfac(), pr.kfac_refreshes(),
-                              absl::ToDoubleSeconds(absl::Now() - start));
+                              absl::ToDoubleSeconds(absl::Now() - start),
+                              pr.kfac_max_delay_s());
         curve.points.emplace_back(static_cast<double>(pr.iteration()), pr.loss());
       }
       const std::string line = absl::StrFormat(

@@ -203,6 +203,7 @@ class JobRuntime::Impl {
     std::list<v1::BubbleTask> bubbles;
     std::vector<int> sync_layers;
     double kfac_s = 0;
+    double max_delay_s = 0;  // pipeline work waiting for a bubble task
   };
 
   // --- executor ---------------------------------------------------------
@@ -641,6 +642,7 @@ class JobRuntime::Impl {
     Record(v1::TaskTiming::KIND_OPTIMIZER, 0, start);
     const double duration = absl::ToDoubleSeconds(absl::Now() - it.received);
     it.timing.set_iteration_time_s(duration);
+    it.timing.set_bubble_delay_max_s(it.max_delay_s);
     PublishUtilization(it, duration);
     v1::WorkerMessage timing;
     *timing.mutable_timing() = it.timing;
@@ -860,8 +862,10 @@ class JobRuntime::Impl {
       }
     }
     const int64_t arrived = arrived_during_bubble_ns_.exchange(0);
-    if (arrived != 0 && kfac_delay_metric_ != nullptr) {
-      kfac_delay_metric_->Observe(std::max(0.0, (absl::ToUnixNanos(end) - arrived) * 1e-9));
+    if (arrived != 0) {
+      const double delay = std::max(0.0, (absl::ToUnixNanos(end) - arrived) * 1e-9);
+      it.max_delay_s = std::max(it.max_delay_s, delay);
+      if (kfac_delay_metric_ != nullptr) kfac_delay_metric_->Observe(delay);
     }
     if (!s.ok()) {
       Fail(Annotate(s, BubbleTaskName(t)));
