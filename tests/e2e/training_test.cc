@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 
 #include "common/spec.h"
 #include "gmock/gmock.h"
@@ -49,6 +50,15 @@ v1::JobSpec MicroJob(int stages, int data_nodes, int replicas, double skip, int 
 }
 
 std::vector<std::string> WorkerFlags() { return {"--torch_threads=1"}; }
+
+// `base` with K-FAC on and its K-FAC settings changed by `configure`.
+v1::JobSpec KfacJob(v1::JobSpec base, const std::function<void(v1::KfacSpec*)>& configure) {
+  base.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  v1::KfacSpec* k = base.mutable_optimizer()->mutable_kfac();
+  k->set_lr(3e-3);
+  configure(k);
+  return *NormalizeJobSpec(base);
+}
 
 TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
   const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
@@ -137,10 +147,7 @@ TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
   // K-FAC on every projection with its work planned into the pipeline's
   // gaps; two data nodes and two replicas per stage sync their factors in
   // the all-reduce. Refresh as often as the bubbles allow.
-  v1::JobSpec spec = MicroJob(3, 2, 2, 0.0, 8);
-  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
-  spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
-  spec = *NormalizeJobSpec(spec);
+  const v1::JobSpec spec = KfacJob(MicroJob(3, 2, 2, 0.0, 8), [](v1::KfacSpec*) {});
   ASSERT_TRUE(spec.optimizer().kfac().sync_factors());
   Daemon c = StartCoordinator({"--log_level=debug"});
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 6, WorkerFlags());
@@ -181,13 +188,10 @@ TEST_F(TrainingTest, KfacWithSkipRoutesAndAFixedRefreshInterval) {
   // Skip routes leave each stage different gaps; a refresh every 3
   // iterations from 2 curvature microbatches per node; one replica per stage
   // (no factor sync), so every node inverts from its own curvature.
-  v1::JobSpec spec = MicroJob(4, 1, 1, 0.25, 7);
-  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
-  v1::KfacSpec* k = spec.mutable_optimizer()->mutable_kfac();
-  k->set_lr(3e-3);
-  k->set_refresh_interval(3);
-  k->set_curvature_microbatches(2);
-  spec = *NormalizeJobSpec(spec);
+  const v1::JobSpec spec = KfacJob(MicroJob(4, 1, 1, 0.25, 7), [](v1::KfacSpec* k) {
+    k->set_refresh_interval(3);
+    k->set_curvature_microbatches(2);
+  });
   ASSERT_FALSE(spec.optimizer().kfac().sync_factors());
   Daemon c = StartCoordinator({"--log_level=debug"});
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 4, WorkerFlags());

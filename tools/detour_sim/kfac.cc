@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/files.h"
 #include "common/flags.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
@@ -566,15 +566,6 @@ absl::StatusOr<Scenario> Real(const KfacArgs& a) {
   return sc;
 }
 
-absl::Status WriteText(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
-  out << text;
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat("writing ", path, " failed"));
-  return absl::OkStatus();
-}
-
 const char* TaskColour(v1::BubbleTask::Kind k) {
   switch (k) {
     case v1::BubbleTask::KIND_CURVATURE_A:
@@ -667,7 +658,7 @@ absl::Status Run(const KfacArgs& a) {
           {v1::BubbleTask::KIND_INVERT_B, "inversion B"}};
       o.overlay_legend.push_back({TaskColour(kind), names.at(kind)});
     }
-    RETURN_IF_ERROR(WriteText(a.svg, sim::TimelineSvg(sc.cost, sc.plan, sc.result, o)));
+    RETURN_IF_ERROR(WriteFileAtomically(a.svg, sim::TimelineSvg(sc.cost, sc.plan, sc.result, o)));
   }
 
   if (a.json) {

@@ -7,11 +7,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,11 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/files.h"
+#include "common/flags.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
 #include "common/sim/json_writer.h"
 #include "common/sim/timeline_export.h"
-#include "common/flags.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "coordinator/planner/plan_proto.h"
@@ -213,23 +212,6 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
   return a;
 }
 
-absl::Status WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
-  out << text;
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat("writing ", path, " failed"));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 struct Context {
   v1::ClusterSpec cluster;
   v1::JobSpec job;
@@ -360,13 +342,13 @@ absl::Status ExportTimelines(const Args& a, const Context& c, const PlannedItera
       absl::StrFormat("%s on %s — %s", planner::SchedulerName(it.scheduler), c.cluster.name(),
                       c.job.name());
   if (!trace.empty()) {
-    RETURN_IF_ERROR(WriteFile(trace, sim::ChromeTraceJson(c.cost, it.plan, it.result, title)));
+    RETURN_IF_ERROR(WriteFileAtomically(trace, sim::ChromeTraceJson(c.cost, it.plan, it.result, title)));
   }
   if (!svg.empty()) {
     sim::SvgOptions o;
     o.title = title;
     o.max_time_s = max_t;
-    RETURN_IF_ERROR(WriteFile(svg, sim::TimelineSvg(c.cost, it.plan, it.result, o)));
+    RETURN_IF_ERROR(WriteFileAtomically(svg, sim::TimelineSvg(c.cost, it.plan, it.result, o)));
   }
   return absl::OkStatus();
 }
@@ -392,7 +374,7 @@ absl::Status Plan(const Args& a) {
 // Reads the "stages" and "routes" of a plan report.
 absl::Status ReadRoutes(const std::string& path, const sim::CostModel& cost, sim::Plan* plan,
                         std::string* scheduler) {
-  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   google::protobuf::Value root;
   auto parsed = google::protobuf::util::JsonStringToMessage(text, &root);
   if (!parsed.ok()) {
