@@ -149,6 +149,9 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (k->placement() == v1::KFAC_PLACEMENT_UNSPECIFIED) {
     k->set_placement(v1::KFAC_PLACEMENT_BUBBLES);
   }
+  if (k->update() == v1::KFAC_UPDATE_UNSPECIFIED) {
+    k->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
+  }
   if (o->kind() == v1::OPTIMIZER_KFAC &&
       (spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1)) {
     k->set_sync_factors(true);  // replicas must precondition identically
@@ -275,6 +278,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (!std::isfinite(k.kl_clip())) {
     return Invalid("optimizer.kfac.kl_clip", Num(k.kl_clip()) + " is not finite");
+  }
+  if (!v1::KfacUpdate_IsValid(k.update())) {
+    return Invalid("optimizer.kfac.update", absl::StrCat(k.update(), " is not a KfacUpdate"));
   }
 
   const v1::DataSpec& d = spec.data();

@@ -136,6 +136,7 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   EXPECT_DOUBLE_EQ(k.damping(), 1e-3);
   EXPECT_DOUBLE_EQ(k.kl_clip(), 1e-3);
   EXPECT_EQ(k.placement(), v1::KFAC_PLACEMENT_BUBBLES);
+  EXPECT_EQ(k.update(), v1::KFAC_UPDATE_GRAFT_ADAMW);
   // Replicated stages must sync their factors to stay identical.
   EXPECT_TRUE(k.sync_factors());
 

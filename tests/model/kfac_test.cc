@@ -144,6 +144,52 @@ TEST_F(KfacMathTest, PreconditionedGradientEqualsDenseSolve) {
   EXPECT_FALSE(KfacPreconditionedGradient(grad.t(), *a_inv, *b_inv).ok());
 }
 
+// Known answer: one linear layer y = W·a with the per-token loss
+// ½‖y - t‖² (a Gaussian likelihood, whose Fisher is A ⊗ I). B from targets
+// SAMPLED from the model (t ~ N(y, I): the true Fisher's output factor) with
+// the engine's normalisation — the batch loss is the mean over N tokens and
+// B rescales the output gradient by N — is ≈ I, and one K-FAC step with lr 1
+// and tiny damping is a Newton step: W - ΔW is the least-squares solution.
+// Checks the sign, the N scaling of B, and that ∇W is the mean gradient.
+TEST_F(KfacMathTest, NaturalGradientStepSolvesLinearRegression) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  const int64_t n = 20000, f_in = 5, f_out = 3;
+  at::Tensor a = at::randn({n, f_in}, gen, F64()) * at::linspace(0.3, 3, f_in, F64());
+  at::Tensor w_true = at::randn({f_out, f_in}, gen, F64());
+  at::Tensor t_data = at::matmul(a, w_true.t()) + at::randn({n, f_out}, gen, F64()) * 0.1;
+  at::Tensor w = at::randn({f_out, f_in}, gen, F64());
+  auto mean_loss = [&](const at::Tensor& w_, const at::Tensor& t) {
+    return (at::matmul(a, w_.t()) - t).pow(2).sum(1).mul(0.5).mean();
+  };
+  // Curvature with sampled targets: output gradient of the MEAN loss, ×N.
+  at::Tensor y = at::matmul(a, w.t()).detach().requires_grad_(true);
+  at::Tensor t_model = y.detach() + at::randn({n, f_out}, gen, F64());
+  torch::autograd::backward({(y - t_model).pow(2).sum(1).mul(0.5).mean()});
+  auto f = KfacFactorsForLinear(a, y.grad() * static_cast<double>(n));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_LT(MaxAbsDiff(f->b, at::eye(f_out, F64())), 0.05);  // per-token units
+  // Mean gradient on the data.
+  at::Tensor wl = w.clone().requires_grad_(true);
+  torch::autograd::backward({mean_loss(wl, t_data)});
+  KfacDamping d = PiDamping(f->a.trace().item<double>(), f_in,
+                            f->b.trace().item<double>(), f_out, 1e-8);
+  auto a_inv = DampedInverse(f->a, d.damping_a);
+  auto b_inv = DampedInverse(f->b, d.damping_b);
+  ASSERT_TRUE(a_inv.ok() && b_inv.ok());
+  auto delta = KfacPreconditionedGradient(wl.grad(), *a_inv, *b_inv);
+  ASSERT_TRUE(delta.ok());
+  // Least squares: W_ls = (Tᵀ a)(aᵀ a)⁻¹.
+  at::Tensor w_ls = at::linalg_solve(at::matmul(a.t(), a), at::matmul(a.t(), t_data)).t();
+  const double l0 = mean_loss(w, t_data).item<double>();
+  const double l_ls = mean_loss(w_ls, t_data).item<double>();
+  const double l1 = mean_loss(w - *delta, t_data).item<double>();
+  EXPECT_GT(l0, 10 * l_ls);
+  // B is I up to Monte-Carlo error (~1/√N): the step lands within a few %
+  // of the way from W to the optimum.
+  EXPECT_LT(l1 - l_ls, 0.01 * (l0 - l_ls));
+  EXPECT_LT(MaxAbsDiff(w - *delta, w_ls), 0.1);
+}
+
 // ---- Kfac on a real Stage --------------------------------------------------
 
 v1::JobSpec TwoStageSpec() {
@@ -317,6 +363,7 @@ TEST_F(KfacStageTest, PreconditionUpdatesProjections) {
   o.mutable_kfac()->set_lr(2e-2);
   o.mutable_kfac()->set_momentum(0);
   o.mutable_kfac()->set_kl_clip(-1);
+  o.mutable_kfac()->set_update(v1::KFAC_UPDATE_MOMENTUM);
   auto kfac = MakeKfac(o);
   AdamW adam(stage_->Parameters(), o.adamw());
   adam.set_precondition_hook(kfac.get());
@@ -366,6 +413,56 @@ TEST_F(KfacStageTest, PreconditionUpdatesProjections) {
   ASSERT_TRUE(clipped->BeginStep(lr).ok());
   EXPECT_GT(clipped->last_kl_scale(), 0);
   EXPECT_LT(clipped->last_kl_scale(), 1);
+}
+
+// Grafting (the default update): each projection moves along B⁻¹·m̂·A⁻¹
+// by exactly lr_kfac × the norm of the AdamW update it replaces (first step:
+// m̂ = g, v̂ = g², U = g/(|g| + eps)); AdamW does not also update it.
+TEST_F(KfacStageTest, GraftingTakesAdamWsStepLength) {
+  v1::OptimizerSpec o = spec_.optimizer();
+  o.mutable_adamw()->set_lr(1e-3);
+  o.mutable_adamw()->set_weight_decay(0);
+  o.mutable_adamw()->set_beta1(0.9);
+  o.mutable_adamw()->set_beta2(0.95);
+  o.mutable_adamw()->set_eps(1e-8);
+  o.mutable_kfac()->set_lr(1e-3);
+  o.mutable_kfac()->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
+  auto kfac = MakeKfac(o);
+  AdamW adam(stage_->Parameters(), o.adamw());
+  adam.set_precondition_hook(kfac.get());
+  kfac->Capture(0);
+  RunMicrobatch(0, x_, grad_out_);
+  ASSERT_TRUE(kfac->RefreshSerially().ok());
+  std::map<std::string, at::Tensor> before, grads;
+  for (auto& [name, p] : stage_->Parameters()) {
+    before[name] = p.detach().clone();
+    grads[name] = p.grad().clone();
+  }
+  const double lr = 5e-4;
+  ASSERT_TRUE(adam.Step(lr).ok());
+  std::map<std::string, at::Tensor> after = testing::ToMap(stage_->Parameters());
+  for (const char* q : {"layers.2.wq", "layers.3.w_down"}) {
+    const at::Tensor& g = grads[q];
+    const int layer = q[7] - '0';
+    const std::string module = std::string(q).find("down") != std::string::npos ? "down" : "q";
+    at::Tensor dir = at::matmul(at::matmul(kfac->InverseB(layer, module), g),
+                                kfac->InverseA(layer, module));
+    at::Tensor adam_update = g / (g.abs() + 1e-8);
+    at::Tensor step = (before[q] - after[q].detach()) / lr;
+    EXPECT_NEAR(step.norm().item<double>(), adam_update.norm().item<double>(),
+                1e-3 * adam_update.norm().item<double>()) << q;
+    const double cosine =
+        (step * dir).sum().item<double>() / (step.norm() * dir.norm()).item<double>();
+    EXPECT_GT(cosine, 1 - 1e-4) << q;
+    EXPECT_NEAR(kfac->last_graft_scale(layer, module),
+                adam_update.norm().item<double>() / dir.norm().item<double>(),
+                1e-3 * kfac->last_graft_scale(layer, module)) << q;
+    EXPECT_GT(MaxAbsDiff(step / step.norm(), adam_update / adam_update.norm()), 1e-2)
+        << q;  // a different direction from AdamW's
+  }
+  for (auto& [name, p] : after) {
+    EXPECT_TRUE(at::isfinite(p.detach()).all().item<bool>()) << name;
+  }
 }
 
 // ---- Engine ------------------------------------------------------------------

@@ -76,6 +76,10 @@ Options:
   --kfac-momentum X   momentum of the K-FAC update (default 0.9)
   --kfac-kl-clip X    KL clip of the K-FAC update, negative = off (default 1e-3)
   --kfac-curvature N  curvature microbatches per data node and refresh (default 1)
+  --kfac-update U     graft (K-FAC direction, AdamW's per-projection step
+                      length; default) or momentum (momentum SGD, KL clip)
+  --kfac-factor-decay X  running-average weight of new factors, (0, 1]
+                      (default: the job's, else 1)
   --threads N         intra-op threads (default 1; more only on idle cores)
   --device D          cpu (default) or cuda (needs a CUDA build of LibTorch)
   --out DIR           output directory (default detour-train-out)
@@ -103,6 +107,8 @@ struct Args {
   std::string optimizer;
   double kfac_lr = 0, kfac_damping = 0, kfac_momentum = -1, kfac_kl_clip = 0;
   int64_t kfac_refresh = -1, kfac_curvature = 0;
+  std::string kfac_update;
+  double kfac_factor_decay = 0;
   bool has_seed = false;
   uint64_t seed = 0;
 };
@@ -143,6 +149,8 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (flag == "--kfac-momentum") ok = absl::SimpleAtod(v, &a->kfac_momentum) && a->kfac_momentum >= 0 && a->kfac_momentum < 1;
     else if (flag == "--kfac-kl-clip") ok = absl::SimpleAtod(v, &a->kfac_kl_clip) && a->kfac_kl_clip != 0;
     else if (flag == "--kfac-refresh") ok = absl::SimpleAtoi(v, &a->kfac_refresh) && a->kfac_refresh >= 0;
+    else if (flag == "--kfac-update") ok = (a->kfac_update = v) == "graft" || v == "momentum";
+    else if (flag == "--kfac-factor-decay") ok = absl::SimpleAtod(v, &a->kfac_factor_decay) && a->kfac_factor_decay > 0 && a->kfac_factor_decay <= 1;
     else if (flag == "--kfac-curvature") ok = absl::SimpleAtoi(v, &a->kfac_curvature) && a->kfac_curvature > 0;
     else if (flag == "--seed") ok = a->has_seed = absl::SimpleAtoi(v, &a->seed);
     else {
@@ -256,6 +264,9 @@ absl::Status Main(const Args& args) {
   if (args.kfac_momentum >= 0) kfac->set_momentum(args.kfac_momentum);
   if (args.kfac_kl_clip != 0) kfac->set_kl_clip(args.kfac_kl_clip);
   if (args.kfac_refresh >= 0) kfac->set_refresh_interval(static_cast<uint32_t>(args.kfac_refresh));
+  if (args.kfac_update == "graft") kfac->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
+  if (args.kfac_update == "momentum") kfac->set_update(v1::KFAC_UPDATE_MOMENTUM);
+  if (args.kfac_factor_decay > 0) kfac->set_factor_decay(args.kfac_factor_decay);
   if (args.kfac_curvature > 0) {
     kfac->set_curvature_microbatches(static_cast<uint32_t>(args.kfac_curvature));
   }

@@ -154,7 +154,13 @@ Kfac::Kfac(Stage* stage, const v1::OptimizerSpec& spec)
       momentum_(spec.kfac().momentum()),
       kl_clip_(spec.kfac().kl_clip()),
       adamw_lr_(spec.adamw().lr()),
-      weight_decay_(spec.adamw().weight_decay()) {}
+      weight_decay_(spec.adamw().weight_decay()),
+      update_(spec.kfac().update() == v1::KFAC_UPDATE_UNSPECIFIED
+                  ? v1::KFAC_UPDATE_GRAFT_ADAMW
+                  : spec.kfac().update()),
+      beta1_(spec.adamw().beta1() > 0 ? spec.adamw().beta1() : 0.9),
+      beta2_(spec.adamw().beta2() > 0 ? spec.adamw().beta2() : 0.95),
+      eps_(spec.adamw().eps() > 0 ? spec.adamw().eps() : 1e-8) {}
 
 Kfac::~Kfac() { DropAllCaptures(); }
 
@@ -177,6 +183,11 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
   if (!(k.momentum() >= 0 && k.momentum() < 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
+  }
+  if (!(spec.adamw().beta1() >= 0 && spec.adamw().beta1() < 1 &&
+        spec.adamw().beta2() >= 0 && spec.adamw().beta2() < 1)) {
+    return absl::InvalidArgumentError(
+        "optimizer.adamw.beta1/beta2 must be in [0, 1) (K-FAC grafting)");
   }
   std::unique_ptr<Kfac> kfac(new Kfac(stage, spec));
   const ModelConfig& c = stage->config();
@@ -444,6 +455,7 @@ absl::Status Kfac::BeginStep(double lr) {
   step_updates_.clear();
   step_lr_ = kfac_lr_ * lr / adamw_lr_;
   last_kl_scale_ = 1;
+  if (update_ == v1::KFAC_UPDATE_GRAFT_ADAMW) return absl::OkStatus();
   return GuardTorch("K-FAC step", [&]() -> absl::Status {
     c10::NoGradGuard no_grad;
     double vg = 0;
@@ -469,6 +481,10 @@ absl::Status Kfac::BeginStep(double lr) {
 absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& params,
                                 double lr, std::set<std::string>* self_updated) {
   if (!has_inverses(layer)) return absl::OkStatus();  // AdamW's
+  if (update_ == v1::KFAC_UPDATE_GRAFT_ADAMW) {
+    step_lr_ = kfac_lr_ * lr / adamw_lr_;
+    return GraftStep(layer, params, self_updated);
+  }
   // Without BeginStep (a caller other than AdamW::Step), compute the step now.
   for (const auto& [name, p] : params) {
     if (ProjectionOf(name).second >= 0 && p.grad().defined() &&
@@ -501,6 +517,58 @@ absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& param
     }
     return absl::OkStatus();
   });
+}
+
+absl::Status Kfac::GraftStep(int layer, const std::vector<NamedTensor>& params,
+                             std::set<std::string>* self_updated) {
+  LayerState& st = layers_.at(layer);
+  return GuardTorch(absl::StrCat("K-FAC grafted step layer ", layer),
+                    [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, p] : params) {
+      const auto [l, m] = ProjectionOf(name);
+      if (m < 0 || l != layer || !p.grad().defined()) continue;
+      Projection& proj = st.proj[m];
+      at::Tensor grad = p.grad();
+      if (!proj.adam_m.defined()) {
+        proj.adam_m = at::zeros_like(grad);
+        proj.adam_v = at::zeros_like(grad);
+        proj.adam_step = 0;
+      }
+      ++proj.adam_step;
+      proj.adam_m.mul_(beta1_).add_(grad, 1.0 - beta1_);
+      proj.adam_v.mul_(beta2_).addcmul_(grad, grad, 1.0 - beta2_);
+      const double step = static_cast<double>(proj.adam_step);
+      const double bc1 = 1.0 - std::pow(beta1_, step);
+      const double bc2 = 1.0 - std::pow(beta2_, step);
+      at::Tensor m_hat = proj.adam_m / bc1;
+      at::Tensor adam = m_hat / (proj.adam_v / bc2).sqrt_().add_(eps_);
+      at::Tensor dir = at::matmul(at::matmul(proj.b_inv, m_hat), proj.a_inv);
+      const double adam_norm = adam.norm().item<double>();
+      const double dir_norm = dir.norm().item<double>();
+      at::Tensor s;
+      if (dir_norm > 0 && std::isfinite(dir_norm) && std::isfinite(adam_norm)) {
+        proj.graft_scale = adam_norm / dir_norm;
+        s = dir.mul_(proj.graft_scale);
+      } else {
+        proj.graft_scale = 0;
+        s = adam;
+      }
+      grad.copy_(s);
+      at::Tensor w = p;
+      if (weight_decay_ > 0) w.mul_(1.0 - step_lr_ * weight_decay_);
+      w.add_(s, -step_lr_);
+      self_updated->insert(name);
+    }
+    return absl::OkStatus();
+  });
+}
+
+double Kfac::last_graft_scale(int layer, const std::string& module) const {
+  auto it = layers_.find(layer);
+  const int m = ModuleIndex(module);
+  if (it == layers_.end() || m < 0) return 0;
+  return it->second.proj[m].graft_scale;
 }
 
 at::Tensor Kfac::FactorA(int layer, const std::string& module) const {

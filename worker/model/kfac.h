@@ -159,14 +159,27 @@ class Kfac : public PreconditionHook {
   // DropCapture/DropAllCaptures.
   absl::Status RefreshSerially();
 
-  // PreconditionHook. BeginStep computes, for every layer with active
+  // PreconditionHook. lr_kfac = kfac.lr × (lr / adamw.lr) follows the AdamW
+  // schedule (equal to AdamW's lr with the default kfac.lr). Layers without
+  // inverses: no-op (AdamW's). Per kfac.update:
+  //
+  // KFAC_UPDATE_GRAFT_ADAMW (default; layer-wise grafting as with Shampoo):
+  // Precondition, per projection of the layer with gradient g: K-FAC's own
+  // Adam moments m ← β1·m + (1-β1)·g, v ← β2·v + (1-β2)·g² (adamw.beta1/2,
+  // bias-corrected m̂, v̂), the AdamW update U = m̂/(√v̂ + eps), the K-FAC
+  // direction D = B⁻¹·m̂·A⁻¹, and the step S = D·‖U‖/‖D‖ (Frobenius norms,
+  // per projection; S = U if D is zero or not finite). g ← S (written into
+  // the gradient), W ← W·(1 - lr_kfac·weight_decay) - lr_kfac·S, named in
+  // self_updated. K-FAC chooses the direction, AdamW's per-layer step size
+  // the length. BeginStep only fixes lr_kfac.
+  //
+  // KFAC_UPDATE_MOMENTUM: BeginStep computes, for every layer with active
   // inverses and every projection with a gradient, ΔW = B⁻¹·∇W·A⁻¹ and one
   // KL-clipping factor over the stage, ν = min(1, sqrt(kl_clip /
-  // (lr_kfac² Σ⟨ΔW, ∇W⟩))) (kl_clip < 0: ν = 1), where lr_kfac = kfac.lr ×
-  // (lr / adamw.lr) follows the AdamW schedule. Precondition then, per
+  // (lr_kfac² Σ⟨ΔW, ∇W⟩))) (kl_clip < 0: ν = 1). Precondition then, per
   // projection of the layer: ∇W ← ν·ΔW (written into the gradient),
   // momentum buffer m ← μ·m + ∇W, W ← W·(1 - lr_kfac·weight_decay) -
-  // lr_kfac·m, and names it in self_updated. Layers without inverses: no-op.
+  // lr_kfac·m, and names it in self_updated.
   absl::Status BeginStep(double lr) override;
   absl::Status Precondition(int layer, const std::vector<NamedTensor>& params,
                             double lr,
@@ -180,13 +193,18 @@ class Kfac : public PreconditionHook {
   at::Tensor InverseB(int layer, const std::string& module) const;
   absl::StatusOr<KfacDamping> Damping(int layer, const std::string& module) const;
   double last_kl_scale() const { return last_kl_scale_; }  // ν of the last step
+  // KFAC_UPDATE_GRAFT_ADAMW: ‖U‖/‖D‖ of the projection's last step (0: none).
+  double last_graft_scale(int layer, const std::string& module) const;
 
  private:
   struct Projection {
     at::Tensor a_inv, b_inv;          // active
     at::Tensor a_inv_new, b_inv_new;  // staged until Activate
     KfacDamping damping;
-    at::Tensor momentum;
+    at::Tensor momentum;              // KFAC_UPDATE_MOMENTUM
+    at::Tensor adam_m, adam_v;        // KFAC_UPDATE_GRAFT_ADAMW
+    int64_t adam_step = 0;
+    double graft_scale = 0;
   };
   struct LayerState {
     std::array<at::Tensor, 4> a_sum;  // per input group
@@ -203,11 +221,15 @@ class Kfac : public PreconditionHook {
                                        const std::string& what);
   absl::Status Finalize(int layer, LayerState* st);
   absl::Status Invert(int layer, const std::string& module, bool is_a);
+  absl::Status GraftStep(int layer, const std::vector<NamedTensor>& params,
+                         std::set<std::string>* self_updated);
 
   Stage* stage_;
   int begin_ = 0;  // first global layer held
   double damping_, factor_decay_, kfac_lr_, momentum_, kl_clip_;
   double adamw_lr_, weight_decay_;
+  v1::KfacUpdate update_;
+  double beta1_, beta2_, eps_;
   std::map<int, LayerState> layers_;
   std::map<uint32_t, std::vector<std::shared_ptr<LayerCapture>>> captures_;
   // BeginStep's clipped updates by parameter name, and the step's lr_kfac.

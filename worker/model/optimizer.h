@@ -7,7 +7,8 @@
 //   2. all-reduced (summed) among the stage's replicas, with the visit counts;
 //   3. normalised (GradNormalizationScale in stage.h);
 //   4. clipped by the global norm over all stages (GlobalClipScale);
-//   5. PreconditionHook per transformer block (K-FAC, later);
+//   5. PreconditionHook per transformer block (K-FAC; it may update the
+//      projections itself and list them in self_updated);
 //   6. AdamW update (decoupled weight decay on matrices only).
 // Thread-compatible. Holds handles to the parameters (shared storage), owns
 // its moment estimates; does not own the hook.
