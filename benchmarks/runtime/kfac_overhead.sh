@@ -38,8 +38,8 @@ JSON
 }
 KFAC='"kind": "OPTIMIZER_KFAC", "adamw": { "lr": 2e-3 }, "warmup_iterations": 2'
 job adamw '{ "adamw": { "lr": 2e-3 }, "warmup_iterations": 2 }'
-job kfac "{ $KFAC, \"kfac\": { \"lr\": 2e-3, \"curvature_microbatches\": 8 } }"
-job kfac_serial "{ $KFAC, \"kfac\": { \"lr\": 2e-3, \"curvature_microbatches\": 8,
+job kfac "{ $KFAC, \"kfac\": { \"curvature_microbatches\": 8, \"factor_decay\": 0.5 } }"
+job kfac_serial "{ $KFAC, \"kfac\": { \"curvature_microbatches\": 8, \"factor_decay\": 0.5,
                    \"placement\": \"KFAC_PLACEMENT_SERIAL\" } }"
 
 python3 - "$ROOT/examples/clusters/geo12.json" "$OUT/wan2.json" <<'PY'

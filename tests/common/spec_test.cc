@@ -35,7 +35,8 @@ std::string Replace(std::string text, const std::string& from, const std::string
 }
 
 TEST(JobSpec, ShippedExamplesLoad) {
-  for (const char* name : {"/examples/jobs/tiny_local.json", "/examples/jobs/geo20_1.5b.json"}) {
+  for (const char* name : {"/examples/jobs/tiny_local.json", "/examples/jobs/tiny_kfac.json",
+                           "/examples/jobs/geo20_1.5b.json"}) {
     auto spec = LoadJobSpec(SourceDir() + name);
     ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
   }
