@@ -15,13 +15,20 @@
 #         network waits, the setting detour is built for.
 # Mean iteration time over iterations 3.. (the first two warm up).
 #
-#   benchmarks/runtime/kfac_overhead.sh [BUILD_DIR] [ITERATIONS] [SETTINGS]
-# SETTINGS: "lan wan" (default). Writes benchmarks-out/kfac/*.
+#   benchmarks/runtime/kfac_overhead.sh [BUILD_DIR] [ITERATIONS] [SETTINGS] [RUNS]
+# SETTINGS: "lan wan" (default). RUNS (default "adamw kfac kfac_serial"), from:
+#   adamw          AdamW
+#   kfac           K-FAC in the bubbles, curvature from all 8 microbatches
+#   kfac_serial    the same work serially at step end (refreshing every iteration)
+#   kfac1          K-FAC in the bubbles, job defaults (1 curvature microbatch)
+#   kfac1_serial3  that work serially, refreshing every 3 iterations
+# Writes benchmarks-out/kfac/*.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${1:-$ROOT/build}
 ITERS=${2:-12}
 SETTINGS=${3:-lan wan}
+RUNS=${4:-adamw kfac kfac_serial}
 OUT=$ROOT/benchmarks-out/kfac
 LOCAL=$BUILD/tools/detour_local/detour-local
 mkdir -p "$OUT"
@@ -41,6 +48,9 @@ job adamw '{ "adamw": { "lr": 2e-3 }, "warmup_iterations": 2 }'
 job kfac "{ $KFAC, \"kfac\": { \"curvature_microbatches\": 8, \"factor_decay\": 0.5 } }"
 job kfac_serial "{ $KFAC, \"kfac\": { \"curvature_microbatches\": 8, \"factor_decay\": 0.5,
                    \"placement\": \"KFAC_PLACEMENT_SERIAL\" } }"
+job kfac1 "{ $KFAC, \"kfac\": { \"factor_decay\": 0.5 } }"
+job kfac1_serial3 "{ $KFAC, \"kfac\": { \"factor_decay\": 0.5, \"refresh_interval\": 3,
+                     \"placement\": \"KFAC_PLACEMENT_SERIAL\" } }"
 
 python3 - "$ROOT/examples/clusters/geo12.json" "$OUT/wan2.json" <<'PY'
 import json, sys
@@ -56,18 +66,18 @@ mean_col() { awk -F, -v c="$2" 'NR>3 {s+=$c; n++} END {if (n) printf "%.4f", s/n
 last_col() { tail -1 "$1" | cut -d, -f"$2"; }
 max_ms() { awk -F, -v c="$2" 'NR>1 && $c*1000>m {m=$c*1000} END {printf "%.1f", m}' "$1"; }
 
-printf "%-6s %-12s %9s %7s %6s %10s %10s %10s %13s\n" setting optimizer iter_s ratio busy busy+kfac refreshes final_loss max_delay_ms
+printf "%-6s %-14s %9s %7s %6s %10s %10s %10s %13s\n" setting optimizer iter_s ratio busy busy+kfac refreshes final_loss max_delay_ms
 for setting in $SETTINGS; do
   extra=()
   [ "$setting" = wan ] && extra=(--cluster "$OUT/wan2.json" --emulate_network)
   base=""
-  for j in adamw kfac kfac_serial; do
+  for j in $RUNS; do
     "$LOCAL" --job "$OUT/$j.json" --workers 2 "${extra[@]}" --out "$OUT/run-$setting-$j" >/dev/null
     csv="$OUT/run-$setting-$j/loss.csv"
     cp "$csv" "$OUT/${setting}_$j.csv"
     t=$(mean_col "$csv" 3)
     [ -z "$base" ] && base=$t
-    printf "%-6s %-12s %9s %7s %6s %10s %10s %10s %13s\n" "$setting" "$j" "$t" \
+    printf "%-6s %-14s %9s %7s %6s %10s %10s %10s %13s\n" "$setting" "$j" "$t" \
       "$(awk -v a="$t" -v b="$base" 'BEGIN {printf "%.3f", a/b}')" \
       "$(mean_col "$csv" 7)" "$(mean_col "$csv" 8)" "$(last_col "$csv" 9)" "$(last_col "$csv" 2)" "$(max_ms "$csv" 11)"
   done
