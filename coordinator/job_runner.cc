@@ -16,6 +16,7 @@
 #include "common/spec.h"
 #include "common/stage_layers.h"
 #include "common/status.h"
+#include "common/timing.h"
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
@@ -382,19 +383,10 @@ class JobRunner {
     for (const auto& [id, t] : timings) {
       max_delay = std::max(max_delay, t.bubble_delay_max_s());
       if (!(t.iteration_time_s() > 0)) continue;
-      double pipeline = 0, kfac_work = 0;
-      for (const v1::TaskTiming& task : t.tasks()) {
-        if (task.kind() == v1::TaskTiming::KIND_BUBBLE) {
-          kfac_work += task.duration_s();
-        } else if (task.kind() == v1::TaskTiming::KIND_FORWARD ||
-                   task.kind() == v1::TaskTiming::KIND_BACKWARD ||
-                   task.kind() == v1::TaskTiming::KIND_LOSS) {
-          pipeline += task.duration_s();
-        }
-      }
-      utilization += pipeline / t.iteration_time_s() / static_cast<double>(timings.size());
-      utilization_kfac +=
-          (pipeline + kfac_work) / t.iteration_time_s() / static_cast<double>(timings.size());
+      const BusySeconds busy = SumBusy(t);
+      utilization += busy.pipeline / t.iteration_time_s() / static_cast<double>(timings.size());
+      utilization_kfac += (busy.pipeline + busy.kfac) / t.iteration_time_s() /
+                          static_cast<double>(timings.size());
     }
     manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
       v1::JobProgress* p = j->mutable_progress();

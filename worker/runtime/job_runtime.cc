@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <set>
@@ -21,6 +22,7 @@
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "common/timing.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/kfac.h"
@@ -202,7 +204,6 @@ class JobRuntime::Impl {
     std::set<uint32_t> backward_done;
     std::list<v1::BubbleTask> bubbles;
     std::vector<int> sync_layers;
-    double kfac_s = 0;
     double max_delay_s = 0;  // pipeline work waiting for a bubble task
   };
 
@@ -505,7 +506,7 @@ class JobRuntime::Impl {
     // Share this replica's summed gradient with the other replicas.
     if (group_.size() > 1) {
       // Factors to sync need all of this iteration's curvature first.
-      if (!it.sync_layers.empty() && !RunCurvatureNow()) return;
+      if (!it.sync_layers.empty() && !DrainBubbles(IsCurvature)) return;
       auto flat = FlatGradients(it.local_visits > 0, it.sync_layers);
       if (!flat.ok()) return Fail(flat.status());
       local_flat_ = *flat;
@@ -610,21 +611,7 @@ class JobRuntime::Impl {
     Iteration& it = *it_;
     // K-FAC work of the iteration that found no idle time, and the serial
     // items, run now: the step may activate what they compute.
-    while (!it.bubbles.empty()) {
-      const v1::BubbleTask* task = nullptr;
-      for (const v1::BubbleTask& t : it.bubbles) {
-        if (BubbleReady(t)) {
-          task = &t;
-          break;
-        }
-      }
-      if (task == nullptr) {
-        return Fail(absl::FailedPreconditionError(absl::StrCat(
-            "K-FAC task ", BubbleTaskName(it.bubbles.front()),
-            " cannot run: the iteration gave it no input (plan inconsistent with the routes)")));
-      }
-      if (!RunBubble(task, /*at_step_end=*/true)) return;
-    }
+    if (!DrainBubbles([](const v1::BubbleTask&) { return true; })) return;
     if (kfac_ != nullptr && it.plan.kfac_activate_refresh() > 0) {
       kfac_->Activate();
       LogDebug("job ", job_id_, ": K-FAC refresh ", it.plan.kfac_activate_refresh() - 1,
@@ -873,7 +860,6 @@ class JobRuntime::Impl {
     }
     Record(v1::TaskTiming::KIND_BUBBLE, t.microbatch(), start);
     const double seconds = absl::ToDoubleSeconds(end - start);
-    it.kfac_s += seconds;
     const std::string placement = t.serial() ? "serial" : at_step_end ? "overdue" : "bubble";
     if (kfac_tasks_metric_ != nullptr) {
       auto c = kfac_tasks_metric_->WithLabels(
@@ -887,36 +873,30 @@ class JobRuntime::Impl {
     return true;
   }
 
-  // Runs every curvature task of the iteration now (they are all ready once
-  // the node's pipeline work is done). False when the job failed.
-  bool RunCurvatureNow() {
+  // Runs this iteration's bubble tasks now, at step end, until none that
+  // `wanted` selects is left: the first ready wanted task, else the first
+  // ready inversion (it may be what unblocks the next refresh's curvature).
+  // Every task is ready once the node's pipeline work is done, unless the plan
+  // disagrees with the routes. False when the job failed.
+  bool DrainBubbles(const std::function<bool(const v1::BubbleTask&)>& wanted) {
     Iteration& it = *it_;
     while (true) {
+      const v1::BubbleTask* left = nullptr;
       const v1::BubbleTask* next = nullptr;
+      const v1::BubbleTask* inversion = nullptr;
       for (const v1::BubbleTask& t : it.bubbles) {
-        if (IsCurvature(t) && BubbleReady(t)) {
-          next = &t;
-          break;
-        }
+        const bool want = wanted(t);
+        if (want && left == nullptr) left = &t;
+        if (!BubbleReady(t)) continue;
+        if (want && next == nullptr) next = &t;
+        if (IsInversion(t) && inversion == nullptr) inversion = &t;
       }
+      if (left == nullptr) return true;
+      if (next == nullptr) next = inversion;
       if (next == nullptr) {
-        for (const v1::BubbleTask& t : it.bubbles) {
-          if (IsCurvature(t)) next = &t;  // blocked: an inversion must run first
-        }
-        if (next != nullptr) {
-          for (const v1::BubbleTask& t : it.bubbles) {
-            if (IsInversion(t) && BubbleReady(t)) {
-              next = &t;
-              break;
-            }
-          }
-        }
-      }
-      if (next == nullptr) return true;
-      if (!BubbleReady(*next)) {
         Fail(absl::FailedPreconditionError(absl::StrCat(
-            "K-FAC task ", BubbleTaskName(*next),
-            " cannot run: the microbatch did not pass this node (plan inconsistent)")));
+            "K-FAC task ", BubbleTaskName(*left),
+            " cannot run: its input never came (the plan is inconsistent with the routes)")));
         return false;
       }
       if (!RunBubble(next, /*at_step_end=*/true)) return false;
@@ -926,18 +906,12 @@ class JobRuntime::Impl {
   // Busy fraction of the iteration: pipeline work, and with K-FAC work.
   void PublishUtilization(const Iteration& it, double duration) {
     if (utilization_metric_ == nullptr || duration <= 0) return;
-    double pipeline = 0;
-    for (const v1::TaskTiming& t : it.timing.tasks()) {
-      if (t.kind() == v1::TaskTiming::KIND_FORWARD || t.kind() == v1::TaskTiming::KIND_BACKWARD ||
-          t.kind() == v1::TaskTiming::KIND_LOSS) {
-        pipeline += t.duration_s();
-      }
-    }
+    const BusySeconds busy = SumBusy(it.timing);
     if (auto g = utilization_metric_->WithLabels({"pipeline"}); g.ok()) {
-      (*g)->Set(pipeline / duration);
+      (*g)->Set(busy.pipeline / duration);
     }
     if (auto g = utilization_metric_->WithLabels({"pipeline_and_kfac"}); g.ok()) {
-      (*g)->Set((pipeline + it.kfac_s) / duration);
+      (*g)->Set((busy.pipeline + busy.kfac) / duration);
     }
   }
 
