@@ -127,6 +127,12 @@ void ApplyJobDefaults(JobSpec* spec) {
     p->set_grad_normalization(v1::GRAD_NORM_VISITS);
   }
   if (p->wire_dtype().empty()) p->set_wire_dtype("fp32");
+  if (p->queue_policy() == v1::QUEUE_POLICY_UNSPECIFIED) {
+    p->set_queue_policy(v1::QUEUE_POLICY_ARRIVAL);
+  }
+  if (p->plan_objective() == v1::PLAN_OBJECTIVE_UNSPECIFIED) {
+    p->set_plan_objective(v1::PLAN_OBJECTIVE_ITERATION);
+  }
 
   v1::OptimizerSpec* o = spec->mutable_optimizer();
   if (o->kind() == v1::OPTIMIZER_UNSPECIFIED) o->set_kind(v1::OPTIMIZER_ADAMW);
@@ -222,6 +228,36 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("pipeline.max_swap_distance", "must be >= 1 when max_swaps > 0");
   }
   if (p.memory_slots() == 0) return Invalid("pipeline.memory_slots", "must be >= 1");
+  if (!v1::QueuePolicy_IsValid(p.queue_policy())) {
+    return Invalid("pipeline.queue_policy", absl::StrCat(p.queue_policy(), " is not a policy"));
+  }
+  if (!v1::PlanObjective_IsValid(p.plan_objective())) {
+    return Invalid("pipeline.plan_objective",
+                   absl::StrCat(p.plan_objective(), " is not an objective"));
+  }
+  if (p.assignment_size() > 0) {
+    if (p.assignment_size() != static_cast<int>(p.num_stages())) {
+      return Invalid("pipeline.assignment",
+                     absl::StrCat(p.assignment_size(), " stage groups for ", p.num_stages(),
+                                  " stages"));
+    }
+    std::set<std::string> seen;
+    for (int st = 0; st < p.assignment_size(); ++st) {
+      const auto& ids = p.assignment(st).nodes();
+      const uint32_t want = st == 0 ? p.data_nodes() : p.replicas_per_stage();
+      const std::string field = absl::StrCat("pipeline.assignment[", st, "]");
+      if (static_cast<uint32_t>(ids.size()) != want) {
+        return Invalid(field, absl::StrCat(ids.size(), " nodes, stage ", st, " needs ", want,
+                                           st == 0 ? " (data_nodes)" : " (replicas_per_stage)"));
+      }
+      for (const std::string& id : ids) {
+        if (id.empty()) return Invalid(field, "has an empty node id");
+        if (!seen.insert(id).second) {
+          return Invalid(field, absl::StrCat("node \"", id, "\" is assigned twice"));
+        }
+      }
+    }
+  }
   const std::set<std::string> dtypes = {"fp32", "fp16", "bf16"};
   if (!dtypes.count(p.wire_dtype())) {
     return Invalid("pipeline.wire_dtype",
@@ -365,6 +401,10 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
   if (!(spec.intra_region_bandwidth_gbytes_per_s() > 0)) {
     return Invalid("intra_region_bandwidth_gbytes_per_s",
                    Num(spec.intra_region_bandwidth_gbytes_per_s()) + " must be > 0");
+  }
+  if (!(spec.transfer_overhead_ms() >= 0 && spec.transfer_overhead_ms() <= 60000)) {
+    return Invalid("transfer_overhead_ms",
+                   Num(spec.transfer_overhead_ms()) + " must be in [0, 60000]");
   }
   const v1::ComputeModel& c = spec.compute();
   if (!(c.tflops() > 0)) return Invalid("compute.tflops", Num(c.tflops()) + " must be > 0");

@@ -181,8 +181,11 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
     for (int b = 0; b < n; ++b) {
       if (a == b) continue;
       const v1::NodeSpec& nb = cluster.nodes(b);
+      // The fixed per-transfer overhead behaves like latency: it delays the
+      // arrival and occupies no link.
+      const double overhead = cluster.transfer_overhead_ms() * kMs;
       if (na.region() == nb.region()) {
-        t.latency_s[a][b] = cluster.intra_region_latency_ms() * kMs;
+        t.latency_s[a][b] = cluster.intra_region_latency_ms() * kMs + overhead;
         t.bandwidth_bytes_per_s[a][b] = cluster.intra_region_bandwidth_gbytes_per_s() * kGiga;
         continue;
       }
@@ -192,7 +195,7 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
             "links: no link between regions %s (node %s) and %s (node %s)", na.region(),
             na.id(), nb.region(), nb.id()));
       }
-      t.latency_s[a][b] = it->second->latency_ms() * kMs;
+      t.latency_s[a][b] = it->second->latency_ms() * kMs + overhead;
       t.bandwidth_bytes_per_s[a][b] = it->second->bandwidth_gbytes_per_s() * kGiga;
     }
   }

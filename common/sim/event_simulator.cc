@@ -30,23 +30,17 @@ const char* ActivityKindName(ActivityKind kind) {
 
 namespace {
 
-enum class TaskKind : uint8_t { kForward, kLoss, kBackward };
+using TaskKind = WorkKind;
 
 struct Task {
-  double ready = 0;
-  int64_t seq = 0;
+  ReadyWork work;
   int route = 0;
   int pos = 0;
-  TaskKind kind = TaskKind::kForward;
+  // A forward that must wait for a memory slot (ForwardNeedsSlot).
+  bool needs_slot = false;
+  // Took a slot when it started (its backward returns it).
+  bool took_slot = false;
 };
-
-struct TaskLater {
-  bool operator()(const Task& a, const Task& b) const {
-    if (a.ready != b.ready) return a.ready > b.ready;
-    return a.seq > b.seq;
-  }
-};
-using TaskQueue = std::priority_queue<Task, std::vector<Task>, TaskLater>;
 
 enum class EventType : uint8_t { kArrive, kDone };
 
@@ -68,14 +62,41 @@ struct EventLater {
 struct NodeState {
   bool busy = false;
   int free_slots = 0;
-  TaskQueue urgent;   // loss and backward
-  TaskQueue forward;  // needs a memory slot
+  // Ready tasks in arrival order; few per node, so a scan picks the next.
+  std::vector<Task> ready;
 };
+
+// Buffers one thread's simulations reuse: the planner runs tens of
+// thousands of small simulations, where allocation would dominate.
+struct Workspace {
+  std::vector<int> node_stage;
+  std::vector<NodeState> nodes;
+  std::vector<int> slot_offset;
+  std::vector<char> slot_taken;
+  std::vector<Event> events;
+  std::vector<double> uplink_free;
+  std::unordered_map<int64_t, double> link_free;
+  std::vector<int> touched;
+  std::vector<int> order;
+};
+
+Workspace& ThreadWorkspace() {
+  thread_local Workspace workspace;
+  return workspace;
+}
 
 class Simulation {
  public:
   Simulation(const CostModel& cost, const Plan& plan, const SimOptions& options)
-      : cost_(cost), plan_(plan), options_(options) {}
+      : cost_(cost),
+        plan_(plan),
+        options_(options),
+        ws_(ThreadWorkspace()),
+        node_stage_(ws_.node_stage),
+        nodes_(ws_.nodes),
+        events_(ws_.events),
+        uplink_free_(ws_.uplink_free),
+        link_free_(ws_.link_free) {}
 
   absl::StatusOr<SimResult> Run();
 
@@ -88,14 +109,25 @@ class Simulation {
     e.type = type;
     e.node = node;
     e.task = task;
-    events_.push(e);
+    events_.push_back(e);
+    std::push_heap(events_.begin(), events_.end(), EventLater());
   }
+  Event PopEvent() {
+    std::pop_heap(events_.begin(), events_.end(), EventLater());
+    Event e = events_.back();
+    events_.pop_back();
+    return e;
+  }
+  char& SlotTaken(int route, int pos) { return ws_.slot_taken[ws_.slot_offset[route] + pos]; }
   void Arrive(double t, int node, int route, int pos, TaskKind kind) {
     Task task;
-    task.ready = t;
+    task.work.ready = t;
+    task.work.kind = kind;
     task.route = route;
     task.pos = pos;
-    task.kind = kind;
+    if (kind == TaskKind::kForward) {
+      task.needs_slot = ForwardNeedsSlot(plan_.routes[route].stages, pos);
+    }
     Push(EventType::kArrive, t, node, task);
   }
   void Send(double t, int from, int to, int route, int pos, TaskKind kind, bool gradient);
@@ -105,11 +137,13 @@ class Simulation {
   const CostModel& cost_;
   const Plan& plan_;
   const SimOptions& options_;
-  std::vector<int> node_stage_;
-  std::vector<NodeState> nodes_;
-  std::priority_queue<Event, std::vector<Event>, EventLater> events_;
-  std::vector<double> uplink_free_;
-  std::unordered_map<int64_t, double> link_free_;
+  Workspace& ws_;
+  std::vector<int>& node_stage_;
+  std::vector<NodeState>& nodes_;
+  // A binary heap (EventLater) of pending events.
+  std::vector<Event>& events_;
+  std::vector<double>& uplink_free_;
+  std::unordered_map<int64_t, double>& link_free_;
   int64_t seq_ = 0;
   int routes_done_ = 0;
   SimResult result_;
@@ -207,7 +241,7 @@ void Simulation::Finish(double t, int node, const Task& task) {
   const Route& route = plan_.routes[task.route];
   const int len = static_cast<int>(route.nodes.size());
   const int data_node = route.nodes[0];
-  switch (task.kind) {
+  switch (task.work.kind) {
     case TaskKind::kForward:
       if (task.pos + 1 < len) {
         Send(t, node, route.nodes[task.pos + 1], task.route, task.pos + 1, TaskKind::kForward,
@@ -227,7 +261,7 @@ void Simulation::Finish(double t, int node, const Task& task) {
       }
       break;
     case TaskKind::kBackward: {
-      ++ns.free_slots;
+      if (SlotTaken(task.route, task.pos)) ++ns.free_slots;
       double& done = result_.stage_done_s[route.stages[task.pos]];
       done = std::max(done, t);
       if (task.pos > 0) {
@@ -245,22 +279,28 @@ void Simulation::Finish(double t, int node, const Task& task) {
 void Simulation::Dispatch(double t, int node) {
   NodeState& ns = nodes_[node];
   if (ns.busy) return;
-  Task task;
-  if (!ns.urgent.empty()) {
-    task = ns.urgent.top();
-    ns.urgent.pop();
-  } else if (!ns.forward.empty() && ns.free_slots > 0) {
-    task = ns.forward.top();
-    ns.forward.pop();
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(ns.ready.size()); ++i) {
+    const Task& c = ns.ready[i];
+    if (c.needs_slot && ns.free_slots <= 0) continue;
+    if (best < 0 || RunsBefore(options_.queue_policy, c.work, ns.ready[best].work)) best = i;
+  }
+  if (best < 0) return;
+  const Task task = ns.ready[best];
+  ns.ready.erase(ns.ready.begin() + best);
+  if (task.work.kind == TaskKind::kForward && task.needs_slot) {
     --ns.free_slots;
-  } else {
-    return;
+    SlotTaken(task.route, task.pos) = 1;
+  }
+  if (t > task.work.ready + 1e-9) {
+    ++result_.collisions;
+    result_.queue_wait_s += t - task.work.ready;
   }
   const Route& route = plan_.routes[task.route];
   const int stage = route.stages[task.pos];
   double duration = 0;
   ActivityKind kind = ActivityKind::kForward;
-  switch (task.kind) {
+  switch (task.work.kind) {
     case TaskKind::kForward:
       duration = cost_.ForwardTime(node, stage);
       kind = ActivityKind::kForward;
@@ -294,7 +334,19 @@ absl::StatusOr<SimResult> Simulation::Run() {
   const int n = cost_.num_nodes();
   const int num_routes = static_cast<int>(plan_.routes.size());
   nodes_.resize(n);
-  for (int i = 0; i < n; ++i) nodes_[i].free_slots = cost_.memory_slots(i);
+  for (int i = 0; i < n; ++i) {
+    nodes_[i].busy = false;
+    nodes_[i].free_slots = cost_.memory_slots(i);
+    nodes_[i].ready.clear();
+  }
+  ws_.slot_offset.resize(num_routes + 1);
+  ws_.slot_offset[0] = 0;
+  for (int r = 0; r < num_routes; ++r) {
+    ws_.slot_offset[r + 1] = ws_.slot_offset[r] + static_cast<int>(plan_.routes[r].nodes.size());
+  }
+  ws_.slot_taken.assign(ws_.slot_offset[num_routes], 0);
+  events_.clear();
+  link_free_.clear();
   uplink_free_.assign(n, 0.0);
   result_.busy_s.assign(n, 0.0);
   result_.routes.resize(num_routes);
@@ -305,7 +357,8 @@ absl::StatusOr<SimResult> Simulation::Run() {
     result_.sends.resize(n);
   }
   // Microbatches enter their data node in microbatch order.
-  std::vector<int> order(num_routes);
+  std::vector<int>& order = ws_.order;
+  order.resize(num_routes);
   for (int r = 0; r < num_routes; ++r) order[r] = r;
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
     return plan_.routes[a].microbatch < plan_.routes[b].microbatch;
@@ -315,23 +368,20 @@ absl::StatusOr<SimResult> Simulation::Run() {
     Arrive(0.0, plan_.routes[r].nodes[0], r, 0, TaskKind::kForward);
   }
 
-  std::vector<int> touched;
+  std::vector<int>& touched = ws_.touched;
   double now = 0;
   while (!events_.empty()) {
-    now = events_.top().t;
+    now = events_.front().t;
     touched.clear();
-    while (!events_.empty() && events_.top().t == now) {
-      Event e = events_.top();
-      events_.pop();
+    while (!events_.empty() && events_.front().t == now) {
+      Event e = PopEvent();
       ++result_.events;
       touched.push_back(e.node);
       if (e.type == EventType::kArrive) {
         NodeState& ns = nodes_[e.node];
-        if (e.task.kind == TaskKind::kForward) {
-          ns.forward.push(e.task);
-        } else {
-          ns.urgent.push(e.task);
-        }
+        Task task = e.task;
+        task.work.seq = e.seq;
+        ns.ready.push_back(task);
       } else {
         Finish(now, e.node, e.task);
       }

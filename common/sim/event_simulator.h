@@ -4,11 +4,13 @@
 //
 // Model (docs/SCHEDULER.md §"Simulator"):
 //  * One compute server per node, non-preemptive. Among ready tasks a node
-//    runs backward/loss work first (it frees memory), then forward work, each
-//    class in order of readiness (ties: the order tasks became ready).
+//    picks by SimOptions::queue_policy (common/sim/queue_policy.h, the rule
+//    the workers follow): arrival order by default, or backward/loss work
+//    first.
 //  * Memory: a node holds at most memory_slots microbatches. A forward task
 //    takes a slot when it starts and the microbatch's backward on that node
-//    returns it; forward work waits while no slot is free.
+//    returns it; forward work waits while no slot is free, except swap
+//    visits, which keeps every plan deadlock-free (queue_policy.h).
 //  * Transfers: latency + bytes/bandwidth. With the default contention model
 //    kSenderUplink a node's outgoing transfers share its uplink one at a time
 //    (FIFO, each occupying it for bytes/bandwidth); latency is propagation and
@@ -27,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/plan.h"
+#include "common/sim/queue_policy.h"
 
 namespace detour::sim {
 
@@ -34,6 +37,9 @@ enum class Contention { kNone, kPerLink, kSenderUplink };
 
 struct SimOptions {
   Contention contention = Contention::kSenderUplink;
+  // Which ready task a node runs next (common/sim/queue_policy.h). The
+  // default is the workers' default.
+  QueuePolicy queue_policy = QueuePolicy::kArrival;
   // Keep per-node activity lists (timelines, idle intervals). Off for the
   // planner's inner loop, which needs only the times.
   bool record_timeline = true;
@@ -88,6 +94,12 @@ struct SimResult {
   // Per stage: last backward finished, and the all-reduce duration.
   std::vector<double> stage_done_s;
   std::vector<double> allreduce_s;
+  // Tasks that could not start the moment they became ready (their node was
+  // computing something else, or had no memory slot), and the seconds they
+  // waited in all. A plan where no task waits runs the same under every
+  // queue policy: it is collision-free.
+  int collisions = 0;
+  double queue_wait_s = 0;
   // Events processed (transfers arriving, tasks finishing).
   int64_t events = 0;
 };
