@@ -34,8 +34,8 @@ absl::Status CheckShape(const sim::StageAssignment& assignment, const RouteRules
   return absl::OkStatus();
 }
 
-// Moves visits from over-visited stages (quota < 0) to under-visited ones
-// (quota > 0) by replacing a stage in some route, keeping its order valid.
+}  // namespace
+
 absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignment& assignment,
                              const RouteRules& rules, std::vector<int>& quota,
                              std::vector<sim::Route>& routes) {
@@ -90,8 +90,6 @@ absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignm
   return absl::OkStatus();
 }
 
-}  // namespace
-
 std::vector<double> StageCapacities(const sim::CostModel& cost,
                                     const sim::StageAssignment& assignment) {
   std::vector<double> cap(assignment.num_stages(), 0);
@@ -114,6 +112,8 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
   const int m = rules.microbatches_per_data_node;
   const auto& data = assignment.stage_nodes[0];
   std::vector<int> quota = StageQuotas(rules, StageCapacities(cost, assignment));
+  ASSIGN_OR_RETURN(const std::vector<int> caps, NodeVisitCaps(rules, cost, assignment, quota));
+  std::vector<int> node_load(cost.num_nodes(), 0);
   RouteBuilder builder(cost, assignment, rules, mode, seed, max_candidates);
 
   std::vector<std::vector<int>> wave_load(m, std::vector<int>(cost.num_nodes(), 0));
@@ -128,57 +128,26 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
     for (int k = 0; k < std::min(m, slots[i]); ++k) queue.push({0.0, k, i});
   }
   RouteRequest req;
-  req.allowed.assign(num_stages, 0);
-  req.required.assign(num_stages, 0);
-  const int visits = rules.visited_stages - 1;
-  const double fraction = num_stages > 1 ? static_cast<double>(visits) / (num_stages - 1) : 0;
-  const double slack = 2.0 + 0.05 * total * fraction;
-  req.stage_price.assign(num_stages, 0);
-  // One "unit" of price: a typical hop (compute both ways plus transfers
-  // both ways) from a data node into the pipeline.
-  double unit = 0;
-  int unit_terms = 0;
-  for (int s = 1; s < num_stages; ++s) {
-    for (int n : assignment.stage_nodes[s]) {
-      const int d = data[(s + n) % data.size()];
-      unit += cost.ForwardTime(n, s) + cost.BackwardTime(n, s) + cost.TransferTime(d, n) +
-              cost.TransferTime(n, d);
-      ++unit_terms;
-    }
-  }
-  if (unit_terms > 0) unit /= unit_terms;
-  int left = total;
+  QuotaPacer pacer(cost, assignment, rules, quota, total);
   while (!queue.empty()) {
     auto [release, k, i] = queue.top();
     queue.pop();
     const int wave = k / slots[i];
     req.data_node = data[i];
     req.release_s = mode == RouteBuilder::Mode::kTimed ? release : 0;
-    // Hard rules: no stage beyond its quota; a stage whose quota equals the
-    // routes left must be visited by each of them.
-    for (int s = 1; s < num_stages; ++s) {
-      req.allowed[s] = quota[s] > 0;
-      req.required[s] = quota[s] >= left;
-    }
-    // Pacing: a stage that lags its fair share of the remaining visits gets
-    // cheaper, one ahead of it dearer, so greedy choices cannot strand a
-    // stage that the jump limit then makes unreachable.
-    // The tolerance shrinks towards the end, where the last routes must use
-    // exactly the visits left.
-    const double share = left * fraction;
-    const double tolerance = std::max(0.5, std::min(slack, 0.25 * share));
-    for (int s = 1; s < num_stages; ++s) {
-      req.stage_price[s] = -unit * (quota[s] - share) / tolerance;
-    }
+    pacer.Prepare(req);
     std::optional<BuiltRoute> built;
+    // Node visit caps always hold; the per-wave memory cap only if asked.
+    std::vector<char> under_cap(cost.num_nodes(), 0);
+    for (int n = 0; n < cost.num_nodes(); ++n) under_cap[n] = node_load[n] < caps[n];
     if (wave_memory_cap) {
       req.node_allowed.assign(cost.num_nodes(), 0);
       for (int n = 0; n < cost.num_nodes(); ++n) {
-        req.node_allowed[n] = wave_load[wave][n] < cost.memory_slots(n);
+        req.node_allowed[n] = under_cap[n] && wave_load[wave][n] < cost.memory_slots(n);
       }
       built = builder.Build(req);
-      req.node_allowed.clear();
     }
+    req.node_allowed = under_cap;
     if (!built) built = builder.Build(req);
     if (!built) {
       // The quotas left admit no route under the jump limit: take any valid
@@ -195,9 +164,9 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
           id, rules.visited_stages, num_stages, rules.max_jump));
     }
     builder.Commit(*built);
-    for (size_t p = 1; p < built->stages.size(); ++p) --quota[built->stages[p]];
+    pacer.Take(built->stages);
+    for (size_t p = 1; p < built->stages.size(); ++p) ++node_load[built->nodes[p]];
     for (int n : built->nodes) ++wave_load[wave][n];
-    --left;
     routes[id].microbatch = id;
     routes[id].nodes = built->nodes;
     routes[id].stages = built->stages;
@@ -206,7 +175,7 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
       queue.push({mode == RouteBuilder::Mode::kTimed ? end[id] : 0.0, k + slots[i], i});
     }
   }
-  RETURN_IF_ERROR(RebalanceVisits(cost, assignment, rules, quota, routes));
+  RETURN_IF_ERROR(RebalanceVisits(cost, assignment, rules, pacer.quota(), routes));
   return routes;
 }
 
@@ -343,10 +312,18 @@ absl::StatusOr<std::vector<sim::Route>> SkipNoCollisionRoutes(
   };
   std::vector<std::vector<int>> wave_load(m, std::vector<int>(cost.num_nodes(), 0));
   std::vector<double> route_cost(num_routes);
+  std::vector<int> node_load(cost.num_nodes(), 0);
+  std::vector<int> stage_visits(rules.num_stages, 0);
   for (int r = 0; r < num_routes; ++r) {
     for (int n : routes[r].nodes) ++wave_load[wave_of(routes[r])][n];
+    for (size_t p = 1; p < routes[r].nodes.size(); ++p) {
+      ++node_load[routes[r].nodes[p]];
+      ++stage_visits[routes[r].stages[p]];
+    }
     route_cost[r] = StaticRouteCost(cost, routes[r]);
   }
+  ASSIGN_OR_RETURN(const std::vector<int> caps,
+                   NodeVisitCaps(rules, cost, assignment, stage_visits));
   Rng rng(0x51a71c);
   const int iterations = std::min(400 * num_routes, 2000000);
   for (int it = 0; it < iterations; ++it) {
@@ -358,13 +335,18 @@ absl::StatusOr<std::vector<sim::Route>> SkipNoCollisionRoutes(
       const auto& replicas = assignment.stage_nodes[routes[r1].stages[pos]];
       const int node = replicas[rng.Uniform(static_cast<int>(replicas.size()))];
       const int old = routes[r1].nodes[pos];
-      if (node == old || wave_load[w1][node] >= cost.memory_slots(node)) continue;
+      if (node == old || wave_load[w1][node] >= cost.memory_slots(node) ||
+          node_load[node] >= caps[node]) {
+        continue;
+      }
       routes[r1].nodes[pos] = node;
       const double c = StaticRouteCost(cost, routes[r1]);
       if (c < route_cost[r1] - 1e-12) {
         route_cost[r1] = c;
         --wave_load[w1][old];
         ++wave_load[w1][node];
+        --node_load[old];
+        ++node_load[node];
       } else {
         routes[r1].nodes[pos] = old;
       }

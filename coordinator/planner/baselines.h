@@ -51,6 +51,14 @@ absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost
                                                       RouteBuilder::Mode mode, uint64_t seed,
                                                       bool wave_memory_cap, int max_candidates = 8);
 
+// Moves visits from over-visited stages (quota[s] < 0) to under-visited ones
+// (quota[s] > 0) by replacing a stage in some route (onto the replica with
+// the fewest visits), keeping its order valid. FAILED_PRECONDITION when the
+// jump limit leaves no such move.
+absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignment& assignment,
+                             const RouteRules& rules, std::vector<int>& quota,
+                             std::vector<sim::Route>& routes);
+
 // Capacity of each stage (sum over replicas of 1 / (forward + backward)),
 // used to hand out the visit remainder. Entry 0 is the data nodes'.
 std::vector<double> StageCapacities(const sim::CostModel& cost,

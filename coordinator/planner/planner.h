@@ -24,6 +24,7 @@
 #include "common/sim/event_simulator.h"
 #include "common/sim/plan.h"
 #include "coordinator/planner/path_scheduler.h"
+#include "coordinator/planner/stage_assignment.h"
 #include "detour/v1/spec.pb.h"
 
 namespace detour::planner {
@@ -35,19 +36,36 @@ struct PlannerOptions {
   // Reuse this assignment instead of computing one (the coordinator keeps
   // the assignment fixed while a job runs and re-plans only routes).
   std::optional<sim::StageAssignment> assignment;
-  // skippipe local-search budget; < 0 = automatic.
+  // skippipe local-search budget in simulations; < 0 = automatic.
   int max_evaluations = -1;
+  // Partitions the assignment search judges by their plan; < 0 =
+  // automatic, 0 = the proxy score alone.
+  int assignment_evaluations = -1;
+  // Wall-clock cap on the whole planning (assignment 60%, routes the rest),
+  // seconds; 0 = none (deterministic).
+  double time_budget_s = 0;
+  // Judge plans under both queue policies (PathSchedulerOptions::robust).
+  bool robust = true;
+  // Overrides the job's pipeline.plan_objective when set.
+  std::optional<Objective> objective;
+  // Warm start for the skippipe search (e.g. the last iteration's routes).
+  const std::vector<sim::Route>* initial_routes = nullptr;
+  // Simulation of the result; queue_policy is taken from the job.
   sim::SimOptions sim;
 };
 
 struct PlannedIteration {
   v1::SchedulerKind scheduler = v1::SCHEDULER_SKIPPIPE;
   sim::Plan plan;
-  // Simulation of the plan (with timeline when options.sim asks for it).
+  // Simulation of the plan under the job's queue policy (with timeline when
+  // options.sim asks for it), and its times under the other policy.
   sim::SimResult result;
+  double other_policy_pipeline_s = 0;
+  double other_policy_iteration_s = 0;
   // Wall time of assignment + route search (not the final simulation).
   double planning_time_s = 0;
   PathSchedulerStats search;  // skippipe only
+  AssignmentStats assignment_search;  // when the assignment was searched
 };
 
 // `job` must be defaulted (LoadJobSpec / NormalizeJobSpec). Errors:
@@ -56,6 +74,21 @@ struct PlannedIteration {
 // routes that break the rules — a bug).
 absl::StatusOr<PlannedIteration> PlanIteration(const sim::CostModel& cost, const v1::JobSpec& job,
                                                const PlannerOptions& options);
+
+// Simulates it.plan under the job's queue policy into it.result (timeline as
+// `options` asks) and under the other policy into it.other_policy_*.
+absl::Status SimulatePlanned(const sim::CostModel& cost, const v1::JobSpec& job,
+                             const sim::SimOptions& options, PlannedIteration& it);
+
+// The job's plan objective and the workers' queue policy, as the planner
+// and simulator name them.
+Objective ObjectiveOf(const v1::PipelineSpec& pipeline);
+sim::QueuePolicy QueuePolicyOf(const v1::PipelineSpec& pipeline);
+
+// The assignment pinned by pipeline.assignment, as node indices of `cost`.
+// FAILED_PRECONDITION naming a node the cluster does not have.
+absl::StatusOr<sim::StageAssignment> PinnedAssignment(const sim::CostModel& cost,
+                                                      const v1::PipelineSpec& pipeline);
 
 // Rules a scheduler's routes must follow (full: every stage, in order).
 RouteRules RulesFor(const v1::PipelineSpec& pipeline, v1::SchedulerKind scheduler);

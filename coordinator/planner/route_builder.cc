@@ -10,6 +10,55 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 }  // namespace
 
+QuotaPacer::QuotaPacer(const sim::CostModel& cost, const sim::StageAssignment& assignment,
+                       const RouteRules& rules, std::vector<int> quota, int routes)
+    : num_stages_(rules.num_stages), quota_(std::move(quota)), left_(routes) {
+  const int visits = rules.visited_stages - 1;
+  fraction_ = num_stages_ > 1 ? static_cast<double>(visits) / (num_stages_ - 1) : 0;
+  slack_ = 2.0 + 0.05 * routes * fraction_;
+  const auto& data = assignment.stage_nodes[0];
+  int terms = 0;
+  for (int s = 1; s < num_stages_ && !data.empty(); ++s) {
+    for (int n : assignment.stage_nodes[s]) {
+      const int d = data[(s + n) % data.size()];
+      unit_ += cost.ForwardTime(n, s) + cost.BackwardTime(n, s) + cost.TransferTime(d, n) +
+               cost.TransferTime(n, d);
+      ++terms;
+    }
+  }
+  if (terms > 0) unit_ /= terms;
+}
+
+void QuotaPacer::Prepare(RouteRequest& req) const {
+  req.allowed.assign(num_stages_, 0);
+  req.required.assign(num_stages_, 0);
+  req.stage_price.assign(num_stages_, 0);
+  const double share = left_ * fraction_;
+  const double tolerance = std::max(0.5, std::min(slack_, 0.25 * share));
+  for (int s = 1; s < num_stages_; ++s) {
+    req.allowed[s] = quota_[s] > 0;
+    req.required[s] = quota_[s] >= left_;
+    req.stage_price[s] = -unit_ * (quota_[s] - share) / tolerance;
+  }
+}
+
+bool QuotaPacer::Fits(const std::vector<int>& stages) const {
+  std::vector<char> in(num_stages_, 0);
+  for (size_t i = 1; i < stages.size(); ++i) {
+    if (quota_[stages[i]] <= 0) return false;
+    in[stages[i]] = 1;
+  }
+  for (int s = 1; s < num_stages_; ++s) {
+    if (quota_[s] >= left_ && !in[s]) return false;
+  }
+  return true;
+}
+
+void QuotaPacer::Take(const std::vector<int>& stages) {
+  for (size_t i = 1; i < stages.size(); ++i) --quota_[stages[i]];
+  --left_;
+}
+
 double Calendar::EarliestFit(double t, double duration) const {
   // First busy interval ending after t.
   auto it = std::upper_bound(busy_.begin(), busy_.end(), t,
@@ -39,12 +88,11 @@ RouteBuilder::RouteBuilder(const sim::CostModel& cost, const sim::StageAssignmen
       max_candidates_(max_candidates),
       calendars_(cost.num_nodes()) {}
 
-std::vector<int> RouteBuilder::Candidates(int stage, const RouteRequest& request) {
-  std::vector<int> nodes;
+void RouteBuilder::Candidates(int stage, const RouteRequest& request, std::vector<int>& nodes) {
   for (int n : assignment_.stage_nodes[stage]) {
     if (request.node_allowed.empty() || request.node_allowed[n]) nodes.push_back(n);
   }
-  if (max_candidates_ <= 0 || static_cast<int>(nodes.size()) <= max_candidates_) return nodes;
+  if (max_candidates_ <= 0 || static_cast<int>(nodes.size()) <= max_candidates_) return;
   const int d = request.data_node;
   std::vector<std::pair<double, int>> keyed;
   keyed.reserve(nodes.size());
@@ -67,7 +115,6 @@ std::vector<int> RouteBuilder::Candidates(int stage, const RouteRequest& request
   std::partial_sort(keyed.begin(), keyed.begin() + max_candidates_, keyed.end());
   nodes.clear();
   for (int i = 0; i < max_candidates_; ++i) nodes.push_back(keyed[i].second);
-  return nodes;
 }
 
 namespace {
@@ -123,26 +170,33 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
     return best;
   }
 
-  std::vector<std::vector<int>> cand(num_stages);
-  cand[0] = {d};
+  std::vector<std::vector<int>>& cand = cand_;
+  cand.resize(num_stages);
+  cand[0].assign(1, d);
   for (int s = 1; s < num_stages; ++s) {
-    if (req.allowed[s]) cand[s] = Candidates(s, req);
+    cand[s].clear();
+    if (req.allowed[s]) Candidates(s, req, cand[s]);
   }
-  std::vector<int> next_required(num_stages, num_stages);
+  std::vector<int>& next_required = next_required_;
+  next_required.assign(num_stages, num_stages);
   for (int s = num_stages - 2; s >= 0; --s) {
     next_required[s] = req.required[s + 1] ? s + 1 : next_required[s + 1];
   }
   // State (s, j, c): at the j-th candidate of stage s after c visits.
   const int width = need + 1;
-  std::vector<int> offset(num_stages + 1, 0);
+  std::vector<int>& offset = offset_;
+  offset.assign(num_stages + 1, 0);
   for (int s = 0; s < num_stages; ++s) {
     offset[s + 1] = offset[s] + static_cast<int>(cand[s].size()) * width;
   }
   // value: the ordering key (kTimed: forward finish + prices); finish: the
   // forward finish time itself (kTimed only).
-  std::vector<double> value(offset[num_stages], kInf);
-  std::vector<double> finish(offset[num_stages], 0);
-  std::vector<int> parent(offset[num_stages], -1);
+  std::vector<double>& value = value_;
+  std::vector<double>& finish = finish_;
+  std::vector<int>& parent = parent_;
+  value.assign(offset[num_stages], kInf);
+  finish.assign(offset[num_stages], 0);
+  parent.assign(offset[num_stages], -1);
   auto price = [&](int stage) {
     return req.stage_price.empty() ? 0.0 : req.stage_price[stage];
   };
@@ -176,7 +230,8 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
             switch (mode_) {
               case Mode::kStatic:
                 nv += cost_.TransferTime(a, b) + cost_.TransferTime(b, a) +
-                      cost_.ForwardTime(b, s2) + cost_.BackwardTime(b, s2);
+                      cost_.ForwardTime(b, s2) + cost_.BackwardTime(b, s2) +
+                      (req.node_price.empty() ? 0.0 : req.node_price[b]);
                 break;
               case Mode::kTimed: {
                 const double f = cost_.ForwardTime(b, s2);

@@ -51,6 +51,43 @@ struct RouteRequest {
   // Per stage, optional: seconds added to a route's price for visiting the
   // stage (negative = encouraged). Keeps visit quotas paced. Empty = none.
   std::vector<double> stage_price;
+  // Per node, optional (kStatic): seconds added for visiting the node.
+  std::vector<double> node_price;
+};
+
+// Keeps the stage visit quotas of a route set reachable while its routes are
+// built one at a time: fills a request's allowed / required stages (hard
+// rules) and stage prices (pacing), and counts what each route takes.
+// Thread-compatible.
+class QuotaPacer {
+ public:
+  // `quota[s]`: visits stage s must receive from the `routes` routes.
+  QuotaPacer(const sim::CostModel& cost, const sim::StageAssignment& assignment,
+             const RouteRules& rules, std::vector<int> quota, int routes);
+
+  // No stage beyond its quota; a stage whose quota equals the routes left is
+  // required; a stage lagging its fair share of the remaining visits gets
+  // cheaper, one ahead dearer, so greedy choices cannot strand a stage that
+  // the jump limit later makes unreachable. The tolerance shrinks towards
+  // the end, where the last routes must use exactly the visits left.
+  void Prepare(RouteRequest& req) const;
+  // Whether a route visiting `stages` (stage 0 first) keeps the quotas
+  // exactly reachable: every stage within quota, every required one in.
+  bool Fits(const std::vector<int>& stages) const;
+  // Counts a committed route.
+  void Take(const std::vector<int>& stages);
+
+  std::vector<int>& quota() { return quota_; }
+  int left() const { return left_; }
+
+ private:
+  int num_stages_;
+  std::vector<int> quota_;
+  int left_;
+  double fraction_;
+  double slack_;
+  // A typical hop's price (compute and transfers both ways).
+  double unit_ = 0;
 };
 
 struct BuiltRoute {
@@ -82,7 +119,8 @@ class RouteBuilder {
   const std::vector<Calendar>& calendars() const { return calendars_; }
 
  private:
-  std::vector<int> Candidates(int stage, const RouteRequest& request);
+  // Appends the nodes of `stage` the search considers to `out`.
+  void Candidates(int stage, const RouteRequest& request, std::vector<int>& out);
 
   const sim::CostModel& cost_;
   const sim::StageAssignment& assignment_;
@@ -91,6 +129,10 @@ class RouteBuilder {
   Rng rng_;
   int max_candidates_;
   std::vector<Calendar> calendars_;
+  // Buffers of Build, reused across calls.
+  std::vector<std::vector<int>> cand_;
+  std::vector<int> next_required_, offset_, parent_;
+  std::vector<double> value_, finish_;
 };
 
 }  // namespace detour::planner

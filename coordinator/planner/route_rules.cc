@@ -1,6 +1,8 @@
 #include "coordinator/planner/route_rules.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_format.h"
@@ -18,7 +20,38 @@ RouteRules RulesFromPipeline(const v1::PipelineSpec& p, bool full) {
   r.max_swaps = full ? 0 : static_cast<int>(p.max_swaps());
   r.max_swap_distance = static_cast<int>(p.max_swap_distance());
   r.max_total_swap_distance = static_cast<int>(p.max_total_swap_distance());
+  r.memory_slots = static_cast<int>(std::max(1u, p.memory_slots()));
+  r.max_visits_per_node = full ? -1 : static_cast<int>(p.max_visits_per_node());
   return r;
+}
+
+absl::StatusOr<std::vector<int>> NodeVisitCaps(const RouteRules& rules, const sim::CostModel& cost,
+                                               const sim::StageAssignment& assignment,
+                                               const std::vector<int>& stage_visits) {
+  constexpr int kNone = std::numeric_limits<int32_t>::max();
+  std::vector<int> caps(cost.num_nodes(), kNone);
+  if (rules.max_visits_per_node < 0) return caps;
+  for (int s = 1; s < assignment.num_stages(); ++s) {
+    const auto& nodes = assignment.stage_nodes[s];
+    if (nodes.empty()) continue;
+    const int visits = s < static_cast<int>(stage_visits.size()) ? stage_visits[s] : 0;
+    const int share = static_cast<int>((visits + nodes.size() - 1) / nodes.size());
+    if (rules.max_visits_per_node > 0 &&
+        static_cast<long>(rules.max_visits_per_node) * static_cast<long>(nodes.size()) < visits) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "pipeline.max_visits_per_node: %d visits per node × %d replicas of stage %d cannot "
+          "take its %d visits; raise it to at least %d or set 0 (derived)",
+          rules.max_visits_per_node, nodes.size(), s, visits, share));
+    }
+    for (int n : nodes) {
+      if (n < 0 || n >= cost.num_nodes()) continue;
+      const int base = rules.max_visits_per_node > 0
+                           ? rules.max_visits_per_node
+                           : std::max(1, cost.memory_slots(n)) * rules.rounds();
+      caps[n] = std::max(base, share);
+    }
+  }
+  return caps;
 }
 
 std::string CheckStageOrder(const RouteRules& rules, const std::vector<int>& stages) {

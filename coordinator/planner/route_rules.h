@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "common/sim/cost_model.h"
 #include "common/sim/plan.h"
 #include "detour/v1/spec.pb.h"
 
@@ -23,8 +25,17 @@ struct RouteRules {
   int max_swaps = 0;
   int max_swap_distance = 1;
   int max_total_swap_distance = 2;
+  // The job's activation slots per node and the per-node visit cap: > 0 a
+  // fixed cap, 0 = derived (NodeVisitCaps), < 0 = none (the full pipeline).
+  int memory_slots = 3;
+  int max_visits_per_node = 0;
 
   int total_microbatches() const { return data_nodes * microbatches_per_data_node; }
+  // Waves of a data node: how often its memory slots fill with microbatches.
+  int rounds() const {
+    const int slots = memory_slots > 0 ? memory_slots : 1;
+    return (microbatches_per_data_node + slots - 1) / slots;
+  }
 };
 
 // Rules of a defaulted pipeline. `full` keeps every stage in order (P = S,
@@ -45,6 +56,16 @@ std::string CheckStageOrder(const RouteRules& rules, const std::vector<int>& sta
 // the remainder going to the stages of greatest compute capacity (ties: lower
 // stage). Entry 0 is 0.
 std::vector<int> StageQuotas(const RouteRules& rules, const std::vector<double>& capacity);
+
+// Most visits each node may receive per iteration: for a node of stage s >= 1
+// max_visits_per_node if set, else its memory slots × rounds(), raised to
+// ceil(stage_visits[s] / replicas of s) so that the replicas can take the
+// stage's share (a set cap too small for that is FAILED_PRECONDITION naming
+// the field). Data nodes and unused nodes: INT32_MAX; all INT32_MAX when the
+// rules cap nothing. `stage_visits[s]`: the visits stage s receives.
+absl::StatusOr<std::vector<int>> NodeVisitCaps(const RouteRules& rules, const sim::CostModel& cost,
+                                               const sim::StageAssignment& assignment,
+                                               const std::vector<int>& stage_visits);
 
 // splitmix64: small, fast and identical on every platform (std::
 // distributions are not), which keeps plans reproducible from the seed.

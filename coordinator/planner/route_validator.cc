@@ -5,7 +5,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/sim/event_simulator.h"
 
 namespace detour::planner {
 namespace {
@@ -25,7 +24,7 @@ class Collector {
 }  // namespace
 
 std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Plan& plan,
-                                      const RouteRules& rules, const ValidatorOptions& options) {
+                                      const RouteRules& rules) {
   Collector v;
   const int n = cost.num_nodes();
   const auto& stage_nodes = plan.assignment.stage_nodes;
@@ -62,6 +61,7 @@ std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Pla
   std::vector<int> seen(std::max(total, 0), 0);
   std::vector<int> per_data_node(n, 0);
   std::vector<int> visits(rules.num_stages, 0);
+  std::vector<int> node_visits(n, 0);
 
   for (const sim::Route& r : plan.routes) {
     const int mb = r.microbatch;
@@ -120,6 +120,9 @@ std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Pla
       }
     }
     for (int s = 1; s < rules.num_stages; ++s) visits[s] += std::min(count[s], 1);
+    for (size_t i = 1; i < r.nodes.size(); ++i) {
+      if (r.stages[i] != 0) ++node_visits[r.nodes[i]];
+    }
     const std::string order = CheckStageOrder(rules, r.stages);
     if (!order.empty()) v.Add(mb, absl::StrFormat("microbatch %d: %s", mb, order));
   }
@@ -140,18 +143,27 @@ std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Pla
     }
   }
 
-  if (v.size() == 0 && options.check_memory_deadlock) {
-    sim::SimOptions sim_options;
-    sim_options.record_timeline = false;
-    absl::StatusOr<sim::SimResult> r = sim::Simulate(cost, plan, sim_options);
-    if (!r.ok()) v.Add(-1, absl::StrCat("memory: ", r.status().message()));
+  if (v.size() == 0) {
+    absl::StatusOr<std::vector<int>> caps = NodeVisitCaps(rules, cost, plan.assignment, visits);
+    if (!caps.ok()) {
+      v.Add(-1, std::string(caps.status().message()));
+    } else {
+      for (int node = 0; node < n; ++node) {
+        if (node_visits[node] > (*caps)[node]) {
+          v.Add(-1, absl::StrFormat("node %s (stage %d) gets %d visits, more than its cap %d "
+                                    "(memory slots × rounds, pipeline.max_visits_per_node)",
+                                    cost.node_id(node), node_stage[node], node_visits[node],
+                                    (*caps)[node]));
+        }
+      }
+    }
   }
   return v.Take();
 }
 
 absl::Status ValidateRoutes(const sim::CostModel& cost, const sim::Plan& plan,
-                            const RouteRules& rules, const ValidatorOptions& options) {
-  std::vector<Violation> found = FindViolations(cost, plan, rules, options);
+                            const RouteRules& rules) {
+  std::vector<Violation> found = FindViolations(cost, plan, rules);
   if (found.empty()) return absl::OkStatus();
   std::vector<std::string> lines;
   for (size_t i = 0; i < found.size() && i < 10; ++i) lines.push_back(found[i].message);

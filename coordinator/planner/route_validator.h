@@ -19,23 +19,17 @@ struct Violation {
   std::string message;
 };
 
-struct ValidatorOptions {
-  // Also simulate the plan to prove it cannot deadlock on memory slots
-  // (rule 6 in the presence of swaps).
-  bool check_memory_deadlock = true;
-};
-
 // Every violation found, in order: assignment, microbatch set, each route
 // (start/end on one data node, path length P, stages once each, jump and
-// swap limits), equal visits per non-zero stage (±1), memory.
+// swap limits), equal visits per non-zero stage (±1), visits per node
+// within NodeVisitCaps (memory × rounds: rule 6). Memory slots cannot
+// deadlock (common/sim/queue_policy.h), so no simulation is needed.
 std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Plan& plan,
-                                      const RouteRules& rules,
-                                      const ValidatorOptions& options = ValidatorOptions());
+                                      const RouteRules& rules);
 
 // OK, or INVALID_ARGUMENT listing the first violations ("N violations: ...").
 absl::Status ValidateRoutes(const sim::CostModel& cost, const sim::Plan& plan,
-                            const RouteRules& rules,
-                            const ValidatorOptions& options = ValidatorOptions());
+                            const RouteRules& rules);
 
 }  // namespace detour::planner
 

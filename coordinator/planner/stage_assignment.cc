@@ -1,6 +1,7 @@
 #include "coordinator/planner/stage_assignment.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -8,6 +9,10 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "coordinator/planner/baselines.h"
+#include "coordinator/planner/lane_clusters.h"
+#include "coordinator/planner/lane_routes.h"
+#include "coordinator/planner/path_scheduler.h"
 
 namespace detour::planner {
 namespace {
@@ -24,6 +29,22 @@ sim::StageAssignment Cut(const std::vector<int>& perm, const RouteRules& rules, 
     pos += count;
   }
   return a;
+}
+
+// The inverse of Cut: groups in stage order, then the unused nodes.
+std::vector<int> Permutation(const sim::StageAssignment& a, int num_nodes) {
+  std::vector<int> perm;
+  std::vector<char> used(num_nodes, 0);
+  for (const auto& group : a.stage_nodes) {
+    for (int node : group) {
+      perm.push_back(node);
+      used[node] = 1;
+    }
+  }
+  for (int node = 0; node < num_nodes; ++node) {
+    if (!used[node]) perm.push_back(node);
+  }
+  return perm;
 }
 
 int GroupOf(int pos, const RouteRules& rules, int replicas) {
@@ -90,23 +111,37 @@ double AssignmentScore(const sim::CostModel& cost, const RouteRules& rules,
   return compute + allreduce + network;
 }
 
-absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
-                                                  const RouteRules& rules, int replicas,
-                                                  const AssignmentOptions& options) {
+QuickPlan QuickPlanFor(const sim::CostModel& cost, const RouteRules& rules,
+                       const sim::StageAssignment& assignment, PlanEvaluator& evaluator,
+                       uint64_t seed) {
+  QuickPlan best;
+  best.score = std::numeric_limits<double>::infinity();
+  auto consider = [&](absl::StatusOr<std::vector<sim::Route>> routes) {
+    if (!routes.ok()) return;
+    const double v = evaluator.Score(assignment, *routes, best.score);
+    if (v < best.score) {
+      best.score = v;
+      best.routes = *std::move(routes);
+    }
+  };
+  for (const LaneOptions& lo : LaneVariants(rules, seed, /*restarts=*/4)) {
+    consider(LaneRoutes(cost, assignment, rules, lo));
+  }
+  consider(BuildRouteSet(cost, assignment, rules, RouteBuilder::Mode::kTimed, seed,
+                         /*wave_memory_cap=*/false));
+  return best;
+}
+
+namespace {
+
+// The proxy search: several starts, each improved by pairwise swaps scored
+// by AssignmentScore. Returns each start's result, best first.
+std::vector<std::pair<double, std::vector<int>>> ProxySearch(const sim::CostModel& cost,
+                                                             const RouteRules& rules, int replicas,
+                                                             const AssignmentOptions& options,
+                                                             int* trials_run) {
   const int n = cost.num_nodes();
   const int needed = rules.data_nodes + (rules.num_stages - 1) * replicas;
-  if (rules.data_nodes < 1 || (rules.num_stages > 1 && replicas < 1)) {
-    return absl::InvalidArgumentError("pipeline needs at least one data node and one replica");
-  }
-  if (needed > n) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "cluster has %d nodes; the pipeline needs data_nodes + (num_stages-1) × "
-        "replicas_per_stage = %d + %d × %d = %d",
-        n, rules.data_nodes, rules.num_stages - 1, replicas, needed));
-  }
-  if (cost.num_stages() != rules.num_stages) {
-    return absl::InvalidArgumentError("cost model and pipeline disagree on the stage count");
-  }
   // Work per score evaluation grows with the square of the assigned nodes.
   const double work = static_cast<double>(needed) * needed + 1;
   const int restarts = options.restarts > 0 ? options.restarts : (needed <= 64 ? 6 : 2);
@@ -125,8 +160,7 @@ absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
     return la < lb;
   });
   Rng rng(options.seed);
-  sim::StageAssignment best;
-  double best_score = std::numeric_limits<double>::infinity();
+  std::vector<std::pair<double, std::vector<int>>> results;
   for (int r = 0; r < restarts; ++r) {
     std::vector<int> perm;
     if (r == 0) {
@@ -148,6 +182,7 @@ absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
       const int j = rng.Uniform(n);
       if (GroupOf(i, rules, replicas) == GroupOf(j, rules, replicas)) continue;
       std::swap(perm[i], perm[j]);
+      ++*trials_run;
       const double candidate = AssignmentScore(cost, rules, Cut(perm, rules, replicas));
       if (candidate < score) {
         score = candidate;
@@ -155,14 +190,237 @@ absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
         std::swap(perm[i], perm[j]);
       }
     }
-    if (score < best_score) {
-      best_score = score;
-      best = Cut(perm, rules, replicas);
+    results.push_back({score, std::move(perm)});
+  }
+  std::stable_sort(results.begin(), results.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  return results;
+}
+
+// The plan-scored search over partitions (permutations cut into groups).
+// Late acceptance on quick plans; the best few distinct partitions are kept
+// and each gets a short route search, since the quick plan only sees pure
+// lanes and the route search's mixing of lanes gains more on some
+// partitions than on others.
+class PartitionSearch {
+ public:
+  PartitionSearch(const sim::CostModel& cost, const RouteRules& rules, int replicas,
+                  const AssignmentOptions& options, AssignmentStats& stats,
+                  std::chrono::steady_clock::time_point started)
+      : cost_(cost),
+        rules_(rules),
+        replicas_(replicas),
+        options_(options),
+        stats_(stats),
+        started_(started),
+        evaluator_(cost, options.evaluator) {}
+
+  // Searches from `starts` (the first is the proxy's best) with `budget`
+  // quick plans; returns the winning permutation and its refined routes.
+  std::pair<std::vector<int>, std::vector<sim::Route>> Run(
+      const std::vector<std::vector<int>>& starts, int budget) {
+    budget_ = budget;
+    std::vector<std::pair<double, size_t>> ranked;
+    for (size_t k = 0; k < starts.size(); ++k) {
+      const double v = Judge(starts[k]);
+      if (k == 0) stats_.proxy_plan_score = v;
+      ranked.push_back({v, k});
+    }
+    std::stable_sort(ranked.begin(), ranked.end());
+    // Several shorter descents from the best starts explore more of the
+    // rugged partition landscape than one long one.
+    const int runs = 1;
+    const int per_run = std::max(1, (budget - stats_.plan_evaluations) / runs);
+    for (int run = 0; run < runs; ++run) {
+      Descend(starts[ranked[run].second], ranked[run].first,
+              std::min(budget, stats_.plan_evaluations + per_run), run);
+    }
+    return Refine();
+  }
+
+ private:
+  // Late-acceptance descent from `current` until `until` quick plans in all.
+  void Descend(std::vector<int> current, double current_value, int until, int run) {
+    const int n = cost_.num_nodes();
+    const int needed = rules_.data_nodes + (rules_.num_stages - 1) * replicas_;
+    Rng rng(options_.seed ^ (0xa5519e5eull + static_cast<uint64_t>(run)));
+    std::vector<double> history(std::clamp((until - stats_.plan_evaluations) / 25, 5, 200),
+                                current_value);
+    const int non_zero = rules_.num_stages - 1;
+    for (int step = 0; stats_.plan_evaluations < until && !OutOfTime(0.7); ++step) {
+      std::vector<int> candidate = current;
+      if (non_zero >= 2 && rng.Uniform(8) == 0) {
+        // Two stages trade their replica groups (moves the jump structure).
+        const int a = 1 + rng.Uniform(non_zero);
+        const int b = 1 + rng.Uniform(non_zero);
+        if (a == b) continue;
+        const int pa = rules_.data_nodes + (a - 1) * replicas_;
+        const int pb = rules_.data_nodes + (b - 1) * replicas_;
+        for (int k = 0; k < replicas_; ++k) std::swap(candidate[pa + k], candidate[pb + k]);
+      } else {
+        const int i = rng.Uniform(needed);
+        const int j = rng.Uniform(n);
+        if (GroupOf(i, rules_, replicas_) == GroupOf(j, rules_, replicas_)) continue;
+        std::swap(candidate[i], candidate[j]);
+      }
+      double& slot = history[step % history.size()];
+      const double threshold = std::max(current_value, slot);
+      const double v = Judge(candidate);
+      if (v <= threshold) {
+        current = std::move(candidate);
+        current_value = v;
+      }
+      slot = current_value;
     }
   }
+
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  // Partitions kept for refinement.
+  static constexpr size_t kPool = 6;
+
+  struct Candidate {
+    double score = 0;
+    std::vector<int> perm;
+    sim::StageAssignment groups;  // sorted, for telling partitions apart
+    std::vector<sim::Route> routes;
+  };
+
+  bool OutOfTime(double share) const {
+    return options_.time_budget_s > 0 &&
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count() >
+               share * options_.time_budget_s;
+  }
+
+  double Judge(const std::vector<int>& perm) {
+    ++stats_.plan_evaluations;
+    const sim::StageAssignment a = Cut(perm, rules_, replicas_);
+    QuickPlan q = QuickPlanFor(cost_, rules_, a, evaluator_, options_.seed);
+    if (q.score < kInf) Offer(q.score, perm, a, std::move(q.routes));
+    return q.score;
+  }
+
+  // Keeps the kPool best distinct partitions.
+  void Offer(double score, const std::vector<int>& perm, sim::StageAssignment groups,
+             std::vector<sim::Route> routes) {
+    if (pool_.size() == kPool && score >= pool_.back().score) return;
+    for (auto& g : groups.stage_nodes) std::sort(g.begin(), g.end());
+    for (Candidate& c : pool_) {
+      if (c.groups.stage_nodes == groups.stage_nodes) {
+        if (score < c.score) {
+          c.score = score;
+          c.routes = std::move(routes);
+        }
+        Sort();
+        return;
+      }
+    }
+    pool_.push_back(Candidate{score, perm, std::move(groups), std::move(routes)});
+    Sort();
+    if (pool_.size() > kPool) pool_.pop_back();
+  }
+  void Sort() {
+    std::stable_sort(pool_.begin(), pool_.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.score < b.score; });
+  }
+
+  // A short route search on each kept partition; the best result wins.
+  std::pair<std::vector<int>, std::vector<sim::Route>> Refine() {
+    std::pair<std::vector<int>, std::vector<sim::Route>> best;
+    double best_value = kInf;
+    const int events_per_sim =
+        std::max(1, 6 * rules_.total_microbatches() * std::max(1, rules_.visited_stages));
+    // A small assignment budget (tests, huge plans) keeps refinement small.
+    const int refine_budget = std::min(
+        static_cast<int>(std::clamp(2e6 / events_per_sim, 50.0, 1500.0)), std::max(10, budget_));
+    for (const Candidate& c : pool_) {
+      if (OutOfTime(0.9) && best_value < kInf) break;
+      const sim::StageAssignment a = Cut(c.perm, rules_, replicas_);
+      PathSchedulerOptions po;
+      po.seed = options_.seed;
+      po.max_evaluations = refine_budget;
+      po.contention = options_.evaluator.contention;
+      po.queue_policy = options_.evaluator.queue_policy;
+      po.robust = options_.evaluator.robust;
+      po.objective = options_.evaluator.objective;
+      po.initial_routes = &c.routes;
+      PathScheduler scheduler(cost_, a, rules_, po);
+      auto routes = scheduler.Run();
+      if (!routes.ok()) continue;
+      ++stats_.refined;
+      if (scheduler.stats().final_objective < best_value) {
+        best_value = scheduler.stats().final_objective;
+        best = {c.perm, *std::move(routes)};
+      }
+    }
+    stats_.final_plan_score = best_value;
+    return best;
+  }
+
+  const sim::CostModel& cost_;
+  const RouteRules& rules_;
+  int replicas_;
+  const AssignmentOptions& options_;
+  AssignmentStats& stats_;
+  std::chrono::steady_clock::time_point started_;
+  PlanEvaluator evaluator_;
+  std::vector<Candidate> pool_;
+  int budget_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
+                                                  const RouteRules& rules, int replicas,
+                                                  const AssignmentOptions& options,
+                                                  AssignmentStats* stats,
+                                                  std::vector<sim::Route>* quick_routes) {
+  const auto started = std::chrono::steady_clock::now();
+  AssignmentStats local;
+  AssignmentStats& st = stats ? *stats : local;
+  st = AssignmentStats();
+  const int n = cost.num_nodes();
+  const int needed = rules.data_nodes + (rules.num_stages - 1) * replicas;
+  if (rules.data_nodes < 1 || (rules.num_stages > 1 && replicas < 1)) {
+    return absl::InvalidArgumentError("pipeline needs at least one data node and one replica");
+  }
+  if (needed > n) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cluster has %d nodes; the pipeline needs data_nodes + (num_stages-1) × "
+        "replicas_per_stage = %d + %d × %d = %d",
+        n, rules.data_nodes, rules.num_stages - 1, replicas, needed));
+  }
+  if (cost.num_stages() != rules.num_stages) {
+    return absl::InvalidArgumentError("cost model and pipeline disagree on the stage count");
+  }
+  auto proxy = ProxySearch(cost, rules, replicas, options, &st.proxy_trials);
+  std::vector<int> best = proxy.front().second;
+
+  // Plan-scored search. The default budget shrinks with the size of a plan
+  // (about 2 s at 20 nodes, 1200 partitions; at least 8).
+  const double events_per_plan =
+      8.0 * rules.total_microbatches() * std::max(1, rules.visited_stages) + 1;
+  const int budget = options.plan_evaluations >= 0
+                         ? options.plan_evaluations
+                         : static_cast<int>(std::clamp(1.2e6 / events_per_plan, 8.0, 1200.0));
+  if (budget > 0 && rules.num_stages > 1) {
+    // The best proxy partitions and the lane clusters compete first.
+    std::vector<std::vector<int>> starts;
+    for (size_t k = 0; k < proxy.size() && k < 3; ++k) starts.push_back(proxy[k].second);
+    for (int variant = 0; variant < 4; ++variant) {
+      auto lanes = LaneClusterAssignment(cost, rules, replicas, options.seed, variant);
+      if (lanes.ok()) starts.push_back(Permutation(*lanes, n));
+    }
+    PartitionSearch search(cost, rules, replicas, options, st, started);
+    auto [perm, routes] = search.Run(starts, budget);
+    if (!perm.empty()) {
+      best = std::move(perm);
+      if (quick_routes) *quick_routes = std::move(routes);
+    }
+  }
+  sim::StageAssignment result = Cut(best, rules, replicas);
   // Keep each group in node order: stable output, readable reports.
-  for (auto& nodes : best.stage_nodes) std::sort(nodes.begin(), nodes.end());
-  return best;
+  for (auto& nodes : result.stage_nodes) std::sort(nodes.begin(), nodes.end());
+  return result;
 }
 
 }  // namespace detour::planner

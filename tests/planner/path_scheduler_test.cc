@@ -18,8 +18,8 @@ std::vector<std::vector<int>> Nodes(const std::vector<sim::Route>& routes) {
 }
 
 // Hundreds of random clusters and rule sets: every scheduler's routes pass
-// the validator (which also proves them deadlock-free), stage visits are
-// equal ±1, and the same seed gives the same routes.
+// the validator (order, quotas, node visit caps), stage visits are equal ±1,
+// and the same seed gives the same routes.
 TEST(PathSchedulerPropertyTest, RandomClustersGiveValidDeterministicRoutes) {
   int planned = 0, refused = 0, invalid_specs = 0;
   for (uint64_t seed = 1; seed <= 300; ++seed) {
@@ -37,6 +37,7 @@ TEST(PathSchedulerPropertyTest, RandomClustersGiveValidDeterministicRoutes) {
       o.scheduler = kind;
       o.seed = seed;
       o.max_evaluations = 60;
+      o.assignment_evaluations = 6;
       o.sim.record_timeline = false;
       auto a = PlanIteration(*cost, *job, o);
       if (!a.ok()) {

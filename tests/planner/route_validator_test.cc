@@ -127,17 +127,24 @@ TEST_F(RouteValidatorTest, MicrobatchSetMustBeComplete) {
               HasSubstr("microbatch 0 has more than one route"));
 }
 
-TEST_F(RouteValidatorTest, DeadlockingSwapsAreCaught) {
-  sim::CostModel tight = testing::UniformModel(4, 3, /*slots=*/1);
-  rules_.num_stages = 3;
-  plan_.assignment.stage_nodes = {{0, 1}, {2}, {3}};
-  plan_.routes = {R(0, {0, 2, 3}, {0, 1, 2}), R(1, {1, 3, 2}, {0, 2, 1})};
-  auto v = FindViolations(tight, plan_, rules_);
-  ASSERT_EQ(v.size(), 1u);
-  EXPECT_THAT(v[0].message, HasSubstr("memory: routes deadlock"));
-  absl::Status s = ValidateRoutes(tight, plan_, rules_);
+// Rule 6 as a count: no node gets more visits than its cap (here set to 1;
+// two replicas of stage 1 can take its two visits, but not both on n2).
+TEST_F(RouteValidatorTest, NodeVisitCapIsEnforced) {
+  rules_.max_visits_per_node = 1;
+  plan_.assignment.stage_nodes = {{0, 1}, {2, 5}, {3}, {4}};
+  plan_.routes = {R(0, {0, 2, 3}, {0, 1, 2}), R(1, {1, 2, 4}, {0, 1, 3})};
+  EXPECT_THAT(OnlyViolation(), HasSubstr("node n2 (stage 1) gets 2 visits, more than its cap 1"));
+  plan_.routes[1] = R(1, {1, 5, 4}, {0, 1, 3});
+  EXPECT_TRUE(FindViolations(cost_, plan_, rules_).empty());
+  // A cap the replicas cannot meet at all names the field.
+  plan_.assignment.stage_nodes = {{0, 1}, {2}, {3, 5}, {4}};
+  plan_.routes = {R(0, {0, 2, 3}, {0, 1, 2}), R(1, {1, 2, 4}, {0, 1, 3})};
+  absl::Status s = ValidateRoutes(cost_, plan_, rules_);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("1 route violation: memory"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("pipeline.max_visits_per_node: 1 visits per node"));
+  // Derived caps (memory slots × rounds) allow the same plan.
+  rules_.max_visits_per_node = 0;
+  EXPECT_TRUE(ValidateRoutes(cost_, plan_, rules_).ok());
 }
 
 }  // namespace

@@ -18,6 +18,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/files.h"
 #include "common/flags.h"
@@ -97,6 +99,9 @@ struct Args {
   uint64_t seed = 0;
   double tflops = 0;
   int evaluations = -1;
+  int assignment_evaluations = -1;
+  double time_budget_s = 0;
+  std::string assignment, objective, queue;
   sim::Contention contention = sim::Contention::kSenderUplink;
 };
 
@@ -125,6 +130,11 @@ const std::map<std::string, std::string>& FlagCommands() {
       {"tflops", "plan, simulate, compare"},
       {"contention", "plan, simulate, compare"},
       {"evaluations", "plan, compare"},
+      {"assignment-evaluations", "plan, compare"},
+      {"time-budget", "plan, compare"},
+      {"assignment", "plan, compare"},
+      {"objective", "plan, compare"},
+      {"queue", "plan, simulate, compare"},
   };
   return *m;
 }
@@ -163,10 +173,27 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
   }
   flags.Double("tflops", &a.tflops, "override the cluster's compute.tflops (speed-1.0 node)");
   flags.String("contention", &contention, "uplink, link or none");
+  int64_t assignment_evaluations = a.assignment_evaluations;
   if (!simulate) {
     flags.Int("evaluations", &evaluations,
               "skippipe local-search budget in simulations (-1: automatic)");
+    flags.Int("assignment-evaluations", &assignment_evaluations,
+              "partitions the assignment search judges by their plan (-1: automatic, 0: the "
+              "proxy score alone)");
+    flags.Double("time-budget", &a.time_budget_s,
+                 "wall-clock cap on planning in seconds, 0 = none (a cap that cuts the search "
+                 "short makes results depend on the machine)");
+    flags.String("assignment", &a.assignment,
+                  "pin the node-to-stage assignment: stage groups separated by ';', nodes by "
+                  "',' (node ids or indices into the cluster's nodes), data nodes first, e.g. "
+                  "\"0,3,4;15,8,14;...\" (default: the job's pipeline.assignment, else searched)");
+    flags.String("objective", &a.objective,
+                 "iteration or pipeline: what the search minimises (default: the job's "
+                 "pipeline.plan_objective)");
   }
+  flags.String("queue", &a.queue,
+               "arrival or backward-first: the workers' queue policy the plan is judged under "
+               "(default: the job's pipeline.queue_policy)");
   flags.SetEpilog(kEpilog);
   absl::StatusOr<std::vector<std::string>> rest = flags.Parse(args);
   if (!rest.ok()) {
@@ -190,6 +217,23 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
   }
   if (flags.WasSet("tflops") && !(a.tflops > 0)) {
     return UsageError(absl::StrCat("--tflops: needs a positive number, got ", a.tflops));
+  }
+  if (flags.WasSet("assignment-evaluations")) {
+    if (assignment_evaluations < 0 || assignment_evaluations > std::numeric_limits<int>::max()) {
+      return UsageError(absl::StrCat("--assignment-evaluations: needs a count >= 0, got ",
+                                     assignment_evaluations));
+    }
+    a.assignment_evaluations = static_cast<int>(assignment_evaluations);
+  }
+  if (!(a.time_budget_s >= 0 && a.time_budget_s <= 86400)) {
+    return UsageError(absl::StrCat("--time-budget: needs seconds in [0, 86400], got ",
+                                   a.time_budget_s));
+  }
+  if (!a.objective.empty() && a.objective != "iteration" && a.objective != "pipeline") {
+    return UsageError(absl::StrCat("--objective: iteration or pipeline, got ", a.objective));
+  }
+  if (!a.queue.empty() && !sim::ParseQueuePolicy(a.queue).ok()) {
+    return UsageError(absl::StrCat("--queue: arrival or backward-first, got ", a.queue));
   }
   if (flags.WasSet("evaluations")) {
     if (evaluations < 0 || evaluations > std::numeric_limits<int>::max()) {
@@ -218,9 +262,54 @@ struct Context {
   sim::CostModel cost;
 };
 
+// Parses --assignment into pipeline.assignment: node ids or indices.
+absl::Status ApplyAssignment(const std::string& text, const v1::ClusterSpec& cluster,
+                             v1::PipelineSpec* pipeline) {
+  pipeline->clear_assignment();
+  for (absl::string_view group : absl::StrSplit(text, ';')) {
+    v1::StageNodes* stage = pipeline->add_assignment();
+    for (absl::string_view raw : absl::StrSplit(group, ',', absl::SkipWhitespace())) {
+      const std::string item(absl::StripAsciiWhitespace(raw));
+      int index = -1;
+      if (absl::SimpleAtoi(item, &index)) {
+        if (index < 0 || index >= cluster.nodes_size()) {
+          return UsageError(absl::StrFormat("--assignment: node index %d outside [0, %d)", index,
+                                            cluster.nodes_size()));
+        }
+        stage->add_nodes(cluster.nodes(index).id());
+        continue;
+      }
+      bool known = false;
+      for (const auto& n : cluster.nodes()) known = known || n.id() == item;
+      if (!known) {
+        return UsageError(absl::StrCat("--assignment: \"", item, "\" is not a node of the cluster"));
+      }
+      stage->add_nodes(item);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Context> Load(const Args& a) {
   ASSIGN_OR_RETURN(v1::ClusterSpec cluster, LoadClusterSpec(a.cluster));
   ASSIGN_OR_RETURN(v1::JobSpec job, LoadJobSpec(a.job));
+  v1::PipelineSpec* p = job.mutable_pipeline();
+  if (!a.assignment.empty()) {
+    RETURN_IF_ERROR(ApplyAssignment(a.assignment, cluster, p));
+    auto normalized = NormalizeJobSpec(job);
+    if (!normalized.ok()) {
+      return UsageError(absl::StrCat("--assignment: ", normalized.status().message()));
+    }
+  }
+  if (!a.objective.empty()) {
+    p->set_plan_objective(a.objective == "pipeline" ? v1::PLAN_OBJECTIVE_PIPELINE
+                                                    : v1::PLAN_OBJECTIVE_ITERATION);
+  }
+  if (!a.queue.empty()) {
+    p->set_queue_policy(*sim::ParseQueuePolicy(a.queue) == sim::QueuePolicy::kBackwardFirst
+                            ? v1::QUEUE_POLICY_BACKWARD_FIRST
+                            : v1::QUEUE_POLICY_ARRIVAL);
+  }
   ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::Create(cluster, job, a.tflops));
   return Context{std::move(cluster), std::move(job), std::move(cost)};
 }
@@ -229,6 +318,8 @@ PlannerOptions Options(const Args& a, const Context& c) {
   PlannerOptions o;
   o.seed = a.has_seed ? a.seed : c.job.seed();
   o.max_evaluations = a.evaluations;
+  o.assignment_evaluations = a.assignment_evaluations;
+  o.time_budget_s = a.time_budget_s;
   o.sim.contention = a.contention;
   o.sim.record_timeline = true;
   return o;
@@ -328,6 +419,28 @@ std::string TextReport(const Context& c, const PlannedIteration& it) {
                         planner::SchedulerName(it.scheduler), it.result.pipeline_time_s,
                         it.result.iteration_time_s, 100 * it.result.utilization,
                         it.planning_time_s);
+  const sim::QueuePolicy policy = planner::QueuePolicyOf(c.job.pipeline());
+  absl::StrAppendFormat(
+      &out, "queue policy %s (the workers'): %d tasks waited %.3f s in all; under %s: pipeline "
+      "%.3f s, iteration %.3f s\n",
+      sim::QueuePolicyName(policy), it.result.collisions, it.result.queue_wait_s,
+      sim::QueuePolicyName(policy == sim::QueuePolicy::kArrival ? sim::QueuePolicy::kBackwardFirst
+                                                                : sim::QueuePolicy::kArrival),
+      it.other_policy_pipeline_s, it.other_policy_iteration_s);
+  if (it.assignment_search.proxy_trials > 0) {
+    absl::StrAppendFormat(
+        &out, "assignment search: %d partitions judged by their plan (score %.3f -> %.3f), %d "
+        "proxy trials\n",
+        it.assignment_search.plan_evaluations, it.assignment_search.proxy_plan_score,
+        it.assignment_search.final_plan_score, it.assignment_search.proxy_trials);
+  }
+  if (it.search.evaluations > 0) {
+    absl::StrAppendFormat(&out, "route search: %d simulations, score %.3f -> %.3f\n",
+                          it.search.evaluations,
+                          std::min({it.search.timed_start, it.search.static_start,
+                                    it.search.lane_start, it.search.warm_start}),
+                          it.search.final_objective);
+  }
   for (int s = 0; s < it.plan.assignment.num_stages(); ++s) {
     absl::StrAppendFormat(&out, "  stage %d:", s);
     for (int n : it.plan.assignment.stage_nodes[s]) absl::StrAppend(&out, " ", c.cost.node_id(n));
@@ -456,7 +569,7 @@ absl::Status Simulate(const Args& a) {
     return Annotate(s, a.routes);
   }
   PlannerOptions o = Options(a, c);
-  ASSIGN_OR_RETURN(it.result, sim::Simulate(c.cost, it.plan, o.sim));
+  RETURN_IF_ERROR(planner::SimulatePlanned(c.cost, c.job, o.sim, it));
   RETURN_IF_ERROR(ExportTimelines(a, c, it, a.trace, a.svg, 0));
   if (a.json) {
     sim::JsonWriter w;
@@ -570,6 +683,12 @@ int Main(int argc, char** argv) {
     s = Compare(*parsed);
   }
   if (!s.ok()) {
+    // A flag value that only the loaded cluster could check is still bad
+    // usage.
+    if (absl::IsInvalidArgument(s) && absl::StartsWith(s.message(), "--")) {
+      std::cerr << "detour-sim " << command << ": " << s.message() << "\n";
+      return 2;
+    }
     std::cerr << "detour-sim: error: " << s.ToString() << "\n";
     return 1;
   }
