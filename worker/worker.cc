@@ -56,6 +56,7 @@ absl::Status Worker::Init() {
   runtime_options.data_dir = options_.data_dir;
   runtime_options.device = options_.device;
   runtime_options.torch_threads = options_.torch_threads;
+  runtime_options.memory_slots = options_.memory_slots;
   runtime_options.metrics = &metrics_registry_;
   runtime_ = std::make_unique<JobRuntime>(
       runtime_options,

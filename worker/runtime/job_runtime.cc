@@ -32,6 +32,7 @@
 #include "worker/model/torch_status.h"
 #include "worker/transport/frame_codec.h"
 #include "worker/transport/peer_sender.h"
+#include "worker/runtime/work_queue.h"
 
 namespace detour {
 namespace {
@@ -109,14 +110,39 @@ class JobRuntime::Impl {
     Abandon();
   }
 
-  void Post(std::function<void()> fn) {
+  // Work arriving while a bubble task runs: the first arrival's time measures
+  // how long bubble work delays pipeline work.
+  void NoteArrival() {
     if (bubble_running_.load(std::memory_order_acquire)) {
       int64_t none = 0;
       arrived_during_bubble_ns_.compare_exchange_strong(none, absl::GetCurrentTimeNanos());
     }
+  }
+
+  void Post(std::function<void()> fn) {
+    NoteArrival();
     absl::MutexLock lock(&queue_mu_);
     if (stopping_) return;
-    queue_.push_back(std::move(fn));
+    queue_.PushControl(std::move(fn));
+  }
+
+  // Pipeline work goes through the queue's policy; all-reduce inputs are
+  // control work (they wait for nothing).
+  void Enqueue(const v1::FrameHeader& h, at::Tensor tensor) {
+    NoteArrival();
+    auto fn = [this, h, tensor] { OnTensor(h, tensor); };
+    absl::MutexLock lock(&queue_mu_);
+    if (stopping_) return;
+    if (h.direction() == v1::DIRECTION_ALLREDUCE) {
+      queue_.PushControl(std::move(fn));
+      return;
+    }
+    WorkQueue::Pipeline w;
+    w.iteration = h.iteration();
+    w.microbatch = h.microbatch();
+    w.hop = static_cast<int>(h.hop());
+    w.backward = h.direction() == v1::DIRECTION_BACKWARD;
+    queue_.PushPipeline(w, std::move(fn));
   }
 
   void OnCoordinatorMessage(const v1::CoordinatorMessage& message) {
@@ -174,7 +200,7 @@ class JobRuntime::Impl {
 
   void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) {
     auto tensor = std::static_pointer_cast<at::Tensor>(buffer.keepalive);
-    Post([this, h, tensor] { OnTensor(h, *tensor); });
+    Enqueue(h, *tensor);
   }
 
  private:
@@ -184,8 +210,6 @@ class JobRuntime::Impl {
     v1::IterationPlan plan;
     absl::Time received;
     std::map<uint32_t, const v1::Route*> routes;  // by microbatch id
-    std::deque<uint32_t> to_start;                 // data node: own microbatches
-    int in_flight = 0;
     int expected_tasks = 0;
     int done_tasks = 0;
     std::set<std::string> applied;  // (direction, mb, hop) already run
@@ -209,8 +233,9 @@ class JobRuntime::Impl {
 
   // --- executor ---------------------------------------------------------
 
-  // Pipeline work (anything posted) always runs first; K-FAC bubble tasks
-  // run one granule at a time only while the queue is empty, so an arriving
+  // Queued work always runs first (control, then pipeline work in the job's
+  // queue policy, forwards within the memory slots); K-FAC bubble tasks run
+  // one granule at a time only while nothing queued can run, so an arriving
   // forward or backward waits at most for the granule in progress.
   void Loop() {
     if (options_.torch_threads > 0) at::set_num_threads(options_.torch_threads);
@@ -219,15 +244,14 @@ class JobRuntime::Impl {
       const v1::BubbleTask* bubble = nullptr;
       {
         absl::MutexLock lock(&queue_mu_);
-        if (!stopping_ && queue_.empty()) bubble = NextBubble();  // executor-only state
+        if (!stopping_ && !queue_.HasRunnable()) bubble = NextBubble();  // executor-only state
         if (bubble == nullptr) {
           auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) {
-            return stopping_ || !queue_.empty();
+            return stopping_ || queue_.HasRunnable();
           };
           queue_mu_.Await(absl::Condition(&ready));
           if (stopping_) return;
-          fn = std::move(queue_.front());
-          queue_.pop_front();
+          queue_.Pop(&fn);
         }
       }
       if (bubble != nullptr) {
@@ -348,43 +372,59 @@ class JobRuntime::Impl {
       absl::MutexLock lock(&accept_mu_);
       accept_iteration_ = plan.iteration();
     }
+    std::map<uint32_t, std::vector<int>> stages;
+    std::vector<uint32_t> own;
     for (const v1::Route& r : it.plan.routes()) {
       it.routes[r.microbatch()] = &r;
       for (int p = 0; p < r.nodes_size(); ++p) {
         if (r.nodes(p) == me_) it.expected_tasks += 2;
       }
-      if (r.data_node() == me_) it.to_start.push_back(r.microbatch());
+      stages[r.microbatch()].assign(r.stages().begin(), r.stages().end());
+      if (r.data_node() == me_) own.push_back(r.microbatch());
     }
-    if (!it.to_start.empty()) {
+    if (!own.empty()) {
       auto mbs = model::IterationMicrobatches(spec_, train_tokens_, plan.iteration(), device_);
       if (!mbs.ok()) return Fail(mbs.status());
       it.microbatches = std::move(*mbs);
+      for (uint32_t mb : own) {
+        if (mb >= it.microbatches.size()) {
+          return Fail(absl::InvalidArgumentError(absl::StrCat("plan names microbatch ", mb,
+                                                              " beyond the iteration's data")));
+        }
+      }
     }
     if (absl::Status s = TakeBubbleTasks(); !s.ok()) return Fail(s);
-    StartMicrobatches();
-    // Tensors of this iteration that arrived before its plan.
+    // The data node's microbatches queue up as forwards that need a slot:
+    // the queue starts each when the policy picks it and a slot is free.
+    const int slots = options_.memory_slots > 0
+                          ? options_.memory_slots
+                          : static_cast<int>(spec_.pipeline().memory_slots());
+    const uint64_t iteration = plan.iteration();
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_.BeginIteration(iteration, std::move(stages), slots,
+                            spec_.pipeline().queue_policy() == v1::QUEUE_POLICY_BACKWARD_FIRST
+                                ? sim::QueuePolicy::kBackwardFirst
+                                : sim::QueuePolicy::kArrival);
+      for (uint32_t mb : own) {
+        WorkQueue::Pipeline w;
+        w.iteration = iteration;
+        w.microbatch = mb;
+        queue_.PushPipeline(w, [this, iteration, mb] { StartMicrobatch(iteration, mb); });
+      }
+    }
+    // Tensors of this iteration that arrived before its plan queue up again.
     std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
     early.swap(early_);
     for (auto& [h, t] : early) {
-      if (h.iteration() == plan.iteration()) OnTensor(h, t);
+      if (h.iteration() == iteration) Enqueue(h, t);
     }
     MaybeFinishLocal();
   }
 
-  void StartMicrobatches() {
-    Iteration& it = *it_;
-    const int slots = static_cast<int>(spec_.pipeline().memory_slots());
-    while (!it.to_start.empty() && it.in_flight < slots) {
-      const uint32_t mb = it.to_start.front();
-      it.to_start.pop_front();
-      if (mb >= it.microbatches.size()) {
-        return Fail(absl::InvalidArgumentError(absl::StrCat("plan names microbatch ", mb,
-                                                            " beyond the iteration's data")));
-      }
-      ++it.in_flight;
-      RunForward(mb, 0, it.microbatches[mb].tokens);
-      if (it_ == nullptr) return;  // failed
-    }
+  void StartMicrobatch(uint64_t iteration, uint32_t mb) {
+    if (it_ == nullptr || it_->plan.iteration() != iteration) return;
+    RunForward(mb, 0, it_->microbatches[mb].tokens);
   }
 
   // Forward of `mb` at position `pos` of its route (this node), then on.
@@ -434,12 +474,11 @@ class JobRuntime::Impl {
     it.backward_done.insert(mb);
     ++it.local_visits;
     it.microbatches_done.push_back(mb);
-    if (pos > 0) {
-      SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin);
-    } else {
-      --it.in_flight;
-      StartMicrobatches();
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_.Release(it.plan.iteration(), mb);
     }
+    if (pos > 0) SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin);
   }
 
   void OnTensor(const v1::FrameHeader& h, at::Tensor t) {
@@ -1021,6 +1060,11 @@ class JobRuntime::Impl {
       absl::MutexLock lock(&accept_mu_);
       accept_job_.clear();
     }
+    {
+      // Queued pipeline work belongs to the abandoned job.
+      absl::MutexLock lock(&queue_mu_);
+      queue_.DropPipeline();
+    }
     for (auto& [id, sender] : senders_) sender->Close();
     senders_.clear();
     peers_.clear();
@@ -1110,7 +1154,7 @@ class JobRuntime::Impl {
 
   // Executor queue.
   absl::Mutex queue_mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(queue_mu_);
+  WorkQueue queue_ ABSL_GUARDED_BY(queue_mu_);
   bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
   std::thread executor_;
 

@@ -1,7 +1,8 @@
 // Executes the coordinator's instructions for one job on one worker: builds
 // the assigned stage (worker/model), follows each IterationPlan — data nodes
 // start their microbatches within their memory slots, every hop runs its
-// forward and sends the activations on, the data node computes the loss and
+// forward (in the job's queue policy, within the node's memory slots:
+// worker/runtime/work_queue.h) and sends the activations on, the data node computes the loss and
 // the gradient walks the route back — then all-reduces the stage's gradient
 // with its replicas, reports the gradient norm, steps when the coordinator
 // says so, and reports the iteration's result and timings.
@@ -34,6 +35,9 @@ struct JobRuntimeOptions {
   std::string device = "cpu";
   // LibTorch intra-op threads for this worker; 0 = LibTorch's default.
   int torch_threads = 0;
+  // Activation memory of this worker in microbatches (what it registered,
+  // what the planner assumed); 0 = the job's pipeline.memory_slots.
+  int memory_slots = 0;
   metrics::Registry* metrics = nullptr;  // not owned; may be null
 };
 
