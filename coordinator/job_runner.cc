@@ -83,18 +83,25 @@ class JobRunner {
     const v1::PipelineSpec& p = spec_.pipeline();
     const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
 
-    // PENDING: wait for workers.
+    // PENDING: wait for workers (exactly the pinned ones, if the spec pins
+    // the assignment).
+    std::set<std::string> pinned;
+    for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
     std::string last_message;
     while (true) {
       if (auto s = CheckStop(); s) return *s;
       int idle = 0;
-      auto reserved = manager_->Reserve(job_id_, needed, &idle);
+      std::vector<std::string> missing;
+      auto reserved = manager_->Reserve(job_id_, needed, &idle, pinned, &missing);
       if (reserved) {
         workers_ = *reserved;
         break;
       }
       const std::string message =
-          absl::StrCat("waiting for ", needed, " idle workers (", idle, " available)");
+          pinned.empty()
+              ? absl::StrCat("waiting for ", needed, " idle workers (", idle, " available)")
+              : absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
+                             " (pipeline.assignment; not registered or busy)");
       if (message != last_message) {
         SetState(v1::JOB_STATE_PENDING, message);
         last_message = message;
@@ -252,12 +259,17 @@ class JobRunner {
       options.seed = spec_.seed() + iteration;
       options.assignment = assignment_;
       options.sim.record_timeline = kfac();
+      // Re-planning starts from the last iteration's routes with a small
+      // budget: the assignment is fixed, speeds drift slowly.
+      options.initial_routes = last_routes_.empty() ? nullptr : &last_routes_;
+      options.max_evaluations = kReplanEvaluations;
       const uint32_t k = spec_.pipeline().full_model_every();
       if (k > 0 && (iteration + 1) % k == 0) options.scheduler = v1::SCHEDULER_FULL;
       auto p = planner::PlanIteration(*cost_, spec_, options);
       if (!p.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", p.status().message())};
       planned = std::move(*p);
     }
+    if (planned.scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned.plan.routes;
     v1::CoordinatorMessage m;
     v1::IterationPlan* plan = m.mutable_plan();
     plan->set_job_id(job_id_);
@@ -649,6 +661,10 @@ class JobRunner {
   v1::ClusterSpec cluster_;
   std::unique_ptr<sim::CostModel> cost_;
   sim::StageAssignment assignment_;
+  // The last skippipe routes (the warm start of the next iteration's search).
+  std::vector<sim::Route> last_routes_;
+  // Route-search simulations per re-plan.
+  static constexpr int kReplanEvaluations = 2000;
   std::unique_ptr<planner::BubblePlanner> bubbles_;  // K-FAC jobs only
   std::map<std::string, double> kfac_flops_;  // node -> measured K-FAC FLOP/s
   std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
@@ -728,14 +744,24 @@ void JobManager::Shutdown() {
   runners.clear();  // each destructor stops and joins its runner
 }
 
-std::optional<std::vector<v1::WorkerInfo>> JobManager::Reserve(const std::string& job_id,
-                                                               int count, int* idle) {
+std::optional<std::vector<v1::WorkerInfo>> JobManager::Reserve(
+    const std::string& job_id, int count, int* idle, const std::set<std::string>& pinned,
+    std::vector<std::string>* missing) {
   absl::MutexLock lock(&mu_);
   std::vector<v1::WorkerInfo> free;
   for (const v1::WorkerInfo& w : registry_->List(false)) {
-    if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) free.push_back(w);
+    if (w.state() != v1::WORKER_STATE_IDLE || reserved_.count(w.worker_id())) continue;
+    if (!pinned.empty() && !pinned.count(w.worker_id())) continue;
+    free.push_back(w);
   }
   *idle = static_cast<int>(free.size());
+  if (!pinned.empty() && missing != nullptr) {
+    for (const std::string& id : pinned) {
+      const bool found = std::any_of(free.begin(), free.end(),
+                                     [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
+      if (!found) missing->push_back(id);
+    }
+  }
   if (static_cast<int>(free.size()) < count) return std::nullopt;
   free.resize(count);
   for (const v1::WorkerInfo& w : free) reserved_[w.worker_id()] = job_id;

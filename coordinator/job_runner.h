@@ -74,9 +74,13 @@ class JobManager {
   // Stops every runner; running jobs become FAILED ("coordinator stopped").
   void Shutdown();
 
-  // Reserves `count` idle workers for `job_id`, or none. Sorted by id.
+  // Reserves `count` idle workers for `job_id`, or none. Sorted by id. With
+  // `pinned`, only those workers qualify; `missing` (optional) receives the
+  // pinned ids that are not idle and free.
   std::optional<std::vector<v1::WorkerInfo>> Reserve(const std::string& job_id, int count,
-                                                     int* idle);
+                                                     int* idle,
+                                                     const std::set<std::string>& pinned = {},
+                                                     std::vector<std::string>* missing = nullptr);
   void Release(const std::string& job_id);
 
   const JobManagerOptions& options() const { return options_; }

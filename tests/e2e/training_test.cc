@@ -6,6 +6,7 @@
 // (the coordinator checks both every iteration and fails the job otherwise).
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -141,6 +142,66 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
         return now.workers_size() == 8;
       },
       absl::Seconds(10)));
+}
+
+// A pinned assignment is what the job gets (the coordinator waits for those
+// workers, ignoring a spare one), and workers that order their ready work
+// backward-first (pipeline.queue_policy) within one memory slot each train
+// with replicas identical and every microbatch done once.
+TEST_F(TrainingTest, PinnedAssignmentAndBackwardFirstQueue) {
+  v1::JobSpec spec = MicroJob(4, 2, 2, 0.25, 3);
+  spec.mutable_pipeline()->set_queue_policy(v1::QUEUE_POLICY_BACKWARD_FIRST);
+  spec.mutable_pipeline()->set_max_swaps(1);
+  Daemon c = StartCoordinator();
+  // One activation slot per worker: forwards queue for slots, swap visits
+  // bypass them.
+  std::vector<std::string> flags = WorkerFlags();
+  flags.push_back("--memory_slots=1");
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 9, flags);
+  // Stages from the end of the worker list; workers[0] stays spare.
+  std::vector<std::vector<std::string>> pinned = {{workers[8].id, workers[7].id},
+                                                  {workers[6].id, workers[5].id},
+                                                  {workers[4].id, workers[3].id},
+                                                  {workers[2].id, workers[1].id}};
+  for (const auto& group : pinned) {
+    v1::StageNodes* g = spec.mutable_pipeline()->add_assignment();
+    for (const std::string& id : group) g->add_nodes(id);
+  }
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  v1::Job final_job;
+  const std::vector<double> losses =
+      WatchLosses(c.grpc_port, submitted.id(), &final_job, absl::Seconds(180));
+  ASSERT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message() << "\n"
+                                                        << c.process->Log();
+  ASSERT_EQ(losses.size(), 3u);
+  ASSERT_EQ(final_job.stages_size(), 4);
+  for (int s = 0; s < 4; ++s) {
+    std::vector<std::string> got(final_job.stages(s).nodes().begin(),
+                                 final_job.stages(s).nodes().end());
+    std::vector<std::string> want = pinned[s];
+    std::sort(got.begin(), got.end());
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(got, want) << "stage " << s;
+  }
+}
+
+// A pin naming a worker that never registers keeps the job pending and says
+// which worker it waits for.
+TEST_F(TrainingTest, PinnedAssignmentWaitsForItsWorkers) {
+  v1::JobSpec spec = MicroJob(2, 1, 1, 0.0, 1);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  spec.mutable_pipeline()->add_assignment()->add_nodes(workers[0].id);
+  spec.mutable_pipeline()->add_assignment()->add_nodes("no-such-worker");
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        const v1::Job j = GetJob(c.grpc_port, submitted.id());
+        return j.state() == v1::JOB_STATE_PENDING &&
+               j.message().find("pinned workers no-such-worker") != std::string::npos;
+      },
+      absl::Seconds(10)))
+      << GetJob(c.grpc_port, submitted.id()).DebugString();
 }
 
 TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
