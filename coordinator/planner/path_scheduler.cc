@@ -61,9 +61,11 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
                                          options_.seed, /*wave_memory_cap=*/false,
                                          options_.max_candidates),
                            &stats_.timed_start));
-  consider(BuildRouteSet(cost_, assignment_, rules_, RouteBuilder::Mode::kStatic, options_.seed,
-                         /*wave_memory_cap=*/true, options_.max_candidates),
-           &stats_.static_start)
+  // The baselines' routes start too, so the result is never worse than them
+  // by the search's own measure.
+  consider(SkipNoCollisionRoutes(cost_, assignment_, rules_), &stats_.static_start).IgnoreError();
+  double random_start = kInf;
+  consider(RandomSkipRoutes(cost_, assignment_, rules_, options_.seed), &random_start)
       .IgnoreError();
   // Lanes per data node, per memory slot, per wave.
   for (const LaneOptions& lo : LaneVariants(rules_, options_.seed, /*restarts=*/12)) {

@@ -7,8 +7,9 @@
 //  1. Starting route sets: time-aware prioritised planning (each microbatch,
 //     in order of its release, takes the route that ends its backward first
 //     given the compute already reserved on every node — the reservations
-//     are the collision constraints), the network-aware but time-blind
-//     routes of the skip-no-collision baseline, lanes (each data node's
+//     are the collision constraints), the routes of the skip-no-collision
+//     and random baselines (so the result never loses to them by the
+//     search's measure), lanes (each data node's
 //     microbatches share a few node-disjoint paths, as the reference's
 //     collision-aware agents do), and optionally a warm start (the previous
 //     iteration's routes). The event simulator scores each; the best starts
@@ -70,7 +71,7 @@ struct PathSchedulerStats {
   int evaluations = 0;
   int accepted = 0;
   // Objective (simulated seconds) of each start (infinity when absent), and
-  // at the end.
+  // at the end. static_start: the skip-no-collision baseline's routes.
   double timed_start = 0;
   double static_start = 0;
   double lane_start = 0;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -165,6 +166,69 @@ TEST(DetourSimCliTest, PlanJsonRoundTripsThroughSimulate) {
   EXPECT_EQ(broken.code, 1);
   EXPECT_NE(broken.out.find("visits 6 stages, the skip ratio asks for 4"), std::string::npos)
       << broken.out;
+}
+
+std::string Reference() {
+  return absl::StrCat("--cluster ", SourceDir(), "/examples/clusters/skippipe_ref20.json --job ",
+                      SourceDir(), "/examples/jobs/skippipe_ref20.json");
+}
+
+// --assignment pins the partition (node indices or ids, data nodes first);
+// the plan reports exactly it, and --queue/--objective/--evaluations shape
+// the search. Bad pins are usage errors naming the flag.
+TEST(DetourSimCliTest, AssignmentPinsThePartition) {
+  const std::string pin = "0,3,4,10,11;15,8,14;1,9,6;16,12,13;5,18,7;n17,n2,n19";
+  SimRun r = Sim(absl::StrCat("plan ", Reference(), " --assignment \"", pin,
+                              "\" --objective pipeline --contention none --evaluations 200 --json"),
+                 /*merge_stderr=*/false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  google::protobuf::Value v;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(r.out, &v).ok()) << r.out;
+  const auto& stages = v.struct_value().fields().at("stages").list_value().values();
+  ASSERT_EQ(stages.size(), 6);
+  std::vector<std::vector<std::string>> got;
+  for (const auto& g : stages) {
+    got.emplace_back();
+    for (const auto& id : g.list_value().values()) got.back().push_back(id.string_value());
+    std::sort(got.back().begin(), got.back().end());
+  }
+  EXPECT_EQ(got[0], (std::vector<std::string>{"n0", "n10", "n11", "n3", "n4"}));
+  EXPECT_EQ(got[5], (std::vector<std::string>{"n17", "n19", "n2"}));
+
+  struct Bad {
+    std::string pin, message;
+  } bad[] = {
+      {"0,3,4;15,8,14", "--assignment: pipeline.assignment: 2 stage groups for 6 stages"},
+      {"0,3,4,10,11;15,8;1,9,6;16,12,13;5,18,7;17,2,19",
+       "pipeline.assignment[1]: 2 nodes, stage 1 needs 3"},
+      {"0,3,4,10,99;15,8,14;1,9,6;16,12,13;5,18,7;17,2,19",
+       "--assignment: node index 99 outside [0, 20)"},
+      {"0,3,4,10,w9;15,8,14;1,9,6;16,12,13;5,18,7;17,2,19",
+       "--assignment: \"w9\" is not a node of the cluster"},
+      {"0,3,4,10,11;15,8,14;1,9,6;16,12,13;5,18,7;17,2,0", "node \"n0\" is assigned twice"},
+  };
+  for (const Bad& b : bad) {
+    SimRun e = Sim(absl::StrCat("plan ", Reference(), " --assignment \"", b.pin, "\""));
+    EXPECT_EQ(e.code, 2) << b.pin << ": " << e.out;
+    EXPECT_NE(e.out.find(b.message), std::string::npos) << b.pin << ": " << e.out;
+  }
+  SimRun q = Sim(absl::StrCat("plan ", Reference(), " --queue sideways"));
+  EXPECT_EQ(q.code, 2);
+  EXPECT_NE(q.out.find("--queue: arrival or backward-first, got sideways"), std::string::npos)
+      << q.out;
+  SimRun o = Sim(absl::StrCat("simulate ", Reference(), " --objective pipeline --routes x"));
+  EXPECT_EQ(o.code, 2);
+  EXPECT_NE(o.out.find("--objective only goes with plan, compare"), std::string::npos) << o.out;
+}
+
+// The reference's published paths (a route file) still simulate, and the
+// text report names both queue policies.
+TEST(DetourSimCliTest, SimulatesTheReferencePaths) {
+  SimRun r = Sim(absl::StrCat("simulate ", Reference(), " --contention none --routes ", SourceDir(),
+                              "/examples/routes/skippipe_ref20_ca.json"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("pipeline 32.484 s"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("under backward-first: pipeline 32.924 s"), std::string::npos) << r.out;
 }
 
 TEST(DetourSimCliTest, BadClustersAreRefused) {

@@ -50,6 +50,16 @@ inline Example LoadExample() {
   return e;
 }
 
+// The SkipPipe reference's own 20-node example.
+inline Example LoadReferenceExample() {
+  Example e;
+  auto c = LoadClusterSpec(SourceDir() + "/examples/clusters/skippipe_ref20.json");
+  auto j = LoadJobSpec(SourceDir() + "/examples/jobs/skippipe_ref20.json");
+  if (c.ok()) e.cluster = *c;
+  if (j.ok()) e.job = *j;
+  return e;
+}
+
 // A random small cluster and job (tiny model), deterministic in `seed`.
 inline Example RandomCase(uint64_t seed) {
   Rng rng(seed);
