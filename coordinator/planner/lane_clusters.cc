@@ -80,43 +80,55 @@ class Clustering {
       cluster_of_[a] = c;
       ++fill[c];
     }
-    // Swaps between clusters, first improvement, bounded passes.
-    for (int pass = 0; pass < 20; ++pass) {
-      bool improved = false;
-      for (int a = 0; a < n; ++a) {
-        for (int b = a + 1; b < n; ++b) {
-          const int ca = cluster_of_[a], cb = cluster_of_[b];
-          if (ca == cb) continue;
-          const double before = LaneCost(ca) + LaneCost(cb);
-          std::swap(cluster_of_[a], cluster_of_[b]);
-          const double after = LaneCost(ca) + LaneCost(cb);
-          if (after < before - 1e-9) {
-            improved = true;
-          } else {
-            std::swap(cluster_of_[a], cluster_of_[b]);
-          }
+    members_.assign(k, {});
+    for (int a = 0; a < n; ++a) members_[cluster_of_[a]].push_back(a);
+    // Swaps between clusters that shorten the two lanes: every pair, a few
+    // passes, on small clusters; random pairs under a budget on big ones.
+    auto try_swap = [&](int a, int b) {
+      const int ca = cluster_of_[a], cb = cluster_of_[b];
+      if (ca == cb) return false;
+      const double before = LaneCost(ca) + LaneCost(cb);
+      Move(a, cb);
+      Move(b, ca);
+      if (LaneCost(ca) + LaneCost(cb) < before - 1e-9) return true;
+      Move(a, ca);
+      Move(b, cb);
+      return false;
+    };
+    if (n <= 64) {
+      for (int pass = 0; pass < 20; ++pass) {
+        bool improved = false;
+        for (int a = 0; a < n; ++a) {
+          for (int b = a + 1; b < n; ++b) improved = try_swap(a, b) || improved;
         }
+        if (!improved) break;
       }
-      if (!improved) break;
+    } else {
+      for (int trial = 0; trial < 20 * n; ++trial) try_swap(rng_.Uniform(n), rng_.Uniform(n));
     }
-    std::vector<std::vector<int>> members(k);
-    for (int a = 0; a < n; ++a) members[cluster_of_[a]].push_back(a);
-    return members;
+    return members_;
   }
 
   double Pair(int a, int b) const { return pair_[a][b]; }
 
  private:
+  // Moves node a into cluster c.
+  void Move(int a, int c) {
+    auto& from = members_[cluster_of_[a]];
+    from.erase(std::find(from.begin(), from.end(), a));
+    members_[c].push_back(a);
+    cluster_of_[a] = c;
+  }
+
   // A lane's cost: each member's two cheapest links within the cluster (a
   // round trip enters and leaves every member once), squared so that one
   // terrible link weighs more than several fair ones.
   double LaneCost(int c) const {
     double total = 0;
-    for (int a = 0; a < static_cast<int>(nodes_.size()); ++a) {
-      if (cluster_of_[a] != c) continue;
+    for (int a : members_[c]) {
       double m1 = kInf, m2 = kInf;
-      for (int b = 0; b < static_cast<int>(nodes_.size()); ++b) {
-        if (b == a || cluster_of_[b] != c) continue;
+      for (int b : members_[c]) {
+        if (b == a) continue;
         const double d = pair_[a][b];
         if (d < m1) {
           m2 = m1;
@@ -137,6 +149,7 @@ class Clustering {
   std::vector<std::vector<double>> pair_;
   std::vector<int> size_;
   std::vector<int> cluster_of_;
+  std::vector<std::vector<int>> members_;
 };
 
 // The order of `members` (after the data node) whose cycle data node ->

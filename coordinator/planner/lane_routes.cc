@@ -67,8 +67,10 @@ class LaneBuilder {
     const int m = rules_.microbatches_per_data_node;
     const auto& data = assignment_.stage_nodes[0];
     QuotaPacer pacer(cost_, assignment_, rules_, quota_, rules_.total_microbatches());
+    // The most promising replicas per stage (by their links to the data
+    // node), as in the other route builders: keeps big stages cheap.
     RouteBuilder builder(cost_, assignment_, rules_, RouteBuilder::Mode::kStatic, 0,
-                         /*max_candidates=*/0);
+                         /*max_candidates=*/8);
     std::vector<int> load(cost_.num_nodes(), 0);
     std::vector<int> lanes_on(cost_.num_nodes(), 0);
     std::vector<std::vector<Path>> lane(rules_.data_nodes, std::vector<Path>(groups_));

@@ -24,8 +24,9 @@ double PlanEvaluator::Score(const sim::StageAssignment& assignment,
   sim_options.queue_policy = options_.queue_policy;
   sim_options.record_timeline = false;
   auto main_of = [&](const sim::SimResult& r) {
-    return options_.objective == Objective::kPipeline ? r.pipeline_time_s
-                                                      : r.iteration_time_s + r.pipeline_time_s;
+    return options_.objective == Objective::kPipeline
+               ? r.pipeline_time_s
+               : r.iteration_time_s + kPipelineShare * r.pipeline_time_s;
   };
   absl::StatusOr<sim::SimResult> r = sim::Simulate(cost_, scratch_, sim_options);
   if (!r.ok()) return std::numeric_limits<double>::infinity();

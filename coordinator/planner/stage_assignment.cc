@@ -17,6 +17,10 @@
 namespace detour::planner {
 namespace {
 
+// Microbatches × visited stages above which a plan counts as big: the
+// quick plan and the refinement get lighter.
+constexpr int kBigPlan = 2000;
+
 // Permutation of all nodes cut into groups: data nodes, stage 1, ..., stage
 // S-1, unused.
 sim::StageAssignment Cut(const std::vector<int>& perm, const RouteRules& rules, int replicas) {
@@ -124,11 +128,16 @@ QuickPlan QuickPlanFor(const sim::CostModel& cost, const RouteRules& rules,
       best.routes = *std::move(routes);
     }
   };
-  for (const LaneOptions& lo : LaneVariants(rules, seed, /*restarts=*/4)) {
+  // Big plans (hundreds of microbatches) get lanes only, with fewer orders:
+  // the time-aware builder costs a route search per microbatch.
+  const bool big = rules.total_microbatches() * rules.visited_stages > kBigPlan;
+  for (const LaneOptions& lo : LaneVariants(rules, seed, /*restarts=*/big ? 2 : 4)) {
     consider(LaneRoutes(cost, assignment, rules, lo));
   }
-  consider(BuildRouteSet(cost, assignment, rules, RouteBuilder::Mode::kTimed, seed,
-                         /*wave_memory_cap=*/false));
+  if (!big || best.routes.empty()) {
+    consider(BuildRouteSet(cost, assignment, rules, RouteBuilder::Mode::kTimed, seed,
+                           /*wave_memory_cap=*/false));
+  }
   return best;
 }
 
@@ -220,30 +229,33 @@ class PartitionSearch {
   std::pair<std::vector<int>, std::vector<sim::Route>> Run(
       const std::vector<std::vector<int>>& starts, int budget) {
     budget_ = budget;
-    std::vector<std::pair<double, size_t>> ranked;
+    size_t first = 0;
+    double first_value = kInf;
     for (size_t k = 0; k < starts.size(); ++k) {
       const double v = Judge(starts[k]);
-      if (k == 0) stats_.proxy_plan_score = v;
-      ranked.push_back({v, k});
+      if (k == 0) {
+        stats_.proxy_plan_score = v;
+        // The proxy's best partition is always refined: the plan-scored
+        // search never ends worse than the proxy search alone would.
+        proxy_best_ = pool_.empty() ? Candidate{} : Find(starts[0]);
+      }
+      if (v < first_value) {
+        first_value = v;
+        first = k;
+      }
     }
-    std::stable_sort(ranked.begin(), ranked.end());
-    // Several shorter descents from the best starts explore more of the
-    // rugged partition landscape than one long one.
-    const int runs = 1;
-    const int per_run = std::max(1, (budget - stats_.plan_evaluations) / runs);
-    for (int run = 0; run < runs; ++run) {
-      Descend(starts[ranked[run].second], ranked[run].first,
-              std::min(budget, stats_.plan_evaluations + per_run), run);
-    }
+    // One long descent: shorter ones from several starts did worse on the
+    // rugged partition landscape.
+    Descend(starts[first], first_value, budget);
     return Refine();
   }
 
  private:
   // Late-acceptance descent from `current` until `until` quick plans in all.
-  void Descend(std::vector<int> current, double current_value, int until, int run) {
+  void Descend(std::vector<int> current, double current_value, int until) {
     const int n = cost_.num_nodes();
     const int needed = rules_.data_nodes + (rules_.num_stages - 1) * replicas_;
-    Rng rng(options_.seed ^ (0xa5519e5eull + static_cast<uint64_t>(run)));
+    Rng rng(options_.seed ^ 0xa5519e5eull);
     std::vector<double> history(std::clamp((until - stats_.plan_evaluations) / 25, 5, 200),
                                 current_value);
     const int non_zero = rules_.num_stages - 1;
@@ -299,6 +311,16 @@ class PartitionSearch {
     return q.score;
   }
 
+  // The pool's candidate with the partition of `perm`, or an empty one.
+  Candidate Find(const std::vector<int>& perm) const {
+    sim::StageAssignment groups = Cut(perm, rules_, replicas_);
+    for (auto& g : groups.stage_nodes) std::sort(g.begin(), g.end());
+    for (const Candidate& c : pool_) {
+      if (c.groups.stage_nodes == groups.stage_nodes) return c;
+    }
+    return Candidate{};
+  }
+
   // Keeps the kPool best distinct partitions.
   void Offer(double score, const std::vector<int>& perm, sim::StageAssignment groups,
              std::vector<sim::Route> routes) {
@@ -332,8 +354,15 @@ class PartitionSearch {
     // A small assignment budget (tests, huge plans) keeps refinement small.
     const int refine_budget = std::min(
         static_cast<int>(std::clamp(2e6 / events_per_sim, 50.0, 1500.0)), std::max(10, budget_));
-    for (const Candidate& c : pool_) {
+    const bool big = rules_.total_microbatches() * rules_.visited_stages > kBigPlan;
+    size_t refined = 0;
+    std::vector<Candidate> candidates = pool_;
+    if (!proxy_best_.perm.empty() && Find(proxy_best_.perm).perm.empty()) {
+      candidates.push_back(proxy_best_);
+    }
+    for (const Candidate& c : candidates) {
       if (OutOfTime(0.9) && best_value < kInf) break;
+      if (big && refined++ >= 2 && &c != &candidates.back()) continue;
       const sim::StageAssignment a = Cut(c.perm, rules_, replicas_);
       PathSchedulerOptions po;
       po.seed = options_.seed;
@@ -364,6 +393,7 @@ class PartitionSearch {
   std::chrono::steady_clock::time_point started_;
   PlanEvaluator evaluator_;
   std::vector<Candidate> pool_;
+  Candidate proxy_best_;
   int budget_ = 0;
 };
 

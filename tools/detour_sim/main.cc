@@ -346,6 +346,57 @@ void WriteReport(sim::JsonWriter& w, const Context& c, const PlannedIteration& i
   w.Number(it.result.pipeline_utilization);
   w.Key("planning_time_s");
   w.Number(it.planning_time_s);
+  const sim::QueuePolicy policy = planner::QueuePolicyOf(c.job.pipeline());
+  w.Key("queue_policy");
+  w.String(sim::QueuePolicyName(policy));
+  w.Key("collisions");
+  w.Int(it.result.collisions);
+  w.Key("queue_wait_s");
+  w.Number(it.result.queue_wait_s);
+  // The same plan with the workers ordering their ready work the other way.
+  w.Key("other_queue_policy");
+  w.BeginObject();
+  w.Key("queue_policy");
+  w.String(sim::QueuePolicyName(policy == sim::QueuePolicy::kArrival
+                                    ? sim::QueuePolicy::kBackwardFirst
+                                    : sim::QueuePolicy::kArrival));
+  w.Key("pipeline_time_s");
+  w.Number(it.other_policy_pipeline_s);
+  w.Key("iteration_time_s");
+  w.Number(it.other_policy_iteration_s);
+  w.EndObject();
+  w.Key("objective");
+  w.String(c.job.pipeline().plan_objective() == v1::PLAN_OBJECTIVE_PIPELINE ? "pipeline"
+                                                                             : "iteration");
+  if (it.assignment_search.proxy_trials > 0) {
+    w.Key("assignment_search");
+    w.BeginObject();
+    w.Key("proxy_trials");
+    w.Int(it.assignment_search.proxy_trials);
+    w.Key("partitions_judged");
+    w.Int(it.assignment_search.plan_evaluations);
+    w.Key("partitions_refined");
+    w.Int(it.assignment_search.refined);
+    w.Key("proxy_plan_score");
+    w.Number(it.assignment_search.proxy_plan_score);
+    w.Key("final_plan_score");
+    w.Number(it.assignment_search.final_plan_score);
+    w.EndObject();
+  }
+  if (it.search.evaluations > 0) {
+    w.Key("route_search");
+    w.BeginObject();
+    w.Key("simulations");
+    w.Int(it.search.evaluations);
+    w.Key("accepted");
+    w.Int(it.search.accepted);
+    w.Key("start_score");
+    w.Number(std::min({it.search.timed_start, it.search.static_start, it.search.lane_start,
+                       it.search.warm_start}));
+    w.Key("final_score");
+    w.Number(it.search.final_objective);
+    w.EndObject();
+  }
   w.Key("visited_stages");
   w.Int(it.plan.routes.empty() ? 0 : static_cast<int64_t>(it.plan.routes[0].stages.size()));
   w.Key("allreduce_s");
@@ -429,10 +480,11 @@ std::string TextReport(const Context& c, const PlannedIteration& it) {
       it.other_policy_pipeline_s, it.other_policy_iteration_s);
   if (it.assignment_search.proxy_trials > 0) {
     absl::StrAppendFormat(
-        &out, "assignment search: %d partitions judged by their plan (score %.3f -> %.3f), %d "
-        "proxy trials\n",
+        &out, "assignment search: %d partitions judged by their plan (score %.3f -> %.3f, %d "
+        "refined), %d proxy trials\n",
         it.assignment_search.plan_evaluations, it.assignment_search.proxy_plan_score,
-        it.assignment_search.final_plan_score, it.assignment_search.proxy_trials);
+        it.assignment_search.final_plan_score, it.assignment_search.refined,
+        it.assignment_search.proxy_trials);
   }
   if (it.search.evaluations > 0) {
     absl::StrAppendFormat(&out, "route search: %d simulations, score %.3f -> %.3f\n",
