@@ -38,8 +38,9 @@ struct Task {
   int pos = 0;
   // A forward that must wait for a memory slot (ForwardNeedsSlot).
   bool needs_slot = false;
-  // Took a slot when it started (its backward returns it).
-  bool took_slot = false;
+  // Had to wait for the node's compute: it arrived while the node was busy,
+  // or another ready task went first.
+  bool collided = false;
 };
 
 enum class EventType : uint8_t { kArrive, kDone };
@@ -292,10 +293,13 @@ void Simulation::Dispatch(double t, int node) {
     --ns.free_slots;
     SlotTaken(task.route, task.pos) = 1;
   }
-  if (t > task.work.ready + 1e-9) {
-    ++result_.collisions;
-    result_.queue_wait_s += t - task.work.ready;
+  // Whatever could still run now waits for the compute: a collision. (Work
+  // that waits for a slot the chosen task just took does not count.)
+  for (Task& c : ns.ready) {
+    if (!(c.needs_slot && ns.free_slots <= 0)) c.collided = true;
   }
+  if (task.collided) ++result_.collisions;
+  if (t > task.work.ready + 1e-9) result_.queue_wait_s += t - task.work.ready;
   const Route& route = plan_.routes[task.route];
   const int stage = route.stages[task.pos];
   double duration = 0;
@@ -381,6 +385,7 @@ absl::StatusOr<SimResult> Simulation::Run() {
         NodeState& ns = nodes_[e.node];
         Task task = e.task;
         task.work.seq = e.seq;
+        task.collided = ns.busy;
         ns.ready.push_back(task);
       } else {
         Finish(now, e.node, e.task);

@@ -94,10 +94,11 @@ struct SimResult {
   // Per stage: last backward finished, and the all-reduce duration.
   std::vector<double> stage_done_s;
   std::vector<double> allreduce_s;
-  // Tasks that could not start the moment they became ready (their node was
-  // computing something else, or had no memory slot), and the seconds they
-  // waited in all. A plan where no task waits runs the same under every
-  // queue policy: it is collision-free.
+  // Collisions: tasks that had to wait for their node's compute (it was busy
+  // when they arrived, or another ready task went first). A plan without
+  // collisions runs the same under every queue policy. queue_wait_s: the
+  // seconds all tasks waited after becoming ready, memory waits included
+  // (a data node's later microbatches wait for its slots by design).
   int collisions = 0;
   double queue_wait_s = 0;
   // Events processed (transfers arriving, tasks finishing).

@@ -472,8 +472,8 @@ std::string TextReport(const Context& c, const PlannedIteration& it) {
                         it.planning_time_s);
   const sim::QueuePolicy policy = planner::QueuePolicyOf(c.job.pipeline());
   absl::StrAppendFormat(
-      &out, "queue policy %s (the workers'): %d tasks waited %.3f s in all; under %s: pipeline "
-      "%.3f s, iteration %.3f s\n",
+      &out, "queue policy %s (the workers'): %d collisions, tasks waited %.3f s in all; under "
+      "%s: pipeline %.3f s, iteration %.3f s\n",
       sim::QueuePolicyName(policy), it.result.collisions, it.result.queue_wait_s,
       sim::QueuePolicyName(policy == sim::QueuePolicy::kArrival ? sim::QueuePolicy::kBackwardFirst
                                                                 : sim::QueuePolicy::kArrival),
