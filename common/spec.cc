@@ -1,7 +1,9 @@
 #include "common/spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -198,10 +200,67 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                                       " must divide num_heads ", m.num_heads()));
   }
   if (m.vocab_size() < 2) return Invalid("model.vocab_size", absl::StrCat(m.vocab_size(), " < 2"));
+  using L = SpecLimits;
+  for (auto [field, value, limit] :
+       {std::tuple<const char*, uint64_t, uint64_t>{"model.num_layers", m.num_layers(), L::kMaxLayers},
+        {"model.d_model", m.d_model(), L::kMaxDModel},
+        {"model.num_heads", m.num_heads(), L::kMaxHeads},
+        {"model.ffn_dim", m.ffn_dim(), L::kMaxFfnDim},
+        {"model.vocab_size", m.vocab_size(), L::kMaxVocab},
+        {"model.context_length", m.context_length(), L::kMaxContext}}) {
+    if (value > limit) return Invalid(field, absl::StrCat(value, " exceeds the limit ", limit));
+  }
+  if (!(m.rope_theta() <= 1e12)) {
+    return Invalid("model.rope_theta", Num(m.rope_theta()) + " is above 1e12");
+  }
+  if (!(m.norm_eps() < 1)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " is not < 1");
   if (!(m.rope_theta() > 0)) return Invalid("model.rope_theta", Num(m.rope_theta()) + " must be > 0");
   if (!(m.norm_eps() > 0)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " must be > 0");
 
   const v1::PipelineSpec& p = spec.pipeline();
+  for (auto [field, value, limit] :
+       {std::tuple<const char*, uint64_t, uint64_t>{"pipeline.data_nodes", p.data_nodes(),
+                                                    L::kMaxDataNodes},
+        {"pipeline.replicas_per_stage", p.replicas_per_stage(), L::kMaxReplicas},
+        {"pipeline.microbatches_per_data_node", p.microbatches_per_data_node(),
+         L::kMaxMicrobatchesPerDataNode},
+        {"pipeline.samples_per_microbatch", p.samples_per_microbatch(),
+         L::kMaxSamplesPerMicrobatch},
+        {"pipeline.memory_slots", p.memory_slots(), L::kMaxMemorySlots},
+        {"pipeline.num_stages", p.num_stages(), L::kMaxLayers},
+        {"pipeline.max_jump", p.max_jump(), L::kMaxLayers},
+        {"pipeline.max_swaps", p.max_swaps(), L::kMaxLayers},
+        {"pipeline.max_swap_distance", p.max_swap_distance(), L::kMaxLayers},
+        {"pipeline.max_total_swap_distance", p.max_total_swap_distance(),
+         uint64_t{L::kMaxLayers} * L::kMaxLayers},
+        {"pipeline.full_model_every", p.full_model_every(), L::kMaxIterations},
+        {"pipeline.max_visits_per_node", p.max_visits_per_node(), L::kMaxMicrobatches}}) {
+    if (value > limit) return Invalid(field, absl::StrCat(value, " exceeds the limit ", limit));
+  }
+  // Products of bounded counts fit in 64 bits.
+  const uint64_t workers =
+      uint64_t{p.data_nodes()} + (uint64_t{std::max(1u, p.num_stages())} - 1) * p.replicas_per_stage();
+  if (workers > L::kMaxWorkers) {
+    return Invalid("pipeline", absl::StrCat("needs ", workers,
+                                            " workers (data_nodes + (num_stages-1) x "
+                                            "replicas_per_stage), more than the limit ",
+                                            L::kMaxWorkers));
+  }
+  const uint64_t microbatches = uint64_t{p.data_nodes()} * p.microbatches_per_data_node();
+  if (microbatches > L::kMaxMicrobatches) {
+    return Invalid("pipeline.microbatches_per_data_node",
+                   absl::StrCat(p.data_nodes(), " data nodes x ", p.microbatches_per_data_node(),
+                                " = ", microbatches, " microbatches per iteration, more than the "
+                                "limit ", L::kMaxMicrobatches));
+  }
+  const uint64_t elements =
+      uint64_t{p.samples_per_microbatch()} * m.context_length() * m.d_model();
+  if (elements > L::kMaxActivationElements) {
+    return Invalid("pipeline.samples_per_microbatch",
+                   absl::StrCat("a microbatch's activation of ", p.samples_per_microbatch(), " x ",
+                                m.context_length(), " x ", m.d_model(), " = ", elements,
+                                " elements exceeds the limit ", L::kMaxActivationElements));
+  }
   if (p.num_stages() > m.num_layers()) {
     return Invalid("pipeline.num_stages",
                    absl::StrCat(p.num_stages(), " stages exceed model.num_layers ",
@@ -252,6 +311,10 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       }
       for (const std::string& id : ids) {
         if (id.empty()) return Invalid(field, "has an empty node id");
+        if (id.size() > L::kMaxIdBytes) {
+          return Invalid(field, absl::StrCat("a node id of ", id.size(), " bytes (limit ",
+                                             L::kMaxIdBytes, ")"));
+        }
         if (!seen.insert(id).second) {
           return Invalid(field, absl::StrCat("node \"", id, "\" is assigned twice"));
         }
@@ -286,17 +349,35 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       return Invalid(absl::StrCat("optimizer.adamw.", name), Num(v) + " is outside [0, 1)");
     }
   }
-  if (o.adamw().weight_decay() < 0) {
-    return Invalid("optimizer.adamw.weight_decay", Num(o.adamw().weight_decay()) + " is negative");
+  if (!(o.adamw().lr() <= 10)) {
+    return Invalid("optimizer.adamw.lr", Num(o.adamw().lr()) + " is above 10");
   }
-  if (o.grad_clip_norm() < 0) {
-    return Invalid("optimizer.grad_clip_norm", Num(o.grad_clip_norm()) + " is negative");
+  if (!(o.adamw().eps() > 0 && o.adamw().eps() <= 1)) {
+    return Invalid("optimizer.adamw.eps", Num(o.adamw().eps()) + " is outside (0, 1]");
+  }
+  if (!(o.adamw().weight_decay() >= 0 && o.adamw().weight_decay() <= 100)) {
+    return Invalid("optimizer.adamw.weight_decay",
+                   Num(o.adamw().weight_decay()) + " is outside [0, 100]");
+  }
+  if (!(o.grad_clip_norm() >= 0) || !std::isfinite(o.grad_clip_norm())) {
+    return Invalid("optimizer.grad_clip_norm",
+                   Num(o.grad_clip_norm()) + " must be a finite number >= 0 (0 = no clipping)");
+  }
+  if (o.warmup_iterations() > L::kMaxIterations) {
+    return Invalid("optimizer.warmup_iterations",
+                   absl::StrCat(o.warmup_iterations(), " exceeds the limit ", L::kMaxIterations));
   }
   if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
     return Invalid("optimizer.min_lr_ratio", Num(o.min_lr_ratio()) + " is outside [0, 1]");
   }
   const v1::KfacSpec& k = o.kfac();
-  if (!(k.damping() > 0)) return Invalid("optimizer.kfac.damping", Num(k.damping()) + " must be > 0");
+  if (!(k.damping() > 0 && k.damping() <= 1e6)) {
+    return Invalid("optimizer.kfac.damping", Num(k.damping()) + " is outside (0, 1e6]");
+  }
+  if (k.refresh_interval() > L::kMaxIterations) {
+    return Invalid("optimizer.kfac.refresh_interval",
+                   absl::StrCat(k.refresh_interval(), " exceeds the limit ", L::kMaxIterations));
+  }
   if (!(k.factor_decay() > 0 && k.factor_decay() <= 1)) {
     return Invalid("optimizer.kfac.factor_decay", Num(k.factor_decay()) + " is outside (0, 1]");
   }
@@ -308,7 +389,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(k.slack() >= 0 && k.slack() < 1)) {
     return Invalid("optimizer.kfac.slack", Num(k.slack()) + " is outside [0, 1)");
   }
-  if (!(k.lr() > 0)) return Invalid("optimizer.kfac.lr", Num(k.lr()) + " must be > 0");
+  if (!(k.lr() > 0 && k.lr() <= 10)) {
+    return Invalid("optimizer.kfac.lr", Num(k.lr()) + " is outside (0, 10]");
+  }
   if (!(k.momentum() >= 0 && k.momentum() < 1)) {
     return Invalid("optimizer.kfac.momentum", Num(k.momentum()) + " is outside [0, 1)");
   }
@@ -320,6 +403,28 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
 
   const v1::DataSpec& d = spec.data();
+  if (d.path().size() > L::kMaxPathBytes) {
+    return Invalid("data.path", absl::StrCat(d.path().size(), " bytes, more than the limit ",
+                                             L::kMaxPathBytes));
+  }
+  if (spec.checkpoint().resume_from().size() > L::kMaxPathBytes) {
+    return Invalid("checkpoint.resume_from",
+                   absl::StrCat(spec.checkpoint().resume_from().size(),
+                                " bytes, more than the limit ", L::kMaxPathBytes));
+  }
+  if (spec.checkpoint().keep_last() > L::kMaxKeepLast) {
+    return Invalid("checkpoint.keep_last", absl::StrCat(spec.checkpoint().keep_last(),
+                                                        " exceeds the limit ", L::kMaxKeepLast));
+  }
+  if (spec.checkpoint().every_iterations() > L::kMaxIterations) {
+    return Invalid("checkpoint.every_iterations",
+                   absl::StrCat(spec.checkpoint().every_iterations(), " exceeds the limit ",
+                                L::kMaxIterations));
+  }
+  if (spec.iterations() > L::kMaxIterations) {
+    return Invalid("iterations",
+                   absl::StrCat(spec.iterations(), " exceeds the limit ", L::kMaxIterations));
+  }
   if (d.source() == v1::DATA_SOURCE_TEXT && d.path().empty()) {
     return Invalid("data.path", "required when data.source is DATA_SOURCE_TEXT");
   }
@@ -346,19 +451,40 @@ void ApplyClusterDefaults(ClusterSpec* spec) {
 }
 
 absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
+  using L = SpecLimits;
   if (spec.nodes().empty()) return Invalid("nodes", "the cluster has no nodes");
+  if (spec.nodes_size() > L::kMaxClusterNodes) {
+    return Invalid("nodes", absl::StrCat(spec.nodes_size(), " nodes, more than the limit ",
+                                         L::kMaxClusterNodes));
+  }
+  if (spec.links_size() > L::kMaxLinks) {
+    return Invalid("links", absl::StrCat(spec.links_size(), " links, more than the limit ",
+                                         L::kMaxLinks));
+  }
+  if (spec.name().size() > L::kMaxIdBytes) {
+    return Invalid("name", absl::StrCat(spec.name().size(), " bytes (limit ", L::kMaxIdBytes, ")"));
+  }
   std::set<std::string> ids;
   std::set<std::string> regions;
   for (int i = 0; i < spec.nodes_size(); ++i) {
     const v1::NodeSpec& n = spec.nodes(i);
     const std::string field = absl::StrCat("nodes[", i, "]");
     if (n.id().empty()) return Invalid(field + ".id", "is empty");
+    if (n.id().size() > L::kMaxIdBytes || n.region().size() > L::kMaxIdBytes ||
+        n.address().size() > L::kMaxIdBytes) {
+      return Invalid(field, absl::StrCat("id, region and address are limited to ", L::kMaxIdBytes,
+                                         " bytes"));
+    }
+    if (n.memory_slots() > L::kMaxMemorySlots) {
+      return Invalid(field + ".memory_slots",
+                     absl::StrCat(n.memory_slots(), " exceeds the limit ", L::kMaxMemorySlots));
+    }
     if (!ids.insert(n.id()).second) {
       return Invalid(field + ".id", absl::StrCat("\"", n.id(), "\" is used twice"));
     }
     if (n.region().empty()) return Invalid(field + ".region", absl::StrCat("node ", n.id(), " has no region"));
-    if (!(n.speed() > 0) || !std::isfinite(n.speed())) {
-      return Invalid(field + ".speed", Num(n.speed()) + " must be > 0");
+    if (!(n.speed() > 0 && n.speed() <= 1e6)) {
+      return Invalid(field + ".speed", Num(n.speed()) + " is outside (0, 1e6]");
     }
     regions.insert(n.region());
   }
@@ -373,10 +499,10 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
       return Invalid(field, absl::StrCat("links region ", l.region_a(),
                                          " to itself; use intra_region_* instead"));
     }
-    if (!(l.latency_ms() >= 0) || !std::isfinite(l.latency_ms())) {
-      return Invalid(field + ".latency_ms", Num(l.latency_ms()) + " must be >= 0");
+    if (!(l.latency_ms() >= 0 && l.latency_ms() <= 1e6)) {
+      return Invalid(field + ".latency_ms", Num(l.latency_ms()) + " is outside [0, 1e6]");
     }
-    if (!(l.bandwidth_gbytes_per_s() > 0) || !std::isfinite(l.bandwidth_gbytes_per_s())) {
+    if (!(l.bandwidth_gbytes_per_s() > 0 && l.bandwidth_gbytes_per_s() <= 1e6)) {
       return Invalid(field + ".bandwidth_gbytes_per_s",
                      absl::StrCat(Num(l.bandwidth_gbytes_per_s()), " must be > 0 (",
                                   l.region_a(), "-", l.region_b(), ")"));
@@ -395,10 +521,12 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
       }
     }
   }
-  if (!(spec.intra_region_latency_ms() >= 0)) {
-    return Invalid("intra_region_latency_ms", Num(spec.intra_region_latency_ms()) + " must be >= 0");
+  if (!(spec.intra_region_latency_ms() >= 0 && spec.intra_region_latency_ms() <= 1e6)) {
+    return Invalid("intra_region_latency_ms",
+                   Num(spec.intra_region_latency_ms()) + " is outside [0, 1e6]");
   }
-  if (!(spec.intra_region_bandwidth_gbytes_per_s() > 0)) {
+  if (!(spec.intra_region_bandwidth_gbytes_per_s() > 0 &&
+        spec.intra_region_bandwidth_gbytes_per_s() <= 1e6)) {
     return Invalid("intra_region_bandwidth_gbytes_per_s",
                    Num(spec.intra_region_bandwidth_gbytes_per_s()) + " must be > 0");
   }
@@ -407,11 +535,19 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
                    Num(spec.transfer_overhead_ms()) + " must be in [0, 60000]");
   }
   const v1::ComputeModel& c = spec.compute();
-  if (!(c.tflops() > 0)) return Invalid("compute.tflops", Num(c.tflops()) + " must be > 0");
-  if (!(c.backward_factor() > 0)) {
-    return Invalid("compute.backward_factor", Num(c.backward_factor()) + " must be > 0");
+  if (!(c.tflops() > 0 && c.tflops() <= 1e9)) {
+    return Invalid("compute.tflops", Num(c.tflops()) + " is outside (0, 1e9]");
   }
-  if (c.loss_factor() < 0) return Invalid("compute.loss_factor", Num(c.loss_factor()) + " is negative");
+  if (!(c.backward_factor() > 0 && c.backward_factor() <= 100)) {
+    return Invalid("compute.backward_factor", Num(c.backward_factor()) + " is outside (0, 100]");
+  }
+  if (!(c.loss_factor() >= 0 && c.loss_factor() <= 100)) {
+    return Invalid("compute.loss_factor", Num(c.loss_factor()) + " is outside [0, 100]");
+  }
+  if (c.activation_bytes() > 16 || c.gradient_bytes() > 16) {
+    return Invalid(c.activation_bytes() > 16 ? "compute.activation_bytes" : "compute.gradient_bytes",
+                   "is more than 16 bytes per element");
+  }
   return absl::OkStatus();
 }
 

@@ -7,6 +7,8 @@
 #ifndef DETOUR_COMMON_SPEC_H_
 #define DETOUR_COMMON_SPEC_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -21,6 +23,34 @@ absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json,
                                              absl::string_view what = "job spec");
 absl::StatusOr<v1::ClusterSpec> ParseClusterSpecJson(
     absl::string_view json, absl::string_view what = "cluster spec");
+
+// Upper bounds on every count and size in a spec, checked by the validators
+// before a spec is used, stored or allocated for (a spec arrives from any
+// client). Documented in docs/OPERATIONS.md §"Limits".
+struct SpecLimits {
+  static constexpr uint32_t kMaxLayers = 1024;
+  static constexpr uint32_t kMaxDModel = 65536;
+  static constexpr uint32_t kMaxHeads = 1024;
+  static constexpr uint32_t kMaxFfnDim = 1u << 20;
+  static constexpr uint32_t kMaxVocab = 1u << 22;
+  static constexpr uint32_t kMaxContext = 1u << 20;
+  // Elements of one microbatch's activation (samples × context × d_model).
+  static constexpr uint64_t kMaxActivationElements = uint64_t{1} << 31;
+  static constexpr uint32_t kMaxDataNodes = 4096;
+  static constexpr uint32_t kMaxReplicas = 4096;
+  // Workers a job needs: data_nodes + (num_stages - 1) × replicas_per_stage.
+  static constexpr uint64_t kMaxWorkers = 65536;
+  static constexpr uint32_t kMaxMicrobatchesPerDataNode = 4096;
+  static constexpr uint64_t kMaxMicrobatches = 1u << 16;
+  static constexpr uint32_t kMaxSamplesPerMicrobatch = 4096;
+  static constexpr uint32_t kMaxMemorySlots = 1024;
+  static constexpr uint64_t kMaxIterations = 1'000'000'000;
+  static constexpr uint32_t kMaxKeepLast = 1000;
+  static constexpr size_t kMaxPathBytes = 4096;
+  static constexpr size_t kMaxIdBytes = 256;
+  static constexpr int kMaxClusterNodes = 65536;
+  static constexpr int kMaxLinks = 1 << 20;
+};
 
 // Reads, parses, defaults and validates a spec file. NOT_FOUND when the file
 // is missing.

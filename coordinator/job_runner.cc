@@ -79,7 +79,12 @@ class JobRunner {
   JobEnd Drive() {
     auto job = manager_->jobs_->Get(job_id_);
     if (!job.ok()) return {v1::JOB_STATE_FAILED, std::string(job.status().message())};
-    spec_ = job->spec();
+    auto normalized = NormalizeJobSpec(job->spec());
+    if (!normalized.ok()) {
+      return {v1::JOB_STATE_FAILED,
+              absl::StrCat("invalid spec: ", normalized.status().message())};
+    }
+    spec_ = *std::move(normalized);
     const v1::PipelineSpec& p = spec_.pipeline();
     const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
 
@@ -342,7 +347,17 @@ class JobRunner {
       if (!stepped && norms_from.size() == stage_of_.size()) {
         const absl::Time step_start = absl::Now();
         double squared = 0;
-        for (const auto& [s, sq] : stage_norm) squared += sq;
+        for (const auto& [s, sq] : stage_norm) {
+          // A non-finite gradient is never stepped on: the parameters (and
+          // the last checkpoint) stay as they were.
+          if (!(sq >= 0) || !std::isfinite(sq)) {
+            return JobEnd{v1::JOB_STATE_FAILED,
+                          absl::StrCat("the gradient of stage ", s, " became non-finite at "
+                                       "iteration ", iteration, " (squared norm ", sq,
+                                       "); the step was not applied")};
+          }
+          squared += sq;
+        }
         v1::CoordinatorMessage step;
         step.mutable_step()->set_job_id(job_id_);
         step.mutable_step()->set_iteration(iteration);
@@ -390,6 +405,10 @@ class JobRunner {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
     const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
+    if (!std::isfinite(loss)) {
+      return JobEnd{v1::JOB_STATE_FAILED,
+                    absl::StrCat("the loss became non-finite at iteration ", iteration)};
+    }
     // Measured busy fractions, mean over the workers that reported.
     double utilization = 0, utilization_kfac = 0, max_delay = 0;
     for (const auto& [id, t] : timings) {
@@ -693,6 +712,17 @@ void JobManager::Recover() {
         *j->mutable_end_time() = Now();
       }).IgnoreError();
     } else if (job.state() == v1::JOB_STATE_PENDING) {
+      // A stored spec is input like any other: one that no longer validates
+      // (limits added since, a hand-edited file) fails its job instead of
+      // reaching the planner.
+      if (auto spec = NormalizeJobSpec(job.spec()); !spec.ok()) {
+        jobs_->Update(job.id(), [&](v1::Job* j) {
+          j->set_state(v1::JOB_STATE_FAILED);
+          j->set_message(absl::StrCat("stored spec is invalid: ", spec.status().message()));
+          *j->mutable_end_time() = Now();
+        }).IgnoreError();
+        continue;
+      }
       Add(job.id());
     }
   }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/match.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "common/spec.h"
 #include "google/protobuf/util/json_util.h"
@@ -33,6 +34,23 @@ bool JobStore::IsFinal(v1::JobState state) {
          state == v1::JOB_STATE_CANCELLED;
 }
 
+namespace {
+
+// Renames `path` to the first free `<path>.corrupt[.N]`; returns the name
+// (or `path` when the rename fails: then it stays where it is).
+std::string KeepAside(const std::string& path) {
+  std::error_code ec;
+  for (int n = 0; n < 1000; ++n) {
+    const std::string aside = n == 0 ? path + ".corrupt" : absl::StrCat(path, ".corrupt.", n);
+    if (fs::exists(aside, ec)) continue;
+    fs::rename(path, aside, ec);
+    return ec ? path : aside;
+  }
+  return path;
+}
+
+}  // namespace
+
 absl::StatusOr<int> JobStore::Load() {
   std::error_code ec;
   fs::create_directories(dir_, ec);
@@ -45,22 +63,31 @@ absl::StatusOr<int> JobStore::Load() {
   for (const auto& file : fs::directory_iterator(dir_, ec)) {
     const std::string path = file.path().string();
     if (file.path().extension() != ".json") continue;
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
+    // Numbering continues after every file, readable or not, so a new job
+    // never takes the name of one kept aside.
+    const std::string stem = file.path().stem().string();
+    uint64_t number = 0;
+    if (absl::StartsWith(stem, "job-") && absl::SimpleAtoi(stem.substr(4), &number)) {
+      next_number_ = std::max(next_number_, number + 1);
+    }
+    auto text = ReadFileToString(path);
     v1::Job job;
     google::protobuf::util::JsonParseOptions options;
     options.ignore_unknown_fields = true;  // written by a newer version
-    auto status = google::protobuf::util::JsonStringToMessage(text.str(), &job, options);
-    if (!status.ok() || job.id().empty()) {
-      LogWarning("skipping unreadable job file ", path, ": ",
-                 status.ok() ? "no id" : std::string(status.message()));
-      continue;
+    std::string problem;
+    if (!text.ok()) {
+      problem = std::string(text.status().message());
+    } else if (auto status = google::protobuf::util::JsonStringToMessage(*text, &job, options);
+               !status.ok()) {
+      problem = std::string(status.message());
+    } else if (job.id() != stem) {
+      problem = absl::StrCat("it holds job id \"", job.id(), "\", not ", stem);
     }
-    uint64_t number = 0;
-    if (absl::StartsWith(job.id(), "job-") &&
-        absl::SimpleAtoi(job.id().substr(4), &number)) {
-      next_number_ = std::max(next_number_, number + 1);
+    if (!problem.empty()) {
+      // Kept aside, never overwritten, never silently hiding another job.
+      const std::string aside = KeepAside(path);
+      LogWarning("job file ", path, " is unreadable (", problem, "); kept as ", aside);
+      continue;
     }
     jobs_[job.id()] = std::move(job);
     ++loaded;
@@ -72,23 +99,7 @@ absl::StatusOr<int> JobStore::Load() {
 }
 
 absl::Status JobStore::Persist(const v1::Job& job) const {
-  const fs::path final_path = fs::path(dir_) / (job.id() + ".json");
-  const fs::path tmp_path = fs::path(dir_) / (job.id() + ".json.tmp");
-  {
-    std::ofstream out(tmp_path, std::ios::trunc);
-    out << ToJson(job);
-    out.flush();
-    if (!out) {
-      return absl::UnavailableError(absl::StrCat("cannot write ", tmp_path.string()));
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp_path, final_path, ec);
-  if (ec) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot rename ", tmp_path.string(), ": ", ec.message()));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
 }
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,

@@ -127,6 +127,61 @@ TEST(JobSpec, OtherFieldChecks) {
   }
 }
 
+// Every count, size and float a client sends is bounded before it is used
+// or stored (issue 12: a Submit with data_nodes 2^32-1 took the coordinator
+// down and, stored, crash-looped it; NaN hyperparameters were trained on).
+TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
+  struct Case {
+    std::string from, to, message;
+  };
+  const std::string long_path(SpecLimits::kMaxPathBytes + 1, 'x');
+  const Case cases[] = {
+      {R"("data_nodes": 2)", R"("data_nodes": 4294967295)",
+       "pipeline.data_nodes: 4294967295 exceeds the limit 4096"},
+      {R"("num_stages": 4)", R"("num_stages": 2147483648)",
+       "pipeline.num_stages: 2147483648 exceeds the limit 1024"},
+      {R"("microbatches_per_data_node": 4)", R"("microbatches_per_data_node": 4294967295)",
+       "pipeline.microbatches_per_data_node: 4294967295 exceeds the limit 4096"},
+      {R"("num_stages": 4, "data_nodes": 2, "replicas_per_stage": 2)",
+       R"("num_stages": 24, "data_nodes": 2, "replicas_per_stage": 4096)",
+       "needs 94210 workers"},
+      {R"("preset": "tiny")", R"("preset": "tiny", "num_layers": 100000)",
+       "model.num_layers: 100000 exceeds the limit 1024"},
+      {R"("preset": "tiny")",
+       R"("preset": "tiny", "d_model": 65536, "num_heads": 256, "context_length": 1048576)",
+       "pipeline.samples_per_microbatch: a microbatch's activation"},
+      {R"("iterations": 10)", R"("iterations": 10, "optimizer": {"adamw": {"eps": "NaN"}})",
+       "optimizer.adamw.eps: nan is outside (0, 1]"},
+      {R"("iterations": 10)",
+       R"("iterations": 10, "optimizer": {"adamw": {"weight_decay": "Infinity"}})",
+       "optimizer.adamw.weight_decay: inf is outside [0, 100]"},
+      {R"("iterations": 10)", R"("iterations": 10, "optimizer": {"grad_clip_norm": "NaN"})",
+       "optimizer.grad_clip_norm: nan must be a finite number"},
+      {R"("iterations": 10)", R"("iterations": 10, "optimizer": {"adamw": {"lr": 1e9}})",
+       "optimizer.adamw.lr"},
+      {R"("iterations": 10)",
+       R"("iterations": 10, "optimizer": {"kfac": {"damping": "Infinity"}})",
+       "optimizer.kfac.damping"},
+      {R"("iterations": 10)",
+       "\"iterations\": 10, \"data\": {\"source\": \"DATA_SOURCE_TEXT\", \"path\": \"" + long_path +
+           "\"}",
+       "data.path: 4097 bytes, more than the limit 4096"},
+      {R"("iterations": 10)", R"("iterations": 10000000000)",
+       "iterations: 10000000000 exceeds the limit 1000000000"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = JobStatus(Replace(kGoodJob, c.from, c.to));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.to.substr(0, 200);
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.message)) << c.to.substr(0, 200);
+  }
+  // Each count within its limit, their product not.
+  absl::Status many = JobStatus(Replace(
+      Replace(kGoodJob, R"("data_nodes": 2)", R"("data_nodes": 100)"),
+      R"("microbatches_per_data_node": 4)", R"("microbatches_per_data_node": 1000)"));
+  EXPECT_THAT(std::string(many.message()),
+              HasSubstr("100 data nodes x 1000 = 100000 microbatches per iteration"));
+}
+
 TEST(JobSpec, KfacDefaultsAndSync) {
   const std::string kfac = Replace(kGoodJob, "\"iterations\": 10",
                                    "\"iterations\": 10, \"optimizer\": {\"kind\": "

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "common/spec.h"
 #include "gmock/gmock.h"
@@ -45,14 +46,44 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
     EXPECT_EQ(store.List(v1::JOB_STATE_PENDING).size(), 1u);
   }
   // A new store over the same directory sees the same jobs and continues
-  // numbering after them; a corrupt file is skipped, not deleted.
+  // numbering after them; a corrupt file is kept aside, not deleted.
   std::ofstream(dir + "/jobs/garbage.json") << "{not json";
   JobStore reopened(dir);
   ASSERT_EQ(*reopened.Load(), 2);
   EXPECT_EQ(reopened.Get("job-000001")->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(reopened.Get("job-000002")->spec().name(), "b");
   EXPECT_EQ(reopened.Create(Spec("c"), t0, "stored")->id(), "job-000003");
-  EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/garbage.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/garbage.json.corrupt"));
+}
+
+// A job file that cannot be read, or holds another job's id, is kept aside
+// under a new name (never deleted, never overwritten by the next Submit, never
+// hiding the real job), and numbering continues after it.
+TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
+  const std::string dir = testing::MakeTempDir("jobstore");
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  {
+    JobStore store(dir);
+    ASSERT_TRUE(store.Load().ok());
+    ASSERT_TRUE(store.Create(Spec("a"), t0, "stored").ok());
+    ASSERT_TRUE(store.Create(Spec("b"), t0, "stored").ok());
+  }
+  const std::string corrupt = "{\"id\": \"job-000002\", \"spec\": {trunc";
+  std::ofstream(dir + "/jobs/job-000002.json", std::ios::trunc) << corrupt;
+  std::filesystem::copy_file(dir + "/jobs/job-000001.json", dir + "/jobs/job-000007.json");
+  JobStore reopened(dir);
+  ASSERT_EQ(*reopened.Load(), 1);
+  EXPECT_TRUE(reopened.Get("job-000001").ok());
+  EXPECT_FALSE(reopened.Get("job-000002").ok());
+  auto next = reopened.Create(Spec("c"), t0, "stored");
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->id(), "job-000008");
+  std::ifstream aside(dir + "/jobs/job-000002.json.corrupt");
+  std::stringstream kept;
+  kept << aside.rdbuf();
+  EXPECT_EQ(kept.str(), corrupt);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/job-000007.json.corrupt"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/jobs/job-000002.json"));
 }
 
 TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -318,6 +319,24 @@ TEST_F(DaemonsTest, WorkerRegistersAgainAfterCoordinatorRestart) {
       },
       absl::Seconds(10)))
       << w.process->Log();
+}
+
+// A stored job whose spec no longer validates (here: 2^32-1 data nodes, the
+// spec that used to abort the coordinator on every restart) fails with the
+// reason on recovery; the coordinator stays up and serves the others.
+TEST_F(DaemonsTest, InvalidStoredJobFailsOnRecoveryInsteadOfCrashing) {
+  const std::string jobs = dir_ + "/coordinator/jobs";
+  std::filesystem::create_directories(jobs);
+  std::ofstream(jobs + "/job-000004.json")
+      << R"({"id": "job-000004", "state": "JOB_STATE_PENDING", "spec": {"name": "evil",
+           "model": {"preset": "tiny"}, "pipeline": {"data_nodes": 4294967295},
+           "iterations": 1}})";
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0) << c.process->Log();
+  const v1::Job j = GetJob(c.grpc_port, "job-000004");
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED) << j.DebugString();
+  EXPECT_THAT(j.message(), HasSubstr("stored spec is invalid: pipeline.data_nodes: 4294967295"));
+  EXPECT_FALSE(c.process->Wait(absl::Milliseconds(200)).has_value()) << c.process->Log();
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "common/status.h"
 #include "worker/model/engine.h"
 #include "worker/model/torch_status.h"
@@ -47,27 +48,10 @@ std::string TempName(const std::string& path) {
   return absl::StrCat(path, ".tmp.", ::getpid());
 }
 
-// Writes `bytes` to `path` through a temporary file and a rename, so `path`
-// is either the old file or the complete new one.
+// Writes `bytes` to `path` durably (common/files.h): `path` is either the old
+// file or the complete new one, also after a crash.
 absl::Status WriteAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = TempName(path);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return absl::InternalError(absl::StrCat("cannot write ", tmp));
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    return absl::InternalError(
-        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ec.message()));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, bytes);
 }
 
 absl::StatusOr<std::string> ReadBytes(const std::string& path) {
@@ -367,6 +351,9 @@ absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
     if (ec) {
       s = absl::InternalError(
           absl::StrCat("cannot rename ", tmp, " to ", dir, ": ", ec.message()));
+    } else {
+      s = SyncDirectory(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string()
+                                                        : std::string("."));
     }
   }
   if (!s.ok()) fs::remove_all(tmp, ec);
