@@ -46,6 +46,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
       auto it = service_->sessions_.find(worker_id_);
       if (it != service_->sessions_.end() && it->second == this) service_->sessions_.erase(it);
     }
+    // A worker whose stream ended may register again under its id at once.
+    if (!token_.empty()) service_->registry_->SessionEnded(token_);
     if (!worker_id_.empty()) LogInfo("session of worker ", worker_id_, " ended");
     Unref();
   }
@@ -76,6 +78,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
           return false;
         }
         worker_id_ = *id;
+        token_ = incoming_.session_token();
         auto& slot = service_->sessions_[worker_id_];
         if (slot != nullptr) {
           replaced = slot;
@@ -87,6 +90,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
         replaced->Close(grpc::Status(grpc::StatusCode::ABORTED, "replaced by a newer session"));
         replaced->Unref();
       }
+      service_->registry_->SessionOpened(token_);
       LogInfo("session of worker ", worker_id_, " open");
     }
     if (incoming_.has_heartbeat()) {
@@ -111,6 +115,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
   ControlServiceImpl* const service_;
   v1::WorkerMessage incoming_;
   std::string worker_id_;  // only touched by the read path and OnDone
+  std::string token_;      // likewise
   ServerOutbox<v1::CoordinatorMessage> outbox_;
   ReactorRefs refs_;
 };

@@ -56,13 +56,19 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(
       id = absl::StrCat("w", next_worker_number_++);
     } while (workers_.count(id));
   } else if (auto it = workers_.find(id); it != workers_.end()) {
-    if (it->second.info.state() != v1::WORKER_STATE_LOST) {
+    if (it->second.info.state() != v1::WORKER_STATE_LOST && it->second.connected) {
       return absl::AlreadyExistsError(absl::StrFormat(
-          "worker id %s is registered and alive (last heartbeat %.1f s ago); pick another "
-          "--worker_id or stop the other worker",
+          "worker id %s is registered and its session is open (last heartbeat %.1f s ago); "
+          "pick another --worker_id or stop the other worker",
           id, absl::ToDoubleSeconds(now - it->second.last_heartbeat)));
     }
+    // A lost worker coming back, or one that restarted: the stale
+    // registration and its token go.
     token_to_worker_.erase(it->second.token);
+  }
+  if (!workers_.count(id) && workers_.size() >= kMaxWorkers) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the registry holds ", kMaxWorkers, " workers; no room for ", id));
   }
   Entry entry;
   entry.info.set_worker_id(id);
@@ -119,14 +125,33 @@ absl::StatusOr<std::string> WorkerRegistry::WorkerForToken(const std::string& to
   return t->second;
 }
 
+void WorkerRegistry::SessionOpened(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto t = token_to_worker_.find(token);
+  if (t != token_to_worker_.end()) workers_.at(t->second).connected = true;
+}
+
+void WorkerRegistry::SessionEnded(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto t = token_to_worker_.find(token);
+  if (t != token_to_worker_.end()) workers_.at(t->second).connected = false;
+}
+
 std::vector<std::string> WorkerRegistry::MarkSilentWorkersLost(absl::Time now) {
   std::vector<std::string> lost;
   absl::MutexLock lock(&mu_);
-  for (auto& [id, entry] : workers_) {
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    Entry& entry = it->second;
     if (entry.info.state() != v1::WORKER_STATE_LOST && now - entry.last_heartbeat > silence_) {
       entry.info.set_state(v1::WORKER_STATE_LOST);
-      lost.push_back(id);
+      lost.push_back(it->first);
     }
+    if (entry.info.state() == v1::WORKER_STATE_LOST && now - entry.last_heartbeat > 10 * silence_) {
+      token_to_worker_.erase(entry.token);
+      it = workers_.erase(it);
+      continue;
+    }
+    ++it;
   }
   return lost;
 }

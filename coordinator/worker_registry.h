@@ -22,9 +22,12 @@ class WorkerRegistry {
   WorkerRegistry(absl::Duration silence, absl::Duration heartbeat_interval);
 
   // Validates and records a worker. An empty id gets one assigned ("w1",
-  // "w2", ...). ALREADY_EXISTS when the id belongs to a worker that is still
-  // alive; a lost worker's id may be taken again (it is that worker coming
-  // back). INVALID_ARGUMENT names a bad field.
+  // "w2", ...). ALREADY_EXISTS when the id belongs to a worker whose session
+  // is open; a lost worker's id, or one whose session ended (a worker that
+  // restarted within the silence window, even after a clean stop), may be
+  // taken again: the new registration replaces the stale one and its token.
+  // RESOURCE_EXHAUSTED when kMaxWorkers are registered. INVALID_ARGUMENT
+  // names a bad field.
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request,
                                                 absl::Time now);
 
@@ -36,9 +39,17 @@ class WorkerRegistry {
   // Worker id for a live session token; UNAUTHENTICATED otherwise.
   absl::StatusOr<std::string> WorkerForToken(const std::string& token) const;
 
-  // Marks workers silent for longer than the limit as lost; returns the ids
-  // newly lost by this call.
+  // The control stream of `token`'s session opened / ended.
+  void SessionOpened(const std::string& token);
+  void SessionEnded(const std::string& token);
+
+  // Marks workers silent for longer than the limit as lost and forgets
+  // workers lost for longer than 10 × the limit (they would re-register);
+  // returns the ids newly lost by this call.
   std::vector<std::string> MarkSilentWorkersLost(absl::Time now);
+
+  // Most workers registered at once (lost ones included until forgotten).
+  static constexpr size_t kMaxWorkers = 10000;
 
   // Snapshot, sorted by worker id.
   std::vector<v1::WorkerInfo> List(bool include_lost) const;
@@ -54,6 +65,8 @@ class WorkerRegistry {
     v1::WorkerInfo info;
     std::string token;
     absl::Time last_heartbeat;
+    // Its session stream is open (set when it opens, cleared when it ends).
+    bool connected = false;
   };
 
   const absl::Duration silence_;

@@ -1,5 +1,6 @@
 #include "coordinator/worker_registry.h"
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -35,6 +36,7 @@ TEST(WorkerRegistry, LiveIdCannotBeTakenButLostOneCan) {
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   auto first = registry.Register(Request("alpha"), t0);
   ASSERT_TRUE(first.ok());
+  registry.SessionOpened(first->session_token());
   auto dup = registry.Register(Request("alpha"), t0 + absl::Seconds(1));
   EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(dup.status().message(), HasSubstr("alpha"));
@@ -48,6 +50,46 @@ TEST(WorkerRegistry, LiveIdCannotBeTakenButLostOneCan) {
   EXPECT_EQ(registry.WorkerForToken(first->session_token()).status().code(),
             absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(registry.Count(v1::WORKER_STATE_IDLE), 1);
+}
+
+// Issue 12: a worker restarted within the silence window (even after a clean
+// stop) was refused with ALREADY_EXISTS and exited. Once its session ended,
+// its id may register again and the stale token stops working.
+TEST(WorkerRegistry, RestartedWorkerReplacesItsEndedSession) {
+  WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto first = registry.Register(Request("alpha"), t0);
+  ASSERT_TRUE(first.ok());
+  registry.SessionOpened(first->session_token());
+  registry.SessionEnded(first->session_token());  // the process stopped
+  auto again = registry.Register(Request("alpha"), t0 + absl::Seconds(1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(again->session_token(), first->session_token());
+  EXPECT_EQ(registry.WorkerForToken(first->session_token()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // A stale session ending late does not disconnect the new one.
+  registry.SessionOpened(again->session_token());
+  registry.SessionEnded(first->session_token());
+  EXPECT_EQ(registry.Register(Request("alpha"), t0 + absl::Seconds(2)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+// Issue 12: 5200 fake registrations stayed forever. Lost workers are
+// forgotten after 10 x the silence, and the registry is bounded.
+TEST(WorkerRegistry, LostWorkersArePrunedAndTheRegistryIsBounded) {
+  WorkerRegistry registry(absl::Seconds(1), absl::Seconds(1));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (size_t i = 0; i < WorkerRegistry::kMaxWorkers; ++i) {
+    ASSERT_TRUE(registry.Register(Request(absl::StrCat("fake", i)), t0).ok());
+  }
+  EXPECT_EQ(registry.Register(Request("one-more"), t0).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(2)).size(),
+            WorkerRegistry::kMaxWorkers);
+  EXPECT_EQ(registry.List(true).size(), WorkerRegistry::kMaxWorkers);  // lost, still listed
+  registry.MarkSilentWorkersLost(t0 + absl::Seconds(11));
+  EXPECT_TRUE(registry.List(true).empty());
+  EXPECT_TRUE(registry.Register(Request("one-more"), t0 + absl::Seconds(11)).ok());
 }
 
 TEST(WorkerRegistry, HeartbeatsKeepAliveAndReviveLost) {

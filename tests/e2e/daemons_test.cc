@@ -321,6 +321,24 @@ TEST_F(DaemonsTest, WorkerRegistersAgainAfterCoordinatorRestart) {
       << w.process->Log();
 }
 
+// Issue 12: a worker restarted within the silence window (here 60 s), even
+// after a clean SIGTERM, was refused with ALREADY_EXISTS and exited. Its
+// session ended, so its id registers again at once.
+TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
+  Daemon c = StartCoordinator({"--worker_silence=60s"});
+  Daemon w = StartWorker(c.grpc_port, "w1", {"--worker_id=steady"});
+  ASSERT_GT(w.grpc_port, 0);
+  w.process->Signal(SIGTERM);
+  ASSERT_EQ(w.process->Wait(absl::Seconds(15)), 0);
+  Daemon again = StartWorker(c.grpc_port, "w1b", {"--worker_id=steady"});
+  ASSERT_GT(again.grpc_port, 0) << again.process->Log();
+  EXPECT_FALSE(again.process->Wait(absl::Milliseconds(500)).has_value()) << again.process->Log();
+  const v1::ListWorkersResponse listed = ListWorkers(c.grpc_port, true);
+  ASSERT_EQ(listed.workers_size(), 1);
+  EXPECT_EQ(listed.workers(0).worker_id(), "steady");
+  EXPECT_EQ(listed.workers(0).address(), absl::StrCat("127.0.0.1:", again.grpc_port));
+}
+
 // A stored job whose spec no longer validates (here: 2^32-1 data nodes, the
 // spec that used to abort the coordinator on every restart) fails with the
 // reason on recovery; the coordinator stays up and serves the others.

@@ -224,17 +224,20 @@ TEST_F(TransportTest, MalformedOversizedAndDuplicateFramesAreDroppedAndCounted) 
   huge.set_total_bytes(4000000000ull);
   huge.set_num_chunks(1000);
   frames.push_back(EncodeFrame(huge, view, 0, 32));
-  // A two-chunk tensor whose first chunk is sent twice.
-  v1::FrameHeader good = Header(3, {8});
-  good.set_total_bytes(32);
+  // A two-chunk tensor (chunks of the smallest allowed size) whose first
+  // chunk is sent twice.
+  auto big = Pattern(2 * kMinChunkBytes, 1);
+  TensorView big_view = View(big);
+  v1::FrameHeader good = Header(3, {static_cast<int64_t>(2 * kMinChunkBytes / 4)});
+  good.set_total_bytes(2 * kMinChunkBytes);
   good.set_num_chunks(2);
   good.set_chunk_index(0);
   good.set_offset(0);
-  frames.push_back(EncodeFrame(good, view, 0, 16));
-  frames.push_back(EncodeFrame(good, view, 0, 16));
+  frames.push_back(EncodeFrame(good, big_view, 0, kMinChunkBytes));
+  frames.push_back(EncodeFrame(good, big_view, 0, kMinChunkBytes));
   good.set_chunk_index(1);
-  good.set_offset(16);
-  frames.push_back(EncodeFrame(good, view, 16, 16));
+  good.set_offset(kMinChunkBytes);
+  frames.push_back(EncodeFrame(good, big_view, kMinChunkBytes, kMinChunkBytes));
 
   auto acks = SendRaw(address_, std::move(frames));
   ASSERT_EQ(acks.size(), 4u);
@@ -251,7 +254,35 @@ TEST_F(TransportTest, MalformedOversizedAndDuplicateFramesAreDroppedAndCounted) 
   EXPECT_EQ(stats.tensors, 1u);
   auto got = sink_.received();
   ASSERT_EQ(got.size(), 1u);
-  EXPECT_TRUE(got[0].second == *bytes);
+  EXPECT_TRUE(got[0].second == *big);
+}
+
+// Issue 12: a 50-byte frame announcing 2^32-1 chunks made the receiver
+// reserve ~512 MiB of chunk book-keeping, even for a job it does not hold;
+// now a header may announce no more chunks than its bytes justify, and a
+// stream holds a bounded number of half-received tensors.
+TEST_F(TransportTest, ChunkCountsAndHalfReceivedTensorsAreBounded) {
+  auto bytes = Pattern(32, 0);
+  std::vector<grpc::ByteBuffer> frames;
+  v1::FrameHeader liar = Header(1, {8});
+  liar.set_total_bytes(32);
+  liar.set_num_chunks(0xffffffffu);
+  frames.push_back(EncodeFrame(liar, View(bytes), 0, 16));
+  // 300 tensors, each announcing two chunks and sending only the first.
+  auto big = Pattern(2 * kMinChunkBytes, 2);
+  for (uint32_t mb = 0; mb < 300; ++mb) {
+    v1::FrameHeader h = Header(100 + mb, {static_cast<int64_t>(2 * kMinChunkBytes / 4)});
+    h.set_total_bytes(2 * kMinChunkBytes);
+    h.set_num_chunks(2);
+    frames.push_back(EncodeFrame(h, View(big), 0, kMinChunkBytes));
+  }
+  auto acks = SendRaw(address_, std::move(frames));
+  // The liar and the tensors beyond the bound are refused (acked at once);
+  // the half-received ones within it wait for their second chunk.
+  ASSERT_EQ(acks.size(), 1u + (300 - 256));
+  EXPECT_THAT(acks[0].error(), HasSubstr("4294967295 chunks for 32 bytes (at most 1"));
+  EXPECT_THAT(acks[1].error(), HasSubstr("more than 256 tensors half-received on this stream"));
+  EXPECT_EQ(server_->stats().malformed, 1u);
 }
 
 TEST_F(TransportTest, EmulatedLinkDelaysAndRateLimits) {

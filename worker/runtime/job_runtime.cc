@@ -485,7 +485,17 @@ class JobRuntime::Impl {
     if (h.job_id() != job_id_) return;
     if (it_ == nullptr || h.iteration() != it_->plan.iteration()) {
       if (it_ == nullptr || h.iteration() == it_->plan.iteration() + 1) {
-        early_.emplace_back(h, t);  // its plan is on the way
+        // Its plan is on the way. An honest iteration sends this node at most
+        // a forward and a backward per microbatch plus the replicas'
+        // all-reduce inputs; more is a flood and is dropped.
+        const size_t most = 2 * static_cast<size_t>(spec_.pipeline().data_nodes()) *
+                                spec_.pipeline().microbatches_per_data_node() +
+                            2 * group_.size() + 16;
+        if (early_.size() >= most) {
+          Count(unexpected_frames_);
+          return;
+        }
+        early_.emplace_back(h, t);
       } else {
         Count(late_frames_);
       }

@@ -93,9 +93,16 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     const std::string key = TensorKey(h);
     auto it = assemblies_.find(key);
     if (it == assemblies_.end()) {
+      // A stream holds a bounded number of half-received tensors; a peer
+      // that opens more is refused (it cannot make us book-keep without end).
+      if (assemblies_.size() >= kMaxPartialTensors) {
+        s.Count(&s.rejected_, s.rejected_metric_);
+        Ack(AckFor(h, false, absl::StrCat("more than ", kMaxPartialTensors,
+                                          " tensors half-received on this stream")));
+        return;
+      }
       Assembly a;
       a.first = h;
-      a.seen.assign(h.num_chunks(), false);
       auto buffer = s.sink_->Allocate(h);
       if (!buffer.ok()) {
         a.rejected = true;
@@ -109,6 +116,9 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
         Ack(AckFor(h, false, "receiver buffer smaller than the tensor"));
       } else {
         a.buffer = *std::move(buffer);
+        // Only an accepted tensor gets its chunk book-keeping (bounded by
+        // ValidateFrameHeader through total_bytes).
+        a.seen.assign(h.num_chunks(), false);
       }
       it = assemblies_.emplace(key, std::move(a)).first;
     }
@@ -147,6 +157,9 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     if (action.write != nullptr) StartWrite(action.write);
     if (action.finish) Finish(action.status);
   }
+
+  // Half-received tensors one stream may hold (a sender has a few in flight).
+  static constexpr size_t kMaxPartialTensors = 256;
 
   ActivationServer* const server_;
   grpc::ByteBuffer incoming_;

@@ -1,5 +1,7 @@
 #include "worker/transport/frame_codec.h"
 
+#include <algorithm>
+
 #include <cstring>
 #include <limits>
 #include <string>
@@ -205,6 +207,16 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
   if (h.num_chunks() == 0 || h.chunk_index() >= h.num_chunks()) {
     return absl::InvalidArgumentError(absl::StrCat("frame header: chunk ", h.chunk_index(),
                                                    " of ", h.num_chunks()));
+  }
+  // Every chunk but the last carries at least kMinChunkBytes, so a tensor
+  // has at most this many: a header cannot make the receiver book-keep more
+  // chunks than its bytes justify.
+  const uint64_t most_chunks =
+      std::max<uint64_t>(1, (h.total_bytes() + kMinChunkBytes - 1) / kMinChunkBytes);
+  if (h.num_chunks() > most_chunks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame header: ", h.num_chunks(), " chunks for ", h.total_bytes(), " bytes (at most ",
+        most_chunks, " of at least ", kMinChunkBytes, " bytes each)"));
   }
   if (h.offset() > h.total_bytes() || data_bytes > h.total_bytes() - h.offset()) {
     return absl::InvalidArgumentError(absl::StrCat("frame header: ", data_bytes,

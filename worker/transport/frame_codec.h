@@ -18,6 +18,11 @@
 
 namespace detour {
 
+// The smallest chunk a sender may cut a tensor into (all but the last
+// chunk): receivers refuse headers announcing more chunks than that allows.
+inline constexpr uint64_t kMinChunkBytes = 4096;
+
+
 // Bytes per element; 0 for DTYPE_UNSPECIFIED or unknown values.
 size_t DTypeSize(v1::DType dtype);
 

@@ -66,7 +66,7 @@ PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
 PeerSender::~PeerSender() { Close(); }
 
 void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
-  const size_t chunk = std::max<size_t>(1, options_.chunk_bytes);
+  const size_t chunk = std::max<size_t>(kMinChunkBytes, options_.chunk_bytes);
   const uint32_t chunks =
       data.bytes == 0 ? 1 : static_cast<uint32_t>((data.bytes + chunk - 1) / chunk);
   header.set_total_bytes(data.bytes);
