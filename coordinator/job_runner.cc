@@ -37,10 +37,16 @@ struct JobEnd {
   std::string message;
 };
 
+// Drives one job whose workers are reserved, from assignment to its end, on
+// its own thread. Pending jobs have no runner (JobManager::ScheduleLoop).
 class JobRunner {
  public:
-  JobRunner(JobManager* manager, std::string job_id)
-      : manager_(manager), job_id_(std::move(job_id)) {}
+  JobRunner(JobManager* manager, std::string job_id, v1::JobSpec spec,
+            std::vector<v1::WorkerInfo> workers)
+      : manager_(manager),
+        job_id_(std::move(job_id)),
+        spec_(std::move(spec)),
+        workers_(std::move(workers)) {}
 
   ~JobRunner() {
     RequestStop(JobEnd{v1::JOB_STATE_FAILED, "coordinator stopped while the job was running"});
@@ -77,43 +83,6 @@ class JobRunner {
   }
 
   JobEnd Drive() {
-    auto job = manager_->jobs_->Get(job_id_);
-    if (!job.ok()) return {v1::JOB_STATE_FAILED, std::string(job.status().message())};
-    auto normalized = NormalizeJobSpec(job->spec());
-    if (!normalized.ok()) {
-      return {v1::JOB_STATE_FAILED,
-              absl::StrCat("invalid spec: ", normalized.status().message())};
-    }
-    spec_ = *std::move(normalized);
-    const v1::PipelineSpec& p = spec_.pipeline();
-    const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
-
-    // PENDING: wait for workers (exactly the pinned ones, if the spec pins
-    // the assignment).
-    std::set<std::string> pinned;
-    for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
-    std::string last_message;
-    while (true) {
-      if (auto s = CheckStop(); s) return *s;
-      int idle = 0;
-      std::vector<std::string> missing;
-      auto reserved = manager_->Reserve(job_id_, needed, &idle, pinned, &missing);
-      if (reserved) {
-        workers_ = *reserved;
-        break;
-      }
-      const std::string message =
-          pinned.empty()
-              ? absl::StrCat("waiting for ", needed, " idle workers (", idle, " available)")
-              : absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
-                             " (pipeline.assignment; not registered or busy)");
-      if (message != last_message) {
-        SetState(v1::JOB_STATE_PENDING, message);
-        last_message = message;
-      }
-      absl::SleepFor(absl::Milliseconds(200));
-    }
-
     // ASSIGNING.
     SetState(v1::JOB_STATE_ASSIGNING,
              absl::StrCat("assigning stages to ", workers_.size(), " workers"));
@@ -699,7 +668,9 @@ JobManager::JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceI
       registry_(registry),
       control_(control),
       options_(std::move(options)),
-      estimates_(options_.metrics) {}
+      estimates_(options_.metrics) {
+  scheduler_ = std::thread([this] { ScheduleLoop(); });
+}
 
 JobManager::~JobManager() { Shutdown(); }
 
@@ -715,35 +686,124 @@ void JobManager::Recover() {
       // A stored spec is input like any other: one that no longer validates
       // (limits added since, a hand-edited file) fails its job instead of
       // reaching the planner.
-      if (auto spec = NormalizeJobSpec(job.spec()); !spec.ok()) {
-        jobs_->Update(job.id(), [&](v1::Job* j) {
-          j->set_state(v1::JOB_STATE_FAILED);
-          j->set_message(absl::StrCat("stored spec is invalid: ", spec.status().message()));
-          *j->mutable_end_time() = Now();
-        }).IgnoreError();
-        continue;
-      }
-      Add(job.id());
+      Add(job.id(), "stored spec is invalid: ");
     }
   }
 }
 
-void JobManager::Add(const std::string& job_id) {
+void JobManager::Add(const std::string& job_id, const std::string& invalid_prefix) {
+  auto job = jobs_->Get(job_id);
+  if (!job.ok()) return;
+  auto spec = NormalizeJobSpec(job->spec());
+  if (!spec.ok()) {
+    jobs_->Update(job_id, [&](v1::Job* j) {
+      j->set_state(v1::JOB_STATE_FAILED);
+      j->set_message(absl::StrCat(invalid_prefix, spec.status().message()));
+      *j->mutable_end_time() = Now();
+    }).IgnoreError();
+    return;
+  }
   absl::MutexLock lock(&mu_);
   if (shutting_down_ || runners_.count(job_id)) return;
-  // Forget runners that are done.
-  for (auto it = runners_.begin(); it != runners_.end();) {
-    it = it->second->finished() ? runners_.erase(it) : std::next(it);
+  for (const Pending& p : pending_) {
+    if (p.job_id == job_id) return;
   }
-  auto runner = std::make_unique<JobRunner>(this, job_id);
-  runner->Start();
-  runners_[job_id] = std::move(runner);
+  pending_.push_back(Pending{job_id, *std::move(spec), ""});
+  wake_ = true;
 }
 
 void JobManager::Cancel(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (it->job_id == job_id) {
+      pending_.erase(it);  // the store already says CANCELLED
+      return;
+    }
+  }
   auto it = runners_.find(job_id);
   if (it != runners_.end()) it->second->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "cancelled by request"});
+}
+
+// One loop for all pending jobs (no thread per job): it wakes when a job is
+// added, a job releases its workers or the manager stops, and at least every
+// 250 ms for registry changes, then starts every pending job (in submission
+// order) whose workers are idle now.
+void JobManager::ScheduleLoop() {
+  while (true) {
+    std::vector<std::pair<std::string, std::string>> messages;  // job -> why it waits
+    {
+      absl::MutexLock lock(&mu_);
+      auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return wake_ || shutting_down_; };
+      mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Milliseconds(250));
+      if (shutting_down_) return;
+      wake_ = false;
+      for (auto it = runners_.begin(); it != runners_.end();) {
+        it = it->second->finished() ? runners_.erase(it) : std::next(it);
+      }
+      if (pending_.empty()) continue;
+      std::vector<v1::WorkerInfo> free;
+      for (const v1::WorkerInfo& w : registry_->List(false)) {
+        if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) {
+          free.push_back(w);
+        }
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        std::string why;
+        auto workers = TakeWorkers(it->spec, free, &why);
+        if (!workers) {
+          if (why != it->message) {
+            it->message = why;
+            messages.push_back({it->job_id, why});
+          }
+          ++it;
+          continue;
+        }
+        for (const v1::WorkerInfo& w : *workers) reserved_[w.worker_id()] = it->job_id;
+        auto runner =
+            std::make_unique<JobRunner>(this, it->job_id, std::move(it->spec), *std::move(workers));
+        runner->Start();
+        runners_[it->job_id] = std::move(runner);
+        it = pending_.erase(it);
+      }
+    }
+    // Store writes (fsync) outside the lock that routes worker messages.
+    for (const auto& [id, why] : messages) {
+      jobs_->Update(id, [&](v1::Job* j) {
+        if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
+      }).IgnoreError();
+    }
+  }
+}
+
+std::optional<std::vector<v1::WorkerInfo>> JobManager::TakeWorkers(
+    const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free, std::string* why) {
+  const v1::PipelineSpec& p = spec.pipeline();
+  const size_t needed = p.data_nodes() + (p.num_stages() - 1) * size_t{p.replicas_per_stage()};
+  std::set<std::string> pinned;
+  for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
+  std::vector<size_t> chosen;
+  for (size_t i = 0; i < free.size() && chosen.size() < needed; ++i) {
+    if (pinned.empty() || pinned.count(free[i].worker_id())) chosen.push_back(i);
+  }
+  if (chosen.size() < needed) {
+    if (pinned.empty()) {
+      *why = absl::StrCat("waiting for ", needed, " idle workers (", free.size(), " available)");
+    } else {
+      std::vector<std::string> missing;
+      for (const std::string& id : pinned) {
+        const bool found = std::any_of(free.begin(), free.end(),
+                                       [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
+        if (!found) missing.push_back(id);
+      }
+      *why = absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
+                          " (pipeline.assignment; not registered or busy)");
+    }
+    return std::nullopt;
+  }
+  std::vector<v1::WorkerInfo> taken;
+  for (size_t i : chosen) taken.push_back(free[i]);
+  for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) free.erase(free.begin() + *it);
+  return taken;
 }
 
 void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message) {
@@ -771,31 +831,10 @@ void JobManager::Shutdown() {
     shutting_down_ = true;
     runners.swap(runners_);
   }
+  if (scheduler_.joinable()) scheduler_.join();
+  // Running jobs stop (FAILED, their workers told); pending jobs have no
+  // runner and stay PENDING in the store for the next start.
   runners.clear();  // each destructor stops and joins its runner
-}
-
-std::optional<std::vector<v1::WorkerInfo>> JobManager::Reserve(
-    const std::string& job_id, int count, int* idle, const std::set<std::string>& pinned,
-    std::vector<std::string>* missing) {
-  absl::MutexLock lock(&mu_);
-  std::vector<v1::WorkerInfo> free;
-  for (const v1::WorkerInfo& w : registry_->List(false)) {
-    if (w.state() != v1::WORKER_STATE_IDLE || reserved_.count(w.worker_id())) continue;
-    if (!pinned.empty() && !pinned.count(w.worker_id())) continue;
-    free.push_back(w);
-  }
-  *idle = static_cast<int>(free.size());
-  if (!pinned.empty() && missing != nullptr) {
-    for (const std::string& id : pinned) {
-      const bool found = std::any_of(free.begin(), free.end(),
-                                     [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
-      if (!found) missing->push_back(id);
-    }
-  }
-  if (static_cast<int>(free.size()) < count) return std::nullopt;
-  free.resize(count);
-  for (const v1::WorkerInfo& w : free) reserved_[w.worker_id()] = job_id;
-  return free;
 }
 
 void JobManager::Release(const std::string& job_id) {
@@ -803,6 +842,7 @@ void JobManager::Release(const std::string& job_id) {
   for (auto it = reserved_.begin(); it != reserved_.end();) {
     it = it->second == job_id ? reserved_.erase(it) : std::next(it);
   }
+  wake_ = true;  // pending jobs may fit now
 }
 
 }  // namespace detour

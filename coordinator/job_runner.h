@@ -8,11 +8,14 @@
 //              every microbatch completed exactly once), publish progress;
 //   SUCCEEDED / FAILED (with the reason, e.g. the worker that was lost) /
 //   CANCELLED.
-// One thread per active job (not a gRPC thread); messages from workers are
-// queued to it. Thread-safe.
+// Pending jobs wait in one queue served by one scheduler thread (no thread
+// per pending job); each job with reserved workers gets a thread of its own
+// (not a gRPC thread), and messages from its workers are queued to it.
+// Thread-safe.
 #ifndef DETOUR_COORDINATOR_JOB_RUNNER_H_
 #define DETOUR_COORDINATOR_JOB_RUNNER_H_
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -61,26 +64,23 @@ class JobManager {
              JobManagerOptions options);
   ~JobManager();
 
-  // Starts runners for stored PENDING jobs; marks jobs that were ASSIGNING or
+  // Queues stored PENDING jobs again; marks jobs that were ASSIGNING or
   // RUNNING when the coordinator stopped as FAILED (their workers dropped
   // them). Call once after the store is loaded.
   void Recover();
-  // Starts driving a freshly submitted job.
-  void Add(const std::string& job_id);
-  // Cancels a job: its workers are told to drop it within seconds.
+  // Queues a job; it starts once its workers are idle. A spec that does not
+  // validate fails the job with `invalid_prefix` + the reason.
+  void Add(const std::string& job_id, const std::string& invalid_prefix = "invalid spec: ");
+  // Cancels a job: a pending one leaves the queue, a running one's workers
+  // are told to drop it within seconds.
   void Cancel(const std::string& job_id);
   // From ControlService (gRPC thread): results, norms, timings, errors.
   void OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message);
-  // Stops every runner; running jobs become FAILED ("coordinator stopped").
+  // Stops the scheduler and every runner; running jobs become FAILED
+  // ("coordinator stopped"), pending ones stay PENDING in the store.
   void Shutdown();
 
-  // Reserves `count` idle workers for `job_id`, or none. Sorted by id. With
-  // `pinned`, only those workers qualify; `missing` (optional) receives the
-  // pinned ids that are not idle and free.
-  std::optional<std::vector<v1::WorkerInfo>> Reserve(const std::string& job_id, int count,
-                                                     int* idle,
-                                                     const std::set<std::string>& pinned = {},
-                                                     std::vector<std::string>* missing = nullptr);
+  // Frees the workers reserved for `job_id` (its runner ends).
   void Release(const std::string& job_id);
 
   const JobManagerOptions& options() const { return options_; }
@@ -94,7 +94,23 @@ class JobManager {
   const JobManagerOptions options_;
   TimingEstimates estimates_;
 
+  struct Pending {
+    std::string job_id;
+    v1::JobSpec spec;     // validated
+    std::string message;  // why it waits, as last stored
+  };
+
+  void ScheduleLoop();
+  // Takes the workers `spec` needs (its pinned ones, if it pins) out of
+  // `free`, or says in `why` what it waits for.
+  static std::optional<std::vector<v1::WorkerInfo>> TakeWorkers(const v1::JobSpec& spec,
+                                                                std::vector<v1::WorkerInfo>& free,
+                                                                std::string* why);
+
   absl::Mutex mu_;
+  std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);  // submission order
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread scheduler_;
   std::map<std::string, std::unique_ptr<JobRunner>> runners_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> reserved_ ABSL_GUARDED_BY(mu_);  // worker -> job
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);

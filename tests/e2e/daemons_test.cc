@@ -339,6 +339,44 @@ TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
   EXPECT_EQ(listed.workers(0).address(), absl::StrCat("127.0.0.1:", again.grpc_port));
 }
 
+int ThreadCount(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
+// Issue 12: 2000 pending jobs meant 2015 threads and 42% CPU while idle (one
+// polling thread per job), and SIGTERM marked every pending job FAILED,
+// taking minutes. Now pending jobs wait in one queue, a drain keeps them
+// PENDING for the next start, and finishes within its timeout.
+TEST_F(DaemonsTest, PendingJobsCostNoThreadsAndSurviveADrain) {
+  Daemon c = StartCoordinator({"--drain_timeout=5s"});
+  ASSERT_GT(c.grpc_port, 0);
+  const int before = ThreadCount(c.process->pid());
+  v1::JobSpec spec;
+  spec.set_name("waits");
+  spec.mutable_model()->set_preset("tiny");
+  spec.set_iterations(1);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 200; ++i) ids.push_back(Submit(c.grpc_port, spec).id());
+  EXPECT_LE(ThreadCount(c.process->pid()), before + 4);
+  EXPECT_EQ(GetJob(c.grpc_port, ids.back()).state(), v1::JOB_STATE_PENDING);
+  const absl::Time stop = absl::Now();
+  c.process->Signal(SIGTERM);
+  ASSERT_EQ(c.process->Wait(absl::Seconds(15)), 0) << c.process->Log();
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(5));
+  Daemon again = StartCoordinator({}, "c2");
+  ASSERT_GT(again.grpc_port, 0) << again.process->Log();
+  for (const std::string& id : {ids.front(), ids.back()}) {
+    const v1::Job j = GetJob(again.grpc_port, id);
+    EXPECT_EQ(j.state(), v1::JOB_STATE_PENDING) << j.DebugString();
+    EXPECT_THAT(j.message(), HasSubstr("waiting for"));
+  }
+}
+
 // A stored job whose spec no longer validates (here: 2^32-1 data nodes, the
 // spec that used to abort the coordinator on every restart) fails with the
 // reason on recovery; the coordinator stays up and serves the others.
