@@ -100,7 +100,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
         Close(ToGrpcStatus(id.status()));
         return false;
       }
-      if (service_->hooks_.on_heartbeat) service_->hooks_.on_heartbeat(*id);
+      if (service_->hooks_.on_heartbeat) service_->hooks_.on_heartbeat(*id, incoming_.heartbeat());
     } else if (service_->hooks_.on_message) {
       service_->hooks_.on_message(worker_id_, incoming_);
     }

@@ -23,7 +23,7 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
   // must be quick and must not block.
   struct Hooks {
     std::function<void(const v1::WorkerInfo&)> on_register;
-    std::function<void(const std::string& worker_id)> on_heartbeat;
+    std::function<void(const std::string& worker_id, const v1::Heartbeat& beat)> on_heartbeat;
     // Any non-heartbeat message from a worker (results, timings, errors).
     std::function<void(const std::string& worker_id, const v1::WorkerMessage&)> on_message;
   };

@@ -58,7 +58,13 @@ absl::Status Coordinator::Init() {
   job_service_ = std::make_unique<JobServiceImpl>(&jobs_, std::move(job_hooks));
   ControlServiceImpl::Hooks hooks;
   hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
-  hooks.on_heartbeat = [this](const std::string&) { heartbeats_->Increment(); };
+  hooks.on_heartbeat = [this](const std::string& worker, const v1::Heartbeat& beat) {
+    heartbeats_->Increment();
+    // A worker still busy with a job this coordinator does not run (it
+    // restarted, or the job ended while the worker was cut off) is told to
+    // drop it, so it does not stay BUSY for ever.
+    if (!beat.job_id().empty()) manager_->CheckWorkerJob(worker, beat.job_id());
+  };
   hooks.on_message = [this](const std::string& worker, const v1::WorkerMessage& m) {
     manager_->OnWorkerMessage(worker, m);
   };

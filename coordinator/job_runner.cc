@@ -837,6 +837,24 @@ void JobManager::Shutdown() {
   runners.clear();  // each destructor stops and joins its runner
 }
 
+void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string& job_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto reserved = reserved_.find(worker_id);
+    if (reserved != reserved_.end() && reserved->second == job_id) return;  // a live job
+    const absl::Time now = absl::Now();
+    auto told = told_to_drop_.find(worker_id);
+    if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return;
+    told_to_drop_[worker_id] = now;
+  }
+  LogInfo("worker ", worker_id, " still holds job ", job_id,
+          ", which this coordinator does not run; telling it to drop the job");
+  v1::CoordinatorMessage m;
+  m.mutable_cancel()->set_job_id(job_id);
+  m.mutable_cancel()->set_reason("the coordinator no longer runs this job (it restarted)");
+  control_->Send(worker_id, std::move(m)).IgnoreError();
+}
+
 void JobManager::Release(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   for (auto it = reserved_.begin(); it != reserved_.end();) {

@@ -83,6 +83,11 @@ class JobManager {
   // Frees the workers reserved for `job_id` (its runner ends).
   void Release(const std::string& job_id);
 
+  // A heartbeat says `worker_id` holds `job_id`: when no runner of that job
+  // has the worker, the worker is told to drop the job (at most every 5 s
+  // per worker). From a gRPC thread; never blocks.
+  void CheckWorkerJob(const std::string& worker_id, const std::string& job_id);
+
   const JobManagerOptions& options() const { return options_; }
   TimingEstimates& estimates() { return estimates_; }
 
@@ -113,6 +118,8 @@ class JobManager {
   std::thread scheduler_;
   std::map<std::string, std::unique_ptr<JobRunner>> runners_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> reserved_ ABSL_GUARDED_BY(mu_);  // worker -> job
+  // Worker -> when it was last told to drop a job nobody runs.
+  std::map<std::string, absl::Time> told_to_drop_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 };

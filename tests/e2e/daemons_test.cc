@@ -239,6 +239,33 @@ TEST_F(DaemonsTest, LauncherStopsEverythingOnCtrlC) {
   EXPECT_TRUE(std::ifstream(out + "/loss.csv").good());
 }
 
+// Issue 12: `detour-local --out DIR` deleted an existing DIR's contents. A
+// directory it did not write is refused untouched; its own output is reused.
+TEST_F(DaemonsTest, LauncherNeverEmptiesADirectoryItDidNotWrite) {
+  const std::string mine = dir_ + "/precious";
+  std::filesystem::create_directories(mine);
+  std::ofstream(mine + "/thesis.tex") << "years of work";
+  std::string out;
+  EXPECT_EQ(Run({Bin("tools/detour_local/detour-local"), "--job=/nonexistent.json",
+                 "--out=" + mine, "--bin_dir=" + BuildDir()},
+                &out),
+            2)
+      << out;
+  EXPECT_THAT(out, ::testing::AnyOf(HasSubstr("was not written by detour-local"),
+                                    HasSubstr("nonexistent")));
+  EXPECT_TRUE(std::filesystem::exists(mine + "/thesis.tex"));
+  // With a valid job the refusal names the directory.
+  const std::string job = dir_ + "/job.json";
+  std::ofstream(job) << R"({"name": "x", "model": {"preset": "tiny"}, "iterations": 1})";
+  EXPECT_EQ(Run({Bin("tools/detour_local/detour-local"), "--job=" + job, "--out=" + mine,
+                 "--bin_dir=" + BuildDir()},
+                &out),
+            2);
+  EXPECT_THAT(out, HasSubstr("--out " + mine + " exists, is not empty and was not written by "
+                             "detour-local"));
+  EXPECT_TRUE(std::filesystem::exists(mine + "/thesis.tex"));
+}
+
 TEST_F(DaemonsTest, BusyPortsAreClearErrors) {
   auto [fd, port] = OccupyPort();
   std::string out;
@@ -337,6 +364,44 @@ TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
   ASSERT_EQ(listed.workers_size(), 1);
   EXPECT_EQ(listed.workers(0).worker_id(), "steady");
   EXPECT_EQ(listed.workers(0).address(), absl::StrCat("127.0.0.1:", again.grpc_port));
+}
+
+// Issue 12: after kill -9 and a restart of the coordinator, every worker
+// stayed BUSY with the dead job and new jobs stayed PENDING until the workers
+// were restarted by hand. Now a worker reporting a job the coordinator does
+// not run is told to drop it, and the next job runs.
+TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
+  Daemon c = StartCoordinator();
+  const int port = c.grpc_port;
+  std::vector<Daemon> workers = StartWorkers(port, 2, {"--torch_threads=1"});
+  v1::JobSpec spec;
+  spec.set_name("long");
+  spec.mutable_model()->set_num_layers(2);
+  spec.mutable_model()->set_d_model(32);
+  spec.mutable_model()->set_num_heads(2);
+  spec.mutable_model()->set_ffn_dim(64);
+  spec.mutable_model()->set_context_length(16);
+  spec.mutable_pipeline()->set_num_stages(2);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(2);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_FULL);
+  spec.set_iterations(1000000);
+  const v1::Job long_job = Submit(port, spec);
+  ASSERT_TRUE(Eventually([&] { return GetJob(port, long_job.id()).state() ==
+                                      v1::JOB_STATE_RUNNING; },
+                         absl::Seconds(60)));
+  c.process->Signal(SIGKILL);
+  c.process->Wait(absl::Seconds(10));
+  Daemon c2 = StartCoordinator({absl::StrCat("--listen=127.0.0.1:", port)}, "c2");
+  ASSERT_EQ(c2.grpc_port, port) << c2.process->Log();
+  EXPECT_EQ(GetJob(port, long_job.id()).state(), v1::JOB_STATE_FAILED);
+  spec.set_name("next");
+  spec.set_iterations(2);
+  const v1::Job next = Submit(port, spec);
+  EXPECT_TRUE(Eventually(
+      [&] { return GetJob(port, next.id()).state() == v1::JOB_STATE_SUCCEEDED; },
+      absl::Seconds(60)))
+      << GetJob(port, next.id()).DebugString() << c2.process->Log();
+  EXPECT_THAT(c2.process->Log(), HasSubstr("which this coordinator does not run"));
 }
 
 int ThreadCount(pid_t pid) {

@@ -33,6 +33,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Marks a directory as detour-local's output, which a later run may empty.
+constexpr char kOutMarker[] = ".detour-local";
+
 struct Args {
   std::string job = "examples/jobs/tiny_local.json";
   int64_t workers = 0;
@@ -87,10 +90,25 @@ class Launcher {
       }
       for (const v1::NodeSpec& n : cluster->nodes()) regions.push_back(n.region());
     }
+    // Only an earlier run's output (it carries the marker) is emptied: a
+    // user's directory is never deleted.
     std::error_code ec;
-    fs::remove_all(args_.out, ec);
+    const fs::path marker = fs::path(args_.out) / kOutMarker;
+    if (fs::exists(args_.out, ec) && !fs::is_empty(args_.out, ec)) {
+      if (!fs::exists(marker, ec)) {
+        std::cerr << "detour-local: --out " << args_.out
+                  << " exists, is not empty and was not written by detour-local; choose "
+                     "another directory or empty it yourself\n";
+        return 2;
+      }
+      fs::remove_all(args_.out, ec);
+    }
     if (absl::Status dir = EnsureWritableDirectory(args_.out, "--out"); !dir.ok()) {
       std::cerr << "detour-local: " << dir.message() << "\n";
+      return 1;
+    }
+    if (absl::Status m = WriteFileAtomically(marker.string(), "detour-local output\n"); !m.ok()) {
+      std::cerr << "detour-local: --out: " << m.message() << "\n";
       return 1;
     }
     const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
@@ -293,7 +311,9 @@ int Main(int argc, char** argv) {
                 "(or on Ctrl-C).");
   flags.String("job", &a.job, "job spec (JSON form of detour.v1.JobSpec)");
   flags.Int("workers", &a.workers, "workers to start (default: exactly what the job needs)");
-  flags.String("out", &a.out, "directory for logs, data dirs, the loss curve (emptied first)");
+  flags.String("out", &a.out,
+               "directory for logs, data dirs, the loss curve; a non-empty directory is "
+               "refused unless an earlier detour-local run wrote it (then it is emptied)");
   flags.String("bin_dir", &a.bin_dir, "build directory holding the daemons (default: this "
                                       "binary's build tree)");
   flags.String("cluster", &a.cluster,
