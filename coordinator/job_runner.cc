@@ -388,7 +388,7 @@ class JobRunner {
       utilization_kfac += (busy.pipeline + busy.kfac) / t.iteration_time_s() /
                           static_cast<double>(timings.size());
     }
-    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+    auto recorded = manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
       v1::JobProgress* p = j->mutable_progress();
       p->set_iteration(iteration + 1);
       p->set_total_iterations(spec_.iterations());
@@ -406,7 +406,13 @@ class JobRunner {
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
       const double per_iteration = elapsed / static_cast<double>(iteration + 1);
       p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));
-    }).IgnoreError();
+    });
+    if (!recorded.ok()) {
+      // Training on without a durable record would leave the job's state to
+      // chance after a restart: stop, with the reason.
+      return JobEnd{v1::JOB_STATE_FAILED,
+                    absl::StrCat("cannot write the job record: ", recorded.status().message())};
+    }
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
     const int every = manager_->options_.replan_every;
     if (bubbles_ != nullptr) MeasureKfacSpeeds(*plan, timings);

@@ -104,17 +104,21 @@ absl::Status JobStore::Persist(const v1::Job& job) const {
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,
                                          const std::string& message) {
+  absl::MutexLock write(&write_mu_);
   v1::Job job;
   {
     absl::MutexLock lock(&mu_);
     job.set_id(absl::StrFormat("job-%06d", next_number_));
-    *job.mutable_spec() = spec;
-    job.set_state(v1::JOB_STATE_PENDING);
-    job.set_message(message);
-    *job.mutable_create_time() = ToProto(now);
-    job.mutable_progress()->set_total_iterations(spec.iterations());
-    absl::Status persisted = Persist(job);
-    if (!persisted.ok()) return persisted;
+  }
+  *job.mutable_spec() = spec;
+  job.set_state(v1::JOB_STATE_PENDING);
+  job.set_message(message);
+  *job.mutable_create_time() = ToProto(now);
+  job.mutable_progress()->set_total_iterations(spec.iterations());
+  // Stored before it exists for anyone: a job the disk refused is not run.
+  if (absl::Status persisted = Persist(job); !persisted.ok()) return persisted;
+  {
+    absl::MutexLock lock(&mu_);
     ++next_number_;
     jobs_[job.id()] = job;
   }
@@ -144,18 +148,29 @@ std::vector<v1::Job> JobStore::List(v1::JobState state) const {
 
 absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
                                          const std::function<void(v1::Job*)>& mutate) {
+  // Writers take turns on the disk; readers (Get, List) never wait for it.
+  absl::MutexLock write(&write_mu_);
   v1::Job updated;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
     updated = it->second;
-    mutate(&updated);
-    absl::Status persisted = Persist(updated);
-    if (!persisted.ok()) return persisted;
-    it->second = updated;
+  }
+  mutate(&updated);
+  absl::Status persisted = Persist(updated);
+  {
+    // Applied even when the disk refused it: the API must show what is true
+    // now (e.g. the job failing because its record cannot be written).
+    absl::MutexLock lock(&mu_);
+    jobs_[id] = updated;
   }
   Notify(updated);
+  if (!persisted.ok()) {
+    LogError("job ", id, ": cannot write its record (", persisted.message(),
+             "); the change is kept in memory only");
+    return persisted;
+  }
   return updated;
 }
 

@@ -39,7 +39,9 @@ class JobStore {
   // already ended, NOT_FOUND when unknown.
   absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now);
 
-  // Applies `mutate` to a stored job, persists it and tells listeners.
+  // Applies `mutate` to a stored job, persists it and tells listeners. When
+  // the disk refuses the write (full: RESOURCE_EXHAUSTED) the change still
+  // takes effect in memory, is logged, and the error is returned.
   absl::StatusOr<v1::Job> Update(const std::string& id,
                                  const std::function<void(v1::Job*)>& mutate);
 
@@ -58,6 +60,8 @@ class JobStore {
   void Notify(const v1::Job& job);
 
   const std::string dir_;
+  // Serialises Create/Update's disk writes (taken before mu_, never under it).
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t next_number_ ABSL_GUARDED_BY(mu_) = 1;

@@ -86,6 +86,28 @@ TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/jobs/job-000002.json"));
 }
 
+// Issue 12: with the data dir full the job trained on while the API showed
+// RUNNING for ever and nothing was logged. A write the disk refuses is an
+// error the caller sees, and the change still shows (in memory).
+TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
+  const std::string dir = testing::MakeTempDir("jobstore");
+  JobStore store(dir);
+  ASSERT_TRUE(store.Load().ok());
+  auto job = store.Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok());
+  // The jobs directory becomes a file: every write fails (even for root).
+  std::filesystem::rename(dir + "/jobs", dir + "/jobs.moved");
+  std::ofstream(dir + "/jobs") << "not a directory";
+  auto updated = store.Update(job->id(), [](v1::Job* j) {
+    j->set_state(v1::JOB_STATE_FAILED);
+    j->set_message("cannot write the job record");
+  });
+  EXPECT_FALSE(updated.ok());
+  EXPECT_EQ(store.Get(job->id())->state(), v1::JOB_STATE_FAILED);
+  EXPECT_FALSE(store.Create(Spec("b"), absl::FromUnixSeconds(1001), "stored").ok());
+  EXPECT_EQ(store.List(v1::JOB_STATE_UNSPECIFIED).size(), 1u);
+}
+
 TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
   JobStore store(testing::MakeTempDir("jobstore"));
   ASSERT_TRUE(store.Load().ok());
