@@ -570,7 +570,10 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       // With sync the factors were all-reduced at a previous step: ready at 0.
       return done_at[l];
     };
-    for (const auto& [gs, ge] : gaps[n]) {
+    for (const auto& gap : gaps[n]) {
+      // Plain variables, not structured bindings: lambdas below capture them.
+      const double gs = gap.first;
+      const double ge = gap.second;
       double t = gs;
       while (t < ge - kEps) {
         bool placed = false;

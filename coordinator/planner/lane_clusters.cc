@@ -15,7 +15,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 class Clustering {
  public:
   Clustering(const sim::CostModel& cost, std::vector<int> nodes, int clusters, Rng& rng)
-      : cost_(cost), nodes_(std::move(nodes)), rng_(rng) {
+      : nodes_(std::move(nodes)), rng_(rng) {
     const int n = static_cast<int>(nodes_.size());
     pair_.assign(n, std::vector<double>(n, 0));
     for (int a = 0; a < n; ++a) {
@@ -143,7 +143,6 @@ class Clustering {
     return total;
   }
 
-  const sim::CostModel& cost_;
   std::vector<int> nodes_;
   Rng& rng_;
   std::vector<std::vector<double>> pair_;

@@ -15,8 +15,6 @@
 namespace detour::planner {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 struct Path {
   std::vector<int> nodes;
   std::vector<int> stages;
