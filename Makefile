@@ -6,6 +6,10 @@
 #   make test    build, then run the whole test suite with ctest
 #   make build   just build (Release)
 #   make bench   build and run the benchmarks
+#   make fuzz    build the libFuzzer targets with clang and run each for
+#                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
+#   make checks  the checked builds CI runs besides `make test`: clang with
+#                -Wthread-safety -Werror, and a short fuzz run
 #   make clean   remove the build directory
 
 BUILD_DIR ?= build
@@ -14,7 +18,9 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
 
-.PHONY: all deps configure build test demo bench clean
+FUZZ_SECONDS ?= 300
+
+.PHONY: all deps configure build test demo bench fuzz checks clean
 
 all: build
 
@@ -39,6 +45,12 @@ demo: build
 
 bench: build
 	@tools/run_benchmarks.sh $(BUILD_DIR)
+
+fuzz: deps
+	tools/fuzz.sh $(FUZZ_SECONDS) build-fuzz
+
+checks: deps
+	tools/checks.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

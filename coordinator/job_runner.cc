@@ -773,8 +773,9 @@ void JobManager::ScheduleLoop() {
       }
     }
     // Store writes (fsync) outside the lock that routes worker messages.
-    for (const auto& [id, why] : messages) {
-      jobs_->Update(id, [&](v1::Job* j) {
+    for (const auto& message : messages) {
+      const std::string& why = message.second;
+      jobs_->Update(message.first, [&](v1::Job* j) {
         if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
       }).IgnoreError();
     }

@@ -15,6 +15,7 @@ PACKAGES=(
   libcivetweb-dev civetweb
   prometheus
   curl iperf3
+  clang-14 libclang-rt-14-dev ccache
 )
 
 missing=()

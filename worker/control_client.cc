@@ -193,6 +193,8 @@ absl::Status ControlClient::RunSession() {
     session_context_ = nullptr;
     stream_ = nullptr;
   }
+  // Writes that took the stream before it was cleared finish first.
+  { absl::MutexLock barrier(&write_mu_); }
   // After WritesDone the coordinator ends the stream; do not wait forever on
   // one that is hung.
   if (!why.ok() || !reader_done.WaitForNotificationWithTimeout(options_.rpc_timeout)) {
@@ -205,11 +207,18 @@ absl::Status ControlClient::RunSession() {
 }
 
 absl::Status ControlClient::Send(v1::WorkerMessage message) {
-  absl::MutexLock lock(&mu_);
+  // The write may block on flow control: it holds only write_mu_, never mu_
+  // (which the heartbeat and the job runtime need). The session's teardown
+  // clears stream_ under mu_ and then waits on write_mu_, so a write that
+  // took the stream under mu_ finishes before the stream goes away.
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream;
+  absl::ReleasableMutexLock lock(&mu_);
   if (stream_ == nullptr) return absl::UnavailableError("no session with the coordinator");
+  stream = stream_;
   message.set_session_token(token_);
   absl::MutexLock write_lock(&write_mu_);
-  if (!stream_->Write(message)) return absl::UnavailableError("session write failed");
+  lock.Release();
+  if (!stream->Write(message)) return absl::UnavailableError("session write failed");
   return absl::OkStatus();
 }
 

@@ -78,7 +78,8 @@ class ControlClient {
   grpc::ClientContext* session_context_ ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_
       ABSL_GUARDED_BY(mu_) = nullptr;
-  absl::Mutex write_mu_;  // one writer at a time on the stream
+  // One writer at a time on the stream; taken after mu_ (never before it).
+  absl::Mutex write_mu_ ABSL_ACQUIRED_AFTER(mu_);
 
   absl::Notification stopping_;
   std::thread session_thread_;

@@ -794,7 +794,10 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
     }
     // Every activated refresh: dependencies held, all items present.
     for (const auto& [key, tr] : track) {
-      const auto& [refresh, node, layer] = key;
+      const auto& [refresh, node_binding, layer] = key;
+      // A plain copy: lambdas below capture it (clang 14 cannot capture
+      // structured bindings).
+      const auto node = node_binding;
       if (!activated.count(refresh)) continue;
       const bool needs_sync =
           c.kfac.sync_factors() &&
