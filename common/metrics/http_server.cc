@@ -128,9 +128,13 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
   callbacks.log_message = &LogMessage;
   callbacks.log_access = &LogAccess;
   // No document_root: civetweb serves no files, only our handler.
+  // Each civetweb thread serves one connection until it ends, so a few slow
+  // or idle clients used to block every scrape (2 threads, 10 s timeout: 30
+  // idle connections made /metrics and /healthz time out). More threads and
+  // a short read timeout bound how long slow clients can hold them.
   const char* options[] = {"listening_ports", listening_port.c_str(),
-                           "num_threads", "2",
-                           "request_timeout_ms", "10000",
+                           "num_threads", "32",
+                           "request_timeout_ms", "2000",
                            nullptr};
   mg_init_data init = {};
   init.callbacks = &callbacks;

@@ -7,12 +7,14 @@
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/metrics/exposition.h"
 #include "common/metrics/metrics.h"
 #include "gmock/gmock.h"
@@ -132,6 +134,31 @@ TEST(MetricsHttpServerTest, HealthzAndUnknownPaths) {
   // scrape; the 404s and the 405 do not.
   EXPECT_THAT(registry.Serialize(),
               HasSubstr("detour_metrics_scrapes_total 1\n"));
+}
+
+// Issue 12: 30 slow connections made /metrics and /healthz time out. With 40
+// connections that send nothing, a scrape is still answered within seconds.
+TEST(MetricsHttpServerTest, IdleConnectionsDoNotBlockScrapes) {
+  Registry registry;
+  MetricsHttpServer server(&registry);
+  ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
+  std::vector<int> idle;
+  for (int i = 0; i < 40; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server.port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const char partial[] = "GET /metr";  // and then nothing
+    ASSERT_GT(::send(fd, partial, sizeof(partial) - 1, 0), 0);
+    idle.push_back(fd);
+  }
+  const absl::Time start = absl::Now();
+  const HttpResponse health = HttpGet(server.port(), "/healthz");
+  EXPECT_EQ(health.status, 200);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  for (int fd : idle) ::close(fd);
 }
 
 TEST(MetricsHttpServerTest, BusyPortGivesClearErrorAndNoNoise) {
