@@ -254,11 +254,35 @@ class JobRuntime::Impl {
           queue_.Pop(&fn);
         }
       }
-      if (bubble != nullptr) {
-        RunBubble(bubble, /*at_step_end=*/false);
-      } else {
-        fn();
+      // LibTorch throws; the model layer turns its calls into Status, and
+      // anything that still escapes (a call outside GuardTorch, an
+      // allocation failure) fails the job here instead of reaching
+      // std::terminate and killing the worker.
+      try {
+        if (bubble != nullptr) {
+          RunBubble(bubble, /*at_step_end=*/false);
+        } else {
+          fn();
+        }
+      } catch (const std::exception& e) {
+        FailEscaped(e.what());
+      } catch (...) {
+        FailEscaped("unknown exception");
       }
+    }
+  }
+
+  void FailEscaped(const std::string& what) {
+    const absl::Status status =
+        absl::InternalError(absl::StrCat("unexpected exception on the executor: ", what));
+    if (job_id_.empty()) {
+      LogError(status.message());
+      return;
+    }
+    try {
+      Fail(status);
+    } catch (...) {
+      LogError("job ", job_id_, ": failing after an exception threw again");
     }
   }
 
