@@ -171,6 +171,10 @@ void ApplyJobDefaults(JobSpec* spec) {
 
   DETOUR_DEFAULT(spec->mutable_checkpoint(), keep_last, 2u);
   if (spec->device().empty()) spec->set_device("cpu");
+
+  v1::ElasticSpec* e = spec->mutable_elastic();
+  DETOUR_DEFAULT(e, pause_timeout_s, 600u);
+  DETOUR_DEFAULT(e, reconnect_grace_ms, 2000u);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -420,6 +424,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("checkpoint.every_iterations",
                    absl::StrCat(spec.checkpoint().every_iterations(), " exceeds the limit ",
                                 L::kMaxIterations));
+  }
+  const v1::ElasticSpec& e = spec.elastic();
+  if (e.max_missing_stages() >= spec.pipeline().num_stages()) {
+    return Invalid("elastic.max_missing_stages",
+                   absl::StrCat(e.max_missing_stages(), " must be below pipeline.num_stages (",
+                                spec.pipeline().num_stages(), "): stage 0 holds the data"));
+  }
+  if (e.pause_timeout_s() > L::kMaxPauseSeconds) {
+    return Invalid("elastic.pause_timeout_s", absl::StrCat(e.pause_timeout_s(),
+                                                           " exceeds the limit ",
+                                                           L::kMaxPauseSeconds));
+  }
+  if (e.reconnect_grace_ms() > L::kMaxReconnectGraceMs) {
+    return Invalid("elastic.reconnect_grace_ms",
+                   absl::StrCat(e.reconnect_grace_ms(), " exceeds the limit ",
+                                L::kMaxReconnectGraceMs));
   }
   if (spec.iterations() > L::kMaxIterations) {
     return Invalid("iterations",

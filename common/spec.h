@@ -50,6 +50,8 @@ struct SpecLimits {
   static constexpr size_t kMaxIdBytes = 256;
   static constexpr int kMaxClusterNodes = 65536;
   static constexpr int kMaxLinks = 1 << 20;
+  static constexpr uint32_t kMaxPauseSeconds = 7 * 24 * 3600;
+  static constexpr uint32_t kMaxReconnectGraceMs = 600'000;
 };
 
 // Reads, parses, defaults and validates a spec file. NOT_FOUND when the file

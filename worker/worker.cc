@@ -104,7 +104,12 @@ absl::Status Worker::Init() {
     registrations_->Increment();
     SetLogComponent(absl::StrCat("worker ", id));
   };
-  hooks.on_connection_change = [this](bool up) { connected_->Set(up ? 1 : 0); };
+  hooks.on_connection_change = [this](bool up) {
+    connected_->Set(up ? 1 : 0);
+    // A session that (re)opens while a job is held: the coordinator learns
+    // what this worker holds and gets this iteration's messages again.
+    if (up) runtime_->OnSessionOpened();
+  };
   hooks.on_message = [this](const v1::CoordinatorMessage& message) {
     runtime_->OnCoordinatorMessage(message);
   };

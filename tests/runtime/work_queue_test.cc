@@ -14,12 +14,14 @@ class WorkQueueTest : public ::testing::Test {
   void Control(const std::string& name) {
     q_.PushControl([this, name] { ran_.push_back(name); });
   }
-  void Work(const std::string& name, uint64_t iteration, uint32_t mb, int hop, bool backward) {
+  void Work(const std::string& name, uint64_t iteration, uint32_t mb, int hop, bool backward,
+            uint64_t epoch = 0) {
     WorkQueue::Pipeline w;
     w.iteration = iteration;
     w.microbatch = mb;
     w.hop = hop;
     w.backward = backward;
+    w.epoch = epoch;
     q_.PushPipeline(w, [this, name] { ran_.push_back(name); });
   }
   // Pops and runs until nothing can run.
@@ -113,6 +115,38 @@ TEST_F(WorkQueueTest, OtherIterationsAreNotGated) {
   Work("next_iteration", 8, 0, 1, false);
   Drain();
   EXPECT_EQ(ran_.back(), "next_iteration");
+}
+
+// A microbatch frozen around a lost worker: its queued work goes and its
+// slot comes back; its re-run (a newer epoch) takes a slot again, the old
+// route's late tensors never do.
+TEST_F(WorkQueueTest, FrozenMicrobatchesReturnTheirSlot) {
+  q_.BeginIteration(7, Stages(), 1, sim::QueuePolicy::kArrival);
+  Work("start0", 7, 0, 0, false);
+  ASSERT_TRUE(PopOne());
+  EXPECT_EQ(q_.free_slots(), 0);
+  Work("start1", 7, 1, 0, false);  // waits for the slot
+  Work("bwd0", 7, 0, 1, true);
+  q_.DropMicrobatch(7, 0);
+  EXPECT_EQ(q_.free_slots(), 1);
+  Drain();
+  EXPECT_EQ(ran_, (std::vector<std::string>{"start0", "start1"}));  // bwd0 went
+  q_.Release(7, 1);
+  q_.SetRoute(0, {0, 2}, 1);
+  Work("old_route", 7, 0, 1, false, 0);  // epoch 0: no slot, runs (to be dropped)
+  Work("rerun", 7, 0, 0, false, 1);
+  Drain();
+  EXPECT_EQ(ran_.size(), 4u);
+  EXPECT_EQ(q_.free_slots(), 0);  // the re-run's start holds it
+}
+
+// A duplicate forward of a microbatch holding a slot takes no second one.
+TEST_F(WorkQueueTest, DuplicatesTakeNoSecondSlot) {
+  q_.BeginIteration(7, Stages(), 2, sim::QueuePolicy::kArrival);
+  Work("start0", 7, 0, 0, false);
+  Work("start0_again", 7, 0, 0, false);
+  Drain();
+  EXPECT_EQ(q_.free_slots(), 1);
 }
 
 TEST_F(WorkQueueTest, DropPipelineKeepsControlWork) {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -26,6 +27,7 @@
 #include "common/files.h"
 #include "common/status.h"
 #include "worker/model/engine.h"
+#include "worker/model/kfac.h"
 #include "worker/model/torch_status.h"
 
 namespace detour::model {
@@ -121,27 +123,57 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadStageFile(
         Checksum(bytes), " vs manifest ", entry.bytes, " bytes, ",
         entry.checksum));
   }
-  return GuardTorch(absl::StrCat("reading ", path),
-                    [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
-    torch::serialize::InputArchive archive;
-    archive.load_from(bytes.data(), bytes.size(), at::Device(at::kCPU));
-    c10::IValue value;
-    if (!archive.try_read(kTensorsKey, value) || !value.isGenericDict()) {
-      return absl::DataLossError(absl::StrCat(path, " holds no tensor table"));
-    }
-    std::map<std::string, at::Tensor> out;
-    for (const auto& item : value.toGenericDict()) {
-      out.emplace(item.key().toStringRef(), item.value().toTensor());
-    }
-    return out;
-  });
+  return ParseStageState(bytes, path);
 }
 
 }  // namespace
 
-absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
-                                              const Stage& stage,
-                                              const AdamW& optimizer) {
+absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW& optimizer,
+                                                const Kfac* kfac) {
+  return GuardTorch(absl::StrCat("stage ", stage.index(), " state"),
+                    [&]() -> absl::StatusOr<std::string> {
+                      c10::Dict<std::string, at::Tensor> table;
+                      for (const auto& [name, p] : stage.Parameters()) {
+                        table.insert(name, p.detach().to(at::kCPU).clone());
+                      }
+                      for (const auto& [name, t] : optimizer.State()) {
+                        table.insert(name, t.detach().to(at::kCPU).clone());
+                      }
+                      if (kfac != nullptr) {
+                        for (auto& [name, t] : kfac->State()) table.insert(name, t);
+                      }
+                      torch::serialize::OutputArchive archive;
+                      archive.write(kTensorsKey, c10::IValue(table));
+                      std::ostringstream out;
+                      archive.save_to(out);
+                      return out.str();
+                    });
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageState(const std::string& bytes,
+                                                                  const std::string& what) {
+  return GuardTorch(absl::StrCat("reading ", what),
+                    [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+                      torch::serialize::InputArchive archive;
+                      archive.load_from(bytes.data(), bytes.size(), at::Device(at::kCPU));
+                      c10::IValue value;
+                      if (!archive.try_read(kTensorsKey, value) || !value.isGenericDict()) {
+                        return absl::DataLossError(absl::StrCat(what, " holds no tensor table"));
+                      }
+                      std::map<std::string, at::Tensor> out;
+                      for (const auto& item : value.toGenericDict()) {
+                        if (!item.key().isString() || !item.value().isTensor()) {
+                          return absl::DataLossError(
+                              absl::StrCat(what, ": the tensor table holds a non-tensor entry"));
+                        }
+                        out.emplace(item.key().toStringRef(), item.value().toTensor());
+                      }
+                      return out;
+                    });
+}
+
+absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir, const Stage& stage,
+                                              const AdamW& optimizer, const Kfac* kfac) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
@@ -152,23 +184,7 @@ absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
   entry.stage = stage.index();
   entry.file = absl::StrCat("stage-", stage.index(), ".pt");
   entry.layers = stage.layers();
-  ASSIGN_OR_RETURN(
-      std::string bytes,
-      GuardTorch(absl::StrCat("stage ", stage.index(), " checkpoint"),
-                 [&]() -> absl::StatusOr<std::string> {
-                   c10::Dict<std::string, at::Tensor> table;
-                   for (const auto& [name, p] : stage.Parameters()) {
-                     table.insert(name, p.detach().to(at::kCPU).clone());
-                   }
-                   for (const auto& [name, t] : optimizer.State()) {
-                     table.insert(name, t.detach().to(at::kCPU).clone());
-                   }
-                   torch::serialize::OutputArchive archive;
-                   archive.write(kTensorsKey, c10::IValue(table));
-                   std::ostringstream out;
-                   archive.save_to(out);
-                   return out.str();
-                 }));
+  ASSIGN_OR_RETURN(std::string bytes, SerializeStageState(stage, optimizer, kfac));
   entry.bytes = bytes.size();
   entry.checksum = Checksum(bytes);
   RETURN_IF_ERROR(WriteAtomically((fs::path(dir) / entry.file).string(), bytes));
@@ -267,8 +283,53 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir) {
   return m;
 }
 
+absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
+                             const std::string& ctx, Stage* stage, AdamW* optimizer, Kfac* kfac) {
+  // Check everything before touching anything.
+  const auto params = stage->Parameters();
+  for (const auto& [name, p] : params) {
+    auto it = table.find(name);
+    if (it == table.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(ctx, ": lacks parameter ", name));
+    }
+    if (!it->second.sizes().equals(p.sizes()) ||
+        it->second.scalar_type() != p.scalar_type()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          ctx, ": parameter ", name, " has shape ", ShapeString(it->second.sizes()),
+          " vs expected ", ShapeString(p.sizes())));
+    }
+  }
+  if (optimizer != nullptr) {
+    // LoadState validates before it changes anything; run it on a scratch
+    // optimiser first so a failure leaves ours untouched.
+    AdamW scratch(params, v1::AdamWSpec());
+    absl::Status s = scratch.LoadState(table);
+    if (!s.ok()) return Annotate(s, ctx);
+  }
+  const bool has_kfac = std::any_of(table.begin(), table.end(), [](const auto& e) {
+    return e.first.rfind("kfac.", 0) == 0;
+  });
+  return GuardTorch(ctx, [&]() -> absl::Status {
+    // K-FAC first: it checks every entry before changing anything, so a
+    // mismatch leaves parameters and optimiser untouched too. A checkpoint
+    // of an AdamW job (or from before K-FAC state was saved) starts K-FAC's
+    // statistics afresh.
+    if (kfac != nullptr && has_kfac) {
+      absl::Status s = kfac->LoadState(table);
+      if (!s.ok()) return Annotate(s, ctx);
+    }
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, p] : params) {
+      at::Tensor dst = p;
+      dst.copy_(table.at(name));
+    }
+    if (optimizer != nullptr) return optimizer->LoadState(table);
+    return absl::OkStatus();
+  });
+}
+
 absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest,
-                       Stage* stage, AdamW* optimizer) {
+                       Stage* stage, AdamW* optimizer, Kfac* kfac) {
   const std::string ctx = absl::StrCat("loading stage ", stage->index(),
                                        " from checkpoint ", dir);
   if (!SameShape(manifest.model, stage->config())) {
@@ -287,37 +348,7 @@ absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifes
     if (!part.ok()) return Annotate(part.status(), ctx);
     table.insert(part->begin(), part->end());
   }
-  // Check everything before touching anything.
-  const auto params = stage->Parameters();
-  for (const auto& [name, p] : params) {
-    auto it = table.find(name);
-    if (it == table.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(ctx, ": checkpoint lacks parameter ", name));
-    }
-    if (!it->second.sizes().equals(p.sizes()) ||
-        it->second.scalar_type() != p.scalar_type()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx, ": parameter ", name, " has shape ", ShapeString(it->second.sizes()),
-          " vs expected ", ShapeString(p.sizes())));
-    }
-  }
-  if (optimizer != nullptr) {
-    // LoadState validates before it changes anything; run it on a scratch
-    // optimiser first so a failure leaves ours untouched.
-    AdamW scratch(params, v1::AdamWSpec());
-    absl::Status s = scratch.LoadState(table);
-    if (!s.ok()) return Annotate(s, ctx);
-  }
-  return GuardTorch(ctx, [&]() -> absl::Status {
-    c10::NoGradGuard no_grad;
-    for (const auto& [name, p] : params) {
-      at::Tensor dst = p;
-      dst.copy_(table.at(name));
-    }
-    if (optimizer != nullptr) return optimizer->LoadState(table);
-    return absl::OkStatus();
-  });
+  return ApplyStageState(table, ctx, stage, optimizer, kfac);
 }
 
 absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,

@@ -23,6 +23,7 @@
 #define DETOUR_WORKER_MODEL_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@
 namespace detour::model {
 
 class PipelineEngine;
+class Kfac;
 
 struct StageFileEntry {
   int stage = 0;
@@ -57,11 +59,29 @@ struct CheckpointManifest {
   std::vector<StageFileEntry> stages;
 };
 
+// The whole state of a stage — parameters, AdamW moments and steps, and
+// K-FAC's state when `kfac` is given (Kfac::State) — as the bytes of one
+// LibTorch archive holding a name -> tensor table. What stage files hold and
+// what a live replica streams to a joining one.
+absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW& optimizer,
+                                                const Kfac* kfac);
+// The table of such bytes; DATA_LOSS (naming `what`) for anything else.
+absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageState(const std::string& bytes,
+                                                                  const std::string& what);
+// Puts a table's entries into `stage`, `optimizer` (may be null) and `kfac`
+// (may be null; entries "kfac.*" absent = K-FAC keeps its state). Checks
+// every entry's presence and shape first (INVALID_ARGUMENT naming it, `ctx`
+// first): nothing changes unless everything checks out.
+absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
+                             const std::string& ctx, Stage* stage, AdamW* optimizer,
+                             Kfac* kfac);
+
 // Worker side: writes `dir`/stage-<k>.pt atomically (temp file + rename;
 // creates `dir` if needed) and returns its manifest entry.
 absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
                                               const Stage& stage,
-                                              const AdamW& optimizer);
+                                              const AdamW& optimizer,
+                                              const Kfac* kfac = nullptr);
 
 // Coordinator side: writes `dir`/manifest.json atomically.
 absl::Status WriteManifest(const std::string& dir,
@@ -72,7 +92,7 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
 // `dir`. Checks the model shape against the manifest and the checksum of
 // every file it reads. Nothing changes unless everything checks out.
 absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest,
-                       Stage* stage, AdamW* optimizer);
+                       Stage* stage, AdamW* optimizer, Kfac* kfac = nullptr);
 
 // In-process convenience: every stage of `engine` plus the manifest, as one
 // atomically created directory. ALREADY_EXISTS if `dir` exists.

@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "worker/model/torch_status.h"
@@ -607,6 +608,153 @@ absl::StatusOr<KfacDamping> Kfac::Damping(int layer, const std::string& module) 
         absl::StrCat("K-FAC damping: no layer ", layer, " projection ", module));
   }
   return it->second.proj[m].damping;
+}
+
+}  // namespace detour::model
+
+namespace detour::model {
+namespace {
+
+// The pieces of one layer's K-FAC state, with the shape each must have.
+struct StatePiece {
+  std::string name;
+  at::Tensor* tensor = nullptr;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// The factor pieces of a layer (pending sums, running averages, counts):
+// one list serves saving and loading, so the two cannot drift apart. A
+// template so the private LayerState type need not be named here.
+template <typename LayerStateT>
+void AddFactorPieces(int layer, LayerStateT& st, std::vector<StatePiece>& out) {
+  const std::string p = absl::StrCat("kfac.", layer, ".");
+  for (int i = 0; i < kNumInputs; ++i) {
+    const auto dims = st.a_sum[i].sizes().vec();
+    out.push_back({absl::StrCat(p, "a_sum.", i), &st.a_sum[i], dims});
+    out.push_back({absl::StrCat(p, "a.", i), &st.a[i], dims});
+  }
+  for (int m = 0; m < kNumModules; ++m) {
+    const auto dims = st.b_sum[m].sizes().vec();
+    out.push_back({absl::StrCat(p, "b_sum.", m), &st.b_sum[m], dims});
+    out.push_back({absl::StrCat(p, "b.", m), &st.b[m], dims});
+  }
+  out.push_back({p + "a_count", &st.a_count, {1}});
+  out.push_back({p + "b_count", &st.b_count, {1}});
+}
+
+// The tensors of every projection: active and staged inverses, momentum,
+// grafting moments (the scalars — damping, step — are handled apart).
+template <typename LayerStateT>
+void AddProjectionPieces(int layer, LayerStateT& st, std::vector<StatePiece>& out) {
+  for (int m = 0; m < kNumModules; ++m) {
+    auto& pr = st.proj[m];
+    const std::string p = absl::StrCat("kfac.", layer, ".", KfacModules()[m], ".");
+    const auto a = st.a_sum[kInputOf[m]].sizes().vec();
+    const auto b = st.b_sum[m].sizes().vec();
+    const std::vector<int64_t> w = {b[0], a[0]};
+    out.push_back({p + "a_inv", &pr.a_inv, a});
+    out.push_back({p + "b_inv", &pr.b_inv, b});
+    out.push_back({p + "a_inv_new", &pr.a_inv_new, a});
+    out.push_back({p + "b_inv_new", &pr.b_inv_new, b});
+    out.push_back({p + "momentum", &pr.momentum, w});
+    out.push_back({p + "adam_m", &pr.adam_m, w});
+    out.push_back({p + "adam_v", &pr.adam_v, w});
+  }
+}
+
+}  // namespace
+
+std::vector<NamedTensor> Kfac::State() const {
+  std::vector<NamedTensor> out;
+  for (const auto& [layer, st_const] : layers_) {
+    // The piece lists point into the state; nothing is written through them.
+    LayerState& st = const_cast<LayerState&>(st_const);
+    std::vector<StatePiece> pieces;
+    AddFactorPieces(layer, st, pieces);
+    AddProjectionPieces(layer, st, pieces);
+    for (const StatePiece& piece : pieces) {
+      if (piece.tensor->defined()) {
+        out.emplace_back(piece.name, piece.tensor->detach().to(at::kCPU).clone());
+      }
+    }
+    for (int m = 0; m < kNumModules; ++m) {
+      const Projection& pr = st.proj[m];
+      const std::string p = absl::StrCat("kfac.", layer, ".", KfacModules()[m], ".");
+      out.emplace_back(p + "damping",
+                       at::tensor({pr.damping.pi, pr.damping.damping_a, pr.damping.damping_b},
+                                  at::TensorOptions().dtype(at::kDouble)));
+      out.emplace_back(p + "adam_step",
+                       at::tensor({pr.adam_step}, at::TensorOptions().dtype(at::kLong)));
+      out.emplace_back(p + "graft_scale",
+                       at::tensor({pr.graft_scale}, at::TensorOptions().dtype(at::kDouble)));
+    }
+  }
+  return out;
+}
+
+absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
+  auto shape_of = [](const at::Tensor& t) {
+    return absl::StrCat("[", absl::StrJoin(t.sizes(), ","), "]");
+  };
+  // Pass 1 checks, pass 2 assigns: nothing changes on a mismatch.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto& [layer, st] : layers_) {
+      std::vector<StatePiece> pieces;
+      AddFactorPieces(layer, st, pieces);
+      AddProjectionPieces(layer, st, pieces);
+      for (const StatePiece& piece : pieces) {
+        auto it = table.find(piece.name);
+        if (it == table.end()) {
+          // Absent = not computed yet at the source (a running factor before
+          // the first refresh); the pending sums and counts always exist.
+          const bool required = piece.name.find("_sum.") != std::string::npos ||
+                                piece.name.find("_count") != std::string::npos;
+          if (pass == 0 && required) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("K-FAC state lacks ", piece.name));
+          }
+          if (pass == 1) *piece.tensor = at::Tensor();
+          continue;
+        }
+        if (pass == 0) {
+          if (it->second.sizes().vec() != piece.shape || it->second.scalar_type() != piece.dtype) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "K-FAC state ", piece.name, " has shape ", shape_of(it->second), " ",
+                c10::toString(it->second.scalar_type()), ", expected [",
+                absl::StrJoin(piece.shape, ","), "] float"));
+          }
+        } else {
+          *piece.tensor = it->second.to(stage_->device()).clone();
+        }
+      }
+      for (int m = 0; m < kNumModules; ++m) {
+        Projection& pr = st.proj[m];
+        const std::string p = absl::StrCat("kfac.", layer, ".", KfacModules()[m], ".");
+        auto damping = table.find(p + "damping");
+        auto step = table.find(p + "adam_step");
+        auto graft = table.find(p + "graft_scale");
+        if (pass == 0) {
+          if (damping == table.end() || damping->second.numel() != 3 ||
+              damping->second.scalar_type() != at::kDouble || step == table.end() ||
+              step->second.numel() != 1 || step->second.scalar_type() != at::kLong ||
+              graft == table.end() || graft->second.numel() != 1 ||
+              graft->second.scalar_type() != at::kDouble) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "K-FAC state ", p, "{damping,adam_step,graft_scale} missing or malformed"));
+          }
+          continue;
+        }
+        const at::Tensor d = damping->second.contiguous();
+        pr.damping.pi = d.data_ptr<double>()[0];
+        pr.damping.damping_a = d.data_ptr<double>()[1];
+        pr.damping.damping_b = d.data_ptr<double>()[2];
+        pr.adam_step = step->second.item<int64_t>();
+        pr.graft_scale = graft->second.item<double>();
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace detour::model

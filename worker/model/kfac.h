@@ -185,6 +185,18 @@ class Kfac : public PreconditionHook {
                             double lr,
                             std::set<std::string>* self_updated) override;
 
+  // Everything K-FAC keeps between steps, for checkpoints and for a replica
+  // joining a running job: per held layer the pending sums and counts, the
+  // running factors, and per projection the active and staged inverses, the
+  // damping (π, λ_A, λ_B), the momentum buffer, the grafting moments and
+  // step. Named "kfac.<layer>.<piece>"; pieces not yet computed are absent.
+  // On the CPU, cloned.
+  std::vector<NamedTensor> State() const;
+  // Replaces the state with the "kfac.<layer>.*" entries of `table` for the
+  // layers this stage holds (other entries are ignored). Checks every shape
+  // first: INVALID_ARGUMENT naming the entry, and nothing changes.
+  absl::Status LoadState(const std::map<std::string, at::Tensor>& table);
+
   // Introspection for tests and metrics. Undefined tensors / errors when
   // absent.
   at::Tensor FactorA(int layer, const std::string& module) const;  // running

@@ -4,17 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <deque>
 #include <functional>
-#include <list>
 #include <map>
 #include <set>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -30,9 +26,12 @@
 #include "worker/model/stage.h"
 #include "worker/model/text_data.h"
 #include "worker/model/torch_status.h"
-#include "worker/transport/frame_codec.h"
-#include "worker/transport/peer_sender.h"
+#include "worker/runtime/bubble_schedule.h"
+#include "worker/runtime/iteration_tracker.h"
+#include "worker/runtime/replica_reducer.h"
+#include "worker/runtime/runtime_metrics.h"
 #include "worker/runtime/work_queue.h"
+#include "worker/transport/frame_codec.h"
 
 namespace detour {
 namespace {
@@ -42,6 +41,7 @@ at::ScalarType TorchType(v1::DType dtype) {
     case v1::DTYPE_FP16: return at::kHalf;
     case v1::DTYPE_BF16: return at::kBFloat16;
     case v1::DTYPE_INT64: return at::kLong;
+    case v1::DTYPE_BYTES: return at::kByte;
     default: return at::kFloat;
   }
 }
@@ -66,26 +66,12 @@ uint64_t Checksum(const std::vector<model::NamedTensor>& params) {
   return h;
 }
 
-LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& from_region,
-                               const std::string& to_region) {
-  LinkEmulation e;
-  if (net.nodes().empty() && net.links().empty()) return e;
-  double latency_ms = net.intra_region_latency_ms() > 0 ? net.intra_region_latency_ms() : 1.0;
-  double gbps = net.intra_region_bandwidth_gbytes_per_s() > 0
-                    ? net.intra_region_bandwidth_gbytes_per_s()
-                    : 5.0;
-  if (from_region != to_region) {
-    for (const v1::RegionLink& l : net.links()) {
-      if ((l.region_a() == from_region && l.region_b() == to_region) ||
-          (l.region_b() == from_region && l.region_a() == to_region)) {
-        latency_ms = l.latency_ms();
-        gbps = l.bandwidth_gbytes_per_s();
-      }
-    }
+std::vector<std::string> GroupOf(const google::protobuf::RepeatedPtrField<v1::ReplicaGroup>& groups,
+                                 int stage) {
+  for (const v1::ReplicaGroup& g : groups) {
+    if (static_cast<int>(g.stage()) == stage) return {g.nodes().begin(), g.nodes().end()};
   }
-  e.latency = absl::Milliseconds(latency_ms);
-  e.bandwidth_bytes_per_s = gbps * 1e9;
-  return e;
+  return {};
 }
 
 }  // namespace
@@ -93,8 +79,10 @@ LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& fr
 class JobRuntime::Impl {
  public:
   Impl(JobRuntimeOptions options, SendFn send, JobFn set_job)
-      : options_(std::move(options)), send_(std::move(send)), set_job_(std::move(set_job)) {
-    InitMetrics();
+      : options_(std::move(options)),
+        send_(std::move(send)),
+        set_job_(std::move(set_job)),
+        metrics_(options_.metrics) {
     executor_ = std::thread([this] { Loop(); });
   }
 
@@ -126,14 +114,14 @@ class JobRuntime::Impl {
     queue_.PushControl(std::move(fn));
   }
 
-  // Pipeline work goes through the queue's policy; all-reduce inputs are
-  // control work (they wait for nothing).
+  // Pipeline work goes through the queue's policy; all-reduce inputs and
+  // state are control work (they wait for nothing).
   void Enqueue(const v1::FrameHeader& h, at::Tensor tensor) {
     NoteArrival();
     auto fn = [this, h, tensor] { OnTensor(h, tensor); };
     absl::MutexLock lock(&queue_mu_);
     if (stopping_) return;
-    if (h.direction() == v1::DIRECTION_ALLREDUCE) {
+    if (h.direction() == v1::DIRECTION_ALLREDUCE || h.direction() == v1::DIRECTION_STATE) {
       queue_.PushControl(std::move(fn));
       return;
     }
@@ -142,6 +130,7 @@ class JobRuntime::Impl {
     w.microbatch = h.microbatch();
     w.hop = static_cast<int>(h.hop());
     w.backward = h.direction() == v1::DIRECTION_BACKWARD;
+    w.epoch = h.epoch();
     queue_.PushPipeline(w, std::move(fn));
   }
 
@@ -153,8 +142,32 @@ class JobRuntime::Impl {
         case v1::CoordinatorMessage::kStep: OnStep(message.step()); break;
         case v1::CoordinatorMessage::kCancel: OnCancel(message.cancel()); break;
         case v1::CoordinatorMessage::kCommit: OnCommit(message.commit()); break;
+        case v1::CoordinatorMessage::kMembership: OnMembership(message.membership()); break;
+        case v1::CoordinatorMessage::kReroute: OnReroute(message.reroute()); break;
+        case v1::CoordinatorMessage::kSendState: OnSendState(message.send_state()); break;
+        case v1::CoordinatorMessage::kAbort: OnAbort(message.abort()); break;
         default: LogWarning("ignoring an empty coordinator message");
       }
+    });
+  }
+
+  void OnSessionOpened() {
+    Post([this] {
+      if (job_id_.empty() || stage_ == nullptr) return;
+      v1::WorkerMessage status;
+      v1::JobStatus* s = status.mutable_job_status();
+      s->set_job_id(job_id_);
+      s->set_stage(stage_index_);
+      s->set_completed_iterations(completed_);
+      s->set_parameter_checksum(Checksum(stage_->Parameters()));
+      s->set_in_iteration(it_ != nullptr);
+      s->set_epoch(epoch_);
+      Send(std::move(status), /*replay=*/false);
+      // What this iteration sent may be lost with the old session; the
+      // coordinator ignores repeats.
+      for (const v1::WorkerMessage& m : replay_) Send(m, /*replay=*/false);
+      LogInfo("job ", job_id_, ": session reopened; reported stage ", stage_index_, " after ",
+              completed_, " iterations and repeated ", replay_.size(), " message(s)");
     });
   }
 
@@ -167,9 +180,14 @@ class JobRuntime::Impl {
             absl::StrCat("this worker holds no stage of job ", h.job_id()));
       }
       if (h.iteration() < accept_iteration_ || h.iteration() > accept_iteration_ + 1) {
-        Count(late_frames_);
+        metrics_.LateFrame();
         return absl::FailedPreconditionError(absl::StrCat(
             "iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
+      }
+      // Epochs move by one per loss or join; a tensor far ahead is a forgery.
+      if (h.epoch() > accept_epoch_ + kMaxEpochsAhead) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "epoch ", h.epoch(), " is too far ahead of this worker's ", accept_epoch_));
       }
       if (h.direction() == v1::DIRECTION_ALLREDUCE) {
         // Gradients, plus K-FAC factors in iterations that sync them (the
@@ -179,6 +197,17 @@ class JobRuntime::Impl {
           return absl::InvalidArgumentError(absl::StrCat(
               "all-reduce tensor [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
               " does not match this stage's ", accept_flat_numel_, " fp32 gradients"));
+        }
+      } else if (h.direction() == v1::DIRECTION_STATE) {
+        if (accept_state_from_.empty() || h.sender() != accept_state_from_) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "this worker expects no stage state from ", h.sender()));
+        }
+        if (shape.size() != 1 || h.dtype() != v1::DTYPE_BYTES || shape[0] <= 0 ||
+            static_cast<uint64_t>(shape[0]) > accept_state_bytes_) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "stage state [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
+              " is not a byte string of at most ", accept_state_bytes_, " bytes"));
         }
       } else if (shape != accept_activation_shape_ || h.dtype() != accept_wire_) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -204,32 +233,26 @@ class JobRuntime::Impl {
   }
 
  private:
-  enum class Phase { kIdle, kRunning, kReducing, kWaitingStep };
+  enum class Phase { kRunning, kReducing, kWaitingStep };
 
   struct Iteration {
     v1::IterationPlan plan;
     absl::Time received;
-    std::map<uint32_t, const v1::Route*> routes;  // by microbatch id
-    int expected_tasks = 0;
-    int done_tasks = 0;
-    std::set<std::string> applied;  // (direction, mb, hop) already run
+    std::unique_ptr<IterationTracker> tracker;
     std::vector<model::Microbatch> microbatches;  // data nodes
-    double loss_sum = 0;
-    uint64_t tokens = 0;
-    std::vector<uint32_t> microbatches_done;
-    int local_visits = 0;
-    std::map<int, std::pair<at::Tensor, int>> reduce_inputs;  // rank -> (flat grad, visits)
     v1::TimingReport timing;
     Phase phase = Phase::kRunning;
-    // K-FAC: microbatches whose forward / backward ran on this node; this
-    // node's bubble tasks not yet run (plan order, serial ones last); the
-    // layers whose factors ride on this iteration's all-reduce.
-    std::set<uint32_t> forward_done;
-    std::set<uint32_t> backward_done;
-    std::list<v1::BubbleTask> bubbles;
-    std::vector<int> sync_layers;
+    // The stage's gradients hold the group's sum (TryReduce ran with
+    // replicas) or were scaled by `scaled` (alone): a membership change must
+    // put the local gradient back first.
+    bool reduced = false;
+    double scaled = 1.0;
+    std::set<std::string> unreachable_reported;
     double max_delay_s = 0;  // pipeline work waiting for a bubble task
   };
+
+  // Epochs a tensor may be ahead of this worker's view.
+  static constexpr uint64_t kMaxEpochsAhead = 4;
 
   // --- executor ---------------------------------------------------------
 
@@ -286,7 +309,17 @@ class JobRuntime::Impl {
     }
   }
 
+  // --- assignment ----------------------------------------------------------
+
   void OnAssignment(const v1::StageAssignment& a) {
+    if (!job_id_.empty() && a.job_id() == job_id_ && a.epoch() == epoch_ &&
+        static_cast<int>(a.stage()) == stage_index_ && a.restore_from().empty()) {
+      // The coordinator repeats what it sent (a session reopened): answer
+      // again, keep the stage.
+      LogInfo("job ", job_id_, ": repeated assignment of stage ", stage_index_);
+      for (const v1::WorkerMessage& m : replay_) Send(m, /*replay=*/false);
+      return;
+    }
     if (!job_id_.empty()) {
       LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
                  "; abandoning the old job");
@@ -295,12 +328,15 @@ class JobRuntime::Impl {
     absl::Status built = Build(a);
     if (!built.ok()) {
       LogError("cannot build stage ", a.stage(), " of job ", a.job_id(), ": ", built.message());
-      ReportError(a.job_id(), 0, built);
+      ReportError(a.job_id(), a.start_iteration(), built);
       Abandon();
       return;
     }
     LogInfo("job ", job_id_, ": holding stage ", stage_index_, " (layers ", a.layer_begin(), "-",
-            a.layer_end(), "), replica ", rank_ + 1, " of ", group_.size());
+            a.layer_end(), "), replica ", reducer_.rank() + 1, " of ", group_.size(),
+            a.start_iteration() > 0 ? absl::StrCat(", from iteration ", a.start_iteration()) : "",
+            a.restore_from().empty() ? "" : absl::StrCat(", restored from ", a.restore_from()),
+            a.state_from().empty() ? "" : absl::StrCat(", state from ", a.state_from()));
     v1::WorkerMessage ready;
     ready.mutable_stage_ready()->set_job_id(job_id_);
     ready.mutable_stage_ready()->set_stage(stage_index_);
@@ -317,15 +353,11 @@ class JobRuntime::Impl {
     job_id_ = a.job_id();
     spec_ = spec;
     stage_index_ = static_cast<int>(a.stage());
+    epoch_ = a.epoch();
+    completed_ = a.start_iteration();
     group_.assign(a.replica_group().begin(), a.replica_group().end());
-    rank_ = -1;
-    for (size_t i = 0; i < group_.size(); ++i) {
-      if (group_[i] == me_) rank_ = static_cast<int>(i);
-    }
-    if (rank_ < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("worker ", me_,
-                                                     " is not in its own replica group"));
-    }
+    std::string why;
+    if (!reducer_.Restart(epoch_, group_, me_, &why)) return absl::InvalidArgumentError(why);
     const c10::Device device = options_.device == "cuda" ? c10::Device(c10::kCUDA)
                                                          : c10::Device(c10::kCPU);
     device_ = device;
@@ -340,39 +372,69 @@ class JobRuntime::Impl {
     flat_numel_ = 0;
     for (const auto& [name, t] : stage_->Parameters()) flat_numel_ += t.numel();
     factor_numel_ = 0;
+    const model::LayerRange layers = stage_->layers();
     if (spec.optimizer().kind() == v1::OPTIMIZER_KFAC) {
       ASSIGN_OR_RETURN(kfac_, model::Kfac::Create(stage_.get(), spec.optimizer()));
       optimizer_->set_precondition_hook(kfac_.get());
-      const model::LayerRange layers = stage_->layers();
       for (int l = layers.begin; l < layers.end; ++l) {
         for (const at::Tensor& t : kfac_->PendingFactorTensors(l)) factor_numel_ += t.numel();
       }
+    }
+    bubbles_ = std::make_unique<BubbleSchedule>(kfac_ != nullptr, layers.begin, layers.end);
+    if (!a.restore_from().empty()) {
+      ASSIGN_OR_RETURN(model::CheckpointManifest manifest, model::ReadManifest(a.restore_from()));
+      RETURN_IF_ERROR(model::LoadStage(a.restore_from(), manifest, stage_.get(), optimizer_.get(),
+                                       kfac_.get()));
     }
     if (stage_index_ == 0) {
       ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
       train_tokens_ = std::move(data.train);
     }
     wire_ = WireDType(spec.pipeline().wire_dtype());
-    for (const v1::Peer& p : a.peers()) {
-      peers_[p.worker_id()] = p;
-      if (p.worker_id() == me_) continue;
-      PeerSenderOptions o;
-      o.emulation = EmulationBetween(a.emulate_network(), options_.region, p.region());
-      senders_[p.worker_id()] = std::make_unique<PeerSender>(p.address(), o);
-    }
+    PeerTransportConfig config;
+    config.region = options_.region;
+    config.emulate_network = a.emulate_network();
+    transport_ = options_.transport ? options_.transport(config)
+                                    : GrpcPeerTransport::Factory()(config);
+    SetPeers(a.peers());
+    state_from_ = a.state_from();
     {
       absl::MutexLock lock(&accept_mu_);
       accept_job_ = job_id_;
-      accept_iteration_ = 0;
+      accept_iteration_ = completed_;
+      accept_epoch_ = epoch_;
       accept_activation_shape_ = {spec.pipeline().samples_per_microbatch(),
                                   spec.model().context_length(), spec.model().d_model()};
       accept_wire_ = wire_;
       accept_flat_numel_ = flat_numel_;
       accept_factor_numel_ = factor_numel_;
+      accept_state_from_ = state_from_;
+      // A stage's state: parameters and AdamW's two moments, K-FAC's sums,
+      // running factors and four inverses per factor, its per-projection
+      // moments; plus the archive's own bookkeeping.
+      accept_state_bytes_ =
+          4 * static_cast<uint64_t>(6 * flat_numel_ + 6 * factor_numel_) + (16u << 20);
     }
     if (set_job_) set_job_(job_id_);
     return absl::OkStatus();
   }
+
+  void SetPeers(const google::protobuf::RepeatedPtrField<v1::Peer>& peers) {
+    peers_.clear();
+    for (const v1::Peer& p : peers) {
+      if (p.worker_id() == me_) continue;
+      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+    }
+    PushPeers();
+  }
+
+  void PushPeers() {
+    std::vector<PeerEndpoint> endpoints;
+    for (const auto& [id, p] : peers_) endpoints.push_back(p);
+    transport_->SetPeers(endpoints);
+  }
+
+  // --- iteration flow ----------------------------------------------------
 
   void OnPlan(const v1::IterationPlan& plan) {
     if (plan.job_id() != job_id_ || stage_ == nullptr) {
@@ -380,10 +442,30 @@ class JobRuntime::Impl {
                  job_id_.empty() ? "none" : job_id_, ")");
       return;
     }
-    if (it_ != nullptr) {
-      LogWarning("dropping plan for iteration ", plan.iteration(), ": iteration ",
-                 it_->plan.iteration(), " is still running");
+    if (it_ != nullptr || plan.iteration() < completed_) {
+      if (it_ == nullptr || it_->plan.iteration() != plan.iteration()) {
+        LogWarning("dropping plan for iteration ", plan.iteration(), " (",
+                   it_ != nullptr ? absl::StrCat("iteration ", it_->plan.iteration(), " is running")
+                                  : absl::StrCat(completed_, " iterations are done"),
+                   ")");
+      }
       return;
+    }
+    if (!state_from_.empty()) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "a plan arrived before the stage state from ", state_from_)));
+    }
+    replay_.clear();
+    std::vector<std::string> group = GroupOf(plan.replica_groups(), stage_index_);
+    if (!group.empty()) group_ = std::move(group);
+    if (plan.epoch() != epoch_) {
+      // Workers were lost or joined since the last plan.
+      epoch_ = plan.epoch();
+      if (plan.peers_size() > 0) SetPeers(plan.peers());
+    }
+    std::string why;
+    if (!reducer_.Restart(epoch_, group_, me_, &why)) {
+      return Fail(absl::InvalidArgumentError(why));
     }
     it_ = std::make_unique<Iteration>();
     Iteration& it = *it_;
@@ -392,203 +474,221 @@ class JobRuntime::Impl {
     it.timing.set_job_id(job_id_);
     it.timing.set_iteration(plan.iteration());
     it.timing.set_node(me_);
+    it.tracker = std::make_unique<IterationTracker>(it.plan, me_);
     {
       absl::MutexLock lock(&accept_mu_);
       accept_iteration_ = plan.iteration();
+      accept_epoch_ = epoch_;
     }
-    std::map<uint32_t, std::vector<int>> stages;
-    std::vector<uint32_t> own;
-    for (const v1::Route& r : it.plan.routes()) {
-      it.routes[r.microbatch()] = &r;
-      for (int p = 0; p < r.nodes_size(); ++p) {
-        if (r.nodes(p) == me_) it.expected_tasks += 2;
-      }
-      stages[r.microbatch()].assign(r.stages().begin(), r.stages().end());
-      if (r.data_node() == me_) own.push_back(r.microbatch());
+    const std::vector<uint32_t> own = it.tracker->Own();
+    if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
+    std::vector<uint32_t> capture;
+    if (absl::Status s = bubbles_->Take(it.plan, me_, group_.size() > 1, &capture); !s.ok()) {
+      return Fail(s);
     }
-    if (!own.empty()) {
-      auto mbs = model::IterationMicrobatches(spec_, train_tokens_, plan.iteration(), device_);
-      if (!mbs.ok()) return Fail(mbs.status());
-      it.microbatches = std::move(*mbs);
-      for (uint32_t mb : own) {
-        if (mb >= it.microbatches.size()) {
-          return Fail(absl::InvalidArgumentError(absl::StrCat("plan names microbatch ", mb,
-                                                              " beyond the iteration's data")));
-        }
-      }
+    for (uint32_t mb : capture) {
+      if (!kfac_->captured(mb)) kfac_->Capture(mb);
     }
-    if (absl::Status s = TakeBubbleTasks(); !s.ok()) return Fail(s);
     // The data node's microbatches queue up as forwards that need a slot:
     // the queue starts each when the policy picks it and a slot is free.
     const int slots = options_.memory_slots > 0
                           ? options_.memory_slots
                           : static_cast<int>(spec_.pipeline().memory_slots());
-    const uint64_t iteration = plan.iteration();
     {
       absl::MutexLock lock(&queue_mu_);
-      queue_.BeginIteration(iteration, std::move(stages), slots,
+      queue_.BeginIteration(plan.iteration(), it.tracker->RouteStages(), slots,
                             spec_.pipeline().queue_policy() == v1::QUEUE_POLICY_BACKWARD_FIRST
                                 ? sim::QueuePolicy::kBackwardFirst
                                 : sim::QueuePolicy::kArrival);
-      for (uint32_t mb : own) {
-        WorkQueue::Pipeline w;
-        w.iteration = iteration;
-        w.microbatch = mb;
-        queue_.PushPipeline(w, [this, iteration, mb] { StartMicrobatch(iteration, mb); });
+    }
+    QueueStarts(own);
+    OfferEarly();
+    MaybeFinishLocal();
+  }
+
+  // The iteration's data, once a data node first needs it.
+  absl::Status LoadMicrobatches(const std::vector<uint32_t>& own) {
+    Iteration& it = *it_;
+    if (own.empty()) return absl::OkStatus();
+    if (it.microbatches.empty()) {
+      ASSIGN_OR_RETURN(it.microbatches, model::IterationMicrobatches(spec_, train_tokens_,
+                                                                     it.plan.iteration(), device_));
+    }
+    for (uint32_t mb : own) {
+      if (mb >= it.microbatches.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan names microbatch ", mb, " beyond the iteration's data"));
       }
     }
-    // Tensors of this iteration that arrived before its plan queue up again.
+    return absl::OkStatus();
+  }
+
+  void QueueStarts(const std::vector<uint32_t>& own) {
+    const uint64_t iteration = it_->plan.iteration();
+    absl::MutexLock lock(&queue_mu_);
+    for (uint32_t mb : own) {
+      WorkQueue::Pipeline w;
+      w.iteration = iteration;
+      w.microbatch = mb;
+      const v1::Route* r = it_->tracker->route(mb);
+      w.epoch = r != nullptr ? r->epoch() : 0;
+      queue_.PushPipeline(w, [this, iteration, mb] { StartMicrobatch(iteration, mb); });
+    }
+  }
+
+  // Tensors kept for later (the next iteration's, a newer route's) queue up
+  // again; those still not due are kept again.
+  void OfferEarly() {
     std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
     early.swap(early_);
     for (auto& [h, t] : early) {
-      if (h.iteration() == iteration) Enqueue(h, t);
+      if (it_ != nullptr && h.iteration() == it_->plan.iteration()) {
+        Enqueue(h, t);
+      } else if (it_ == nullptr || h.iteration() == it_->plan.iteration() + 1) {
+        early_.emplace_back(h, t);
+      }
     }
-    MaybeFinishLocal();
   }
 
   void StartMicrobatch(uint64_t iteration, uint32_t mb) {
     if (it_ == nullptr || it_->plan.iteration() != iteration) return;
+    if (it_->tracker->route(mb) == nullptr) return;  // frozen meanwhile
     RunForward(mb, 0, it_->microbatches[mb].tokens);
   }
 
   // Forward of `mb` at position `pos` of its route (this node), then on.
   void RunForward(uint32_t mb, int pos, const at::Tensor& input) {
     Iteration& it = *it_;
-    const v1::Route& r = *it.routes.at(mb);
+    const v1::Route& r = *it.tracker->route(mb);
     const absl::Time start = absl::Now();
     auto out = stage_->Forward(mb, input);
     if (!out.ok()) return Fail(out.status());
     Record(v1::TaskTiming::KIND_FORWARD, mb, start);
-    ++it.done_tasks;
-    it.forward_done.insert(mb);
+    it.tracker->ForwardRan(mb);
     if (pos + 1 < r.nodes_size()) {
-      SendTensor(r.nodes(pos + 1), v1::DIRECTION_FORWARD, mb, pos + 1, *out);
+      SendTensor(r.nodes(pos + 1), v1::DIRECTION_FORWARD, mb, pos + 1, *out, r.epoch());
     } else if (r.nodes_size() == 1) {
       RunLoss(mb, *out);  // the route visits stage 0 only
     } else {
-      SendTensor(r.data_node(), v1::DIRECTION_FORWARD, mb, r.nodes_size(), *out);
+      SendTensor(r.data_node(), v1::DIRECTION_FORWARD, mb, r.nodes_size(), *out, r.epoch());
     }
   }
 
   void RunLoss(uint32_t mb, const at::Tensor& hidden) {
     Iteration& it = *it_;
-    const v1::Route& r = *it.routes.at(mb);
+    const v1::Route& r = *it.tracker->route(mb);
     const absl::Time start = absl::Now();
     auto loss = stage_->LossAndBackward(mb, hidden, it.microbatches[mb].targets);
     if (!loss.ok()) return Fail(loss.status());
     Record(v1::TaskTiming::KIND_LOSS, mb, start);
-    it.loss_sum += loss->loss;
-    it.tokens += static_cast<uint64_t>(loss->tokens);
+    it.tracker->LossRan(mb, loss->loss, static_cast<uint64_t>(loss->tokens));
     const int last = r.nodes_size() - 1;
     if (last == 0) {
       RunBackward(mb, 0, loss->grad_hidden);
     } else {
-      SendTensor(r.nodes(last), v1::DIRECTION_BACKWARD, mb, last, loss->grad_hidden);
+      SendTensor(r.nodes(last), v1::DIRECTION_BACKWARD, mb, last, loss->grad_hidden, r.epoch());
     }
   }
 
   void RunBackward(uint32_t mb, int pos, const at::Tensor& grad) {
     Iteration& it = *it_;
-    const v1::Route& r = *it.routes.at(mb);
+    const v1::Route& r = *it.tracker->route(mb);
     const absl::Time start = absl::Now();
     auto gin = stage_->Backward(mb, grad);
     if (!gin.ok()) return Fail(gin.status());
     Record(v1::TaskTiming::KIND_BACKWARD, mb, start);
-    ++it.done_tasks;
-    it.backward_done.insert(mb);
-    ++it.local_visits;
-    it.microbatches_done.push_back(mb);
+    it.tracker->BackwardRan(mb, pos);
     {
       absl::MutexLock lock(&queue_mu_);
       queue_.Release(it.plan.iteration(), mb);
     }
-    if (pos > 0) SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin);
+    if (pos > 0) SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin, r.epoch());
   }
 
   void OnTensor(const v1::FrameHeader& h, at::Tensor t) {
     if (h.job_id() != job_id_) return;
+    if (h.direction() == v1::DIRECTION_STATE) return OnState(h, t);
     if (it_ == nullptr || h.iteration() != it_->plan.iteration()) {
       if (it_ == nullptr || h.iteration() == it_->plan.iteration() + 1) {
-        // Its plan is on the way. An honest iteration sends this node at most
-        // a forward and a backward per microbatch plus the replicas'
-        // all-reduce inputs; more is a flood and is dropped.
-        const size_t most = 2 * static_cast<size_t>(spec_.pipeline().data_nodes()) *
-                                spec_.pipeline().microbatches_per_data_node() +
-                            2 * group_.size() + 16;
-        if (early_.size() >= most) {
-          Count(unexpected_frames_);
-          return;
-        }
-        early_.emplace_back(h, t);
+        KeepEarly(h, t);
       } else {
-        Count(late_frames_);
+        metrics_.LateFrame();
       }
       return;
     }
     Iteration& it = *it_;
     if (h.direction() == v1::DIRECTION_ALLREDUCE) {
-      const int from = static_cast<int>(h.microbatch());
-      if (from < 0 || from >= static_cast<int>(group_.size()) || from == rank_ ||
-          it.reduce_inputs.count(from)) {
-        Count(unexpected_frames_);
+      std::string why;
+      if (!reducer_.Offer(h.sender(), h.epoch(), t, static_cast<int>(h.hop()), &why)) {
+        metrics_.UnexpectedFrame();
+        LogWarning("job ", job_id_, ": dropping ", why);
         return;
       }
-      it.reduce_inputs[from] = {t, static_cast<int>(h.hop())};
       TryReduce();
       return;
     }
-    const std::string key = absl::StrCat(h.direction(), "/", h.microbatch(), "/", h.hop());
-    auto route = it.routes.find(h.microbatch());
-    const int hop = static_cast<int>(h.hop());
-    bool expected = route != it.routes.end() && !it.applied.count(key);
-    if (expected) {
-      const v1::Route& r = *route->second;
-      if (h.direction() == v1::DIRECTION_FORWARD) {
-        expected = (hop < r.nodes_size() && r.nodes(hop) == me_ && hop > 0) ||
-                   (hop == r.nodes_size() && r.data_node() == me_);
-      } else {
-        expected = hop < r.nodes_size() && r.nodes(hop) == me_;
-      }
+    const IterationTracker::Incoming in = it.tracker->Accept(h);
+    switch (in.verdict) {
+      case IterationTracker::Verdict::kRun: break;
+      case IterationTracker::Verdict::kEarly: KeepEarly(h, t); return;
+      case IterationTracker::Verdict::kStale: metrics_.LateFrame(); return;
+      case IterationTracker::Verdict::kUnexpected:
+        metrics_.UnexpectedFrame();
+        LogWarning("dropping unexpected ", v1::Direction_Name(h.direction()), " tensor mb ",
+                   h.microbatch(), " hop ", h.hop(), " epoch ", h.epoch(), " from ", h.sender());
+        return;
     }
-    if (!expected) {
-      Count(unexpected_frames_);
-      LogWarning("dropping unexpected ", v1::Direction_Name(h.direction()), " tensor mb ",
-                 h.microbatch(), " hop ", h.hop(), " from ", h.sender());
-      return;
-    }
-    it.applied.insert(key);
     at::Tensor x = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
     if (device_ != c10::Device(c10::kCPU)) x = x.to(device_);
-    const v1::Route& r = *route->second;
     if (h.direction() == v1::DIRECTION_FORWARD) {
-      if (hop == r.nodes_size()) {
+      if (in.loss) {
         RunLoss(h.microbatch(), x);
       } else {
-        RunForward(h.microbatch(), hop, x);
+        RunForward(h.microbatch(), in.hop, x);
       }
     } else {
-      RunBackward(h.microbatch(), hop, x);
+      RunBackward(h.microbatch(), in.hop, x);
     }
     if (it_ != nullptr) MaybeFinishLocal();
   }
 
+  // A tensor that belongs to work not known yet (the next iteration's plan
+  // or a newer route is on the way). An honest iteration sends this node at
+  // most a forward and a backward per microbatch plus the replicas'
+  // all-reduce inputs (and the same again for re-runs); more is a flood and
+  // is dropped.
+  void KeepEarly(const v1::FrameHeader& h, const at::Tensor& t) {
+    const size_t most = 4 * static_cast<size_t>(spec_.pipeline().data_nodes()) *
+                            spec_.pipeline().microbatches_per_data_node() +
+                        2 * group_.size() + 16;
+    if (early_.size() >= most) {
+      metrics_.UnexpectedFrame();
+      return;
+    }
+    early_.emplace_back(h, t);
+  }
+
   void MaybeFinishLocal() {
     Iteration& it = *it_;
-    if (it.phase != Phase::kRunning || it.done_tasks < it.expected_tasks) return;
+    if (it.phase != Phase::kRunning || !it.tracker->LocalWorkDone()) return;
     it.phase = Phase::kReducing;
     // Share this replica's summed gradient with the other replicas.
     if (group_.size() > 1) {
       // Factors to sync need all of this iteration's curvature first.
-      if (!it.sync_layers.empty() && !DrainBubbles(IsCurvature)) return;
-      auto flat = FlatGradients(it.local_visits > 0, it.sync_layers);
+      if (!bubbles_->sync_layers().empty() && !DrainBubbles(BubbleSchedule::IsCurvature, false)) {
+        return;
+      }
+      auto flat = FlatGradients(it.tracker->visits() > 0, bubbles_->sync_layers());
       if (!flat.ok()) return Fail(flat.status());
-      local_flat_ = *flat;
-      for (size_t i = 0; i < group_.size(); ++i) {
-        if (static_cast<int>(i) == rank_) continue;
-        SendTensor(group_[i], v1::DIRECTION_ALLREDUCE, static_cast<uint32_t>(rank_),
-                   static_cast<uint32_t>(it.local_visits), local_flat_);
+      reducer_.SetLocal(*flat, it.tracker->visits());
+      const int rank = reducer_.rank();
+      for (const std::string& peer : reducer_.Others()) {
+        SendTensor(peer, v1::DIRECTION_ALLREDUCE, static_cast<uint32_t>(rank),
+                   static_cast<uint32_t>(it.tracker->visits()), *flat, epoch_);
         if (it_ == nullptr) return;
       }
+    } else {
+      reducer_.SetLocal(at::Tensor(), it.tracker->visits());
     }
     TryReduce();
   }
@@ -611,57 +711,67 @@ class JobRuntime::Impl {
     });
   }
 
+  // Writes a flat payload (FlatGradients' layout) back: the gradients (when
+  // `grads`) and the pending factors of the synced layers.
+  absl::Status Unflatten(const at::Tensor& flat, bool grads) {
+    return model::GuardTorch("unflattening gradients", [&]() -> absl::Status {
+      int64_t tail = flat_numel_;
+      for (int layer : bubbles_->sync_layers()) {
+        for (at::Tensor& f : kfac_->PendingFactorTensors(layer)) {
+          f.copy_(flat.narrow(0, tail, f.numel()).view(f.sizes()).to(f.device()));
+          tail += f.numel();
+        }
+      }
+      if (!grads) return absl::OkStatus();
+      int64_t offset = 0;
+      for (const auto& [name, p] : stage_->Parameters()) {
+        at::Tensor slice = flat.narrow(0, offset, p.numel()).view(p.sizes()).to(p.device());
+        offset += p.numel();
+        if (p.grad().defined()) {
+          p.mutable_grad().copy_(slice);
+        } else {
+          p.mutable_grad() = slice.clone();
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+
   void TryReduce() {
     Iteration& it = *it_;
-    if (it.phase != Phase::kReducing) return;
-    if (it.reduce_inputs.size() + 1 < group_.size()) return;
+    if (it.phase != Phase::kReducing || !reducer_.Ready()) return;
     const absl::Time start = absl::Now();
-    int total_visits = it.local_visits;
-    for (const auto& [rank, input] : it.reduce_inputs) total_visits += input.second;
+    const int total_visits = reducer_.TotalVisits();
     if (group_.size() > 1) {
       // Sum in rank order so every replica computes the identical result.
+      const auto inputs = reducer_.InRankOrder();
+      const int64_t numel = inputs.front()->payload.numel();
+      at::Tensor sum;
       absl::Status s = model::GuardTorch("all-reduce", [&]() -> absl::Status {
-        at::Tensor sum;
-        for (int r = 0; r < static_cast<int>(group_.size()); ++r) {
-          const at::Tensor& part = r == rank_ ? local_flat_ : it.reduce_inputs.at(r).first;
-          if (part.numel() != local_flat_.numel()) {
+        for (size_t r = 0; r < inputs.size(); ++r) {
+          const at::Tensor& part = inputs[r]->payload;
+          if (part.numel() != numel) {
             return absl::InvalidArgumentError(absl::StrCat(
-                "all-reduce from ", group_[r], " has ", part.numel(), " values, expected ",
-                local_flat_.numel(), " (gradients + K-FAC factors of layers ",
-                absl::StrJoin(it.sync_layers, ","), ")"));
+                "all-reduce from ", reducer_.members()[r], " has ", part.numel(),
+                " values, expected ", numel, " (gradients + K-FAC factors of layers ",
+                absl::StrJoin(bubbles_->sync_layers(), ","), ")"));
           }
           sum = sum.defined() ? sum + part : part.clone();
         }
-        // Synced factors: the tail of the payload, back into place.
-        int64_t tail = flat_numel_;
-        for (int layer : it.sync_layers) {
-          for (at::Tensor& f : kfac_->PendingFactorTensors(layer)) {
-            f.copy_(sum.narrow(0, tail, f.numel()).view(f.sizes()).to(f.device()));
-            tail += f.numel();
-          }
-        }
-        if (total_visits == 0) return absl::OkStatus();
-        int64_t offset = 0;
-        for (const auto& [name, p] : stage_->Parameters()) {
-          at::Tensor slice = sum.narrow(0, offset, p.numel()).view(p.sizes()).to(p.device());
-          offset += p.numel();
-          if (p.grad().defined()) {
-            p.mutable_grad().copy_(slice);
-          } else {
-            p.mutable_grad() = slice.clone();
-          }
-        }
         return absl::OkStatus();
       });
+      if (s.ok()) s = Unflatten(sum, total_visits > 0);
       if (!s.ok()) return Fail(s);
-      local_flat_ = at::Tensor();
+      it.reduced = true;
     }
     Record(v1::TaskTiming::KIND_ALLREDUCE, 0, start);
     const double scale = model::GradNormalizationScale(spec_.pipeline().grad_normalization(),
-                                                       total_visits, it.plan.routes_size());
+                                                       total_visits,
+                                                       it.tracker->live_microbatches());
     if (scale != 1.0 && scale != 0.0) {
       absl::Status s = stage_->ScaleGradients(scale);
       if (!s.ok()) return Fail(s);
+      it.scaled = scale;
     }
     auto sq = stage_->SquaredGradNorm();
     if (!sq.ok()) return Fail(sq.status());
@@ -672,19 +782,218 @@ class JobRuntime::Impl {
     n->set_iteration(it.plan.iteration());
     n->set_stage(stage_index_);
     n->set_squared_norm(*sq);
+    n->set_epoch(epoch_);
     Send(std::move(m));
   }
 
+  // --- elastic training ----------------------------------------------------
+
+  // Workers were lost mid-iteration: freeze what crossed them, reduce again
+  // among the survivors, tell the coordinator what ran here.
+  void OnMembership(const v1::MembershipChange& change) {
+    if (change.job_id() != job_id_ || it_ == nullptr ||
+        change.iteration() != it_->plan.iteration()) {
+      LogWarning("dropping membership change for ", change.job_id(), " iteration ",
+                 change.iteration());
+      return;
+    }
+    Iteration& it = *it_;
+    if (change.epoch() <= it.tracker->epoch()) {
+      LogDebug("job ", job_id_, ": membership epoch ", change.epoch(), " again");
+      return;
+    }
+    const std::set<std::string> lost(change.lost().begin(), change.lost().end());
+    if (lost.count(me_)) {
+      return Fail(absl::AbortedError("the coordinator counts this worker as lost"));
+    }
+    if (it.reduced) {
+      // Put the local gradient (and factors) back: the sum included workers
+      // that are gone, and re-runs may add to it.
+      absl::Status s = Unflatten(reducer_.local()->payload, it.tracker->visits() > 0);
+      if (!s.ok()) return Fail(s);
+      if (it.tracker->visits() == 0) stage_->ZeroGrad();
+    } else if (it.scaled != 1.0) {
+      absl::Status s = stage_->ScaleGradients(1.0 / it.scaled);
+      if (!s.ok()) return Fail(s);
+    }
+    it.reduced = false;
+    it.scaled = 1.0;
+    const IterationTracker::Frozen frozen = it.tracker->Freeze(lost, change.epoch());
+    for (uint32_t mb : frozen.microbatches) {
+      {
+        absl::MutexLock lock(&queue_mu_);
+        queue_.DropMicrobatch(it.plan.iteration(), mb);
+      }
+      stage_->Drop(mb);
+      if (kfac_ != nullptr) kfac_->DropCapture(mb);
+      bubbles_->DropMicrobatch(mb);
+    }
+    metrics_.Frozen(static_cast<int>(frozen.microbatches.size()));
+    epoch_ = change.epoch();
+    std::vector<std::string> group = GroupOf(change.replica_groups(), stage_index_);
+    if (!group.empty()) group_ = std::move(group);
+    std::string why;
+    if (!reducer_.Restart(epoch_, group_, me_, &why)) return Fail(absl::InvalidArgumentError(why));
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_epoch_ = epoch_;
+    }
+    it.phase = Phase::kRunning;
+    LogInfo("job ", job_id_, ": iteration ", it.plan.iteration(), " epoch ", epoch_, ": lost ",
+            absl::StrJoin(lost, ", "), "; froze ", frozen.microbatches.size(), " microbatch(es)",
+            frozen.backward_ran.empty()
+                ? ""
+                : absl::StrCat(" (backward ran here for ", absl::StrJoin(frozen.backward_ran, ","),
+                               ")"));
+    v1::WorkerMessage ack;
+    v1::MembershipAck* a = ack.mutable_membership_ack();
+    a->set_job_id(job_id_);
+    a->set_iteration(it.plan.iteration());
+    a->set_epoch(epoch_);
+    for (uint32_t mb : frozen.backward_ran) a->add_backward_ran(mb);
+    for (uint32_t mb : frozen.completed) a->add_completed(mb);
+    Send(std::move(ack));
+  }
+
+  // New routes for frozen microbatches (possibly none).
+  void OnReroute(const v1::RouteAmendment& amendment) {
+    if (amendment.job_id() != job_id_ || it_ == nullptr ||
+        amendment.iteration() != it_->plan.iteration()) {
+      return;
+    }
+    Iteration& it = *it_;
+    if (!it.tracker->awaiting_amendment() && amendment.epoch() == it.tracker->epoch()) return;
+    std::vector<v1::Route> routes(amendment.routes().begin(), amendment.routes().end());
+    if (absl::Status s = it.tracker->Amend(amendment.epoch(), routes); !s.ok()) return Fail(s);
+    std::vector<uint32_t> own;
+    {
+      absl::MutexLock lock(&queue_mu_);
+      for (const v1::Route& r : routes) {
+        queue_.SetRoute(r.microbatch(), {r.stages().begin(), r.stages().end()}, r.epoch());
+        if (r.data_node() == me_) own.push_back(r.microbatch());
+      }
+    }
+    if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
+    QueueStarts(own);
+    OfferEarly();
+    MaybeFinishLocal();
+  }
+
+  // A live replica sends this stage's state to a joining one (between
+  // iterations: the state is the one after the last step).
+  void OnSendState(const v1::SendState& request) {
+    if (request.job_id() != job_id_ || stage_ == nullptr) return;
+    if (it_ != nullptr) {
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("asked to send the stage state to ", request.to(), " mid-iteration")));
+    }
+    auto bytes = model::SerializeStageState(*stage_, *optimizer_, kfac_.get());
+    if (!bytes.ok()) return Fail(bytes.status());
+    auto holder = std::make_shared<std::string>(*std::move(bytes));
+    v1::FrameHeader h;
+    h.set_job_id(job_id_);
+    h.set_iteration(completed_);
+    h.set_direction(v1::DIRECTION_STATE);
+    h.set_sender(me_);
+    h.set_epoch(request.epoch());
+    h.add_shape(static_cast<int64_t>(holder->size()));
+    h.set_dtype(v1::DTYPE_BYTES);
+    TensorView view;
+    view.data = holder->data();
+    view.bytes = holder->size();
+    view.keepalive = holder;
+    const uint64_t size = holder->size();
+    metrics_.StateBytes(/*sent=*/true, size);
+    if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
+      const v1::Peer& p = request.peer();
+      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      PushPeers();
+    }
+    LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());
+    const std::string job = job_id_;
+    const std::string to = request.to();
+    transport_->Send(to, std::move(h), std::move(view), [this, job, to](absl::Status s, double) {
+      if (s.ok()) return;
+      Post([this, job, to, s] {
+        if (job != job_id_) return;
+        LogWarning("job ", job_id_, ": the stage state did not reach ", to, ": ", s.message());
+        v1::WorkerMessage m;
+        v1::PeerUnreachable* u = m.mutable_peer_unreachable();
+        u->set_job_id(job_id_);
+        u->set_iteration(completed_);
+        u->set_peer(to);
+        u->set_message(std::string(s.message()));
+        Send(std::move(m), /*replay=*/false);
+      });
+    });
+  }
+
+  // The joining side: the state of the replica we join, checked and loaded.
+  void OnState(const v1::FrameHeader& h, const at::Tensor& bytes) {
+    if (state_from_.empty() || h.sender() != state_from_) {
+      metrics_.UnexpectedFrame();
+      return;
+    }
+    const std::string data(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+    metrics_.StateBytes(/*sent=*/false, data.size());
+    auto table = model::ParseStageState(data, absl::StrCat("the stage state from ", h.sender()));
+    absl::Status s = table.status();
+    if (s.ok()) {
+      s = model::ApplyStageState(*table, absl::StrCat("the stage state from ", h.sender()),
+                                 stage_.get(), optimizer_.get(), kfac_.get());
+    }
+    if (!s.ok()) return Fail(s);
+    LogInfo("job ", job_id_, ": received the stage state (", data.size(), " bytes) from ",
+            state_from_);
+    state_from_.clear();
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_state_from_.clear();
+    }
+    v1::WorkerMessage m;
+    v1::StateReceived* r = m.mutable_state_received();
+    r->set_job_id(job_id_);
+    r->set_stage(stage_index_);
+    r->set_parameter_checksum(Checksum(stage_->Parameters()));
+    Send(std::move(m));
+  }
+
+  // The coordinator runs the iteration again (it restarted): forget it.
+  void OnAbort(const v1::AbortIteration& abort) {
+    if (abort.job_id() != job_id_) return;
+    if (it_ == nullptr || it_->plan.iteration() != abort.iteration()) return;
+    LogInfo("job ", job_id_, ": iteration ", abort.iteration(), " aborted: ", abort.reason());
+    DropIteration();
+  }
+
+  void DropIteration() {
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_.DropPipeline();
+    }
+    if (stage_ != nullptr) {
+      stage_->DropAll();
+      stage_->ZeroGrad();
+    }
+    if (kfac_ != nullptr) kfac_->DropAllCaptures();
+    reducer_.Clear();
+    it_.reset();
+    early_.clear();
+  }
+
+  // --- step ----------------------------------------------------------------
+
   void OnStep(const v1::StepCommand& step) {
     if (it_ == nullptr || step.job_id() != job_id_ || step.iteration() != it_->plan.iteration() ||
-        it_->phase != Phase::kWaitingStep) {
-      LogWarning("dropping step command for ", step.job_id(), " iteration ", step.iteration());
+        it_->phase != Phase::kWaitingStep || step.epoch() != epoch_) {
+      LogWarning("dropping step command for ", step.job_id(), " iteration ", step.iteration(),
+                 " epoch ", step.epoch());
       return;
     }
     Iteration& it = *it_;
     // K-FAC work of the iteration that found no idle time, and the serial
     // items, run now: the step may activate what they compute.
-    if (!DrainBubbles([](const v1::BubbleTask&) { return true; })) return;
+    if (!DrainBubbles([](const v1::BubbleTask&) { return true; }, true)) return;
     if (kfac_ != nullptr && it.plan.kfac_activate_refresh() > 0) {
       kfac_->Activate();
       LogDebug("job ", job_id_, ": K-FAC refresh ", it.plan.kfac_activate_refresh() - 1,
@@ -699,6 +1008,7 @@ class JobRuntime::Impl {
     if (!stepped.ok()) return Fail(stepped);
     stage_->ZeroGrad();
     if (kfac_ != nullptr) kfac_->DropAllCaptures();
+    reducer_.Clear();
     Record(v1::TaskTiming::KIND_OPTIMIZER, 0, start);
     const double duration = absl::ToDoubleSeconds(absl::Now() - it.received);
     it.timing.set_iteration_time_s(duration);
@@ -712,15 +1022,17 @@ class JobRuntime::Impl {
     v1::IterationResult* r = result.mutable_result();
     r->set_job_id(job_id_);
     r->set_iteration(it.plan.iteration());
-    r->set_loss_sum(it.loss_sum);
-    r->set_tokens(it.tokens);
-    for (uint32_t mb : it.microbatches_done) r->add_microbatches(mb);
+    r->set_loss_sum(it.tracker->completed_loss());
+    r->set_tokens(it.tracker->completed_tokens());
+    for (uint32_t mb : it.tracker->Completed()) r->add_microbatches(mb);
     r->set_parameter_checksum(Checksum(stage_->Parameters()));
     r->set_stage(stage_index_);
     r->set_duration_s(duration);
-    if (it.plan.checkpoint() && rank_ == 0) {
+    r->set_epoch(epoch_);
+    if (it.plan.checkpoint() && reducer_.rank() == 0) {
       // One replica per stage writes: replicas are identical.
-      auto entry = model::WriteStageFile(it.plan.checkpoint_dir(), *stage_, *optimizer_);
+      auto entry =
+          model::WriteStageFile(it.plan.checkpoint_dir(), *stage_, *optimizer_, kfac_.get());
       if (!entry.ok()) return Fail(Annotate(entry.status(), "writing the checkpoint"));
       v1::CheckpointFile* f = r->mutable_checkpoint();
       f->set_stage(entry->stage);
@@ -730,13 +1042,13 @@ class JobRuntime::Impl {
       f->set_bytes(entry->bytes);
       f->set_checksum(entry->checksum);
     }
-    const uint64_t done_iteration = it.plan.iteration();
+    completed_ = it.plan.iteration() + 1;
     it_.reset();
     {
       absl::MutexLock lock(&accept_mu_);
-      accept_iteration_ = done_iteration + 1;
+      accept_iteration_ = completed_;
     }
-    if (iterations_metric_ != nullptr) iterations_metric_->Increment();
+    metrics_.IterationDone();
     Send(std::move(result));
   }
 
@@ -775,124 +1087,18 @@ class JobRuntime::Impl {
 
   // --- K-FAC bubble work ---------------------------------------------------
 
-  // This node's tasks from the plan: curvature microbatches are captured
-  // (their block inputs and output gradients kept), sync layers noted, the
-  // rest queued in plan order with the serial ones last.
-  absl::Status TakeBubbleTasks() {
-    Iteration& it = *it_;
-    std::vector<v1::BubbleTask> in_gaps, serial;
-    for (const v1::BubbleTask& t : it.plan.bubble_tasks()) {
-      if (t.node() != me_) continue;
-      if (kfac_ == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the plan gives K-FAC task ", BubbleTaskName(t), " to a job without K-FAC"));
-      }
-      const model::LayerRange layers = stage_->layers();
-      if (static_cast<int>(t.layer()) < layers.begin || static_cast<int>(t.layer()) >= layers.end) {
-        return absl::InvalidArgumentError(absl::StrCat("K-FAC task ", BubbleTaskName(t),
-                                                       " names a layer this stage (",
-                                                       layers.begin, "-", layers.end - 1,
-                                                       ") does not hold"));
-      }
-      switch (t.kind()) {
-        case v1::BubbleTask::KIND_CURVATURE_A:
-        case v1::BubbleTask::KIND_CURVATURE_B:
-          if (!it.routes.count(t.microbatch())) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "K-FAC task ", BubbleTaskName(t), " names a microbatch the plan has no route for"));
-          }
-          if (!kfac_->captured(t.microbatch())) kfac_->Capture(t.microbatch());
-          break;
-        case v1::BubbleTask::KIND_SYNC_FACTORS:
-          if (group_.size() > 1) it.sync_layers.push_back(static_cast<int>(t.layer()));
-          continue;
-        case v1::BubbleTask::KIND_INVERT_A:
-        case v1::BubbleTask::KIND_INVERT_B:
-          break;
-        case v1::BubbleTask::KIND_PRECONDITION:
-          continue;  // part of every K-FAC step
-        default:
-          return absl::InvalidArgumentError(
-              absl::StrCat("unknown K-FAC task kind ", static_cast<int>(t.kind())));
-      }
-      (t.serial() ? serial : in_gaps).push_back(t);
-    }
-    it.bubbles.assign(in_gaps.begin(), in_gaps.end());
-    it.bubbles.insert(it.bubbles.end(), serial.begin(), serial.end());
-    std::sort(it.sync_layers.begin(), it.sync_layers.end());
-    it.sync_layers.erase(std::unique(it.sync_layers.begin(), it.sync_layers.end()),
-                         it.sync_layers.end());
-    return absl::OkStatus();
-  }
-
-  static std::string BubbleTaskName(const v1::BubbleTask& t) {
-    std::string name = absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5));
-    absl::StrAppend(&name, "(layer ", t.layer());
-    if (!t.module().empty()) absl::StrAppend(&name, " ", t.module());
-    if (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
-        t.kind() == v1::BubbleTask::KIND_CURVATURE_B) {
-      absl::StrAppend(&name, " mb ", t.microbatch());
-    }
-    absl::StrAppend(&name, ", refresh ", t.refresh(), ")");
-    return name;
-  }
-
-  static bool IsCurvature(const v1::BubbleTask& t) {
-    return t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
-           t.kind() == v1::BubbleTask::KIND_CURVATURE_B;
-  }
-  static bool IsInversion(const v1::BubbleTask& t) {
-    return t.kind() == v1::BubbleTask::KIND_INVERT_A || t.kind() == v1::BubbleTask::KIND_INVERT_B;
-  }
-
-  // Whether a task may run now. Curvature: the microbatch's forward (A) or
-  // backward (B) ran here, and the layer's previous refresh is finalised
-  // (its first inversion ran; Kfac then starts new pending sums). Inversion:
-  // no curvature of the same or an earlier refresh of the layer is left in
-  // this iteration, and its factors are not waiting for the all-reduce.
-  bool BubbleReady(const v1::BubbleTask& t) const {
-    const Iteration& it = *it_;
-    if (IsCurvature(t)) {
-      const bool input = t.kind() == v1::BubbleTask::KIND_CURVATURE_A
-                             ? it.forward_done.count(t.microbatch()) > 0
-                             : it.backward_done.count(t.microbatch()) > 0;
-      if (!input) return false;
-      if (t.refresh() == 0) return true;
-      auto done = finalized_refresh_.find(static_cast<int>(t.layer()));
-      if (done != finalized_refresh_.end() && done->second + 1 >= t.refresh()) return true;
-      for (const v1::BubbleTask& o : it.bubbles) {
-        if (IsInversion(o) && o.layer() == t.layer() && o.refresh() < t.refresh()) return false;
-      }
-      return true;
-    }
-    for (const v1::BubbleTask& o : it.bubbles) {
-      if (IsCurvature(o) && o.layer() == t.layer() && o.refresh() <= t.refresh()) return false;
-    }
-    const bool syncing = std::binary_search(it.sync_layers.begin(), it.sync_layers.end(),
-                                            static_cast<int>(t.layer()));
-    return !syncing || it.phase == Phase::kWaitingStep;
-  }
-
-  // The next bubble task to run while idle, or null. Bubble tasks only while
-  // pipeline work of the iteration remains or is over; serial ones only once
+  // The next bubble task to run while idle, or null. Serial ones only once
   // this node's pipeline work is done.
   const v1::BubbleTask* NextBubble() {
     if (it_ == nullptr || kfac_ == nullptr) return nullptr;
-    for (const v1::BubbleTask& t : it_->bubbles) {
-      if (t.serial() && it_->phase == Phase::kRunning) continue;
-      if (BubbleReady(t)) return &t;
-    }
-    return nullptr;
+    return bubbles_->Next(*it_->tracker, it_->phase != Phase::kRunning, /*waiting_step=*/false);
   }
 
-  // Runs one task (it must be in it_->bubbles) and removes it. False when the
+  // Runs one task (returned by the schedule) and removes it. False when the
   // job failed.
   bool RunBubble(const v1::BubbleTask* task, bool at_step_end) {
     Iteration& it = *it_;
-    auto pos = std::find_if(it.bubbles.begin(), it.bubbles.end(),
-                            [task](const v1::BubbleTask& t) { return &t == task; });
-    const v1::BubbleTask t = *pos;
-    it.bubbles.erase(pos);
+    const v1::BubbleTask t = bubbles_->Remove(task);
     const absl::Time start = absl::Now();
     bubble_running_.store(true, std::memory_order_release);
     absl::Status s = model::GuardTorch("K-FAC", [&]() -> absl::Status {
@@ -907,9 +1113,8 @@ class JobRuntime::Impl {
     });
     bubble_running_.store(false, std::memory_order_release);
     const absl::Time end = absl::Now();
-    if (IsInversion(t)) {
-      uint64_t& done = finalized_refresh_[static_cast<int>(t.layer())];
-      done = std::max(done, t.refresh());
+    if (BubbleSchedule::IsInversion(t)) {
+      bubbles_->Inverted(t);
       // A layer no curvature microbatch ever reached (skip routes) has no
       // factor to invert yet: it stays with AdamW until one does.
       if (s.code() == absl::StatusCode::kFailedPrecondition &&
@@ -917,7 +1122,7 @@ class JobRuntime::Impl {
                 ? kfac_->FactorA(static_cast<int>(t.layer()), t.module())
                 : kfac_->FactorB(static_cast<int>(t.layer()), t.module()))
                .defined()) {
-        LogWarning("job ", job_id_, ": ", BubbleTaskName(t), " skipped: ", s.message());
+        LogWarning("job ", job_id_, ": ", BubbleSchedule::Name(t), " skipped: ", s.message());
         s = absl::OkStatus();
       }
     }
@@ -925,77 +1130,50 @@ class JobRuntime::Impl {
     if (arrived != 0) {
       const double delay = std::max(0.0, (absl::ToUnixNanos(end) - arrived) * 1e-9);
       it.max_delay_s = std::max(it.max_delay_s, delay);
-      if (kfac_delay_metric_ != nullptr) kfac_delay_metric_->Observe(delay);
+      metrics_.KfacDelay(delay);
     }
     if (!s.ok()) {
-      Fail(Annotate(s, BubbleTaskName(t)));
+      Fail(Annotate(s, BubbleSchedule::Name(t)));
       return false;
     }
     Record(v1::TaskTiming::KIND_BUBBLE, t.microbatch(), start);
-    const double seconds = absl::ToDoubleSeconds(end - start);
-    const std::string placement = t.serial() ? "serial" : at_step_end ? "overdue" : "bubble";
-    if (kfac_tasks_metric_ != nullptr) {
-      auto c = kfac_tasks_metric_->WithLabels(
-          {absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5)), placement});
-      if (c.ok()) (*c)->Increment();
-    }
-    if (kfac_seconds_metric_ != nullptr) {
-      auto c = kfac_seconds_metric_->WithLabels({placement});
-      if (c.ok()) (void)(*c)->IncrementBy(seconds);
-    }
+    metrics_.KfacTask(t, t.serial() ? "serial" : at_step_end ? "overdue" : "bubble",
+                      absl::ToDoubleSeconds(end - start));
     return true;
   }
 
-  // Runs this iteration's bubble tasks now, at step end, until none that
-  // `wanted` selects is left: the first ready wanted task, else the first
-  // ready inversion (it may be what unblocks the next refresh's curvature).
-  // Every task is ready once the node's pipeline work is done, unless the plan
-  // disagrees with the routes. False when the job failed.
-  bool DrainBubbles(const std::function<bool(const v1::BubbleTask&)>& wanted) {
-    Iteration& it = *it_;
+  // Runs this iteration's bubble tasks now, until none that `wanted` selects
+  // is left. `factors_final`: the step arrived, so synced factors are final
+  // and their layers may be inverted (before it, a membership change could
+  // still redo the all-reduce). False when the job failed.
+  bool DrainBubbles(const std::function<bool(const v1::BubbleTask&)>& wanted,
+                    bool factors_final) {
     while (true) {
-      const v1::BubbleTask* left = nullptr;
       const v1::BubbleTask* next = nullptr;
-      const v1::BubbleTask* inversion = nullptr;
-      for (const v1::BubbleTask& t : it.bubbles) {
-        const bool want = wanted(t);
-        if (want && left == nullptr) left = &t;
-        if (!BubbleReady(t)) continue;
-        if (want && next == nullptr) next = &t;
-        if (IsInversion(t) && inversion == nullptr) inversion = &t;
+      switch (bubbles_->NextToDrain(*it_->tracker, factors_final, wanted, &next)) {
+        case BubbleSchedule::Drain::kDone: return true;
+        case BubbleSchedule::Drain::kStuck:
+          Fail(absl::FailedPreconditionError(absl::StrCat(
+              "K-FAC task ", BubbleSchedule::Name(*next),
+              " cannot run: its input never came (the plan is inconsistent with the routes)")));
+          return false;
+        case BubbleSchedule::Drain::kTask:
+          if (!RunBubble(next, /*at_step_end=*/true)) return false;
       }
-      if (left == nullptr) return true;
-      if (next == nullptr) next = inversion;
-      if (next == nullptr) {
-        Fail(absl::FailedPreconditionError(absl::StrCat(
-            "K-FAC task ", BubbleTaskName(*left),
-            " cannot run: its input never came (the plan is inconsistent with the routes)")));
-        return false;
-      }
-      if (!RunBubble(next, /*at_step_end=*/true)) return false;
     }
   }
 
   // Busy fraction of the iteration: pipeline work, and with K-FAC work.
   void PublishUtilization(const Iteration& it, double duration) {
-    if (utilization_metric_ == nullptr || duration <= 0) return;
+    if (duration <= 0) return;
     const BusySeconds busy = SumBusy(it.timing);
-    if (auto g = utilization_metric_->WithLabels({"pipeline"}); g.ok()) {
-      (*g)->Set(busy.pipeline / duration);
-    }
-    if (auto g = utilization_metric_->WithLabels({"pipeline_and_kfac"}); g.ok()) {
-      (*g)->Set((busy.pipeline + busy.kfac) / duration);
-    }
+    metrics_.Utilization(busy.pipeline / duration, (busy.pipeline + busy.kfac) / duration);
   }
 
   // --- helpers ----------------------------------------------------------
 
   void SendTensor(const std::string& to, v1::Direction direction, uint32_t mb, uint32_t hop,
-                  const at::Tensor& tensor) {
-    auto sender = senders_.find(to);
-    if (sender == senders_.end()) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("no peer ", to, " in the assignment")));
-    }
+                  const at::Tensor& tensor, uint64_t epoch) {
     at::Tensor wire = tensor.detach();
     v1::DType dtype = v1::DTYPE_FP32;
     if (direction != v1::DIRECTION_ALLREDUCE && wire_ != v1::DTYPE_FP32) {
@@ -1012,6 +1190,7 @@ class JobRuntime::Impl {
     h.set_direction(direction);
     h.set_sender(me_);
     h.set_hop(hop);
+    h.set_epoch(epoch);
     for (int64_t d : wire.sizes()) h.add_shape(d);
     h.set_dtype(dtype);
     auto holder = std::make_shared<at::Tensor>(wire);
@@ -1022,10 +1201,10 @@ class JobRuntime::Impl {
     const uint64_t iteration = it_->plan.iteration();
     const uint64_t bytes = view.bytes;
     const std::string job = job_id_;
-    sender->second->Send(std::move(h), std::move(view),
-                         [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
-                           Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
-                         });
+    transport_->Send(to, std::move(h), std::move(view),
+                     [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
+                       Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
+                     });
   }
 
   void OnTransferDone(const std::string& job, uint64_t iteration, const std::string& to,
@@ -1033,22 +1212,36 @@ class JobRuntime::Impl {
                       double seconds) {
     if (job != job_id_) return;
     if (!status.ok()) {
-      if (it_ != nullptr && it_->plan.iteration() == iteration) {
-        Fail(Annotate(status, absl::StrCat("sending ", v1::Direction_Name(direction), " to ", to)));
+      if (it_ == nullptr || it_->plan.iteration() != iteration) return;
+      if (status.code() == absl::StatusCode::kCancelled &&
+          it_->tracker->lost().count(to)) {
+        return;  // the sender to a lost worker was closed
       }
+      if (spec_.elastic().disabled() || status.code() == absl::StatusCode::kNotFound ||
+          status.code() == absl::StatusCode::kAlreadyExists) {
+        return Fail(
+            Annotate(status, absl::StrCat("sending ", v1::Direction_Name(direction), " to ", to)));
+      }
+      // The peer may be gone: the coordinator decides (and re-plans around
+      // it); reported once per peer and iteration.
+      if (!it_->unreachable_reported.insert(to).second) return;
+      LogWarning("job ", job_id_, ": sending ", v1::Direction_Name(direction), " to ", to,
+                 " failed: ", status.message(), "; reporting it");
+      v1::WorkerMessage m;
+      v1::PeerUnreachable* u = m.mutable_peer_unreachable();
+      u->set_job_id(job_id_);
+      u->set_iteration(iteration);
+      u->set_peer(to);
+      u->set_message(std::string(status.message()));
+      Send(std::move(m), /*replay=*/false);
       return;
     }
-    if (transfer_metric_ != nullptr) {
-      auto h = transfer_metric_->WithLabels(
-          {direction == v1::DIRECTION_FORWARD    ? "forward"
-           : direction == v1::DIRECTION_BACKWARD ? "backward"
-                                                 : "allreduce"});
-      if (h.ok()) (*h)->Observe(seconds);
-    }
+    metrics_.Transfer(direction, seconds);
     if (it_ != nullptr && it_->plan.iteration() == iteration) {
       v1::TransferTiming* t = it_->timing.add_transfers();
       t->set_peer(to);
       t->set_forward(direction == v1::DIRECTION_FORWARD);
+      t->set_allreduce(direction == v1::DIRECTION_ALLREDUCE);
       t->set_bytes(bytes);
       t->set_duration_s(seconds);
     }
@@ -1064,17 +1257,12 @@ class JobRuntime::Impl {
       t->set_start_s(absl::ToDoubleSeconds(start - it_->received));
       t->set_duration_s(seconds);
     }
-    if (busy_metric_ != nullptr) (void)busy_metric_->IncrementBy(seconds);
-    if (task_metric_ != nullptr) {
-      auto h = task_metric_->WithLabels(
-          {absl::AsciiStrToLower(v1::TaskTiming::Kind_Name(kind).substr(5))});
-      if (h.ok()) (*h)->Observe(seconds);
-    }
+    metrics_.Task(kind, seconds);
   }
 
   void Fail(const absl::Status& status) {
     LogError("job ", job_id_, ": ", status.message());
-    ReportError(job_id_, it_ ? it_->plan.iteration() : 0, status);
+    ReportError(job_id_, it_ ? it_->plan.iteration() : completed_, status);
     Abandon();
   }
 
@@ -1085,7 +1273,7 @@ class JobRuntime::Impl {
     e->set_iteration(iteration);
     e->set_code(static_cast<int>(status.code()));
     e->set_message(absl::StrCat("worker ", me_, ": ", status.message()));
-    Send(std::move(m));
+    Send(std::move(m), /*replay=*/false);
   }
 
   // Forgets the current job: stage, peers, iteration state.
@@ -1093,98 +1281,43 @@ class JobRuntime::Impl {
     {
       absl::MutexLock lock(&accept_mu_);
       accept_job_.clear();
+      accept_state_from_.clear();
     }
     {
       // Queued pipeline work belongs to the abandoned job.
       absl::MutexLock lock(&queue_mu_);
       queue_.DropPipeline();
     }
-    for (auto& [id, sender] : senders_) sender->Close();
-    senders_.clear();
+    if (transport_ != nullptr) transport_->Close();
+    transport_.reset();
     peers_.clear();
     it_.reset();
     early_.clear();
+    replay_.clear();
     optimizer_.reset();
     kfac_.reset();
-    finalized_refresh_.clear();
+    bubbles_.reset();
     stage_.reset();
     train_tokens_.clear();
-    local_flat_ = at::Tensor();
+    reducer_.Clear();
+    state_from_.clear();
+    if (!job_id_.empty()) metrics_.Utilization(0, 0);
     if (!job_id_.empty() && set_job_) set_job_("");
     job_id_.clear();
   }
 
-  void Send(v1::WorkerMessage message) {
+  // Sends to the coordinator; messages of the iteration in progress are kept
+  // (`replay`) and repeated when the session reopens.
+  void Send(v1::WorkerMessage message, bool replay = true) {
+    if (replay && !job_id_.empty()) replay_.push_back(message);
     absl::Status s = send_(std::move(message));
     if (!s.ok()) LogWarning("cannot reach the coordinator: ", s.message());
-  }
-
-  void InitMetrics() {
-    metrics::Registry* m = options_.metrics;
-    if (m == nullptr) return;
-    if (auto f = m->AddHistogram("detour_worker_task_seconds",
-                                 "Compute time of pipeline tasks on this worker.",
-                                 metrics::DefaultLatencyBuckets(), {"kind"});
-        f.ok()) {
-      task_metric_ = *f;
-    }
-    if (auto f = m->AddHistogram("detour_worker_transfer_seconds",
-                                 "Time from handing a tensor to gRPC to the peer's "
-                                 "acknowledgement.",
-                                 metrics::DefaultLatencyBuckets(), {"direction"});
-        f.ok()) {
-      transfer_metric_ = *f;
-    }
-    auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
-      auto f = m->AddCounter(name, help);
-      if (!f.ok()) return nullptr;
-      auto c = (*f)->WithLabels({});
-      return c.ok() ? *c : nullptr;
-    };
-    busy_metric_ = counter("detour_worker_busy_seconds",
-                           "Seconds spent computing pipeline and optimiser tasks.");
-    iterations_metric_ = counter("detour_worker_iterations", "Iterations completed.");
-    late_frames_ = counter("detour_worker_frames_late",
-                           "Tensors for an old or unknown iteration, dropped.");
-    unexpected_frames_ = counter("detour_worker_frames_unexpected",
-                                 "Tensors not matching the plan (hop, duplicate), dropped.");
-    if (auto f = m->AddGauge("detour_worker_busy_fraction",
-                             "Busy fraction of the last iteration's wall time: work=\"pipeline\" "
-                             "counts forward, backward and loss; work=\"pipeline_and_kfac\" "
-                             "adds K-FAC curvature and inversion work.",
-                             {"work"});
-        f.ok()) {
-      utilization_metric_ = *f;
-    }
-    if (auto f = m->AddCounter("detour_worker_kfac_tasks",
-                               "K-FAC tasks run, by kind and placement: bubble (while idle), "
-                               "serial (planned at step end), overdue (planned in a bubble, "
-                               "run at step end because no idle time came).",
-                               {"kind", "placement"});
-        f.ok()) {
-      kfac_tasks_metric_ = *f;
-    }
-    if (auto f = m->AddCounter("detour_worker_kfac_seconds",
-                               "Seconds of K-FAC work, by placement.", {"placement"});
-        f.ok()) {
-      kfac_seconds_metric_ = *f;
-    }
-    if (auto f = m->AddHistogram("detour_worker_kfac_delay_seconds",
-                                 "How long pipeline work that arrived during a K-FAC bubble "
-                                 "task waited for it to finish.",
-                                 metrics::DefaultLatencyBuckets());
-        f.ok()) {
-      if (auto h = (*f)->WithLabels({}); h.ok()) kfac_delay_metric_ = *h;
-    }
-  }
-
-  static void Count(metrics::Counter* c) {
-    if (c != nullptr) c->Increment();
   }
 
   const JobRuntimeOptions options_;
   const SendFn send_;
   const JobFn set_job_;
+  RuntimeMetrics metrics_;
 
   // Executor queue.
   absl::Mutex queue_mu_;
@@ -1196,23 +1329,28 @@ class JobRuntime::Impl {
   absl::Mutex accept_mu_;
   std::string accept_job_ ABSL_GUARDED_BY(accept_mu_);
   uint64_t accept_iteration_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  uint64_t accept_epoch_ ABSL_GUARDED_BY(accept_mu_) = 0;
   std::vector<int64_t> accept_activation_shape_ ABSL_GUARDED_BY(accept_mu_);
   v1::DType accept_wire_ ABSL_GUARDED_BY(accept_mu_) = v1::DTYPE_FP32;
   int64_t accept_flat_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
   int64_t accept_factor_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  std::string accept_state_from_ ABSL_GUARDED_BY(accept_mu_);
+  uint64_t accept_state_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
 
   // Executor-only state.
   std::string me_;  // this worker's id, from the assignment
   std::string job_id_;
   v1::JobSpec spec_;
   int stage_index_ = 0;
-  std::vector<std::string> group_;
-  int rank_ = 0;
+  uint64_t epoch_ = 0;      // membership epoch known here
+  uint64_t completed_ = 0;  // iterations whose step ran here
+  std::vector<std::string> group_;  // this stage's replicas, rank order
+  ReplicaReducer<at::Tensor> reducer_;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::unique_ptr<model::Stage> stage_;
   std::unique_ptr<model::AdamW> optimizer_;
   std::unique_ptr<model::Kfac> kfac_;  // K-FAC jobs only
-  std::map<int, uint64_t> finalized_refresh_;  // layer -> newest refresh inverted
+  std::unique_ptr<BubbleSchedule> bubbles_;
   int64_t flat_numel_ = 0;
   int64_t factor_numel_ = 0;  // all held layers' factors (all-reduce bound)
   // Set while a bubble task runs; the first pipeline message arriving then
@@ -1221,22 +1359,12 @@ class JobRuntime::Impl {
   std::atomic<int64_t> arrived_during_bubble_ns_{0};
   std::vector<int32_t> train_tokens_;
   v1::DType wire_ = v1::DTYPE_FP32;
-  std::map<std::string, v1::Peer> peers_;
-  std::map<std::string, std::unique_ptr<PeerSender>> senders_;
+  std::unique_ptr<PeerTransport> transport_;
+  std::map<std::string, PeerEndpoint> peers_;  // the transport's peers
+  std::string state_from_;  // joining: the replica whose state we wait for
   std::unique_ptr<Iteration> it_;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>> early_;
-  at::Tensor local_flat_;
-
-  metrics::HistogramFamily* task_metric_ = nullptr;
-  metrics::HistogramFamily* transfer_metric_ = nullptr;
-  metrics::Counter* busy_metric_ = nullptr;
-  metrics::Counter* iterations_metric_ = nullptr;
-  metrics::Counter* late_frames_ = nullptr;
-  metrics::Counter* unexpected_frames_ = nullptr;
-  metrics::GaugeFamily* utilization_metric_ = nullptr;
-  metrics::CounterFamily* kfac_tasks_metric_ = nullptr;
-  metrics::CounterFamily* kfac_seconds_metric_ = nullptr;
-  metrics::Histogram* kfac_delay_metric_ = nullptr;
+  std::vector<v1::WorkerMessage> replay_;
 };
 
 JobRuntime::JobRuntime(JobRuntimeOptions options, SendFn send, JobFn set_job)
@@ -1247,6 +1375,8 @@ JobRuntime::~JobRuntime() { Stop(); }
 void JobRuntime::OnCoordinatorMessage(const v1::CoordinatorMessage& message) {
   impl_->OnCoordinatorMessage(message);
 }
+
+void JobRuntime::OnSessionOpened() { impl_->OnSessionOpened(); }
 
 absl::StatusOr<MutableBuffer> JobRuntime::Allocate(const v1::FrameHeader& header) {
   return impl_->Allocate(header);

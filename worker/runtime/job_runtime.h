@@ -1,16 +1,33 @@
 // Executes the coordinator's instructions for one job on one worker: builds
-// the assigned stage (worker/model), follows each IterationPlan — data nodes
-// start their microbatches within their memory slots, every hop runs its
-// forward (in the job's queue policy, within the node's memory slots:
-// worker/runtime/work_queue.h) and sends the activations on, the data node computes the loss and
-// the gradient walks the route back — then all-reduces the stage's gradient
-// with its replicas, reports the gradient norm, steps when the coordinator
-// says so, and reports the iteration's result and timings.
+// the assigned stage (worker/model; from a checkpoint or a live replica's
+// state when asked), follows each IterationPlan — data nodes start their
+// microbatches within their memory slots, every hop runs its forward (in the
+// job's queue policy, within the node's memory slots: work_queue.h) and
+// sends the activations on, the data node computes the loss and the gradient
+// walks the route back — then all-reduces the stage's gradient with its
+// replicas, reports the gradient norm, steps when the coordinator says so,
+// and reports the iteration's result and timings.
 //
-// Every message names its job and iteration: tensors for another job, an old
-// iteration or an unexpected hop are rejected at the transport and counted,
-// never applied. All LibTorch work runs on one executor thread owned here;
-// transport and control callbacks only enqueue. Thread-safe.
+// Elastic training (docs/RUNTIME.md §"Elastic training"): when the
+// coordinator reports lost workers mid-iteration, microbatches whose routes
+// crossed them freeze (iteration_tracker.h), the survivors re-reduce among
+// the new replica groups (replica_reducer.h), and frozen microbatches the
+// coordinator re-plans come back on new routes. A failed transfer is
+// reported to the coordinator at once (the fast path of loss detection).
+// After the control session reopens, the worker tells the coordinator what
+// it holds and repeats the current iteration's messages.
+//
+// The parts: the executor's queue (work_queue.h), the iteration's pipeline
+// book-keeping (iteration_tracker.h), the replica all-reduce's membership
+// (replica_reducer.h), K-FAC bubble selection (bubble_schedule.h), the
+// metrics (runtime_metrics.h) and the peer transport (peer_transport.h,
+// given as a factory so tests can use in-memory fakes).
+//
+// Every message names its job and iteration (and tensors their epoch):
+// tensors for another job, an old iteration, a replaced route or an
+// unexpected hop are rejected and counted, never applied. All LibTorch work
+// runs on one executor thread owned here; transport and control callbacks
+// only enqueue. Thread-safe.
 //
 // The header stays free of LibTorch so the daemon's other files compile fast.
 #ifndef DETOUR_WORKER_RUNTIME_JOB_RUNTIME_H_
@@ -23,6 +40,7 @@
 #include "absl/status/status.h"
 #include "common/metrics/metrics.h"
 #include "detour/v1/control_service.pb.h"
+#include "worker/runtime/peer_transport.h"
 #include "worker/transport/activation_server.h"
 
 namespace detour {
@@ -39,6 +57,8 @@ struct JobRuntimeOptions {
   // what the planner assumed); 0 = the job's pipeline.memory_slots.
   int memory_slots = 0;
   metrics::Registry* metrics = nullptr;  // not owned; may be null
+  // Makes each job's peer transport; empty = gRPC streams (GrpcPeerTransport).
+  PeerTransportFactory transport;
 };
 
 class JobRuntime : public TensorSink {
@@ -53,6 +73,10 @@ class JobRuntime : public TensorSink {
 
   // From the control client's reader thread; never blocks.
   void OnCoordinatorMessage(const v1::CoordinatorMessage& message);
+  // The control session (re)opened: when holding a job, sends JobStatus and
+  // repeats the messages of the iteration in progress (the old session may
+  // have lost them). Never blocks.
+  void OnSessionOpened();
 
   // TensorSink, called on gRPC threads.
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& header) override;

@@ -1,5 +1,6 @@
 #include "worker/runtime/work_queue.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace detour {
@@ -9,9 +10,28 @@ void WorkQueue::BeginIteration(uint64_t iteration, std::map<uint32_t, std::vecto
   iteration_ = iteration;
   started_ = true;
   stages_ = std::move(stages);
+  route_epoch_.clear();
   free_slots_ = slots;
   holders_.clear();
   policy_ = policy;
+}
+
+void WorkQueue::SetRoute(uint32_t microbatch, std::vector<int> stages, uint64_t epoch) {
+  stages_[microbatch] = std::move(stages);
+  route_epoch_[microbatch] = epoch;
+}
+
+void WorkQueue::DropMicrobatch(uint64_t iteration, uint32_t microbatch) {
+  if (!started_ || iteration != iteration_) return;
+  pipeline_.erase(std::remove_if(pipeline_.begin(), pipeline_.end(),
+                                 [&](const Item& item) {
+                                   return item.work.iteration == iteration &&
+                                          item.work.microbatch == microbatch;
+                                 }),
+                  pipeline_.end());
+  if (holders_.erase(microbatch) > 0) ++free_slots_;
+  stages_.erase(microbatch);
+  route_epoch_.erase(microbatch);
 }
 
 void WorkQueue::PushControl(Fn fn) { control_.push_back(std::move(fn)); }
@@ -35,6 +55,8 @@ bool WorkQueue::NeedsSlot(const Pipeline& w) const {
   if (w.backward || !started_ || w.iteration != iteration_) return false;
   auto it = stages_.find(w.microbatch);
   if (it == stages_.end() || w.hop >= static_cast<int>(it->second.size())) return false;
+  auto epoch = route_epoch_.find(w.microbatch);
+  if (w.epoch != (epoch == route_epoch_.end() ? 0 : epoch->second)) return false;
   return sim::ForwardNeedsSlot(it->second, w.hop);
 }
 
@@ -69,10 +91,9 @@ bool WorkQueue::Pop(Fn* fn) {
   if (i < 0) return false;
   Item item = std::move(pipeline_[i]);
   pipeline_.erase(pipeline_.begin() + i);
-  if (NeedsSlot(item.work)) {
-    --free_slots_;
-    holders_.insert(item.work.microbatch);
-  }
+  // One slot per microbatch: a duplicate forward (the runtime drops it)
+  // takes none.
+  if (NeedsSlot(item.work) && holders_.insert(item.work.microbatch).second) --free_slots_;
   *fn = std::move(item.fn);
   return true;
 }
@@ -86,6 +107,7 @@ void WorkQueue::DropPipeline() {
   pipeline_.clear();
   holders_.clear();
   stages_.clear();
+  route_epoch_.clear();
   started_ = false;
   free_slots_ = 0;
 }

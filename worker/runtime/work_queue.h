@@ -39,6 +39,9 @@ class WorkQueue {
     uint32_t microbatch = 0;
     int hop = 0;
     bool backward = false;
+    // Route epoch of the frame (FrameHeader.epoch): work of a route that
+    // was replaced never takes a slot (the runtime drops it).
+    uint64_t epoch = 0;
   };
 
   // Starts an iteration: the stages of every microbatch's route (indexed
@@ -47,6 +50,12 @@ class WorkQueue {
   // are forgotten.
   void BeginIteration(uint64_t iteration, std::map<uint32_t, std::vector<int>> stages,
                       int slots, sim::QueuePolicy policy);
+  // A microbatch of the current iteration got a new route (re-run around a
+  // lost worker) planned in `epoch`.
+  void SetRoute(uint32_t microbatch, std::vector<int> stages, uint64_t epoch);
+  // Forgets a microbatch of the current iteration (frozen: its route
+  // crossed a lost worker): its queued work goes, its slot comes back.
+  void DropMicrobatch(uint64_t iteration, uint32_t microbatch);
 
   void PushControl(Fn fn);
   void PushPipeline(const Pipeline& work, Fn fn);
@@ -83,6 +92,7 @@ class WorkQueue {
   uint64_t iteration_ = 0;
   bool started_ = false;
   std::map<uint32_t, std::vector<int>> stages_;
+  std::map<uint32_t, uint64_t> route_epoch_;  // absent = 0
   int free_slots_ = 0;
   std::set<uint32_t> holders_;
   sim::QueuePolicy policy_ = sim::QueuePolicy::kArrival;

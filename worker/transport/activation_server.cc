@@ -14,8 +14,8 @@ namespace detour {
 namespace {
 
 std::string TensorKey(const v1::FrameHeader& h) {
-  return absl::StrCat(h.job_id(), "/", h.iteration(), "/", h.microbatch(), "/", h.direction(),
-                      "/", h.hop());
+  return absl::StrCat(h.job_id(), "/", h.iteration(), "/", h.epoch(), "/", h.microbatch(), "/",
+                      h.direction(), "/", h.hop());
 }
 
 grpc::ByteBuffer Serialize(const v1::FrameAck& ack) {
@@ -30,6 +30,7 @@ v1::FrameAck AckFor(const v1::FrameHeader& h, bool ok, std::string error) {
   ack.set_iteration(h.iteration());
   ack.set_microbatch(h.microbatch());
   ack.set_direction(h.direction());
+  ack.set_epoch(h.epoch());
   ack.set_ok(ok);
   ack.set_error(std::move(error));
   return ack;

@@ -102,6 +102,7 @@ size_t DTypeSize(v1::DType dtype) {
     case v1::DTYPE_FP16: return 2;
     case v1::DTYPE_BF16: return 2;
     case v1::DTYPE_INT64: return 8;
+    case v1::DTYPE_BYTES: return 1;
     default: return 0;
   }
 }
@@ -176,9 +177,9 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                  uint64_t max_tensor_bytes) {
   if (h.job_id().empty()) return absl::InvalidArgumentError("frame header: job_id is empty");
   if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
-      h.direction() != v1::DIRECTION_ALLREDUCE) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("frame header: direction ", h.direction(), " is not FORWARD, BACKWARD or ALLREDUCE"));
+      h.direction() != v1::DIRECTION_ALLREDUCE && h.direction() != v1::DIRECTION_STATE) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame header: direction ", h.direction(), " is not FORWARD, BACKWARD, ALLREDUCE or STATE"));
   }
   const size_t element = DTypeSize(h.dtype());
   if (element == 0) {

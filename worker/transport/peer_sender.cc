@@ -14,9 +14,12 @@ namespace {
 
 constexpr char kMethod[] = "/detour.v1.ActivationService/Stream";
 
-std::string AckKey(const std::string& job, uint64_t iteration, uint32_t microbatch,
-                   int direction) {
-  return absl::StrCat(job, "/", iteration, "/", microbatch, "/", direction);
+// A tensor in flight: one per (job, iteration, epoch, microbatch,
+// direction) and peer — a microbatch re-run on a new route (newer epoch) may
+// go to the same peer while the old route's tensor is still pending.
+std::string AckKey(const std::string& job, uint64_t iteration, uint64_t epoch,
+                   uint32_t microbatch, int direction) {
+  return absl::StrCat(job, "/", iteration, "/", epoch, "/", microbatch, "/", direction);
 }
 
 }  // namespace
@@ -72,7 +75,8 @@ void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
   header.set_total_bytes(data.bytes);
   header.set_num_chunks(chunks);
   const std::string key =
-      AckKey(header.job_id(), header.iteration(), header.microbatch(), header.direction());
+      AckKey(header.job_id(), header.iteration(), header.epoch(), header.microbatch(),
+             header.direction());
   absl::MutexLock lock(&mu_);
   if (closing_) {
     done(absl::CancelledError("sender closed"), 0);
@@ -224,7 +228,8 @@ void PeerSender::OnReadEnded() {
 }
 
 void PeerSender::OnAck(const v1::FrameAck& ack) {
-  const std::string key = AckKey(ack.job_id(), ack.iteration(), ack.microbatch(), ack.direction());
+  const std::string key = AckKey(ack.job_id(), ack.iteration(), ack.epoch(), ack.microbatch(),
+                                 ack.direction());
   Pending p;
   {
     absl::MutexLock lock(&mu_);

@@ -1,0 +1,385 @@
+// The worker runtime without daemons: several JobRuntimes in one process,
+// tensors between them over an in-memory PeerTransport, the coordinator
+// played by the test. Covers an ordinary iteration, a worker lost mid-
+// iteration (fast detection by a failed transfer, freeze, re-run on the
+// surviving replica, all-reduce among the survivors) and a replica joining
+// with the state of a live one.
+#include "worker/runtime/job_runtime.h"
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/spec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace detour {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using ::testing::UnorderedElementsAre;
+
+// Workers in one process. A "dead" worker receives nothing: transfers to it
+// fail at once, as a killed peer's stream would.
+class FakeNetwork {
+ public:
+  class Transport final : public PeerTransport {
+   public:
+    Transport(FakeNetwork* net) : net_(net) {}
+    void SetPeers(const std::vector<PeerEndpoint>& peers) override {
+      absl::MutexLock lock(&mu_);
+      peers_.clear();
+      for (const PeerEndpoint& p : peers) peers_.insert(p.worker_id);
+    }
+    void Send(const std::string& to, v1::FrameHeader header, TensorView data,
+              Done done) override {
+      {
+        absl::MutexLock lock(&mu_);
+        if (!peers_.count(to)) {
+          done(absl::NotFoundError(absl::StrCat("no peer ", to)), 0);
+          return;
+        }
+      }
+      JobRuntime* peer = net_->Alive(to);
+      if (peer == nullptr) {
+        done(absl::UnavailableError(absl::StrCat(to, " is gone")), 0);
+        return;
+      }
+      header.set_total_bytes(data.bytes);
+      auto buffer = peer->Allocate(header);
+      if (!buffer.ok()) {
+        done(buffer.status(), 0);
+        return;
+      }
+      std::memcpy(buffer->data, data.data, data.bytes);
+      peer->Deliver(header, *std::move(buffer));
+      done(absl::OkStatus(), 0.001);
+    }
+    void Close() override {}
+
+   private:
+    FakeNetwork* net_;
+    absl::Mutex mu_;
+    std::set<std::string> peers_ ABSL_GUARDED_BY(mu_);
+  };
+
+  // A worker named `id`; messages to the coordinator are kept per worker.
+  JobRuntime* Add(const std::string& id) {
+    JobRuntimeOptions o;
+    o.torch_threads = 1;
+    o.transport = [this](const PeerTransportConfig&) -> std::unique_ptr<PeerTransport> {
+      return std::make_unique<Transport>(this);
+    };
+    auto runtime = std::make_unique<JobRuntime>(
+        o,
+        [this, id](v1::WorkerMessage m) {
+          absl::MutexLock lock(&mu_);
+          inbox_[id].push_back(std::move(m));
+          return absl::OkStatus();
+        },
+        nullptr);
+    JobRuntime* raw = runtime.get();
+    absl::MutexLock lock(&mu_);
+    runtimes_[id] = std::move(runtime);
+    return raw;
+  }
+
+  JobRuntime* Alive(const std::string& id) {
+    absl::MutexLock lock(&mu_);
+    if (dead_.count(id) || !runtimes_.count(id)) return nullptr;
+    return runtimes_.at(id).get();
+  }
+  void Kill(const std::string& id) {
+    absl::MutexLock lock(&mu_);
+    dead_.insert(id);
+  }
+
+  // Waits until `from` sent a message `match` accepts; returns it.
+  template <typename Match>
+  std::optional<v1::WorkerMessage> Await(const std::string& from, Match match,
+                                         absl::Duration timeout = absl::Seconds(60)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto& box = inbox_[from];
+        for (auto it = box.begin(); it != box.end(); ++it) {
+          if (it->has_error()) {
+            ADD_FAILURE() << from << ": " << it->error().message();
+            box.erase(it);
+            return std::nullopt;
+          }
+          if (match(*it)) {
+            v1::WorkerMessage m = *it;
+            box.erase(it);
+            return m;
+          }
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ADD_FAILURE() << "no expected message from " << from;
+    return std::nullopt;
+  }
+
+  void Stop() {
+    std::map<std::string, std::unique_ptr<JobRuntime>> runtimes;
+    {
+      absl::MutexLock lock(&mu_);
+      runtimes.swap(runtimes_);
+    }
+    for (auto& [id, r] : runtimes) r->Stop();
+  }
+  ~FakeNetwork() { Stop(); }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> dead_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::deque<v1::WorkerMessage>> inbox_ ABSL_GUARDED_BY(mu_);
+};
+
+// 2 stages: data nodes d0, d1 (stage 0), replicas r0, r1 (stage 1); four
+// microbatches, two per data node.
+v1::JobSpec Spec() {
+  v1::JobSpec spec;
+  spec.set_name("runtime");
+  spec.mutable_model()->set_num_layers(2);
+  spec.mutable_model()->set_d_model(32);
+  spec.mutable_model()->set_num_heads(2);
+  spec.mutable_model()->set_ffn_dim(64);
+  spec.mutable_model()->set_context_length(16);
+  spec.mutable_pipeline()->set_num_stages(2);
+  spec.mutable_pipeline()->set_data_nodes(2);
+  spec.mutable_pipeline()->set_replicas_per_stage(2);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(2);
+  spec.mutable_pipeline()->set_samples_per_microbatch(2);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_FULL);
+  spec.set_iterations(4);
+  return *NormalizeJobSpec(spec);
+}
+
+const std::map<std::string, int> kStage = {{"d0", 0}, {"d1", 0}, {"r0", 1}, {"r1", 1}};
+
+v1::CoordinatorMessage Assignment(const std::string& id, int stage,
+                                  const std::vector<std::string>& members,
+                                  const std::vector<std::string>& group, uint64_t start = 0,
+                                  const std::string& state_from = "", uint64_t epoch = 0) {
+  v1::CoordinatorMessage m;
+  v1::StageAssignment* a = m.mutable_assignment();
+  a->set_job_id("job");
+  *a->mutable_spec() = Spec();
+  a->set_stage(stage);
+  a->set_layer_begin(stage);
+  a->set_layer_end(stage + 1);
+  for (const std::string& p : members) {
+    v1::Peer* peer = a->add_peers();
+    peer->set_worker_id(p);
+    peer->set_address("in-memory");
+  }
+  for (const std::string& g : group) a->add_replica_group(g);
+  a->set_worker_id(id);
+  a->set_start_iteration(start);
+  a->set_state_from(state_from);
+  a->set_epoch(epoch);
+  return m;
+}
+
+v1::Route Route(uint32_t mb, const std::string& data, const std::string& hop, uint64_t epoch = 0) {
+  v1::Route r;
+  r.set_microbatch(mb);
+  r.set_data_node(data);
+  r.add_nodes(data);
+  r.add_nodes(hop);
+  r.add_stages(0);
+  r.add_stages(1);
+  r.set_epoch(epoch);
+  return r;
+}
+
+void AddGroups(google::protobuf::RepeatedPtrField<v1::ReplicaGroup>* groups,
+               const std::vector<std::string>& stage0, const std::vector<std::string>& stage1) {
+  v1::ReplicaGroup* g0 = groups->Add();
+  g0->set_stage(0);
+  for (const auto& id : stage0) g0->add_nodes(id);
+  v1::ReplicaGroup* g1 = groups->Add();
+  g1->set_stage(1);
+  for (const auto& id : stage1) g1->add_nodes(id);
+}
+
+class JobRuntimeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [id, s] : kStage) runtime_[id] = net_.Add(id);
+  }
+
+  void AssignAll() {
+    const std::vector<std::string> all = {"d0", "d1", "r0", "r1"};
+    for (const auto& [id, s] : kStage) {
+      runtime_[id]->OnCoordinatorMessage(
+          Assignment(id, s, all, s == 0 ? std::vector<std::string>{"d0", "d1"}
+                                        : std::vector<std::string>{"r0", "r1"}));
+    }
+    for (const auto& [id, s] : kStage) {
+      ASSERT_TRUE(net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_stage_ready(); }));
+    }
+  }
+
+  v1::CoordinatorMessage Plan(uint64_t iteration) {
+    v1::CoordinatorMessage m;
+    v1::IterationPlan* p = m.mutable_plan();
+    p->set_job_id("job");
+    p->set_iteration(iteration);
+    *p->add_routes() = Route(0, "d0", "r0");
+    *p->add_routes() = Route(1, "d0", "r1");
+    *p->add_routes() = Route(2, "d1", "r0");
+    *p->add_routes() = Route(3, "d1", "r1");
+    AddGroups(p->mutable_replica_groups(), {"d0", "d1"}, {"r0", "r1"});
+    return m;
+  }
+
+  // Collects one norm per worker of `ids` (of `epoch`), steps, returns the
+  // results by worker.
+  std::map<std::string, v1::IterationResult> Step(uint64_t iteration,
+                                                  const std::vector<std::string>& ids,
+                                                  uint64_t epoch) {
+    std::map<int, double> by_stage;
+    for (const std::string& id : ids) {
+      auto n = net_.Await(id, [&](const v1::WorkerMessage& m) {
+        return m.has_grad_norm() && m.grad_norm().epoch() == epoch;
+      });
+      if (!n) return {};
+      by_stage[n->grad_norm().stage()] = n->grad_norm().squared_norm();
+    }
+    v1::CoordinatorMessage step;
+    step.mutable_step()->set_job_id("job");
+    step.mutable_step()->set_iteration(iteration);
+    step.mutable_step()->set_epoch(epoch);
+    double sum = 0;
+    for (const auto& [s, sq] : by_stage) sum += sq;
+    step.mutable_step()->set_squared_norm(sum);
+    for (const std::string& id : ids) runtime_[id]->OnCoordinatorMessage(step);
+    std::map<std::string, v1::IterationResult> results;
+    for (const std::string& id : ids) {
+      auto r = net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_result(); });
+      if (r) results[id] = r->result();
+    }
+    return results;
+  }
+
+  static std::vector<uint32_t> Mbs(const v1::IterationResult& r) {
+    return {r.microbatches().begin(), r.microbatches().end()};
+  }
+
+  FakeNetwork net_;
+  std::map<std::string, JobRuntime*> runtime_;
+};
+
+TEST_F(JobRuntimeTest, AnIterationTrainsAndReplicasStayIdentical) {
+  AssignAll();
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  auto results = Step(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_THAT(Mbs(results["d0"]), ElementsAre(0, 1));
+  EXPECT_THAT(Mbs(results["d1"]), ElementsAre(2, 3));
+  EXPECT_EQ(results["d0"].parameter_checksum(), results["d1"].parameter_checksum());
+  EXPECT_EQ(results["r0"].parameter_checksum(), results["r1"].parameter_checksum());
+  EXPECT_GT(results["d0"].loss_sum(), 0);
+}
+
+// r1 dies before the iteration: transfers to it fail and are reported at
+// once; the coordinator freezes the microbatches that crossed it, the
+// survivors re-run them on r0, and the replicas of stage 0 still agree.
+TEST_F(JobRuntimeTest, ALostReplicaIsRoutedAroundMidIteration) {
+  AssignAll();
+  net_.Kill("r1");
+  const std::vector<std::string> alive = {"d0", "d1", "r0"};
+  for (const std::string& id : alive) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  for (const std::string data : {"d0", "d1"}) {
+    auto report = net_.Await(data, [](const v1::WorkerMessage& m) {
+      return m.has_peer_unreachable() && m.peer_unreachable().peer() == "r1";
+    });
+    ASSERT_TRUE(report.has_value());
+  }
+  v1::CoordinatorMessage change;
+  v1::MembershipChange* c = change.mutable_membership();
+  c->set_job_id("job");
+  c->set_iteration(0);
+  c->set_epoch(1);
+  c->add_lost("r1");
+  AddGroups(c->mutable_replica_groups(), {"d0", "d1"}, {"r0"});
+  for (const std::string& id : alive) runtime_[id]->OnCoordinatorMessage(change);
+  for (const std::string& id : alive) {
+    auto ack = net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_membership_ack(); });
+    ASSERT_TRUE(ack.has_value());
+    EXPECT_EQ(ack->membership_ack().epoch(), 1u);
+    // The frozen microbatches never reached r1: no backward ran anywhere.
+    EXPECT_THAT(ack->membership_ack().backward_ran(), IsEmpty()) << id;
+  }
+  v1::CoordinatorMessage amend;
+  v1::RouteAmendment* a = amend.mutable_reroute();
+  a->set_job_id("job");
+  a->set_iteration(0);
+  a->set_epoch(1);
+  *a->add_routes() = Route(1, "d0", "r0", 1);
+  *a->add_routes() = Route(3, "d1", "r0", 1);
+  for (const std::string& id : alive) runtime_[id]->OnCoordinatorMessage(amend);
+  auto results = Step(0, alive, 1);
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_THAT(Mbs(results["d0"]), UnorderedElementsAre(0, 1));
+  EXPECT_THAT(Mbs(results["d1"]), UnorderedElementsAre(2, 3));
+  EXPECT_EQ(results["d0"].parameter_checksum(), results["d1"].parameter_checksum());
+  EXPECT_EQ(results["r0"].epoch(), 1u);
+}
+
+// A new replica of stage 1 joins after an iteration: it receives r0's state
+// and holds exactly the same parameters.
+TEST_F(JobRuntimeTest, AJoiningReplicaReceivesTheLiveState) {
+  AssignAll();
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  auto results = Step(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_EQ(results.size(), 4u);
+  JobRuntime* r2 = net_.Add("r2");
+  const std::vector<std::string> all = {"d0", "d1", "r0", "r1", "r2"};
+  r2->OnCoordinatorMessage(Assignment("r2", 1, all, {"r0", "r1", "r2"}, 1, "r0", 1));
+  ASSERT_TRUE(net_.Await("r2", [](const v1::WorkerMessage& m) { return m.has_stage_ready(); }));
+  v1::CoordinatorMessage send;
+  send.mutable_send_state()->set_job_id("job");
+  send.mutable_send_state()->set_to("r2");
+  send.mutable_send_state()->set_epoch(1);
+  send.mutable_send_state()->mutable_peer()->set_worker_id("r2");
+  send.mutable_send_state()->mutable_peer()->set_address("in-memory");
+  runtime_["r0"]->OnCoordinatorMessage(send);
+  auto received =
+      net_.Await("r2", [](const v1::WorkerMessage& m) { return m.has_state_received(); });
+  ASSERT_TRUE(received.has_value());
+  EXPECT_EQ(received->state_received().parameter_checksum(), results["r0"].parameter_checksum());
+}
+
+// Tensors from a worker the stage does not expect state from are refused
+// before any memory is taken.
+TEST_F(JobRuntimeTest, StateFromAnyoneElseIsRefused) {
+  AssignAll();
+  v1::FrameHeader h;
+  h.set_job_id("job");
+  h.set_direction(v1::DIRECTION_STATE);
+  h.set_sender("r1");
+  h.add_shape(16);
+  h.set_dtype(v1::DTYPE_BYTES);
+  EXPECT_EQ(runtime_["r0"]->Allocate(h).status().code(), absl::StatusCode::kFailedPrecondition);
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_epoch(1000);
+  EXPECT_EQ(runtime_["r0"]->Allocate(h).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace detour

@@ -1,0 +1,98 @@
+#include "worker/runtime/peer_transport.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace detour {
+
+LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& from_region,
+                               const std::string& to_region) {
+  LinkEmulation e;
+  if (net.nodes().empty() && net.links().empty()) return e;
+  double latency_ms = net.intra_region_latency_ms() > 0 ? net.intra_region_latency_ms() : 1.0;
+  double gbps = net.intra_region_bandwidth_gbytes_per_s() > 0
+                    ? net.intra_region_bandwidth_gbytes_per_s()
+                    : 5.0;
+  if (from_region != to_region) {
+    for (const v1::RegionLink& l : net.links()) {
+      if ((l.region_a() == from_region && l.region_b() == to_region) ||
+          (l.region_b() == from_region && l.region_a() == to_region)) {
+        latency_ms = l.latency_ms();
+        gbps = l.bandwidth_gbytes_per_s();
+      }
+    }
+  }
+  e.latency = absl::Milliseconds(latency_ms);
+  e.bandwidth_bytes_per_s = gbps * 1e9;
+  return e;
+}
+
+GrpcPeerTransport::GrpcPeerTransport(PeerTransportConfig config) : config_(std::move(config)) {}
+
+GrpcPeerTransport::~GrpcPeerTransport() { Close(); }
+
+void GrpcPeerTransport::SetPeers(const std::vector<PeerEndpoint>& peers) {
+  std::vector<std::unique_ptr<PeerSender>> closing;
+  {
+    absl::MutexLock lock(&mu_);
+    std::map<std::string, PeerEndpoint> next;
+    for (const PeerEndpoint& p : peers) next[p.worker_id] = p;
+    for (auto it = senders_.begin(); it != senders_.end();) {
+      auto keep = next.find(it->first);
+      if (keep == next.end() || keep->second.address != peers_[it->first].address) {
+        closing.push_back(std::move(it->second));
+        it = senders_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    peers_ = std::move(next);
+  }
+  for (auto& sender : closing) sender->Close();
+}
+
+void GrpcPeerTransport::Send(const std::string& to, v1::FrameHeader header, TensorView data,
+                             Done done) {
+  PeerSender* sender = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) {
+      done(absl::CancelledError("the job's transport is closed"), 0);
+      return;
+    }
+    auto peer = peers_.find(to);
+    if (peer == peers_.end()) {
+      done(absl::NotFoundError(absl::StrCat("no peer ", to, " in the job")), 0);
+      return;
+    }
+    auto& slot = senders_[to];
+    if (slot == nullptr) {
+      PeerSenderOptions o;
+      o.emulation = EmulationBetween(config_.emulate_network, config_.region, peer->second.region);
+      slot = std::make_unique<PeerSender>(peer->second.address, o);
+    }
+    sender = slot.get();
+    // Queued under the lock: Close cannot destroy the sender meanwhile.
+    sender->Send(std::move(header), std::move(data), std::move(done));
+  }
+}
+
+void GrpcPeerTransport::Close() {
+  std::map<std::string, std::unique_ptr<PeerSender>> senders;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    senders.swap(senders_);
+    peers_.clear();
+  }
+  for (auto& [id, sender] : senders) sender->Close();
+}
+
+PeerTransportFactory GrpcPeerTransport::Factory() {
+  return [](const PeerTransportConfig& config) -> std::unique_ptr<PeerTransport> {
+    return std::make_unique<GrpcPeerTransport>(config);
+  };
+}
+
+}  // namespace detour
