@@ -55,6 +55,9 @@ absl::Status Coordinator::Init() {
   JobServiceImpl::Hooks job_hooks;
   job_hooks.on_submitted = [this](const std::string& id) { manager_->Add(id); };
   job_hooks.on_cancelled = [this](const std::string& id) { manager_->Cancel(id); };
+  job_hooks.on_resume = [this](const std::string& id, const std::string& checkpoint) {
+    return manager_->Resume(id, checkpoint);
+  };
   job_service_ = std::make_unique<JobServiceImpl>(&jobs_, std::move(job_hooks));
   ControlServiceImpl::Hooks hooks;
   hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
@@ -116,8 +119,19 @@ void Coordinator::ReaperLoop() {
   // Check often enough that a worker is lost within ~10% of the silence.
   const absl::Duration tick =
       std::max(absl::Milliseconds(50), std::min(absl::Seconds(1), options_.worker_silence / 10));
+  absl::Time last = absl::Now();
   while (!stop_reaper_.WaitForNotificationWithTimeout(tick)) {
-    for (const std::string& id : registry_.MarkSilentWorkersLost(absl::Now())) {
+    const absl::Time now = absl::Now();
+    if (now - last > std::max(options_.worker_silence / 2, 4 * tick)) {
+      // This process did not run for a while (SIGSTOP, a stalled machine):
+      // the workers' heartbeats wait unread in the sockets, and their
+      // silence is ours, not theirs.
+      LogWarning("the coordinator did not run for ", absl::FormatDuration(now - last),
+                 "; not counting that time against the workers' heartbeats");
+      registry_.ForgiveSilence(now);
+    }
+    last = now;
+    for (const std::string& id : registry_.MarkSilentWorkersLost(now)) {
       LogWarning("worker ", id, " lost: no heartbeat for ",
                  absl::FormatDuration(options_.worker_silence));
       workers_lost_->Increment();

@@ -18,7 +18,7 @@
 #include "common/net/server.h"
 #include "coordinator/control_service.h"
 #include "coordinator/job_service.h"
-#include "coordinator/job_runner.h"
+#include "coordinator/job_manager.h"
 #include "coordinator/job_store.h"
 #include "coordinator/worker_registry.h"
 

@@ -2,6 +2,8 @@
 add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/control_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/coordinator.cc
+  ${CMAKE_CURRENT_LIST_DIR}/iteration_round.cc
+  ${CMAKE_CURRENT_LIST_DIR}/job_manager.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc

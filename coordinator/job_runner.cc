@@ -2,53 +2,133 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <filesystem>
+#include <limits>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "common/sim/cost_model.h"
 #include "common/spec.h"
 #include "common/stage_layers.h"
 #include "common/status.h"
 #include "common/timing.h"
+#include "coordinator/iteration_round.h"
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
 namespace {
 
+using google::protobuf::util::TimeUtil;
+
 google::protobuf::Timestamp Now() {
-  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
 }
+
+absl::Time FromProto(const google::protobuf::Timestamp& t) {
+  return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(t));
+}
+
+// Iterations completed when the checkpoint in `dir` was taken (its
+// manifest's "iteration"); the manifest's presence marks it complete.
+absl::StatusOr<uint64_t> CheckpointIteration(const std::string& dir) {
+  const std::string path = dir + "/manifest.json";
+  auto text = ReadFileToString(path);
+  if (!text.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, " is not complete (", text.status().message(), ")"));
+  }
+  google::protobuf::Struct root;
+  if (!google::protobuf::util::JsonStringToMessage(*text, &root).ok()) {
+    return absl::DataLossError(absl::StrCat(path, " is not valid JSON"));
+  }
+  auto it = root.fields().find("iteration");
+  if (it == root.fields().end() || !it->second.has_number_value() ||
+      !(it->second.number_value() >= 0) || it->second.number_value() > 1e15) {
+    return absl::DataLossError(absl::StrCat(path, " has no valid \"iteration\""));
+  }
+  return static_cast<uint64_t>(it->second.number_value());
+}
+
+bool SameTime(const google::protobuf::Timestamp& a, const google::protobuf::Timestamp& b) {
+  return a.seconds() == b.seconds() && a.nanos() == b.nanos();
+}
+
+// Most history events a job record keeps.
+constexpr int kMaxHistory = 200;
 
 }  // namespace
 
-// How a job ended: its final state and the reason.
-struct JobEnd {
-  v1::JobState state;
-  std::string message;
-};
+RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
+  if (m == nullptr) return;
+  auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
+    auto f = m->AddCounter(name, help);
+    if (!f.ok()) return nullptr;
+    auto c = (*f)->WithLabels({});
+    return c.ok() ? *c : nullptr;
+  };
+  recoveries = counter("detour_coordinator_recoveries",
+                       "Recoveries of running jobs from lost workers (re-planned around them).");
+  lost = counter("detour_coordinator_job_workers_lost", "Workers that left a running job.");
+  joined = counter("detour_coordinator_job_workers_joined",
+                   "Workers that joined a running job.");
+  if (auto f = m->AddHistogram("detour_coordinator_recovery_seconds",
+                               "From the detection of a lost worker to the job running again "
+                               "(re-planned microbatches sent, or the next iteration planned).",
+                               metrics::DefaultLatencyBuckets());
+      f.ok()) {
+    if (auto h = (*f)->WithLabels({}); h.ok()) recovery_seconds = *h;
+  }
+  if (auto f = m->AddCounter("detour_coordinator_microbatches_recovered",
+                             "Microbatches of iterations that lost a worker: rerun on new routes, "
+                             "or dropped (their backward had partly run).",
+                             {"outcome"});
+      f.ok()) {
+    microbatches = *f;
+  }
+  if (auto f = m->AddGauge("detour_coordinator_job_members",
+                           "Workers taking part in running jobs.");
+      f.ok()) {
+    if (auto g = (*f)->WithLabels({}); g.ok()) members = *g;
+  }
+}
 
-// Drives one job whose workers are reserved, from assignment to its end, on
-// its own thread. Pending jobs have no runner (JobManager::ScheduleLoop).
-class JobRunner {
+void RunnerMetrics::Recovered(double seconds) {
+  if (recoveries != nullptr) recoveries->Increment();
+  if (recovery_seconds != nullptr) recovery_seconds->Observe(seconds);
+}
+void RunnerMetrics::Microbatches(const char* outcome, int n) {
+  if (microbatches == nullptr || n <= 0) return;
+  if (auto c = microbatches->WithLabels({outcome}); c.ok()) (void)(*c)->IncrementBy(n);
+}
+void RunnerMetrics::WorkerLost() {
+  if (lost != nullptr) lost->Increment();
+}
+void RunnerMetrics::WorkerJoined() {
+  if (joined != nullptr) joined->Increment();
+}
+void RunnerMetrics::MembersChanged(int delta) {
+  if (members != nullptr) members->Increment(delta);
+}
+
+class JobRunner::Impl {
  public:
-  JobRunner(JobManager* manager, std::string job_id, v1::JobSpec spec,
-            std::vector<v1::WorkerInfo> workers)
-      : manager_(manager),
-        job_id_(std::move(job_id)),
-        spec_(std::move(spec)),
-        workers_(std::move(workers)) {}
+  Impl(RunnerHost* host, std::string job_id, v1::JobSpec spec,
+       std::vector<v1::WorkerInfo> workers, JobRunner::StartMode start)
+      : host_(host), job_id_(std::move(job_id)), spec_(std::move(spec)), start_mode_(start) {
+    for (v1::WorkerInfo& w : workers) infos_[w.worker_id()] = std::move(w);
+  }
 
-  ~JobRunner() {
+  ~Impl() {
     RequestStop(JobEnd{v1::JOB_STATE_FAILED, "coordinator stopped while the job was running"});
     if (thread_.joinable()) thread_.join();
   }
@@ -58,6 +138,11 @@ class JobRunner {
   void Post(const std::string& worker_id, const v1::WorkerMessage& message) {
     absl::MutexLock lock(&mu_);
     inbox_.emplace_back(worker_id, message);
+  }
+
+  void Poke() {
+    absl::MutexLock lock(&mu_);
+    poked_ = true;
   }
 
   void RequestStop(JobEnd stop) {
@@ -73,42 +158,81 @@ class JobRunner {
  private:
   using Message = std::pair<std::string, v1::WorkerMessage>;
 
+  // What one wait brought: messages, workers found lost, or the end.
+  struct Event {
+    std::deque<Message> messages;
+    std::vector<std::string> lost;  // already removed from the membership
+    std::optional<JobEnd> end;
+    bool changed = false;  // the registry changed (return_on_change)
+  };
+
+  // How an iteration ended.
+  enum class Outcome { kDone, kRetry };
+
   void Run() {
     auto end = Drive();
     Finish(end);
-    {
-      absl::MutexLock lock(&mu_);
-      finished_ = true;
-    }
+    absl::MutexLock lock(&mu_);
+    finished_ = true;
   }
 
-  JobEnd Drive() {
-    // ASSIGNING.
-    SetState(v1::JOB_STATE_ASSIGNING,
-             absl::StrCat("assigning stages to ", workers_.size(), " workers"));
-    if (auto s = Assign(); s) return *s;
+  bool elastic() const { return !spec_.elastic().disabled(); }
+  bool kfac() const { return spec_.optimizer().kind() == v1::OPTIMIZER_KFAC; }
+  const JobManagerOptions& options() const { return host_->options(); }
 
-    // RUNNING.
+  JobEnd Drive() {
+    LoadCheckpointList();
+    if (start_mode_ == JobRunner::StartMode::kReattach) {
+      if (auto e = Reattach(); e) return *e;
+    } else {
+      SetState(v1::JOB_STATE_ASSIGNING,
+               absl::StrCat("assigning stages to ", infos_.size(), " workers"));
+      if (auto e = Assign(); e) return *e;
+    }
     SetState(v1::JOB_STATE_RUNNING, "training");
-    manager_->jobs_->Update(job_id_, [](v1::Job* j) { *j->mutable_start_time() = Now(); })
+    host_->jobs()
+        .Update(job_id_, [](v1::Job* j) {
+          if (!j->has_start_time()) *j->mutable_start_time() = Now();
+        })
         .IgnoreError();
-    const absl::Time started = absl::Now();
-    for (uint64_t it = 0; it < spec_.iterations(); ++it) {
-      if (auto s = RunIteration(it, started); s) return *s;
+    started_ = absl::Now();
+    started_iteration_ = next_iteration_;
+    while (next_iteration_ < spec_.iterations()) {
+      if (auto e = Grow(); e) return *e;
+      if (std::string why = Infeasible(); !why.empty()) {
+        if (auto e = Pause(next_iteration_, why); e) return *e;
+      }
+      auto outcome = RunIteration(next_iteration_);
+      if (!outcome.ok()) return *outcome.status_end;
+      if (*outcome.outcome == Outcome::kDone) ++next_iteration_;
     }
     return {v1::JOB_STATE_SUCCEEDED, absl::StrCat("trained ", spec_.iterations(), " iterations")};
   }
 
-  std::optional<JobEnd> Assign() {
-    // The planning cluster: the reserved workers with the operator's network.
-    v1::ClusterSpec cluster = manager_->options_.network;
+  // --- membership and planning model ----------------------------------------
+
+  // Worker id -> stage of the live members.
+  std::map<std::string, int> Members() const { return members_; }
+
+  std::vector<std::string> StageMembers(int stage) const {
+    std::vector<std::string> out;
+    for (int n : assignment_.stage_nodes[stage]) out.push_back(cost_->node_id(n));
+    return out;
+  }
+
+  // Builds the planning cluster over every worker the job ever had (lost ones
+  // stay in it, unused, so node indices never change).
+  absl::Status BuildCostModel() {
+    v1::ClusterSpec cluster = options().network;
     cluster.clear_nodes();
     std::set<std::string> regions;
-    for (const v1::WorkerInfo& w : workers_) {
+    for (const std::string& id : node_order_) {
+      const v1::WorkerInfo& w = infos_.at(id);
       v1::NodeSpec* n = cluster.add_nodes();
       n->set_id(w.worker_id());
       n->set_region(w.region());
-      n->set_speed(w.speed());
+      auto speed = speeds_.find(w.worker_id());
+      n->set_speed(speed != speeds_.end() ? speed->second : w.speed());
       n->set_memory_slots(w.memory_slots());
       n->set_address(w.address());
       regions.insert(w.region());
@@ -133,131 +257,399 @@ class JobRunner {
                                           : 5.0);
       }
     }
-    auto normalized = NormalizeClusterSpec(cluster);
-    if (!normalized.ok()) return JobEnd{v1::JOB_STATE_FAILED, std::string(normalized.status().message())};
-    cluster_ = *normalized;
+    ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
     auto cost = sim::CostModel::Create(cluster_, spec_);
-    if (!cost.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("cost model: ", cost.status().message())};
+    if (!cost.ok()) return Annotate(cost.status(), "cost model");
+    if (!link_bandwidth_.empty()) {
+      // Links the workers measured: their fitted bandwidths replace the
+      // spec's (UpdateLinksFromTimings).
+      sim::CostTables t = cost->tables();
+      for (const auto& [link, bandwidth] : link_bandwidth_) {
+        const int a = cost->NodeIndex(link.first);
+        const int b = cost->NodeIndex(link.second);
+        if (a >= 0 && b >= 0 && a != b) t.bandwidth_bytes_per_s[a][b] = bandwidth;
+      }
+      cost = sim::CostModel::FromTables(std::move(t));
+      if (!cost.ok()) return Annotate(cost.status(), "cost model with measured links");
+    }
     cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
-    planner::PlannerOptions options;
-    options.seed = spec_.seed();
+    return absl::OkStatus();
+  }
+
+  // Every measured link between members: the planner keeps the link's
+  // latency and takes the bandwidth that makes one activation's transfer
+  // last what the workers measured (one transfer size cannot separate the
+  // two). Returns how many links were fitted.
+  int UpdateLinksFromTimings() {
+    int fitted = 0;
+    const sim::CostTables& t = cost_->tables();
+    for (const auto& [a, sa] : members_) {
+      for (const auto& [b, sb] : members_) {
+        if (a == b) continue;
+        const double seconds = host_->estimates().Transfer(a, b);
+        if (!(seconds > 0)) continue;
+        const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
+        if (ia < 0 || ib < 0) continue;
+        const double wire = std::max(1e-6, seconds - t.latency_s[ia][ib]);
+        link_bandwidth_[{a, b}] = t.activation_bytes / wire;
+        ++fitted;
+      }
+    }
+    return fitted;
+  }
+
+  // The assignment (node indices of cost_) of the live members.
+  void RebuildAssignment() {
+    assignment_.stage_nodes.assign(spec_.pipeline().num_stages(), {});
+    for (const auto& [id, stage] : members_) {
+      assignment_.stage_nodes[stage].push_back(cost_->NodeIndex(id));
+    }
+    for (auto& nodes : assignment_.stage_nodes) std::sort(nodes.begin(), nodes.end());
+  }
+
+  // Why the live members cannot train ("" = they can).
+  std::string Infeasible() const {
+    std::vector<std::string> empty;
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      if (assignment_.stage_nodes[s].empty()) empty.push_back(absl::StrCat(s));
+    }
+    if (empty.empty()) return "";
+    return absl::StrCat("stage", empty.size() > 1 ? "s " : " ", absl::StrJoin(empty, ", "),
+                        empty.size() > 1 ? " have" : " has", " no worker left");
+  }
+
+  // The job's pipeline for the live members: the data nodes that remain
+  // share the iteration's microbatches (the total stays the job's).
+  v1::JobSpec LiveSpec(int microbatches) const {
+    v1::JobSpec live = spec_;
+    const uint32_t data = static_cast<uint32_t>(assignment_.stage_nodes[0].size());
+    live.mutable_pipeline()->set_data_nodes(data);
+    live.mutable_pipeline()->set_microbatches_per_data_node(
+        static_cast<uint32_t>((microbatches + data - 1) / data));
+    live.mutable_pipeline()->set_replicas_per_stage(1);
+    live.mutable_pipeline()->clear_assignment();
+    return live;
+  }
+
+  int total_microbatches() const {
+    return static_cast<int>(spec_.pipeline().data_nodes() *
+                            spec_.pipeline().microbatches_per_data_node());
+  }
+
+  // Routes for `count` microbatches over the live members, the first
+  // `count` of a plan for the live pipeline.
+  absl::StatusOr<planner::PlannedIteration> PlanLive(uint64_t seed, int count,
+                                                     const std::vector<sim::Route>* warm,
+                                                     int evaluations,
+                                                     std::optional<v1::SchedulerKind> scheduler) {
+    const v1::JobSpec live = LiveSpec(count);
+    planner::PlannerOptions o;
+    o.seed = seed;
+    o.assignment = assignment_;
+    o.sim.record_timeline = kfac();
+    o.initial_routes = warm;
+    o.max_evaluations = evaluations;
+    if (scheduler) o.scheduler = *scheduler;
+    ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(*cost_, live, o));
+    if (static_cast<int>(p.plan.routes.size()) > count) {
+      p.plan.routes.erase(
+          std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
+                         [count](const sim::Route& r) { return r.microbatch >= count; }),
+          p.plan.routes.end());
+    }
+    return p;
+  }
+
+  v1::CoordinatorMessage AssignmentFor(const std::string& id, int stage, uint64_t start,
+                                       const std::string& state_from,
+                                       const std::string& restore_from) {
+    v1::CoordinatorMessage m;
+    v1::StageAssignment* a = m.mutable_assignment();
+    a->set_job_id(job_id_);
+    *a->mutable_spec() = spec_;
+    a->set_stage(stage);
+    auto layers = StageLayers(static_cast<int>(spec_.model().num_layers()),
+                              static_cast<int>(spec_.pipeline().num_stages()), stage);
+    if (layers.ok()) {
+      a->set_layer_begin(layers->begin);
+      a->set_layer_end(layers->end);
+    }
+    for (const v1::Peer& p : Peers()) *a->add_peers() = p;
+    for (const std::string& r : StageMembers(stage)) a->add_replica_group(r);
+    a->set_seed(spec_.seed());
+    a->set_worker_id(id);
+    a->set_start_iteration(start);
+    a->set_state_from(state_from);
+    a->set_restore_from(restore_from);
+    a->set_epoch(epoch_);
+    if (options().emulate_network) *a->mutable_emulate_network() = cluster_;
+    return m;
+  }
+
+  std::vector<v1::Peer> Peers() const {
+    std::vector<v1::Peer> peers;
+    for (const auto& [id, stage] : members_) {
+      const v1::WorkerInfo& w = infos_.at(id);
+      v1::Peer p;
+      p.set_worker_id(id);
+      p.set_address(w.address());
+      p.set_region(w.region());
+      p.set_stage(stage);
+      peers.push_back(std::move(p));
+    }
+    return peers;
+  }
+
+  void AddReplicaGroups(google::protobuf::RepeatedPtrField<v1::ReplicaGroup>* groups) const {
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      v1::ReplicaGroup* g = groups->Add();
+      g->set_stage(s);
+      for (const std::string& id : StageMembers(s)) g->add_nodes(id);
+    }
+  }
+
+  // Sends to a member and keeps the message for a replay when its session
+  // reopens. False (the worker counts as lost) when it has no session.
+  bool SendTo(const std::string& id, const v1::CoordinatorMessage& m) {
+    sent_[id].push_back(m);
+    absl::Status s = host_->Send(id, m);
+    if (!s.ok()) {
+      LogWarning("job ", job_id_, ": cannot reach worker ", id, ": ", s.message());
+      Suspect(id, "its session is closed");
+    }
+    return s.ok();
+  }
+
+  void SendToAll(const v1::CoordinatorMessage& m) {
+    for (const auto& [id, stage] : members_) SendTo(id, m);
+  }
+
+  // --- history ---------------------------------------------------------------
+
+  void AddEvent(v1::JobHistoryEvent::Kind kind, uint64_t iteration, const std::string& worker,
+                const std::string& message) {
+    LogInfo("job ", job_id_, ": ", message);
+    host_->jobs()
+        .Update(job_id_,
+                [&](v1::Job* j) {
+                  v1::JobHistoryEvent* e = j->add_history();
+                  *e->mutable_time() = Now();
+                  e->set_kind(kind);
+                  e->set_iteration(iteration);
+                  e->set_worker(worker);
+                  e->set_message(message);
+                  if (j->history_size() > kMaxHistory) {
+                    j->mutable_history()->DeleteSubrange(0, j->history_size() - kMaxHistory);
+                  }
+                  j->set_epoch(epoch_);
+                })
+        .IgnoreError();
+  }
+
+  // --- assignment --------------------------------------------------------------
+
+  std::optional<JobEnd> Assign() {
+    for (const auto& [id, w] : infos_) node_order_.push_back(id);
+    if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
+    planner::PlannerOptions po;
+    po.seed = spec_.seed();
     // K-FAC places its work into the simulated timeline's gaps; otherwise
     // only the predicted time is used.
-    options.sim.record_timeline = kfac();
-    auto first = planner::PlanIteration(*cost_, spec_, options);
-    if (!first.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", first.status().message())};
+    po.sim.record_timeline = kfac();
+    auto first = planner::PlanIteration(*cost_, spec_, po);
+    if (!first.ok()) return Failed(absl::StrCat("planner: ", first.status().message()));
     assignment_ = first->plan.assignment;
     first_plan_ = std::move(*first);
-    if (kfac()) {
-      auto bubbles = planner::BubblePlanner::Create(KfacWorkload(), spec_.optimizer().kfac());
-      if (!bubbles.ok()) {
-        return JobEnd{v1::JOB_STATE_FAILED,
-                      absl::StrCat("K-FAC bubble planner: ", bubbles.status().message())};
-      }
-      bubbles_ = std::make_unique<planner::BubblePlanner>(*std::move(bubbles));
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      for (int n : assignment_.stage_nodes[s]) members_[cost_->node_id(n)] = s;
     }
+    host_->runner_metrics().MembersChanged(static_cast<int>(members_.size()));
+    if (auto e = CreateBubblePlanner(); e) return e;
 
-    // Stage assignments.
-    std::vector<v1::Peer> peers;
-    stage_of_.clear();
-    for (int s = 0; s < assignment_.num_stages(); ++s) {
-      for (int n : assignment_.stage_nodes[s]) {
-        const std::string& id = cost_->node_id(n);
-        stage_of_[id] = s;
-        v1::Peer peer;
-        peer.set_worker_id(id);
-        peer.set_region(region_of_[id]);
-        peer.set_stage(s);
-        for (const v1::WorkerInfo& w : workers_) {
-          if (w.worker_id() == id) peer.set_address(w.address());
-        }
-        peers.push_back(peer);
+    // A resumed job (or one started from another job's checkpoint) restores
+    // every stage and continues at the checkpoint's iteration.
+    std::string restore = spec_.checkpoint().resume_from();
+    if (!restore.empty()) {
+      auto done = CheckpointIteration(restore);
+      if (!done.ok()) return Failed(absl::StrCat("checkpoint.resume_from: ", done.status().message()));
+      if (*done >= spec_.iterations()) {
+        return Failed(absl::StrCat("checkpoint.resume_from: ", restore, " was taken after ", *done,
+                                   " iterations; the job has only ", spec_.iterations()));
       }
+      next_iteration_ = *done;
+      AddEvent(v1::JobHistoryEvent::KIND_RESUMED, next_iteration_, "",
+               absl::StrCat("resuming from checkpoint ", restore, " at iteration ",
+                            next_iteration_));
     }
-    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
-      j->clear_stages();
-      for (int s = 0; s < assignment_.num_stages(); ++s) {
-        auto* nodes = j->add_stages();
-        for (int n : assignment_.stage_nodes[s]) nodes->add_nodes(cost_->node_id(n));
-      }
-    }).IgnoreError();
-    for (int s = 0; s < assignment_.num_stages(); ++s) {
-      auto layers = StageLayers(static_cast<int>(spec_.model().num_layers()),
-                                static_cast<int>(spec_.pipeline().num_stages()), s);
-      if (!layers.ok()) return JobEnd{v1::JOB_STATE_FAILED, std::string(layers.status().message())};
-      for (int n : assignment_.stage_nodes[s]) {
-        v1::CoordinatorMessage m;
-        v1::StageAssignment* a = m.mutable_assignment();
-        a->set_job_id(job_id_);
-        *a->mutable_spec() = spec_;
-        a->set_stage(s);
-        a->set_layer_begin(layers->begin);
-        a->set_layer_end(layers->end);
-        for (const v1::Peer& p : peers) *a->add_peers() = p;
-        for (int r : assignment_.stage_nodes[s]) a->add_replica_group(cost_->node_id(r));
-        a->set_seed(spec_.seed());
-        a->set_worker_id(cost_->node_id(n));
-        if (manager_->options_.emulate_network) *a->mutable_emulate_network() = cluster_;
-        if (auto sent = manager_->control_->Send(cost_->node_id(n), std::move(m)); !sent.ok()) {
-          return JobEnd{v1::JOB_STATE_FAILED, std::string(sent.message())};
-        }
-      }
-    }
+    RecordStages();
     std::set<std::string> waiting;
-    for (const auto& [id, s] : stage_of_) waiting.insert(id);
-    const absl::Time deadline = absl::Now() + manager_->options_.assign_timeout;
-    while (!waiting.empty()) {
-      std::deque<Message> batch;
-      if (auto s = Wait(deadline, &batch, [&] {
-            return absl::StrCat("stage builds of ", absl::StrJoin(waiting, ", "));
-          });
-          s) {
-        return s;
+    for (const auto& [id, s] : members_) {
+      waiting.insert(id);
+      if (!SendTo(id, AssignmentFor(id, s, next_iteration_, "", restore))) {
+        return Failed(absl::StrCat("worker ", id, " has no open session"));
       }
-      for (auto& [worker, m] : batch) {
+    }
+    return AwaitStageReady(waiting, "stage builds of ");
+  }
+
+  std::optional<JobEnd> AwaitStageReady(std::set<std::string> waiting, const char* what) {
+    const absl::Time deadline = absl::Now() + options().assign_timeout;
+    while (!waiting.empty()) {
+      Event ev = Wait(deadline, [&] { return absl::StrCat(what, absl::StrJoin(waiting, ", ")); });
+      if (ev.end) return ev.end;
+      // A worker lost while building fails the job: there is nothing to
+      // recover yet.
+      if (!ev.lost.empty()) {
+        return Failed(absl::StrCat("worker ", absl::StrJoin(ev.lost, ", "),
+                                   " lost while building its stage"));
+      }
+      for (auto& [worker, m] : ev.messages) {
         if (m.has_stage_ready() && m.stage_ready().job_id() == job_id_) waiting.erase(worker);
       }
     }
-    LogInfo("job ", job_id_, ": all ", stage_of_.size(), " stages built");
+    LogInfo("job ", job_id_, ": all ", members_.size(), " stages built");
     return std::nullopt;
   }
 
-  std::optional<JobEnd> RunIteration(uint64_t iteration, absl::Time started) {
+  std::optional<JobEnd> CreateBubblePlanner() {
+    if (!kfac()) return std::nullopt;
+    auto bubbles = planner::BubblePlanner::Create(KfacWorkload(), spec_.optimizer().kfac());
+    if (!bubbles.ok()) {
+      return Failed(absl::StrCat("K-FAC bubble planner: ", bubbles.status().message()));
+    }
+    bubbles_ = std::make_unique<planner::BubblePlanner>(*std::move(bubbles));
+    return std::nullopt;
+  }
+
+  // The job record's stage lists follow the membership.
+  void RecordStages() {
+    host_->jobs()
+        .Update(job_id_,
+                [&](v1::Job* j) {
+                  j->clear_stages();
+                  for (int s = 0; s < assignment_.num_stages(); ++s) {
+                    auto* nodes = j->add_stages();
+                    for (const std::string& id : StageMembers(s)) nodes->add_nodes(id);
+                  }
+                  j->set_epoch(epoch_);
+                  j->mutable_progress()->set_members(static_cast<uint32_t>(members_.size()));
+                })
+        .IgnoreError();
+  }
+
+  // --- re-attaching after a coordinator restart -----------------------------------
+
+  std::optional<JobEnd> Reattach() {
+    auto stored = host_->jobs().Get(job_id_);
+    if (!stored.ok()) return Failed(std::string(stored.status().message()));
+    epoch_ = stored->epoch() + 1;
+    for (int s = 0; s < stored->stages_size(); ++s) {
+      for (const std::string& id : stored->stages(s).nodes()) members_[id] = s;
+    }
+    if (members_.empty()) {
+      return Failed("coordinator restarted before the job's stages were assigned; resume it");
+    }
+    SetState(v1::JOB_STATE_RUNNING, absl::StrCat("re-attaching to ", members_.size(),
+                                                 " workers after a coordinator restart"));
+    // Workers re-register and report what they hold (JobStatus) once their
+    // session reopens.
+    std::map<std::string, v1::JobStatus> status;
+    const absl::Time deadline = absl::Now() + options().assign_timeout;
+    while (status.size() < members_.size() && absl::Now() < deadline) {
+      Event ev = Wait(deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
+      if (ev.end && StopRequested()) return ev.end;
+      if (ev.end) break;  // timed out: the missing ones are lost
+      for (auto& [worker, m] : ev.messages) {
+        if (m.has_job_status() && m.job_status().job_id() == job_id_ && members_.count(worker)) {
+          status[worker] = m.job_status();
+        }
+      }
+    }
+    for (const v1::WorkerInfo& w : host_->registry().List(true)) {
+      if (members_.count(w.worker_id())) infos_[w.worker_id()] = w;
+    }
+    std::vector<std::string> missing;
+    for (auto it = members_.begin(); it != members_.end();) {
+      if (status.count(it->first) && infos_.count(it->first)) {
+        ++it;
+      } else {
+        missing.push_back(it->first);
+        host_->Unreserve(job_id_, it->first);
+        it = members_.erase(it);
+      }
+    }
+    for (const auto& [id, s] : members_) node_order_.push_back(id);
+    std::set<uint64_t> completed;
+    for (const auto& [id, st] : status) {
+      if (members_.count(id)) completed.insert(st.completed_iterations());
+    }
+    if (members_.empty() || completed.size() != 1) {
+      return Failed(absl::StrCat(
+          "coordinator restarted; ", members_.empty() ? "no worker of the job came back"
+                                                      : "the workers stopped at different "
+                                                        "iterations",
+          "; resume the job from its last checkpoint (detourctl resume ", job_id_, ")"));
+    }
+    next_iteration_ = *completed.begin();
+    if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
+    RebuildAssignment();
+    host_->runner_metrics().MembersChanged(static_cast<int>(members_.size()));
+    if (auto e = CreateBubblePlanner(); e) return e;
+    // Whatever iteration was in flight is run again from its start.
+    v1::CoordinatorMessage abort;
+    abort.mutable_abort()->set_job_id(job_id_);
+    abort.mutable_abort()->set_iteration(next_iteration_);
+    abort.mutable_abort()->set_reason("the coordinator restarted; the iteration runs again");
+    SendToAll(abort);
+    for (const std::string& id : missing) {
+      AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
+               absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
+    }
+    AddEvent(v1::JobHistoryEvent::KIND_REATTACHED, next_iteration_, "",
+             absl::StrCat("re-attached ", members_.size(), " workers after a coordinator "
+                          "restart; continuing at iteration ", next_iteration_));
+    if (std::string why = Infeasible(); !why.empty()) {
+      if (auto e = Pause(next_iteration_, why); e) return e;
+    }
+    RecordStages();
+    return std::nullopt;
+  }
+
+  // --- one iteration ------------------------------------------------------------
+
+  struct IterationOutcome {
+    std::optional<Outcome> outcome;
+    std::optional<JobEnd> status_end;
+    bool ok() const { return outcome.has_value(); }
+  };
+  static IterationOutcome End(JobEnd e) { return {std::nullopt, std::move(e)}; }
+  static IterationOutcome Done(Outcome o) { return {o, std::nullopt}; }
+
+  IterationOutcome RunIteration(uint64_t iteration) {
     const absl::Time begin = absl::Now();
     absl::Duration overhead;  // coordinator work, not waiting
-    planner::PlannedIteration planned;
-    if (iteration == 0) {
-      planned = first_plan_;
-    } else {
-      planner::PlannerOptions options;
-      options.seed = spec_.seed() + iteration;
-      options.assignment = assignment_;
-      options.sim.record_timeline = kfac();
-      // Re-planning starts from the last iteration's routes with a small
-      // budget: the assignment is fixed, speeds drift slowly.
-      options.initial_routes = last_routes_.empty() ? nullptr : &last_routes_;
-      options.max_evaluations = kReplanEvaluations;
-      const uint32_t k = spec_.pipeline().full_model_every();
-      if (k > 0 && (iteration + 1) % k == 0) options.scheduler = v1::SCHEDULER_FULL;
-      auto p = planner::PlanIteration(*cost_, spec_, options);
-      if (!p.ok()) return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("planner: ", p.status().message())};
-      planned = std::move(*p);
-    }
-    if (planned.scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned.plan.routes;
+    sent_.clear();
+    lost_this_iteration_.clear();
+    auto planned = PlanIteration(iteration);
+    if (!planned.ok()) return End(Failed(absl::StrCat("planner: ", planned.status().message())));
     v1::CoordinatorMessage m;
     v1::IterationPlan* plan = m.mutable_plan();
     plan->set_job_id(job_id_);
     plan->set_iteration(iteration);
-    for (const sim::Route& r : planned.plan.routes) {
-      *plan->add_routes() = planner::ToProtoRoute(*cost_, r);
+    plan->set_epoch(epoch_);
+    AddReplicaGroups(plan->mutable_replica_groups());
+    for (const v1::Peer& p : Peers()) *plan->add_peers() = p;
+    for (const sim::Route& r : planned->plan.routes) {
+      v1::Route* route = plan->add_routes();
+      *route = planner::ToProtoRoute(*cost_, r);
+      route->set_epoch(epoch_);
     }
-    plan->set_predicted_time_s(planned.result.iteration_time_s);
+    plan->set_predicted_time_s(planned->result.iteration_time_s);
     if (bubbles_ != nullptr) {
-      auto placed = bubbles_->PlanIteration(
-          iteration, planned.plan, planner::TimelineFromSimulation(planned.result));
+      auto placed = bubbles_->PlanIteration(iteration, planned->plan,
+                                            planner::TimelineFromSimulation(planned->result));
       if (!placed.ok()) {
-        return JobEnd{v1::JOB_STATE_FAILED,
-                      absl::StrCat("K-FAC bubble planner: ", placed.status().message())};
+        return End(Failed(absl::StrCat("K-FAC bubble planner: ", placed.status().message())));
       }
       for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
       if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
@@ -270,114 +662,95 @@ class JobRunner {
          iteration + 1 == spec_.iterations());
     std::string checkpoint_dir;
     if (checkpoint) {
-      checkpoint_dir = absl::StrFormat("%s/%s/iter-%06d", manager_->options_.checkpoint_root,
-                                       job_id_, iteration + 1);
+      checkpoint_dir = absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root, job_id_,
+                                       iteration + 1);
       plan->set_checkpoint(true);
       plan->set_checkpoint_dir(checkpoint_dir);
     }
-    const int total_microbatches = plan->routes_size();
-    for (const auto& [id, s] : stage_of_) {
-      if (auto sent = manager_->control_->Send(id, m); !sent.ok()) {
-        return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", id, ": ", sent.message())};
-      }
-    }
+    routes_.clear();
+    for (const v1::Route& r : plan->routes()) routes_[r.microbatch()] = r;
+    const int total = total_microbatches();
+    IterationRound round(iteration, total, members_, epoch_);
+    SendToAll(m);
     overhead += absl::Now() - begin;
+    if (recovering_since_) {
+      host_->runner_metrics().Recovered(absl::ToDoubleSeconds(absl::Now() - *recovering_since_));
+      recovering_since_.reset();
+    }
 
-    // Gradient norms (one per worker), then the step, then results.
-    const absl::Time deadline = absl::Now() + manager_->options_.iteration_timeout;
-    std::map<int, double> stage_norm;
-    std::set<std::string> norms_from;
-    std::map<std::string, v1::IterationResult> results;
+    // Gradient norms (one per live worker of the epoch), then the step, then
+    // results.
+    const absl::Time deadline = absl::Now() + options().iteration_timeout;
     std::map<std::string, v1::TimingReport> timings;
     bool stepped = false;
-    while (results.size() < stage_of_.size()) {
-      std::deque<Message> batch;
-      auto waiting_for = [&] {
-        std::vector<std::string> missing;
-        for (const auto& [id, s] : stage_of_) {
-          if (!(stepped ? results.count(id) : norms_from.count(id))) missing.push_back(id);
-        }
+    int rerun = 0;
+    while (!round.ResultsComplete()) {
+      Event ev = Wait(deadline, [&] {
         return absl::StrCat(stepped ? "iteration results" : "gradient norms", " of iteration ",
-                            iteration, " from ", absl::StrJoin(missing, ", "));
-      };
-      if (auto s = Wait(deadline, &batch, waiting_for); s) return s;
-      for (auto& [worker, msg] : batch) {
-        if (msg.has_grad_norm() && msg.grad_norm().iteration() == iteration) {
-          norms_from.insert(worker);
-          stage_norm.emplace(static_cast<int>(msg.grad_norm().stage()),
-                             msg.grad_norm().squared_norm());
-        } else if (msg.has_result() && msg.result().iteration() == iteration) {
-          results[worker] = msg.result();
-        } else if (msg.has_timing() && msg.timing().iteration() == iteration) {
-          manager_->estimates_.Add(msg.timing(), region_of_, stage_of_);
+                            iteration, " from ",
+                            absl::StrJoin(stepped ? round.MissingResults() : round.MissingNorms(),
+                                          ", "));
+      });
+      if (ev.end) return End(*ev.end);
+      if (!ev.lost.empty()) {
+        auto handled = OnLoss(iteration, ev.lost, stepped, &round, &rerun, deadline);
+        if (handled) return *handled;
+      }
+      for (auto& [worker, msg] : ev.messages) {
+        if (msg.has_grad_norm()) {
+          round.AddNorm(worker, msg.grad_norm());
+        } else if (msg.has_result()) {
+          round.AddResult(worker, msg.result());
+        } else if (msg.has_timing() && msg.timing().iteration() == iteration &&
+                   !timings.count(worker)) {
+          host_->estimates().Add(msg.timing(), region_of_, members_);
           timings[worker] = msg.timing();
         }
       }
-      if (!stepped && norms_from.size() == stage_of_.size()) {
+      if (!stepped && round.NormsComplete()) {
         const absl::Time step_start = absl::Now();
-        double squared = 0;
-        for (const auto& [s, sq] : stage_norm) {
-          // A non-finite gradient is never stepped on: the parameters (and
-          // the last checkpoint) stay as they were.
-          if (!(sq >= 0) || !std::isfinite(sq)) {
-            return JobEnd{v1::JOB_STATE_FAILED,
-                          absl::StrCat("the gradient of stage ", s, " became non-finite at "
-                                       "iteration ", iteration, " (squared norm ", sq,
-                                       "); the step was not applied")};
-          }
-          squared += sq;
-        }
+        auto squared = round.SquaredNorm();
+        if (!squared.ok()) return End(Failed(squared.status().message()));
         v1::CoordinatorMessage step;
         step.mutable_step()->set_job_id(job_id_);
         step.mutable_step()->set_iteration(iteration);
-        step.mutable_step()->set_squared_norm(squared);
-        for (const auto& [id, s] : stage_of_) {
-          if (auto sent = manager_->control_->Send(id, step); !sent.ok()) {
-            return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", id, ": ", sent.message())};
-          }
-        }
+        step.mutable_step()->set_squared_norm(*squared);
+        step.mutable_step()->set_epoch(epoch_);
+        step.mutable_step()->set_completed_microbatches(
+            static_cast<uint32_t>(total - static_cast<int>(round.dropped().size())));
+        SendToAll(step);
         stepped = true;
         overhead += absl::Now() - step_start;
       }
     }
 
-    // Checks: replicas identical, every microbatch completed exactly once.
-    std::map<int, uint64_t> checksum;
-    std::map<uint32_t, int> completions;
-    double loss_sum = 0;
-    uint64_t tokens = 0;
-    for (const auto& [id, r] : results) {
-      auto [it, fresh] = checksum.emplace(static_cast<int>(r.stage()), r.parameter_checksum());
-      if (!fresh && it->second != r.parameter_checksum()) {
-        return JobEnd{v1::JOB_STATE_FAILED,
-                    absl::StrCat("replicas of stage ", r.stage(), " diverged at iteration ",
-                                 iteration, " (worker ", id, ")")};
-      }
-      if (r.stage() == 0) {
-        for (uint32_t mb : r.microbatches()) ++completions[mb];
-        loss_sum += r.loss_sum();
-        tokens += r.tokens();
-      }
+    // Checks: replicas identical, every microbatch completed exactly once
+    // (or dropped with a lost worker).
+    if (absl::Status s = round.Check(); !s.ok()) return End(Failed(s.message()));
+    for (const auto& [id, r] : round.results()) last_checksum_[r.stage()] = r.parameter_checksum();
+    // An iteration whose microbatches were all dropped has no loss of its
+    // own: the last one stands.
+    const double loss = round.completed() > 0 ? round.loss_sum() / round.completed() : last_loss_;
+    last_loss_ = loss;
+    if (!std::isfinite(loss)) {
+      return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
     }
-    for (int mb = 0; mb < total_microbatches; ++mb) {
-      if (completions[static_cast<uint32_t>(mb)] != 1) {
-        return JobEnd{v1::JOB_STATE_FAILED,
-                    absl::StrCat("microbatch ", mb, " of iteration ", iteration, " completed ",
-                                 completions[static_cast<uint32_t>(mb)], " times")};
-      }
-    }
-
     if (checkpoint) {
-      if (auto s = CommitCheckpoint(iteration + 1, checkpoint_dir, results, deadline); s) return s;
+      if (auto s = CommitCheckpoint(iteration + 1, checkpoint_dir, round.results(), deadline); s) {
+        return End(*s);
+      }
     }
+    if (!round.dropped().empty()) {
+      AddEvent(v1::JobHistoryEvent::KIND_MICROBATCHES_DROPPED, iteration, "",
+               absl::StrCat("iteration ", iteration, ": dropped microbatch(es) ",
+                            absl::StrJoin(round.dropped(), ","),
+                            " (part of their backward ran on a lost worker)"));
+    }
+    rerun_total_ += rerun;
+    dropped_total_ += round.dropped().size();
 
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
-    const double elapsed = absl::ToDoubleSeconds(absl::Now() - started);
-    const double loss = total_microbatches > 0 ? loss_sum / total_microbatches : 0;
-    if (!std::isfinite(loss)) {
-      return JobEnd{v1::JOB_STATE_FAILED,
-                    absl::StrCat("the loss became non-finite at iteration ", iteration)};
-    }
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - started_);
     // Measured busy fractions, mean over the workers that reported.
     double utilization = 0, utilization_kfac = 0, max_delay = 0;
     for (const auto& [id, t] : timings) {
@@ -388,7 +761,8 @@ class JobRunner {
       utilization_kfac += (busy.pipeline + busy.kfac) / t.iteration_time_s() /
                           static_cast<double>(timings.size());
     }
-    auto recorded = manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
+    const uint64_t tokens = round.tokens();
+    auto recorded = host_->jobs().Update(job_id_, [&](v1::Job* j) {
       v1::JobProgress* p = j->mutable_progress();
       p->set_iteration(iteration + 1);
       p->set_total_iterations(spec_.iterations());
@@ -404,20 +778,27 @@ class JobRunner {
       }
       p->set_coordinator_overhead_s(absl::ToDoubleSeconds(overhead));
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
-      const double per_iteration = elapsed / static_cast<double>(iteration + 1);
+      const double per_iteration =
+          elapsed / static_cast<double>(iteration + 1 - started_iteration_);
       p->set_eta_s(per_iteration * static_cast<double>(spec_.iterations() - iteration - 1));
+      p->set_recoveries(recoveries_);
+      p->set_microbatches_rerun(rerun_total_);
+      p->set_microbatches_dropped(dropped_total_);
+      p->set_members(static_cast<uint32_t>(members_.size()));
+      j->set_epoch(epoch_);
     });
     if (!recorded.ok()) {
       // Training on without a durable record would leave the job's state to
       // chance after a restart: stop, with the reason.
-      return JobEnd{v1::JOB_STATE_FAILED,
-                    absl::StrCat("cannot write the job record: ", recorded.status().message())};
+      return End(Failed(absl::StrCat("cannot write the job record: ",
+                                     recorded.status().message())));
     }
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
-    const int every = manager_->options_.replan_every;
+    if (planned->scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned->plan.routes;
+    const int every = options().replan_every;
     if (bubbles_ != nullptr) MeasureKfacSpeeds(*plan, timings);
     if (every > 0 && (iteration + 1) % every == 0) {
-      UpdateSpeedsFromTimings();
+      UpdateSpeedsFromTimings(iteration);
       if (bubbles_ != nullptr) {
         // K-FAC costs follow the measured speeds (and K-FAC's own, below).
         if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
@@ -425,10 +806,499 @@ class JobRunner {
         }
       }
     }
+    return Done(Outcome::kDone);
+  }
+
+  absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration) {
+    if (first_plan_ && iteration == next_iteration_ && epoch_ == 0) {
+      planner::PlannedIteration p = std::move(*first_plan_);
+      first_plan_.reset();
+      return p;
+    }
+    first_plan_.reset();
+    // Re-planning starts from the last iteration's routes with a small
+    // budget: the assignment is fixed, speeds drift slowly.
+    std::optional<v1::SchedulerKind> scheduler;
+    const uint32_t k = spec_.pipeline().full_model_every();
+    if (k > 0 && (iteration + 1) % k == 0) scheduler = v1::SCHEDULER_FULL;
+    return PlanLive(spec_.seed() + iteration, total_microbatches(),
+                    last_routes_.empty() ? nullptr : &last_routes_, kReplanEvaluations, scheduler);
+  }
+
+  // --- losing workers --------------------------------------------------------------
+
+  // Workers were lost during `iteration`. Before the step: freeze what
+  // crossed them, re-plan what can run again, drop the rest. After the step:
+  // the survivors' results are the iteration's.
+  std::optional<IterationOutcome> OnLoss(uint64_t iteration, const std::vector<std::string>& lost,
+                                         bool stepped, IterationRound* round, int* rerun,
+                                         absl::Time deadline) {
+    if (!elastic()) {
+      return End(Failed(absl::StrCat("worker ", absl::StrJoin(lost, ", "), " lost (",
+                                     loss_reason_, ") during iteration ", iteration,
+                                     "; elastic training is disabled (elastic.disabled)")));
+    }
+    const absl::Time detected = absl::Now();
+    if (!recovering_since_) recovering_since_ = detected;
+    ++recoveries_;
+    lost_this_iteration_.insert(lost.begin(), lost.end());
+    if (stepped) {
+      // The survivors stepped with a reduction that included the lost
+      // workers' gradients; a lost data node's microbatches count as dropped
+      // unless its result came in.
+      for (const std::string& id : lost) {
+        auto r = round->results().find(id);
+        if (r != round->results().end()) continue;
+        for (const auto& [mb, route] : routes_) {
+          if (route.data_node() == id) round->Drop(mb);
+        }
+      }
+      round->SetMembers(members_, epoch_);
+      RecordStages();
+      return std::nullopt;
+    }
+    if (std::string why = Infeasible(); !why.empty()) {
+      if (auto e = Pause(iteration, why); e) return End(*e);
+      return Done(Outcome::kRetry);
+    }
+    round->SetMembers(members_, epoch_);
+    // Tell the survivors and learn what ran where.
+    v1::CoordinatorMessage change;
+    v1::MembershipChange* c = change.mutable_membership();
+    c->set_job_id(job_id_);
+    c->set_iteration(iteration);
+    c->set_epoch(epoch_);
+    for (const std::string& id : lost_this_iteration_) c->add_lost(id);
+    AddReplicaGroups(c->mutable_replica_groups());
+    SendToAll(change);
+    std::set<uint32_t> backward_ran, completed;
+    std::set<std::string> acked;
+    while (acked.size() < members_.size()) {
+      Event ev = Wait(deadline, [&] {
+        std::vector<std::string> missing;
+        for (const auto& [id, s] : members_) {
+          if (!acked.count(id)) missing.push_back(id);
+        }
+        return absl::StrCat("membership acks of epoch ", epoch_, " from ",
+                            absl::StrJoin(missing, ", "));
+      });
+      if (ev.end) return End(*ev.end);
+      if (!ev.lost.empty()) {
+        // Another loss while recovering: start over with the larger set.
+        return OnLoss(iteration, ev.lost, false, round, rerun, deadline);
+      }
+      for (auto& [worker, msg] : ev.messages) {
+        if (msg.has_membership_ack() && msg.membership_ack().epoch() == epoch_ &&
+            msg.membership_ack().iteration() == iteration && members_.count(worker)) {
+          acked.insert(worker);
+          backward_ran.insert(msg.membership_ack().backward_ran().begin(),
+                              msg.membership_ack().backward_ran().end());
+          completed.insert(msg.membership_ack().completed().begin(),
+                           msg.membership_ack().completed().end());
+        } else if (msg.has_result()) {
+          round->AddResult(worker, msg.result());
+        }
+      }
+    }
+    // Every microbatch whose route crosses a lost worker: completed (its
+    // data node says so), dropped (some backward ran), or run again.
+    std::vector<uint32_t> again;
+    int dropped = 0;
+    for (const auto& [mb, route] : routes_) {
+      if (round->dropped().count(mb)) continue;
+      bool crosses = false;
+      for (const std::string& n : route.nodes()) crosses |= lost_this_iteration_.count(n) > 0;
+      if (!crosses || completed.count(mb)) continue;
+      if (backward_ran.count(mb)) {
+        round->Drop(mb);
+        ++dropped;
+      } else {
+        again.push_back(mb);
+      }
+    }
+    v1::CoordinatorMessage amend;
+    v1::RouteAmendment* a = amend.mutable_reroute();
+    a->set_job_id(job_id_);
+    a->set_iteration(iteration);
+    a->set_epoch(epoch_);
+    if (!again.empty()) {
+      auto planned = PlanLive(spec_.seed() + iteration * 7919 + epoch_,
+                              static_cast<int>(again.size()), nullptr, kRerunEvaluations,
+                              std::nullopt);
+      if (!planned.ok()) {
+        return End(Failed(absl::StrCat("re-planning around ", absl::StrJoin(lost, ", "), ": ",
+                                       planned.status().message())));
+      }
+      // Planned microbatch k stands for the k-th to run again.
+      for (const sim::Route& planned_route : planned->plan.routes) {
+        v1::Route r = planner::ToProtoRoute(*cost_, planned_route);
+        const uint32_t mb = again.at(static_cast<size_t>(planned_route.microbatch));
+        r.set_microbatch(mb);
+        r.set_epoch(epoch_);
+        routes_[mb] = r;
+        *a->add_routes() = r;
+      }
+    }
+    SendToAll(amend);
+    *rerun += static_cast<int>(again.size());
+    host_->runner_metrics().Microbatches("rerun", static_cast<int>(again.size()));
+    host_->runner_metrics().Microbatches("dropped", dropped);
+    host_->runner_metrics().Recovered(absl::ToDoubleSeconds(absl::Now() - *recovering_since_));
+    recovering_since_.reset();
+    RecordStages();
+    AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
+             absl::StrCat("iteration ", iteration, " epoch ", epoch_, ": re-planned ",
+                          again.size(), " microbatch(es) around ",
+                          absl::StrJoin(lost_this_iteration_, ", "),
+                          again.empty() ? "" : absl::StrCat(" (", absl::StrJoin(again, ","), ")"),
+                          dropped > 0 ? absl::StrCat(", dropped ", dropped) : "", " in ",
+                          absl::FormatDuration(absl::Now() - detected)));
     return std::nullopt;
   }
 
-  bool kfac() const { return spec_.optimizer().kind() == v1::OPTIMIZER_KFAC; }
+  // Removes `id` from the membership (a new epoch), tells it to drop the job
+  // in case it is alive, and records the event.
+  void RemoveMember(const std::string& id, const std::string& why, uint64_t iteration) {
+    auto it = members_.find(id);
+    if (it == members_.end()) return;
+    const int stage = it->second;
+    members_.erase(it);
+    ++epoch_;
+    RebuildAssignment();
+    last_routes_.clear();  // the warm start routes through it
+    host_->Unreserve(job_id_, id);
+    host_->runner_metrics().WorkerLost();
+    host_->runner_metrics().MembersChanged(-1);
+    v1::CoordinatorMessage cancel;
+    cancel.mutable_cancel()->set_job_id(job_id_);
+    cancel.mutable_cancel()->set_reason(absl::StrCat("left the job: ", why));
+    host_->Send(id, cancel).IgnoreError();
+    suspects_.erase(id);
+    AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, iteration, id,
+             absl::StrCat("worker ", id, " (stage ", stage, ") lost: ", why));
+    if (bubbles_ != nullptr) {
+      if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
+        LogWarning("job ", job_id_, ": K-FAC costs after a loss: ", s.message());
+      }
+    }
+  }
+
+  void Suspect(const std::string& id, const std::string& why) {
+    if (!members_.count(id)) return;
+    suspects_.emplace(id, std::make_pair(absl::Now(), why));
+  }
+
+  // The members found lost now (removed from the membership).
+  std::vector<std::string> DetectLoss() {
+    std::vector<std::string> lost;
+    const absl::Time now = absl::Now();
+    const absl::Duration grace = absl::Milliseconds(spec_.elastic().reconnect_grace_ms());
+    std::map<std::string, v1::WorkerInfo> registry;
+    for (v1::WorkerInfo& w : host_->registry().List(true)) {
+      registry[w.worker_id()] = std::move(w);
+    }
+    std::vector<std::pair<std::string, std::string>> gone;
+    for (const auto& [id, stage] : members_) {
+      auto r = registry.find(id);
+      std::string why;
+      if (r == registry.end()) {
+        why = "it is no longer registered";
+      } else if (r->second.state() == v1::WORKER_STATE_LOST) {
+        why = absl::StrCat("no heartbeat for ",
+                           absl::FormatDuration(host_->registry().silence()));
+      } else if (!r->second.session_open() &&
+                 now - FromProto(r->second.session_change_time()) > grace) {
+        why = absl::StrCat("its session closed ",
+                           absl::FormatDuration(now - FromProto(r->second.session_change_time())),
+                           " ago");
+      } else if (infos_.count(id) && !SameTime(r->second.registered_time(),
+                                               infos_.at(id).registered_time())) {
+        // It registered anew: a restarted process, or one that reconnected.
+        // One that still holds the job says so (JobStatus).
+        Suspect(id, "it registered again without the job");
+      }
+      auto s = suspects_.find(id);
+      if (why.empty() && s != suspects_.end() && now - s->second.first > grace) why = s->second.second;
+      if (!why.empty()) gone.emplace_back(id, why);
+    }
+    for (const auto& [id, why] : gone) {
+      loss_reason_ = why;
+      RemoveMember(id, why, next_iteration_);
+      lost.push_back(id);
+    }
+    return lost;
+  }
+
+  // Waits until a message arrives, the deadline passes, a worker of the job
+  // is lost or reports an error, or the job is stopped.
+  template <typename Describe>
+  Event Wait(absl::Time deadline, Describe describe, bool detect_loss = true,
+             bool return_on_change = false) {
+    Event ev;
+    bool first = true;
+    while (true) {
+      bool check = false;
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) {
+          ev.end = stop_;
+          return ev;
+        }
+        // The registry changed, suspicions are pending, or a while passed.
+        check = poked_ || !suspects_.empty() || absl::Now() - last_loss_check_ > kLossCheck;
+        if (poked_ && return_on_change && !first) {
+          poked_ = false;
+          ev.changed = true;
+          return ev;
+        }
+        if (!return_on_change) poked_ = false;
+      }
+      first = false;
+      if (detect_loss && check) {
+        last_loss_check_ = absl::Now();
+        std::vector<std::string> lost = DetectLoss();
+        if (!lost.empty()) {
+          if (!elastic()) {
+            ev.end = Failed(absl::StrCat("worker ", absl::StrJoin(lost, ", "), " lost (",
+                                         loss_reason_, ") while waiting for ", describe()));
+            return ev;
+          }
+          ev.lost = std::move(lost);
+          return ev;
+        }
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !inbox_.empty() || stop_.has_value() || poked_;
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&ready), kLossCheck);
+        ev.messages.swap(inbox_);
+      }
+      for (auto it = ev.messages.begin(); it != ev.messages.end();) {
+        const auto& [worker, m] = *it;
+        if (m.has_error() && m.error().job_id() == job_id_ && members_.count(worker)) {
+          ev.end = Failed(m.error().message());
+          return ev;
+        }
+        if (m.has_job_status()) {
+          OnJobStatus(worker, m.job_status());
+        } else if (m.has_peer_unreachable() && m.peer_unreachable().job_id() == job_id_ &&
+                   members_.count(worker)) {
+          Suspect(m.peer_unreachable().peer(),
+                  absl::StrCat(worker, " could not reach it (", m.peer_unreachable().message(),
+                               ")"));
+        }
+        ++it;
+      }
+      if (!ev.messages.empty()) return ev;
+      if (absl::Now() > deadline) {
+        ev.end = Failed(absl::StrCat("timed out waiting for ", describe()));
+        return ev;
+      }
+    }
+  }
+
+  // A member's session reopened (or the coordinator restarted): it still
+  // holds the job. What it may have missed is sent again.
+  void OnJobStatus(const std::string& worker, const v1::JobStatus& status) {
+    if (status.job_id() != job_id_ || !members_.count(worker)) return;
+    suspects_.erase(worker);
+    for (const v1::WorkerInfo& w : host_->registry().List(true)) {
+      if (w.worker_id() == worker) infos_[worker] = w;
+    }
+    auto sent = sent_.find(worker);
+    if (sent == sent_.end()) return;
+    LogInfo("job ", job_id_, ": worker ", worker, " reconnected; repeating ", sent->second.size(),
+            " message(s)");
+    for (const v1::CoordinatorMessage& m : sent->second) host_->Send(worker, m).IgnoreError();
+  }
+
+  // --- pausing and joining ---------------------------------------------------------
+
+  // The live members cannot train: abort the iteration, wait for workers to
+  // fill the gaps (pause_timeout_s), then run the iteration again.
+  std::optional<JobEnd> Pause(uint64_t iteration, const std::string& why) {
+    v1::CoordinatorMessage abort;
+    abort.mutable_abort()->set_job_id(job_id_);
+    abort.mutable_abort()->set_iteration(iteration);
+    abort.mutable_abort()->set_reason(absl::StrCat("paused: ", why));
+    SendToAll(abort);
+    const uint32_t timeout_s = spec_.elastic().pause_timeout_s();
+    AddEvent(v1::JobHistoryEvent::KIND_PAUSED, iteration, "",
+             absl::StrCat("paused at iteration ", iteration, ": ", why,
+                          "; waiting up to ", timeout_s, " s for workers to join"));
+    SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));
+    if (spec_.elastic().never_join()) {
+      return Failed(absl::StrCat(why, " and elastic.never_join forbids replacements"));
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+    while (!Infeasible().empty()) {
+      if (auto e = Grow(); e) return e;
+      if (Infeasible().empty()) break;
+      Event ev = Wait(deadline, [&] { return absl::StrCat("workers to join (", why, ")"); },
+                      /*detect_loss=*/true, /*return_on_change=*/true);
+      if (ev.end) return ev.end;
+    }
+    SetState(v1::JOB_STATE_RUNNING, "training");
+    AddEvent(v1::JobHistoryEvent::KIND_CONTINUED, iteration, "",
+             absl::StrCat("continuing at iteration ", iteration, " with ", members_.size(),
+                          " workers"));
+    return std::nullopt;
+  }
+
+  // Workers the job misses per stage (its spec's counts minus the live ones).
+  std::map<int, int> Deficit() const {
+    std::map<int, int> deficit;
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      const int target = s == 0 ? static_cast<int>(spec_.pipeline().data_nodes())
+                                : static_cast<int>(spec_.pipeline().replicas_per_stage());
+      const int have = static_cast<int>(assignment_.stage_nodes[s].size());
+      if (have < target) deficit[s] = target - have;
+    }
+    return deficit;
+  }
+
+  // At an iteration boundary: idle workers join where the job lacks
+  // capacity, the empty stages first, then the stage whose new replica the
+  // planner predicts the shortest iteration for.
+  std::optional<JobEnd> Grow() {
+    if (spec_.elastic().never_join() || !elastic()) return std::nullopt;
+    std::map<int, int> deficit = Deficit();
+    int wanted = 0;
+    for (const auto& [s, n] : deficit) wanted += n;
+    if (wanted == 0) return std::nullopt;
+    std::set<std::string> exclude(lost_this_iteration_.begin(), lost_this_iteration_.end());
+    for (const auto& [id, s] : members_) exclude.insert(id);
+    for (const auto& [id, until] : join_backoff_) {
+      if (absl::Now() < until) exclude.insert(id);
+    }
+    std::vector<v1::WorkerInfo> idle = host_->ReserveIdle(job_id_, wanted, exclude);
+    for (v1::WorkerInfo& w : idle) {
+      const int stage = ChooseStage(w, deficit);
+      if (auto e = Join(w, stage); e) return e;
+      if (--deficit[stage] == 0) deficit.erase(stage);
+    }
+    return std::nullopt;
+  }
+
+  int ChooseStage(const v1::WorkerInfo& w, const std::map<int, int>& deficit) {
+    for (const auto& [s, n] : deficit) {
+      if (assignment_.stage_nodes[s].empty()) return s;
+    }
+    if (deficit.size() == 1) return deficit.begin()->first;
+    // Judge each candidate by the plan it allows (a quick route search).
+    int best = deficit.begin()->first;
+    double best_time = std::numeric_limits<double>::infinity();
+    infos_[w.worker_id()] = w;
+    node_order_.push_back(w.worker_id());
+    if (BuildCostModel().ok()) {
+      for (const auto& [s, n] : deficit) {
+        members_[w.worker_id()] = s;
+        RebuildAssignment();
+        auto p = PlanLive(spec_.seed() + s, total_microbatches(), nullptr, 200, std::nullopt);
+        if (p.ok() && p->result.iteration_time_s < best_time) {
+          best_time = p->result.iteration_time_s;
+          best = s;
+        }
+      }
+    }
+    members_.erase(w.worker_id());
+    node_order_.pop_back();
+    infos_.erase(w.worker_id());
+    BuildCostModel().IgnoreError();
+    RebuildAssignment();
+    return best;
+  }
+
+  // `w` joins stage `stage` at the next iteration: it builds the stage and
+  // receives a live replica's state (or the newest checkpoint's).
+  std::optional<JobEnd> Join(const v1::WorkerInfo& w, int stage) {
+    const std::string id = w.worker_id();
+    infos_[id] = w;
+    if (std::find(node_order_.begin(), node_order_.end(), id) == node_order_.end()) {
+      node_order_.push_back(id);
+    }
+    if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
+    const std::vector<std::string> replicas = StageMembers(stage);
+    const std::string donor = replicas.empty() ? "" : replicas.front();
+    members_[id] = stage;
+    ++epoch_;
+    RebuildAssignment();
+    last_routes_.clear();
+    host_->runner_metrics().MembersChanged(1);
+    const std::string restore = donor.empty() ? last_checkpoint_ : "";
+    auto fail_join = [&](const std::string& why) -> std::optional<JobEnd> {
+      // Not again for a while: a worker that cannot join would otherwise be
+      // tried at every iteration.
+      join_backoff_[id] = absl::Now() + kJoinBackoff;
+      AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
+               absl::StrCat("worker ", id, " could not join stage ", stage, ": ", why));
+      RemoveMember(id, why, next_iteration_);
+      return std::nullopt;
+    };
+    if (!SendTo(id, AssignmentFor(id, stage, next_iteration_, donor, restore))) {
+      return fail_join("it has no open session");
+    }
+    const absl::Time deadline = absl::Now() + options().assign_timeout;
+    bool ready = false;
+    bool received = donor.empty();
+    uint64_t checksum = 0;
+    while (!ready || !received) {
+      Event ev = Wait(deadline, [&] { return absl::StrCat("worker ", id, " to join stage ", stage); });
+      if (ev.end) {
+        if (ev.end->state == v1::JOB_STATE_FAILED && !StopRequested()) {
+          return fail_join(ev.end->message);
+        }
+        return ev.end;
+      }
+      if (!ev.lost.empty()) {
+        if (!members_.count(id)) return std::nullopt;  // the joiner itself
+        if (!donor.empty() && !members_.count(donor)) return fail_join("its donor was lost");
+      }
+      for (auto& [worker, m] : ev.messages) {
+        if (worker != id) continue;
+        if (m.has_stage_ready() && m.stage_ready().job_id() == job_id_ && !ready) {
+          ready = true;
+          if (!donor.empty()) {
+            v1::CoordinatorMessage send;
+            send.mutable_send_state()->set_job_id(job_id_);
+            send.mutable_send_state()->set_to(id);
+            send.mutable_send_state()->set_epoch(epoch_);
+            for (const v1::Peer& p : Peers()) {
+              if (p.worker_id() == id) *send.mutable_send_state()->mutable_peer() = p;
+            }
+            SendTo(donor, send);
+          }
+        } else if (m.has_state_received() && m.state_received().job_id() == job_id_) {
+          received = true;
+          checksum = m.state_received().parameter_checksum();
+        }
+      }
+    }
+    if (!donor.empty() && last_checksum_.count(stage) && checksum != last_checksum_.at(stage)) {
+      return fail_join(absl::StrCat("the state it received has checksum ", checksum,
+                                    ", its replicas ", last_checksum_.at(stage)));
+    }
+    host_->runner_metrics().WorkerJoined();
+    RecordStages();
+    AddEvent(v1::JobHistoryEvent::KIND_WORKER_JOINED, next_iteration_, id,
+             absl::StrCat("worker ", id, " joined stage ", stage, " at iteration ",
+                          next_iteration_,
+                          donor.empty() ? (restore.empty() ? " (fresh parameters: no replica or "
+                                                             "checkpoint was left)"
+                                                           : absl::StrCat(" from checkpoint ",
+                                                                          restore))
+                                        : absl::StrCat(" with the state of ", donor)));
+    return std::nullopt;
+  }
+
+  bool StopRequested() const {
+    absl::MutexLock lock(&mu_);
+    return stop_.has_value();
+  }
+
+  // --- K-FAC and speeds ---------------------------------------------------------------
 
   // Every planning node's blocks and the estimated cost of their K-FAC work
   // at the node's current speed (cluster_, calibrated from timings).
@@ -498,29 +1368,46 @@ class JobRunner {
   // Re-derives every node's speed from its measured forward time against the
   // cost model's prediction, and rebuilds the cost model for later planning.
   // The stage assignment stays (moving stages would mean moving weights).
-  void UpdateSpeedsFromTimings() {
-    v1::ClusterSpec updated = cluster_;
+  void UpdateSpeedsFromTimings(uint64_t iteration) {
+    const int links = UpdateLinksFromTimings();
     int changed = 0;
-    for (v1::NodeSpec& n : *updated.mutable_nodes()) {
-      auto stage = stage_of_.find(n.id());
-      const int index = cost_->NodeIndex(n.id());
-      if (stage == stage_of_.end() || index < 0) continue;
-      const double measured =
-          manager_->estimates_.Compute(n.id(), v1::TaskTiming::KIND_FORWARD);
-      const double predicted = cost_->ForwardTime(index, stage->second);
+    for (const auto& [id, stage] : members_) {
+      const int index = cost_->NodeIndex(id);
+      if (index < 0) continue;
+      const double measured = host_->estimates().Compute(id, v1::TaskTiming::KIND_FORWARD);
+      const double predicted = cost_->ForwardTime(index, stage);
       if (!(measured > 0) || !(predicted > 0)) continue;
-      n.set_speed(n.speed() * predicted / measured);
+      speeds_[id] = cluster_.nodes(index).speed() * predicted / measured;
       ++changed;
     }
-    if (changed == 0) return;
-    auto cost = sim::CostModel::Create(updated, spec_);
-    if (!cost.ok()) {
-      LogWarning("job ", job_id_, ": keeping the old cost model: ", cost.status().message());
+    if (changed == 0 && links == 0) return;
+    if (absl::Status s = BuildCostModel(); !s.ok()) {
+      LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
       return;
     }
-    cluster_ = std::move(updated);
-    cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
-    LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings");
+    LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ",
+             links, " links measured (iteration ", iteration, ")");
+  }
+
+  // --- checkpoints ----------------------------------------------------------------
+
+  // The job's existing checkpoints (a resumed job keeps pruning them).
+  void LoadCheckpointList() {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path root = fs::path(options().checkpoint_root) / job_id_;
+    std::vector<std::string> dirs;
+    for (auto it = fs::directory_iterator(root, ec); !ec && it != fs::directory_iterator();
+         it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name.rfind("iter-", 0) == 0 && fs::exists(it->path() / "manifest.json", ec)) {
+        dirs.push_back(it->path().string());
+      }
+    }
+    std::sort(dirs.begin(), dirs.end());
+    checkpoints_.assign(dirs.begin(), dirs.end());
+    auto job = host_->jobs().Get(job_id_);
+    if (job.ok()) last_checkpoint_ = job->last_checkpoint();
   }
 
   // Asks the first data node to write the manifest over the stage files the
@@ -540,99 +1427,80 @@ class JobRunner {
       }
     }
     if (static_cast<int>(stages.size()) != assignment_.num_stages()) {
-      return JobEnd{v1::JOB_STATE_FAILED,
-                    absl::StrCat("checkpoint ", dir, ": ", stages.size(), " of ",
-                                 assignment_.num_stages(), " stage files were written")};
+      const std::string why = absl::StrCat("checkpoint ", dir, ": ", stages.size(), " of ",
+                                           assignment_.num_stages(), " stage files were written");
+      if (!elastic() || lost_this_iteration_.empty()) return Failed(why);
+      // The writer of a stage was lost after the step: this checkpoint is
+      // incomplete; the last one stands and the next one will be whole.
+      AddEvent(v1::JobHistoryEvent::KIND_CHECKPOINT_SKIPPED, iterations_done, "",
+               absl::StrCat(why, " (a writer was lost); skipped, ",
+                            last_checkpoint_.empty() ? "no earlier checkpoint"
+                                                     : absl::StrCat(last_checkpoint_,
+                                                                    " stays the newest")));
+      return std::nullopt;
     }
-    const std::string writer = cost_->node_id(assignment_.stage_nodes[0][0]);
-    if (auto sent = manager_->control_->Send(writer, std::move(m)); !sent.ok()) {
-      return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("worker ", writer, ": ", sent.message())};
-    }
+    const std::string writer = StageMembers(0).front();
+    if (!SendTo(writer, m)) return Failed(absl::StrCat("worker ", writer, " has no open session"));
     while (true) {
-      std::deque<Message> batch;
-      if (auto s = Wait(deadline, &batch, [&] { return absl::StrCat("checkpoint ", dir); }); s) {
-        return s;
+      Event ev = Wait(deadline, [&] { return absl::StrCat("checkpoint ", dir); });
+      if (ev.end) return ev.end;
+      if (!ev.lost.empty() && !members_.count(writer)) {
+        return Failed(absl::StrCat("worker ", writer, " was lost while writing checkpoint ", dir));
       }
       bool committed = false;
-      for (auto& [worker, msg] : batch) {
+      for (auto& [worker, msg] : ev.messages) {
         committed |= msg.has_checkpoint_committed() && msg.checkpoint_committed().dir() == dir;
       }
       if (committed) break;
     }
     LogInfo("job ", job_id_, ": checkpoint ", dir);
-    checkpoints_.push_back(dir);
+    if (checkpoints_.empty() || checkpoints_.back() != dir) checkpoints_.push_back(dir);
+    last_checkpoint_ = dir;
     const uint32_t keep = std::max<uint32_t>(1, spec_.checkpoint().keep_last());
     while (checkpoints_.size() > keep) {
       std::error_code ec;
       std::filesystem::remove_all(checkpoints_.front(), ec);
       checkpoints_.pop_front();
     }
-    manager_->jobs_->Update(job_id_, [&](v1::Job* j) { j->set_last_checkpoint(dir); })
-        .IgnoreError();
+    host_->jobs().Update(job_id_, [&](v1::Job* j) { j->set_last_checkpoint(dir); }).IgnoreError();
     return std::nullopt;
   }
 
-  // Waits until a message arrives, the deadline passes, a worker of the job
-  // is lost or reports an error, or the job is stopped.
-  template <typename Describe>
-  std::optional<JobEnd> Wait(absl::Time deadline, std::deque<Message>* batch, Describe describe) {
-    while (true) {
-      if (auto s = CheckStop(); s) return s;
-      for (const v1::WorkerInfo& w : manager_->registry_->List(true)) {
-        if (stage_of_.count(w.worker_id()) && w.state() == v1::WORKER_STATE_LOST) {
-          return JobEnd{v1::JOB_STATE_FAILED,
-                      absl::StrCat("worker ", w.worker_id(), " lost (no heartbeat for ",
-                                   absl::FormatDuration(manager_->registry_->silence()),
-                                   ") while waiting for ", describe())};
-        }
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return !inbox_.empty() || stop_.has_value();
-        };
-        mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
-        batch->swap(inbox_);
-      }
-      for (const auto& [worker, m] : *batch) {
-        if (m.has_error() && m.error().job_id() == job_id_) {
-          return JobEnd{v1::JOB_STATE_FAILED, m.error().message()};
-        }
-      }
-      if (!batch->empty()) return std::nullopt;
-      if (absl::Now() > deadline) {
-        return JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("timed out waiting for ", describe())};
-      }
-    }
-  }
+  // --- job state ---------------------------------------------------------------------
 
-  std::optional<JobEnd> CheckStop() {
-    absl::MutexLock lock(&mu_);
-    return stop_;
+  JobEnd Failed(absl::string_view message) const {
+    return JobEnd{v1::JOB_STATE_FAILED, std::string(message)};
   }
 
   void SetState(v1::JobState state, const std::string& message) {
-    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
-      j->set_state(state);
-      j->set_message(message);
-    }).IgnoreError();
+    host_->jobs()
+        .Update(job_id_,
+                [&](v1::Job* j) {
+                  j->set_state(state);
+                  j->set_message(message);
+                })
+        .IgnoreError();
   }
 
   void Finish(const JobEnd& end) {
     // Release every worker of the job, whatever the outcome.
-    for (const auto& [id, s] : stage_of_) {
+    for (const auto& [id, s] : members_) {
       v1::CoordinatorMessage m;
       m.mutable_cancel()->set_job_id(job_id_);
       m.mutable_cancel()->set_reason(end.message);
-      manager_->control_->Send(id, std::move(m)).IgnoreError();
+      host_->Send(id, m).IgnoreError();
     }
-    manager_->Release(job_id_);
-    manager_->jobs_->Update(job_id_, [&](v1::Job* j) {
-      if (JobStore::IsFinal(j->state())) return;  // e.g. cancelled by request
-      j->set_state(end.state);
-      j->set_message(end.message);
-      *j->mutable_end_time() = Now();
-    }).IgnoreError();
+    host_->runner_metrics().MembersChanged(-static_cast<int>(members_.size()));
+    host_->Release(job_id_);
+    host_->jobs()
+        .Update(job_id_,
+                [&](v1::Job* j) {
+                  if (JobStore::IsFinal(j->state())) return;  // e.g. cancelled by request
+                  j->set_state(end.state);
+                  j->set_message(end.message);
+                  *j->mutable_end_time() = Now();
+                })
+        .IgnoreError();
     if (end.state == v1::JOB_STATE_FAILED) {
       LogWarning("job ", job_id_, " failed: ", end.message);
     } else {
@@ -640,234 +1508,74 @@ class JobRunner {
     }
   }
 
-  JobManager* const manager_;
+  RunnerHost* const host_;
   const std::string job_id_;
   std::thread thread_;
 
   mutable absl::Mutex mu_;
   std::deque<Message> inbox_ ABSL_GUARDED_BY(mu_);
   std::optional<JobEnd> stop_ ABSL_GUARDED_BY(mu_);
+  bool poked_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 
   // Runner-thread state.
   v1::JobSpec spec_;
-  std::vector<v1::WorkerInfo> workers_;
+  const JobRunner::StartMode start_mode_;
+  std::map<std::string, v1::WorkerInfo> infos_;  // every worker the job had
+  std::vector<std::string> node_order_;          // planning node order
+  std::map<std::string, double> speeds_;         // measured relative speeds
+  // Measured links (from, to) -> fitted bandwidth, bytes/s.
+  std::map<std::pair<std::string, std::string>, double> link_bandwidth_;
+  std::map<std::string, int> members_;           // live: worker -> stage
+  uint64_t epoch_ = 0;
+  uint64_t next_iteration_ = 0;
+  uint64_t started_iteration_ = 0;
+  absl::Time started_;
   v1::ClusterSpec cluster_;
   std::unique_ptr<sim::CostModel> cost_;
   sim::StageAssignment assignment_;
+  std::optional<planner::PlannedIteration> first_plan_;
   // The last skippipe routes (the warm start of the next iteration's search).
   std::vector<sim::Route> last_routes_;
-  // Route-search simulations per re-plan.
+  // Route-search simulations per re-plan, and per re-run after a loss.
   static constexpr int kReplanEvaluations = 2000;
+  static constexpr int kRerunEvaluations = 300;
   std::unique_ptr<planner::BubblePlanner> bubbles_;  // K-FAC jobs only
-  std::map<std::string, double> kfac_flops_;  // node -> measured K-FAC FLOP/s
+  std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
   std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
-  planner::PlannedIteration first_plan_;
-  std::map<std::string, int> stage_of_;
   std::map<std::string, std::string> region_of_;
   std::deque<std::string> checkpoints_;  // newest last
+  std::string last_checkpoint_;
+  // This iteration's routes (re-runs replace theirs) and messages sent.
+  std::map<uint32_t, v1::Route> routes_;
+  std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_;
+  // Elastic book-keeping.
+  std::map<std::string, std::pair<absl::Time, std::string>> suspects_;
+  std::set<std::string> lost_this_iteration_;
+  std::string loss_reason_;
+  std::map<uint32_t, uint64_t> last_checksum_;  // stage -> parameters after the last step
+  std::optional<absl::Time> recovering_since_;
+  absl::Time last_loss_check_ = absl::InfinitePast();
+  static constexpr absl::Duration kLossCheck = absl::Milliseconds(500);
+  std::map<std::string, absl::Time> join_backoff_;  // worker -> no join before
+  static constexpr absl::Duration kJoinBackoff = absl::Seconds(60);
+  uint64_t recoveries_ = 0;
+  double last_loss_ = 0;
+  uint64_t rerun_total_ = 0;
+  uint64_t dropped_total_ = 0;
 };
 
-JobManager::JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
-                       JobManagerOptions options)
-    : jobs_(jobs),
-      registry_(registry),
-      control_(control),
-      options_(std::move(options)),
-      estimates_(options_.metrics) {
-  scheduler_ = std::thread([this] { ScheduleLoop(); });
+JobRunner::JobRunner(RunnerHost* host, std::string job_id, v1::JobSpec spec,
+                     std::vector<v1::WorkerInfo> workers, StartMode start)
+    : impl_(std::make_unique<Impl>(host, std::move(job_id), std::move(spec), std::move(workers),
+                                   start)) {}
+JobRunner::~JobRunner() = default;
+void JobRunner::Start() { impl_->Start(); }
+void JobRunner::Post(const std::string& worker_id, const v1::WorkerMessage& message) {
+  impl_->Post(worker_id, message);
 }
-
-JobManager::~JobManager() { Shutdown(); }
-
-void JobManager::Recover() {
-  for (const v1::Job& job : jobs_->List(v1::JOB_STATE_UNSPECIFIED)) {
-    if (job.state() == v1::JOB_STATE_ASSIGNING || job.state() == v1::JOB_STATE_RUNNING) {
-      jobs_->Update(job.id(), [](v1::Job* j) {
-        j->set_state(v1::JOB_STATE_FAILED);
-        j->set_message("coordinator restarted while the job was running; resubmit it");
-        *j->mutable_end_time() = Now();
-      }).IgnoreError();
-    } else if (job.state() == v1::JOB_STATE_PENDING) {
-      // A stored spec is input like any other: one that no longer validates
-      // (limits added since, a hand-edited file) fails its job instead of
-      // reaching the planner.
-      Add(job.id(), "stored spec is invalid: ");
-    }
-  }
-}
-
-void JobManager::Add(const std::string& job_id, const std::string& invalid_prefix) {
-  auto job = jobs_->Get(job_id);
-  if (!job.ok()) return;
-  auto spec = NormalizeJobSpec(job->spec());
-  if (!spec.ok()) {
-    jobs_->Update(job_id, [&](v1::Job* j) {
-      j->set_state(v1::JOB_STATE_FAILED);
-      j->set_message(absl::StrCat(invalid_prefix, spec.status().message()));
-      *j->mutable_end_time() = Now();
-    }).IgnoreError();
-    return;
-  }
-  absl::MutexLock lock(&mu_);
-  if (shutting_down_ || runners_.count(job_id)) return;
-  for (const Pending& p : pending_) {
-    if (p.job_id == job_id) return;
-  }
-  pending_.push_back(Pending{job_id, *std::move(spec), ""});
-  wake_ = true;
-}
-
-void JobManager::Cancel(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-    if (it->job_id == job_id) {
-      pending_.erase(it);  // the store already says CANCELLED
-      return;
-    }
-  }
-  auto it = runners_.find(job_id);
-  if (it != runners_.end()) it->second->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "cancelled by request"});
-}
-
-// One loop for all pending jobs (no thread per job): it wakes when a job is
-// added, a job releases its workers or the manager stops, and at least every
-// 250 ms for registry changes, then starts every pending job (in submission
-// order) whose workers are idle now.
-void JobManager::ScheduleLoop() {
-  while (true) {
-    std::vector<std::pair<std::string, std::string>> messages;  // job -> why it waits
-    {
-      absl::MutexLock lock(&mu_);
-      auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return wake_ || shutting_down_; };
-      mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Milliseconds(250));
-      if (shutting_down_) return;
-      wake_ = false;
-      for (auto it = runners_.begin(); it != runners_.end();) {
-        it = it->second->finished() ? runners_.erase(it) : std::next(it);
-      }
-      if (pending_.empty()) continue;
-      std::vector<v1::WorkerInfo> free;
-      for (const v1::WorkerInfo& w : registry_->List(false)) {
-        if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) {
-          free.push_back(w);
-        }
-      }
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        std::string why;
-        auto workers = TakeWorkers(it->spec, free, &why);
-        if (!workers) {
-          if (why != it->message) {
-            it->message = why;
-            messages.push_back({it->job_id, why});
-          }
-          ++it;
-          continue;
-        }
-        for (const v1::WorkerInfo& w : *workers) reserved_[w.worker_id()] = it->job_id;
-        auto runner =
-            std::make_unique<JobRunner>(this, it->job_id, std::move(it->spec), *std::move(workers));
-        runner->Start();
-        runners_[it->job_id] = std::move(runner);
-        it = pending_.erase(it);
-      }
-    }
-    // Store writes (fsync) outside the lock that routes worker messages.
-    for (const auto& message : messages) {
-      const std::string& why = message.second;
-      jobs_->Update(message.first, [&](v1::Job* j) {
-        if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
-      }).IgnoreError();
-    }
-  }
-}
-
-std::optional<std::vector<v1::WorkerInfo>> JobManager::TakeWorkers(
-    const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free, std::string* why) {
-  const v1::PipelineSpec& p = spec.pipeline();
-  const size_t needed = p.data_nodes() + (p.num_stages() - 1) * size_t{p.replicas_per_stage()};
-  std::set<std::string> pinned;
-  for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
-  std::vector<size_t> chosen;
-  for (size_t i = 0; i < free.size() && chosen.size() < needed; ++i) {
-    if (pinned.empty() || pinned.count(free[i].worker_id())) chosen.push_back(i);
-  }
-  if (chosen.size() < needed) {
-    if (pinned.empty()) {
-      *why = absl::StrCat("waiting for ", needed, " idle workers (", free.size(), " available)");
-    } else {
-      std::vector<std::string> missing;
-      for (const std::string& id : pinned) {
-        const bool found = std::any_of(free.begin(), free.end(),
-                                       [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
-        if (!found) missing.push_back(id);
-      }
-      *why = absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
-                          " (pipeline.assignment; not registered or busy)");
-    }
-    return std::nullopt;
-  }
-  std::vector<v1::WorkerInfo> taken;
-  for (size_t i : chosen) taken.push_back(free[i]);
-  for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) free.erase(free.begin() + *it);
-  return taken;
-}
-
-void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message) {
-  std::string job;
-  switch (message.kind_case()) {
-    case v1::WorkerMessage::kStageReady: job = message.stage_ready().job_id(); break;
-    case v1::WorkerMessage::kTiming: job = message.timing().job_id(); break;
-    case v1::WorkerMessage::kResult: job = message.result().job_id(); break;
-    case v1::WorkerMessage::kError: job = message.error().job_id(); break;
-    case v1::WorkerMessage::kGradNorm: job = message.grad_norm().job_id(); break;
-    case v1::WorkerMessage::kCheckpointCommitted:
-      job = message.checkpoint_committed().job_id();
-      break;
-    default: return;
-  }
-  absl::MutexLock lock(&mu_);
-  auto it = runners_.find(job);
-  if (it != runners_.end()) it->second->Post(worker_id, message);
-}
-
-void JobManager::Shutdown() {
-  std::map<std::string, std::unique_ptr<JobRunner>> runners;
-  {
-    absl::MutexLock lock(&mu_);
-    shutting_down_ = true;
-    runners.swap(runners_);
-  }
-  if (scheduler_.joinable()) scheduler_.join();
-  // Running jobs stop (FAILED, their workers told); pending jobs have no
-  // runner and stay PENDING in the store for the next start.
-  runners.clear();  // each destructor stops and joins its runner
-}
-
-void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string& job_id) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto reserved = reserved_.find(worker_id);
-    if (reserved != reserved_.end() && reserved->second == job_id) return;  // a live job
-    const absl::Time now = absl::Now();
-    auto told = told_to_drop_.find(worker_id);
-    if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return;
-    told_to_drop_[worker_id] = now;
-  }
-  LogInfo("worker ", worker_id, " still holds job ", job_id,
-          ", which this coordinator does not run; telling it to drop the job");
-  v1::CoordinatorMessage m;
-  m.mutable_cancel()->set_job_id(job_id);
-  m.mutable_cancel()->set_reason("the coordinator no longer runs this job (it restarted)");
-  control_->Send(worker_id, std::move(m)).IgnoreError();
-}
-
-void JobManager::Release(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = reserved_.begin(); it != reserved_.end();) {
-    it = it->second == job_id ? reserved_.erase(it) : std::next(it);
-  }
-  wake_ = true;  // pending jobs may fit now
-}
+void JobRunner::Poke() { impl_->Poke(); }
+void JobRunner::RequestStop(JobEnd stop) { impl_->RequestStop(std::move(stop)); }
+bool JobRunner::finished() const { return impl_->finished(); }
 
 }  // namespace detour

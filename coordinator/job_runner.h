@@ -1,17 +1,27 @@
-// Drives submitted jobs through their life on the registered workers:
-//   PENDING    until enough idle workers can be reserved for the job;
+// Drives one job whose workers are reserved, from assignment to its end, on
+// a thread of its own:
 //   ASSIGNING  stage assignment by the planner, StageAssignment to every
-//              worker, wait for each to report its stage built;
-//   RUNNING    per iteration: plan routes, send the IterationPlan, collect
-//              each stage's gradient norm, send StepCommand, collect
-//              IterationResults (checking that replicas stayed identical and
-//              every microbatch completed exactly once), publish progress;
-//   SUCCEEDED / FAILED (with the reason, e.g. the worker that was lost) /
-//   CANCELLED.
-// Pending jobs wait in one queue served by one scheduler thread (no thread
-// per pending job); each job with reserved workers gets a thread of its own
-// (not a gRPC thread), and messages from its workers are queued to it.
-// Thread-safe.
+//              worker (restored from a checkpoint when the job resumes), wait
+//              for each to report its stage built;
+//   RUNNING    per iteration: plan routes over the live workers, send the
+//              IterationPlan, collect gradient norms, send StepCommand,
+//              collect IterationResults and check them (iteration_round.h),
+//              checkpoint, publish progress;
+//   SUCCEEDED / FAILED (with the reason) / CANCELLED.
+//
+// Elastic training (docs/RUNTIME.md §"Elastic training"): a worker is lost
+// when the registry says so, its session stays closed past the job's
+// reconnect grace, it came back without the job, or a peer could not reach
+// it. Mid-iteration the runner bumps the membership epoch, tells the
+// survivors (MembershipChange), learns from their acks which microbatches
+// can run again, re-plans those around the loss (RouteAmendment) and drops
+// the rest; replicas reduce among the survivors. A stage left without a
+// replica pauses the job until a worker joins. At iteration boundaries idle
+// workers join where the job lacks capacity, with the state of a live
+// replica (or the newest checkpoint). A runner can also re-attach to the
+// workers of a job that was running when the coordinator restarted.
+//
+// Thread-safe: Post/RequestStop/Poke from any thread.
 #ifndef DETOUR_COORDINATOR_JOB_RUNNER_H_
 #define DETOUR_COORDINATOR_JOB_RUNNER_H_
 
@@ -22,14 +32,17 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/metrics/metrics.h"
-#include "coordinator/control_service.h"
 #include "coordinator/job_store.h"
 #include "coordinator/timing_estimates.h"
 #include "coordinator/worker_registry.h"
+#include "detour/v1/control_service.pb.h"
+#include "detour/v1/job_service.pb.h"
 #include "detour/v1/spec.pb.h"
 
 namespace detour {
@@ -54,74 +67,71 @@ struct JobManagerOptions {
   metrics::Registry* metrics = nullptr;  // not owned; may be null
 };
 
-class JobRunner;
+// The coordinator's elastic-training metrics, shared by the runners.
+struct RunnerMetrics {
+  explicit RunnerMetrics(metrics::Registry* registry);
+  void Recovered(double seconds);
+  void Microbatches(const char* outcome, int n);  // "rerun", "dropped"
+  void WorkerLost();
+  void WorkerJoined();
+  void MembersChanged(int delta);
 
-// Owns the runners, reserves workers for them, routes worker messages.
-class JobManager {
+  metrics::Counter* recoveries = nullptr;
+  metrics::Histogram* recovery_seconds = nullptr;
+  metrics::CounterFamily* microbatches = nullptr;
+  metrics::Counter* lost = nullptr;
+  metrics::Counter* joined = nullptr;
+  metrics::Gauge* members = nullptr;
+};
+
+// What a runner needs of its surroundings (the JobManager).
+class RunnerHost {
  public:
-  // Does not own its arguments; they must outlive the manager.
-  JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
-             JobManagerOptions options);
-  ~JobManager();
+  virtual ~RunnerHost() = default;
+  virtual JobStore& jobs() = 0;
+  virtual WorkerRegistry& registry() = 0;
+  virtual absl::Status Send(const std::string& worker, const v1::CoordinatorMessage& message) = 0;
+  virtual const JobManagerOptions& options() const = 0;
+  virtual TimingEstimates& estimates() = 0;
+  virtual RunnerMetrics& runner_metrics() = 0;
+  // Idle, registered workers no job holds, now reserved for `job` (at most
+  // `count`; `exclude` are never taken).
+  virtual std::vector<v1::WorkerInfo> ReserveIdle(const std::string& job, size_t count,
+                                                  const std::set<std::string>& exclude) = 0;
+  // `worker` left the job (lost): its reservation goes.
+  virtual void Unreserve(const std::string& job, const std::string& worker) = 0;
+  // The runner ended: every reservation of the job goes.
+  virtual void Release(const std::string& job) = 0;
+};
 
-  // Queues stored PENDING jobs again; marks jobs that were ASSIGNING or
-  // RUNNING when the coordinator stopped as FAILED (their workers dropped
-  // them). Call once after the store is loaded.
-  void Recover();
-  // Queues a job; it starts once its workers are idle. A spec that does not
-  // validate fails the job with `invalid_prefix` + the reason.
-  void Add(const std::string& job_id, const std::string& invalid_prefix = "invalid spec: ");
-  // Cancels a job: a pending one leaves the queue, a running one's workers
-  // are told to drop it within seconds.
-  void Cancel(const std::string& job_id);
-  // From ControlService (gRPC thread): results, norms, timings, errors.
-  void OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message);
-  // Stops the scheduler and every runner; running jobs become FAILED
-  // ("coordinator stopped"), pending ones stay PENDING in the store.
-  void Shutdown();
+// How a job ended: its final state and the reason.
+struct JobEnd {
+  v1::JobState state;
+  std::string message;
+};
 
-  // Frees the workers reserved for `job_id` (its runner ends).
-  void Release(const std::string& job_id);
-
-  // A heartbeat says `worker_id` holds `job_id`: when no runner of that job
-  // has the worker, the worker is told to drop the job (at most every 5 s
-  // per worker). From a gRPC thread; never blocks.
-  void CheckWorkerJob(const std::string& worker_id, const std::string& job_id);
-
-  const JobManagerOptions& options() const { return options_; }
-  TimingEstimates& estimates() { return estimates_; }
-
- private:
-  friend class JobRunner;
-  JobStore* const jobs_;
-  WorkerRegistry* const registry_;
-  ControlServiceImpl* const control_;
-  const JobManagerOptions options_;
-  TimingEstimates estimates_;
-
-  struct Pending {
-    std::string job_id;
-    v1::JobSpec spec;     // validated
-    std::string message;  // why it waits, as last stored
+class JobRunner {
+ public:
+  enum class StartMode {
+    kFresh,     // assign stages (restoring a checkpoint if the spec says so)
+    kReattach,  // the coordinator restarted: the job's workers hold stages
   };
 
-  void ScheduleLoop();
-  // Takes the workers `spec` needs (its pinned ones, if it pins) out of
-  // `free`, or says in `why` what it waits for.
-  static std::optional<std::vector<v1::WorkerInfo>> TakeWorkers(const v1::JobSpec& spec,
-                                                                std::vector<v1::WorkerInfo>& free,
-                                                                std::string* why);
+  JobRunner(RunnerHost* host, std::string job_id, v1::JobSpec spec,
+            std::vector<v1::WorkerInfo> workers, StartMode start = StartMode::kFresh);
+  ~JobRunner();
 
-  absl::Mutex mu_;
-  std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);  // submission order
-  bool wake_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread scheduler_;
-  std::map<std::string, std::unique_ptr<JobRunner>> runners_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> reserved_ ABSL_GUARDED_BY(mu_);  // worker -> job
-  // Worker -> when it was last told to drop a job nobody runs.
-  std::map<std::string, absl::Time> told_to_drop_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);
-  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  void Start();
+  // A message from one of the job's workers.
+  void Post(const std::string& worker_id, const v1::WorkerMessage& message);
+  // The registry changed (a worker lost, registered, reconnected).
+  void Poke();
+  void RequestStop(JobEnd stop);
+  bool finished() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace detour

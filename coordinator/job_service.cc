@@ -163,6 +163,25 @@ grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* co
   return Reply(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* context,
+                                                 const v1::ResumeJobRequest* request,
+                                                 v1::Job* response) {
+  if (request->job_id().empty()) {
+    return Reply(context, absl::InvalidArgumentError("job_id: required"));
+  }
+  if (request->checkpoint().size() > SpecLimits::kMaxPathBytes) {
+    return Reply(context, absl::InvalidArgumentError(absl::StrCat(
+                              "checkpoint: ", request->checkpoint().size(),
+                              " bytes is longer than ", SpecLimits::kMaxPathBytes)));
+  }
+  if (!hooks_.on_resume) return Reply(context, absl::UnimplementedError("resume is not served"));
+  auto job = hooks_.on_resume(request->job_id(), request->checkpoint());
+  if (!job.ok()) return Reply(context, job.status());
+  LogInfo("job ", job->id(), " resumes from ", job->spec().checkpoint().resume_from());
+  *response = *std::move(job);
+  return Reply(context, absl::OkStatus());
+}
+
 void JobServiceImpl::CloseWatches() {
   std::vector<WatchReactor*> open;
   {

@@ -1,5 +1,5 @@
-// JobService: the client-facing API (Submit, Get, List, Watch, Cancel) over
-// the JobStore. Thread-safe; gRPC callback API, nothing blocks a reaction.
+// JobService: the client-facing API (Submit, Get, List, Watch, Cancel,
+// Resume) over the JobStore. Thread-safe; gRPC callback API, nothing blocks a reaction.
 #ifndef DETOUR_COORDINATOR_JOB_SERVICE_H_
 #define DETOUR_COORDINATOR_JOB_SERVICE_H_
 
@@ -21,6 +21,10 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   struct Hooks {
     std::function<void(const std::string& job_id)> on_submitted;
     std::function<void(const std::string& job_id)> on_cancelled;
+    // Resume: the JobManager checks and re-queues the job.
+    std::function<absl::StatusOr<v1::Job>(const std::string& job_id,
+                                          const std::string& checkpoint)>
+        on_resume;
   };
   // Does not own `store`, which must outlive the service.
   JobServiceImpl(JobStore* store, Hooks hooks);
@@ -38,6 +42,10 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                                 const v1::WatchJobRequest* request) override;
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
                                    const v1::CancelJobRequest* request,
+                                   v1::Job* response) override;
+
+  grpc::ServerUnaryReactor* Resume(grpc::CallbackServerContext* context,
+                                   const v1::ResumeJobRequest* request,
                                    v1::Job* response) override;
 
   // Ends every open Watch stream with UNAVAILABLE (coordinator draining).

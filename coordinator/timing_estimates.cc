@@ -40,12 +40,16 @@ void TimingEstimates::Add(const v1::TimingReport& report,
     }
   }
   for (const v1::TransferTiming& t : report.transfers()) {
-    auto [it, fresh] = transfer_.try_emplace({report.node(), t.peer()}, t.duration_s());
-    if (!fresh) it->second = (1 - kAlpha) * it->second + kAlpha * t.duration_s();
+    // The link estimate is for activations and their gradients (one size);
+    // all-reduce payloads are larger and say little about the pipeline.
+    if (!t.allreduce()) {
+      auto [it, fresh] = transfer_.try_emplace({report.node(), t.peer()}, t.duration_s());
+      if (!fresh) it->second = (1 - kAlpha) * it->second + kAlpha * t.duration_s();
+    }
     if (transfer_seconds_ != nullptr) {
       auto region = regions.find(t.peer());
       if (auto h = transfer_seconds_->WithLabels(
-              {t.forward() ? "forward" : "backward",
+              {t.allreduce() ? "allreduce" : t.forward() ? "forward" : "backward",
                region == regions.end() ? "unknown" : region->second});
           h.ok()) {
         (*h)->Observe(t.duration_s());

@@ -29,8 +29,10 @@ class TimingEstimates {
 
   // Mean seconds of `kind` tasks on `node`; 0 when never seen.
   double Compute(const std::string& node, v1::TaskTiming::Kind kind) const;
-  // Seconds per byte and fixed seconds are not separable from few samples;
-  // this is the mean seconds of a transfer on the link.
+  // Mean seconds of an activation-sized transfer (a forward activation or
+  // its gradient; all-reduce payloads excluded) from `from` to `to`; 0 when
+  // never seen. Latency and bandwidth are not separable from one transfer
+  // size: the planner keeps the link's latency and fits its bandwidth.
   double Transfer(const std::string& from, const std::string& to) const;
 
  private:

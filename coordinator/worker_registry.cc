@@ -31,7 +31,22 @@ bool ValidWorkerId(const std::string& id) {
 WorkerRegistry::WorkerRegistry(absl::Duration silence, absl::Duration heartbeat_interval)
     : silence_(silence), heartbeat_interval_(heartbeat_interval) {}
 
+void WorkerRegistry::SetListener(std::function<void()> on_change) {
+  listener_ = std::move(on_change);
+}
+
+void WorkerRegistry::Notify() const {
+  if (listener_) listener_();
+}
+
 absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(
+    const v1::RegisterRequest& request, absl::Time now) {
+  auto response = RegisterLocked(request, now);
+  if (response.ok()) Notify();
+  return response;
+}
+
+absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
     const v1::RegisterRequest& request, absl::Time now) {
   if (!request.worker_id().empty() && !ValidWorkerId(request.worker_id())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -80,6 +95,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(
   entry.info.set_version(request.version());
   entry.info.set_state(v1::WORKER_STATE_IDLE);
   *entry.info.mutable_registered_time() = ToProto(now);
+  *entry.info.mutable_session_change_time() = ToProto(now);
   *entry.info.mutable_last_heartbeat_time() = ToProto(now);
   // Tokens only need to be unguessable enough to catch mix-ups between
   // registrations, not to authenticate (the control plane runs on a trusted
@@ -101,19 +117,28 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(
 absl::StatusOr<std::string> WorkerRegistry::Heartbeat(const std::string& token,
                                                       const v1::Heartbeat& beat,
                                                       absl::Time now) {
-  absl::MutexLock lock(&mu_);
-  auto t = token_to_worker_.find(token);
-  if (t == token_to_worker_.end()) {
-    return absl::UnauthenticatedError("unknown session token; register again");
+  std::string id;
+  bool changed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto t = token_to_worker_.find(token);
+    if (t == token_to_worker_.end()) {
+      return absl::UnauthenticatedError("unknown session token; register again");
+    }
+    Entry& entry = workers_.at(t->second);
+    const v1::WorkerState state =
+        beat.job_id().empty() ? v1::WORKER_STATE_IDLE : v1::WORKER_STATE_BUSY;
+    changed = entry.info.job_id() != beat.job_id() || entry.info.state() != state;
+    entry.last_heartbeat = now;
+    *entry.info.mutable_last_heartbeat_time() = ToProto(now);
+    entry.info.set_heartbeats(entry.info.heartbeats() + 1);
+    entry.info.set_job_id(beat.job_id());
+    entry.info.set_state(state);
+    ++total_heartbeats_;
+    id = t->second;
   }
-  Entry& entry = workers_.at(t->second);
-  entry.last_heartbeat = now;
-  *entry.info.mutable_last_heartbeat_time() = ToProto(now);
-  entry.info.set_heartbeats(entry.info.heartbeats() + 1);
-  entry.info.set_job_id(beat.job_id());
-  entry.info.set_state(beat.job_id().empty() ? v1::WORKER_STATE_IDLE : v1::WORKER_STATE_BUSY);
-  ++total_heartbeats_;
-  return t->second;
+  if (changed) Notify();
+  return id;
 }
 
 absl::StatusOr<std::string> WorkerRegistry::WorkerForToken(const std::string& token) const {
@@ -125,19 +150,46 @@ absl::StatusOr<std::string> WorkerRegistry::WorkerForToken(const std::string& to
   return t->second;
 }
 
-void WorkerRegistry::SessionOpened(const std::string& token) {
-  absl::MutexLock lock(&mu_);
-  auto t = token_to_worker_.find(token);
-  if (t != token_to_worker_.end()) workers_.at(t->second).connected = true;
+void WorkerRegistry::SessionOpened(const std::string& token, absl::Time now) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto t = token_to_worker_.find(token);
+    if (t == token_to_worker_.end()) return;
+    Entry& entry = workers_.at(t->second);
+    entry.connected = true;
+    entry.info.set_session_open(true);
+    *entry.info.mutable_session_change_time() = ToProto(now);
+  }
+  Notify();
 }
 
-void WorkerRegistry::SessionEnded(const std::string& token) {
+void WorkerRegistry::SessionEnded(const std::string& token, absl::Time now) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto t = token_to_worker_.find(token);
+    if (t == token_to_worker_.end()) return;
+    Entry& entry = workers_.at(t->second);
+    entry.connected = false;
+    entry.info.set_session_open(false);
+    *entry.info.mutable_session_change_time() = ToProto(now);
+  }
+  Notify();
+}
+
+void WorkerRegistry::ForgiveSilence(absl::Time now) {
   absl::MutexLock lock(&mu_);
-  auto t = token_to_worker_.find(token);
-  if (t != token_to_worker_.end()) workers_.at(t->second).connected = false;
+  for (auto& [id, entry] : workers_) {
+    if (entry.info.state() != v1::WORKER_STATE_LOST) entry.last_heartbeat = now;
+  }
 }
 
 std::vector<std::string> WorkerRegistry::MarkSilentWorkersLost(absl::Time now) {
+  std::vector<std::string> lost = MarkSilentLocked(now);
+  if (!lost.empty()) Notify();
+  return lost;
+}
+
+std::vector<std::string> WorkerRegistry::MarkSilentLocked(absl::Time now) {
   std::vector<std::string> lost;
   absl::MutexLock lock(&mu_);
   for (auto it = workers_.begin(); it != workers_.end();) {

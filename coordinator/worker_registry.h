@@ -5,6 +5,7 @@
 #define DETOUR_COORDINATOR_WORKER_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -40,8 +41,18 @@ class WorkerRegistry {
   absl::StatusOr<std::string> WorkerForToken(const std::string& token) const;
 
   // The control stream of `token`'s session opened / ended.
-  void SessionOpened(const std::string& token);
-  void SessionEnded(const std::string& token);
+  void SessionOpened(const std::string& token, absl::Time now = absl::Now());
+  void SessionEnded(const std::string& token, absl::Time now = absl::Now());
+
+  // Called (outside the registry's lock, on the calling thread) after every
+  // change a job may care about: a registration, a session opening or
+  // ending, a worker lost, a heartbeat that changes a worker's job. Set once,
+  // before use; must not block.
+  void SetListener(std::function<void()> on_change);
+
+  // The coordinator itself did not run for a while (it was paused, or the
+  // machine stalled): nobody's silence since `since` counts against them.
+  void ForgiveSilence(absl::Time now);
 
   // Marks workers silent for longer than the limit as lost and forgets
   // workers lost for longer than 10 × the limit (they would re-register);
@@ -69,8 +80,14 @@ class WorkerRegistry {
     bool connected = false;
   };
 
+  void Notify() const;
+  absl::StatusOr<v1::RegisterResponse> RegisterLocked(const v1::RegisterRequest& request,
+                                                      absl::Time now);
+  std::vector<std::string> MarkSilentLocked(absl::Time now);
+
   const absl::Duration silence_;
   const absl::Duration heartbeat_interval_;
+  std::function<void()> listener_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> token_to_worker_ ABSL_GUARDED_BY(mu_);

@@ -111,6 +111,42 @@ TEST(WorkerRegistry, HeartbeatsKeepAliveAndReviveLost) {
   EXPECT_EQ(registry.total_heartbeats(), 6u);
 }
 
+// Jobs wait for registry events instead of polling: every change a job may
+// care about reaches the listener, plain heartbeats do not.
+TEST(WorkerRegistry, TellsItsListenerAboutChanges) {
+  WorkerRegistry registry(absl::Seconds(3), absl::Seconds(1));
+  int changes = 0;
+  registry.SetListener([&] { ++changes; });
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto r = registry.Register(Request("w"), t0);
+  EXPECT_EQ(changes, 1);
+  registry.SessionOpened(r->session_token(), t0);
+  EXPECT_EQ(changes, 2);
+  EXPECT_TRUE(registry.List(false)[0].session_open());
+  v1::Heartbeat beat;
+  ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(1)).ok());
+  EXPECT_EQ(changes, 2);  // nothing changed
+  beat.set_job_id("job-000001");
+  ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(2)).ok());
+  EXPECT_EQ(changes, 3);  // it holds a job now
+  registry.SessionEnded(r->session_token(), t0 + absl::Seconds(3));
+  EXPECT_EQ(changes, 4);
+  EXPECT_FALSE(registry.List(false)[0].session_open());
+  EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(10)).size(), 1u);
+  EXPECT_EQ(changes, 5);
+}
+
+// The coordinator itself was stopped: the workers' silence meanwhile is not
+// theirs.
+TEST(WorkerRegistry, ForgivenSilenceLosesNobody) {
+  WorkerRegistry registry(absl::Seconds(3), absl::Seconds(1));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  ASSERT_TRUE(registry.Register(Request("w"), t0).ok());
+  registry.ForgiveSilence(t0 + absl::Seconds(30));
+  EXPECT_TRUE(registry.MarkSilentWorkersLost(t0 + absl::Seconds(31)).empty());
+  EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(34)).size(), 1u);
+}
+
 TEST(WorkerRegistry, RejectsBadRegistrations) {
   WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
   const absl::Time t0 = absl::FromUnixSeconds(1000);

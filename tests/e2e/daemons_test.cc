@@ -369,7 +369,9 @@ TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
 // Issue 12: after kill -9 and a restart of the coordinator, every worker
 // stayed BUSY with the dead job and new jobs stayed PENDING until the workers
 // were restarted by hand. Now a worker reporting a job the coordinator does
-// not run is told to drop it, and the next job runs.
+// not run is told to drop it, and the next job runs. (An elastic job is
+// re-attached after a restart instead: TrainingTest.CoordinatorKillKeepsTheJob;
+// this one opts out with elastic.disabled.)
 TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
   Daemon c = StartCoordinator();
   const int port = c.grpc_port;
@@ -384,6 +386,7 @@ TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
   spec.mutable_pipeline()->set_num_stages(2);
   spec.mutable_pipeline()->set_microbatches_per_data_node(2);
   spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_FULL);
+  spec.mutable_elastic()->set_disabled(true);
   spec.set_iterations(1000000);
   const v1::Job long_job = Submit(port, spec);
   ASSERT_TRUE(Eventually([&] { return GetJob(port, long_job.id()).state() ==

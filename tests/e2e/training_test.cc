@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/local_cluster.h"
+#include "tests/e2e/micro_job.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/text_data.h"
@@ -26,31 +27,6 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using TrainingTest = E2eTest;
 
-// A model small enough that an iteration takes well under a second on CPU.
-v1::JobSpec MicroJob(int stages, int data_nodes, int replicas, double skip, int iterations) {
-  v1::JobSpec spec;
-  spec.set_name("e2e");
-  v1::ModelShape* m = spec.mutable_model();
-  m->set_num_layers(stages);
-  m->set_d_model(32);
-  m->set_num_heads(2);
-  m->set_ffn_dim(64);
-  m->set_context_length(16);
-  v1::PipelineSpec* p = spec.mutable_pipeline();
-  p->set_num_stages(stages);
-  p->set_data_nodes(data_nodes);
-  p->set_replicas_per_stage(replicas);
-  p->set_microbatches_per_data_node(2);
-  p->set_samples_per_microbatch(2);
-  p->set_skip_ratio(skip);
-  if (skip == 0) p->set_scheduler(v1::SCHEDULER_FULL);
-  spec.mutable_optimizer()->mutable_adamw()->set_lr(3e-3);
-  spec.set_iterations(iterations);
-  spec.set_seed(11);
-  return *NormalizeJobSpec(spec);
-}
-
-std::vector<std::string> WorkerFlags() { return {"--torch_threads=1"}; }
 
 // `base` with K-FAC on and its K-FAC settings changed by `configure`.
 v1::JobSpec KfacJob(v1::JobSpec base, const std::function<void(v1::KfacSpec*)>& configure) {
@@ -302,8 +278,11 @@ TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
   EXPECT_EQ(GetJob(c.grpc_port, submitted.id()).progress().iteration(), at);
 }
 
+// With elastic training off (elastic.disabled) a lost worker fails the job,
+// naming it, and frees the others.
 TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
-  const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
+  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 100000);
+  spec.mutable_elastic()->set_disabled(true);
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);

@@ -45,6 +45,12 @@ constexpr char kCommands[] = R"(Commands:
   list [--state=STATE]       list jobs, newest first (STATE: pending, running, ...)
   watch JOB_ID               follow a job's progress until it ends
   cancel JOB_ID              cancel a job that has not ended
+  resume JOB_ID [--checkpoint=DIR]
+                             restart a failed or cancelled job from its newest
+                             checkpoint (or DIR)
+  events JOB_ID [--follow]   the job's elastic-training history (workers lost,
+                             rerouted, joined, paused, resumed); --follow keeps
+                             printing new events until the job ends
   version                    print the client version
 
 Exit status: 0 success; 1 the coordinator reported an error (or a watched job
@@ -136,6 +142,17 @@ std::string ProgressText(const v1::Job& job) {
   return text;
 }
 
+std::string EventKindName(v1::JobHistoryEvent::Kind k) {
+  return ShortState(v1::JobHistoryEvent::Kind_Name(k), 5);
+}
+
+std::string EventLine(const v1::JobHistoryEvent& e) {
+  const absl::Time t =
+      absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(e.time()));
+  return absl::StrFormat("%s  it %-5d %-22s %s", absl::FormatTime("%H:%M:%S", t, absl::UTCTimeZone()),
+                         e.iteration(), EventKindName(e.kind()), e.message());
+}
+
 void PrintJob(const Globals& g, const v1::Job& job) {
   if (g.json) {
     std::cout << ToJson(job);
@@ -157,6 +174,20 @@ void PrintJob(const Globals& g, const v1::Job& job) {
             << job.spec().pipeline().skip_ratio() << "\n";
   for (int i = 0; i < job.stages_size(); ++i) {
     std::cout << "stage " << i << ":   " << absl::StrJoin(job.stages(i).nodes(), ", ") << "\n";
+  }
+  const v1::JobProgress& p = job.progress();
+  if (p.recoveries() > 0 || job.history_size() > 0 || job.resumes() > 0) {
+    std::cout << "elastic:   " << p.members() << " workers, epoch " << job.epoch() << ", "
+              << p.recoveries() << " recoveries, " << p.microbatches_rerun()
+              << " microbatches rerun, " << p.microbatches_dropped() << " dropped, "
+              << job.resumes() << " resumes\n";
+  }
+  if (!job.last_checkpoint().empty()) std::cout << "checkpoint: " << job.last_checkpoint() << "\n";
+  // The newest few events; `detourctl events` shows them all.
+  const int first = std::max(0, job.history_size() - 5);
+  for (int i = first; i < job.history_size(); ++i) {
+    std::cout << (i == first ? "events:    " : "           ") << EventLine(job.history(i))
+              << "\n";
   }
 }
 
@@ -304,6 +335,78 @@ int CmdCancel(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+int CmdResume(const Globals& g, const std::vector<std::string>& args) {
+  std::string checkpoint;
+  FlagSet flags("detourctl resume JOB_ID",
+                "Restart a FAILED or CANCELLED job from a checkpoint: parameters, optimiser\n"
+                "and K-FAC state, learning-rate schedule and data position carry on, on\n"
+                "whichever workers are idle. The job keeps its id.");
+  flags.String("checkpoint", &checkpoint,
+               "checkpoint directory to resume from (default: the job's newest)");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (rest->size() != 1) return Usage("resume needs exactly one JOB_ID");
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  grpc::ClientContext context;
+  SetDeadline(g, &context);
+  v1::ResumeJobRequest request;
+  request.set_job_id((*rest)[0]);
+  request.set_checkpoint(checkpoint);
+  v1::Job job;
+  grpc::Status status = stub->Resume(&context, request, &job);
+  if (!status.ok()) return RpcFailed(g, status, "resume");
+  if (g.json) {
+    std::cout << ToJson(job);
+  } else {
+    std::cout << job.id() << ": " << JobStateName(job.state()) << " — " << job.message() << "\n";
+  }
+  return kExitOk;
+}
+
+int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
+  bool follow = false;
+  FlagSet flags("detourctl events JOB_ID", "Show a job's elastic-training history.");
+  flags.Bool("follow", &follow, "keep printing new events until the job ends");
+  auto rest = flags.Parse(args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (rest->size() != 1) return Usage("events needs exactly one JOB_ID");
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  size_t shown = 0;
+  auto print_new = [&](const v1::Job& job) {
+    // The record keeps the newest 200: count from the end when it rolled.
+    const size_t n = static_cast<size_t>(job.history_size());
+    for (size_t i = std::min(shown, n); i < n; ++i) {
+      if (g.json) {
+        std::cout << ToJson(job.history(static_cast<int>(i))) << std::flush;
+      } else {
+        std::cout << EventLine(job.history(static_cast<int>(i))) << "\n" << std::flush;
+      }
+    }
+    shown = n;
+  };
+  if (!follow) {
+    grpc::ClientContext context;
+    SetDeadline(g, &context);
+    v1::GetJobRequest request;
+    request.set_job_id((*rest)[0]);
+    v1::Job job;
+    grpc::Status status = stub->Get(&context, request, &job);
+    if (!status.ok()) return RpcFailed(g, status, "events");
+    if (job.history_size() == 0 && !g.json) std::cout << "no events\n";
+    print_new(job);
+    return kExitOk;
+  }
+  grpc::ClientContext context;  // no deadline: follows the job
+  v1::WatchJobRequest request;
+  request.set_job_id((*rest)[0]);
+  auto reader = stub->Watch(&context, request);
+  v1::JobEvent event;
+  while (reader->Read(&event)) print_new(event.job());
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return RpcFailed(g, status, "events");
+  return kExitOk;
+}
+
 int CmdList(const Globals& g, const std::vector<std::string>& args) {
   std::string state_text;
   FlagSet flags("detourctl list", "List jobs, newest first.");
@@ -390,7 +493,7 @@ int Main(int argc, char** argv) {
   flags.SetEpilog(kCommands);
   auto args = flags.Parse(argc, argv, /*stop_at_positional=*/true);
   if (!args.ok()) return flags.Fail(args.status());
-  if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel)");
+  if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
   if (auto a = ParseHostPort(g.coordinator, "--coordinator", false); !a.ok()) {
     return Usage(std::string(a.status().message()));
   }
@@ -414,6 +517,8 @@ int Main(int argc, char** argv) {
   if (command == "list") return CmdList(g, rest);
   if (command == "watch") return CmdWatch(g, rest);
   if (command == "cancel") return CmdCancel(g, rest);
+  if (command == "resume") return CmdResume(g, rest);
+  if (command == "events") return CmdEvents(g, rest);
   if (command == "version") {
     std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
     return kExitOk;

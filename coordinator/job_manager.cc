@@ -1,0 +1,328 @@
+#include "coordinator/job_manager.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace detour {
+namespace {
+
+google::protobuf::Timestamp Now() {
+  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
+}
+
+}  // namespace
+
+JobManager::JobManager(JobStore* jobs, WorkerRegistry* registry, ControlServiceImpl* control,
+                       JobManagerOptions options)
+    : jobs_(jobs),
+      registry_(registry),
+      control_(control),
+      options_(std::move(options)),
+      estimates_(options_.metrics),
+      runner_metrics_(options_.metrics) {
+  registry_->SetListener([this] { OnRegistryChange(); });
+  scheduler_ = std::thread([this] { ScheduleLoop(); });
+}
+
+JobManager::~JobManager() { Shutdown(); }
+
+void JobManager::OnRegistryChange() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+  for (auto& [id, runner] : runners_) runner->Poke();
+}
+
+void JobManager::Recover() {
+  for (const v1::Job& job : jobs_->List(v1::JOB_STATE_UNSPECIFIED)) {
+    if (job.state() == v1::JOB_STATE_RUNNING && job.stages_size() > 0) {
+      auto spec = NormalizeJobSpec(job.spec());
+      if (!spec.ok() || spec->elastic().disabled()) {
+        jobs_->Update(job.id(), [&](v1::Job* j) {
+          j->set_state(v1::JOB_STATE_FAILED);
+          j->set_message(!spec.ok() ? absl::StrCat("stored spec is invalid: ",
+                                                   spec.status().message())
+                                    : "coordinator restarted while the job was running "
+                                      "(elastic.disabled); resume it from its checkpoint");
+          *j->mutable_end_time() = Now();
+        }).IgnoreError();
+        continue;
+      }
+      // Its workers keep their stages and reconnect: re-attach to them.
+      absl::MutexLock lock(&mu_);
+      for (const v1::StageNodes& stage : job.stages()) {
+        for (const std::string& id : stage.nodes()) reserved_[id] = job.id();
+      }
+      auto runner = std::make_unique<JobRunner>(this, job.id(), *std::move(spec),
+                                                std::vector<v1::WorkerInfo>{},
+                                                JobRunner::StartMode::kReattach);
+      runner->Start();
+      runners_[job.id()] = std::move(runner);
+    } else if (job.state() == v1::JOB_STATE_ASSIGNING || job.state() == v1::JOB_STATE_RUNNING) {
+      jobs_->Update(job.id(), [](v1::Job* j) {
+        j->set_state(v1::JOB_STATE_FAILED);
+        j->set_message("coordinator restarted while the job's stages were being assigned; "
+                       "resubmit it");
+        *j->mutable_end_time() = Now();
+      }).IgnoreError();
+    } else if (job.state() == v1::JOB_STATE_PENDING) {
+      // A stored spec is input like any other: one that no longer validates
+      // (limits added since, a hand-edited file) fails its job instead of
+      // reaching the planner.
+      Add(job.id(), "stored spec is invalid: ");
+    }
+  }
+}
+
+void JobManager::Add(const std::string& job_id, const std::string& invalid_prefix) {
+  auto job = jobs_->Get(job_id);
+  if (!job.ok()) return;
+  auto spec = NormalizeJobSpec(job->spec());
+  if (!spec.ok()) {
+    jobs_->Update(job_id, [&](v1::Job* j) {
+      j->set_state(v1::JOB_STATE_FAILED);
+      j->set_message(absl::StrCat(invalid_prefix, spec.status().message()));
+      *j->mutable_end_time() = Now();
+    }).IgnoreError();
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return;
+  if (auto r = runners_.find(job_id); r != runners_.end()) {
+    if (!r->second->finished()) return;
+    runners_.erase(r);  // a resumed job's old runner, ended
+  }
+  for (const Pending& p : pending_) {
+    if (p.job_id == job_id) return;
+  }
+  pending_.push_back(Pending{job_id, *std::move(spec), ""});
+  wake_ = true;
+}
+
+void JobManager::Cancel(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (it->job_id == job_id) {
+      pending_.erase(it);  // the store already says CANCELLED
+      return;
+    }
+  }
+  auto it = runners_.find(job_id);
+  if (it != runners_.end()) {
+    it->second->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "cancelled by request"});
+  }
+}
+
+absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
+                                           const std::string& checkpoint) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (runners_.count(job_id) && !runners_.at(job_id)->finished()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is still running"));
+    }
+  }
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(job_id));
+  if (job.state() != v1::JOB_STATE_FAILED && job.state() != v1::JOB_STATE_CANCELLED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", v1::JobState_Name(job.state()),
+                     "; only FAILED or CANCELLED jobs can be resumed"));
+  }
+  const std::string dir = checkpoint.empty() ? job.last_checkpoint() : checkpoint;
+  if (dir.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " has no checkpoint to resume from"));
+  }
+  v1::JobSpec spec = job.spec();
+  spec.mutable_checkpoint()->set_resume_from(dir);
+  if (auto valid = NormalizeJobSpec(spec); !valid.ok()) return valid.status();
+  ASSIGN_OR_RETURN(v1::Job resumed, jobs_->Update(job_id, [&](v1::Job* j) {
+    *j->mutable_spec() = spec;
+    j->set_state(v1::JOB_STATE_PENDING);
+    j->set_message(absl::StrCat("resuming from ", dir));
+    j->clear_end_time();
+    j->set_resumes(j->resumes() + 1);
+  }));
+  Add(job_id);
+  return resumed;
+}
+
+// One loop for all pending jobs (no thread per job): it wakes when a job is
+// added, a job releases its workers, the registry changes or the manager
+// stops (and every 2 s regardless), then starts every pending job (in
+// submission order) whose workers are idle now.
+void JobManager::ScheduleLoop() {
+  while (true) {
+    std::vector<std::pair<std::string, std::string>> messages;  // job -> why it waits
+    {
+      absl::MutexLock lock(&mu_);
+      auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return wake_ || shutting_down_; };
+      mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Seconds(2));
+      if (shutting_down_) return;
+      wake_ = false;
+      for (auto it = runners_.begin(); it != runners_.end();) {
+        it = it->second->finished() ? runners_.erase(it) : std::next(it);
+      }
+      if (pending_.empty()) continue;
+      std::vector<v1::WorkerInfo> free;
+      for (const v1::WorkerInfo& w : registry_->List(false)) {
+        if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) {
+          free.push_back(w);
+        }
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        std::string why;
+        auto workers = TakeWorkers(it->spec, free, &why);
+        if (!workers) {
+          if (why != it->message) {
+            it->message = why;
+            messages.push_back({it->job_id, why});
+          }
+          ++it;
+          continue;
+        }
+        for (const v1::WorkerInfo& w : *workers) reserved_[w.worker_id()] = it->job_id;
+        auto runner =
+            std::make_unique<JobRunner>(this, it->job_id, std::move(it->spec), *std::move(workers));
+        runner->Start();
+        runners_[it->job_id] = std::move(runner);
+        it = pending_.erase(it);
+      }
+    }
+    // Store writes (fsync) outside the lock that routes worker messages.
+    for (const auto& message : messages) {
+      const std::string& why = message.second;
+      jobs_->Update(message.first, [&](v1::Job* j) {
+        if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
+      }).IgnoreError();
+    }
+  }
+}
+
+std::optional<std::vector<v1::WorkerInfo>> JobManager::TakeWorkers(
+    const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free, std::string* why) {
+  const v1::PipelineSpec& p = spec.pipeline();
+  const size_t needed = p.data_nodes() + (p.num_stages() - 1) * size_t{p.replicas_per_stage()};
+  std::set<std::string> pinned;
+  for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
+  std::vector<size_t> chosen;
+  for (size_t i = 0; i < free.size() && chosen.size() < needed; ++i) {
+    if (pinned.empty() || pinned.count(free[i].worker_id())) chosen.push_back(i);
+  }
+  if (chosen.size() < needed) {
+    if (pinned.empty()) {
+      *why = absl::StrCat("waiting for ", needed, " idle workers (", free.size(), " available)");
+    } else {
+      std::vector<std::string> missing;
+      for (const std::string& id : pinned) {
+        const bool found = std::any_of(free.begin(), free.end(),
+                                       [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
+        if (!found) missing.push_back(id);
+      }
+      *why = absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
+                          " (pipeline.assignment; not registered or busy)");
+    }
+    return std::nullopt;
+  }
+  std::vector<v1::WorkerInfo> taken;
+  for (size_t i : chosen) taken.push_back(free[i]);
+  for (auto it = chosen.rbegin(); it != chosen.rend(); ++it) free.erase(free.begin() + *it);
+  return taken;
+}
+
+void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message) {
+  std::string job;
+  switch (message.kind_case()) {
+    case v1::WorkerMessage::kStageReady: job = message.stage_ready().job_id(); break;
+    case v1::WorkerMessage::kTiming: job = message.timing().job_id(); break;
+    case v1::WorkerMessage::kResult: job = message.result().job_id(); break;
+    case v1::WorkerMessage::kError: job = message.error().job_id(); break;
+    case v1::WorkerMessage::kGradNorm: job = message.grad_norm().job_id(); break;
+    case v1::WorkerMessage::kCheckpointCommitted:
+      job = message.checkpoint_committed().job_id();
+      break;
+    case v1::WorkerMessage::kMembershipAck: job = message.membership_ack().job_id(); break;
+    case v1::WorkerMessage::kPeerUnreachable: job = message.peer_unreachable().job_id(); break;
+    case v1::WorkerMessage::kStateReceived: job = message.state_received().job_id(); break;
+    case v1::WorkerMessage::kJobStatus: job = message.job_status().job_id(); break;
+    default: return;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = runners_.find(job);
+  if (it != runners_.end()) it->second->Post(worker_id, message);
+}
+
+absl::Status JobManager::Send(const std::string& worker, const v1::CoordinatorMessage& message) {
+  return control_->Send(worker, message);
+}
+
+std::vector<v1::WorkerInfo> JobManager::ReserveIdle(const std::string& job, size_t count,
+                                                    const std::set<std::string>& exclude) {
+  std::vector<v1::WorkerInfo> taken;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return taken;
+  for (const v1::WorkerInfo& w : registry_->List(false)) {
+    if (taken.size() >= count) break;
+    if (w.state() != v1::WORKER_STATE_IDLE || !w.session_open() ||
+        reserved_.count(w.worker_id()) || exclude.count(w.worker_id())) {
+      continue;
+    }
+    reserved_[w.worker_id()] = job;
+    taken.push_back(w);
+  }
+  return taken;
+}
+
+void JobManager::Unreserve(const std::string& job, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  auto it = reserved_.find(worker);
+  if (it != reserved_.end() && it->second == job) reserved_.erase(it);
+  wake_ = true;
+}
+
+void JobManager::Shutdown() {
+  std::map<std::string, std::unique_ptr<JobRunner>> runners;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    runners.swap(runners_);
+  }
+  if (scheduler_.joinable()) scheduler_.join();
+  // Running jobs stop (FAILED, their workers told); pending jobs have no
+  // runner and stay PENDING in the store for the next start.
+  runners.clear();  // each destructor stops and joins its runner
+}
+
+void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string& job_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto reserved = reserved_.find(worker_id);
+    if (reserved != reserved_.end() && reserved->second == job_id) return;  // a live job
+    const absl::Time now = absl::Now();
+    auto told = told_to_drop_.find(worker_id);
+    if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return;
+    told_to_drop_[worker_id] = now;
+  }
+  LogInfo("worker ", worker_id, " still holds job ", job_id,
+          ", which this coordinator does not run; telling it to drop the job");
+  v1::CoordinatorMessage m;
+  m.mutable_cancel()->set_job_id(job_id);
+  m.mutable_cancel()->set_reason("the coordinator no longer runs this job (it restarted)");
+  control_->Send(worker_id, std::move(m)).IgnoreError();
+}
+
+void JobManager::Release(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = reserved_.begin(); it != reserved_.end();) {
+    it = it->second == job_id ? reserved_.erase(it) : std::next(it);
+  }
+  wake_ = true;  // pending jobs may fit now
+}
+
+}  // namespace detour

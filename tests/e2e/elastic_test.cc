@@ -1,0 +1,379 @@
+// Elastic training end to end (issue 11): real coordinator and worker
+// processes; workers are killed (SIGKILL), stalled (SIGSTOP/SIGCONT) or
+// started mid-job, the coordinator is killed and restarted, and jobs resume
+// from checkpoints. The coordinator checks every iteration that replicas
+// are identical and every microbatch completed exactly once or was dropped
+// (and fails the job otherwise), so a job that succeeds proves both.
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/files.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/local_cluster.h"
+#include "tests/e2e/micro_job.h"
+#include "worker/model/checkpoint.h"
+
+namespace detour::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+class ElasticTest : public E2eTest {
+ public:
+  Daemon AddWorker(int port, const std::string& name) {
+    return StartWorker(port, name, WorkerFlags());
+  }
+  int RunCtl(const std::vector<std::string>& argv, std::string* out) { return Run(argv, out); }
+  static v1::Job SubmitJob(int port, const v1::JobSpec& spec) { return Submit(port, spec); }
+  static v1::Job Job(int port, const std::string& id) { return GetJob(port, id); }
+  template <typename P>
+  static bool Poll(P predicate, absl::Duration timeout) {
+    return Eventually(predicate, timeout);
+  }
+};
+
+// An elastic job that notices a closed session within half a second.
+v1::JobSpec ElasticJob(int stages, int data_nodes, int replicas, double skip, int iterations) {
+  v1::JobSpec spec = MicroJob(stages, data_nodes, replicas, skip, iterations);
+  spec.mutable_elastic()->set_reconnect_grace_ms(500);
+  spec.mutable_elastic()->set_pause_timeout_s(120);
+  return spec;
+}
+
+// The daemon whose worker id is `id`.
+Daemon* ById(std::vector<Daemon>& workers, const std::string& id) {
+  for (Daemon& d : workers) {
+    if (d.id == id) return &d;
+  }
+  return nullptr;
+}
+
+int Count(const v1::Job& job, v1::JobHistoryEvent::Kind kind) {
+  int n = 0;
+  for (const auto& e : job.history()) n += e.kind() == kind;
+  return n;
+}
+
+std::string History(const v1::Job& job) {
+  std::string out;
+  for (const auto& e : job.history()) {
+    absl::StrAppend(&out, v1::JobHistoryEvent::Kind_Name(e.kind()), ": ", e.message(), "\n");
+  }
+  return out;
+}
+
+bool JobDone(const v1::Job& j) {
+  return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+         j.state() == v1::JOB_STATE_CANCELLED;
+}
+
+// One job on the test's coordinator, followed by polling.
+class ElasticRun {
+ public:
+  ElasticRun(ElasticTest* test, int port, const v1::JobSpec& spec) : port_(port) {
+    (void)test;
+    job_ = ElasticTest::SubmitJob(port, spec).id();
+  }
+  const std::string& id() const { return job_; }
+  v1::Job Get() const { return ElasticTest::Job(port_, job_); }
+  // Waits until `iterations` are done; false on timeout or a final state.
+  bool ReachIteration(uint64_t iterations, absl::Duration timeout) const {
+    ElasticTest::Poll(
+        [&] {
+          const v1::Job j = Get();
+          return j.progress().iteration() >= iterations || JobDone(j);
+        },
+        timeout);
+    return Get().progress().iteration() >= iterations;
+  }
+  v1::Job AwaitEnd(absl::Duration timeout) const {
+    v1::Job j;
+    ElasticTest::Poll(
+        [&] {
+          j = Get();
+          return JobDone(j);
+        },
+        timeout);
+    return j;
+  }
+
+ private:
+  int port_;
+  std::string job_;
+};
+
+// Sleeps a pseudo-random fraction of an iteration, so the kill lands at a
+// different point of it from run to run (the seed is printed on failure).
+void SleepIntoIteration(const v1::Job& job, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const double iteration_s = std::max(0.05, job.progress().iteration_time_s());
+  absl::SleepFor(absl::Seconds(std::uniform_real_distribution<double>(0, iteration_s)(rng)));
+}
+
+void ExpectHealthyEnd(const v1::Job& job, const Daemon& c) {
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n"
+                                                  << History(job) << c.process->Log();
+  EXPECT_TRUE(std::isfinite(job.progress().loss()));
+}
+
+// A replica of a middle stage is killed at a random point of an iteration:
+// the job goes on with the other replica and finishes.
+TEST_F(ElasticTest, KilledReplicaJobGoesOn) {
+  const uint32_t seed = static_cast<uint32_t>(absl::ToUnixMicros(absl::Now()));
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const v1::JobSpec spec = ElasticJob(3, 2, 2, 0.0, 14);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 6, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const v1::Job before = run.Get();
+  const std::string victim = before.stages(1).nodes(0);
+  SleepIntoIteration(before, seed);
+  ById(workers, victim)->process->Signal(SIGKILL);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr(victim));
+  EXPECT_GE(job.progress().recoveries(), 1u) << History(job);
+  EXPECT_EQ(job.progress().members(), 5u);
+  ASSERT_EQ(job.stages(1).nodes_size(), 1);
+  EXPECT_NE(job.stages(1).nodes(0), victim);
+  EXPECT_LT(job.progress().loss(), before.progress().loss() + 0.5);
+}
+
+// A data node is killed: the other data node takes all of the iteration's
+// microbatches from then on.
+TEST_F(ElasticTest, KilledDataNodeJobGoesOn) {
+  const uint32_t seed = static_cast<uint32_t>(absl::ToUnixMicros(absl::Now()));
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  const v1::JobSpec spec = ElasticJob(3, 2, 1, 0.0, 12);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 4, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const v1::Job before = run.Get();
+  const std::string victim = before.stages(0).nodes(1);
+  SleepIntoIteration(before, seed);
+  ById(workers, victim)->process->Signal(SIGKILL);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_THAT(History(job), HasSubstr(victim));
+  ASSERT_EQ(job.stages(0).nodes_size(), 1);
+  EXPECT_EQ(job.progress().members(), 3u);
+}
+
+// A worker stalls (SIGSTOP) past the heartbeat silence: it is lost, the job
+// goes on without it; when it wakes up (SIGCONT) it is told to drop the job
+// and may join again where capacity is missing.
+TEST_F(ElasticTest, StalledWorkerIsRoutedAroundAndMayComeBack) {
+  const v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 16);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(2, absl::Seconds(90))) << c.process->Log();
+  const std::string victim = run.Get().stages(2).nodes(0);
+  Daemon* stalled = ById(workers, victim);
+  stalled->process->Signal(SIGSTOP);
+  // --worker_silence is 1.5 s in these tests.
+  EXPECT_TRUE(Eventually(
+      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+      absl::Seconds(20)))
+      << c.process->Log();
+  stalled->process->Signal(SIGCONT);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_THAT(History(job), HasSubstr(victim));
+  // The woken worker is alive and registered again.
+  EXPECT_FALSE(stalled->process->Wait(absl::Milliseconds(100)).has_value());
+}
+
+// Both replicas of a stage die: the full pipeline cannot skip it, so the job
+// pauses; a worker started then joins the empty stage from the newest
+// checkpoint and the job finishes.
+TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 10);
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const v1::Job before = run.Get();
+  ASSERT_FALSE(before.last_checkpoint().empty());
+  for (const std::string& id : before.stages(2).nodes()) ById(workers, id)->process->Signal(SIGKILL);
+  EXPECT_TRUE(Eventually(
+      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_PAUSED) >= 1; },
+      absl::Seconds(30)))
+      << History(run.Get()) << c.process->Log();
+  EXPECT_THAT(run.Get().message(), HasSubstr("paused"));
+  Daemon fresh = StartWorker(c.grpc_port, "late", WorkerFlags());
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_WORKER_JOINED), 1) << History(job);
+  EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_CONTINUED), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  ASSERT_EQ(job.stages(2).nodes_size(), 1);
+  EXPECT_EQ(job.stages(2).nodes(0), fresh.id);
+}
+
+// A worker started mid-job replaces a lost one: it receives the stage's
+// state from the live replica (bit-identical: later iterations pass the
+// replica check) and takes part in later routes.
+TEST_F(ElasticTest, JoiningWorkerGetsTheReplicaStateAndTakesPart) {
+  // Long enough (a few seconds) for a worker process to start mid-job.
+  const v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 150);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(2, absl::Seconds(90))) << c.process->Log();
+  const std::string victim = run.Get().stages(1).nodes(0);
+  ById(workers, victim)->process->Signal(SIGKILL);
+  ASSERT_TRUE(Eventually(
+      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+      absl::Seconds(20)));
+  Daemon fresh = StartWorker(c.grpc_port, "joiner", WorkerFlags());
+  ASSERT_TRUE(Eventually(
+      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_JOINED) >= 1; },
+      absl::Seconds(60)))
+      << History(run.Get()) << c.process->Log();
+  const uint64_t joined_at = run.Get().progress().iteration();
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_THAT(History(job), HasSubstr(absl::StrCat("worker ", fresh.id, " joined stage 1")));
+  EXPECT_THAT(History(job), HasSubstr("with the state of"));
+  EXPECT_LT(joined_at, 140u);
+  ASSERT_EQ(job.stages(1).nodes_size(), 2);
+  EXPECT_EQ(job.progress().members(), 5u);
+  // It ran pipeline work after joining.
+  auto scrape = HttpGet(fresh.metrics_port, "/metrics");
+  ASSERT_TRUE(scrape.ok());
+  EXPECT_THAT(*scrape, HasSubstr("detour_worker_iterations_total"));
+  EXPECT_THAT(*scrape, Not(HasSubstr("detour_worker_iterations_total 0\n")));
+}
+
+// kill -9 of the coordinator mid-job, restarted with the same data dir: the
+// workers keep their stages and re-attach; the job finishes.
+TEST_F(ElasticTest, CoordinatorKillKeepsTheJob) {
+  const v1::JobSpec spec = ElasticJob(3, 1, 1, 0.0, 12);
+  Daemon c = StartCoordinator();
+  const int port = c.grpc_port;
+  std::vector<Daemon> workers = StartWorkers(port, 3, WorkerFlags());
+  ElasticRun run(this, port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  c.process->Signal(SIGKILL);
+  c.process->Wait(absl::Seconds(10));
+  Daemon c2 = StartCoordinator({absl::StrCat("--listen=127.0.0.1:", port)}, "c2");
+  ASSERT_EQ(c2.grpc_port, port) << c2.process->Log();
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c2);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_REATTACHED), 1) << History(job);
+  EXPECT_EQ(job.progress().iteration(), 12u);
+}
+
+// The coordinator stops (SIGSTOP) for longer than the workers' heartbeat
+// silence: after SIGCONT nobody counts as lost and the job goes on at once
+// (it used to hang until the 10-minute iteration timeout).
+TEST_F(ElasticTest, PausedCoordinatorLosesNothing) {
+  const v1::JobSpec spec = ElasticJob(3, 1, 1, 0.0, 10);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(2, absl::Seconds(90))) << c.process->Log();
+  c.process->Signal(SIGSTOP);
+  absl::SleepFor(absl::Seconds(4));
+  c.process->Signal(SIGCONT);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(60));
+  ExpectHealthyEnd(job, c);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+}
+
+// The stage files' checksums of the checkpoint in `dir`.
+std::vector<std::string> StageChecksums(const std::string& dir) {
+  auto manifest = model::ReadManifest(dir);
+  EXPECT_TRUE(manifest.ok()) << manifest.status();
+  std::vector<std::string> out;
+  if (!manifest.ok()) return out;
+  for (const auto& e : manifest->stages) out.push_back(absl::StrCat(e.stage, ":", e.checksum));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Trains `spec` on `workers` fresh workers (one run), or with a failure
+// after the checkpoint halfway and `detourctl resume` on other workers;
+// returns the final checkpoint's stage checksums.
+std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::JobSpec& spec,
+                                                 bool interrupt, int port,
+                                                 std::vector<Daemon>& workers,
+                                                 const std::string& ctl, const Daemon& c) {
+  ElasticRun run(test, port, spec);
+  if (interrupt) {
+    const uint64_t half = spec.checkpoint().every_iterations();
+    EXPECT_TRUE(run.ReachIteration(half + 1, absl::Seconds(120)));
+    EXPECT_THAT(run.Get().last_checkpoint(), HasSubstr(absl::StrFormat("iter-%06d", half)));
+    const std::string victim = run.Get().stages(1).nodes(0);
+    ById(workers, victim)->process->Signal(SIGKILL);
+    const v1::Job failed = run.AwaitEnd(absl::Seconds(60));
+    EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+    EXPECT_THAT(failed.last_checkpoint(), HasSubstr(absl::StrFormat("iter-%06d", half)))
+        << "the run got past the next checkpoint before the kill";
+    workers.push_back(test->AddWorker(port, absl::StrCat("spare", workers.size())));
+    std::string out;
+    EXPECT_EQ(test->RunCtl({ctl, absl::StrCat("--coordinator=127.0.0.1:", port), "resume",
+                            run.id()},
+                           &out),
+              0)
+        << out;
+  }
+  const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << History(job)
+                                                  << c.process->Log();
+  if (interrupt) {
+    EXPECT_EQ(job.resumes(), 1u);
+    EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_RESUMED), 1) << History(job);
+  }
+  return StageChecksums(job.last_checkpoint());
+}
+
+// N iterations straight equal N/2, a failure, a resume from the checkpoint
+// (other workers, the stages restored) and N/2 more — bit for bit on CPU:
+// parameters, AdamW moments and (second case) K-FAC factors and inverses,
+// the learning-rate schedule and the data position all carry over. One data
+// node with one activation slot keeps the gradient sums in one order, and
+// the coordinator keeps its cost model (--replan_every=0), so both runs are
+// the same computation.
+TEST_F(ElasticTest, ResumeEqualsAStraightRunBitForBit) {
+  Daemon c = StartCoordinator({"--replan_every=0"});
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
+  const std::string ctl = Bin(kCtl);
+  for (bool kfac : {false, true}) {
+    SCOPED_TRACE(kfac ? "K-FAC" : "AdamW");
+    v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 24);
+    spec.set_name(kfac ? "kfac" : "adamw");
+    spec.mutable_pipeline()->set_memory_slots(1);
+    spec.mutable_checkpoint()->set_every_iterations(12);
+    spec.mutable_checkpoint()->set_keep_last(4);
+    spec.mutable_elastic()->set_disabled(true);
+    if (kfac) {
+      spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+      spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
+      spec.mutable_optimizer()->mutable_kfac()->set_refresh_interval(3);
+      spec.mutable_optimizer()->mutable_kfac()->set_placement(v1::KFAC_PLACEMENT_SERIAL);
+    }
+    spec = *NormalizeJobSpec(spec);
+    const auto straight = TrainStraightOrResumed(this, spec, false, c.grpc_port, workers, ctl, c);
+    const auto resumed = TrainStraightOrResumed(this, spec, true, c.grpc_port, workers, ctl, c);
+    ASSERT_EQ(straight.size(), 3u);
+    EXPECT_EQ(straight, resumed);
+  }
+}
+
+}  // namespace
+}  // namespace detour::testing
