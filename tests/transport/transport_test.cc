@@ -331,5 +331,38 @@ TEST_F(TransportTest, CloseFailsPendingAndIsIdempotent) {
   sender.reset();
 }
 
+// Regression (issue 12): a sender's stream reactor told the sender it was
+// done before it released its ClientContext, so Close() could return (and the
+// sender, the test, even the process end) while a gRPC thread still held the
+// call and the last reference to the channel: a use after release that once
+// aborted with ref_counted.h "prior > 0" after this suite passed. Once a
+// sender is closed and destroyed nothing of it may remain inside gRPC: the
+// channel it was given must be gone. Alternates waiting for the failure
+// (stream broken, then closed) with closing while the connection attempt is
+// still under way (stream cancelled on close).
+TEST_F(TransportTest, ClosedSenderReleasesEverythingItHandedToGrpc) {
+  constexpr int kCycles = 200;
+  int still_held = 0;
+  for (int i = 0; i < kCycles; ++i) {
+    const std::string peer = "127.0.0.1:1";  // nothing listens: connection refused
+    std::shared_ptr<grpc::Channel> channel = MakeChannel(peer);
+    std::weak_ptr<grpc::Channel> watch = channel;
+    PeerSenderOptions options;
+    options.ack_timeout = absl::Seconds(3);
+    auto sender = std::make_unique<PeerSender>(peer, std::move(channel), options);
+    if (i % 2 == 0) {
+      absl::Status s = SendAndWait(*sender, Header(0, {4}), View(Pattern(16, i)));
+      EXPECT_FALSE(s.ok());
+    } else {
+      sender->Send(Header(0, {4}), View(Pattern(16, i)), [](absl::Status, double) {});
+    }
+    sender->Close();
+    sender.reset();
+    if (!watch.expired()) ++still_held;
+  }
+  EXPECT_EQ(still_held, 0) << "of " << kCycles << " closed senders, " << still_held
+                           << " left their channel inside a gRPC call";
+}
+
 }  // namespace
 }  // namespace detour
