@@ -174,6 +174,12 @@ void ApplyJobDefaults(JobSpec* spec) {
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
+  // First, and counting unknown fields: each field may be within its limit
+  // while the whole is not (or be all unknown fields).
+  if (const size_t bytes = spec.ByteSizeLong(); bytes > SpecLimits::kMaxJobSpecBytes) {
+    return Invalid("spec", absl::StrCat("is ", bytes, " bytes serialized, more than the limit of ",
+                                        SpecLimits::kMaxJobSpecBytes, " (1 MiB)"));
+  }
   if (!ValidName(spec.name())) {
     return Invalid("name", absl::StrCat("\"", spec.name(),
                                         "\" must be 1-64 letters, digits, '-', '_' or '.'"));
