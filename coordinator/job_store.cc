@@ -146,6 +146,34 @@ std::vector<v1::Job> JobStore::List(v1::JobState state) const {
   return out;
 }
 
+JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_id,
+                                  size_t max_jobs, size_t max_bytes) const {
+  Page page;
+  size_t bytes = 0;
+  absl::MutexLock lock(&mu_);
+  // Ids are zero-padded sequence numbers: walking the map backwards from
+  // the first id not below `after_id` gives the older jobs, newest first.
+  auto it = after_id.empty() ? jobs_.end() : jobs_.lower_bound(after_id);
+  while (it != jobs_.begin()) {
+    --it;
+    const v1::Job& job = it->second;
+    if (state != v1::JOB_STATE_UNSPECIFIED && job.state() != state) continue;
+    if (page.jobs.size() >= std::max<size_t>(1, max_jobs)) {
+      page.more = true;
+      break;
+    }
+    // A repeated message field costs its size plus a tag and a length.
+    const size_t cost = job.ByteSizeLong() + 8;
+    if (!page.jobs.empty() && bytes + cost > max_bytes) {
+      page.more = true;
+      break;
+    }
+    bytes += cost;
+    page.jobs.push_back(job);
+  }
+  return page;
+}
+
 absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
                                          const std::function<void(v1::Job*)>& mutate) {
   // Writers take turns on the disk; readers (Get, List) never wait for it.

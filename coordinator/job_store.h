@@ -35,6 +35,18 @@ class JobStore {
   // Newest first; `state` JOB_STATE_UNSPECIFIED = all.
   std::vector<v1::Job> List(v1::JobState state) const;
 
+  // One page of List: jobs older than `after_id` ("" = from the newest), at
+  // most `max_jobs` (>= 1) of them, and stopping before the job that would
+  // take the page's serialized size past `max_bytes` (the first job is always
+  // taken). `more` says whether a matching job follows the page. Copies only
+  // the page.
+  struct Page {
+    std::vector<v1::Job> jobs;
+    bool more = false;
+  };
+  Page ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs,
+                size_t max_bytes) const;
+
   // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION when it
   // already ended, NOT_FOUND when unknown.
   absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now);
