@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,10 @@ google::protobuf::Timestamp ToProto(absl::Time t) {
 
 }  // namespace
 
-JobStore::JobStore(std::string data_dir) : dir_((fs::path(data_dir) / "jobs").string()) {}
+JobStore::JobStore(std::string data_dir) : JobStore(std::move(data_dir), WriteFileAtomically) {}
+
+JobStore::JobStore(std::string data_dir, FileWriter writer)
+    : dir_((fs::path(data_dir) / "jobs").string()), writer_(std::move(writer)) {}
 
 bool JobStore::IsFinal(v1::JobState state) {
   return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
@@ -99,7 +103,7 @@ absl::StatusOr<int> JobStore::Load() {
 }
 
 absl::Status JobStore::Persist(const v1::Job& job) const {
-  return WriteFileAtomically((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
+  return writer_((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
 }
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,

@@ -21,8 +21,14 @@ class JobStore {
  public:
   using Listener = std::function<void(const v1::Job&)>;
 
+  // Writes one record file durably; WriteFileAtomically (common/files.h)
+  // unless a test passes its own.
+  using FileWriter =
+      std::function<absl::Status(const std::string& path, const std::string& content)>;
+
   // `data_dir` is created if missing; jobs live in <data_dir>/jobs.
   explicit JobStore(std::string data_dir);
+  JobStore(std::string data_dir, FileWriter writer);
 
   // Reads every stored job. Unreadable files are reported and skipped, never
   // deleted. Returns how many jobs were loaded.
@@ -72,6 +78,7 @@ class JobStore {
   void Notify(const v1::Job& job);
 
   const std::string dir_;
+  const FileWriter writer_;
   // Serialises Create/Update's disk writes (taken before mu_, never under it).
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
