@@ -5,7 +5,8 @@
 #      (every ABSL_GUARDED_BY / EXCLUSIVE_LOCKS_REQUIRED is checked);
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer over the LibTorch-free
 #      suite (common, coordinator, planner, simulator, transport, net,
-#      metrics, work queue, fuzz corpus replays), then every fuzz target
+#      metrics, work queue, model core, control client, fuzz corpus
+#      replays), then every LibTorch-free fuzz target
 #      for a short run on its corpus (the same instrumented build);
 #   3. ThreadSanitizer over the transport, net and work-queue tests
 #      (suppressions for the uninstrumented system libraries: tests/tsan.supp).
@@ -51,7 +52,7 @@ for step in "${steps[@]}"; do
       (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
         DETOUR_SOURCE_DIR="$PWD/.." ctest --output-on-failure -j"$JOBS" \
         -E "ShippedExampleOrderingAndQuality|PlanJsonRoundTripsThroughSimulate|KeepsAGivenAssignmentAndIsDeterministic|SchedulerComesFromJobUnlessOverridden|DeterministicForASeed|KfacOnThePlannedExample|CompareTableOnShippedExample")
-      for t in frame_decoder job_spec route_decoder job_record; do
+      for t in frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file; do
         mkdir -p "build-asan/fuzz-corpus/$t" "build-asan/fuzz-artifacts/$t"
         echo "-- fuzz $t ${FUZZ_SECONDS}s"
         "build-asan/tests/fuzz/${t}_fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 \

@@ -5,8 +5,10 @@
 // Layout of a checkpoint directory:
 //   manifest.json          written last; its presence marks a complete
 //                          checkpoint
-//   stage-<k>.pt           LibTorch archive, tensors under global names
-//                          ("layers.3.wq", "layers.3.wq.adam_m", ...)
+//   stage-<k>.bin          tensors under global names ("layers.3.wq",
+//                          "layers.3.wq.adam_m", ...) in our own container
+//                          (stage_file.h), never LibTorch's archive format,
+//                          whose reader crashes on corrupt input
 // Tensors are keyed by global names, so a stage loads whatever files cover
 // its layers: loading into a different replica count (any replica of stage k
 // reads the same entries) or even a different stage split works.
@@ -23,11 +25,14 @@
 #define DETOUR_WORKER_MODEL_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include <ATen/core/Tensor.h>
+#include "worker/model/checkpoint_manifest.h"
 #include "worker/model/model_config.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
@@ -36,37 +41,20 @@ namespace detour::model {
 
 class PipelineEngine;
 
-struct StageFileEntry {
-  int stage = 0;
-  std::string file;       // relative to the checkpoint directory
-  LayerRange layers;      // global layers held (stage 0 also holds embedding/head)
-  uint64_t bytes = 0;
-  std::string checksum;   // "fnv1a64:<16 hex digits>"
-};
-
-struct CheckpointManifest {
-  std::string format = "detour-checkpoint-v1";
-  uint64_t iteration = 0;  // iterations completed (the next step's index)
-  ModelConfig model;
-  int num_stages = 0;
-  int replicas_per_stage = 1;  // informational; loading does not depend on it
-  uint64_t seed = 0;
-  // Opaque state of the caller's route/data RNG (e.g. a counter), restored
-  // on resume.
-  std::string rng_state;
-  std::vector<StageFileEntry> stages;
-};
-
-// Worker side: writes `dir`/stage-<k>.pt atomically (temp file + rename;
+// Worker side: writes `dir`/stage-<k>.bin atomically (temp file + rename;
 // creates `dir` if needed) and returns its manifest entry.
 absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
                                               const Stage& stage,
                                               const AdamW& optimizer);
 
-// Coordinator side: writes `dir`/manifest.json atomically.
-absl::Status WriteManifest(const std::string& dir,
-                           const CheckpointManifest& manifest);
-absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
+// The manifest (WriteManifest, ReadManifest: the coordinator side) is
+// checkpoint_manifest.h's.
+
+// Decodes the bytes of a stage file into its tensor table (global names).
+// DATA_LOSS naming `what` and the tensor for anything truncated or corrupt
+// (stage_file.h), never a crash.
+absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageFile(const std::string& bytes,
+                                                                 const std::string& what);
 
 // Loads the entries `stage` and `optimizer` need from the checkpoint in
 // `dir`. Checks the model shape against the manifest and the checksum of
