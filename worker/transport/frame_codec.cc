@@ -175,6 +175,16 @@ absl::StatusOr<DecodedFrame> DecodeFrame(const grpc::ByteBuffer& buffer) {
 absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                  uint64_t max_tensor_bytes) {
   if (h.job_id().empty()) return absl::InvalidArgumentError("frame header: job_id is empty");
+  // The header is kept while a tensor is half received: its strings and
+  // rank are bounded like a spec's ids (the decoder allows 1 MiB headers).
+  if (h.job_id().size() > kMaxFrameIdBytes || h.sender().size() > kMaxFrameIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("frame header: job_id or sender longer than ",
+                                                   kMaxFrameIdBytes, " bytes"));
+  }
+  if (h.shape_size() > static_cast<int>(kMaxFrameDims)) {
+    return absl::InvalidArgumentError(absl::StrCat("frame header: ", h.shape_size(),
+                                                   " dimensions (at most ", kMaxFrameDims, ")"));
+  }
   if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
       h.direction() != v1::DIRECTION_ALLREDUCE) {
     return absl::InvalidArgumentError(
