@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "common/net/reactor_support.h"
+#include "common/tsan.h"
 #include "worker/transport/frame_codec.h"
 
 namespace detour {
@@ -49,15 +50,19 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
           grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
     }
-    StartRead(&incoming_);
+    NextRead();
   }
 
   ~ActivationStreamReactor() override {
+    DETOUR_HAPPENS_AFTER(this);  // after the last reaction (OnDone comes last)
     // A stream that ends with tensors half received gives their memory back.
     for (auto& [key, a] : assemblies_) Forget(a);
   }
 
   void OnReadDone(bool ok) override {
+    // Reads are serial, each on whichever gRPC thread: this reaction follows
+    // the one that started the read (gRPC orders them; TSan cannot see it).
+    DETOUR_HAPPENS_AFTER(this);
     if (!ok) {  // the sender closed its side: answer what it sent, then end
       Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
@@ -70,10 +75,11 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       absl::MutexLock lock(&read_mu_);
       if (outbox_.queued() >= kMaxQueuedAcks) {
         read_paused_ = true;
+        DETOUR_HAPPENS_BEFORE(this);  // OnWriteDone resumes the reads
         return;
       }
     }
-    StartRead(&incoming_);
+    NextRead();
   }
 
   void OnWriteDone(bool ok) override {
@@ -88,7 +94,10 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       }
     }
     Apply(action);
-    if (resume) StartRead(&incoming_);
+    if (resume) {
+      DETOUR_HAPPENS_AFTER(this);
+      NextRead();
+    }
   }
   void OnDone() override { delete this; }
 
@@ -102,6 +111,11 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     uint64_t reserved = 0;     // sink bytes counted against the server's limit
     int64_t bookkeeping = 0;   // what this entry costs the transport
   };
+
+  void NextRead() {
+    DETOUR_HAPPENS_BEFORE(this);
+    StartRead(&incoming_);
+  }
 
   // Releases what an assembly holds against the server's limits.
   void Forget(const Assembly& a) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/tsan.h"
 
 namespace detour {
 namespace {
@@ -90,8 +91,17 @@ class SliceReader {
   size_t pos_ = 0;
 };
 
+// gRPC calls this on one of its threads when it drops the slice; the slice
+// (and this pointer) was handed over through gRPC's refcounts.
 void ReleaseKeepalive(void* user_data) {
+  DETOUR_HAPPENS_AFTER(user_data);
   delete static_cast<std::shared_ptr<const void>*>(user_data);
+}
+
+void* NewKeepalive(const std::shared_ptr<const void>& keepalive) {
+  auto* held = new std::shared_ptr<const void>(keepalive);
+  DETOUR_HAPPENS_BEFORE(held);
+  return held;
 }
 
 }  // namespace
@@ -122,7 +132,7 @@ grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& vi
   grpc::Slice slices[2] = {
       grpc::Slice(prefix.data(), prefix.size()),
       grpc::Slice(const_cast<char*>(static_cast<const char*>(view.data)) + offset, bytes,
-                  &ReleaseKeepalive, new std::shared_ptr<const void>(view.keepalive))};
+                  &ReleaseKeepalive, NewKeepalive(view.keepalive))};
   return grpc::ByteBuffer(slices, 2);
 }
 

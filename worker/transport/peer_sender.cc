@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net/server.h"
+#include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 
@@ -32,24 +33,28 @@ class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   Stream(PeerSender* owner, grpc::GenericStub* stub) : owner_(owner) {
     stub->PrepareBidiStreamingCall(&context_, kMethod, grpc::StubOptions(), this);
     AddHold();
-    StartRead(&incoming_);
+    NextRead();
     StartCall();
   }
 
   void OnWriteDone(bool ok) override { owner_->OnWriteDone(ok); }
 
   void OnReadDone(bool ok) override {
+    // Serial reads on any gRPC thread, ordered by gRPC (invisible to TSan).
+    DETOUR_HAPPENS_AFTER(this);
     if (!ok) {
       owner_->OnReadEnded();
+      DETOUR_HAPPENS_BEFORE(this);  // OnDone follows
       return;
     }
     v1::FrameAck ack;
     grpc::ProtoBufferReader reader(&incoming_);
     if (ack.ParseFromZeroCopyStream(&reader)) owner_->OnAck(ack);
-    StartRead(&incoming_);
+    NextRead();
   }
 
   void OnDone(const grpc::Status&) override {
+    DETOUR_HAPPENS_AFTER(this);
     PeerSender* const owner = owner_;
     delete this;
     owner->OnStreamDone();
@@ -58,6 +63,11 @@ class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   void Cancel() { context_.TryCancel(); }
 
  private:
+  void NextRead() {
+    DETOUR_HAPPENS_BEFORE(this);
+    StartRead(&incoming_);
+  }
+
   PeerSender* const owner_;
   grpc::ClientContext context_;
   grpc::ByteBuffer incoming_;
