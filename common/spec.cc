@@ -178,6 +178,12 @@ void ApplyJobDefaults(JobSpec* spec) {
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
+  // First, and counting unknown fields: each field may be within its limit
+  // while the whole is not (or be all unknown fields).
+  if (const size_t bytes = spec.ByteSizeLong(); bytes > SpecLimits::kMaxJobSpecBytes) {
+    return Invalid("spec", absl::StrCat("is ", bytes, " bytes serialized, more than the limit of ",
+                                        SpecLimits::kMaxJobSpecBytes, " (1 MiB)"));
+  }
   if (!ValidName(spec.name())) {
     return Invalid("name", absl::StrCat("\"", spec.name(),
                                         "\" must be 1-64 letters, digits, '-', '_' or '.'"));
@@ -426,11 +432,6 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                 L::kMaxIterations));
   }
   const v1::ElasticSpec& e = spec.elastic();
-  if (e.max_missing_stages() >= spec.pipeline().num_stages()) {
-    return Invalid("elastic.max_missing_stages",
-                   absl::StrCat(e.max_missing_stages(), " must be below pipeline.num_stages (",
-                                spec.pipeline().num_stages(), "): stage 0 holds the data"));
-  }
   if (e.pause_timeout_s() > L::kMaxPauseSeconds) {
     return Invalid("elastic.pause_timeout_s", absl::StrCat(e.pause_timeout_s(),
                                                            " exceeds the limit ",

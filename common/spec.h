@@ -48,6 +48,9 @@ struct SpecLimits {
   static constexpr uint32_t kMaxKeepLast = 1000;
   static constexpr size_t kMaxPathBytes = 4096;
   static constexpr size_t kMaxIdBytes = 256;
+  // A whole JobSpec, serialized (unknown fields included): what a job costs
+  // in the store, in every Get/List answer and on disk.
+  static constexpr size_t kMaxJobSpecBytes = size_t{1} << 20;
   static constexpr int kMaxClusterNodes = 65536;
   static constexpr int kMaxLinks = 1 << 20;
   static constexpr uint32_t kMaxPauseSeconds = 7 * 24 * 3600;

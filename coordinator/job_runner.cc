@@ -10,7 +10,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "common/files.h"
 #include "common/log.h"
 #include "common/sim/cost_model.h"
 #include "common/spec.h"
@@ -21,8 +20,7 @@
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
-#include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
+#include "worker/model/checkpoint_manifest.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
@@ -38,25 +36,15 @@ absl::Time FromProto(const google::protobuf::Timestamp& t) {
   return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(t));
 }
 
-// Iterations completed when the checkpoint in `dir` was taken (its
-// manifest's "iteration"); the manifest's presence marks it complete.
+// Iterations completed when the checkpoint in `dir` was taken; its
+// manifest's presence marks it complete.
 absl::StatusOr<uint64_t> CheckpointIteration(const std::string& dir) {
-  const std::string path = dir + "/manifest.json";
-  auto text = ReadFileToString(path);
-  if (!text.ok()) {
+  auto manifest = model::ReadManifest(dir);
+  if (!manifest.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", dir, " is not complete (", text.status().message(), ")"));
+        "checkpoint ", dir, " is not complete (", manifest.status().message(), ")"));
   }
-  google::protobuf::Struct root;
-  if (!google::protobuf::util::JsonStringToMessage(*text, &root).ok()) {
-    return absl::DataLossError(absl::StrCat(path, " is not valid JSON"));
-  }
-  auto it = root.fields().find("iteration");
-  if (it == root.fields().end() || !it->second.has_number_value() ||
-      !(it->second.number_value() >= 0) || it->second.number_value() > 1e15) {
-    return absl::DataLossError(absl::StrCat(path, " has no valid \"iteration\""));
-  }
-  return static_cast<uint64_t>(it->second.number_value());
+  return manifest->iteration;
 }
 
 bool SameTime(const google::protobuf::Timestamp& a, const google::protobuf::Timestamp& b) {

@@ -1,9 +1,13 @@
 #include "coordinator/job_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
@@ -17,6 +21,24 @@ namespace detour {
 namespace {
 
 constexpr char kStoredMessage[] = "accepted; waiting for workers";
+
+// List paging (job_service.proto): jobs per page by default and at most, and
+// the serialized size at which a page stops, well under the 4 MiB that
+// gRPC clients accept by default.
+constexpr uint32_t kDefaultPageSize = 100;
+constexpr uint32_t kMaxPageSize = 1000;
+constexpr size_t kMaxPageBytes = size_t{3} << 20;
+
+// A page token is the id of the last job of the previous page ("job-" and
+// digits, as JobStore::Create names jobs).
+bool ValidPageToken(const std::string& token) {
+  constexpr absl::string_view kPrefix = "job-";
+  if (token.size() <= kPrefix.size() || token.size() > 32 || !absl::StartsWith(token, kPrefix)) {
+    return false;
+  }
+  return std::all_of(token.begin() + kPrefix.size(), token.end(),
+                     [](char c) { return absl::ascii_isdigit(c); });
+}
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& s) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -140,7 +162,18 @@ grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* cont
     return Reply(context, absl::InvalidArgumentError(
                               absl::StrCat("state: unknown value ", request->state())));
   }
-  for (v1::Job& job : store_->List(request->state())) *response->add_jobs() = std::move(job);
+  const std::string& token = request->page_token();
+  if (!token.empty() && !ValidPageToken(token)) {
+    return Reply(context, absl::InvalidArgumentError(absl::StrCat(
+                              "page_token: \"", absl::CHexEscape(token.substr(0, 64)),
+                              "\" is not a next_page_token of a previous List")));
+  }
+  const uint32_t size = request->page_size() == 0
+                            ? kDefaultPageSize
+                            : std::min(request->page_size(), kMaxPageSize);
+  JobStore::Page page = store_->ListPage(request->state(), token, size, kMaxPageBytes);
+  for (v1::Job& job : page.jobs) *response->add_jobs() = std::move(job);
+  if (page.more) response->set_next_page_token(response->jobs().rbegin()->id());
   return Reply(context, absl::OkStatus());
 }
 

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,10 @@ google::protobuf::Timestamp ToProto(absl::Time t) {
 
 }  // namespace
 
-JobStore::JobStore(std::string data_dir) : dir_((fs::path(data_dir) / "jobs").string()) {}
+JobStore::JobStore(std::string data_dir) : JobStore(std::move(data_dir), WriteFileAtomically) {}
+
+JobStore::JobStore(std::string data_dir, FileWriter writer)
+    : dir_((fs::path(data_dir) / "jobs").string()), writer_(std::move(writer)) {}
 
 bool JobStore::IsFinal(v1::JobState state) {
   return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
@@ -99,7 +103,7 @@ absl::StatusOr<int> JobStore::Load() {
 }
 
 absl::Status JobStore::Persist(const v1::Job& job) const {
-  return WriteFileAtomically((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
+  return writer_((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
 }
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,
@@ -144,6 +148,34 @@ std::vector<v1::Job> JobStore::List(v1::JobState state) const {
   // Ids are zero-padded sequence numbers: reverse order is newest first.
   std::reverse(out.begin(), out.end());
   return out;
+}
+
+JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_id,
+                                  size_t max_jobs, size_t max_bytes) const {
+  Page page;
+  size_t bytes = 0;
+  absl::MutexLock lock(&mu_);
+  // Ids are zero-padded sequence numbers: walking the map backwards from
+  // the first id not below `after_id` gives the older jobs, newest first.
+  auto it = after_id.empty() ? jobs_.end() : jobs_.lower_bound(after_id);
+  while (it != jobs_.begin()) {
+    --it;
+    const v1::Job& job = it->second;
+    if (state != v1::JOB_STATE_UNSPECIFIED && job.state() != state) continue;
+    if (page.jobs.size() >= std::max<size_t>(1, max_jobs)) {
+      page.more = true;
+      break;
+    }
+    // A repeated message field costs its size plus a tag and a length.
+    const size_t cost = job.ByteSizeLong() + 8;
+    if (!page.jobs.empty() && bytes + cost > max_bytes) {
+      page.more = true;
+      break;
+    }
+    bytes += cost;
+    page.jobs.push_back(job);
+  }
+  return page;
 }
 
 absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,

@@ -21,8 +21,14 @@ class JobStore {
  public:
   using Listener = std::function<void(const v1::Job&)>;
 
+  // Writes one record file durably; WriteFileAtomically (common/files.h)
+  // unless a test passes its own.
+  using FileWriter =
+      std::function<absl::Status(const std::string& path, const std::string& content)>;
+
   // `data_dir` is created if missing; jobs live in <data_dir>/jobs.
   explicit JobStore(std::string data_dir);
+  JobStore(std::string data_dir, FileWriter writer);
 
   // Reads every stored job. Unreadable files are reported and skipped, never
   // deleted. Returns how many jobs were loaded.
@@ -34,6 +40,18 @@ class JobStore {
   absl::StatusOr<v1::Job> Get(const std::string& id) const;
   // Newest first; `state` JOB_STATE_UNSPECIFIED = all.
   std::vector<v1::Job> List(v1::JobState state) const;
+
+  // One page of List: jobs older than `after_id` ("" = from the newest), at
+  // most `max_jobs` (>= 1) of them, and stopping before the job that would
+  // take the page's serialized size past `max_bytes` (the first job is always
+  // taken). `more` says whether a matching job follows the page. Copies only
+  // the page.
+  struct Page {
+    std::vector<v1::Job> jobs;
+    bool more = false;
+  };
+  Page ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs,
+                size_t max_bytes) const;
 
   // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION when it
   // already ended, NOT_FOUND when unknown.
@@ -60,6 +78,7 @@ class JobStore {
   void Notify(const v1::Job& job);
 
   const std::string dir_;
+  const FileWriter writer_;
   // Serialises Create/Update's disk writes (taken before mu_, never under it).
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;

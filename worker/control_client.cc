@@ -133,21 +133,34 @@ void ControlClient::SessionLoop() {
   }
 }
 
+absl::Duration ControlClient::StallTimeout() const {
+  if (options_.write_stall_timeout > absl::ZeroDuration()) return options_.write_stall_timeout;
+  return std::max(3 * heartbeat_interval_, options_.rpc_timeout);
+}
+
 absl::Status ControlClient::RunSession() {
   grpc::ClientContext context;
   std::string token;
   absl::Duration interval;
+  absl::Duration stall;
   {
     absl::MutexLock lock(&mu_);
     token = token_;
     interval = heartbeat_interval_;
+    stall = StallTimeout();
   }
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream =
       stub_->Session(&context);
   {
     absl::MutexLock lock(&mu_);
-    session_context_ = &context;
-    stream_ = stream.get();
+    session_open_ = true;
+    outbox_.clear();
+    outbox_bytes_ = 0;
+    heartbeat_due_ = true;  // the first one at once
+    writer_stop_ = false;
+    writer_done_ = false;
+    write_failed_ = false;
+    write_started_ = absl::InfiniteFuture();
   }
   absl::Notification reader_done;
   std::thread reader([&] {
@@ -157,44 +170,56 @@ absl::Status ControlClient::RunSession() {
     }
     reader_done.Notify();
   });
+  std::thread writer([&] { WriterLoop(stream.get(), token); });
 
-  bool announced = false;
+  // The heartbeat clock and the stall watch: nothing here waits on the
+  // stream.
   absl::Status why = absl::OkStatus();
-  while (true) {
-    v1::WorkerMessage beat;
-    beat.set_session_token(token);
-    beat.mutable_heartbeat()->set_seq(++heartbeat_seq_);
-    {
-      absl::MutexLock lock(&mu_);
-      beat.mutable_heartbeat()->set_job_id(current_job_);
-    }
-    bool written;
-    {
-      absl::MutexLock lock(&write_mu_);
-      written = stream->Write(beat);
-    }
-    if (!written) {
-      why = absl::UnavailableError("heartbeat write failed");
-      break;
-    }
-    if (!announced) {
-      announced = true;
-      if (hooks_.on_connection_change) hooks_.on_connection_change(true);
-    }
-    if (hooks_.on_heartbeat_sent) hooks_.on_heartbeat_sent();
-    if (stopping_.WaitForNotificationWithTimeout(interval)) {
-      absl::MutexLock lock(&write_mu_);
-      stream->WritesDone();
-      break;
-    }
-  }
+  bool cancel = false;
+  size_t dropped = 0;
   {
     absl::MutexLock lock(&mu_);
-    session_context_ = nullptr;
-    stream_ = nullptr;
+    auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_requested_ || write_failed_;
+    };
+    while (true) {
+      mu_.AwaitWithTimeout(absl::Condition(&wake), interval);
+      if (write_failed_) {
+        why = absl::UnavailableError("session write failed");
+        break;
+      }
+      if (stop_requested_) break;
+      const absl::Time now = absl::Now();
+      if (write_started_ != absl::InfiniteFuture() && now - write_started_ > stall) {
+        why = absl::DeadlineExceededError(absl::StrCat(
+            "a write to the coordinator has been blocked for ",
+            absl::FormatDuration(now - write_started_), " (limit ", absl::FormatDuration(stall),
+            ")"));
+        cancel = true;
+        break;
+      }
+      heartbeat_due_ = true;  // coalesces with one not yet written
+    }
+    writer_stop_ = true;
+    heartbeat_due_ = false;
+    if (why.ok()) {
+      // Stopping: what the runtime queued (a last result, an error) goes
+      // out first, for at most rpc_timeout.
+      if (!mu_.AwaitWithTimeout(absl::Condition(&writer_done_), options_.rpc_timeout)) {
+        cancel = true;
+      }
+    }
+    session_open_ = false;
+    dropped = outbox_.size();
+    outbox_.clear();
+    outbox_bytes_ = 0;
   }
-  // Writes that took the stream before it was cleared finish first.
-  { absl::MutexLock barrier(&write_mu_); }
+  if (dropped > 0) {
+    LogWarning("session with coordinator closing: ", dropped, " queued messages dropped");
+  }
+  // Cancelling frees a writer stuck in a write.
+  if (cancel) context.TryCancel();
+  writer.join();
   // After WritesDone the coordinator ends the stream; do not wait forever on
   // one that is hung.
   if (!why.ok() || !reader_done.WaitForNotificationWithTimeout(options_.rpc_timeout)) {
@@ -206,23 +231,79 @@ absl::Status ControlClient::RunSession() {
   return why;
 }
 
+void ControlClient::WriterLoop(
+    grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream,
+    const std::string& token) {
+  bool announced = false;
+  while (true) {
+    v1::WorkerMessage message;
+    bool beat = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return heartbeat_due_ || !outbox_.empty() || writer_stop_;
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (heartbeat_due_) {
+        heartbeat_due_ = false;
+        beat = true;
+        message.set_session_token(token);
+        message.mutable_heartbeat()->set_seq(++heartbeat_seq_);
+        message.mutable_heartbeat()->set_job_id(current_job_);
+      } else if (!outbox_.empty()) {
+        message = std::move(outbox_.front());
+        outbox_.pop_front();
+        outbox_bytes_ -= std::min(outbox_bytes_, message.ByteSizeLong());
+      } else {  // stopping, and everything queued is written
+        break;
+      }
+      write_started_ = absl::Now();
+    }
+    const bool written = stream->Write(message);
+    {
+      absl::MutexLock lock(&mu_);
+      write_started_ = absl::InfiniteFuture();
+      if (!written) {
+        write_failed_ = true;
+        writer_done_ = true;
+        return;
+      }
+    }
+    if (beat) {
+      if (!announced) {
+        announced = true;
+        if (hooks_.on_connection_change) hooks_.on_connection_change(true);
+      }
+      if (hooks_.on_heartbeat_sent) hooks_.on_heartbeat_sent();
+    }
+  }
+  stream->WritesDone();
+  absl::MutexLock lock(&mu_);
+  writer_done_ = true;
+}
+
 absl::Status ControlClient::Send(v1::WorkerMessage message) {
-  // The write may block on flow control: it holds only write_mu_, never mu_
-  // (which the heartbeat and the job runtime need). The session's teardown
-  // clears stream_ under mu_ and then waits on write_mu_, so a write that
-  // took the stream under mu_ finishes before the stream goes away.
-  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream;
-  absl::ReleasableMutexLock lock(&mu_);
-  if (stream_ == nullptr) return absl::UnavailableError("no session with the coordinator");
-  stream = stream_;
+  absl::MutexLock lock(&mu_);
+  if (!session_open_) return absl::UnavailableError("no session with the coordinator");
   message.set_session_token(token_);
-  absl::MutexLock write_lock(&write_mu_);
-  lock.Release();
-  if (!stream->Write(message)) return absl::UnavailableError("session write failed");
+  const size_t bytes = message.ByteSizeLong();
+  if (outbox_.size() >= options_.max_outbox_messages ||
+      outbox_bytes_ + bytes > options_.max_outbox_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the outbox to the coordinator is full (", outbox_.size(), " messages, ", outbox_bytes_,
+        " bytes; limits ", options_.max_outbox_messages, " and ", options_.max_outbox_bytes,
+        "): the session is stalled"));
+  }
+  outbox_bytes_ += bytes;
+  outbox_.push_back(std::move(message));
   return absl::OkStatus();
 }
 
 void ControlClient::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_requested_ = true;
+  }
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
   if (session_thread_.joinable()) session_thread_.join();
 }

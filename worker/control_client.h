@@ -2,11 +2,20 @@
 // (retrying with backoff while it is unreachable), keeps a Session stream
 // open with periodic heartbeats, hands coordinator messages to a handler, and
 // re-registers when the session breaks (e.g. the coordinator restarted).
-// Thread-safe. Owns two threads while running.
+//
+// One writer thread per session owns the stream's writes: Send only queues
+// (bounded), and a due heartbeat goes before any queued job message, so
+// neither the job runtime nor the heartbeat timer ever waits on the stream.
+// A write that stays blocked longer than write_stall_timeout (the
+// coordinator stopped reading, the link stalled) cancels the session; a new
+// one is registered and its heartbeats flow again. Messages still queued
+// when a session ends are dropped (and logged); on Stop() the queue is
+// flushed first, for at most rpc_timeout.
+// Thread-safe. Owns three threads while a session is open.
 #ifndef DETOUR_WORKER_CONTROL_CLIENT_H_
 #define DETOUR_WORKER_CONTROL_CLIENT_H_
 
-#include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -31,10 +40,17 @@ class ControlClient {
     absl::Duration initial_backoff = absl::Milliseconds(200);
     absl::Duration max_backoff = absl::Seconds(5);
     absl::Duration rpc_timeout = absl::Seconds(3);
+    // Job messages queued for the session, at most (Send then answers
+    // RESOURCE_EXHAUSTED): this many, and this many bytes.
+    size_t max_outbox_messages = 4096;
+    size_t max_outbox_bytes = size_t{64} << 20;
+    // A session whose current write has been blocked this long is
+    // cancelled; zero = max(3 heartbeat intervals, rpc_timeout).
+    absl::Duration write_stall_timeout = absl::ZeroDuration();
   };
   struct Hooks {
     std::function<void(const v1::CoordinatorMessage&)> on_message;  // on the reader thread
-    std::function<void()> on_heartbeat_sent;
+    std::function<void()> on_heartbeat_sent;  // on the writer thread
     std::function<void(const std::string& worker_id)> on_registered;
     std::function<void(bool connected)> on_connection_change;
   };
@@ -48,7 +64,9 @@ class ControlClient {
   // naming the coordinator). Then keeps the session alive in the background.
   absl::Status Start();
 
-  // Sends a message on the current session; UNAVAILABLE when none is open.
+  // Queues a message for the current session and returns at once:
+  // UNAVAILABLE when no session is open, RESOURCE_EXHAUSTED when the outbox
+  // is full (the session is stalled).
   absl::Status Send(v1::WorkerMessage message);
 
   // Job the worker reports in heartbeats; "" = idle.
@@ -65,6 +83,11 @@ class ControlClient {
   void SessionLoop();
   // Runs one session until it breaks or Stop(); returns why it ended.
   absl::Status RunSession();
+  // The session's writer thread: heartbeats first, then the outbox in
+  // order; on writer_stop_ it flushes the outbox and closes its side.
+  void WriterLoop(grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream,
+                  const std::string& token);
+  absl::Duration StallTimeout() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const Hooks hooks_;
@@ -75,15 +98,22 @@ class ControlClient {
   std::string token_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);
   std::string current_job_ ABSL_GUARDED_BY(mu_);
-  grpc::ClientContext* session_context_ ABSL_GUARDED_BY(mu_) = nullptr;
-  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_
-      ABSL_GUARDED_BY(mu_) = nullptr;
-  // One writer at a time on the stream; taken after mu_ (never before it).
-  absl::Mutex write_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  // The open session's state, shared by Send, the session thread and the
+  // writer thread.
+  bool session_open_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::WorkerMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  size_t outbox_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool heartbeat_due_ ABSL_GUARDED_BY(mu_) = false;
+  bool writer_stop_ ABSL_GUARDED_BY(mu_) = false;   // flush, close, exit
+  bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  // When the write in flight started; InfiniteFuture when none is.
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Notification stopping_;
   std::thread session_thread_;
-  uint64_t heartbeat_seq_ = 0;  // session thread only
+  uint64_t heartbeat_seq_ = 0;  // writer thread of the one open session only
 };
 
 }  // namespace detour

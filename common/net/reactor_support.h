@@ -124,6 +124,11 @@ class ServerOutbox {
     absl::MutexLock lock(&mu_);
     return finishing_;
   }
+  // Messages queued, the one in flight included.
+  size_t queued() const {
+    absl::MutexLock lock(&mu_);
+    return queue_.size();
+  }
 
  private:
   mutable absl::Mutex mu_;

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
 #include "tests/test_paths.h"
 
@@ -182,6 +183,44 @@ TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
               HasSubstr("100 data nodes x 1000 = 100000 microbatches per iteration"));
 }
 
+// Regression (issue 12): fields each within their limits, or fields this
+// version does not know (kept by protobuf when a Submit carries them), made
+// specs of many MB that were stored and then sent in every List.
+TEST(JobSpec, TotalSerializedSizeIsBounded) {
+  auto base = ParseJobSpecJson(kGoodJob);
+  ASSERT_TRUE(base.ok()) << base.status();
+  // A pinned assignment of 4096 data nodes with 255-byte ids: every id and
+  // count is within its limit, the spec is over 1 MiB.
+  v1::JobSpec pinned = *base;
+  pinned.mutable_pipeline()->set_num_stages(1);
+  pinned.mutable_pipeline()->set_data_nodes(SpecLimits::kMaxDataNodes);
+  pinned.mutable_pipeline()->set_microbatches_per_data_node(1);
+  pinned.mutable_pipeline()->set_skip_ratio(0);
+  v1::StageNodes* group = pinned.mutable_pipeline()->add_assignment();
+  for (uint32_t i = 0; i < SpecLimits::kMaxDataNodes; ++i) {
+    std::string id = std::to_string(i);
+    id.resize(255, 'n');
+    group->add_nodes(id);
+  }
+  absl::Status s = NormalizeJobSpec(pinned).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // (the size counted is the defaulted spec's, a little above pinned's)
+  EXPECT_THAT(std::string(s.message()), HasSubstr("spec: is 10"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr(" bytes serialized"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("more than the limit of 1048576 (1 MiB)"));
+  // Shorter ids: the same assignment fits.
+  for (std::string& id : *group->mutable_nodes()) id.resize(8);
+  EXPECT_TRUE(NormalizeJobSpec(pinned).ok()) << NormalizeJobSpec(pinned).status();
+
+  // 2 MiB of a field this version does not know.
+  v1::JobSpec unknown = *base;
+  unknown.GetReflection()->MutableUnknownFields(&unknown)->AddLengthDelimited(
+      999, std::string(2 << 20, 'u'));
+  s = NormalizeJobSpec(unknown).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("more than the limit of 1048576"));
+}
+
 TEST(JobSpec, KfacDefaultsAndSync) {
   const std::string kfac = Replace(kGoodJob, "\"iterations\": 10",
                                    "\"iterations\": 10, \"optimizer\": {\"kind\": "
@@ -205,6 +244,24 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   auto adamw = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
   ASSERT_TRUE(adamw.ok());
   EXPECT_FALSE(adamw->optimizer().kfac().sync_factors());
+}
+
+TEST(JobSpec, ElasticDefaultsAndBounds) {
+  auto spec = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FALSE(spec->elastic().disabled());
+  EXPECT_EQ(spec->elastic().reconnect_grace_ms(), 2000u);
+  EXPECT_EQ(spec->elastic().pause_timeout_s(), 600u);
+  auto with = [](const std::string& elastic) {
+    return NormalizeJobSpec(*ParseJobSpecJson(Replace(
+        kGoodJob, "\"iterations\": 10", absl::StrCat("\"iterations\": 10, \"elastic\": {",
+                                                     elastic, "}"))));
+  };
+  EXPECT_THAT(with("\"pause_timeout_s\": 4000000000").status().message(),
+              HasSubstr("elastic.pause_timeout_s: 4000000000 exceeds the limit"));
+  EXPECT_THAT(with("\"reconnect_grace_ms\": 4000000000").status().message(),
+              HasSubstr("elastic.reconnect_grace_ms"));
+  EXPECT_TRUE(with("\"disabled\": true, \"never_join\": true").ok());
 }
 
 TEST(JobSpec, KfacBadValuesAreNamed) {

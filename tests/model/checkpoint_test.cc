@@ -9,10 +9,13 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_replace.h"
+
 #include "model_test_util.h"
 #include "worker/model/corpus.h"
 #include "worker/model/engine.h"
 #include "worker/model/routes.h"
+#include "worker/model/stage_file.h"
 
 namespace detour::model {
 namespace {
@@ -128,7 +131,7 @@ TEST_F(CheckpointTest, CorruptOrMismatchedIsRefusedAndNothingChanges) {
   };
 
   // One flipped byte in stage 2's file (after stages 0 and 1 would load).
-  const fs::path file = fs::path(dir) / "stage-2.pt";
+  const fs::path file = fs::path(dir) / "stage-2.bin";
   std::string bytes;
   {
     std::ifstream in(file, std::ios::binary);
@@ -139,7 +142,7 @@ TEST_F(CheckpointTest, CorruptOrMismatchedIsRefusedAndNothingChanges) {
   std::ofstream(file, std::ios::binary | std::ios::trunc) << corrupt;
   auto s = LoadCheckpoint(dir, **b);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss) << s.status();
-  EXPECT_NE(s.status().message().find("stage-2.pt"), std::string::npos);
+  EXPECT_NE(s.status().message().find("stage-2.bin"), std::string::npos);
   EXPECT_TRUE(unchanged());
 
   // Truncated file.
@@ -165,6 +168,90 @@ TEST_F(CheckpointTest, CorruptOrMismatchedIsRefusedAndNothingChanges) {
   EXPECT_EQ(LoadCheckpoint(dir, **c).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(LoadCheckpoint((root_ / "missing").string(), **c).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Regression (issue 12, found by fuzzing): a stage file that passes the
+// manifest's size and checksum (rewritten with it, as a faulty writer or a
+// hand edit would) but is truncated or corrupt inside reached LibTorch's
+// archive importer, which segfaulted in its TorchScript unpickler. Stage
+// files are now our own bounded container: every such file is DATA_LOSS
+// naming the file, and nothing changes.
+TEST_F(CheckpointTest, CorruptStageFileBehindAMatchingManifestIsAnError) {
+  auto a = PipelineEngine::Create(spec_, at::Device(at::kCPU));
+  ASSERT_TRUE(a.ok());
+  const std::string dir = (root_ / "ckpt").string();
+  ASSERT_TRUE(SaveCheckpoint(dir, **a, 1, "").ok());
+  auto manifest = ReadManifest(dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  const fs::path file = fs::path(dir) / manifest->stages[1].file;
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_GT(bytes.size(), 1000u);
+  auto b = PipelineEngine::Create(SmallSpec(5), at::Device(at::kCPU));
+  ASSERT_TRUE(b.ok());
+  const auto before = Snapshot(**b);
+  std::vector<std::string> variants = {bytes.substr(0, bytes.size() / 2),
+                                       bytes.substr(0, bytes.size() - 1), bytes.substr(0, 12),
+                                       bytes + "x", ""};
+  for (size_t at : {size_t{8}, size_t{12}, size_t{16}, size_t{40}}) {
+    std::string flipped = bytes;
+    for (size_t i = at; i < at + 8; ++i) flipped[i] = '\xff';
+    variants.push_back(flipped);
+  }
+  for (size_t v = 0; v < variants.size(); ++v) {
+    SCOPED_TRACE(v);
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << variants[v];
+    CheckpointManifest m = *manifest;
+    m.stages[1].bytes = variants[v].size();
+    m.stages[1].checksum = Checksum(variants[v]);
+    ASSERT_TRUE(WriteManifest(dir, m).ok());
+    auto s = LoadCheckpoint(dir, **b);
+    ASSERT_FALSE(s.ok());
+    if (v < 5) {  // truncated or extended: the container says so
+      EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss) << s.status();
+      EXPECT_NE(s.status().message().find(manifest->stages[1].file), std::string::npos)
+          << s.status();
+    }  // flipped bytes may also leave a well-formed file naming other tensors
+  }
+  // Well-formed, but a negative optimiser step count.
+  {
+    auto records = DecodeStageFile(bytes, "stage");
+    ASSERT_TRUE(records.ok()) << records.status();
+    std::string negative;
+    const int64_t minus_five = -5;
+    negative.assign(reinterpret_cast<const char*>(&minus_five), sizeof(minus_five));
+    bool found = false;
+    for (auto& r : *records) {
+      if (r.name.size() > 10 && r.name.substr(r.name.size() - 10) == ".adam_step") {
+        ASSERT_EQ(r.data.size(), 8u);
+        r.data = negative;
+        found = true;
+        break;
+      }
+    }
+    ASSERT_TRUE(found);
+    const std::string edited = EncodeStageFile(*records);
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << edited;
+    CheckpointManifest m = *manifest;
+    m.stages[1].bytes = edited.size();
+    m.stages[1].checksum = Checksum(edited);
+    ASSERT_TRUE(WriteManifest(dir, m).ok());
+    auto s = LoadCheckpoint(dir, **b);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("is not a step count"), std::string::npos)
+        << s.status();
+  }
+  for (const auto& [name, t] : Snapshot(**b)) EXPECT_TRUE(at::equal(before.at(name), t)) << name;
+  // A v1 checkpoint (LibTorch archives) is refused by name, not read.
+  std::ofstream(fs::path(dir) / "manifest.json", std::ios::trunc)
+      << absl::StrReplaceAll(ManifestJson(*manifest), {{"detour-checkpoint-v2",
+                                                        "detour-checkpoint-v1"}});
+  auto old = LoadCheckpoint(dir, **b);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(old.status().message().find("detour-checkpoint-v1"), std::string::npos);
 }
 
 }  // namespace

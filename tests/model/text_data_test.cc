@@ -73,6 +73,62 @@ TEST(ReadTextSourceTest, FileAndDirectory) {
   fs::remove_all(dir);
 }
 
+// Regression (issue 12): data.path=/dev/zero drove a data worker past 3 GB.
+// Non-regular files are refused by name and sizes are checked before
+// anything is read: a sparse file just over the cap is refused without
+// allocating it (it would need 256 MiB, twice over, to be read).
+TEST(ReadTextSourceTest, RefusesDevicesAndOversizedSourcesWithoutReadingThem) {
+  auto zero = ReadTextSource("/dev/zero");
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("/dev/zero"), std::string::npos) << zero.status();
+  EXPECT_NE(zero.status().message().find("neither a regular file nor a directory"), std::string::npos);
+
+  const fs::path dir = fs::path(::testing::TempDir()) /
+                       ("detour_text_cap." + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "many");
+  const fs::path big = dir / "big.txt";
+  std::ofstream(big).put('x');
+  fs::resize_file(big, kMaxTextSourceBytes + 1);  // sparse: no disk, no memory
+  auto huge = ReadTextSource(big.string());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(huge.status().message().find(big.string()), std::string::npos) << huge.status();
+  EXPECT_NE(huge.status().message().find("limit of 268435456 bytes (256 MiB)"),
+            std::string::npos)
+      << huge.status();
+
+  // A directory counts all its files together (two halves of the cap plus
+  // the separating newline are one byte too many).
+  for (const char* name : {"a.txt", "b.txt"}) {
+    std::ofstream(dir / "many" / name).put('x');
+    fs::resize_file(dir / "many" / name, kMaxTextSourceBytes / 2);
+  }
+  auto both = ReadTextSource((dir / "many").string());
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(both.status().message().find((dir / "many").string()), std::string::npos)
+      << both.status();
+
+  // At the cap exactly a file is fine (a small cap keeps the test small).
+  std::ofstream(dir / "small.txt") << "0123456789";
+  auto fits = ReadTextSource((dir / "small.txt").string(), 10);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(*fits, "0123456789");
+  EXPECT_EQ(ReadTextSource((dir / "small.txt").string(), 9).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  fs::remove_all(dir);
+}
+
+// A file whose size stat does not tell (procfs reports 0) is read with the
+// bound too: reading stops one byte past the cap.
+TEST(ReadTextSourceTest, BoundsReadingWhenTheSizeIsUnknown) {
+  auto proc = ReadTextSource("/proc/self/status", 16);
+  EXPECT_EQ(proc.status().code(), absl::StatusCode::kResourceExhausted) << proc.status();
+  EXPECT_NE(proc.status().message().find("/proc/self/status"), std::string::npos);
+  auto whole = ReadTextSource("/proc/self/status");
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_NE(whole->find("VmRSS"), std::string::npos);
+}
+
 TEST(SplitTextTest, HoldsOutTheTailAtALineBoundary) {
   std::string text;
   for (int i = 0; i < 100; ++i) text += "line " + std::to_string(i) + "\n";

@@ -1,5 +1,6 @@
 // ActivationService transport on loopback: chunked tensors arrive intact,
 // bad frames are rejected and counted, emulation delays and rate-limits.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -329,6 +330,257 @@ TEST_F(TransportTest, CloseFailsPendingAndIsIdempotent) {
   EXPECT_EQ(result.code(), absl::StatusCode::kCancelled);
   sender->Close();
   sender.reset();
+}
+
+// Regression (issue 12): a sender's stream reactor told the sender it was
+// done before it released its ClientContext, so Close() could return (and the
+// sender, the test, even the process end) while a gRPC thread still held the
+// call and the last reference to the channel: a use after release that once
+// aborted with ref_counted.h "prior > 0" after this suite passed. Once a
+// sender is closed and destroyed nothing of it may remain inside gRPC: the
+// channel it was given must be gone. Alternates waiting for the failure
+// (stream broken, then closed) with closing while the connection attempt is
+// still under way (stream cancelled on close).
+TEST_F(TransportTest, ClosedSenderReleasesEverythingItHandedToGrpc) {
+  constexpr int kCycles = 200;
+  int still_held = 0;
+  for (int i = 0; i < kCycles; ++i) {
+    const std::string peer = "127.0.0.1:1";  // nothing listens: connection refused
+    std::shared_ptr<grpc::Channel> channel = MakeChannel(peer);
+    std::weak_ptr<grpc::Channel> watch = channel;
+    PeerSenderOptions options;
+    options.ack_timeout = absl::Seconds(3);
+    auto sender = std::make_unique<PeerSender>(peer, std::move(channel), options);
+    if (i % 2 == 0) {
+      absl::Status s = SendAndWait(*sender, Header(0, {4}), View(Pattern(16, i)));
+      EXPECT_FALSE(s.ok());
+    } else {
+      sender->Send(Header(0, {4}), View(Pattern(16, i)), [](absl::Status, double) {});
+    }
+    sender->Close();
+    sender.reset();
+    if (!watch.expired()) ++still_held;
+  }
+  EXPECT_EQ(still_held, 0) << "of " << kCycles << " closed senders, " << still_held
+                           << " left their channel inside a gRPC call";
+}
+
+// Accepts job "job-1" into real allocations and counts the sink memory that
+// half- and fully-received tensors hold (released when the transport drops
+// its reference), with the peak.
+class CountingSink : public TensorSink {
+ public:
+  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) override {
+    if (h.job_id() != "job-1") {
+      return absl::FailedPreconditionError(absl::StrCat("unknown job ", h.job_id()));
+    }
+    const size_t bytes = h.total_bytes();
+    char* data = new char[bytes];
+    std::memset(data, 0, bytes);  // touched: real memory, as the runtime's tensors
+    Add(static_cast<int64_t>(bytes));
+    MutableBuffer b;
+    b.data = data;
+    b.bytes = bytes;
+    b.keepalive = std::shared_ptr<void>(data, [this, bytes](void* p) {
+      delete[] static_cast<char*>(p);
+      Add(-static_cast<int64_t>(bytes));
+    });
+    return b;
+  }
+  void Deliver(const v1::FrameHeader&, MutableBuffer) override {}
+  int64_t held() {
+    absl::MutexLock lock(&mu_);
+    return held_;
+  }
+  int64_t peak() {
+    absl::MutexLock lock(&mu_);
+    return peak_;
+  }
+
+ private:
+  void Add(int64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    held_ += bytes;
+    peak_ = std::max(peak_, held_);
+  }
+  absl::Mutex mu_;
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t peak_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A raw ActivationService stream that writes frames, reads every ack (so
+// the receiver keeps reading) and stays open until Close().
+class FloodStream {
+ public:
+  explicit FloodStream(const std::string& address)
+      : channel_(MakeChannel(address)), stub_(channel_) {
+    call_ = stub_.PrepareCall(&context_, "/detour.v1.ActivationService/Stream", &cq_);
+    call_->StartCall(Tag(kStart));
+    WaitFor(kStart);
+    call_->Read(&incoming_, Tag(kRead));
+  }
+  ~FloodStream() { Close(); }
+
+  void Write(const grpc::ByteBuffer& frame) {
+    call_->Write(frame, Tag(kWrite));
+    WaitFor(kWrite);
+  }
+  int acks() const { return acks_; }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    context_.TryCancel();
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+ private:
+  enum : intptr_t { kStart = 1, kWrite, kRead };
+  static void* Tag(intptr_t t) { return reinterpret_cast<void*>(t); }
+  // Runs the queue until `want` completes, reading acks on the way.
+  void WaitFor(intptr_t want) {
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+      const intptr_t t = reinterpret_cast<intptr_t>(tag);
+      if (t == kRead && ok) {
+        ++acks_;
+        incoming_.Clear();
+        call_->Read(&incoming_, Tag(kRead));
+      }
+      if (t == want) return;
+    }
+  }
+
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::GenericStub stub_;
+  grpc::ClientContext context_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  grpc::ByteBuffer incoming_;
+  int acks_ = 0;
+  bool closed_ = false;
+};
+
+// Issue 12, item 5: a worker under a flood of frames keeps its transport's
+// memory under the documented bound. Two streams send 150 first chunks each
+// of 1 MiB tensors of its own job announcing the most chunks allowed (256),
+// four more 150 first chunks each of tensors for a job it does not hold, and
+// none finishes one. Per stream 256 half-received tensors were allowed, so
+// the two held 300 MiB of sink memory and the six 900 tensors; now the limits
+// (here 512 tensors, 8 MiB) hold over all streams together, the rest is
+// refused by ack, and everything is given back when the streams end.
+// Nothing is timed: waits only bound how long a broken build may hang.
+TEST(ActivationFloodTest, HalfSentTensorsStayWithinTheServersLimits) {
+  CountingSink sink;
+  ActivationServerOptions options;
+  options.max_tensor_bytes = 1 << 20;
+  options.max_partial_tensors = 512;
+  options.max_partial_bytes = 8 << 20;
+  ActivationServer server(&sink, options);
+  GrpcServerOptions grpc_options;
+  grpc_options.listen = HostPort{"127.0.0.1", 0};
+  grpc_options.generic_service = &server;
+  auto running = StartGrpcServer(std::move(grpc_options), "test");
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string address = absl::StrCat("127.0.0.1:", running->port);
+
+  auto chunk = std::make_shared<std::vector<char>>(kMinChunkBytes, 'x');
+  TensorView view;
+  view.data = chunk->data();
+  view.bytes = chunk->size();
+  view.keepalive = chunk;
+  // Sends 150 first chunks on each of `n` new streams: of 1 MiB own-job
+  // tensors announcing the most chunks allowed (256), or of small tensors
+  // of a job this worker does not hold. Waits until the server read them.
+  std::vector<std::unique_ptr<FloodStream>> streams;
+  uint64_t sent = 0;
+  auto flood = [&](int n, bool own) {
+    for (int st = 0; st < n; ++st) {
+      streams.push_back(std::make_unique<FloodStream>(address));
+      for (int i = 0; i < 150; ++i) {
+        v1::FrameHeader h;
+        h.set_job_id(own ? "job-1" : absl::StrCat("job-not-here-", st));
+        h.set_iteration(7);
+        h.set_microbatch(static_cast<uint32_t>(st * 1000 + i));
+        h.set_direction(v1::DIRECTION_FORWARD);
+        h.set_sender(absl::StrCat("flooder-", st));
+        h.set_dtype(v1::DTYPE_FP32);
+        const uint64_t total = own ? (1u << 20) : 2 * kMinChunkBytes;
+        h.add_shape(static_cast<int64_t>(total / 4));
+        h.set_total_bytes(total);
+        h.set_num_chunks(static_cast<uint32_t>(total / kMinChunkBytes));
+        streams.back()->Write(EncodeFrame(h, view, 0, kMinChunkBytes));
+        ++sent;
+      }
+    }
+    for (int i = 0; i < 6000 && server.stats().frames < sent; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_EQ(server.stats().frames, sent);
+  };
+  auto close_all = [&] {
+    for (auto& s : streams) s->Close();
+    streams.clear();
+    for (int i = 0; i < 6000 && (server.stats().partial_tensors > 0 || sink.held() > 0); ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    const auto after = server.stats();
+    EXPECT_EQ(after.partial_tensors, 0u);
+    EXPECT_EQ(after.partial_bytes, 0u);
+    EXPECT_EQ(after.bookkeeping_bytes, 0u);
+    EXPECT_EQ(sink.held(), 0);
+  };
+
+  // Six streams of a foreign job's tensors: 900 half-received, 512 kept.
+  flood(6, /*own=*/false);
+  auto stats = server.stats();
+  EXPECT_EQ(stats.malformed, 0u);
+  EXPECT_EQ(stats.partial_tensors, 512u);
+  EXPECT_LE(stats.peak_partial_tensors, 512u);
+  EXPECT_EQ(stats.partial_bytes, 0u);
+  EXPECT_EQ(sink.peak(), 0);
+  // Book-keeping: a header of bounded ids, its key twice, no chunk map.
+  EXPECT_GT(stats.bookkeeping_bytes, 0u);
+  EXPECT_LE(stats.peak_bookkeeping_bytes, 512u * 2048u) << stats.peak_bookkeeping_bytes;
+  close_all();
+
+  // Two streams of its own job's 1 MiB tensors: 300 MiB were held, now 8.
+  flood(2, /*own=*/true);
+  stats = server.stats();
+  EXPECT_LE(stats.peak_partial_bytes, 8u << 20);
+  EXPECT_LE(sink.peak(), int64_t{8} << 20) << "sink memory held by half-sent tensors";
+  EXPECT_EQ(stats.partial_tensors, 8u);  // the byte limit is full
+  EXPECT_GE(stats.rejected, 300u - 8u);
+  // Per accepted tensor also one bit per announced chunk (256).
+  EXPECT_LE(stats.peak_bookkeeping_bytes, 512u * 2048u);
+  close_all();
+  running->server->Shutdown();
+}
+
+// A header's strings and rank are bounded (it is kept while its tensor is
+// half received).
+TEST(FrameCodecTest, HeaderIdsAndRankAreBounded) {
+  v1::FrameHeader h;
+  h.set_job_id(std::string(257, 'j'));
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_dtype(v1::DTYPE_FP32);
+  h.add_shape(1);
+  h.set_total_bytes(4);
+  h.set_num_chunks(1);
+  EXPECT_THAT(ValidateFrameHeader(h, 4, 1 << 20).message(), HasSubstr("longer than 256"));
+  h.set_job_id("job-1");
+  h.set_sender(std::string(300, 's'));
+  EXPECT_THAT(ValidateFrameHeader(h, 4, 1 << 20).message(), HasSubstr("longer than 256"));
+  h.set_sender("w1");
+  EXPECT_TRUE(ValidateFrameHeader(h, 4, 1 << 20).ok());
+  h.clear_shape();
+  for (int i = 0; i < 9; ++i) h.add_shape(1);
+  EXPECT_THAT(ValidateFrameHeader(h, 4, 1 << 20).message(), HasSubstr("9 dimensions"));
 }
 
 }  // namespace

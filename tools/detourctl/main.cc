@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -427,11 +428,26 @@ int CmdList(const Globals& g, const std::vector<std::string>& args) {
     request.set_state(state);
   }
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
-  grpc::ClientContext context;
-  SetDeadline(g, &context);
+  // The coordinator answers in pages; all of them make one listing. A
+  // coordinator that never ends its pages (or repeats a token) is refused.
+  constexpr int kMaxPages = 100000;
   v1::ListJobsResponse response;
-  grpc::Status status = stub->List(&context, request, &response);
-  if (!status.ok()) return RpcFailed(g, status, "list");
+  std::set<std::string> tokens;
+  for (int page = 0;; ++page) {
+    grpc::ClientContext context;
+    SetDeadline(g, &context);
+    v1::ListJobsResponse part;
+    grpc::Status status = stub->List(&context, request, &part);
+    if (!status.ok()) return RpcFailed(g, status, "list");
+    for (v1::Job& job : *part.mutable_jobs()) *response.add_jobs() = std::move(job);
+    if (part.next_page_token().empty()) break;
+    if (page + 1 >= kMaxPages || !tokens.insert(part.next_page_token()).second) {
+      std::cerr << "detourctl: list: the coordinator's pages do not end (page " << page + 1
+                << ", token \"" << part.next_page_token() << "\")\n";
+      return kExitError;
+    }
+    request.set_page_token(part.next_page_token());
+  }
   if (g.json) {
     std::cout << ToJson(response);
     return kExitOk;

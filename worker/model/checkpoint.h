@@ -1,12 +1,14 @@
-// Checkpoints: one file per stage (parameters, optimiser state, RNG state)
+// Checkpoints: one file per stage (parameters, optimiser and K-FAC state)
 // plus a JSON manifest with the iteration, the model shape, and each file's
 // layer range, size and checksum.
 //
 // Layout of a checkpoint directory:
 //   manifest.json          written last; its presence marks a complete
 //                          checkpoint
-//   stage-<k>.pt           LibTorch archive, tensors under global names
-//                          ("layers.3.wq", "layers.3.wq.adam_m", ...)
+//   stage-<k>.bin          tensors under global names ("layers.3.wq",
+//                          "layers.3.wq.adam_m", ...) in our own container
+//                          (stage_file.h), never LibTorch's archive format,
+//                          whose reader crashes on corrupt input
 // Tensors are keyed by global names, so a stage loads whatever files cover
 // its layers: loading into a different replica count (any replica of stage k
 // reads the same entries) or even a different stage split works.
@@ -29,6 +31,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include <ATen/core/Tensor.h>
+#include "worker/model/checkpoint_manifest.h"
 #include "worker/model/model_config.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
@@ -38,55 +42,35 @@ namespace detour::model {
 class PipelineEngine;
 class Kfac;
 
-struct StageFileEntry {
-  int stage = 0;
-  std::string file;       // relative to the checkpoint directory
-  LayerRange layers;      // global layers held (stage 0 also holds embedding/head)
-  uint64_t bytes = 0;
-  std::string checksum;   // "fnv1a64:<16 hex digits>"
-};
-
-struct CheckpointManifest {
-  std::string format = "detour-checkpoint-v1";
-  uint64_t iteration = 0;  // iterations completed (the next step's index)
-  ModelConfig model;
-  int num_stages = 0;
-  int replicas_per_stage = 1;  // informational; loading does not depend on it
-  uint64_t seed = 0;
-  // Opaque state of the caller's route/data RNG (e.g. a counter), restored
-  // on resume.
-  std::string rng_state;
-  std::vector<StageFileEntry> stages;
-};
-
 // The whole state of a stage — parameters, AdamW moments and steps, and
 // K-FAC's state when `kfac` is given (Kfac::State) — as the bytes of one
-// LibTorch archive holding a name -> tensor table. What stage files hold and
-// what a live replica streams to a joining one.
+// stage file (stage_file.h). What checkpoints hold and what a live replica
+// streams to a joining one; ParseStageFile reads it back.
 absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW& optimizer,
                                                 const Kfac* kfac);
-// The table of such bytes; DATA_LOSS (naming `what`) for anything else.
-absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageState(const std::string& bytes,
-                                                                  const std::string& what);
 // Puts a table's entries into `stage`, `optimizer` (may be null) and `kfac`
-// (may be null; entries "kfac.*" absent = K-FAC keeps its state). Checks
+// (may be null; without "kfac.*" entries K-FAC keeps its state). Checks
 // every entry's presence and shape first (INVALID_ARGUMENT naming it, `ctx`
 // first): nothing changes unless everything checks out.
 absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
                              const std::string& ctx, Stage* stage, AdamW* optimizer,
                              Kfac* kfac);
 
-// Worker side: writes `dir`/stage-<k>.pt atomically (temp file + rename;
+// Worker side: writes `dir`/stage-<k>.bin atomically (temp file + rename;
 // creates `dir` if needed) and returns its manifest entry.
 absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
                                               const Stage& stage,
                                               const AdamW& optimizer,
                                               const Kfac* kfac = nullptr);
 
-// Coordinator side: writes `dir`/manifest.json atomically.
-absl::Status WriteManifest(const std::string& dir,
-                           const CheckpointManifest& manifest);
-absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
+// The manifest (WriteManifest, ReadManifest: the coordinator side) is
+// checkpoint_manifest.h's.
+
+// Decodes the bytes of a stage file into its tensor table (global names).
+// DATA_LOSS naming `what` and the tensor for anything truncated or corrupt
+// (stage_file.h), never a crash.
+absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageFile(const std::string& bytes,
+                                                                 const std::string& what);
 
 // Loads the entries `stage` and `optimizer` need from the checkpoint in
 // `dir`. Checks the model shape against the manifest and the checksum of

@@ -152,6 +152,13 @@ absl::Status AdamW::LoadState(const std::map<std::string, at::Tensor>& state) {
         return absl::InvalidArgumentError(
             absl::StrCat("optimizer state lacks scalar ", name, ".adam_step"));
       }
+      // A stored step is a count: a negative or fractional one would turn
+      // the bias corrections into nonsense.
+      const double step = it->second.item<double>();
+      if (!(step >= 0 && step <= 9.007199254740992e15 && step == std::floor(step))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer state ", name, ".adam_step: ", step, " is not a step count"));
+      }
     }
     c10::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {

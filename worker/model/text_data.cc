@@ -1,13 +1,15 @@
 #include "worker/model/text_data.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <system_error>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "worker/model/byte_tokenizer.h"
 #include "worker/model/corpus.h"
 
@@ -71,52 +73,100 @@ absl::Status CheckUtf8(absl::string_view text) {
 
 namespace {
 
-absl::StatusOr<std::string> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot open ", path.string()));
+std::string MiB(uint64_t bytes) {
+  return absl::StrCat(bytes, " bytes (", bytes >> 20, " MiB)");
+}
+
+absl::Status TooMuchText(const std::string& path, const std::string& held, uint64_t max_bytes) {
+  return absl::ResourceExhaustedError(absl::StrCat("data path ", path, " holds ", held,
+                                                   " of text, more than the limit of ",
+                                                   MiB(max_bytes)));
+}
+
+// Appends the file's bytes to `text`, reading at most until `text` holds
+// `max_bytes` + 1 bytes (the size from stat may be stale or 0, e.g. in /proc).
+absl::Status AppendFile(const fs::path& path, const std::string& source, uint64_t max_bytes,
+                        std::string* text) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open ", path.string(), ": ", std::strerror(errno)));
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  std::string text = buffer.str();
-  absl::Status utf8 = CheckUtf8(text);
+  const size_t begin = text->size();
+  char buffer[1 << 16];
+  bool too_much = false;
+  while (true) {
+    const uint64_t room = max_bytes + 1 - std::min<uint64_t>(max_bytes + 1, text->size());
+    if (room == 0) {
+      too_much = true;
+      break;
+    }
+    const size_t n = std::fread(buffer, 1, std::min<uint64_t>(sizeof(buffer), room), f);
+    text->append(buffer, n);
+    if (n == 0) break;
+  }
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (too_much || text->size() > max_bytes) {
+    return TooMuchText(source, absl::StrCat("over ", MiB(max_bytes)), max_bytes);
+  }
+  if (failed) return absl::DataLossError(absl::StrCat("reading ", path.string(), " failed"));
+  absl::Status utf8 = CheckUtf8(absl::string_view(*text).substr(begin));
   if (!utf8.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path.string(), ": ", utf8.message()));
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": ", utf8.message()));
   }
-  return text;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadTextSource(const std::string& path) {
+absl::StatusOr<std::string> ReadTextSource(const std::string& path, uint64_t max_bytes) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st)) {
     return absl::NotFoundError(absl::StrCat("data path ", path, " not found"));
   }
-  std::string text;
+  std::vector<fs::path> files;
+  uint64_t total = 0;
   if (fs::is_directory(st)) {
-    std::vector<fs::path> files;
     for (auto it = fs::recursive_directory_iterator(path, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-      if (it->is_regular_file()) files.push_back(it->path());
+      std::error_code size_ec;
+      if (!it->is_regular_file(size_ec)) continue;  // devices, FIFOs, sockets: skipped
+      if (files.size() >= kMaxTextSourceFiles) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "data path ", path, " holds more than ", kMaxTextSourceFiles, " files"));
+      }
+      const uintmax_t size = it->file_size(size_ec);
+      if (size_ec) {
+        return absl::InternalError(
+            absl::StrCat("size of ", it->path().string(), ": ", size_ec.message()));
+      }
+      total += size + (files.empty() ? 0 : 1);  // files are joined by "\n"
+      if (total > max_bytes) {
+        return TooMuchText(path, absl::StrCat("at least ", MiB(total)), max_bytes);
+      }
+      files.push_back(it->path());
     }
     if (ec) {
-      return absl::InternalError(
-          absl::StrCat("listing ", path, ": ", ec.message()));
+      return absl::InternalError(absl::StrCat("listing ", path, ": ", ec.message()));
     }
     std::sort(files.begin(), files.end());
-    for (const fs::path& f : files) {
-      auto content = ReadFile(f);
-      if (!content.ok()) return content.status();
-      if (!text.empty()) text += '\n';
-      text += *content;
-    }
+  } else if (fs::is_regular_file(st)) {
+    total = fs::file_size(path, ec);
+    if (ec) return absl::InternalError(absl::StrCat("size of ", path, ": ", ec.message()));
+    if (total > max_bytes) return TooMuchText(path, MiB(total), max_bytes);
+    files.push_back(path);
   } else {
-    auto content = ReadFile(path);
-    if (!content.ok()) return content.status();
-    text = std::move(*content);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data path ", path, " is neither a regular file nor a directory (a device, FIFO or "
+        "socket is never read)"));
+  }
+  std::string text;
+  text.reserve(total);
+  for (const fs::path& f : files) {
+    if (!text.empty()) text += '\n';
+    RETURN_IF_ERROR(AppendFile(f, path, max_bytes, &text));
   }
   if (text.empty()) {
     return absl::FailedPreconditionError(

@@ -21,11 +21,24 @@
 
 namespace detour::model {
 
+// Most bytes of text one data path may hold (a file, or all files under a
+// directory together): 256 MiB. Every byte becomes a 4-byte token, so a data
+// node holds about 5× this in memory.
+inline constexpr uint64_t kMaxTextSourceBytes = uint64_t{256} << 20;
+// Most files under one data directory.
+inline constexpr size_t kMaxTextSourceFiles = 100000;
+
 // Reads a UTF-8 text file, or every regular file under a directory
 // (recursively, in byte order of their paths, joined by "\n"). NOT_FOUND for a
-// missing path, INVALID_ARGUMENT naming the file and byte offset of invalid
-// UTF-8, FAILED_PRECONDITION for an empty result.
-absl::StatusOr<std::string> ReadTextSource(const std::string& path);
+// missing path; INVALID_ARGUMENT for a path that is neither a regular file
+// nor a directory (a device, a FIFO, a socket: /dev/zero never ends) and for
+// invalid UTF-8 (naming the file and byte offset); RESOURCE_EXHAUSTED naming
+// the path when the text exceeds `max_bytes` or a directory holds more than
+// kMaxTextSourceFiles files — checked from the sizes before anything is read,
+// and again while reading (a file may grow), so no more than `max_bytes` + 1
+// bytes are ever held; FAILED_PRECONDITION for an empty result.
+absl::StatusOr<std::string> ReadTextSource(const std::string& path,
+                                           uint64_t max_bytes = kMaxTextSourceBytes);
 
 // OK iff `text` is valid UTF-8; otherwise INVALID_ARGUMENT with the offset.
 absl::Status CheckUtf8(absl::string_view text);

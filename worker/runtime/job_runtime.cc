@@ -936,7 +936,7 @@ class JobRuntime::Impl {
     }
     const std::string data(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
     metrics_.StateBytes(/*sent=*/false, data.size());
-    auto table = model::ParseStageState(data, absl::StrCat("the stage state from ", h.sender()));
+    auto table = model::ParseStageFile(data, absl::StrCat("the stage state from ", h.sender()));
     absl::Status s = table.status();
     if (s.ok()) {
       s = model::ApplyStageState(*table, absl::StrCat("the stage state from ", h.sender()),

@@ -1,13 +1,16 @@
 #include "worker/transport/activation_server.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "common/net/reactor_support.h"
+#include "common/tsan.h"
 #include "worker/transport/frame_codec.h"
 
 namespace detour {
@@ -48,20 +51,55 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
           grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
     }
-    StartRead(&incoming_);
+    NextRead();
+  }
+
+  ~ActivationStreamReactor() override {
+    DETOUR_HAPPENS_AFTER(this);  // after the last reaction (OnDone comes last)
+    // A stream that ends with tensors half received gives their memory back.
+    for (auto& [key, a] : assemblies_) Forget(a);
   }
 
   void OnReadDone(bool ok) override {
+    // Reads are serial, each on whichever gRPC thread: this reaction follows
+    // the one that started the read (gRPC orders them; TSan cannot see it).
+    DETOUR_HAPPENS_AFTER(this);
     if (!ok) {  // the sender closed its side: answer what it sent, then end
       Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
     }
     Handle();
     incoming_.Clear();
-    StartRead(&incoming_);
+    {
+      // A sender that does not read its acks is not read either (HTTP/2 flow
+      // control then holds its writes): acks cannot pile up without bound.
+      absl::MutexLock lock(&read_mu_);
+      if (outbox_.queued() >= kMaxQueuedAcks) {
+        read_paused_ = true;
+        DETOUR_HAPPENS_BEFORE(this);  // OnWriteDone resumes the reads
+        return;
+      }
+    }
+    NextRead();
   }
 
-  void OnWriteDone(bool ok) override { Apply(outbox_.WriteDone(ok)); }
+  void OnWriteDone(bool ok) override {
+    ServerOutbox<grpc::ByteBuffer>::Action action;
+    bool resume = false;
+    {
+      absl::MutexLock lock(&read_mu_);
+      action = outbox_.WriteDone(ok);
+      if (read_paused_ && outbox_.queued() <= kMaxQueuedAcks / 2) {
+        read_paused_ = false;
+        resume = true;
+      }
+    }
+    Apply(action);
+    if (resume) {
+      DETOUR_HAPPENS_AFTER(this);
+      NextRead();
+    }
+  }
   void OnDone() override { delete this; }
 
  private:
@@ -71,7 +109,25 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     std::vector<bool> seen;
     uint32_t received = 0;
     bool rejected = false;
+    uint64_t reserved = 0;     // sink bytes counted against the server's limit
+    int64_t bookkeeping = 0;   // what this entry costs the transport
   };
+
+  void NextRead() {
+    DETOUR_HAPPENS_BEFORE(this);
+    StartRead(&incoming_);
+  }
+
+  // Releases what an assembly holds against the server's limits.
+  void Forget(const Assembly& a) {
+    server_->Release(a.reserved);
+    server_->AddBookkeeping(-a.bookkeeping);
+  }
+
+  void Erase(std::map<std::string, Assembly>::iterator it) {
+    Forget(it->second);
+    assemblies_.erase(it);
+  }
 
   void Handle() {
     ActivationServer& s = *server_;
@@ -102,8 +158,17 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
                                           " tensors half-received on this stream")));
         return;
       }
+      // Within the server's limits (all streams together) before the sink
+      // is asked for memory.
+      std::string why;
+      if (!s.Reserve(h.total_bytes(), &why)) {
+        s.Count(&s.rejected_, s.rejected_metric_);
+        Ack(AckFor(h, false, why));
+        return;
+      }
       Assembly a;
       a.first = h;
+      a.reserved = h.total_bytes();
       auto buffer = s.sink_->Allocate(h);
       if (!buffer.ok()) {
         a.rejected = true;
@@ -121,6 +186,13 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
         // ValidateFrameHeader through total_bytes).
         a.seen.assign(h.num_chunks(), false);
       }
+      if (a.rejected) {  // no sink memory held: give the bytes back now
+        s.ReleaseBytes(a.reserved);
+        a.reserved = 0;
+      }
+      a.bookkeeping = static_cast<int64_t>(sizeof(Assembly) + 2 * key.size() +
+                                           a.first.SpaceUsedLong() + a.seen.capacity() / 8);
+      s.AddBookkeeping(a.bookkeeping);
       it = assemblies_.emplace(key, std::move(a)).first;
     }
     Assembly& a = it->second;
@@ -132,7 +204,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     }
     if (a.rejected) {
       s.Count(&s.dropped_, s.dropped_metric_);
-      if (++a.received == a.first.num_chunks()) assemblies_.erase(it);
+      if (++a.received == a.first.num_chunks()) Erase(it);
       return;
     }
     if (a.seen[h.chunk_index()]) {
@@ -145,7 +217,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     if (++a.received == a.first.num_chunks()) {
       v1::FrameHeader done = a.first;
       MutableBuffer buffer = std::move(a.buffer);
-      assemblies_.erase(it);
+      Erase(it);
       s.Count(&s.tensors_, s.tensors_metric_);
       s.sink_->Deliver(done, std::move(buffer));
       Ack(AckFor(done, true, ""));
@@ -161,11 +233,15 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
 
   // Half-received tensors one stream may hold (a sender has a few in flight).
   static constexpr size_t kMaxPartialTensors = 256;
+  // Acks queued for a sender before its stream stops being read.
+  static constexpr size_t kMaxQueuedAcks = 64;
 
   ActivationServer* const server_;
   grpc::ByteBuffer incoming_;
   std::map<std::string, Assembly> assemblies_;
   ServerOutbox<grpc::ByteBuffer> outbox_;
+  absl::Mutex read_mu_;  // orders the pause check with the outbox draining
+  bool read_paused_ ABSL_GUARDED_BY(read_mu_) = false;
 };
 
 ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions options)
@@ -201,6 +277,51 @@ void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* m
   if (metric != nullptr) (void)metric->IncrementBy(static_cast<double>(n));
 }
 
+namespace {
+
+template <typename T>
+void RaisePeak(std::atomic<T>* peak, T value) {
+  T seen = peak->load(std::memory_order_relaxed);
+  while (value > seen && !peak->compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
+bool ActivationServer::Reserve(uint64_t bytes, std::string* why) {
+  uint64_t tensors = partial_tensors_.load();
+  do {
+    if (tensors >= options_.max_partial_tensors) {
+      *why = absl::StrCat("receiver holds ", tensors, " half-received tensors (limit ",
+                          options_.max_partial_tensors, ")");
+      return false;
+    }
+  } while (!partial_tensors_.compare_exchange_weak(tensors, tensors + 1));
+  uint64_t held = partial_bytes_.load();
+  do {
+    if (bytes > options_.max_partial_bytes || held > options_.max_partial_bytes - bytes) {
+      partial_tensors_.fetch_sub(1);
+      *why = absl::StrCat("receiver holds ", held, " bytes of half-received tensors; ", bytes,
+                          " more exceed the limit of ", options_.max_partial_bytes);
+      return false;
+    }
+  } while (!partial_bytes_.compare_exchange_weak(held, held + bytes));
+  RaisePeak(&peak_partial_tensors_, tensors + 1);
+  RaisePeak(&peak_partial_bytes_, held + bytes);
+  return true;
+}
+
+void ActivationServer::Release(uint64_t bytes) {
+  partial_tensors_.fetch_sub(1);
+  ReleaseBytes(bytes);
+}
+
+void ActivationServer::ReleaseBytes(uint64_t bytes) { partial_bytes_.fetch_sub(bytes); }
+
+void ActivationServer::AddBookkeeping(int64_t bytes) {
+  RaisePeak(&peak_bookkeeping_bytes_, bookkeeping_bytes_.fetch_add(bytes) + bytes);
+}
+
 ActivationServer::Stats ActivationServer::stats() const {
   Stats s;
   s.frames = frames_.load();
@@ -210,6 +331,12 @@ ActivationServer::Stats ActivationServer::stats() const {
   s.rejected = rejected_.load();
   s.duplicates = duplicates_.load();
   s.dropped = dropped_.load();
+  s.partial_tensors = partial_tensors_.load();
+  s.peak_partial_tensors = peak_partial_tensors_.load();
+  s.partial_bytes = partial_bytes_.load();
+  s.peak_partial_bytes = peak_partial_bytes_.load();
+  s.bookkeeping_bytes = static_cast<uint64_t>(std::max<int64_t>(0, bookkeeping_bytes_.load()));
+  s.peak_bookkeeping_bytes = static_cast<uint64_t>(peak_bookkeeping_bytes_.load());
   return s;
 }
 

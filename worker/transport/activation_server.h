@@ -41,9 +41,16 @@ class TensorSink {
   virtual void Deliver(const v1::FrameHeader& header, MutableBuffer buffer) = 0;
 };
 
+// What a worker's transport may hold at once, over all its streams (see
+// docs/OPERATIONS.md for the whole bound). A tensor beyond either limit is
+// refused with an ack naming it, before the sink is asked for memory.
 struct ActivationServerOptions {
   // Largest tensor accepted, in bytes.
   uint64_t max_tensor_bytes = uint64_t{1} << 30;
+  // Half-received tensors (accepted or being dropped), over all streams.
+  uint64_t max_partial_tensors = 4096;
+  // Bytes of sink memory held by half-received tensors, over all streams.
+  uint64_t max_partial_bytes = uint64_t{4} << 30;
   // Optional; counters are registered here when set.
   metrics::Registry* metrics = nullptr;
 };
@@ -65,17 +72,33 @@ class ActivationServer final : public grpc::CallbackGenericService {
     uint64_t rejected = 0;         // tensors the sink refused
     uint64_t duplicates = 0;       // chunks received twice
     uint64_t dropped = 0;          // chunks of rejected tensors
+    // Now and at most so far: half-received tensors, the sink memory they
+    // hold, and the transport's own book-keeping for them (headers, keys,
+    // chunk maps).
+    uint64_t partial_tensors = 0, peak_partial_tensors = 0;
+    uint64_t partial_bytes = 0, peak_partial_bytes = 0;
+    uint64_t bookkeeping_bytes = 0, peak_bookkeeping_bytes = 0;
   };
   Stats stats() const;
 
  private:
   friend class ActivationStreamReactor;
   void Count(std::atomic<uint64_t>* counter, metrics::Counter* metric, uint64_t n = 1);
+  // Takes one half-received tensor holding `bytes` of sink memory within
+  // the limits; false (nothing taken) when it does not fit.
+  bool Reserve(uint64_t bytes, std::string* why);
+  // Gives back one tensor and `bytes`; ReleaseBytes only the bytes.
+  void Release(uint64_t bytes);
+  void ReleaseBytes(uint64_t bytes);
+  void AddBookkeeping(int64_t bytes);
 
   TensorSink* const sink_;
   const ActivationServerOptions options_;
   std::atomic<uint64_t> frames_{0}, tensors_{0}, bytes_{0}, malformed_{0}, rejected_{0},
       duplicates_{0}, dropped_{0};
+  std::atomic<uint64_t> partial_tensors_{0}, peak_partial_tensors_{0}, partial_bytes_{0},
+      peak_partial_bytes_{0};
+  std::atomic<int64_t> bookkeeping_bytes_{0}, peak_bookkeeping_bytes_{0};
   metrics::Counter* frames_metric_ = nullptr;
   metrics::Counter* tensors_metric_ = nullptr;
   metrics::Counter* bytes_metric_ = nullptr;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/tsan.h"
 
 namespace detour {
 namespace {
@@ -90,8 +91,17 @@ class SliceReader {
   size_t pos_ = 0;
 };
 
+// gRPC calls this on one of its threads when it drops the slice; the slice
+// (and this pointer) was handed over through gRPC's refcounts.
 void ReleaseKeepalive(void* user_data) {
+  DETOUR_HAPPENS_AFTER(user_data);
   delete static_cast<std::shared_ptr<const void>*>(user_data);
+}
+
+void* NewKeepalive(const std::shared_ptr<const void>& keepalive) {
+  auto* held = new std::shared_ptr<const void>(keepalive);
+  DETOUR_HAPPENS_BEFORE(held);
+  return held;
 }
 
 }  // namespace
@@ -123,7 +133,7 @@ grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& vi
   grpc::Slice slices[2] = {
       grpc::Slice(prefix.data(), prefix.size()),
       grpc::Slice(const_cast<char*>(static_cast<const char*>(view.data)) + offset, bytes,
-                  &ReleaseKeepalive, new std::shared_ptr<const void>(view.keepalive))};
+                  &ReleaseKeepalive, NewKeepalive(view.keepalive))};
   return grpc::ByteBuffer(slices, 2);
 }
 
@@ -176,6 +186,16 @@ absl::StatusOr<DecodedFrame> DecodeFrame(const grpc::ByteBuffer& buffer) {
 absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                  uint64_t max_tensor_bytes) {
   if (h.job_id().empty()) return absl::InvalidArgumentError("frame header: job_id is empty");
+  // The header is kept while a tensor is half received: its strings and
+  // rank are bounded like a spec's ids (the decoder allows 1 MiB headers).
+  if (h.job_id().size() > kMaxFrameIdBytes || h.sender().size() > kMaxFrameIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("frame header: job_id or sender longer than ",
+                                                   kMaxFrameIdBytes, " bytes"));
+  }
+  if (h.shape_size() > static_cast<int>(kMaxFrameDims)) {
+    return absl::InvalidArgumentError(absl::StrCat("frame header: ", h.shape_size(),
+                                                   " dimensions (at most ", kMaxFrameDims, ")"));
+  }
   if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
       h.direction() != v1::DIRECTION_ALLREDUCE && h.direction() != v1::DIRECTION_STATE) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -21,6 +21,9 @@ namespace detour {
 // The smallest chunk a sender may cut a tensor into (all but the last
 // chunk): receivers refuse headers announcing more chunks than that allows.
 inline constexpr uint64_t kMinChunkBytes = 4096;
+// Longest job id / sender id and highest rank a frame header may carry.
+inline constexpr size_t kMaxFrameIdBytes = 256;
+inline constexpr size_t kMaxFrameDims = 8;
 
 
 // Bytes per element; 0 for DTYPE_UNSPECIFIED or unknown values.
@@ -53,7 +56,8 @@ struct DecodedFrame {
 // TensorFrame (bad tags, truncated lengths, unparseable header, extra fields).
 absl::StatusOr<DecodedFrame> DecodeFrame(const grpc::ByteBuffer& buffer);
 
-// Checks a header against itself: known dtype, shape matches total_bytes,
+// Checks a header against itself: ids of at most kMaxFrameIdBytes, at most
+// kMaxFrameDims dimensions, known dtype, shape matches total_bytes,
 // chunk index/count/offset consistent with the data length, size within
 // `max_tensor_bytes`. INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the field.
 absl::Status ValidateFrameHeader(const v1::FrameHeader& header, size_t data_bytes,

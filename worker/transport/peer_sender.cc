@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net/server.h"
+#include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 
@@ -25,44 +26,62 @@ std::string AckKey(const std::string& job, uint64_t iteration, uint64_t epoch,
 }  // namespace
 
 // One bidirectional stream. A hold keeps it alive while the writer thread may
-// still start operations; it deletes itself in OnDone.
+// still start operations; it deletes itself in OnDone, and only then tells the
+// sender: its ClientContext holds the call and a reference to the channel, so
+// until the delete is over the sender must not count it gone (Close() could
+// return, and the sender, its channel, even gRPC itself at process exit be torn
+// down, while a gRPC thread is still releasing this call).
 class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   Stream(PeerSender* owner, grpc::GenericStub* stub) : owner_(owner) {
     stub->PrepareBidiStreamingCall(&context_, kMethod, grpc::StubOptions(), this);
     AddHold();
-    StartRead(&incoming_);
+    NextRead();
     StartCall();
   }
 
   void OnWriteDone(bool ok) override { owner_->OnWriteDone(ok); }
 
   void OnReadDone(bool ok) override {
+    // Serial reads on any gRPC thread, ordered by gRPC (invisible to TSan).
+    DETOUR_HAPPENS_AFTER(this);
     if (!ok) {
       owner_->OnReadEnded();
+      DETOUR_HAPPENS_BEFORE(this);  // OnDone follows
       return;
     }
     v1::FrameAck ack;
     grpc::ProtoBufferReader reader(&incoming_);
     if (ack.ParseFromZeroCopyStream(&reader)) owner_->OnAck(ack);
-    StartRead(&incoming_);
+    NextRead();
   }
 
   void OnDone(const grpc::Status&) override {
-    owner_->OnStreamDone(this);
+    DETOUR_HAPPENS_AFTER(this);
+    PeerSender* const owner = owner_;
     delete this;
+    owner->OnStreamDone();
   }
 
   void Cancel() { context_.TryCancel(); }
 
  private:
+  void NextRead() {
+    DETOUR_HAPPENS_BEFORE(this);
+    StartRead(&incoming_);
+  }
+
   PeerSender* const owner_;
   grpc::ClientContext context_;
   grpc::ByteBuffer incoming_;
 };
 
 PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
-    : peer_(std::move(peer_address)), options_(options), channel_(MakeChannel(peer_)) {
+    : PeerSender(peer_address, MakeChannel(peer_address), options) {}
+
+PeerSender::PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> channel,
+                       PeerSenderOptions options)
+    : peer_(std::move(peer_address)), options_(options), channel_(std::move(channel)) {
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
@@ -171,14 +190,17 @@ void PeerSender::WriterLoop() {
       }
       if (old != nullptr) {
         mu_.Unlock();
+        bool ended = false;
         if (closing) {
           old->StartWritesDone();
           mu_.Lock();
-          const bool ended = mu_.AwaitWithTimeout(
+          ended = mu_.AwaitWithTimeout(
               absl::Condition(+[](bool* e) { return *e; }, &read_ended_), absl::Seconds(2));
           mu_.Unlock();
-          if (!ended) old->Cancel();
         }
+        // A broken stream, or one whose peer did not end it: cancelled, so
+        // its OnDone is certain to come (Close() waits for it).
+        if (!ended) old->Cancel();
         old->RemoveHold();
         mu_.Lock();
       }
@@ -249,13 +271,11 @@ void PeerSender::OnAck(const v1::FrameAck& ack) {
   }
 }
 
-void PeerSender::OnStreamDone(Stream* stream) {
+void PeerSender::OnStreamDone() {
+  // The writer cleared stream_ before it removed its hold, so this stream is
+  // no longer current; only the count remains.
   absl::MutexLock lock(&mu_);
   --live_streams_;
-  if (stream_ == stream) {
-    stream_ = nullptr;
-    stream_broken_ = false;
-  }
 }
 
 void PeerSender::Close() {
@@ -266,9 +286,11 @@ void PeerSender::Close() {
     FailAll(absl::CancelledError("sender closed"));
   }
   if (writer_.joinable()) writer_.join();
+  // Every stream was cancelled or ended and has no hold left, so gRPC calls
+  // OnDone for each; returning earlier would leave them pointing at a
+  // destroyed sender.
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(+[](int* n) { return *n == 0; }, &live_streams_),
-                       absl::Seconds(10));
+  mu_.Await(absl::Condition(+[](int* n) { return *n == 0; }, &live_streams_));
 }
 
 }  // namespace detour

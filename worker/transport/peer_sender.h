@@ -48,6 +48,9 @@ class PeerSender {
   using Done = std::function<void(absl::Status, double seconds)>;
 
   PeerSender(std::string peer_address, PeerSenderOptions options);
+  // Sends over `channel` (to `peer_address`) instead of a channel of its own.
+  PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> channel,
+             PeerSenderOptions options);
   ~PeerSender();
   PeerSender(const PeerSender&) = delete;
   PeerSender& operator=(const PeerSender&) = delete;
@@ -57,8 +60,10 @@ class PeerSender {
   // here. `data` must stay unmodified until `done` runs.
   void Send(v1::FrameHeader header, TensorView data, Done done);
 
-  // Fails what is pending with CANCELLED, closes the stream, joins the
-  // thread. Idempotent.
+  // Fails what is pending with CANCELLED, closes the stream (cancels it when
+  // the peer does not end it within 2 s), joins the thread and waits until
+  // gRPC has released every stream this sender opened: afterwards nothing of
+  // it (call, context, channel reference) is left inside gRPC. Idempotent.
   void Close();
 
   const std::string& peer() const { return peer_; }
@@ -83,7 +88,7 @@ class PeerSender {
   void OnAck(const v1::FrameAck& ack);
   void OnWriteDone(bool ok);
   void OnReadEnded();
-  void OnStreamDone(Stream* stream);
+  void OnStreamDone();
   void FailAll(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string peer_;

@@ -1,0 +1,73 @@
+// The manifest of a checkpoint (manifest.json): iteration, model shape and
+// each stage file's layer range, size and checksum. Writing, reading and
+// validation need no LibTorch (checkpoint.h reads and writes the stage files),
+// so the parser is fuzzed in every build. Thread-safe (no shared state).
+#ifndef DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
+#define DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "worker/model/model_config.h"
+
+namespace detour::model {
+
+struct StageFileEntry {
+  int stage = 0;
+  std::string file;       // relative to the checkpoint directory
+  LayerRange layers;      // global layers held (stage 0 also holds embedding/head)
+  uint64_t bytes = 0;
+  std::string checksum;   // "fnv1a64:<16 hex digits>"
+};
+
+struct CheckpointManifest {
+  std::string format = "detour-checkpoint-v2";
+  uint64_t iteration = 0;  // iterations completed (the next step's index)
+  ModelConfig model;
+  int num_stages = 0;
+  int replicas_per_stage = 1;  // informational; loading does not depend on it
+  uint64_t seed = 0;
+  // Opaque state of the caller's route/data RNG (e.g. a counter), restored
+  // on resume.
+  std::string rng_state;
+  std::vector<StageFileEntry> stages;
+};
+
+// Bounds a manifest must respect (a stored file is input like any other).
+struct ManifestLimits {
+  static constexpr uint64_t kMaxManifestBytes = 1 << 20;
+  static constexpr size_t kMaxRngStateBytes = 4096;
+  static constexpr size_t kMaxFileNameBytes = 255;
+  // A stage file holds one stage's parameters and optimiser state.
+  static constexpr uint64_t kMaxStageFileBytes = uint64_t{1} << 40;
+  static constexpr uint64_t kMaxIteration = uint64_t{1} << 53;
+};
+
+// "fnv1a64:<16 hex digits>" of `bytes`.
+std::string Checksum(absl::string_view bytes);
+
+// The JSON text of a manifest.
+std::string ManifestJson(const CheckpointManifest& manifest);
+
+// Parses and validates manifest JSON; `path` names it in errors. DATA_LOSS
+// naming the field for malformed or out-of-range content (non-integral or
+// out-of-range numbers, an invalid model shape, stage entries outside
+// [0, num_stages) or with layer ranges outside the model, file names that
+// leave the directory, checksums not in the format above),
+// FAILED_PRECONDITION for another format (v1 checkpoints held LibTorch
+// archives, which are no longer read).
+absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
+                                                 const std::string& path);
+
+// Writes `dir`/manifest.json atomically and durably (common/files.h).
+absl::Status WriteManifest(const std::string& dir, const CheckpointManifest& manifest);
+// Reads `dir`/manifest.json (at most ManifestLimits::kMaxManifestBytes).
+absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
+
+}  // namespace detour::model
+
+#endif  // DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
