@@ -296,14 +296,57 @@ class JobRunner::Impl {
   }
 
   // Why the live members cannot train ("" = they can).
+  // Stages without a live worker are skipped by every route when the job's
+  // routes skip stages anyway (SkipSpec); otherwise, and for stage 0 (the
+  // data), the job cannot train.
   std::string Infeasible() const {
-    std::vector<std::string> empty;
-    for (int s = 0; s < assignment_.num_stages(); ++s) {
-      if (assignment_.stage_nodes[s].empty()) empty.push_back(absl::StrCat(s));
-    }
-    if (empty.empty()) return "";
+    const std::vector<int> empty = EmptyStages();
+    if (empty.empty() || SkipSpec(empty.size()).ok()) return "";
     return absl::StrCat("stage", empty.size() > 1 ? "s " : " ", absl::StrJoin(empty, ", "),
                         empty.size() > 1 ? " have" : " has", " no worker left");
+  }
+
+  std::vector<int> EmptyStages() const {
+    std::vector<int> empty;
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      if (assignment_.stage_nodes[s].empty()) empty.push_back(s);
+    }
+    return empty;
+  }
+
+  // The pipeline over the stages that have workers when `missing` stages
+  // have none: each route still visits the job's P stages, among the
+  // remaining ones; jumps and swap distances shrink by `missing`, so that
+  // mapped back onto the real stages they stay within the job's limits.
+  // FAILED_PRECONDITION when that is impossible (stage 0 gone, the full
+  // pipeline, K-FAC's bubble plan, too few stages left, jumps too short).
+  absl::StatusOr<v1::PipelineSpec> SkipSpec(size_t missing) const {
+    const v1::PipelineSpec& p = spec_.pipeline();
+    const int stages = static_cast<int>(p.num_stages()) - static_cast<int>(missing);
+    const int visited = VisitedStages(p);
+    const int jump = static_cast<int>(p.max_jump()) - static_cast<int>(missing);
+    if (assignment_.stage_nodes.empty() || assignment_.stage_nodes[0].empty()) {
+      return absl::FailedPreconditionError("no data node is left");
+    }
+    if (p.scheduler() == v1::SCHEDULER_FULL || p.skip_ratio() <= 0 || kfac() ||
+        p.full_model_every() > 0) {
+      return absl::FailedPreconditionError("the job's routes cannot skip a stage");
+    }
+    if (visited > stages || jump < 1 ||
+        (visited > 1 && jump * (visited - 1) < stages - 1)) {
+      return absl::FailedPreconditionError("too few stages are left to route around the gap");
+    }
+    v1::PipelineSpec out = p;
+    out.set_num_stages(static_cast<uint32_t>(stages));
+    out.set_skip_ratio(1.0 - static_cast<double>(visited) / stages);
+    out.set_max_jump(static_cast<uint32_t>(jump));
+    const int swap = static_cast<int>(p.max_swap_distance()) - static_cast<int>(missing);
+    out.set_max_swap_distance(static_cast<uint32_t>(std::max(1, swap)));
+    out.set_max_total_swap_distance(static_cast<uint32_t>(std::max(
+        1, static_cast<int>(p.max_total_swap_distance()) - static_cast<int>(missing))));
+    if (swap < 1) out.set_max_swaps(0);
+    out.set_scheduler(v1::SCHEDULER_SKIPPIPE);
+    return out;
   }
 
   // The job's pipeline for the live members: the data nodes that remain
@@ -330,7 +373,7 @@ class JobRunner::Impl {
                                                      const std::vector<sim::Route>* warm,
                                                      int evaluations,
                                                      std::optional<v1::SchedulerKind> scheduler) {
-    const v1::JobSpec live = LiveSpec(count);
+    v1::JobSpec live = LiveSpec(count);
     planner::PlannerOptions o;
     o.seed = seed;
     o.assignment = assignment_;
@@ -338,6 +381,8 @@ class JobRunner::Impl {
     o.initial_routes = warm;
     o.max_evaluations = evaluations;
     if (scheduler) o.scheduler = *scheduler;
+    const std::vector<int> empty = EmptyStages();
+    if (!empty.empty()) return PlanAroundEmptyStages(std::move(live), o, empty, count);
     ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(*cost_, live, o));
     if (static_cast<int>(p.plan.routes.size()) > count) {
       p.plan.routes.erase(
@@ -345,6 +390,46 @@ class JobRunner::Impl {
                          [count](const sim::Route& r) { return r.microbatch >= count; }),
           p.plan.routes.end());
     }
+    return p;
+  }
+
+  // Plans over the stages that have workers (SkipSpec) with a cost model of
+  // those stages' columns, then maps the routes back onto the real stages.
+  absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(
+      v1::JobSpec live, planner::PlannerOptions o, const std::vector<int>& empty, int count) {
+    ASSIGN_OR_RETURN(v1::PipelineSpec pipeline, SkipSpec(empty.size()));
+    pipeline.set_data_nodes(live.pipeline().data_nodes());
+    pipeline.set_microbatches_per_data_node(live.pipeline().microbatches_per_data_node());
+    pipeline.set_replicas_per_stage(1);
+    pipeline.clear_assignment();
+    *live.mutable_pipeline() = pipeline;
+    std::vector<int> kept;  // real stage of each planned one
+    for (int s = 0; s < assignment_.num_stages(); ++s) {
+      if (!assignment_.stage_nodes[s].empty()) kept.push_back(s);
+    }
+    sim::CostTables t = cost_->tables();
+    auto pick = [&](const std::vector<double>& row) {
+      std::vector<double> out;
+      for (int s : kept) out.push_back(row[s]);
+      return out;
+    };
+    for (auto& row : t.forward_s) row = pick(row);
+    for (auto& row : t.backward_s) row = pick(row);
+    t.stage_gradient_bytes = pick(t.stage_gradient_bytes);
+    ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::FromTables(std::move(t)));
+    sim::StageAssignment assignment;
+    for (int s : kept) assignment.stage_nodes.push_back(assignment_.stage_nodes[s]);
+    o.assignment = assignment;
+    o.scheduler = v1::SCHEDULER_SKIPPIPE;
+    o.initial_routes = nullptr;
+    ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(cost, live, o));
+    p.plan.routes.erase(std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
+                                       [count](const sim::Route& r) { return r.microbatch >= count; }),
+                        p.plan.routes.end());
+    for (sim::Route& r : p.plan.routes) {
+      for (int& s : r.stages) s = kept.at(static_cast<size_t>(s));
+    }
+    p.plan.assignment = assignment_;
     return p;
   }
 
@@ -613,104 +698,36 @@ class JobRunner::Impl {
   static IterationOutcome End(JobEnd e) { return {std::nullopt, std::move(e)}; }
   static IterationOutcome Done(Outcome o) { return {o, std::nullopt}; }
 
+  // What one iteration collected, for the record.
+  struct Collected {
+    std::map<std::string, v1::TimingReport> timings;
+    int rerun = 0;
+    absl::Duration overhead;  // coordinator work, not waiting
+  };
+
+  // One iteration: plan, send, collect norms / step / results (re-planning
+  // around workers lost meanwhile), check, checkpoint, record.
   IterationOutcome RunIteration(uint64_t iteration) {
     const absl::Time begin = absl::Now();
-    absl::Duration overhead;  // coordinator work, not waiting
     sent_.clear();
     lost_this_iteration_.clear();
     auto planned = PlanIteration(iteration);
     if (!planned.ok()) return End(Failed(absl::StrCat("planner: ", planned.status().message())));
-    v1::CoordinatorMessage m;
-    v1::IterationPlan* plan = m.mutable_plan();
-    plan->set_job_id(job_id_);
-    plan->set_iteration(iteration);
-    plan->set_epoch(epoch_);
-    AddReplicaGroups(plan->mutable_replica_groups());
-    for (const v1::Peer& p : Peers()) *plan->add_peers() = p;
-    for (const sim::Route& r : planned->plan.routes) {
-      v1::Route* route = plan->add_routes();
-      *route = planner::ToProtoRoute(*cost_, r);
-      route->set_epoch(epoch_);
-    }
-    plan->set_predicted_time_s(planned->result.iteration_time_s);
-    if (bubbles_ != nullptr) {
-      auto placed = bubbles_->PlanIteration(iteration, planned->plan,
-                                            planner::TimelineFromSimulation(planned->result));
-      if (!placed.ok()) {
-        return End(Failed(absl::StrCat("K-FAC bubble planner: ", placed.status().message())));
-      }
-      for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
-      if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
-      plan->set_predicted_time_s(placed->iteration_time_s);
-    }
-    const v1::CheckpointPolicy& policy = spec_.checkpoint();
-    const bool checkpoint =
-        !policy.disabled() &&
-        ((policy.every_iterations() > 0 && (iteration + 1) % policy.every_iterations() == 0) ||
-         iteration + 1 == spec_.iterations());
-    std::string checkpoint_dir;
-    if (checkpoint) {
-      checkpoint_dir = absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root, job_id_,
-                                       iteration + 1);
-      plan->set_checkpoint(true);
-      plan->set_checkpoint_dir(checkpoint_dir);
-    }
+    auto message = PlanMessage(iteration, *planned);
+    if (!message.ok()) return End(Failed(message.status().message()));
+    const v1::IterationPlan& plan = message->plan();
     routes_.clear();
-    for (const v1::Route& r : plan->routes()) routes_[r.microbatch()] = r;
-    const int total = total_microbatches();
-    IterationRound round(iteration, total, members_, epoch_);
-    SendToAll(m);
-    overhead += absl::Now() - begin;
+    for (const v1::Route& r : plan.routes()) routes_[r.microbatch()] = r;
+    IterationRound round(iteration, total_microbatches(), members_, epoch_);
+    SendToAll(*message);
+    Collected collected;
+    collected.overhead = absl::Now() - begin;
     if (recovering_since_) {
       host_->runner_metrics().Recovered(absl::ToDoubleSeconds(absl::Now() - *recovering_since_));
       recovering_since_.reset();
     }
-
-    // Gradient norms (one per live worker of the epoch), then the step, then
-    // results.
     const absl::Time deadline = absl::Now() + options().iteration_timeout;
-    std::map<std::string, v1::TimingReport> timings;
-    bool stepped = false;
-    int rerun = 0;
-    while (!round.ResultsComplete()) {
-      Event ev = Wait(deadline, [&] {
-        return absl::StrCat(stepped ? "iteration results" : "gradient norms", " of iteration ",
-                            iteration, " from ",
-                            absl::StrJoin(stepped ? round.MissingResults() : round.MissingNorms(),
-                                          ", "));
-      });
-      if (ev.end) return End(*ev.end);
-      if (!ev.lost.empty()) {
-        auto handled = OnLoss(iteration, ev.lost, stepped, &round, &rerun, deadline);
-        if (handled) return *handled;
-      }
-      for (auto& [worker, msg] : ev.messages) {
-        if (msg.has_grad_norm()) {
-          round.AddNorm(worker, msg.grad_norm());
-        } else if (msg.has_result()) {
-          round.AddResult(worker, msg.result());
-        } else if (msg.has_timing() && msg.timing().iteration() == iteration &&
-                   !timings.count(worker)) {
-          host_->estimates().Add(msg.timing(), region_of_, members_);
-          timings[worker] = msg.timing();
-        }
-      }
-      if (!stepped && round.NormsComplete()) {
-        const absl::Time step_start = absl::Now();
-        auto squared = round.SquaredNorm();
-        if (!squared.ok()) return End(Failed(squared.status().message()));
-        v1::CoordinatorMessage step;
-        step.mutable_step()->set_job_id(job_id_);
-        step.mutable_step()->set_iteration(iteration);
-        step.mutable_step()->set_squared_norm(*squared);
-        step.mutable_step()->set_epoch(epoch_);
-        step.mutable_step()->set_completed_microbatches(
-            static_cast<uint32_t>(total - static_cast<int>(round.dropped().size())));
-        SendToAll(step);
-        stepped = true;
-        overhead += absl::Now() - step_start;
-      }
-    }
+    if (auto outcome = Collect(iteration, deadline, &round, &collected); outcome) return *outcome;
 
     // Checks: replicas identical, every microbatch completed exactly once
     // (or dropped with a lost worker).
@@ -723,8 +740,9 @@ class JobRunner::Impl {
     if (!std::isfinite(loss)) {
       return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
     }
-    if (checkpoint) {
-      if (auto s = CommitCheckpoint(iteration + 1, checkpoint_dir, round.results(), deadline); s) {
+    if (plan.checkpoint()) {
+      if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
+          s) {
         return End(*s);
       }
     }
@@ -734,13 +752,110 @@ class JobRunner::Impl {
                             absl::StrJoin(round.dropped(), ","),
                             " (part of their backward ran on a lost worker)"));
     }
-    rerun_total_ += rerun;
+    rerun_total_ += collected.rerun;
     dropped_total_ += round.dropped().size();
+    if (auto e = RecordProgress(iteration, loss, round, plan, collected, begin); e) return End(*e);
+    if (planned->scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned->plan.routes;
+    AdaptCosts(iteration, plan, collected.timings);
+    return Done(Outcome::kDone);
+  }
 
+  // The iteration's plan for every worker: routes, replica groups, peers,
+  // K-FAC bubble tasks, checkpoint.
+  absl::StatusOr<v1::CoordinatorMessage> PlanMessage(uint64_t iteration,
+                                                     const planner::PlannedIteration& planned) {
+    v1::CoordinatorMessage m;
+    v1::IterationPlan* plan = m.mutable_plan();
+    plan->set_job_id(job_id_);
+    plan->set_iteration(iteration);
+    plan->set_epoch(epoch_);
+    AddReplicaGroups(plan->mutable_replica_groups());
+    for (const v1::Peer& p : Peers()) *plan->add_peers() = p;
+    for (const sim::Route& r : planned.plan.routes) {
+      v1::Route* route = plan->add_routes();
+      *route = planner::ToProtoRoute(*cost_, r);
+      route->set_epoch(epoch_);
+    }
+    plan->set_predicted_time_s(planned.result.iteration_time_s);
+    if (bubbles_ != nullptr) {
+      auto placed = bubbles_->PlanIteration(iteration, planned.plan,
+                                            planner::TimelineFromSimulation(planned.result));
+      if (!placed.ok()) return Annotate(placed.status(), "K-FAC bubble planner");
+      for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
+      if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
+      plan->set_predicted_time_s(placed->iteration_time_s);
+    }
+    const v1::CheckpointPolicy& policy = spec_.checkpoint();
+    // A stage without workers has no file to write: no checkpoint is taken
+    // while one is empty (the last complete one stays the newest).
+    if (EmptyStages().empty() && !policy.disabled() &&
+        ((policy.every_iterations() > 0 && (iteration + 1) % policy.every_iterations() == 0) ||
+         iteration + 1 == spec_.iterations())) {
+      plan->set_checkpoint(true);
+      plan->set_checkpoint_dir(absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root,
+                                               job_id_, iteration + 1));
+    }
+    return m;
+  }
+
+  // Gradient norms (one per live worker of the epoch), then the step, then
+  // results; workers lost meanwhile are re-planned around (OnLoss). An
+  // outcome when the iteration ends otherwise (failure, pause).
+  std::optional<IterationOutcome> Collect(uint64_t iteration, absl::Time deadline,
+                                          IterationRound* round, Collected* collected) {
+    bool stepped = false;
+    while (!round->ResultsComplete()) {
+      Event ev = Wait(deadline, [&] {
+        return absl::StrCat(
+            stepped ? "iteration results" : "gradient norms", " of iteration ", iteration,
+            " from ",
+            absl::StrJoin(stepped ? round->MissingResults() : round->MissingNorms(), ", "));
+      });
+      if (ev.end) return End(*ev.end);
+      if (!ev.lost.empty()) {
+        auto handled = OnLoss(iteration, ev.lost, stepped, round, &collected->rerun, deadline);
+        if (handled) return *handled;
+      }
+      for (auto& [worker, msg] : ev.messages) {
+        if (msg.has_grad_norm()) {
+          round->AddNorm(worker, msg.grad_norm());
+        } else if (msg.has_result()) {
+          round->AddResult(worker, msg.result());
+        } else if (msg.has_timing() && msg.timing().iteration() == iteration &&
+                   !collected->timings.count(worker)) {
+          host_->estimates().Add(msg.timing(), region_of_, members_);
+          collected->timings[worker] = msg.timing();
+        }
+      }
+      if (!stepped && round->NormsComplete()) {
+        const absl::Time step_start = absl::Now();
+        auto squared = round->SquaredNorm();
+        if (!squared.ok()) return End(Failed(squared.status().message()));
+        v1::CoordinatorMessage step;
+        step.mutable_step()->set_job_id(job_id_);
+        step.mutable_step()->set_iteration(iteration);
+        step.mutable_step()->set_squared_norm(*squared);
+        step.mutable_step()->set_epoch(epoch_);
+        step.mutable_step()->set_completed_microbatches(static_cast<uint32_t>(
+            total_microbatches() - static_cast<int>(round->dropped().size())));
+        SendToAll(step);
+        stepped = true;
+        collected->overhead += absl::Now() - step_start;
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Progress of the finished iteration into the job record (durably: a job
+  // whose record cannot be written stops).
+  std::optional<JobEnd> RecordProgress(uint64_t iteration, double loss,
+                                       const IterationRound& round, const v1::IterationPlan& plan,
+                                       const Collected& collected, absl::Time begin) {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started_);
     // Measured busy fractions, mean over the workers that reported.
     double utilization = 0, utilization_kfac = 0, max_delay = 0;
+    const auto& timings = collected.timings;
     for (const auto& [id, t] : timings) {
       max_delay = std::max(max_delay, t.bubble_delay_max_s());
       if (!(t.iteration_time_s() > 0)) continue;
@@ -756,7 +871,7 @@ class JobRunner::Impl {
       p->set_total_iterations(spec_.iterations());
       p->set_loss(loss);
       p->set_iteration_time_s(seconds);
-      p->set_predicted_iteration_time_s(plan->predicted_time_s());
+      p->set_predicted_iteration_time_s(plan.predicted_time_s());
       p->set_utilization(utilization);
       p->set_utilization_with_kfac(utilization_kfac);
       if (bubbles_ != nullptr) {
@@ -764,7 +879,7 @@ class JobRunner::Impl {
         p->set_kfac_refresh_interval(bubbles_->mean_refresh_interval());
         p->set_kfac_max_delay_s(max_delay);
       }
-      p->set_coordinator_overhead_s(absl::ToDoubleSeconds(overhead));
+      p->set_coordinator_overhead_s(absl::ToDoubleSeconds(collected.overhead));
       p->set_tokens_per_s(seconds > 0 ? tokens / seconds : 0);
       const double per_iteration =
           elapsed / static_cast<double>(iteration + 1 - started_iteration_);
@@ -778,23 +893,25 @@ class JobRunner::Impl {
     if (!recorded.ok()) {
       // Training on without a durable record would leave the job's state to
       // chance after a restart: stop, with the reason.
-      return End(Failed(absl::StrCat("cannot write the job record: ",
-                                     recorded.status().message())));
+      return Failed(absl::StrCat("cannot write the job record: ", recorded.status().message()));
     }
     LogDebug("job ", job_id_, " iteration ", iteration, " loss ", loss, " in ", seconds, " s");
-    if (planned->scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned->plan.routes;
+    return std::nullopt;
+  }
+
+  // Every --replan_every iterations: node speeds and links from the timing
+  // reports, and K-FAC costs from the bubble tasks' measured speed.
+  void AdaptCosts(uint64_t iteration, const v1::IterationPlan& plan,
+                  const std::map<std::string, v1::TimingReport>& timings) {
     const int every = options().replan_every;
-    if (bubbles_ != nullptr) MeasureKfacSpeeds(*plan, timings);
-    if (every > 0 && (iteration + 1) % every == 0) {
-      UpdateSpeedsFromTimings(iteration);
-      if (bubbles_ != nullptr) {
-        // K-FAC costs follow the measured speeds (and K-FAC's own, below).
-        if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
-          LogWarning("job ", job_id_, ": keeping the K-FAC cost estimates: ", s.message());
-        }
+    if (bubbles_ != nullptr) MeasureKfacSpeeds(plan, timings);
+    if (every <= 0 || (iteration + 1) % every != 0) return;
+    UpdateSpeedsFromTimings(iteration);
+    if (bubbles_ != nullptr) {
+      if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
+        LogWarning("job ", job_id_, ": keeping the K-FAC cost estimates: ", s.message());
       }
     }
-    return Done(Outcome::kDone);
   }
 
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration) {
@@ -964,6 +1081,11 @@ class JobRunner::Impl {
     suspects_.erase(id);
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, iteration, id,
              absl::StrCat("worker ", id, " (stage ", stage, ") lost: ", why));
+    if (assignment_.stage_nodes[stage].empty() && Infeasible().empty()) {
+      AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
+               absl::StrCat("stage ", stage, " has no worker left: every route skips it until a "
+                            "worker joins (no checkpoints meanwhile)"));
+    }
     if (bubbles_ != nullptr) {
       if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
         LogWarning("job ", job_id_, ": K-FAC costs after a loss: ", s.message());

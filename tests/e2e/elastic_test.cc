@@ -224,6 +224,36 @@ TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   EXPECT_EQ(job.stages(2).nodes(0), fresh.id);
 }
 
+// With skip routes a stage that lost its only worker is skipped by every
+// route (no pause); a worker started later fills it again from the newest
+// checkpoint.
+TEST_F(ElasticTest, EmptyStageIsSkippedThenRefilled) {
+  v1::JobSpec spec = ElasticJob(4, 1, 1, 0.25, 150);  // routes visit 3 of 4 stages
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 4, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const std::string victim = run.Get().stages(2).nodes(0);
+  ById(workers, victim)->process->Signal(SIGKILL);
+  ASSERT_TRUE(Eventually(
+      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+      absl::Seconds(20)));
+  const uint64_t lost_at = run.Get().progress().iteration();
+  // It keeps training with stage 2 empty.
+  ASSERT_TRUE(run.ReachIteration(lost_at + 3, absl::Seconds(60)))
+      << History(run.Get()) << c.process->Log();
+  EXPECT_EQ(run.Get().stages(2).nodes_size(), 0);
+  EXPECT_EQ(Count(run.Get(), v1::JobHistoryEvent::KIND_PAUSED), 0) << History(run.Get());
+  EXPECT_THAT(History(run.Get()), HasSubstr("every route skips it"));
+  Daemon fresh = StartWorker(c.grpc_port, "refill", WorkerFlags());
+  const v1::Job job = run.AwaitEnd(absl::Seconds(150));
+  ExpectHealthyEnd(job, c);
+  ASSERT_EQ(job.stages(2).nodes_size(), 1);
+  EXPECT_EQ(job.stages(2).nodes(0), fresh.id);
+  EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+}
+
 // A worker started mid-job replaces a lost one: it receives the stage's
 // state from the live replica (bit-identical: later iterations pass the
 // replica check) and takes part in later routes.

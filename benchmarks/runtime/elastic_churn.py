@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Elastic training under churn, on an emulated geo-distributed cluster.
+
+Three runs of the same job (the tiny model, 6 stages, 2 data nodes, 2 replicas of
+every other stage, 33% skip) on 12 workers whose frames are delayed and
+rate-limited per examples/clusters/geo12.json, plus spare workers:
+
+  none     no failures (the baseline throughput);
+  elastic  every --kill-every iterations a random worker of the job is killed
+           (SIGKILL) and a fresh worker process is started in its region; the
+           job re-plans around the loss and the newcomer joins;
+  restart  the same kills with elastic.disabled: each kill fails the job, the
+           fresh worker is started, and `detourctl resume` restarts the job from
+           its newest checkpoint (every --checkpoint-every iterations).
+
+Prints, per run: wall time, tokens/s and tokens per hour vs the baseline,
+recoveries, the coordinator's recovery time (detection -> running again; mean
+and max from detour_coordinator_recovery_seconds), microbatches re-run and
+dropped, iterations redone (restart). Everything runs on this machine: the
+numbers compare the three runs of one session, not absolute speeds.
+
+  benchmarks/runtime/elastic_churn.py [--build build] [--iterations 60] ...
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_ready(path, field, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if field in data:
+                return data
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{path}: no {field} after {timeout}s")
+
+
+class Cluster:
+    def __init__(self, args, name):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix=f"detour-churn-{name}-")
+        self.procs = {}
+        self.regions = [n["region"] for n in json.load(open(args.cluster))["nodes"]]
+        ready = os.path.join(self.dir, "c.ready")
+        self.coordinator = subprocess.Popen(
+            [os.path.join(args.build, "coordinator/detour-coordinator"), "--listen=127.0.0.1:0",
+             "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--data_dir={self.dir}/c",
+             f"--cluster={args.cluster}", "--emulate_network", "--worker_silence=3s",
+             "--heartbeat_interval=500ms", f"--ready_file={ready}"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "c.log"), "w"))
+        info = wait_ready(ready, "grpc_port")
+        self.port = info["grpc_port"]
+        self.metrics_port = info.get("metrics_port")
+        self.next_worker = 0
+
+    def start_worker(self, region):
+        i = self.next_worker
+        self.next_worker += 1
+        wid = f"w{i}"
+        ready = os.path.join(self.dir, f"{wid}.ready")
+        self.procs[wid] = subprocess.Popen(
+            [os.path.join(self.args.build, "worker/detour-worker"), "--listen=127.0.0.1:0",
+             "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--coordinator=127.0.0.1:{self.port}",
+             f"--data_dir={self.dir}/{wid}", f"--region={region}", f"--worker_id={wid}",
+             "--torch_threads=1", f"--ready_file={ready}"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"{wid}.log"), "w"))
+        wait_ready(ready, "grpc_port")
+        return wid
+
+    def ctl(self, *argv):
+        out = subprocess.run([os.path.join(self.args.build, "tools/detourctl/detourctl"),
+                              f"--coordinator=127.0.0.1:{self.port}", "--json", *argv],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"detourctl {' '.join(argv)}: {out.stderr}")
+        return json.loads(out.stdout) if out.stdout.strip() else {}
+
+    def metric(self, name):
+        if not self.metrics_port:
+            return 0.0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{}"):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        self.coordinator.send_signal(signal.SIGTERM)
+        for p in list(self.procs.values()) + [self.coordinator]:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def job_spec(args, elastic):
+    return {
+        "name": "churn", "model": {"preset": "tiny"},
+        "pipeline": {"num_stages": 6, "data_nodes": 2, "replicas_per_stage": 2,
+                     "microbatches_per_data_node": 6, "samples_per_microbatch": 2,
+                     "skip_ratio": 0.33, "max_jump": 3, "memory_slots": 3},
+        "optimizer": {"adamw": {"lr": 1e-3}},
+        "iterations": args.iterations, "seed": 3,
+        "checkpoint": {"every_iterations": args.checkpoint_every, "keep_last": 2},
+        "elastic": {"disabled": not elastic, "reconnect_grace_ms": 1000},
+    }
+
+
+def field(d, *names, default=0):
+    for n in names:
+        if n in d:
+            return d[n]
+    return default
+
+
+def run(args, mode):
+    c = Cluster(args, mode)
+    try:
+        for r in c.regions:
+            c.start_worker(r)
+        spec_path = os.path.join(c.dir, "job.json")
+        json.dump(job_spec(args, elastic=(mode != "restart")), open(spec_path, "w"))
+        job = c.ctl("submit", spec_path)
+        jid = job["id"]
+        rng = random.Random(args.seed)
+        start = None
+        kills, redone, next_kill = 0, 0, args.kill_every
+        while True:
+            j = c.ctl("get", jid)
+            state = j.get("state", "")
+            it = int(field(j.get("progress", {}), "iteration"))
+            if start is None and state == "JOB_STATE_RUNNING":
+                start = time.time()
+            if state == "JOB_STATE_SUCCEEDED":
+                break
+            if state == "JOB_STATE_FAILED" and mode != "restart":
+                raise RuntimeError(f"{mode}: job failed: {j.get('message')}")
+            if mode == "restart" and state == "JOB_STATE_FAILED":
+                ckpt = j.get("lastCheckpoint", j.get("last_checkpoint", ""))
+                done = int(ckpt.rsplit("iter-", 1)[1]) if "iter-" in ckpt else 0
+                redone += it - done
+                c.ctl("resume", jid)
+                continue
+            if mode != "none" and state == "JOB_STATE_RUNNING" and it >= next_kill and \
+                    it < args.iterations - 2:
+                members = [n for s in j.get("stages", []) for n in s.get("nodes", [])]
+                victim = rng.choice(members)
+                region = c.regions[int(victim[1:]) % len(c.regions)]
+                c.procs[victim].send_signal(signal.SIGKILL)
+                kills += 1
+                next_kill += args.kill_every
+                c.start_worker(region)
+            time.sleep(0.2)
+        wall = time.time() - start
+        p = j.get("progress", {})
+        context = int(field(j.get("spec", {}).get("model", {}), "contextLength",
+                            "context_length", default=128))
+        tokens = args.iterations * 2 * 6 * 2 * context  # microbatches x samples x context
+        return {
+            "mode": mode, "wall_s": wall, "tokens_per_s": tokens / wall, "kills": kills,
+            "recoveries": int(field(p, "recoveries")),
+            "rerun": int(field(p, "microbatchesRerun", "microbatches_rerun")),
+            "dropped": int(field(p, "microbatchesDropped", "microbatches_dropped")),
+            "redone_iterations": redone,
+            "recovery_mean_s": (c.metric("detour_coordinator_recovery_seconds_sum") /
+                                max(1.0, c.metric("detour_coordinator_recovery_seconds_count"))),
+            "loss": float(field(p, "loss")),
+        }
+    finally:
+        c.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/geo12.json"))
+    ap.add_argument("--iterations", type=int, default=60)
+    ap.add_argument("--kill-every", type=int, default=10)
+    ap.add_argument("--checkpoint-every", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--modes", default="none,elastic,restart")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    results = []
+    for mode in args.modes.split(","):
+        print(f"== {mode}", file=sys.stderr, flush=True)
+        results.append(run(args, mode))
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    base = next((r for r in results if r["mode"] == "none"), results[0])
+    print(f"{'run':8} {'wall s':>8} {'tok/s':>8} {'vs none':>8} {'kills':>5} {'recov':>5} "
+          f"{'mean rec s':>10} {'rerun':>5} {'dropped':>7} {'redone it':>9} {'Mtok/h':>7}")
+    for r in results:
+        print(f"{r['mode']:8} {r['wall_s']:8.1f} {r['tokens_per_s']:8.0f} "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:8.2f} {r['kills']:5d} "
+              f"{r['recoveries']:5d} {r['recovery_mean_s']:10.2f} {r['rerun']:5d} "
+              f"{r['dropped']:7d} {r['redone_iterations']:9d} "
+              f"{r['tokens_per_s'] * 3600 / 1e6:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
