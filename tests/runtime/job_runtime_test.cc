@@ -381,5 +381,31 @@ TEST_F(JobRuntimeTest, StateFromAnyoneElseIsRefused) {
   EXPECT_EQ(runtime_["r0"]->Allocate(h).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Plausible frames that are allocated and never consumed (a flood) hit the
+// worker's bound on held tensor bytes; freeing them makes room again.
+TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {
+  AssignAll();
+  v1::FrameHeader h;
+  h.set_job_id("job");
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_sender("d0");
+  h.set_hop(1);
+  for (int64_t d : {2, 16, 32}) h.add_shape(d);  // samples x context x d_model
+  h.set_dtype(v1::DTYPE_FP32);
+  h.set_total_bytes(2 * 16 * 32 * 4);
+  std::vector<MutableBuffer> held;
+  absl::Status last;
+  for (int i = 0; i < 100000 && last.ok(); ++i) {
+    auto b = runtime_["r0"]->Allocate(h);
+    last = b.status();
+    if (b.ok()) held.push_back(*std::move(b));
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+  EXPECT_GT(held.size(), 8u);
+  EXPECT_LT(held.size(), 100000u);
+  held.clear();
+  EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
+}
+
 }  // namespace
 }  // namespace detour

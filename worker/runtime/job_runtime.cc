@@ -216,9 +216,32 @@ class JobRuntime::Impl {
             v1::DType_Name(accept_wire_)));
       }
     }
+    // Tensors received and not yet consumed (queued, kept early, buffered by
+    // a stage) are bounded in bytes: a peer flooding plausible frames gets
+    // RESOURCE_EXHAUSTED instead of the worker's memory.
+    const uint64_t bytes = h.total_bytes();
+    {
+      absl::MutexLock lock(&accept_mu_);
+      const uint64_t held = received_bytes_->load();
+      if (held + bytes > accept_held_bytes_) {
+        metrics_.UnexpectedFrame();
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "this worker holds ", held, " bytes of received tensors; ", bytes,
+            " more would pass its bound of ", accept_held_bytes_));
+      }
+    }
     return model::GuardTorch("allocating a received tensor", [&]() -> absl::StatusOr<MutableBuffer> {
-      auto tensor = std::make_shared<at::Tensor>(
-          at::empty(shape, at::TensorOptions().dtype(TorchType(h.dtype()))));
+      // The count drops when the tensor's memory is freed, wherever that is.
+      std::shared_ptr<std::atomic<uint64_t>> held = received_bytes_;
+      held->fetch_add(bytes);
+      auto* memory = new uint8_t[std::max<uint64_t>(1, bytes)];
+      auto tensor = std::make_shared<at::Tensor>(at::from_blob(
+          memory, shape,
+          [held, bytes](void* p) {
+            delete[] static_cast<uint8_t*>(p);
+            held->fetch_sub(bytes);
+          },
+          at::TensorOptions().dtype(TorchType(h.dtype()))));
       MutableBuffer b;
       b.data = tensor->data_ptr();
       b.bytes = tensor->nbytes();
@@ -414,6 +437,15 @@ class JobRuntime::Impl {
       // moments; plus the archive's own bookkeeping.
       accept_state_bytes_ =
           4 * static_cast<uint64_t>(6 * flat_numel_ + 6 * factor_numel_) + (16u << 20);
+      // What an honest iteration can have in flight here at once: a forward
+      // and a backward per microbatch (and again for re-runs) and the
+      // replicas' all-reduce inputs, or one stage state.
+      const uint64_t activation =
+          4 * static_cast<uint64_t>(spec.pipeline().samples_per_microbatch()) *
+          spec.model().context_length() * spec.model().d_model();
+      const uint64_t reduce = 4 * static_cast<uint64_t>(flat_numel_ + factor_numel_);
+      accept_held_bytes_ = 4 * uint64_t{total} * activation +
+                           (2 * a.replica_group_size() + 2) * reduce + accept_state_bytes_;
     }
     if (set_job_) set_job_(job_id_);
     return absl::OkStatus();
@@ -1336,6 +1368,10 @@ class JobRuntime::Impl {
   int64_t accept_factor_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
   std::string accept_state_from_ ABSL_GUARDED_BY(accept_mu_);
   uint64_t accept_state_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  uint64_t accept_held_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  // Bytes of received tensors alive now (shared with their deleters).
+  const std::shared_ptr<std::atomic<uint64_t>> received_bytes_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
 
   // Executor-only state.
   std::string me_;  // this worker's id, from the assignment
