@@ -58,11 +58,8 @@ constexpr int kMaxHistory = 200;
 
 RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   if (m == nullptr) return;
-  auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
-    auto f = m->AddCounter(name, help);
-    if (!f.ok()) return nullptr;
-    auto c = (*f)->WithLabels({});
-    return c.ok() ? *c : nullptr;
+  auto counter = [&](const char* name, const char* help) {
+    return metrics::OptionalCounter(m, name, help);
   };
   recoveries = counter("detour_coordinator_recoveries",
                        "Recoveries of running jobs from lost workers (re-planned around them).");

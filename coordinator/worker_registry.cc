@@ -151,26 +151,21 @@ absl::StatusOr<std::string> WorkerRegistry::WorkerForToken(const std::string& to
 }
 
 void WorkerRegistry::SessionOpened(const std::string& token, absl::Time now) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto t = token_to_worker_.find(token);
-    if (t == token_to_worker_.end()) return;
-    Entry& entry = workers_.at(t->second);
-    entry.connected = true;
-    entry.info.set_session_open(true);
-    *entry.info.mutable_session_change_time() = ToProto(now);
-  }
-  Notify();
+  SetSession(token, true, now);
 }
 
 void WorkerRegistry::SessionEnded(const std::string& token, absl::Time now) {
+  SetSession(token, false, now);
+}
+
+void WorkerRegistry::SetSession(const std::string& token, bool open, absl::Time now) {
   {
     absl::MutexLock lock(&mu_);
     auto t = token_to_worker_.find(token);
     if (t == token_to_worker_.end()) return;
     Entry& entry = workers_.at(t->second);
-    entry.connected = false;
-    entry.info.set_session_open(false);
+    entry.connected = open;
+    entry.info.set_session_open(open);
     *entry.info.mutable_session_change_time() = ToProto(now);
   }
   Notify();

@@ -84,6 +84,7 @@ class WorkerRegistry {
   absl::StatusOr<v1::RegisterResponse> RegisterLocked(const v1::RegisterRequest& request,
                                                       absl::Time now);
   std::vector<std::string> MarkSilentLocked(absl::Time now);
+  void SetSession(const std::string& token, bool open, absl::Time now);
 
   const absl::Duration silence_;
   const absl::Duration heartbeat_interval_;

@@ -567,4 +567,12 @@ std::string Registry::Serialize() const {
   return out;
 }
 
+Counter* OptionalCounter(Registry* registry, const std::string& name, const std::string& help) {
+  if (registry == nullptr) return nullptr;
+  auto family = registry->AddCounter(name, help);
+  if (!family.ok()) return nullptr;
+  auto counter = (*family)->WithLabels({});
+  return counter.ok() ? *counter : nullptr;
+}
+
 }  // namespace detour::metrics

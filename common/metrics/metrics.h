@@ -294,6 +294,11 @@ absl::StatusOr<std::vector<double>> LinearBuckets(double start, double width,
 // Bounds for request latencies in seconds, 0.5 ms to 60 s.
 std::vector<double> DefaultLatencyBuckets();
 
+// The one counter of an unlabelled counter family registered in `registry`,
+// or null when `registry` is null or the family cannot be added (optional
+// instrumentation: a component records nothing rather than failing).
+Counter* OptionalCounter(Registry* registry, const std::string& name, const std::string& help);
+
 }  // namespace detour::metrics
 
 #endif  // DETOUR_COMMON_METRICS_METRICS_H_

@@ -949,13 +949,7 @@ class JobRuntime::Impl {
       Post([this, job, to, s] {
         if (job != job_id_) return;
         LogWarning("job ", job_id_, ": the stage state did not reach ", to, ": ", s.message());
-        v1::WorkerMessage m;
-        v1::PeerUnreachable* u = m.mutable_peer_unreachable();
-        u->set_job_id(job_id_);
-        u->set_iteration(completed_);
-        u->set_peer(to);
-        u->set_message(std::string(s.message()));
-        Send(std::move(m), /*replay=*/false);
+        ReportUnreachable(completed_, to, s);
       });
     });
   }
@@ -1259,13 +1253,7 @@ class JobRuntime::Impl {
       if (!it_->unreachable_reported.insert(to).second) return;
       LogWarning("job ", job_id_, ": sending ", v1::Direction_Name(direction), " to ", to,
                  " failed: ", status.message(), "; reporting it");
-      v1::WorkerMessage m;
-      v1::PeerUnreachable* u = m.mutable_peer_unreachable();
-      u->set_job_id(job_id_);
-      u->set_iteration(iteration);
-      u->set_peer(to);
-      u->set_message(std::string(status.message()));
-      Send(std::move(m), /*replay=*/false);
+      ReportUnreachable(iteration, to, status);
       return;
     }
     metrics_.Transfer(direction, seconds);
@@ -1277,6 +1265,17 @@ class JobRuntime::Impl {
       t->set_bytes(bytes);
       t->set_duration_s(seconds);
     }
+  }
+
+  // A transfer to `peer` failed: the coordinator decides whether it is lost.
+  void ReportUnreachable(uint64_t iteration, const std::string& peer, const absl::Status& why) {
+    v1::WorkerMessage m;
+    v1::PeerUnreachable* u = m.mutable_peer_unreachable();
+    u->set_job_id(job_id_);
+    u->set_iteration(iteration);
+    u->set_peer(peer);
+    u->set_message(std::string(why.message()));
+    Send(std::move(m), /*replay=*/false);
   }
 
   void Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {

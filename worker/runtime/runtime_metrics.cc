@@ -19,11 +19,8 @@ RuntimeMetrics::RuntimeMetrics(metrics::Registry* m) {
       f.ok()) {
     transfer_ = *f;
   }
-  auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
-    auto f = m->AddCounter(name, help);
-    if (!f.ok()) return nullptr;
-    auto c = (*f)->WithLabels({});
-    return c.ok() ? *c : nullptr;
+  auto counter = [&](const char* name, const char* help) {
+    return metrics::OptionalCounter(m, name, help);
   };
   busy_ = counter("detour_worker_busy_seconds",
                   "Seconds spent computing pipeline and optimiser tasks.");

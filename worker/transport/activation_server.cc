@@ -247,11 +247,8 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
 ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions options)
     : sink_(sink), options_(options) {
   if (options_.metrics == nullptr) return;
-  auto counter = [&](const char* name, const char* help) -> metrics::Counter* {
-    auto family = options_.metrics->AddCounter(name, help);
-    if (!family.ok()) return nullptr;
-    auto child = (*family)->WithLabels({});
-    return child.ok() ? *child : nullptr;
+  auto counter = [&](const char* name, const char* help) {
+    return metrics::OptionalCounter(options_.metrics, name, help);
   };
   frames_metric_ = counter("detour_activation_frames_received", "Tensor frames read.");
   tensors_metric_ = counter("detour_activation_tensors_received", "Whole tensors delivered.");
