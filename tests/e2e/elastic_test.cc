@@ -150,6 +150,28 @@ TEST_F(ElasticTest, KilledReplicaJobGoesOn) {
   EXPECT_LT(job.progress().loss(), before.progress().loss() + 0.5);
 }
 
+// The same with K-FAC in the bubbles and factor sync among replicas: frozen
+// microbatches' curvature work is dropped, the survivors reduce gradients
+// and factors again, and later iterations keep the replicas identical.
+TEST_F(ElasticTest, KilledReplicaOfAKfacJobGoesOn) {
+  v1::JobSpec spec = ElasticJob(3, 2, 2, 0.0, 14);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 6, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const v1::Job before = run.Get();
+  const std::string victim = before.stages(2).nodes(1);
+  SleepIntoIteration(before, static_cast<uint32_t>(absl::ToUnixMicros(absl::Now())));
+  ById(workers, victim)->process->Signal(SIGKILL);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  EXPECT_THAT(History(job), HasSubstr(victim));
+  EXPECT_GT(job.progress().kfac_refreshes(), 0u);
+}
+
 // A data node is killed: the other data node takes all of the iteration's
 // microbatches from then on.
 TEST_F(ElasticTest, KilledDataNodeJobGoesOn) {
