@@ -83,6 +83,9 @@ absl::Status Coordinator::Init() {
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
   server_options.services = {job_service_.get(), control_service_.get()};
+  // Clients and workers send small messages: gRPC's buffers for all of
+  // them together stay under 1 GiB.
+  server_options.memory_quota_bytes = size_t{1} << 30;
   ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));

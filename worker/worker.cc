@@ -74,6 +74,10 @@ absl::Status Worker::Init() {
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
   server_options.generic_service = activations_.get();
+  // Peers' streams buffer at most this much inside gRPC over all
+  // connections; the ActivationServer bounds the tensors it reassembles
+  // (4 GiB) on top.
+  server_options.memory_quota_bytes = size_t{4} << 30;
   ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));

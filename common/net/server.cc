@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 
 namespace detour {
 
@@ -30,6 +31,14 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  // Bounds on what clients can make the server hold: streams per connection
+  // and, when asked, buffer memory over all connections.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  if (options.memory_quota_bytes > 0) {
+    grpc::ResourceQuota quota("detour-server");
+    quota.Resize(options.memory_quota_bytes);
+    builder.SetResourceQuota(quota);
+  }
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   if (options.generic_service != nullptr) {
     builder.RegisterCallbackGenericService(options.generic_service);

@@ -25,6 +25,12 @@ struct GrpcServerOptions {
   grpc::CallbackGenericService* generic_service = nullptr;
   // Largest message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
+  // Streams one client connection may have open at once (HTTP/2
+  // SETTINGS_MAX_CONCURRENT_STREAMS): more wait until one ends.
+  int max_concurrent_streams = 1024;
+  // Memory gRPC may use for all connections' buffers together (a
+  // grpc::ResourceQuota); reads slow down at the limit. 0 = gRPC's default.
+  size_t memory_quota_bytes = 0;
   // Optional interceptor factories (e.g. RPC metrics); ownership moves in.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
       interceptors;
