@@ -1232,10 +1232,11 @@ class JobRunner::Impl {
     abort.mutable_abort()->set_reason(absl::StrCat("paused: ", why));
     SendToAll(abort);
     const uint32_t timeout_s = spec_.elastic().pause_timeout_s();
+    // The state first: whoever sees the event also sees the paused state.
+    SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));
     AddEvent(v1::JobHistoryEvent::KIND_PAUSED, iteration, "",
              absl::StrCat("paused at iteration ", iteration, ": ", why,
                           "; waiting up to ", timeout_s, " s for workers to join"));
-    SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));
     if (spec_.elastic().never_join()) {
       return Failed(absl::StrCat(why, " and elastic.never_join forbids replacements"));
     }
