@@ -1,6 +1,8 @@
 #include "common/files.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -28,6 +30,74 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
 namespace {
 
 std::string Errno(int err) { return std::strerror(err); }
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, uint64_t max_bytes) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::UnavailableError(absl::StrCat("cannot stat ", path, ": ", Errno(err)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(path, ": ", st.st_size,
+                                                     " bytes, more than the limit ", max_bytes));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::string out;
+  char buf[1 << 16];
+  while (in) {
+    in.read(buf, sizeof buf);
+    const std::streamsize n = in.gcount();
+    if (n <= 0) break;
+    if (out.size() + static_cast<uint64_t>(n) > max_bytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(path, ": more than the limit of ", max_bytes, " bytes (it grew)"));
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading ", path));
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::UnavailableError(absl::StrCat("cannot open ", path, ": ", Errno(err)));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  std::shared_ptr<MappedFile> f(new MappedFile());
+  f->path_ = path;
+  f->size_ = static_cast<uint64_t>(st.st_size);
+  if (f->size_ > 0) {
+    void* p = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return absl::UnavailableError(absl::StrCat("cannot map ", path, ": ", Errno(err)));
+    }
+    f->data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);
+  return std::shared_ptr<const MappedFile>(std::move(f));
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+namespace {
 
 // Writes all of `content` to `fd`; RESOURCE_EXHAUSTED when the disk is full.
 absl::Status WriteAll(int fd, const std::string& content, const std::string& what) {

@@ -2,6 +2,8 @@
 #ifndef DETOUR_COMMON_FILES_H_
 #define DETOUR_COMMON_FILES_H_
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -10,6 +12,34 @@
 namespace detour {
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// Reads a regular file of at most `max_bytes`: NOT_FOUND when missing,
+// INVALID_ARGUMENT when not a regular file, RESOURCE_EXHAUSTED naming the
+// path when larger (checked before reading and while reading).
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, uint64_t max_bytes);
+
+// A regular file mapped read-only into memory for the life of the object.
+// The bytes are what the file held when mapped; a file truncated under a
+// mapping would fault, so map only files this process's users don't rewrite
+// in place (detour's data files are replaced by rename). Thread-safe.
+class MappedFile {
+ public:
+  // NOT_FOUND when missing, INVALID_ARGUMENT when not a regular file.
+  static absl::StatusOr<std::shared_ptr<const MappedFile>> Open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  std::string path_;
+};
 
 // Writes via a temporary file, fsync, rename and an fsync of the directory,
 // so readers see the old or the new content, never a torn file, and the new

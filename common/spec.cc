@@ -449,6 +449,19 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (d.source() == v1::DATA_SOURCE_TEXT && d.path().empty()) {
     return Invalid("data.path", "required when data.source is DATA_SOURCE_TEXT");
   }
+  if (d.source() == v1::DATA_SOURCE_SHARDS && d.path().empty()) {
+    return Invalid("data.path",
+                   "required when data.source is DATA_SOURCE_SHARDS (a `detour-data prepare` "
+                   "output directory)");
+  }
+  if (!v1::DataSourceKind_IsValid(d.source())) {
+    return Invalid("data.source", absl::StrCat(d.source(), " is not a DataSourceKind"));
+  }
+  if (d.tokenizer().size() > L::kMaxPathBytes) {
+    return Invalid("data.tokenizer", absl::StrCat(d.tokenizer().size(),
+                                                  " bytes, more than the limit ",
+                                                  L::kMaxPathBytes));
+  }
   if (!(d.validation_fraction() >= 0 && d.validation_fraction() <= 0.5)) {
     return Invalid("data.validation_fraction", Num(d.validation_fraction()) + " is outside [0, 0.5]");
   }

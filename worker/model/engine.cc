@@ -13,7 +13,7 @@
 namespace detour::model {
 
 absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
-    const v1::JobSpec& spec, const std::vector<int32_t>& tokens,
+    const v1::JobSpec& spec, const TokenSequence& tokens,
     uint64_t iteration, const c10::Device& device) {
   v1::JobSpec s = spec;
   ApplyJobDefaults(&s);
@@ -38,8 +38,7 @@ absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
         auto acc = batch.accessor<int64_t, 2>();
         for (int k = 0; k < spm; ++k) {
           const int64_t sample = sharder.SampleAt(node, base + j * spm + k);
-          auto span = SampleTokens(tokens, sample, ctx);
-          for (int t = 0; t <= ctx; ++t) acc[k][t] = span[t];
+          CopySample(tokens, sample, ctx, &acc[k][0]);
         }
         Microbatch mb;
         mb.tokens = batch.narrow(1, 0, ctx).contiguous().to(device);

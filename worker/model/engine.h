@@ -46,7 +46,7 @@ struct IterationStats {
 // per iteration, j = m mod microbatches_per_data_node, spm =
 // samples_per_microbatch. FAILED_PRECONDITION if `tokens` holds no sample.
 absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
-    const v1::JobSpec& spec, const std::vector<int32_t>& tokens,
+    const v1::JobSpec& spec, const TokenSequence& tokens,
     uint64_t iteration, const c10::Device& device);
 
 class PipelineEngine {

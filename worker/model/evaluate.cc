@@ -26,7 +26,7 @@ std::vector<int> SpreadRoute(int num_stages, double fraction) {
 }
 
 absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
-                                      const std::vector<int32_t>& tokens,
+                                      const TokenSequence& tokens,
                                       const EvalOptions& options) {
   std::vector<int> route = options.route;
   if (route.empty()) {
@@ -66,8 +66,7 @@ absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
           for (int64_t k = 0; k < b; ++k) {
             // Evenly spread over the available samples.
             const int64_t sample = (start + k) * available / n;
-            auto span = SampleTokens(tokens, sample, ctx);
-            for (int i = 0; i <= ctx; ++i) acc[k][i] = span[i];
+            CopySample(tokens, sample, ctx, &acc[k][0]);
           }
           return t;
         }));

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/model/stage.h"
+#include "worker/model/text_data.h"
 
 namespace detour::model {
 
@@ -34,7 +35,7 @@ struct EvalOptions {
 // null). INVALID_ARGUMENT for a bad route, FAILED_PRECONDITION for text
 // shorter than one sample.
 absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
-                                      const std::vector<int32_t>& tokens,
+                                      const TokenSequence& tokens,
                                       const EvalOptions& options);
 
 // A route visiting round(fraction·S) stages (at least stage 0), in order:

@@ -12,6 +12,8 @@
 #include "common/status.h"
 #include "worker/model/byte_tokenizer.h"
 #include "worker/model/corpus.h"
+#include "worker/model/token_shards.h"
+#include "worker/model/tokenizer.h"
 
 namespace detour::model {
 
@@ -198,16 +200,70 @@ absl::StatusOr<TextDataset> SplitText(absl::string_view text,
 absl::StatusOr<TextDataset> LoadDataset(const v1::DataSpec& data) {
   const double fraction =
       data.validation_fraction() > 0 ? data.validation_fraction() : 0.05;
+  if (data.source() == v1::DATA_SOURCE_SHARDS) return LoadShardDataset(data);
+  ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::Load(data.tokenizer()));
+  std::string text;
   if (data.source() == v1::DATA_SOURCE_TEXT) {
     if (data.path().empty()) {
       return absl::InvalidArgumentError(
           "data.path: required when data.source is DATA_SOURCE_TEXT");
     }
-    auto text = ReadTextSource(data.path());
-    if (!text.ok()) return text.status();
-    return SplitText(*text, fraction);
+    ASSIGN_OR_RETURN(text, ReadTextSource(data.path()));
   }
-  return SplitText(EmbeddedCorpus(), fraction);
+  const absl::string_view source = data.source() == v1::DATA_SOURCE_TEXT
+                                       ? absl::string_view(text)
+                                       : absl::string_view(EmbeddedCorpus());
+  if (tokenizer->kind() == "byte") return SplitText(source, fraction);
+  // The same line-aligned cut as SplitText, then each part tokenised.
+  ASSIGN_OR_RETURN(TextDataset bytes, SplitText(source, fraction));
+  const size_t cut = static_cast<size_t>(bytes.train.size());
+  ASSIGN_OR_RETURN(std::vector<int32_t> train, tokenizer->Encode(source.substr(0, cut)));
+  ASSIGN_OR_RETURN(std::vector<int32_t> validation, tokenizer->Encode(source.substr(cut)));
+  TextDataset ds;
+  ds.train = std::move(train);
+  ds.validation = std::move(validation);
+  ds.tokenizer_checksum = tokenizer->checksum();
+  ds.vocab_size = tokenizer->vocab_size();
+  return ds;
+}
+
+TokenSequence::TokenSequence(std::vector<int32_t> tokens) {
+  auto owned = std::make_shared<const std::vector<int32_t>>(std::move(tokens));
+  data_ = reinterpret_cast<const uint8_t*>(owned->data());
+  size_ = static_cast<int64_t>(owned->size());
+  token_bytes_ = 4;
+  owner_ = std::move(owned);
+}
+
+TokenSequence TokenSequence::View(std::shared_ptr<const void> owner, const uint8_t* data,
+                                  int64_t count, int token_bytes) {
+  TokenSequence t;
+  t.owner_ = std::move(owner);
+  t.data_ = data;
+  t.size_ = count;
+  t.token_bytes_ = token_bytes == 2 ? 2 : 4;
+  return t;
+}
+
+std::vector<int32_t> TokenSequence::Slice(int64_t begin, int64_t n) const {
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = (*this)[begin + i];
+  return out;
+}
+
+absl::Status CheckVocabulary(const TextDataset& data, int model_vocab_size) {
+  if (data.vocab_size > model_vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.vocab_size ", model_vocab_size, " is smaller than the tokenizer's vocabulary of ",
+        data.vocab_size, " (", data.tokenizer_checksum, "); set model.vocab_size >= ",
+        data.vocab_size));
+  }
+  return absl::OkStatus();
+}
+
+void CopySample(const TokenSequence& tokens, int64_t index, int context_length, int64_t* out) {
+  const int64_t begin = index * context_length;
+  for (int t = 0; t <= context_length; ++t) out[t] = tokens[begin + t];
 }
 
 int64_t NumSamples(int64_t num_tokens, int context_length) {

@@ -11,6 +11,8 @@
 #define DETOUR_WORKER_MODEL_TEXT_DATA_H_
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,10 +45,53 @@ absl::StatusOr<std::string> ReadTextSource(const std::string& path,
 // OK iff `text` is valid UTF-8; otherwise INVALID_ARGUMENT with the offset.
 absl::Status CheckUtf8(absl::string_view text);
 
+// A read-only sequence of token ids, held in memory or viewed in a mapped
+// token file (2 or 4 little-endian bytes per id). Cheap to copy (shared
+// storage); immutable and thread-safe.
+class TokenSequence {
+ public:
+  TokenSequence() = default;
+  // Takes the tokens into shared storage (implicit: a vector is a sequence).
+  TokenSequence(std::vector<int32_t> tokens);  // NOLINT(google-explicit-constructor)
+  // `count` ids of `token_bytes` (2 or 4) each at `data`, kept valid by `owner`.
+  static TokenSequence View(std::shared_ptr<const void> owner, const uint8_t* data,
+                            int64_t count, int token_bytes);
+
+  int64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  // Requires 0 <= i < size().
+  int32_t operator[](int64_t i) const {
+    if (token_bytes_ == 2) {
+      uint16_t v;
+      std::memcpy(&v, data_ + i * 2, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, data_ + i * 4, 4);
+    return static_cast<int32_t>(v);
+  }
+  // Copies ids [begin, begin + n) (requires them in range).
+  std::vector<int32_t> Slice(int64_t begin, int64_t n) const;
+
+ private:
+  std::shared_ptr<const void> owner_;
+  const uint8_t* data_ = nullptr;
+  int64_t size_ = 0;
+  int token_bytes_ = 4;
+};
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "token files are little-endian and read in place");
+
 // Tokenised text split into a training and a validation part.
 struct TextDataset {
-  std::vector<int32_t> train;
-  std::vector<int32_t> validation;
+  TokenSequence train;
+  TokenSequence validation;
+  // What produced the ids: "byte" or "fnv1a64:<hex>" of the SentencePiece
+  // model (Tokenizer::checksum), and the vocabulary size.
+  std::string tokenizer_checksum = "byte";
+  int vocab_size = 256;
+  // "fnv1a64:<hex>" of a prepared dataset's manifest; "" for text sources.
+  std::string dataset_checksum;
 };
 
 // Holds out the last `validation_fraction` of the text (cut at the next line
@@ -55,8 +100,14 @@ struct TextDataset {
 absl::StatusOr<TextDataset> SplitText(absl::string_view text,
                                       double validation_fraction);
 
-// The text a DataSpec names (embedded corpus or file/directory), split.
+// The data a DataSpec names, split: the embedded corpus or a text
+// file/directory (tokenised with data.tokenizer, the byte tokenizer by
+// default), or a prepared dataset (token_shards.h; mapped, not loaded).
 absl::StatusOr<TextDataset> LoadDataset(const v1::DataSpec& data);
+
+// INVALID_ARGUMENT when the data's ids may not fit a model of
+// `model_vocab_size` (the tokenizer's vocabulary is larger).
+absl::Status CheckVocabulary(const TextDataset& data, int model_vocab_size);
 
 // Number of whole samples of `context_length` in `tokens`.
 int64_t NumSamples(int64_t num_tokens, int context_length);
@@ -65,6 +116,8 @@ int64_t NumSamples(int64_t num_tokens, int context_length);
 // index < NumSamples(tokens.size(), context_length).
 absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens,
                                        int64_t index, int context_length);
+// The same from a TokenSequence, written to out[0..context_length].
+void CopySample(const TokenSequence& tokens, int64_t index, int context_length, int64_t* out);
 
 // Deterministic order of samples for data-parallel training. Global positions
 // 0, 1, 2, ... run through epoch 0's permutation of all samples, then epoch

@@ -411,6 +411,7 @@ class JobRuntime::Impl {
     }
     if (stage_index_ == 0) {
       ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
+      RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(spec.model().vocab_size())));
       train_tokens_ = std::move(data.train);
     }
     wire_ = WireDType(spec.pipeline().wire_dtype());
@@ -1329,7 +1330,7 @@ class JobRuntime::Impl {
     kfac_.reset();
     bubbles_.reset();
     stage_.reset();
-    train_tokens_.clear();
+    train_tokens_ = model::TokenSequence();
     reducer_.Clear();
     state_from_.clear();
     if (!job_id_.empty()) metrics_.Utilization(0, 0);
@@ -1392,7 +1393,7 @@ class JobRuntime::Impl {
   // records its time (how long bubble work delays pipeline work).
   std::atomic<bool> bubble_running_{false};
   std::atomic<int64_t> arrived_during_bubble_ns_{0};
-  std::vector<int32_t> train_tokens_;
+  model::TokenSequence train_tokens_;
   v1::DType wire_ = v1::DTYPE_FP32;
   std::unique_ptr<PeerTransport> transport_;
   std::map<std::string, PeerEndpoint> peers_;  // the transport's peers

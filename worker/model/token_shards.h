@@ -1,0 +1,98 @@
+// Prepared datasets: text, directories of text and JSONL turned once into
+// pre-tokenised token files that workers map instead of reading (`detour-data
+// prepare`, docs/DATA.md). A dataset directory holds
+//   manifest.json        v1::DatasetManifest as JSON (tokenizer, counts, checksums)
+//   train.tokens         the training split's ids, uint16 (vocabulary <= 65536)
+//   validation.tokens    or uint32, little-endian, documents back to back
+//   train.index          uint64 little-endian token offsets of the documents:
+//   validation.index     documents+1 entries, 0 first and the token count last
+//   tokenizer.model      the SentencePiece model (absent for the byte tokenizer)
+// Documents are split into train and validation by a seeded hash of their
+// index, so the split is by document and does not depend on the machine.
+// No LibTorch. Functions are thread-safe; a ShardDataset is immutable.
+#ifndef DETOUR_WORKER_MODEL_TOKEN_SHARDS_H_
+#define DETOUR_WORKER_MODEL_TOKEN_SHARDS_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "detour/v1/spec.pb.h"
+#include "worker/model/text_data.h"
+
+namespace detour::model {
+
+inline constexpr char kDatasetFormat[] = "detour-dataset-v1";
+// Bounds a dataset must respect (it is input like any other).
+struct DatasetLimits {
+  static constexpr uint64_t kMaxManifestBytes = 16 << 20;
+  static constexpr uint64_t kMaxTokens = uint64_t{1} << 40;
+  static constexpr uint64_t kMaxDocuments = uint64_t{1} << 36;
+  static constexpr size_t kMaxSources = 1000000;
+  // A JSONL line (one document) or a text document, in bytes.
+  static constexpr uint64_t kMaxDocumentBytes = uint64_t{64} << 20;
+  // Text read by one `prepare` in all.
+  static constexpr uint64_t kMaxInputBytes = uint64_t{1} << 40;
+};
+
+// How a text file (not JSONL) is cut into documents.
+enum class TextDocuments { kParagraphs, kLines, kFiles };
+
+struct PrepareProgress {
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  uint64_t documents = 0;
+  uint64_t tokens = 0;
+};
+
+struct PrepareOptions {
+  // Files or directories (read recursively, in byte order of their paths).
+  // Files ending in .jsonl hold one JSON object per line with the text in
+  // `jsonl_field`; every other file is UTF-8 text.
+  std::vector<std::string> inputs;
+  std::string output;          // the dataset directory; must not exist unless `force`
+  std::string tokenizer_path;  // "" = byte tokenizer, else a SentencePiece .model
+  double validation_fraction = 0.05;  // in [0, 0.5]
+  uint64_t split_seed = 0;
+  std::string jsonl_field = "text";
+  TextDocuments text_documents = TextDocuments::kParagraphs;
+  bool force = false;  // replace an existing dataset directory
+  // Called now and then (at most a few times a second) and at the end.
+  std::function<void(const PrepareProgress&)> progress;
+};
+
+// Reads, tokenises and writes a dataset; the directory appears complete or
+// not at all (built beside it, synced, then renamed). NOT_FOUND for a missing
+// input, INVALID_ARGUMENT naming the file and line for a bad JSONL line or
+// invalid UTF-8, ALREADY_EXISTS for an existing output without `force`,
+// FAILED_PRECONDITION when there is no text or too few documents for the
+// validation split asked.
+absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& options);
+
+struct ShardDataset {
+  v1::DatasetManifest manifest;
+  std::string manifest_checksum;  // "fnv1a64:<hex>" of manifest.json
+  TokenSequence train;
+  TokenSequence validation;
+  // Document start offsets (documents + 1 entries) of each split.
+  std::vector<uint64_t> train_documents;
+  std::vector<uint64_t> validation_documents;
+};
+
+// Opens a dataset directory: validates the manifest (DATA_LOSS naming the
+// field), checks every file's size against it and, with `verify`, every
+// checksum and that every id is below the vocabulary (one pass over the
+// mapped files). NOT_FOUND for a missing directory or file.
+absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verify = true);
+
+// LoadDataset for DATA_SOURCE_SHARDS: the dataset at data.path, checked
+// against data.tokenizer (FAILED_PRECONDITION when the checksums differ) and
+// data.validation_fraction (INVALID_ARGUMENT when set and different).
+absl::StatusOr<TextDataset> LoadShardDataset(const v1::DataSpec& data);
+
+}  // namespace detour::model
+
+#endif  // DETOUR_WORKER_MODEL_TOKEN_SHARDS_H_
