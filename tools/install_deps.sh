@@ -16,7 +16,7 @@ PACKAGES=(
   prometheus
   curl iperf3
   clang-14 libclang-rt-14-dev ccache
-  libsentencepiece-dev sentencepiece
+  sentencepiece
   libssl-dev openssl
   python3-grpcio python3-grpc-tools python3-numpy
   systemd yamllint
