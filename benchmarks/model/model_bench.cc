@@ -11,6 +11,7 @@
 //   measured with mallinfo2 at two reduced context lengths and, where it
 //   fits in memory, at the preset's full context; the full-context value is
 //   extrapolated with m(T) = a·T + b·T² (attention scores grow with T²).
+#include <chrono>
 #include <malloc.h>
 
 #include <algorithm>
@@ -170,8 +171,75 @@ void BM_SlotMemory(benchmark::State& state, const std::string& preset, bool meas
   state.counters["layers"] = config->num_layers;
 }
 
+// Activation recomputation against keeping the graph, same stage shape and
+// seed, in one process: heap bytes one microbatch holds between Forward and
+// Backward, and the time of Forward + Backward, interleaved round by round.
+void BM_Recompute(benchmark::State& state, const std::string& preset, int samples) {
+  at::set_num_threads(1);
+  v1::ModelShape shape;
+  shape.set_preset(preset);
+  auto config = ModelConfigFromShape(shape);
+  if (!config.ok()) {
+    state.SkipWithError("bad preset");
+    return;
+  }
+  ModelConfig cfg = *config;
+  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  StageOptions keep, again;
+  keep.memory_slots = again.memory_slots = 2;
+  again.recompute_activations = true;
+  auto plain = Stage::Create(cfg, 1, 2, keep);
+  auto recompute = Stage::Create(cfg, 1, 2, again);
+  if (!plain.ok() || !recompute.ok()) {
+    state.SkipWithError("cannot build the stages");
+    return;
+  }
+  const int t = cfg.context_length;
+  at::Tensor x = at::randn({samples, t, cfg.d_model});
+  at::Tensor g = at::randn({samples, t, cfg.d_model});
+  auto slot_bytes = [&](Stage& st) -> double {
+    if (!st.Forward(0, x).ok() || !st.Backward(0, g).ok()) return -1;
+    const int64_t before = HeapInUse();
+    auto out = st.Forward(1, x);
+    const int64_t after = HeapInUse();
+    st.DropAll();
+    return out.ok() ? static_cast<double>(after - before) : -1;
+  };
+  auto step = [&](Stage& st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!st.Forward(2, x).ok() || !st.Backward(2, g).ok()) return -1.0;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> t_plain, t_again, ratios;
+  double m_plain = 0, m_again = 0;
+  int round = 0;
+  for (auto _ : state) {
+    m_plain = slot_bytes(**plain);
+    m_again = slot_bytes(**recompute);
+    double a, b;
+    if (round++ % 2 == 0) {
+      a = step(**plain);
+      b = step(**recompute);
+    } else {
+      b = step(**recompute);
+      a = step(**plain);
+    }
+    t_plain.push_back(a);
+    t_again.push_back(b);
+    ratios.push_back(b / a);
+  }
+  state.counters["slot_MiB_keep"] = m_plain / (1 << 20);
+  state.counters["slot_MiB_recompute"] = m_again / (1 << 20);
+  state.counters["memory_ratio"] = m_again / m_plain;
+  state.counters["fwd_bwd_s_keep"] = Median(t_plain);
+  state.counters["fwd_bwd_s_recompute"] = Median(t_again);
+  state.counters["time_ratio_paired"] = Median(ratios);
+}
+
 BENCHMARK_CAPTURE(BM_SplitOverhead, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SplitOverhead, small, "small", 1, 2)->Iterations(3)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_Recompute, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_Recompute, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, tiny, "tiny", true)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, small, "small", true)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, 500m, "500m", true)->Iterations(1)->Unit(benchmark::kSecond);

@@ -5,6 +5,7 @@
 // train with replicas identical and every microbatch completed exactly once
 // (the coordinator checks both every iteration and fails the job otherwise).
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,7 +19,11 @@
 #include "tests/e2e/micro_job.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
+#include "worker/model/corpus.h"
 #include "worker/model/text_data.h"
+#include "worker/model/token_shards.h"
+#include "worker/model/tokenizer.h"
+#include "common/files.h"
 
 namespace detour::testing {
 namespace {
@@ -308,6 +313,74 @@ TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
         return idle == 2;
       },
       absl::Seconds(10)));
+}
+
+// A job on a prepared dataset with a subword vocabulary: the data node maps
+// the token files and the job trains; a model whose vocabulary is smaller
+// than the tokenizer's fails with a message that says so.
+TEST_F(TrainingTest, PreparedSubwordDatasetTrainsAndAShortVocabularyFails) {
+  if (::access("/usr/bin/spm_train", X_OK) != 0) GTEST_SKIP() << "no spm_train";
+  const std::string text = absl::StrCat(dir_, "/corpus.txt");
+  ASSERT_TRUE(WriteFileAtomically(text, model::GenerateCorpus(5, 300000)).ok());
+  model::SentencePieceTraining t;
+  t.vocab_size = 320;
+  auto sp = model::TrainSentencePiece(t, text);
+  ASSERT_TRUE(sp.ok()) << sp.status();
+  ASSERT_TRUE(WriteFileAtomically(absl::StrCat(dir_, "/t.model"), *sp).ok());
+  model::PrepareOptions prep;
+  prep.inputs = {text};
+  prep.output = absl::StrCat(dir_, "/dataset");
+  prep.tokenizer_path = absl::StrCat(dir_, "/t.model");
+  auto manifest = model::PrepareDataset(prep);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+
+  v1::JobSpec spec = MicroJob(2, 1, 1, 0.0, 6);
+  spec.mutable_model()->set_vocab_size(manifest->vocab_size());
+  spec.mutable_data()->set_source(v1::DATA_SOURCE_SHARDS);
+  spec.mutable_data()->set_path(prep.output);
+  spec.mutable_data()->set_validation_fraction(0);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  const v1::Job submitted = Submit(c.grpc_port, *NormalizeJobSpec(spec));
+  v1::Job job;
+  ASSERT_TRUE(Eventually(
+      [&] {
+        job = GetJob(c.grpc_port, submitted.id());
+        return job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED;
+      },
+      absl::Seconds(120)))
+      << c.process->Log();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message();
+  EXPECT_GT(job.progress().loss(), 0);
+  EXPECT_LT(job.progress().loss(), std::log(320.0) + 0.5);
+  // The checkpoint records its data: detour-eval evaluates on the dataset's
+  // validation split by default and refuses text tokenised otherwise.
+  ASSERT_FALSE(job.last_checkpoint().empty());
+  std::string out;
+  EXPECT_EQ(Run({Bin("tools/detour_eval/detour-eval"), "--checkpoint", job.last_checkpoint(),
+                 "--json"},
+                &out, absl::Seconds(60)),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("the checkpoint's data: shards"));
+  EXPECT_THAT(out, HasSubstr("\"perplexity\""));
+  EXPECT_EQ(Run({Bin("tools/detour_eval/detour-eval"), "--checkpoint", job.last_checkpoint(),
+                 "--data", text},
+                &out, absl::Seconds(60)),
+            1)
+      << out;
+  EXPECT_THAT(out, HasSubstr("tokenizer"));
+
+  spec.mutable_model()->set_vocab_size(256);
+  const v1::Job short_vocab = Submit(c.grpc_port, *NormalizeJobSpec(spec));
+  ASSERT_TRUE(Eventually(
+      [&] {
+        job = GetJob(c.grpc_port, short_vocab.id());
+        return job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED;
+      },
+      absl::Seconds(60)));
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.message(), HasSubstr("vocab_size"));
 }
 
 }  // namespace

@@ -27,6 +27,10 @@ CheckpointManifest Example() {
   m.rng_state = "state \"quoted\"\n";
   m.stages.push_back({0, "stage-0.pt", {0, 2}, 123456, Checksum("a")});
   m.stages.push_back({1, "stage-1.pt", {2, 4}, 120000, Checksum("b")});
+  m.data.source = "shards";
+  m.data.path = "/srv/data/corpus.ds";
+  m.data.tokenizer_checksum = Checksum("t");
+  m.data.validation_fraction = 0.05;
   return m;
 }
 
@@ -44,6 +48,17 @@ TEST(CheckpointManifestTest, RoundTrips) {
   EXPECT_TRUE(back->stages[1].layers == (LayerRange{2, 4}));
   EXPECT_EQ(back->stages[1].checksum, Checksum("b"));
   EXPECT_EQ(Checksum(""), "fnv1a64:cbf29ce484222325");
+  EXPECT_EQ(back->data.source, "shards");
+  EXPECT_EQ(back->data.path, "/srv/data/corpus.ds");
+  EXPECT_EQ(back->data.tokenizer, "");
+  EXPECT_EQ(back->data.tokenizer_checksum, Checksum("t"));
+  EXPECT_EQ(back->data.validation_fraction, 0.05);
+  // Manifests written before data provenance existed still load.
+  CheckpointManifest old = m;
+  old.data = {};
+  auto back_old = ParseManifest(ManifestJson(old), "m.json");
+  ASSERT_TRUE(back_old.ok()) << back_old.status();
+  EXPECT_FALSE(back_old->data.known());
 }
 
 // Regression (issue 12): numbers were cast from JSON doubles unchecked
@@ -70,6 +85,10 @@ TEST(CheckpointManifestTest, RefusesOutOfRangeFieldsByName) {
       {Checksum("b"), "md5:00", "stages[1].checksum"},
       {"\"bytes\": 120000", "\"bytes\": 1e30", "stages[1].bytes"},
       {"\"seed\": \"18446744073709551615\"", "\"seed\": \"18446744073709551616\"", "seed"},
+      {"\"source\": \"shards\"", "\"source\": \"ftp\"", "data.source"},
+      {"\"validation_fraction\": 0.05", "\"validation_fraction\": 0.9",
+       "data.validation_fraction"},
+      {"\"path\": \"/srv/data/corpus.ds\"", "\"path\": 7", "data.path"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.to);

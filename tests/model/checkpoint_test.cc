@@ -57,7 +57,7 @@ class CheckpointTest : public ::testing::Test {
   }
 
   fs::path root_;
-  std::vector<int32_t> tokens_;
+  TokenSequence tokens_;
   v1::JobSpec spec_;
 };
 

@@ -26,9 +26,9 @@ class EngineTest : public ::testing::Test {
   void SetUp() override { at::set_num_threads(1); }
 
   std::vector<Microbatch> Batches(const v1::JobSpec& spec, uint64_t iteration) {
-    static const std::vector<int32_t>* tokens = [] {
+    static const TokenSequence* tokens = [] {
       auto ds = SplitText(GenerateCorpus(1, 20000), 0.0);
-      return new std::vector<int32_t>(ds->train);
+      return new TokenSequence(ds->train);
     }();
     auto mbs = IterationMicrobatches(spec, *tokens, iteration, at::Device(at::kCPU));
     EXPECT_TRUE(mbs.ok()) << mbs.status();

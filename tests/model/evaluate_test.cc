@@ -34,7 +34,8 @@ TEST(PerplexityTest, MatchesTheMonolithicModel) {
   ASSERT_TRUE(engine.ok());
   auto config = ModelConfigFromShape(spec.model());
   Transformer model(*config, spec.seed(), at::Device(at::kCPU));
-  const std::vector<int32_t> tokens = SplitText(GenerateCorpus(9, 3000), 0.0)->train;
+  const TokenSequence all = SplitText(GenerateCorpus(9, 3000), 0.0)->train;
+  const std::vector<int32_t> tokens = all.Slice(0, all.size());
   const int64_t n = NumSamples(tokens.size(), 16);
   at::Tensor data = at::empty({n, 17}, at::kLong);
   for (int64_t i = 0; i < n; ++i) {

@@ -136,7 +136,7 @@ TEST(SplitTextTest, HoldsOutTheTailAtALineBoundary) {
   ASSERT_TRUE(ds.ok());
   EXPECT_EQ(ds->train.size() + ds->validation.size(), text.size());
   EXPECT_NEAR(static_cast<double>(ds->validation.size()) / text.size(), 0.1, 0.02);
-  EXPECT_EQ(ds->train.back(), '\n');
+  EXPECT_EQ(ds->train[ds->train.size() - 1], '\n');
   EXPECT_FALSE(SplitText(text, 0.7).ok());
   EXPECT_FALSE(SplitText(text, -0.1).ok());
 }

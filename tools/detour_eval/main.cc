@@ -18,6 +18,7 @@
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/evaluate.h"
+#include "worker/model/token_shards.h"
 
 namespace detour::eval_tool {
 namespace {
@@ -26,7 +27,7 @@ constexpr char kUsage[] = R"(detour-eval: perplexity with all stages or a subset
 
 Usage:
   detour-eval [--checkpoint DIR | --preset NAME] [--split S] [--stages LIST | --half]
-              [--data PATH] [--validation-fraction F] [--max-samples N]
+              [--data PATH [--tokenizer FILE]] [--validation-fraction F] [--max-samples N]
               [--batch N] [--seed N] [--threads N] [--device D] [--json]
 
   --checkpoint DIR   a checkpoint written by detour (its manifest.json); the
@@ -37,16 +38,22 @@ Usage:
                      works); --split = layers gives one layer per stage
   --stages LIST      visiting order, e.g. 0,2,4 (stage 0 first; default all)
   --half             stage 0 plus every other stage: half of the stages
-  --data PATH        UTF-8 file or directory (default: the embedded corpus)
-  --validation-fraction F   held-out tail used for evaluation (default 0.05)
+  --data PATH        a dataset from `detour-data prepare`, or a UTF-8 file or
+                     directory (default: the data the checkpoint records it was
+                     trained on; the embedded corpus for --preset)
+  --tokenizer FILE   SentencePiece model for text --data (default: bytes); a
+                     tokenizer other than the checkpoint's is refused
+  --validation-fraction F   held-out tail of text data used for evaluation
+                     (default: the checkpoint's, else 0.05; a prepared
+                     dataset's validation split is fixed)
   --max-samples N    evaluate at most N samples, spread evenly (default all)
 Exit status: 0 on success, 1 on an error, 2 on bad usage.
 )";
 
 struct Args {
-  std::string checkpoint, preset, stages, data, device = "cpu";
+  std::string checkpoint, preset, stages, data, tokenizer, device = "cpu";
   int64_t split = 0, max_samples = 0, batch = 8, threads = 1;
-  double fraction = 0.05;
+  double fraction = 0;  // 0 = the checkpoint's or the default
   uint64_t seed = 0;
   bool half = false, json = false;
 };
@@ -76,13 +83,15 @@ bool Parse(int argc, char** argv, Args* a, std::string* error) {
     else if (flag == "--preset") a->preset = v;
     else if (flag == "--stages") a->stages = v;
     else if (flag == "--data") a->data = v;
+    else if (flag == "--tokenizer") a->tokenizer = v;
     else if (flag == "--device") a->device = v;
     else if (flag == "--split") ok = absl::SimpleAtoi(v, &a->split) && a->split > 0;
     else if (flag == "--max-samples") ok = absl::SimpleAtoi(v, &a->max_samples) && a->max_samples >= 0;
     else if (flag == "--batch") ok = absl::SimpleAtoi(v, &a->batch) && a->batch > 0;
     else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
     else if (flag == "--seed") ok = absl::SimpleAtoi(v, &a->seed);
-    else if (flag == "--validation-fraction") ok = absl::SimpleAtod(v, &a->fraction);
+    else if (flag == "--validation-fraction")
+      ok = absl::SimpleAtod(v, &a->fraction) && a->fraction > 0 && a->fraction <= 0.5;
     else {
       *error = absl::StrCat("unknown flag ", flag);
       return false;
@@ -124,16 +133,46 @@ absl::Status Main(const Args& args) {
   }
   if (args.split > 0) spec.mutable_pipeline()->set_num_stages(args.split);
   if (!args.data.empty()) {
-    spec.mutable_data()->set_source(v1::DATA_SOURCE_TEXT);
+    const bool dataset = model::ReadDatasetManifest(args.data).ok();
+    spec.mutable_data()->set_source(dataset ? v1::DATA_SOURCE_SHARDS : v1::DATA_SOURCE_TEXT);
     spec.mutable_data()->set_path(args.data);
+    spec.mutable_data()->set_tokenizer(args.tokenizer);
+  } else if (manifest.data.known()) {
+    *spec.mutable_data() = model::DataSpecOf(manifest.data);
+    std::fprintf(stderr, "detour-eval: the checkpoint's data: %s%s%s%s\n",
+                 manifest.data.source.c_str(), manifest.data.path.empty() ? "" : " ",
+                 manifest.data.path.c_str(),
+                 manifest.data.tokenizer.empty()
+                     ? ""
+                     : absl::StrCat(", tokenizer ", manifest.data.tokenizer).c_str());
+  } else if (!args.checkpoint.empty()) {
+    std::fprintf(stderr, "detour-eval: the checkpoint records no data source (written by an "
+                         "older detour); evaluating on the embedded corpus — give --data\n");
   }
-  spec.mutable_data()->set_validation_fraction(args.fraction);
+  if (!args.tokenizer.empty() && args.data.empty()) {
+    return absl::InvalidArgumentError("--tokenizer applies to --data only");
+  }
+  if (args.fraction > 0) {
+    if (spec.data().source() == v1::DATA_SOURCE_SHARDS) {
+      return absl::InvalidArgumentError(
+          "--validation-fraction: a prepared dataset's validation split is fixed");
+    }
+    spec.mutable_data()->set_validation_fraction(args.fraction);
+  }
   ApplyJobDefaults(&spec);
   ASSIGN_OR_RETURN(auto engine, model::PipelineEngine::Create(spec, c10::Device(args.device)));
   if (!args.checkpoint.empty()) {
     RETURN_IF_ERROR(model::LoadCheckpoint(args.checkpoint, *engine).status());
   }
   ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
+  if (!manifest.data.tokenizer_checksum.empty() &&
+      manifest.data.tokenizer_checksum != data.tokenizer_checksum) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint was trained on ids of tokenizer ", manifest.data.tokenizer_checksum,
+        " but the data is tokenised with ", data.tokenizer_checksum,
+        " (give the checkpoint's tokenizer, or its data)"));
+  }
+  RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(spec.model().vocab_size())));
   model::EvalOptions options;
   options.batch_size = static_cast<int>(args.batch);
   options.max_samples = args.max_samples;

@@ -295,6 +295,7 @@ absl::Status Main(const Args& args) {
   }
   if (runs.empty()) return absl::InvalidArgumentError("no run: give --runs or --plan");
   ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(base.data()));
+  RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(base.model().vocab_size())));
   const int total_mbs = static_cast<int>(base.pipeline().data_nodes() *
                                          base.pipeline().microbatches_per_data_node());
   std::error_code ec;

@@ -1,3 +1,4 @@
+#include "worker/model/token_shards.h"
 #include "worker/model/checkpoint.h"
 
 #include <unistd.h>
@@ -256,6 +257,7 @@ absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
       static_cast<int>(engine.spec().pipeline().replicas_per_stage());
   manifest.seed = engine.spec().seed();
   manifest.rng_state = rng_state;
+  manifest.data = ProvenanceOf(engine.spec().data());
   for (int s = 0; s < engine.num_stages(); ++s) {
     auto entry = WriteStageFile(tmp, engine.stage(s), engine.optimizer(s));
     if (!entry.ok()) {

@@ -193,7 +193,15 @@ std::string ManifestJson(const CheckpointManifest& m) {
       ", \"context_length\": ", c.context_length,
       ", \"rope_theta\": ", absl::StrFormat("%.17g", c.rope_theta),
       ", \"norm_eps\": ", absl::StrFormat("%.17g", c.norm_eps),
-      "},\n  \"stages\": [\n", absl::StrJoin(stages, ",\n"), "\n  ]\n}\n");
+      "},\n",
+      m.data.known()
+          ? absl::StrCat("  \"data\": {\"source\": ", Quote(m.data.source), ", \"path\": ",
+                         Quote(m.data.path), ", \"tokenizer\": ", Quote(m.data.tokenizer),
+                         ", \"tokenizer_checksum\": ", Quote(m.data.tokenizer_checksum),
+                         ", \"validation_fraction\": ",
+                         absl::StrFormat("%.17g", m.data.validation_fraction), "},\n")
+          : std::string(),
+      "  \"stages\": [\n", absl::StrJoin(stages, ",\n"), "\n  ]\n}\n");
 }
 
 absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
@@ -239,6 +247,31 @@ absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
   if (f.count("rng_state")) {
     RETURN_IF_ERROR(
         r.String(f, "rng_state", "rng_state", ManifestLimits::kMaxRngStateBytes, &m.rng_state));
+  }
+  if (auto data = f.find("data"); data != f.end()) {
+    if (!data->second.has_struct_value()) return r.Missing("data");
+    const Fields& df = data->second.struct_value().fields();
+    DataProvenance& d = m.data;
+    RETURN_IF_ERROR(r.String(df, "source", "data.source", 16, &d.source));
+    if (d.source != "embedded" && d.source != "text" && d.source != "shards") {
+      return r.Bad("data.source", absl::StrCat("\"", absl::CEscape(d.source),
+                                               "\" is not embedded, text or shards"));
+    }
+    RETURN_IF_ERROR(r.String(df, "path", "data.path", SpecLimits::kMaxPathBytes, &d.path));
+    RETURN_IF_ERROR(
+        r.String(df, "tokenizer", "data.tokenizer", SpecLimits::kMaxPathBytes, &d.tokenizer));
+    RETURN_IF_ERROR(r.String(df, "tokenizer_checksum", "data.tokenizer_checksum", 64,
+                             &d.tokenizer_checksum));
+    double fraction = 0;
+    auto vf = df.find("validation_fraction");
+    if (vf == df.end() || !vf->second.has_number_value()) {
+      return r.Missing("data.validation_fraction");
+    }
+    fraction = vf->second.number_value();
+    if (!(fraction >= 0 && fraction <= 0.5)) {
+      return r.Bad("data.validation_fraction", absl::StrCat(fraction, " is outside [0, 0.5]"));
+    }
+    d.validation_fraction = fraction;
   }
   auto stages = f.find("stages");
   if (stages == f.end() || !stages->second.has_list_value()) return r.Missing("stages");

@@ -24,6 +24,17 @@ struct StageFileEntry {
   std::string checksum;   // "fnv1a64:<16 hex digits>"
 };
 
+// Where a checkpoint's training data came from, so evaluation can use the
+// same text, split and tokenizer (all empty for checkpoints that predate it).
+struct DataProvenance {
+  std::string source;              // "embedded", "text" or "shards"
+  std::string path;                // data.path as the workers saw it
+  std::string tokenizer;           // data.tokenizer ("" = the dataset's or bytes)
+  std::string tokenizer_checksum;  // "byte" or "fnv1a64:<hex>"; "" when unknown
+  double validation_fraction = 0;  // 0 = the default / the dataset's split
+  bool known() const { return !source.empty(); }
+};
+
 struct CheckpointManifest {
   std::string format = "detour-checkpoint-v2";
   uint64_t iteration = 0;  // iterations completed (the next step's index)
@@ -35,6 +46,7 @@ struct CheckpointManifest {
   // on resume.
   std::string rng_state;
   std::vector<StageFileEntry> stages;
+  DataProvenance data;
 };
 
 // Bounds a manifest must respect (a stored file is input like any other).

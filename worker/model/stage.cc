@@ -18,6 +18,12 @@ struct Stage::Impl {
   struct Slot {
     at::Tensor input;   // leaf with requires_grad (undefined on stage 0)
     at::Tensor output;  // graph root for Backward
+    // Recomputation: no graph kept; the input (tokens on stage 0, hidden
+    // states elsewhere) and the output's shape, to run the forward again
+    // with gradients at Backward.
+    bool recompute = false;
+    at::Tensor saved_input;
+    std::vector<int64_t> output_sizes;
   };
 
   ModelConfig config;
@@ -128,6 +134,7 @@ absl::StatusOr<std::unique_ptr<Stage>> Stage::FromJobSpec(
   if (!config.ok()) return config.status();
   StageOptions options;
   options.memory_slots = static_cast<int>(s.pipeline().memory_slots());
+  options.recompute_activations = s.pipeline().recompute_activations();
   options.device = device;
   options.seed = s.seed();
   return Create(*config, stage, static_cast<int>(s.pipeline().num_stages()),
@@ -183,10 +190,22 @@ absl::StatusOr<at::Tensor> Stage::Forward(uint32_t mb, const at::Tensor& input) 
         s.layers[i]->set_capture(records[i]);
       }
       slot.output = s.RunLayers(x);
+    } else if (s.options.recompute_activations) {
+      // Keep only the input; the graph is rebuilt at Backward.
+      c10::AutoGradMode no_grad(false);
+      slot.recompute = true;
+      slot.saved_input = input.to(s.options.device).detach();
+      slot.input = at::Tensor();
+      at::Tensor y = s.RunLayers(s.index == 0 ? s.embed->forward(slot.saved_input)
+                                              : slot.saved_input);
+      slot.output_sizes = y.sizes().vec();
+      s.slots.emplace(mb, std::move(slot));
+      return y;
     } else {
       slot.output = s.RunLayers(x);
     }
     at::Tensor out = slot.output.detach();
+    slot.output_sizes = out.sizes().vec();
     s.slots.emplace(mb, std::move(slot));
     return out;
   });
@@ -202,15 +221,26 @@ absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb,
         absl::StrCat(ctx, ": microbatch has no forward in flight"));
   }
   if (!grad_output.defined() ||
-      !grad_output.sizes().equals(it->second.output.sizes())) {
+      !grad_output.sizes().equals(it->second.output_sizes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         ctx, ": gradient shape ",
         grad_output.defined() ? ShapeString(grad_output.sizes())
                               : std::string("undefined"),
-        " vs expected ", ShapeString(it->second.output.sizes())));
+        " vs expected ", ShapeString(it->second.output_sizes)));
   }
   auto result = GuardTorch(ctx, [&]() -> absl::StatusOr<at::Tensor> {
     Impl::Slot& slot = it->second;
+    if (slot.recompute) {
+      c10::AutoGradMode grad(true);
+      at::Tensor x;
+      if (s.index == 0) {
+        x = s.embed->forward(slot.saved_input);
+      } else {
+        slot.input = slot.saved_input.requires_grad_(true);
+        x = slot.input;
+      }
+      slot.output = s.RunLayers(x);
+    }
     torch::autograd::backward({slot.output},
                               {grad_output.to(s.options.device)
                                    .to(slot.output.scalar_type())});

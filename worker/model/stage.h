@@ -50,6 +50,12 @@ struct StageOptions {
   c10::Device device = c10::Device(c10::kCPU);
   // Initialisation seed (JobSpec.seed).
   uint64_t seed = 0;
+  // Activation recomputation (PipelineSpec.recompute_activations): Forward
+  // keeps only a microbatch's input, Backward runs the forward again with
+  // gradients. A slot then holds one [B, T, d_model] tensor instead of every
+  // block's intermediate activations, for about one more forward per
+  // microbatch. Microbatches captured for K-FAC keep their graph.
+  bool recompute_activations = false;
 };
 
 // Result of the loss on stage 0.

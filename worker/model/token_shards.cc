@@ -496,20 +496,64 @@ absl::StatusOr<MappedSplit> OpenSplit(const std::string& dir, const std::string&
 
 }  // namespace
 
-absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verify) {
+absl::StatusOr<v1::DatasetManifest> ParseDatasetManifest(const std::string& dir,
+                                                          std::string* checksum) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return absl::NotFoundError(absl::StrCat("dataset ", dir, ": no such directory"));
   }
   const std::string mpath = absl::StrCat(dir, "/", kManifest);
   ASSIGN_OR_RETURN(std::string json, ReadFileBounded(mpath, DatasetLimits::kMaxManifestBytes));
-  ShardDataset ds;
-  ds.manifest_checksum = Checksum(json);
-  v1::DatasetManifest& m = ds.manifest;
+  if (checksum != nullptr) *checksum = Checksum(json);
+  v1::DatasetManifest m;
   google::protobuf::util::JsonParseOptions po;  // unknown fields are errors
   if (auto st = google::protobuf::util::JsonStringToMessage(json, &m, po); !st.ok()) {
     return Bad(mpath, absl::StrCat("not a dataset manifest (", std::string(st.message()), ")"));
   }
+  return m;
+}
+
+absl::StatusOr<v1::DatasetManifest> ReadDatasetManifest(const std::string& dir) {
+  return ParseDatasetManifest(dir, nullptr);
+}
+
+DataProvenance ProvenanceOf(const v1::DataSpec& data) {
+  DataProvenance p;
+  p.source = data.source() == v1::DATA_SOURCE_SHARDS ? "shards"
+             : data.source() == v1::DATA_SOURCE_TEXT ? "text"
+                                                     : "embedded";
+  p.path = data.path();
+  p.tokenizer = data.tokenizer();
+  p.validation_fraction = data.validation_fraction();
+  if (!data.tokenizer().empty()) {
+    if (auto t = Tokenizer::Load(data.tokenizer()); t.ok()) p.tokenizer_checksum = (*t)->checksum();
+  } else if (data.source() == v1::DATA_SOURCE_SHARDS) {
+    if (auto m = ReadDatasetManifest(data.path()); m.ok()) {
+      p.tokenizer_checksum = m->tokenizer_checksum();
+      p.validation_fraction = m->validation_fraction();
+    }
+  } else {
+    p.tokenizer_checksum = "byte";
+  }
+  return p;
+}
+
+v1::DataSpec DataSpecOf(const DataProvenance& p) {
+  v1::DataSpec d;
+  d.set_source(p.source == "shards" ? v1::DATA_SOURCE_SHARDS
+               : p.source == "text" ? v1::DATA_SOURCE_TEXT
+                                    : v1::DATA_SOURCE_EMBEDDED);
+  d.set_path(p.path);
+  d.set_tokenizer(p.tokenizer);
+  d.set_validation_fraction(p.source == "shards" ? 0 : p.validation_fraction);
+  return d;
+}
+
+absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verify) {
+  const std::string mpath = absl::StrCat(dir, "/", kManifest);
+  ShardDataset ds;
+  ASSIGN_OR_RETURN(ds.manifest, ParseDatasetManifest(dir, &ds.manifest_checksum));
+  v1::DatasetManifest& m = ds.manifest;
   if (m.format() != kDatasetFormat) {
     return absl::FailedPreconditionError(absl::StrCat(mpath, ": format \"", m.format(),
                                                       "\", this build reads ", kDatasetFormat));

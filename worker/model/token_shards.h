@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "detour/v1/spec.pb.h"
+#include "worker/model/checkpoint_manifest.h"
 #include "worker/model/text_data.h"
 
 namespace detour::model {
@@ -87,6 +88,17 @@ struct ShardDataset {
 // checksum and that every id is below the vocabulary (one pass over the
 // mapped files). NOT_FOUND for a missing directory or file.
 absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verify = true);
+
+// Reads and parses <dir>/manifest.json only (no file checks).
+absl::StatusOr<v1::DatasetManifest> ReadDatasetManifest(const std::string& dir);
+
+// What a checkpoint records about the data of a job with this DataSpec: the
+// source, paths, split and the tokenizer's checksum (read from the tokenizer
+// file or the dataset's manifest; "" when they cannot be read).
+DataProvenance ProvenanceOf(const v1::DataSpec& data);
+
+// The DataSpec that reads the data a checkpoint recorded.
+v1::DataSpec DataSpecOf(const DataProvenance& provenance);
 
 // LoadDataset for DATA_SOURCE_SHARDS: the dataset at data.path, checked
 // against data.tokenizer (FAILED_PRECONDITION when the checksums differ) and

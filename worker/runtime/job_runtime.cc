@@ -19,6 +19,7 @@
 #include "common/spec.h"
 #include "common/status.h"
 #include "common/timing.h"
+#include "worker/model/token_shards.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/kfac.h"
@@ -1087,6 +1088,7 @@ class JobRuntime::Impl {
     manifest.num_stages = static_cast<int>(spec_.pipeline().num_stages());
     manifest.replicas_per_stage = static_cast<int>(spec_.pipeline().replicas_per_stage());
     manifest.seed = spec_.seed();
+    manifest.data = model::ProvenanceOf(spec_.data());
     for (const v1::CheckpointFile& f : commit.files()) {
       model::StageFileEntry e;
       e.stage = static_cast<int>(f.stage());
