@@ -15,8 +15,8 @@ namespace {
 
 constexpr char kEpilog[] = R"(Arguments:
   CHECKPOINT_DIR   a detour checkpoint: the directory holding manifest.json
-                   (a job's last_checkpoint in `detourctl get JOB`, or the
-                   checkpoint `make demo` leaves in demo-out/)
+                   (a job's last_checkpoint in `detourctl get JOB`, or one
+                   under demo-out/coordinator/checkpoints/ after `make demo`)
   OUT_DIR          the Hugging Face directory to write (created if missing)
 
 Writes OUT_DIR/model.safetensors (transformers' LLaMA tensor names),
@@ -24,7 +24,7 @@ OUT_DIR/config.json (LlamaForCausalLM) and, with --tokenizer, tokenizer.model
 plus tokenizer_config.json. Optimiser and K-FAC state are not exported.
 
 Examples:
-  detour-export demo-out/checkpoint hf-tiny
+  detour-export /var/lib/detour/checkpoints/JOB/ITERATION hf-tiny
   detour-export --dtype bf16 --tokenizer sp.model ckpt/ hf-model/
   python3 -c 'import transformers as t; t.AutoModelForCausalLM.from_pretrained("hf-tiny")'
 

@@ -29,7 +29,16 @@ constexpr BlockName kBlock[] = {
     {"w_down", "mlp.down_proj.weight"},
 };
 
-std::string Num(double v) { return absl::StrFormat("%.17g", v); }
+// The shortest text that reads back as exactly `v` (1e-05, not
+// 1.0000000000000001e-05).
+std::string Num(double v) {
+  for (int digits = 6; digits < 17; ++digits) {
+    std::string s = absl::StrFormat("%.*g", digits, v);
+    double back = 0;
+    if (absl::SimpleAtod(s, &back) && back == v) return s;
+  }
+  return absl::StrFormat("%.17g", v);
+}
 
 // Reads the fields of config.json with the field named in every error.
 class ConfigReader {
