@@ -98,6 +98,33 @@ TEST_F(HfInteropTest, DistributedJobStartsFromAnExportedModel) {
       << distributed[0] << " vs seeded " << seeded[0];
 }
 
+// A job started from an import and cancelled resumes from its own
+// checkpoint: `detourctl resume` drops init_from (the two are exclusive).
+TEST_F(HfInteropTest, AnImportedJobResumesFromItsOwnCheckpoint) {
+  v1::JobSpec spec = MicroJob(2, 1, 1, 0.0, 40);
+  const std::string hf = ExportModel(dir_, spec, 5, "hf");
+  spec.mutable_checkpoint()->set_init_from(hf);
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  const v1::Job submitted = Submit(c.grpc_port, spec);
+  ASSERT_TRUE(Eventually([&] { return !GetJob(c.grpc_port, submitted.id()).last_checkpoint().empty(); },
+                         absl::Seconds(60)));
+  const std::string at = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
+  std::string out;
+  ASSERT_EQ(Run({Bin(kCtl), at, "cancel", submitted.id()}, &out), 0) << out;
+  ASSERT_TRUE(Eventually(
+      [&] { return GetJob(c.grpc_port, submitted.id()).state() == v1::JOB_STATE_CANCELLED; },
+      absl::Seconds(30)));
+  ASSERT_EQ(Run({Bin(kCtl), at, "resume", submitted.id()}, &out), 0) << out;
+  v1::Job final_job;
+  WatchLosses(c.grpc_port, submitted.id(), &final_job, absl::Seconds(120));
+  EXPECT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message();
+  EXPECT_EQ(final_job.resumes(), 1u);
+  EXPECT_TRUE(final_job.spec().checkpoint().init_from().empty());
+  EXPECT_FALSE(final_job.spec().checkpoint().resume_from().empty());
+}
+
 TEST_F(HfInteropTest, AModelOfAnotherShapeFailsTheJobNamingTheField) {
   v1::JobSpec spec = MicroJob(2, 1, 1, 0.0, 2);
   v1::JobSpec wider = spec;
