@@ -422,6 +422,20 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    absl::StrCat(spec.checkpoint().resume_from().size(),
                                 " bytes, more than the limit ", L::kMaxPathBytes));
   }
+  const std::string& init_from = spec.checkpoint().init_from();
+  if (init_from.size() > L::kMaxPathBytes) {
+    return Invalid("checkpoint.init_from", absl::StrCat(init_from.size(),
+                                                        " bytes, more than the limit ",
+                                                        L::kMaxPathBytes));
+  }
+  if (init_from.find('\0') != std::string::npos) {
+    return Invalid("checkpoint.init_from", "contains a NUL byte");
+  }
+  if (!init_from.empty() && !spec.checkpoint().resume_from().empty()) {
+    return Invalid("checkpoint.init_from",
+                   "is exclusive with checkpoint.resume_from (a resumed job continues from its "
+                   "own checkpoint)");
+  }
   if (spec.checkpoint().keep_last() > L::kMaxKeepLast) {
     return Invalid("checkpoint.keep_last", absl::StrCat(spec.checkpoint().keep_last(),
                                                         " exceeds the limit ", L::kMaxKeepLast));

@@ -141,6 +141,8 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
   }
   v1::JobSpec spec = job.spec();
   spec.mutable_checkpoint()->set_resume_from(dir);
+  // The checkpoint holds the weights now; the import was only the start.
+  spec.mutable_checkpoint()->clear_init_from();
   if (auto valid = NormalizeJobSpec(spec); !valid.ok()) return valid.status();
   ASSIGN_OR_RETURN(v1::Job resumed, jobs_->Update(job_id, [&](v1::Job* j) {
     *j->mutable_spec() = spec;

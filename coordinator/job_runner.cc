@@ -551,6 +551,10 @@ class JobRunner::Impl {
                absl::StrCat("resuming from checkpoint ", restore, " at iteration ",
                             next_iteration_));
     }
+    if (restore.empty() && !spec_.checkpoint().init_from().empty()) {
+      LogInfo("job ", job_id_, ": workers initialise their stages from ",
+              spec_.checkpoint().init_from(), " (checkpoint.init_from)");
+    }
     RecordStages();
     std::set<std::string> waiting;
     for (const auto& [id, s] : members_) {

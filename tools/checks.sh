@@ -55,7 +55,7 @@ for step in "${steps[@]}"; do
       (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
         DETOUR_SOURCE_DIR="$PWD/.." ctest --output-on-failure -j"$JOBS" \
         -E "ShippedExampleOrderingAndQuality|PlanJsonRoundTripsThroughSimulate|KeepsAGivenAssignmentAndIsDeterministic|SchedulerComesFromJobUnlessOverridden|DeterministicForASeed|KfacOnThePlannedExample|CompareTableOnShippedExample")
-      for t in frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file; do
+      for t in frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file safetensors; do
         mkdir -p "build-asan/fuzz-corpus/$t" "build-asan/fuzz-artifacts/$t"
         echo "-- fuzz $t ${FUZZ_SECONDS}s"
         "build-asan/tests/fuzz/${t}_fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 \

@@ -128,6 +128,21 @@ TEST(JobSpec, OtherFieldChecks) {
   }
 }
 
+TEST(JobSpec, InitFromIsBoundedAndExclusiveWithResume) {
+  const std::string with = Replace(kGoodJob, R"("iterations": 10)",
+                                   R"("iterations": 10, "checkpoint": {"init_from": "/m/hf"})");
+  EXPECT_TRUE(JobStatus(with).ok()) << JobStatus(with);
+  absl::Status both = JobStatus(Replace(with, R"("init_from": "/m/hf")",
+                                        R"("init_from": "/m/hf", "resume_from": "/c/1")"));
+  EXPECT_EQ(both.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(both.message(), HasSubstr("checkpoint.init_from: is exclusive with "
+                                        "checkpoint.resume_from"));
+  absl::Status long_path = JobStatus(Replace(with, "/m/hf", std::string(5000, 'x')));
+  EXPECT_THAT(long_path.message(), HasSubstr("checkpoint.init_from: 5000 bytes"));
+  absl::Status nul = JobStatus(Replace(with, "/m/hf", "/m\\u0000x"));
+  EXPECT_THAT(nul.message(), HasSubstr("checkpoint.init_from"));
+}
+
 // Every count, size and float a client sends is bounded before it is used
 // or stored (issue 12: a Submit with data_nodes 2^32-1 took the coordinator
 // down and, stored, crash-looped it; NaN hyperparameters were trained on).

@@ -76,30 +76,11 @@ bool SameShape(const ModelConfig& a, const ModelConfig& b) {
          a.norm_eps == b.norm_eps;
 }
 
-// Reads one stage file after checking its size (before reading: the manifest
-// bounds what is allocated) and checksum.
+// Reads one stage file (size and checksum checked) into its tensor table.
 absl::StatusOr<std::map<std::string, at::Tensor>> ReadStageFile(
     const std::string& dir, const StageFileEntry& entry) {
-  const std::string path = (fs::path(dir) / entry.file).string();
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (ec || !fs::exists(st)) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  if (!fs::is_regular_file(st)) {
-    return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is not a regular file"));
-  }
-  const uintmax_t size = fs::file_size(path, ec);
-  if (ec || size != entry.bytes) {
-    return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is corrupt: ", size,
-                                            " bytes vs manifest ", entry.bytes, " bytes"));
-  }
-  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  if (bytes.size() != entry.bytes || Checksum(bytes) != entry.checksum) {
-    return absl::DataLossError(absl::StrCat(
-        "checkpoint file ", path, " is corrupt: ", bytes.size(), " bytes, ",
-        Checksum(bytes), " vs manifest ", entry.bytes, " bytes, ",
-        entry.checksum));
-  }
-  return ParseStageFile(bytes, path);
+  ASSIGN_OR_RETURN(std::string bytes, ReadStageFileBytes(dir, entry));
+  return ParseStageFile(bytes, (fs::path(dir) / entry.file).string());
 }
 
 }  // namespace

@@ -306,4 +306,28 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir) {
   return ParseManifest(text, path);
 }
 
+absl::StatusOr<std::string> ReadStageFileBytes(const std::string& dir,
+                                               const StageFileEntry& entry) {
+  const std::string path = (fs::path(dir) / entry.file).string();
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  if (!fs::is_regular_file(st)) {
+    return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is not a regular file"));
+  }
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec || size != entry.bytes) {
+    return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is corrupt: ", size,
+                                            " bytes vs manifest ", entry.bytes, " bytes"));
+  }
+  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  if (bytes.size() != entry.bytes || Checksum(bytes) != entry.checksum) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint file ", path, " is corrupt: ", bytes.size(), " bytes, ",
+        Checksum(bytes), " vs manifest ", entry.bytes, " bytes, ",
+        entry.checksum));
+  }
+  return bytes;
+}
+
 }  // namespace detour::model

@@ -80,6 +80,11 @@ absl::Status WriteManifest(const std::string& dir, const CheckpointManifest& man
 // Reads `dir`/manifest.json (at most ManifestLimits::kMaxManifestBytes).
 absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
 
+// Reads the bytes of the stage file `entry` names in `dir`, checking its
+// size (before reading: the manifest bounds what is allocated) and checksum.
+// NOT_FOUND for a missing file, DATA_LOSS for a corrupt one.
+absl::StatusOr<std::string> ReadStageFileBytes(const std::string& dir, const StageFileEntry& entry);
+
 }  // namespace detour::model
 
 #endif  // DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_

@@ -21,6 +21,7 @@
 #include "common/timing.h"
 #include "worker/model/token_shards.h"
 #include "worker/model/checkpoint.h"
+#include "worker/model/hf_import.h"
 #include "worker/model/engine.h"
 #include "worker/model/kfac.h"
 #include "worker/model/optimizer.h"
@@ -409,6 +410,10 @@ class JobRuntime::Impl {
       ASSIGN_OR_RETURN(model::CheckpointManifest manifest, model::ReadManifest(a.restore_from()));
       RETURN_IF_ERROR(model::LoadStage(a.restore_from(), manifest, stage_.get(), optimizer_.get(),
                                        kfac_.get()));
+    } else if (a.state_from().empty() && !spec.checkpoint().init_from().empty()) {
+      // A fresh start from imported weights; a restore or a live replica's
+      // state (a joining worker) supersedes them.
+      RETURN_IF_ERROR(model::InitStageFromHf(spec.checkpoint().init_from(), stage_.get()));
     }
     if (stage_index_ == 0) {
       ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
