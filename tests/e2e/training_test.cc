@@ -370,6 +370,15 @@ TEST_F(TrainingTest, PreparedSubwordDatasetTrainsAndAShortVocabularyFails) {
             1)
       << out;
   EXPECT_THAT(out, HasSubstr("tokenizer"));
+  // Exported for other tools with the tokenizer the checkpoint records.
+  const std::string hf = absl::StrCat(dir_, "/hf");
+  EXPECT_EQ(Run({Bin("tools/detour_export/detour-export"), "--quiet", job.last_checkpoint(), hf},
+                &out, absl::Seconds(60)),
+            0)
+      << out;
+  auto copied = ReadFileToString(hf + "/tokenizer.model");
+  ASSERT_TRUE(copied.ok()) << out;
+  EXPECT_EQ(*copied, *sp);
 
   spec.mutable_model()->set_vocab_size(256);
   const v1::Job short_vocab = Submit(c.grpc_port, *NormalizeJobSpec(spec));

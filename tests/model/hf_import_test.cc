@@ -74,7 +74,7 @@ class HfImportTest : public ::testing::Test {
     ASSERT_TRUE(engine.ok()) << engine.status();
     trained_ = std::move(*engine);
     // Two steps, so the norms are no longer all ones and every tensor matters.
-    const std::vector<int32_t> text = SplitText(GenerateCorpus(3, 20000), 0.0)->train;
+    const TokenSequence text = SplitText(GenerateCorpus(3, 20000), 0.0)->train;
     for (uint64_t it = 0; it < 2; ++it) {
       auto routes = GenerateRoutes(spec_.pipeline(), 4, 1, it);
       auto mbs = IterationMicrobatches(spec_, text, it, at::Device(at::kCPU));

@@ -20,7 +20,9 @@ constexpr char kEpilog[] = R"(Arguments:
   OUT_DIR          the Hugging Face directory to write (created if missing)
 
 Writes OUT_DIR/model.safetensors (transformers' LLaMA tensor names),
-OUT_DIR/config.json (LlamaForCausalLM) and, with --tokenizer, tokenizer.model
+OUT_DIR/config.json (LlamaForCausalLM) and, with --tokenizer (default: the
+SentencePiece model the checkpoint records it was trained with, if any),
+tokenizer.model
 plus tokenizer_config.json. Optimiser and K-FAC state are not exported.
 
 Examples:

@@ -189,9 +189,23 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
   // The tokenizer first: a bad file fails before the long part.
   std::string tokenizer;
   SentencePieceInfo sp;
-  if (!o.tokenizer_model.empty()) {
-    ASSIGN_OR_RETURN(tokenizer, ReadTokenizer(o.tokenizer_model));
-    ASSIGN_OR_RETURN(sp, InspectSentencePieceModel(tokenizer, o.tokenizer_model));
+  std::string tokenizer_path = o.tokenizer_model;
+  if (tokenizer_path.empty()) {
+    // The tokenizer the checkpoint records it was trained with, if any:
+    // data.tokenizer, or a prepared dataset's own tokenizer.model.
+    if (auto m = ReadManifest(checkpoint_dir); m.ok() && m->data.known()) {
+      if (!m->data.tokenizer.empty()) {
+        tokenizer_path = m->data.tokenizer;
+      } else if (m->data.source == "shards" && m->data.tokenizer_checksum != "byte") {
+        tokenizer_path = (fs::path(m->data.path) / "tokenizer.model").string();
+      }
+      std::error_code ec;
+      if (!tokenizer_path.empty() && !fs::exists(tokenizer_path, ec)) tokenizer_path.clear();
+    }
+  }
+  if (!tokenizer_path.empty()) {
+    ASSIGN_OR_RETURN(tokenizer, ReadTokenizer(tokenizer_path));
+    ASSIGN_OR_RETURN(sp, InspectSentencePieceModel(tokenizer, tokenizer_path));
   }
 
   LoadedCheckpoint ckpt;
@@ -199,7 +213,7 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
   const ModelConfig& config = ckpt.manifest.model;
   if (!tokenizer.empty() && sp.pieces > config.vocab_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--tokenizer ", o.tokenizer_model, " has ", sp.pieces,
+        absl::StrCat("--tokenizer ", tokenizer_path, " has ", sp.pieces,
                      " pieces, more than the model's vocab_size ", config.vocab_size));
   }
 
