@@ -194,7 +194,7 @@ TEST_F(JobServiceTest, DetourctlListShowsEveryPage) {
   CreateJobs(250, Spec("ctl"));
   const std::string ctl = testing::BuildDir() + "/tools/detourctl/detourctl";
   auto run = [&](const std::vector<std::string>& args, const std::string& name) {
-    std::vector<std::string> argv = {ctl, "--coordinator=" + address_};
+    std::vector<std::string> argv = {ctl, "--coordinator=" + address_, "--insecure"};
     argv.insert(argv.end(), args.begin(), args.end());
     ChildProcess p;
     const std::string log = dir_ + "/" + name + ".out";
