@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
   common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags.SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
-      "start (port in use, unwritable --data_dir), 2 for bad flags.");
+      "start (port in use, unwritable --data_dir), 2 for bad flags (also: no TLS flags\n"
+      "and no --insecure, unusable certificate, key or --auth_tokens files).");
 
   if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator",
                               "coordinator");
