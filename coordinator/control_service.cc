@@ -3,11 +3,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/net/grpc_status.h"
 #include "common/net/reactor_support.h"
+#include "common/net/tls.h"
 
 namespace detour {
 namespace {
@@ -25,7 +27,9 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
 // and no other thread holds a reference.
 class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  explicit SessionReactor(ControlServiceImpl* service) : service_(service) {
+  // `peer_name`: the worker's verified certificate CN, if any.
+  SessionReactor(ControlServiceImpl* service, std::optional<std::string> peer_name)
+      : service_(service), peer_name_(std::move(peer_name)) {
     StartRead(&incoming_);
   }
 
@@ -68,6 +72,14 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
       auto id = service_->registry_->WorkerForToken(incoming_.session_token());
       if (!id.ok()) {
         Close(ToGrpcStatus(id.status()));
+        return false;
+      }
+      if (service_->require_worker_certificates_ && peer_name_ != *id) {
+        LogWarning("refused a session for worker ", *id, " from ",
+                   peer_name_ ? absl::StrCat("certificate ", *peer_name_) : "a peer without a certificate");
+        Close(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                           absl::StrCat("the session of worker ", *id,
+                                        " must come from a certificate naming it")));
         return false;
       }
       SessionReactor* replaced = nullptr;
@@ -113,6 +125,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
   }
 
   ControlServiceImpl* const service_;
+  const std::optional<std::string> peer_name_;
   v1::WorkerMessage incoming_;
   std::string worker_id_;  // only touched by the read path and OnDone
   std::string token_;      // likewise
@@ -120,8 +133,12 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
   ReactorRefs refs_;
 };
 
-ControlServiceImpl::ControlServiceImpl(WorkerRegistry* registry, Hooks hooks)
-    : registry_(registry), hooks_(std::move(hooks)) {}
+ControlServiceImpl::ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
+                                       bool require_worker_certificates, Hooks hooks)
+    : registry_(registry),
+      auth_(auth),
+      require_worker_certificates_(require_worker_certificates),
+      hooks_(std::move(hooks)) {}
 
 ControlServiceImpl::~ControlServiceImpl() = default;
 
@@ -134,7 +151,26 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
       return Reply(context, absl::UnavailableError("coordinator is shutting down"));
     }
   }
-  auto registered = registry_->Register(*request, absl::Now());
+  v1::RegisterRequest checked = *request;
+  if (require_worker_certificates_) {
+    // The worker id is the certificate's identity, not a field it claims.
+    std::optional<std::string> name = VerifiedPeerName(context->auth_context().get());
+    if (!name.has_value()) {
+      LogWarning("refused a registration without a worker certificate (claimed id \"",
+                 absl::CHexEscape(request->worker_id().substr(0, 64)), "\")");
+      return Reply(context, absl::UnauthenticatedError(
+                                "Register needs a worker certificate from the cluster CA"));
+    }
+    if (!request->worker_id().empty() && request->worker_id() != *name) {
+      LogWarning("refused certificate ", *name, " registering as worker \"",
+                 absl::CHexEscape(request->worker_id().substr(0, 64)), "\"");
+      return Reply(context, absl::PermissionDeniedError(absl::StrCat(
+                                "the certificate names worker ", *name, ", not \"",
+                                absl::CHexEscape(request->worker_id().substr(0, 64)), "\"")));
+    }
+    checked.set_worker_id(*name);
+  }
+  auto registered = registry_->Register(checked, absl::Now());
   if (!registered.ok()) return Reply(context, registered.status());
   *response = *std::move(registered);
   LogInfo("worker ", response->worker_id(), " registered (region ", request->region(),
@@ -149,12 +185,15 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* ControlServiceImpl::Session(
     grpc::CallbackServerContext* context) {
-  return new SessionReactor(this);
+  return new SessionReactor(this, VerifiedPeerName(context->auth_context().get()));
 }
 
 grpc::ServerUnaryReactor* ControlServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
                                                           const v1::ListWorkersRequest* request,
                                                           v1::ListWorkersResponse* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "ListWorkers"); !a.ok()) {
+    return Reply(context, a);
+  }
   for (v1::WorkerInfo& info : registry_->List(request->include_lost())) {
     *response->add_workers() = std::move(info);
   }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/worker_registry.h"
 #include "detour/v1/control_service.grpc.pb.h"
 
@@ -28,8 +29,12 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
     std::function<void(const std::string& worker_id, const v1::WorkerMessage&)> on_message;
   };
 
-  // Does not own `registry`, which must outlive the service.
-  ControlServiceImpl(WorkerRegistry* registry, Hooks hooks);
+  // Does not own `registry` or `auth` (for ListWorkers), which must outlive
+  // the service. With `require_worker_certificates` (TLS), Register and
+  // Session accept a worker only when its verified certificate names the
+  // worker id it registers as.
+  ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
+                     bool require_worker_certificates, Hooks hooks);
   ~ControlServiceImpl() override;
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
@@ -54,6 +59,8 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
  private:
   friend class SessionReactor;
   WorkerRegistry* const registry_;
+  const ClientAuthorizer* const auth_;
+  const bool require_worker_certificates_;
   const Hooks hooks_;
   mutable absl::Mutex mu_;
   // Open sessions by worker id (set once the first message authenticates).

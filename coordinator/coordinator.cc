@@ -11,11 +11,24 @@
 #include "common/version.h"
 
 namespace detour {
+namespace {
+
+ClientAuthorizer MakeAuthorizer(const CoordinatorOptions& options) {
+  if (options.tokens.has_value()) {
+    return ClientAuthorizer(ClientAuthorizer::Mode::kTokens, *options.tokens);
+  }
+  return ClientAuthorizer(options.security.tls() ? ClientAuthorizer::Mode::kCertificates
+                                                 : ClientAuthorizer::Mode::kOpen,
+                          {});
+}
+
+}  // namespace
 
 Coordinator::Coordinator(const CoordinatorOptions& options)
     : options_(options),
       registry_(options.worker_silence, options.heartbeat_interval),
-      jobs_(options.data_dir) {}
+      jobs_(options.data_dir),
+      auth_(MakeAuthorizer(options)) {}
 
 Coordinator::~Coordinator() { Drain(absl::Seconds(1)); }
 
@@ -58,7 +71,7 @@ absl::Status Coordinator::Init() {
   job_hooks.on_resume = [this](const std::string& id, const std::string& checkpoint) {
     return manager_->Resume(id, checkpoint);
   };
-  job_service_ = std::make_unique<JobServiceImpl>(&jobs_, std::move(job_hooks));
+  job_service_ = std::make_unique<JobServiceImpl>(&jobs_, &auth_, std::move(job_hooks));
   ControlServiceImpl::Hooks hooks;
   hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
   hooks.on_heartbeat = [this](const std::string& worker, const v1::Heartbeat& beat) {
@@ -71,7 +84,8 @@ absl::Status Coordinator::Init() {
   hooks.on_message = [this](const std::string& worker, const v1::WorkerMessage& m) {
     manager_->OnWorkerMessage(worker, m);
   };
-  control_service_ = std::make_unique<ControlServiceImpl>(&registry_, std::move(hooks));
+  control_service_ = std::make_unique<ControlServiceImpl>(
+      &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(), std::move(hooks));
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
   if (job_options.checkpoint_root.empty()) {
@@ -82,6 +96,7 @@ absl::Status Coordinator::Init() {
 
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
+  server_options.security = options_.security;
   server_options.services = {job_service_.get(), control_service_.get()};
   // Clients and workers send small messages: gRPC's buffers for all of
   // them together stay under 1 GiB.

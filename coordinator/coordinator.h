@@ -6,8 +6,10 @@
 #define DETOUR_COORDINATOR_COORDINATOR_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -16,6 +18,7 @@
 #include "common/metrics/metrics.h"
 #include "common/net/address.h"
 #include "common/net/server.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/control_service.h"
 #include "coordinator/job_service.h"
 #include "coordinator/job_manager.h"
@@ -26,7 +29,13 @@ namespace detour {
 
 struct CoordinatorOptions {
   HostPort listen{"127.0.0.1", 7070};
-  std::string metrics_bind = "0.0.0.0";
+  // TLS for the gRPC port (workers then need certificates naming their ids),
+  // or plaintext.
+  TransportSecurity security;
+  // Client credentials from --auth_tokens; none = every client certificate
+  // from the CA may submit (TLS), or no client authentication (plaintext).
+  std::optional<std::vector<TokenEntry>> tokens;
+  std::string metrics_bind = "127.0.0.1";
   // 0 = pick a free port; -1 = no metrics endpoint.
   int metrics_port = 9470;
   std::string data_dir = "detour-data/coordinator";
@@ -63,6 +72,7 @@ class Coordinator {
   metrics::Registry metrics_registry_;
   WorkerRegistry registry_;
   JobStore jobs_;
+  const ClientAuthorizer auth_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
   std::unique_ptr<JobManager> manager_;

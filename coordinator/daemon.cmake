@@ -1,5 +1,6 @@
 # The coordinator library and daemon. No LibTorch here, by design.
 add_library(detour_coordinator_lib STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/client_auth.cc
   ${CMAKE_CURRENT_LIST_DIR}/control_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/coordinator.cc
   ${CMAKE_CURRENT_LIST_DIR}/iteration_round.cc

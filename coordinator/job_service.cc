@@ -46,6 +46,13 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
   return reactor;
 }
 
+// A Watch refused before it started.
+class RefusedWatch : public grpc::ServerWriteReactor<v1::JobEvent> {
+ public:
+  explicit RefusedWatch(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 v1::JobEvent EventFor(const v1::Job& job) {
   v1::JobEvent event;
   *event.mutable_job() = job;
@@ -125,14 +132,17 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
   uint64_t listener_ = 0;
 };
 
-JobServiceImpl::JobServiceImpl(JobStore* store, Hooks hooks)
-    : store_(store), hooks_(std::move(hooks)) {}
+JobServiceImpl::JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks)
+    : store_(store), auth_(auth), hooks_(std::move(hooks)) {}
 
 JobServiceImpl::~JobServiceImpl() = default;
 
 grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* context,
                                                  const v1::SubmitJobRequest* request,
                                                  v1::Job* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Submit"); !a.ok()) {
+    return Reply(context, a);
+  }
   auto spec = NormalizeJobSpec(request->spec());
   if (!spec.ok()) return Reply(context, Annotate(spec.status(), "spec"));
   auto job = store_->Create(*spec, absl::Now(), kStoredMessage);
@@ -146,6 +156,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* context,
                                               const v1::GetJobRequest* request,
                                               v1::Job* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Get"); !a.ok()) {
+    return Reply(context, a);
+  }
   if (request->job_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
   }
@@ -158,6 +171,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* conte
 grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* context,
                                                const v1::ListJobsRequest* request,
                                                v1::ListJobsResponse* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "List"); !a.ok()) {
+    return Reply(context, a);
+  }
   if (!v1::JobState_IsValid(request->state())) {
     return Reply(context, absl::InvalidArgumentError(
                               absl::StrCat("state: unknown value ", request->state())));
@@ -179,12 +195,18 @@ grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* cont
 
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(
     grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Watch"); !a.ok()) {
+    return new RefusedWatch(a);
+  }
   return new WatchReactor(this, request->job_id());
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* context,
                                                  const v1::CancelJobRequest* request,
                                                  v1::Job* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Cancel"); !a.ok()) {
+    return Reply(context, a);
+  }
   if (request->job_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
   }
@@ -199,6 +221,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* context,
                                                  const v1::ResumeJobRequest* request,
                                                  v1::Job* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Resume"); !a.ok()) {
+    return Reply(context, a);
+  }
   if (request->job_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
   }

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "absl/synchronization/mutex.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/job_store.h"
 #include "detour/v1/job_service.grpc.pb.h"
 
@@ -26,8 +27,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                           const std::string& checkpoint)>
         on_resume;
   };
-  // Does not own `store`, which must outlive the service.
-  JobServiceImpl(JobStore* store, Hooks hooks);
+  // Does not own `store` or `auth`, which must outlive the service. Every
+  // RPC checks its caller with `auth` first.
+  JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks);
   ~JobServiceImpl() override;
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
@@ -54,6 +56,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
  private:
   friend class WatchReactor;
   JobStore* const store_;
+  const ClientAuthorizer* const auth_;
   const Hooks hooks_;
   absl::Mutex mu_;
   std::map<WatchReactor*, bool> watches_ ABSL_GUARDED_BY(mu_);

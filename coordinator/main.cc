@@ -11,9 +11,11 @@
 #include "common/log.h"
 #include "common/net/address.h"
 #include "common/net/shutdown_signal.h"
+#include "common/net/tls.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/coordinator.h"
 
 int main(int argc, char** argv) {
@@ -21,7 +23,9 @@ int main(int argc, char** argv) {
   BlockShutdownSignals();
 
   std::string listen = "127.0.0.1:7070";
-  std::string metrics_bind = "0.0.0.0";
+  std::string metrics_bind = "127.0.0.1";
+  TlsFiles tls;
+  std::string auth_tokens;
   std::string data_dir = "detour-data/coordinator";
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
@@ -38,7 +42,12 @@ int main(int argc, char** argv) {
                 "Runs the detour coordinator: accepts jobs (JobService), registers workers and "
                 "keeps their heartbeats (ControlService), and exports Prometheus metrics.");
   flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
-  flags.String("metrics_bind", &metrics_bind, "address for the /metrics HTTP endpoint");
+  flags.String("metrics_bind", &metrics_bind,
+               "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  RegisterTlsFlags(&flags, &tls);
+  flags.String("auth_tokens", &auth_tokens,
+               "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
+               "without it, any client certificate from --tls_ca may submit");
   flags.String("data_dir", &data_dir, "directory for the job store (created if missing)");
   flags.Duration("worker_silence", &worker_silence,
                  "a worker with no heartbeat for this long is marked lost");
@@ -63,7 +72,8 @@ int main(int argc, char** argv) {
   common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags.SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
-      "start (port in use, unwritable --data_dir), 2 for bad flags.");
+      "start (port in use, unwritable --data_dir), 2 for bad flags (also: no TLS flags\n"
+      "and no --insecure, unusable certificate, key or --auth_tokens files).");
 
   if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator",
                               "coordinator");
@@ -105,6 +115,14 @@ int main(int argc, char** argv) {
         absl::StrCat("--replan_every: ", replan_every, " is negative")));
   }
   options.jobs.replan_every = static_cast<int>(replan_every);
+  auto security = LoadDaemonSecurity(tls);
+  if (!security.ok()) return flags.Fail(security.status());
+  options.security = *security;
+  if (!auth_tokens.empty()) {
+    auto tokens = LoadTokensFile(auth_tokens);
+    if (!tokens.ok()) return flags.Fail(tokens.status());
+    options.tokens = *std::move(tokens);
+  }
 
   if (absl::Status dir = EnsureWritableDirectory(data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());
@@ -117,7 +135,8 @@ int main(int argc, char** argv) {
   }
   LogInfo("detour-coordinator ", kVersion, " serving gRPC on ", options.listen.host, ":",
           (*coordinator)->grpc_port(), ", metrics on port ", (*coordinator)->metrics_port(),
-          ", data in ", data_dir);
+          ", data in ", data_dir, "; ", options.security.Describe(),
+          options.tokens ? absl::StrCat(", ", options.tokens->size(), " client token(s)") : "");
   if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
         common.ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",

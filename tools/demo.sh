@@ -8,6 +8,8 @@
 #  2. the path scheduler on the shipped 20-node, 11-region cluster: every
 #     scheduler side by side, and timeline SVGs of `full` and `skippipe`.
 # Everything stops cleanly at the end and on Ctrl-C.
+# The daemons talk mutual TLS with a throwaway CA (demo-out/certs);
+# DEMO_INSECURE=1 runs them plaintext instead.
 #   DETOUR_BUILD_DIR=build tools/demo.sh      (after a build; `make demo` does both)
 set -euo pipefail
 
@@ -22,7 +24,7 @@ done
 
 echo "== 1. training the tiny model across 8 local workers (examples/jobs/tiny_local.json)"
 "$LOCAL" --job "$ROOT/examples/jobs/tiny_local.json" --out "$OUT" --bin_dir "$BUILD" \
-  ${DEMO_ITERATIONS:+--iterations "$DEMO_ITERATIONS"}
+  ${DEMO_ITERATIONS:+--iterations "$DEMO_ITERATIONS"} ${DEMO_INSECURE:+--insecure}
 
 echo
 echo "== 2. the path scheduler on 20 nodes over 11 regions (1.5B-shaped stages, 33% skip)"
@@ -40,4 +42,5 @@ echo "  loss.csv, loss.svg            the training loss curve"
 echo "  coordinator/checkpoints/      the checkpoint (manifest.json + one file per stage)"
 echo "  timeline_{full,skippipe}.svg  per-node timelines: the bubbles shrink with skippipe"
 echo "  trace_*.json                  the same as Chrome traces (open in ui.perfetto.dev)"
+echo "  certs/                        the throwaway CA, certificates and token of this run"
 echo "  *.log                         the daemons' logs"

@@ -19,6 +19,7 @@ bool IsPermanent(const absl::Status& s) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kAlreadyExists:
     case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kUnimplemented:
       return true;
@@ -32,7 +33,7 @@ bool IsPermanent(const absl::Status& s) {
 ControlClient::ControlClient(Options options, Hooks hooks)
     : options_(std::move(options)),
       hooks_(std::move(hooks)),
-      stub_(v1::ControlService::NewStub(MakeChannel(options_.coordinator))) {}
+      stub_(v1::ControlService::NewStub(MakeChannel(options_.coordinator, options_.security))) {}
 
 ControlClient::~ControlClient() { Stop(); }
 

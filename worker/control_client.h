@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/net/tls.h"
 #include "detour/v1/control_service.grpc.pb.h"
 
 namespace detour {
@@ -33,6 +34,8 @@ class ControlClient {
  public:
   struct Options {
     std::string coordinator;  // host:port
+    // TLS (the coordinator's certificate verified, ours presented) or plaintext.
+    TransportSecurity security;
     v1::RegisterRequest registration;
     // Give up when the first registration has not succeeded by then; zero =
     // keep trying until Stop().

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/net/address.h"
 #include "common/net/shutdown_signal.h"
+#include "common/net/tls.h"
 #include "common/version.h"
 #include "worker/worker.h"
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   int64_t torch_threads = o.torch_threads;
   DaemonFlags common;
   common.metrics_port = o.metrics_port;
+  TlsFiles tls;
 
   FlagSet flags("detour-worker",
                 "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
@@ -33,14 +35,18 @@ int main(int argc, char** argv) {
   flags.String("advertise_address", &o.advertise_address,
                "host:port peers use to reach this worker (default: from --listen)");
   flags.String("coordinator", &o.coordinator, "host:port of the coordinator");
-  flags.String("worker_id", &o.worker_id, "stable worker id (default: assigned by coordinator)");
+  flags.String("worker_id", &o.worker_id,
+               "stable worker id (with TLS: its certificate's CN, the default; without: "
+               "assigned by the coordinator when not given)");
   flags.String("region", &o.region, "region name, as in cluster specs (e.g. Oregon)");
   flags.Double("speed", &o.speed, "relative compute speed of this node");
   flags.Int("memory_slots", &memory_slots, "microbatches this node can hold in flight");
   flags.String("device", &o.device, "cpu or cuda");
   flags.Int("torch_threads", &torch_threads,
             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
-  flags.String("metrics_bind", &o.metrics_bind, "address for the /metrics HTTP endpoint");
+  flags.String("metrics_bind", &o.metrics_bind,
+               "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  RegisterTlsFlags(&flags, &tls);
   flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
   flags.Duration("connect_timeout", &o.connect_timeout,
                  "give up when the coordinator stays unreachable this long at start-up "
@@ -86,6 +92,18 @@ int main(int argc, char** argv) {
         absl::StrCat("--torch_threads: ", torch_threads, " is outside 0..1024")));
   }
   o.torch_threads = static_cast<int>(torch_threads);
+  auto security = LoadDaemonSecurity(tls);
+  if (!security.ok()) return flags.Fail(security.status());
+  o.security = *security;
+  if (o.security.tls()) {
+    // The coordinator accepts this worker only under its certificate's name.
+    if (!o.worker_id.empty() && o.worker_id != o.security.name()) {
+      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--worker_id: \"", o.worker_id, "\" differs from the name in --tls_cert (\"",
+          o.security.name(), "\"); with TLS the certificate names the worker")));
+    }
+    o.worker_id = o.security.name();
+  }
 
   if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());
@@ -97,7 +115,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
-          ", metrics on port ", (*worker)->metrics_port());
+          ", metrics on port ", (*worker)->metrics_port(), "; ", o.security.Describe());
   if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
         common.ready_file,

@@ -58,6 +58,7 @@ absl::Status Worker::Init() {
   runtime_options.torch_threads = options_.torch_threads;
   runtime_options.memory_slots = options_.memory_slots;
   runtime_options.metrics = &metrics_registry_;
+  runtime_options.security = options_.security;
   runtime_ = std::make_unique<JobRuntime>(
       runtime_options,
       [this](v1::WorkerMessage message) {
@@ -69,10 +70,12 @@ absl::Status Worker::Init() {
       });
   ActivationServerOptions activation_options;
   activation_options.metrics = &metrics_registry_;
+  activation_options.require_peer_certificates = options_.security.tls();
   activations_ = std::make_unique<ActivationServer>(runtime_.get(), activation_options);
 
   GrpcServerOptions server_options;
   server_options.listen = options_.listen;
+  server_options.security = options_.security;
   server_options.generic_service = activations_.get();
   // Peers' streams buffer at most this much inside gRPC over all
   // connections; the ActivationServer bounds the tensors it reassembles
@@ -93,6 +96,7 @@ absl::Status Worker::Init() {
 
   ControlClient::Options control;
   control.coordinator = options_.coordinator;
+  control.security = options_.security;
   control.connect_timeout = options_.connect_timeout;
   v1::RegisterRequest& r = control.registration;
   r.set_worker_id(options_.worker_id);

@@ -32,7 +32,10 @@ struct WorkerOptions {
   double speed = 1.0;
   int memory_slots = 3;
   std::string device = "cpu";
-  std::string metrics_bind = "0.0.0.0";
+  std::string metrics_bind = "127.0.0.1";
+  // TLS for the gRPC port, the coordinator and peers (the certificate's name
+  // is the worker id), or plaintext.
+  TransportSecurity security;
   int metrics_port = 9471;  // 0 = pick a free port; -1 = none
   std::string data_dir = "detour-data/worker";
   absl::Duration connect_timeout = absl::ZeroDuration();

@@ -156,7 +156,8 @@ int Main(int argc, char** argv) {
   ChildProcess coordinator;
   const std::string ready = dir + "/ready.json";
   absl::Status started = coordinator.Start(
-      {bin, "--listen=127.0.0.1:0", "--metrics_port=-1", absl::StrCat("--data_dir=", dir, "/data"),
+      {bin, "--listen=127.0.0.1:0", "--insecure", "--metrics_port=-1",
+       absl::StrCat("--data_dir=", dir, "/data"),
        absl::StrCat("--ready_file=", ready), "--log_level=warning"},
       dir + "/coordinator.log");
   auto port = started.ok() ? WaitForReadyField(ready, "grpc_port", absl::Seconds(30))

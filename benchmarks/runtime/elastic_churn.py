@@ -58,6 +58,7 @@ class Cluster:
         ready = os.path.join(self.dir, "c.ready")
         self.coordinator = subprocess.Popen(
             [os.path.join(args.build, "coordinator/detour-coordinator"), "--listen=127.0.0.1:0",
+             "--insecure",
              "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--data_dir={self.dir}/c",
              f"--cluster={args.cluster}", "--emulate_network", "--worker_silence=3s",
              "--heartbeat_interval=500ms", f"--ready_file={ready}"],
@@ -74,6 +75,7 @@ class Cluster:
         ready = os.path.join(self.dir, f"{wid}.ready")
         self.procs[wid] = subprocess.Popen(
             [os.path.join(self.args.build, "worker/detour-worker"), "--listen=127.0.0.1:0",
+             "--insecure",
              "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--coordinator=127.0.0.1:{self.port}",
              f"--data_dir={self.dir}/{wid}", f"--region={region}", f"--worker_id={wid}",
              "--torch_threads=1", f"--ready_file={ready}"],
@@ -83,7 +85,7 @@ class Cluster:
 
     def ctl(self, *argv):
         out = subprocess.run([os.path.join(self.args.build, "tools/detourctl/detourctl"),
-                              f"--coordinator=127.0.0.1:{self.port}", "--json", *argv],
+                              f"--coordinator=127.0.0.1:{self.port}", "--insecure", "--json", *argv],
                              capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"detourctl {' '.join(argv)}: {out.stderr}")

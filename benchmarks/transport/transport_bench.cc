@@ -4,6 +4,8 @@
 // its own buffer), for both transports.
 //
 //   build/benchmarks/transport/transport_bench --benchmark_min_time=1
+// BM_DetourTls is the same transfer over mutual TLS, with a throwaway CA made
+// by <build>/tools/gen_certs.sh at start.
 // DETOUR_BENCH_CHUNK_MIB=N sets the sender's chunk size (default 4 MiB).
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -14,6 +16,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <string>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -22,6 +26,7 @@
 #include "absl/synchronization/notification.h"
 #include "benchmark/benchmark.h"
 #include "common/net/server.h"
+#include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
 #include "worker/transport/peer_sender.h"
 
@@ -132,14 +137,43 @@ class ReusingSink : public TensorSink {
   std::shared_ptr<std::vector<char>> buffer_ = std::make_shared<std::vector<char>>();
 };
 
+// Mutual TLS as two workers use it: both sides present "bench" from a
+// throwaway CA (made once per run).
+const TransportSecurity& BenchTls() {
+  static const TransportSecurity* const security = [] {
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
+    const std::string script =
+        (self.parent_path().parent_path().parent_path() / "tools/gen_certs.sh").string();
+    char pattern[] = "/tmp/detour-bench-certs.XXXXXX";
+    const std::string dir = ::mkdtemp(pattern);
+    const std::string command = absl::StrCat(script, " ", dir, " bench");
+    if (std::system(command.c_str()) != 0) {
+      std::fprintf(stderr, "transport_bench: %s failed\n", command.c_str());
+      std::exit(1);
+    }
+    TlsFiles files{dir + "/bench.crt", dir + "/bench.key", dir + "/ca.crt", false};
+    auto loaded = TransportSecurity::Load(files, /*client=*/false);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "transport_bench: %s\n", loaded.status().ToString().c_str());
+      std::exit(1);
+    }
+    return new TransportSecurity(*loaded);
+  }();
+  return *security;
+}
+
 struct DetourPeer {
-  DetourPeer() {
-    server = std::make_unique<ActivationServer>(&sink, ActivationServerOptions{});
+  explicit DetourPeer(bool tls = false) {
+    ActivationServerOptions server_options;
+    server_options.require_peer_certificates = tls;
+    server = std::make_unique<ActivationServer>(&sink, server_options);
     GrpcServerOptions options;
     options.listen = HostPort{"127.0.0.1", 0};
+    if (tls) options.security = BenchTls();
     options.generic_service = server.get();
     running = std::move(*StartGrpcServer(std::move(options), "bench"));
     PeerSenderOptions sender_options;
+    if (tls) sender_options.security = BenchTls();
     if (const char* chunk = std::getenv("DETOUR_BENCH_CHUNK_MIB")) {
       sender_options.chunk_bytes = static_cast<size_t>(std::atoi(chunk)) << 20;
     }
@@ -178,8 +212,8 @@ struct DetourPeer {
   std::unique_ptr<PeerSender> sender;
 };
 
-void BM_Detour(benchmark::State& state) {
-  DetourPeer peer;
+void RunDetour(benchmark::State& state, bool tls) {
+  DetourPeer peer(tls);
   auto data = std::make_shared<std::vector<char>>(static_cast<size_t>(state.range(0)), 'x');
   uint32_t id = 0;
   for (auto _ : state) {
@@ -188,9 +222,14 @@ void BM_Detour(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * state.range(0));
 }
 
+void BM_Detour(benchmark::State& state) { RunDetour(state, false); }
+void BM_DetourTls(benchmark::State& state) { RunDetour(state, true); }
+
 BENCHMARK(BM_RawTcp)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Detour)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(32 << 20)->Arg(64 << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourTls)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace

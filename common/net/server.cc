@@ -19,7 +19,7 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen.ToString(), grpc::InsecureServerCredentials(),
+  builder.AddListeningPort(options.listen.ToString(), options.security.ServerCredentials(),
                            &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
@@ -58,7 +58,10 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   return running;
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int max_message_bytes) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target,
+                                           const TransportSecurity& security,
+                                           const std::string& server_name,
+                                           int max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);
@@ -72,7 +75,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int max_me
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 128 << 20);
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20);
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (security.tls() && !server_name.empty()) {
+    args.SetSslTargetNameOverride(server_name);
+  }
+  return grpc::CreateCustomChannel(target, security.ChannelCredentials(), args);
 }
 
 void SetServing(grpc::Server* server, bool serving) {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/net/address.h"
+#include "common/net/tls.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 
@@ -18,6 +19,8 @@ namespace detour {
 
 struct GrpcServerOptions {
   HostPort listen;
+  // TLS (and which client certificates verify) or plaintext.
+  TransportSecurity security;
   // Services to register; not owned, must outlive the server.
   std::vector<grpc::Service*> services;
   // Optional generic service for raw-buffer methods (the ActivationService);
@@ -48,8 +51,12 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
                                               absl::string_view what);
 
 // Channel to a peer with the limits above and keep-alive pings so a dead peer
-// is noticed on long-lived streams.
+// is noticed on long-lived streams, secured by `security`. With TLS, the
+// server's certificate must name `server_name` (a worker's id) when given,
+// else the host of `target`.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target,
+                                           const TransportSecurity& security,
+                                           const std::string& server_name = "",
                                            int max_message_bytes = 64 << 20);
 
 // Sets the overall and per-service health status of a running server.

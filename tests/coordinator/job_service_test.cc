@@ -32,7 +32,7 @@ class JobServiceTest : public ::testing::Test {
     dir_ = testing::MakeTempDir("jobservice");
     store_ = std::make_unique<JobStore>(dir_);
     ASSERT_TRUE(store_->Load().ok());
-    service_ = std::make_unique<JobServiceImpl>(store_.get(), JobServiceImpl::Hooks{});
+    service_ = std::make_unique<JobServiceImpl>(store_.get(), &open_, JobServiceImpl::Hooks{});
     GrpcServerOptions options;
     options.listen = HostPort{"127.0.0.1", 0};
     options.services = {service_.get()};
@@ -81,6 +81,7 @@ class JobServiceTest : public ::testing::Test {
 
   std::string dir_;
   std::unique_ptr<JobStore> store_;
+  ClientAuthorizer open_{ClientAuthorizer::Mode::kOpen, {}};
   std::unique_ptr<JobServiceImpl> service_;
   RunningServer running_;
   std::string address_;
@@ -193,7 +194,7 @@ TEST_F(JobServiceTest, DetourctlListShowsEveryPage) {
   CreateJobs(250, Spec("ctl"));
   const std::string ctl = testing::BuildDir() + "/tools/detourctl/detourctl";
   auto run = [&](const std::vector<std::string>& args, const std::string& name) {
-    std::vector<std::string> argv = {ctl, "--coordinator=" + address_};
+    std::vector<std::string> argv = {ctl, "--coordinator=" + address_, "--insecure"};
     argv.insert(argv.end(), args.begin(), args.end());
     ChildProcess p;
     const std::string log = dir_ + "/" + name + ".out";

@@ -163,8 +163,8 @@ TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
 
 // Lists services through gRPC server reflection with a hand-encoded request
 // (ServerReflectionRequest.list_services = field 7), returning the raw reply.
-std::string ReflectionListServices(int port) {
-  grpc::GenericStub stub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+std::string ReflectionListServices(std::shared_ptr<grpc::Channel> channel) {
+  grpc::GenericStub stub(channel);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   grpc::CompletionQueue cq;
@@ -201,11 +201,11 @@ std::string ReflectionListServices(int port) {
 TEST_F(DaemonsTest, ServersAnswerReflection) {
   Daemon c = StartCoordinator();
   Daemon w = StartWorker(c.grpc_port, "w1");
-  const std::string coordinator = ReflectionListServices(c.grpc_port);
+  const std::string coordinator = ReflectionListServices(Channel(c.grpc_port));
   EXPECT_THAT(coordinator, HasSubstr("detour.v1.JobService"));
   EXPECT_THAT(coordinator, HasSubstr("detour.v1.ControlService"));
   EXPECT_THAT(coordinator, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
-  const std::string worker = ReflectionListServices(w.grpc_port);
+  const std::string worker = ReflectionListServices(Channel(w.grpc_port));
   EXPECT_THAT(worker, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
 }
 

@@ -33,8 +33,8 @@ class ElasticTest : public E2eTest {
     return StartWorker(port, name, WorkerFlags());
   }
   int RunCtl(const std::vector<std::string>& argv, std::string* out) { return Run(argv, out); }
-  static v1::Job SubmitJob(int port, const v1::JobSpec& spec) { return Submit(port, spec); }
-  static v1::Job Job(int port, const std::string& id) { return GetJob(port, id); }
+  v1::Job SubmitJob(int port, const v1::JobSpec& spec) { return Submit(port, spec); }
+  v1::Job Job(int port, const std::string& id) { return GetJob(port, id); }
   template <typename P>
   static bool Poll(P predicate, absl::Duration timeout) {
     return Eventually(predicate, timeout);
@@ -79,12 +79,11 @@ bool JobDone(const v1::Job& j) {
 // One job on the test's coordinator, followed by polling.
 class ElasticRun {
  public:
-  ElasticRun(ElasticTest* test, int port, const v1::JobSpec& spec) : port_(port) {
-    (void)test;
-    job_ = ElasticTest::SubmitJob(port, spec).id();
+  ElasticRun(ElasticTest* test, int port, const v1::JobSpec& spec) : test_(test), port_(port) {
+    job_ = test_->SubmitJob(port, spec).id();
   }
   const std::string& id() const { return job_; }
-  v1::Job Get() const { return ElasticTest::Job(port_, job_); }
+  v1::Job Get() const { return test_->Job(port_, job_); }
   // Waits until `iterations` are done; false on timeout or a final state.
   bool ReachIteration(uint64_t iterations, absl::Duration timeout) const {
     ElasticTest::Poll(
@@ -107,6 +106,7 @@ class ElasticRun {
   }
 
  private:
+  ElasticTest* test_;
   int port_;
   std::string job_;
 };

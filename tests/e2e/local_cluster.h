@@ -1,10 +1,19 @@
 // Shared fixture for end-to-end tests: starts real detour daemons as child
 // processes on ephemeral loopback ports (each in its own temporary directory),
 // runs short commands, and talks to the daemons over gRPC.
+//
+// Everything runs with TLS by default, as a deployment would: one throwaway
+// CA per test binary (tools/gen_certs.sh, certificates made on first use, a
+// few milliseconds each), the coordinator's certificate "coordinator", each
+// worker's named by its worker id, and the test's own client certificate
+// "e2e-client" (the coordinator runs without --auth_tokens, so any
+// certificate from the CA may submit). A test sets `tls_ = false` before
+// starting daemons to run them with --insecure instead.
 #ifndef DETOUR_TESTS_E2E_LOCAL_CLUSTER_H_
 #define DETOUR_TESTS_E2E_LOCAL_CLUSTER_H_
 
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net/server.h"
+#include "common/net/tls.h"
 #include "detour/v1/control_service.grpc.pb.h"
 #include "detour/v1/job_service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -26,6 +36,47 @@ inline std::string Bin(const std::string& relative) { return BuildDir() + "/" + 
 inline const std::string kCoordinator = "coordinator/detour-coordinator";
 inline const std::string kWorker = "worker/detour-worker";
 inline const std::string kCtl = "tools/detourctl/detourctl";
+
+// The test binary's CA and certificates (made once, kept for its lifetime).
+inline const std::string& CertsDir() {
+  static const std::string* const dir = new std::string(MakeTempDir("detour-e2e-certs"));
+  return *dir;
+}
+
+// CertsDir()/<name> (.crt, .key), made with tools/gen_certs.sh if missing.
+inline std::string CertFor(const std::string& name) {
+  const std::string prefix = CertsDir() + "/" + name;
+  if (!std::filesystem::exists(prefix + ".crt")) {
+    ChildProcess gen;
+    EXPECT_TRUE(gen.Start({SourceDir() + "/tools/gen_certs.sh", CertsDir(), name},
+                          CertsDir() + "/gen_certs.log")
+                    .ok());
+    EXPECT_EQ(gen.Wait(absl::Seconds(30)), 0) << gen.Log();
+  }
+  return prefix;
+}
+
+// Flags presenting `name`'s certificate and trusting the test CA.
+inline std::vector<std::string> TlsFlags(const std::string& name) {
+  const std::string prefix = CertFor(name);
+  return {absl::StrCat("--tls_cert=", prefix, ".crt"), absl::StrCat("--tls_key=", prefix, ".key"),
+          absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt")};
+}
+
+// The test's own client credentials ("e2e-client").
+inline const TransportSecurity& ClientSecurity() {
+  static const TransportSecurity* const security = [] {
+    const std::string prefix = CertFor("e2e-client");
+    TlsFiles files;
+    files.cert = prefix + ".crt";
+    files.key = prefix + ".key";
+    files.ca = CertsDir() + "/ca.crt";
+    auto loaded = TransportSecurity::Load(files, /*client=*/true);
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    return new TransportSecurity(loaded.ok() ? *loaded : TransportSecurity::Insecure());
+  }();
+  return *security;
+}
 
 struct Daemon {
   std::unique_ptr<ChildProcess> process = std::make_unique<ChildProcess>();
@@ -47,6 +98,7 @@ class E2eTest : public ::testing::Test {
                                      absl::StrCat("--data_dir=", dir_, "/coordinator"),
                                      "--worker_silence=1500ms", "--heartbeat_interval=200ms",
                                      absl::StrCat("--ready_file=", ready)};
+    AddSecurityFlags("coordinator", &argv);
     argv.insert(argv.end(), extra.begin(), extra.end());
     EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
     auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
@@ -70,6 +122,12 @@ class E2eTest : public ::testing::Test {
                                      absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
                                      absl::StrCat("--data_dir=", dir_, "/", name),
                                      "--region=Oregon", absl::StrCat("--ready_file=", ready)};
+    // With TLS the certificate names the worker: --worker_id when given, else `name`.
+    std::string cert_name = name;
+    for (const std::string& flag : extra) {
+      if (flag.rfind("--worker_id=", 0) == 0) cert_name = flag.substr(12);
+    }
+    AddSecurityFlags(cert_name, &argv);
     argv.insert(argv.end(), extra.begin(), extra.end());
     EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
     auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
@@ -96,11 +154,30 @@ class E2eTest : public ::testing::Test {
     return workers;
   }
 
+  // --insecure, or TLS flags presenting `name`'s certificate.
+  void AddSecurityFlags(const std::string& name, std::vector<std::string>* argv) const {
+    if (!tls_) {
+      argv->push_back("--insecure");
+      return;
+    }
+    for (std::string& flag : TlsFlags(name)) argv->push_back(std::move(flag));
+  }
+
   // Runs a short-lived command; returns its exit code and fills `output`.
-  int Run(const std::vector<std::string>& argv, std::string* output,
-          absl::Duration timeout = absl::Seconds(30)) {
+  // detourctl, the coordinator and the worker get the test's security flags
+  // (as the first flags, so a test's own --insecure or --tls_* contradict
+  // them only on purpose) unless `add_security` is false.
+  int Run(std::vector<std::string> argv, std::string* output,
+          absl::Duration timeout = absl::Seconds(30), bool add_security = true) {
     static int counter = 0;
     const std::string log = absl::StrCat(dir_, "/cmd", ++counter, ".log");
+    if (add_security && !argv.empty()) {
+      std::vector<std::string> flags;
+      if (argv[0] == Bin(kCtl)) AddSecurityFlags("e2e-client", &flags);
+      if (argv[0] == Bin(kCoordinator)) AddSecurityFlags("coordinator", &flags);
+      if (argv[0] == Bin(kWorker)) AddSecurityFlags("runner", &flags);
+      argv.insert(argv.begin() + 1, flags.begin(), flags.end());
+    }
     ChildProcess p;
     EXPECT_TRUE(p.Start(argv, log).ok());
     auto code = p.Wait(timeout);
@@ -108,8 +185,14 @@ class E2eTest : public ::testing::Test {
     return code.value_or(-1);
   }
 
-  static v1::ListWorkersResponse ListWorkers(int port, bool include_lost) {
-    auto stub = v1::ControlService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+  // A channel to a daemon on this machine with the test's client credentials.
+  std::shared_ptr<grpc::Channel> Channel(int port) const {
+    return MakeChannel(absl::StrCat("127.0.0.1:", port),
+                       tls_ ? ClientSecurity() : TransportSecurity::Insecure());
+  }
+
+  v1::ListWorkersResponse ListWorkers(int port, bool include_lost) {
+    auto stub = v1::ControlService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     v1::ListWorkersRequest request;
@@ -120,9 +203,9 @@ class E2eTest : public ::testing::Test {
     return response;
   }
 
-  static grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port) {
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port) {
     auto stub =
-        grpc::health::v1::Health::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+        grpc::health::v1::Health::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     grpc::health::v1::HealthCheckRequest request;
@@ -132,8 +215,8 @@ class E2eTest : public ::testing::Test {
     return response.status();
   }
 
-  static v1::Job Submit(int port, const v1::JobSpec& spec) {
-    auto stub = v1::JobService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+  v1::Job Submit(int port, const v1::JobSpec& spec) {
+    auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     v1::SubmitJobRequest request;
@@ -144,8 +227,8 @@ class E2eTest : public ::testing::Test {
     return job;
   }
 
-  static v1::Job GetJob(int port, const std::string& id) {
-    auto stub = v1::JobService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+  v1::Job GetJob(int port, const std::string& id) {
+    auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     v1::GetJobRequest request;
@@ -158,9 +241,9 @@ class E2eTest : public ::testing::Test {
 
   // Follows a job until it ends; returns the loss of every iteration (from
   // the progress events) and the final job in `final_job`.
-  static std::vector<double> WatchLosses(int port, const std::string& id, v1::Job* final_job,
+  std::vector<double> WatchLosses(int port, const std::string& id, v1::Job* final_job,
                                          absl::Duration timeout) {
-    auto stub = v1::JobService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port)));
+    auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     v1::WatchJobRequest request;
@@ -190,6 +273,7 @@ class E2eTest : public ::testing::Test {
   }
 
   std::string dir_;
+  bool tls_ = true;
 };
 
 }  // namespace detour::testing

@@ -381,6 +381,30 @@ TEST_F(JobRuntimeTest, StateFromAnyoneElseIsRefused) {
   EXPECT_EQ(runtime_["r0"]->Allocate(h).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Only the job's workers may send: a plausible tensor from anyone else is
+// refused with PERMISSION_DENIED before memory is taken (issue 15: forged
+// NaN frames from an outsider were accepted). A frame of a newer epoch may
+// come from a worker that joined in it.
+TEST_F(JobRuntimeTest, FramesFromNonMembersAreRefused) {
+  AssignAll();
+  v1::FrameHeader h;
+  h.set_job_id("job");
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_hop(1);
+  for (int64_t d : {2, 16, 32}) h.add_shape(d);
+  h.set_dtype(v1::DTYPE_FP32);
+  h.set_total_bytes(2 * 16 * 32 * 4);
+  h.set_sender("stranger");
+  auto refused = runtime_["r0"]->Allocate(h);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("not a member of job job"));
+  h.set_sender("d0");
+  EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
+  h.set_sender("stranger");
+  h.set_epoch(1);
+  EXPECT_NE(runtime_["r0"]->Allocate(h).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
 // Plausible frames that are allocated and never consumed (a flood) hit the
 // worker's bound on held tensor bytes; freeing them makes room again.
 TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {

@@ -171,7 +171,7 @@ TEST_F(TransportTest, WrongJobIsRejectedAndCounted) {
 // Sends raw buffers on a stream, bypassing PeerSender, and collects acks.
 std::vector<v1::FrameAck> SendRaw(const std::string& address,
                                   std::vector<grpc::ByteBuffer> frames) {
-  auto channel = MakeChannel(address);
+  auto channel = MakeChannel(address, TransportSecurity::Insecure());
   grpc::GenericStub stub(channel);
   grpc::ClientContext context;
   grpc::CompletionQueue cq;
@@ -346,7 +346,7 @@ TEST_F(TransportTest, ClosedSenderReleasesEverythingItHandedToGrpc) {
   int still_held = 0;
   for (int i = 0; i < kCycles; ++i) {
     const std::string peer = "127.0.0.1:1";  // nothing listens: connection refused
-    std::shared_ptr<grpc::Channel> channel = MakeChannel(peer);
+    std::shared_ptr<grpc::Channel> channel = MakeChannel(peer, TransportSecurity::Insecure());
     std::weak_ptr<grpc::Channel> watch = channel;
     PeerSenderOptions options;
     options.ack_timeout = absl::Seconds(3);
@@ -413,7 +413,7 @@ class CountingSink : public TensorSink {
 class FloodStream {
  public:
   explicit FloodStream(const std::string& address)
-      : channel_(MakeChannel(address)), stub_(channel_) {
+      : channel_(MakeChannel(address, TransportSecurity::Insecure())), stub_(channel_) {
     call_ = stub_.PrepareCall(&context_, "/detour.v1.ActivationService/Stream", &cq_);
     call_->StartCall(Tag(kStart));
     WaitFor(kStart);

@@ -6,13 +6,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -23,8 +26,10 @@
 #include "common/log.h"
 #include "common/net/server.h"
 #include "common/net/shutdown_signal.h"
+#include "common/net/tls.h"
 #include "common/plot.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "common/subprocess.h"
 #include "detour/v1/job_service.grpc.pb.h"
 
@@ -45,7 +50,20 @@ struct Args {
   bool emulate_network = false;
   int64_t torch_threads = 1;
   int64_t iterations = 0;
+  bool insecure = false;
+  std::string certs;  // "" = a fresh throwaway CA in <out>/certs
 };
+
+// A random bearer token: 32 bytes from the kernel, hex.
+absl::StatusOr<std::string> RandomToken() {
+  FILE* f = std::fopen("/dev/urandom", "rb");
+  if (f == nullptr) return absl::UnavailableError("cannot open /dev/urandom");
+  char bytes[32];
+  const size_t n = std::fread(bytes, 1, sizeof(bytes), f);
+  std::fclose(f);
+  if (n != sizeof(bytes)) return absl::UnavailableError("short read from /dev/urandom");
+  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
 
 std::string FormatEta(double s) {
   if (s <= 0) return "-";
@@ -112,6 +130,10 @@ class Launcher {
       return 1;
     }
     const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
+    if (absl::Status s = SetUpSecurity(bin, workers); !s.ok()) {
+      std::cerr << "detour-local: " << s.message() << "\n";
+      return 1;
+    }
 
     std::cout << "detour-local: coordinator + " << workers << " workers on loopback (logs in "
               << args_.out << "/)\n";
@@ -120,6 +142,8 @@ class Launcher {
         "--metrics_bind=127.0.0.1", absl::StrCat("--data_dir=", args_.out, "/coordinator"),
         absl::StrCat("--ready_file=", args_.out, "/coordinator.ready"),
         "--heartbeat_interval=500ms", "--worker_silence=5s"};
+    AddSecurityFlags("coordinator", &cargv);
+    if (!certs_.empty()) cargv.push_back(absl::StrCat("--auth_tokens=", certs_, "/tokens"));
     if (!args_.cluster.empty()) cargv.push_back(absl::StrCat("--cluster=", args_.cluster));
     if (args_.emulate_network) cargv.push_back("--emulate_network");
     if (absl::Status s = coordinator_.Start(cargv, args_.out + "/coordinator.log", true); !s.ok()) {
@@ -146,6 +170,7 @@ class Launcher {
           absl::StrCat("--region=", region), absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
           absl::StrCat("--torch_threads=", args_.torch_threads),
           absl::StrCat("--ready_file=", args_.out, "/w", i + 1, ".ready")};
+      AddSecurityFlags(absl::StrCat("w", i + 1), &wargv);
       if (absl::Status s = w->Start(wargv, absl::StrCat(args_.out, "/w", i + 1, ".log"), true);
           !s.ok()) {
         std::cerr << "detour-local: " << s.message() << "\n";
@@ -162,6 +187,14 @@ class Launcher {
       }
     }
     std::cout << "  workers      w1..w" << workers << " registered\n";
+    if (!certs_.empty()) {
+      std::cout << "  TLS          throwaway CA and certificates in " << certs_
+                << "/; try\n               detourctl --coordinator=" << address_
+                << " --tls_ca=" << certs_ << "/ca.crt --token_file=" << certs_
+                << "/token list\n";
+    } else {
+      std::cout << "  plaintext    --insecure: no TLS, no authentication\n";
+    }
     return SubmitAndFollow(*spec);
   }
 
@@ -180,11 +213,71 @@ class Launcher {
   }
 
  private:
+  // Without --insecure: certificates for the coordinator, every worker (named
+  // by its id) and this client, from --certs or a throwaway CA made with
+  // tools/gen_certs.sh, and a token file with one submit token.
+  absl::Status SetUpSecurity(const std::string& bin, int workers) {
+    if (args_.insecure) return absl::OkStatus();
+    certs_ = args_.certs.empty() ? args_.out + "/certs" : args_.certs;
+    std::vector<std::string> argv = {bin + "/tools/gen_certs.sh", certs_};
+    for (const std::string& name : {std::string("coordinator"), std::string("detour-local")}) {
+      if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
+        argv.push_back(name);
+      }
+    }
+    for (int i = 1; i <= workers; ++i) {
+      const std::string name = absl::StrCat("w", i);
+      if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
+        argv.push_back(name);
+      }
+    }
+    if (argv.size() > 2) {
+      ChildProcess gen;
+      RETURN_IF_ERROR(gen.Start(argv, args_.out + "/gen_certs.log"));
+      std::optional<int> code = gen.Wait(absl::Seconds(60));
+      if (code != 0) {
+        return absl::InternalError(
+            absl::StrCat("making certificates with ", argv[0], " failed:\n", gen.Log()));
+      }
+    }
+    ASSIGN_OR_RETURN(std::string token, RandomToken());
+    RETURN_IF_ERROR(WriteFileAtomically(certs_ + "/token", token + "\n"));
+    RETURN_IF_ERROR(WriteFileAtomically(certs_ + "/tokens",
+                                        absl::StrCat(token, " submit detour-local\n")));
+    std::error_code ec;
+    for (const char* name : {"/token", "/tokens"}) {
+      fs::permissions(certs_ + name, fs::perms::owner_read | fs::perms::owner_write,
+                      fs::perm_options::replace, ec);
+    }
+    TlsFiles files;
+    files.ca = certs_ + "/ca.crt";
+    files.cert = certs_ + "/detour-local.crt";
+    files.key = certs_ + "/detour-local.key";
+    ASSIGN_OR_RETURN(security_, TransportSecurity::Load(files, /*client=*/true));
+    token_ = token;
+    return absl::OkStatus();
+  }
+
+  void AddSecurityFlags(const std::string& name, std::vector<std::string>* argv) const {
+    if (certs_.empty()) {
+      argv->push_back("--insecure");
+      return;
+    }
+    argv->push_back(absl::StrCat("--tls_cert=", certs_, "/", name, ".crt"));
+    argv->push_back(absl::StrCat("--tls_key=", certs_, "/", name, ".key"));
+    argv->push_back(absl::StrCat("--tls_ca=", certs_, "/ca.crt"));
+  }
+
+  void Authorize(grpc::ClientContext* context) const {
+    if (!token_.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+  }
+
   int SubmitAndFollow(const v1::JobSpec& spec) {
-    auto stub = v1::JobService::NewStub(MakeChannel(address_));
+    auto stub = v1::JobService::NewStub(MakeChannel(address_, security_));
     v1::Job job;
     {
       grpc::ClientContext context;
+      Authorize(&context);
       context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
       v1::SubmitJobRequest request;
       *request.mutable_spec() = spec;
@@ -206,6 +299,7 @@ class Launcher {
                                   " stages, skip ", spec.pipeline().skip_ratio(), ")"),
                      {}};
     grpc::ClientContext context;
+    Authorize(&context);
     {
       absl::MutexLock lock(&mu_);
       watch_ = &context;
@@ -256,6 +350,7 @@ class Launcher {
     if (interrupted_) {
       std::cout << "detour-local: interrupted; cancelling " << job.id() << "\n";
       grpc::ClientContext cancel_context;
+      Authorize(&cancel_context);
       cancel_context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
       v1::CancelJobRequest cancel;
       cancel.set_job_id(job.id());
@@ -294,6 +389,9 @@ class Launcher {
   }
 
   const Args args_;
+  std::string certs_;  // "" = --insecure
+  TransportSecurity security_;
+  std::string token_;
   std::string address_;
   ChildProcess coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> workers_;
@@ -322,9 +420,18 @@ int Main(int argc, char** argv) {
              "workers delay and rate-limit their frames per --cluster (emulation)");
   flags.Int("torch_threads", &a.torch_threads, "LibTorch threads per worker");
   flags.Int("iterations", &a.iterations, "override the job's iterations (0 = the job's)");
+  flags.Bool("insecure", &a.insecure,
+             "plaintext gRPC without authentication (default: TLS with a throwaway CA)");
+  flags.String("certs", &a.certs,
+               "directory with ca.crt, coordinator.crt/.key, w<N>.crt/.key and "
+               "detour-local.crt/.key as tools/gen_certs.sh writes them; missing ones are "
+               "made when ca.key is there (default: a fresh throwaway CA in <out>/certs)");
   auto rest = flags.Parse(argc, argv);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return flags.Fail(absl::InvalidArgumentError("unexpected arguments"));
+  if (a.insecure && !a.certs.empty()) {
+    return flags.Fail(absl::InvalidArgumentError("--insecure contradicts --certs"));
+  }
   if (a.emulate_network && a.cluster.empty()) {
     return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
   }

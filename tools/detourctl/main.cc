@@ -6,6 +6,7 @@
 // serving.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -13,14 +14,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/files.h"
 #include "common/flags.h"
 #include "common/net/grpc_status.h"
 #include "common/net/server.h"
+#include "common/net/tls.h"
 #include "common/spec.h"
 #include "common/version.h"
 #include "detour/v1/control_service.grpc.pb.h"
@@ -58,10 +62,14 @@ Exit status: 0 success; 1 the coordinator reported an error (or a watched job
 did not succeed); 2 bad usage; 3 coordinator unreachable; 4 not serving.
 
 The coordinator address comes from --coordinator, else $DETOUR_COORDINATOR,
-else 127.0.0.1:7070.)";
+else 127.0.0.1:7070. Connections use TLS with --tls_ca (plus --tls_cert and
+--tls_key for a client certificate), or plaintext with an explicit --insecure.
+The bearer token comes from --token_file, else $DETOUR_TOKEN.)";
 
 struct Globals {
   std::string coordinator;
+  TransportSecurity security;
+  std::string token;  // sent as "authorization: Bearer <token>"; "" = none
   bool json = false;
   absl::Duration timeout = absl::Seconds(10);
 };
@@ -85,8 +93,23 @@ int RpcFailed(const Globals& g, const grpc::Status& status, absl::string_view wh
   return kExitError;
 }
 
-void SetDeadline(const Globals& g, grpc::ClientContext* context) {
+// The deadline and the bearer token of every request.
+void PrepareCall(const Globals& g, grpc::ClientContext* context) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + g.timeout));
+  if (!g.token.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", g.token));
+}
+
+// The token in a --token_file: the file's only word, at most 512 characters.
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  auto text = ReadFileToString(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat("--token_file: ", text.status().message()));
+  const absl::string_view token = absl::StripAsciiWhitespace(*text);
+  if (token.empty() || token.size() > 512 ||
+      std::any_of(token.begin(), token.end(), [](char c) { return c <= ' ' || c >= 127; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--token_file: ", path, " must hold one token of 1..512 printable characters"));
+  }
+  return std::string(token);
 }
 
 std::string Ago(const google::protobuf::Timestamp& t) {
@@ -199,9 +222,9 @@ int CmdWorkers(const Globals& g, const std::vector<std::string>& args) {
   auto rest = flags.Parse(args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("workers takes no arguments");
-  auto stub = v1::ControlService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::ControlService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   v1::ListWorkersRequest request;
   request.set_include_lost(all);
   v1::ListWorkersResponse response;
@@ -236,9 +259,9 @@ int CmdHealth(const Globals& g, const std::vector<std::string>& args) {
   auto rest = flags.Parse(args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("health takes no arguments");
-  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target));
+  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
@@ -275,9 +298,9 @@ int CmdSubmit(const Globals& g, const std::vector<std::string>& args) {
     std::cerr << "detourctl: submit: " << spec.status().message() << "\n";
     return spec.status().code() == absl::StatusCode::kNotFound ? kExitUsage : kExitError;
   }
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   v1::SubmitJobRequest request;
   *request.mutable_spec() = *spec;
   v1::Job job;
@@ -305,9 +328,9 @@ int WithJobId(const Globals& g, const std::vector<std::string>& args, const char
 int CmdGet(const Globals& g, const std::vector<std::string>& args) {
   std::string id;
   if (int rc = WithJobId(g, args, "get", &id); rc >= 0) return rc;
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   v1::GetJobRequest request;
   request.set_job_id(id);
   v1::Job job;
@@ -320,9 +343,9 @@ int CmdGet(const Globals& g, const std::vector<std::string>& args) {
 int CmdCancel(const Globals& g, const std::vector<std::string>& args) {
   std::string id;
   if (int rc = WithJobId(g, args, "cancel", &id); rc >= 0) return rc;
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   v1::CancelJobRequest request;
   request.set_job_id(id);
   v1::Job job;
@@ -347,9 +370,9 @@ int CmdResume(const Globals& g, const std::vector<std::string>& args) {
   auto rest = flags.Parse(args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("resume needs exactly one JOB_ID");
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
-  SetDeadline(g, &context);
+  PrepareCall(g, &context);
   v1::ResumeJobRequest request;
   request.set_job_id((*rest)[0]);
   request.set_checkpoint(checkpoint);
@@ -371,7 +394,7 @@ int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
   auto rest = flags.Parse(args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("events needs exactly one JOB_ID");
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   size_t shown = 0;
   auto print_new = [&](const v1::Job& job) {
     // The record keeps the newest 200: count from the end when it rolled.
@@ -387,7 +410,7 @@ int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
   };
   if (!follow) {
     grpc::ClientContext context;
-    SetDeadline(g, &context);
+    PrepareCall(g, &context);
     v1::GetJobRequest request;
     request.set_job_id((*rest)[0]);
     v1::Job job;
@@ -427,7 +450,7 @@ int CmdList(const Globals& g, const std::vector<std::string>& args) {
     }
     request.set_state(state);
   }
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   // The coordinator answers in pages; all of them make one listing. A
   // coordinator that never ends its pages (or repeats a token) is refused.
   constexpr int kMaxPages = 100000;
@@ -435,7 +458,7 @@ int CmdList(const Globals& g, const std::vector<std::string>& args) {
   std::set<std::string> tokens;
   for (int page = 0;; ++page) {
     grpc::ClientContext context;
-    SetDeadline(g, &context);
+    PrepareCall(g, &context);
     v1::ListJobsResponse part;
     grpc::Status status = stub->List(&context, request, &part);
     if (!status.ok()) return RpcFailed(g, status, "list");
@@ -466,7 +489,7 @@ int CmdList(const Globals& g, const std::vector<std::string>& args) {
 }
 
 int Watch(const Globals& g, const std::string& job_id) {
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator));
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;  // no deadline: jobs run for hours
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
@@ -506,9 +529,28 @@ int Main(int argc, char** argv) {
   flags.String("coordinator", &g.coordinator, "host:port of the coordinator");
   flags.Bool("json", &g.json, "print results as JSON (the proto3 JSON mapping)");
   flags.Duration("timeout", &g.timeout, "deadline for each request");
+  TlsFiles tls;
+  RegisterTlsFlags(&flags, &tls);
+  std::string token_file;
+  flags.String("token_file", &token_file,
+               "file holding the bearer token (default: $DETOUR_TOKEN)");
   flags.SetEpilog(kCommands);
   auto args = flags.Parse(argc, argv, /*stop_at_positional=*/true);
   if (!args.ok()) return flags.Fail(args.status());
+  if (!tls.insecure && tls.ca.empty() && tls.cert.empty() && tls.key.empty() &&
+      !args->empty() && (*args)[0] != "version") {
+    return Usage("give --tls_ca (the cluster CA) for TLS, or --insecure for plaintext");
+  }
+  auto security = TransportSecurity::Load(tls, /*client=*/true);
+  if (!security.ok()) return Usage(std::string(security.status().message()));
+  g.security = *security;
+  if (!token_file.empty()) {
+    auto token = ReadToken(token_file);
+    if (!token.ok()) return Usage(std::string(token.status().message()));
+    g.token = *token;
+  } else if (const char* t = std::getenv("DETOUR_TOKEN"); t != nullptr && *t != '\0') {
+    g.token = t;
+  }
   if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
   if (auto a = ParseHostPort(g.coordinator, "--coordinator", false); !a.ok()) {
     return Usage(std::string(a.status().message()));

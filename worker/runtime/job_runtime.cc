@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -180,6 +181,14 @@ class JobRuntime::Impl {
       if (accept_job_.empty() || h.job_id() != accept_job_) {
         return absl::FailedPreconditionError(
             absl::StrCat("this worker holds no stage of job ", h.job_id()));
+      }
+      // Only the job's workers may send (with TLS, the transport has checked
+      // that `sender` is the certificate's name). A frame of a newer epoch
+      // than this worker knows may come from a worker that joined in it,
+      // before this worker has the plan that names it.
+      if (!accept_members_.count(h.sender()) && h.epoch() <= accept_epoch_) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "worker \"", absl::CHexEscape(h.sender()), "\" is not a member of job ", h.job_id()));
       }
       if (h.iteration() < accept_iteration_ || h.iteration() > accept_iteration_ + 1) {
         metrics_.LateFrame();
@@ -424,6 +433,7 @@ class JobRuntime::Impl {
     PeerTransportConfig config;
     config.region = options_.region;
     config.emulate_network = a.emulate_network();
+    config.security = options_.security;
     transport_ = options_.transport ? options_.transport(config)
                                     : GrpcPeerTransport::Factory()(config);
     SetPeers(a.peers());
@@ -469,7 +479,15 @@ class JobRuntime::Impl {
 
   void PushPeers() {
     std::vector<PeerEndpoint> endpoints;
-    for (const auto& [id, p] : peers_) endpoints.push_back(p);
+    std::set<std::string> members = {me_};
+    for (const auto& [id, p] : peers_) {
+      endpoints.push_back(p);
+      members.insert(id);
+    }
+    {
+      absl::MutexLock lock(&accept_mu_);
+      accept_members_ = std::move(members);
+    }
     transport_->SetPeers(endpoints);
   }
 
@@ -1374,6 +1392,8 @@ class JobRuntime::Impl {
   int64_t accept_flat_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
   int64_t accept_factor_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
   std::string accept_state_from_ ABSL_GUARDED_BY(accept_mu_);
+  // Worker ids of the job's members (this worker included).
+  std::set<std::string> accept_members_ ABSL_GUARDED_BY(accept_mu_);
   uint64_t accept_state_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
   uint64_t accept_held_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
   // Bytes of received tensors alive now (shared with their deleters).

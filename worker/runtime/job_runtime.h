@@ -59,6 +59,8 @@ struct JobRuntimeOptions {
   metrics::Registry* metrics = nullptr;  // not owned; may be null
   // Makes each job's peer transport; empty = gRPC streams (GrpcPeerTransport).
   PeerTransportFactory transport;
+  // Security of the gRPC streams to peers (the default transport).
+  TransportSecurity security;
 };
 
 class JobRuntime : public TensorSink {

@@ -70,6 +70,8 @@ void GrpcPeerTransport::Send(const std::string& to, v1::FrameHeader header, Tens
     if (slot == nullptr) {
       PeerSenderOptions o;
       o.emulation = EmulationBetween(config_.emulate_network, config_.region, peer->second.region);
+      o.security = config_.security;
+      o.peer_name = peer->second.worker_id;
       slot = std::make_unique<PeerSender>(peer->second.address, o);
     }
     sender = slot.get();

@@ -52,6 +52,8 @@ struct PeerTransportConfig {
   std::string region;  // this worker's
   // Region network to emulate on outgoing frames; empty = none.
   v1::ClusterSpec emulate_network;
+  // TLS to peers (each peer's certificate must name its worker id) or plaintext.
+  TransportSecurity security;
 };
 
 using PeerTransportFactory =

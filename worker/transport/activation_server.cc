@@ -2,14 +2,17 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "common/net/reactor_support.h"
+#include "common/net/tls.h"
 #include "common/tsan.h"
 #include "worker/transport/frame_codec.h"
 
@@ -45,10 +48,21 @@ v1::FrameAck AckFor(const v1::FrameHeader& h, bool ok, std::string error) {
 // reassembly state lives here and needs no lock (reads are serial).
 class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
  public:
-  ActivationStreamReactor(ActivationServer* server, bool right_method) : server_(server) {
+  // `peer_name`: the verified certificate name of the sender, if any.
+  ActivationStreamReactor(ActivationServer* server, bool right_method,
+                          std::optional<std::string> peer_name)
+      : server_(server), peer_name_(std::move(peer_name)) {
     if (!right_method) {
       Apply(outbox_.RequestFinish(
           grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
+      return;
+    }
+    if (server_->options_.require_peer_certificates && !peer_name_.has_value()) {
+      server_->Count(&server_->unauthorized_, server_->unauthorized_metric_);
+      LogWarning("activation stream: refused a peer without a worker certificate");
+      Apply(outbox_.RequestFinish(grpc::Status(
+          grpc::StatusCode::UNAUTHENTICATED,
+          "activation streams need a worker certificate from the cluster CA")));
       return;
     }
     NextRead();
@@ -68,7 +82,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
     }
-    Handle();
+    if (!Handle()) return;  // the stream is being ended
     incoming_.Clear();
     {
       // A sender that does not read its acks is not read either (HTTP/2 flow
@@ -129,7 +143,8 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
     assemblies_.erase(it);
   }
 
-  void Handle() {
+  // False when the stream is ending (a sender its certificate does not name).
+  bool Handle() {
     ActivationServer& s = *server_;
     s.Count(&s.frames_, s.frames_metric_);
     auto frame = DecodeFrame(incoming_);
@@ -137,7 +152,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       s.Count(&s.malformed_, s.malformed_metric_);
       LogWarning("activation stream: dropped malformed frame: ", frame.status().message());
       Ack(AckFor(v1::FrameHeader(), false, std::string(frame.status().message())));
-      return;
+      return true;
     }
     const v1::FrameHeader& h = frame->header;
     absl::Status valid = ValidateFrameHeader(h, frame->data_bytes, s.options_.max_tensor_bytes);
@@ -145,8 +160,25 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       s.Count(&s.malformed_, s.malformed_metric_);
       LogWarning("activation stream: dropped frame from ", h.sender(), ": ", valid.message());
       Ack(AckFor(h, false, std::string(valid.message())));
-      return;
+      return true;
     }
+    if (s.options_.require_peer_certificates && h.sender() != *peer_name_) {
+      s.Count(&s.unauthorized_, s.unauthorized_metric_);
+      LogWarning("activation stream: certificate ", *peer_name_, " sent a frame as \"",
+                 absl::CHexEscape(h.sender()), "\"; ending its stream");
+      Apply(outbox_.RequestFinish(grpc::Status(
+          grpc::StatusCode::PERMISSION_DENIED,
+          absl::StrCat("frames from certificate ", *peer_name_, " must name it as sender"))));
+      return false;
+    }
+    HandleFrame(*frame);
+    return true;
+  }
+
+  void HandleFrame(const DecodedFrame& frame_ref) {
+    ActivationServer& s = *server_;
+    const DecodedFrame* frame = &frame_ref;
+    const v1::FrameHeader& h = frame->header;
     const std::string key = TensorKey(h);
     auto it = assemblies_.find(key);
     if (it == assemblies_.end()) {
@@ -172,7 +204,11 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       auto buffer = s.sink_->Allocate(h);
       if (!buffer.ok()) {
         a.rejected = true;
-        s.Count(&s.rejected_, s.rejected_metric_);
+        if (buffer.status().code() == absl::StatusCode::kPermissionDenied) {
+          s.Count(&s.unauthorized_, s.unauthorized_metric_);
+        } else {
+          s.Count(&s.rejected_, s.rejected_metric_);
+        }
         LogWarning("activation stream: rejected tensor ", key, " from ", h.sender(), ": ",
                    buffer.status().message());
         Ack(AckFor(h, false, std::string(buffer.status().message())));
@@ -237,6 +273,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   static constexpr size_t kMaxQueuedAcks = 64;
 
   ActivationServer* const server_;
+  const std::optional<std::string> peer_name_;
   grpc::ByteBuffer incoming_;
   std::map<std::string, Assembly> assemblies_;
   ServerOutbox<grpc::ByteBuffer> outbox_;
@@ -261,11 +298,16 @@ ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions opt
       counter("detour_activation_chunks_duplicate", "Chunks received twice and dropped.");
   dropped_metric_ =
       counter("detour_activation_chunks_dropped", "Chunks of rejected tensors, dropped.");
+  unauthorized_metric_ = counter(
+      "detour_activation_frames_unauthorized",
+      "Streams and frames refused for their sender: no worker certificate, a sender name "
+      "the certificate does not carry, or not a member of the job (PERMISSION_DENIED).");
 }
 
 grpc::ServerGenericBidiReactor* ActivationServer::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
-  return new ActivationStreamReactor(this, ctx->method() == kMethod);
+  return new ActivationStreamReactor(this, ctx->method() == kMethod,
+                                     VerifiedPeerName(ctx->auth_context().get()));
 }
 
 void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric,
@@ -328,6 +370,7 @@ ActivationServer::Stats ActivationServer::stats() const {
   s.rejected = rejected_.load();
   s.duplicates = duplicates_.load();
   s.dropped = dropped_.load();
+  s.unauthorized = unauthorized_.load();
   s.partial_tensors = partial_tensors_.load();
   s.peak_partial_tensors = peak_partial_tensors_.load();
   s.partial_bytes = partial_bytes_.load();

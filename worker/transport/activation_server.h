@@ -53,6 +53,10 @@ struct ActivationServerOptions {
   uint64_t max_partial_bytes = uint64_t{4} << 30;
   // Optional; counters are registered here when set.
   metrics::Registry* metrics = nullptr;
+  // TLS: a stream is read only from a peer with a verified certificate, and
+  // every frame's `sender` must be that certificate's name; others end with
+  // UNAUTHENTICATED / PERMISSION_DENIED.
+  bool require_peer_certificates = false;
 };
 
 class ActivationServer final : public grpc::CallbackGenericService {
@@ -72,6 +76,9 @@ class ActivationServer final : public grpc::CallbackGenericService {
     uint64_t rejected = 0;         // tensors the sink refused
     uint64_t duplicates = 0;       // chunks received twice
     uint64_t dropped = 0;          // chunks of rejected tensors
+    // Streams and frames refused for who sent them: no certificate, a sender
+    // the certificate does not name, or not a member of the job.
+    uint64_t unauthorized = 0;
     // Now and at most so far: half-received tensors, the sink memory they
     // hold, and the transport's own book-keeping for them (headers, keys,
     // chunk maps).
@@ -95,7 +102,7 @@ class ActivationServer final : public grpc::CallbackGenericService {
   TensorSink* const sink_;
   const ActivationServerOptions options_;
   std::atomic<uint64_t> frames_{0}, tensors_{0}, bytes_{0}, malformed_{0}, rejected_{0},
-      duplicates_{0}, dropped_{0};
+      duplicates_{0}, dropped_{0}, unauthorized_{0};
   std::atomic<uint64_t> partial_tensors_{0}, peak_partial_tensors_{0}, partial_bytes_{0},
       peak_partial_bytes_{0};
   std::atomic<int64_t> bookkeeping_bytes_{0}, peak_bookkeeping_bytes_{0};
@@ -106,6 +113,7 @@ class ActivationServer final : public grpc::CallbackGenericService {
   metrics::Counter* rejected_metric_ = nullptr;
   metrics::Counter* duplicates_metric_ = nullptr;
   metrics::Counter* dropped_metric_ = nullptr;
+  metrics::Counter* unauthorized_metric_ = nullptr;
 };
 
 }  // namespace detour

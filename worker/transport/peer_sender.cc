@@ -77,7 +77,8 @@ class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
 };
 
 PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
-    : PeerSender(peer_address, MakeChannel(peer_address), options) {}
+    : PeerSender(peer_address, MakeChannel(peer_address, options.security, options.peer_name),
+                 options) {}
 
 PeerSender::PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> channel,
                        PeerSenderOptions options)

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "detour/v1/activation_service.pb.h"
+#include "common/net/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "worker/transport/frame_codec.h"
 
@@ -38,6 +39,11 @@ struct PeerSenderOptions {
   LinkEmulation emulation;
   // A tensor not acknowledged within this time fails with DEADLINE_EXCEEDED.
   absl::Duration ack_timeout = absl::Seconds(60);
+  // For the channel PeerSender makes itself: TLS or plaintext, and with TLS
+  // the name the peer's certificate must carry (its worker id; "" = the
+  // host of the address).
+  TransportSecurity security;
+  std::string peer_name;
 };
 
 class PeerSender {

@@ -1,0 +1,369 @@
+// End-to-end: TLS and identity on real daemons. Plaintext only on request;
+// client RPCs need a token or certificate with a role; a worker registers
+// only under its certificate's name and with a certificate from the cluster
+// CA; a worker's ActivationService takes frames only from certified members
+// of its job.
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/net/tls.h"
+#include "detour/v1/control_service.grpc.pb.h"
+#include "detour/v1/job_service.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/local_cluster.h"
+#include "tests/e2e/micro_job.h"
+#include "worker/transport/peer_sender.h"
+
+namespace detour::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kReadToken[] = "read-token-0123456789abcdef";
+constexpr char kSubmitToken[] = "submit-token-0123456789abcdef";
+
+class TlsTest : public E2eTest {
+ protected:
+  // Client credentials: the test CA, optionally a certificate of `name`.
+  static TransportSecurity Client(const std::string& name = "") {
+    TlsFiles files;
+    files.ca = CertsDir() + "/ca.crt";
+    if (!name.empty()) {
+      files.cert = CertFor(name) + ".crt";
+      files.key = CertFor(name) + ".key";
+    }
+    auto loaded = TransportSecurity::Load(files, /*client=*/true);
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    return loaded.ok() ? *loaded : TransportSecurity::Insecure();
+  }
+
+  std::string WriteFile(const std::string& name, const std::string& text) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  // A coordinator with --auth_tokens: kReadToken (read, also the role of
+  // certificate "reader") and kSubmitToken (submit).
+  Daemon StartCoordinatorWithTokens() {
+    const std::string tokens = WriteFile(
+        "tokens", absl::StrCat("# test tokens\n", kReadToken, " read reader\n", kSubmitToken,
+                               " submit\n"));
+    return StartCoordinator({"--auth_tokens=" + tokens});
+  }
+
+  // A second, unrelated CA with a certificate for `name`; returns its dir.
+  std::string OtherCa(const std::string& name) {
+    const std::string other = dir_ + "/other-ca";
+    std::string out;
+    EXPECT_EQ(Run({SourceDir() + "/tools/gen_certs.sh", other, name}, &out), 0) << out;
+    return other;
+  }
+};
+
+grpc::StatusCode SubmitCode(v1::JobService::Stub* stub, const std::string& token,
+                            std::string* job_id = nullptr) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = MicroJob(2, 1, 1, 0.0, 1);
+  v1::Job job;
+  grpc::Status status = stub->Submit(&context, request, &job);
+  if (job_id != nullptr) *job_id = job.id();
+  return status.error_code();
+}
+
+grpc::StatusCode ListCode(v1::JobService::Stub* stub, const std::string& token) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  v1::ListJobsResponse response;
+  return stub->List(&context, v1::ListJobsRequest(), &response).error_code();
+}
+
+grpc::StatusCode CancelCode(v1::JobService::Stub* stub, const std::string& token,
+                            const std::string& id) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  v1::CancelJobRequest request;
+  request.set_job_id(id);
+  v1::Job job;
+  return stub->Cancel(&context, request, &job).error_code();
+}
+
+grpc::StatusCode WatchCode(v1::JobService::Stub* stub, const std::string& id) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::WatchJobRequest request;
+  request.set_job_id(id);
+  auto reader = stub->Watch(&context, request);
+  v1::JobEvent event;
+  while (reader->Read(&event)) {
+  }
+  return reader->Finish().error_code();
+}
+
+TEST_F(TlsTest, DaemonsRefuseToStartWithoutTlsOrInsecure) {
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCoordinator), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 absl::StrCat("--data_dir=", dir_, "/c")},
+                &out, absl::Seconds(30), /*add_security=*/false),
+            2);
+  EXPECT_THAT(out, HasSubstr("no TLS: give --tls_cert, --tls_key and --tls_ca"));
+  EXPECT_THAT(out, HasSubstr("--insecure"));
+  EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 absl::StrCat("--data_dir=", dir_, "/w")},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("no TLS"));
+  EXPECT_EQ(Run({Bin(kCtl), "list"}, &out, absl::Seconds(30), false), 2);
+  EXPECT_THAT(out, HasSubstr("--tls_ca"));
+
+  // Files are checked at start: a key of another certificate, a certificate
+  // of another CA, a missing file.
+  const std::string ours = CertFor("coordinator");
+  const std::string ca = absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt");
+  EXPECT_EQ(Run({Bin(kCoordinator), "--tls_cert=" + ours + ".crt",
+                 "--tls_key=" + CertFor("e2e-client") + ".key", ca},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("is not the key of the certificate in " + ours + ".crt"));
+  const std::string other = OtherCa("coordinator");
+  EXPECT_EQ(Run({Bin(kCoordinator), "--tls_cert=" + other + "/coordinator.crt",
+                 "--tls_key=" + other + "/coordinator.key", ca},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("does not verify against --tls_ca"));
+  EXPECT_EQ(Run({Bin(kWorker), "--tls_cert=" + ours + ".crt", "--tls_key=" + ours + ".key",
+                 "--tls_ca=" + dir_ + "/missing.crt"},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("--tls_ca: " + dir_ + "/missing.crt does not exist"));
+  // A tokens file with a mistake names its line.
+  const std::string tokens = WriteFile("bad_tokens", "# ok\nshort read\n");
+  EXPECT_EQ(Run({Bin(kCoordinator), "--auth_tokens=" + tokens}, &out), 2);
+  EXPECT_THAT(out, HasSubstr(tokens + " line 2: the token is 5 characters"));
+}
+
+TEST_F(TlsTest, ClientsNeedATokenOrCertificateWithTheRole) {
+  Daemon c = StartCoordinatorWithTokens();
+  ASSERT_GT(c.grpc_port, 0);
+  const std::string address = absl::StrCat("127.0.0.1:", c.grpc_port);
+  auto anonymous = v1::JobService::NewStub(MakeChannel(address, Client()));
+
+  // No credentials: UNAUTHENTICATED for everything; a wrong token too.
+  EXPECT_EQ(SubmitCode(anonymous.get(), ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(ListCode(anonymous.get(), ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(WatchCode(anonymous.get(), "job-000001"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(CancelCode(anonymous.get(), "", "job-000001"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(SubmitCode(anonymous.get(), "not-a-token-0123456789"),
+            grpc::StatusCode::UNAUTHENTICATED);
+
+  // submit may submit and cancel.
+  std::string id;
+  ASSERT_EQ(SubmitCode(anonymous.get(), kSubmitToken, &id), grpc::StatusCode::OK);
+  // read may list, not submit or cancel.
+  EXPECT_EQ(ListCode(anonymous.get(), kReadToken), grpc::StatusCode::OK);
+  EXPECT_EQ(SubmitCode(anonymous.get(), kReadToken), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(CancelCode(anonymous.get(), kReadToken, id), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(CancelCode(anonymous.get(), kSubmitToken, id), grpc::StatusCode::OK);
+
+  // A client certificate named in the tokens file has that line's role; one
+  // that is not named has none.
+  auto reader = v1::JobService::NewStub(MakeChannel(address, Client("reader")));
+  EXPECT_EQ(ListCode(reader.get(), ""), grpc::StatusCode::OK);
+  EXPECT_EQ(SubmitCode(reader.get(), ""), grpc::StatusCode::PERMISSION_DENIED);
+  auto unnamed = v1::JobService::NewStub(MakeChannel(address, Client("e2e-client")));
+  EXPECT_EQ(ListCode(unnamed.get(), ""), grpc::StatusCode::PERMISSION_DENIED);
+
+  // detourctl: --token_file, $DETOUR_TOKEN, and the error it prints.
+  const std::string read_file = WriteFile("read.token", absl::StrCat(kReadToken, "\n"));
+  const std::string target = "--coordinator=" + address;
+  const std::string ca = absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt");
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + read_file, "list"}, &out,
+                absl::Seconds(30), false),
+            0)
+      << out;
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + read_file, "cancel", id}, &out,
+                absl::Seconds(30), false),
+            1);
+  EXPECT_THAT(out, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(out, HasSubstr("has role read; Cancel needs submit"));
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "workers"}, &out, absl::Seconds(30), false), 1);
+  EXPECT_THAT(out, HasSubstr("UNAUTHENTICATED"));
+  ::setenv("DETOUR_TOKEN", kReadToken, 1);
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "workers"}, &out, absl::Seconds(30), false), 0) << out;
+  ::unsetenv("DETOUR_TOKEN");
+  // Plaintext to a TLS port does not get through.
+  EXPECT_EQ(Run({Bin(kCtl), target, "--insecure", "list"}, &out, absl::Seconds(30), false), 3);
+}
+
+TEST_F(TlsTest, WorkerWithACertificateFromAnotherCaCannotRegister) {
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0);
+  const std::string other = OtherCa("w0");
+  // The worker trusts both CAs (it would accept the coordinator), but its
+  // certificate is from the other one: the coordinator refuses it.
+  const std::string both = dir_ + "/both.crt";
+  {
+    std::ifstream a(CertsDir() + "/ca.crt"), b(other + "/ca.crt");
+    std::ofstream(both) << a.rdbuf() << b.rdbuf();
+  }
+  std::string out;
+  EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port),
+                 absl::StrCat("--data_dir=", dir_, "/w0"), "--connect_timeout=3s",
+                 "--tls_cert=" + other + "/w0.crt", "--tls_key=" + other + "/w0.key",
+                 "--tls_ca=" + both},
+                &out, absl::Seconds(30), false),
+            1)
+      << out;
+  EXPECT_THAT(out, HasSubstr("unreachable"));
+  EXPECT_EQ(ListWorkers(c.grpc_port, true).workers_size(), 0);
+}
+
+TEST_F(TlsTest, CertificateNamingAnotherWorkerCannotRegisterAsIt) {
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0);
+  const std::string address = absl::StrCat("127.0.0.1:", c.grpc_port);
+  auto call = [&](const TransportSecurity& security, const std::string& id,
+                  v1::RegisterResponse* response) {
+    auto stub = v1::ControlService::NewStub(MakeChannel(address, security));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::RegisterRequest request;
+    request.set_worker_id(id);
+    request.set_region("Oregon");
+    request.set_speed(1000);
+    request.set_memory_slots(3);
+    request.set_address("127.0.0.1:1");
+    return stub->Register(&context, request, response);
+  };
+  v1::RegisterResponse response;
+  grpc::Status s = call(Client("w1"), "w2", &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("the certificate names worker w1, not \"w2\""));
+  s = call(Client(), "w2", &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(ListWorkers(c.grpc_port, true).workers_size(), 0);
+  // Under its own name (or none: the certificate's is taken) it may.
+  s = call(Client("w1"), "", &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.worker_id(), "w1");
+
+  // The worker itself refuses a --worker_id its certificate does not carry.
+  std::string out;
+  const std::string w1 = CertFor("w1");
+  EXPECT_EQ(Run({Bin(kWorker), "--worker_id=w2", "--tls_cert=" + w1 + ".crt",
+                 "--tls_key=" + w1 + ".key", absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt")},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("differs from the name in --tls_cert"));
+}
+
+// Sends one small tensor with `sender` to `address` over a channel with
+// `security`; returns how the peer answered.
+absl::Status SendFrame(const std::string& address, const TransportSecurity& security,
+                       const std::string& job, const std::string& sender) {
+  PeerSenderOptions options;
+  options.ack_timeout = absl::Seconds(10);
+  PeerSender peer(address, MakeChannel(address, security), options);
+  v1::FrameHeader h;
+  h.set_job_id(job);
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_sender(sender);
+  h.set_hop(1);
+  for (int64_t d : {2, 16, 32}) h.add_shape(d);
+  h.set_dtype(v1::DTYPE_FP32);
+  auto data = std::make_shared<std::vector<float>>(2 * 16 * 32,
+                                                   std::numeric_limits<float>::quiet_NaN());
+  TensorView view;
+  view.data = data->data();
+  view.bytes = data->size() * sizeof(float);
+  view.keepalive = data;
+  absl::Notification done;
+  absl::Status result;
+  peer.Send(h, view, [&](absl::Status s, double) {
+    result = s;
+    done.Notify();
+  });
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  peer.Close();
+  return result;
+}
+
+double UnauthorizedFrames(int metrics_port) {
+  auto scrape = HttpGet(metrics_port, "/metrics");
+  if (!scrape.ok()) return -1;
+  const std::string key = "detour_activation_frames_unauthorized_total ";
+  const size_t at = scrape->find("\n" + key);
+  if (at == std::string::npos) return -1;
+  return std::atof(scrape->c_str() + at + 1 + key.size());
+}
+
+TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  ASSERT_EQ(workers.size(), 2u);
+  // A long job: both workers hold a stage of it (and talk over mutual TLS).
+  v1::Job job = Submit(c.grpc_port, MicroJob(2, 1, 1, 0.0, 100000));
+  ASSERT_TRUE(Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= 2; },
+                         absl::Seconds(60)))
+      << GetJob(c.grpc_port, job.id()).message();
+  const Daemon& target = workers[1];
+  const std::string address = absl::StrCat("127.0.0.1:", target.grpc_port);
+  const double before = UnauthorizedFrames(target.metrics_port);
+  ASSERT_GE(before, 0);
+
+  // A certificate from the cluster CA, but not a worker of the job.
+  absl::Status s = SendFrame(address, Client("outsider"), job.id(), "outsider");
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("is not a member of job " + job.id()));
+  // Claiming to be a member it is not certified as ends its stream.
+  s = SendFrame(address, Client("outsider"), job.id(), workers[0].id);
+  EXPECT_FALSE(s.ok());
+  // No certificate at all: refused.
+  s = SendFrame(address, Client(), job.id(), workers[0].id);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(Eventually([&] { return UnauthorizedFrames(target.metrics_port) >= before + 3; },
+                         absl::Seconds(5)))
+      << UnauthorizedFrames(target.metrics_port) << " vs " << before;
+  // Plaintext does not reach the worker at all.
+  EXPECT_FALSE(SendFrame(address, TransportSecurity::Insecure(), job.id(), "x").ok());
+
+  // The job was not disturbed.
+  const uint64_t at = GetJob(c.grpc_port, job.id()).progress().iteration();
+  EXPECT_TRUE(Eventually(
+      [&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= at + 2; },
+      absl::Seconds(60)));
+  EXPECT_EQ(GetJob(c.grpc_port, job.id()).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(TlsTest, InsecureStillWorksWhenAskedFor) {
+  tls_ = false;
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0);
+  Daemon w = StartWorker(c.grpc_port, "w1");
+  ASSERT_GT(w.grpc_port, 0);
+  std::string out;
+  ASSERT_EQ(Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "workers"},
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("idle"));
+  // No client authentication in plaintext without --auth_tokens.
+  EXPECT_EQ(Submit(c.grpc_port, MicroJob(2, 1, 1, 0.0, 1)).state(), v1::JOB_STATE_PENDING);
+}
+
+}  // namespace
+}  // namespace detour::testing
