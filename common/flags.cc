@@ -88,6 +88,10 @@ void FlagSet::Duration(const std::string& name, absl::Duration* value, const std
                     }});
 }
 
+void FlagSet::Positional(const std::string& name, const std::string& help) {
+  positional_.emplace_back(name, help);
+}
+
 FlagSet::Flag* FlagSet::Find(const std::string& name) {
   for (Flag& f : flags_) {
     if (f.name == name) return &f;
@@ -180,7 +184,16 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
 }
 
 std::string FlagSet::Usage() const {
-  std::string out = absl::StrCat("Usage: ", program_, " [flags]\n\n", summary_, "\n\nFlags:\n");
+  std::string out = absl::StrCat("Usage: ", program_, " [flags]");
+  for (const auto& [name, help] : positional_) absl::StrAppend(&out, " ", name);
+  absl::StrAppend(&out, "\n\n", summary_, "\n");
+  if (!positional_.empty()) {
+    absl::StrAppend(&out, "\nArguments:\n");
+    for (const auto& [name, help] : positional_) {
+      absl::StrAppend(&out, "  ", name, "\n      ", help, "\n");
+    }
+  }
+  absl::StrAppend(&out, "\nFlags:\n");
   for (const Flag& f : flags_) {
     absl::StrAppend(&out, "  --", f.name, " (", f.type, ", default ", f.default_text, ")\n      ",
                     f.help, "\n");

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,12 @@ class FlagSet {
 
   // Extra text after the flag list (subcommands, examples, exit codes).
   void SetEpilog(std::string epilog) { epilog_ = std::move(epilog); }
+
+  // Names a positional argument for Usage() ("Usage: detourctl get [flags]
+  // JOB_ID" and a line under "Arguments:"); `name` may say "[NAME]" or
+  // "NAME..." for optional or repeated ones. Parse does not check them: the
+  // program counts what it got.
+  void Positional(const std::string& name, const std::string& help);
 
   // Parses argv[1..]. Returns the positional arguments, or INVALID_ARGUMENT
   // naming the flag. `--help`/`-h` returns CANCELLED after Usage() was
@@ -74,6 +81,7 @@ class FlagSet {
   std::string summary_;
   std::string epilog_;
   std::vector<Flag> flags_;
+  std::vector<std::pair<std::string, std::string>> positional_;  // name, help
 };
 
 }  // namespace detour

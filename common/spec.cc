@@ -644,4 +644,13 @@ std::string ToJson(const google::protobuf::Message& message) {
   return out;
 }
 
+std::string ToJsonLine(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = false;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
 }  // namespace detour

@@ -84,6 +84,8 @@ int VisitedStages(const v1::PipelineSpec& pipeline);
 
 // Writes a message as indented JSON (proto3 mapping, original field names).
 std::string ToJson(const google::protobuf::Message& message);
+// The same on one line, without a trailing newline (for JSON Lines output).
+std::string ToJsonLine(const google::protobuf::Message& message);
 
 }  // namespace detour
 

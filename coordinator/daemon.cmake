@@ -8,6 +8,7 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
+  ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
   ${CMAKE_CURRENT_LIST_DIR}/timing_estimates.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_registry.cc
 )
@@ -20,3 +21,4 @@ target_link_libraries(detour_coordinator_lib
 
 add_executable(detour-coordinator ${CMAKE_CURRENT_LIST_DIR}/main.cc)
 target_link_libraries(detour-coordinator PRIVATE detour::coordinator detour_warnings)
+install(TARGETS detour-coordinator RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "coordinator/pending_reason.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
@@ -173,14 +174,15 @@ void JobManager::ScheduleLoop() {
       }
       if (pending_.empty()) continue;
       std::vector<v1::WorkerInfo> free;
-      for (const v1::WorkerInfo& w : registry_->List(false)) {
+      const std::vector<v1::WorkerInfo> registered = registry_->List(false);
+      for (const v1::WorkerInfo& w : registered) {
         if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) {
           free.push_back(w);
         }
       }
       for (auto it = pending_.begin(); it != pending_.end();) {
         std::string why;
-        auto workers = TakeWorkers(it->spec, free, &why);
+        auto workers = TakeWorkers(it->spec, free, registered, &why);
         if (!workers) {
           if (why != it->message) {
             it->message = why;
@@ -208,28 +210,19 @@ void JobManager::ScheduleLoop() {
 }
 
 std::optional<std::vector<v1::WorkerInfo>> JobManager::TakeWorkers(
-    const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free, std::string* why) {
-  const v1::PipelineSpec& p = spec.pipeline();
-  const size_t needed = p.data_nodes() + (p.num_stages() - 1) * size_t{p.replicas_per_stage()};
+    const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free,
+    const std::vector<v1::WorkerInfo>& registered, std::string* why) {
+  const size_t needed = WorkersNeeded(spec);
   std::set<std::string> pinned;
-  for (const v1::StageNodes& g : p.assignment()) pinned.insert(g.nodes().begin(), g.nodes().end());
+  for (const v1::StageNodes& g : spec.pipeline().assignment()) {
+    pinned.insert(g.nodes().begin(), g.nodes().end());
+  }
   std::vector<size_t> chosen;
   for (size_t i = 0; i < free.size() && chosen.size() < needed; ++i) {
     if (pinned.empty() || pinned.count(free[i].worker_id())) chosen.push_back(i);
   }
   if (chosen.size() < needed) {
-    if (pinned.empty()) {
-      *why = absl::StrCat("waiting for ", needed, " idle workers (", free.size(), " available)");
-    } else {
-      std::vector<std::string> missing;
-      for (const std::string& id : pinned) {
-        const bool found = std::any_of(free.begin(), free.end(),
-                                       [&](const v1::WorkerInfo& w) { return w.worker_id() == id; });
-        if (!found) missing.push_back(id);
-      }
-      *why = absl::StrCat("waiting for the pinned workers ", absl::StrJoin(missing, ", "),
-                          " (pipeline.assignment; not registered or busy)");
-    }
+    *why = PendingReason(spec, registered, free);
     return std::nullopt;
   }
   std::vector<v1::WorkerInfo> taken;

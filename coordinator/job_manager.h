@@ -83,10 +83,11 @@ class JobManager final : public RunnerHost {
   void ScheduleLoop();
   void OnRegistryChange();
   // Takes the workers `spec` needs (its pinned ones, if it pins) out of
-  // `free`, or says in `why` what it waits for.
-  static std::optional<std::vector<v1::WorkerInfo>> TakeWorkers(const v1::JobSpec& spec,
-                                                                std::vector<v1::WorkerInfo>& free,
-                                                                std::string* why);
+  // `free`, or says in `why` what it waits for (PendingReason; `registered`
+  // is every worker not marked lost).
+  static std::optional<std::vector<v1::WorkerInfo>> TakeWorkers(
+      const v1::JobSpec& spec, std::vector<v1::WorkerInfo>& free,
+      const std::vector<v1::WorkerInfo>& registered, std::string* why);
 
   JobStore* const jobs_;
   WorkerRegistry* const registry_;

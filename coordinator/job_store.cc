@@ -190,6 +190,8 @@ absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
     updated = it->second;
   }
   mutate(&updated);
+  // An ended job has nothing left to wait for: no ETA, whichever path ended it.
+  if (IsFinal(updated.state())) updated.mutable_progress()->clear_eta_s();
   absl::Status persisted = Persist(updated);
   {
     // Applied even when the disk refused it: the API must show what is true

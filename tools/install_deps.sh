@@ -19,7 +19,7 @@ PACKAGES=(
   sentencepiece
   libssl-dev openssl
   python3-grpcio python3-grpc-tools python3-numpy
-  systemd yamllint
+  systemd yamllint python3-yaml
 )
 
 missing=()

@@ -111,6 +111,8 @@ absl::Status ControlClient::Start() {
                                  : absl::InfiniteFuture();
   absl::Status registered = RegisterWithRetry(give_up);
   if (!registered.ok()) return registered;
+  absl::MutexLock lock(&mu_);
+  if (stop_requested_) return absl::CancelledError("stopped while registering");
   session_thread_ = std::thread([this] { SessionLoop(); });
   return absl::OkStatus();
 }
@@ -301,12 +303,14 @@ absl::Status ControlClient::Send(v1::WorkerMessage message) {
 }
 
 void ControlClient::Stop() {
+  std::thread session;
   {
     absl::MutexLock lock(&mu_);
     stop_requested_ = true;
+    session = std::move(session_thread_);
   }
   if (!stopping_.HasBeenNotified()) stopping_.Notify();
-  if (session_thread_.joinable()) session_thread_.join();
+  if (session.joinable()) session.join();
 }
 
 }  // namespace detour

@@ -115,7 +115,9 @@ class ControlClient {
   bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Notification stopping_;
-  std::thread session_thread_;
+  // Started by Start() unless Stop() came first (Stop may run on another
+  // thread while Start still registers).
+  std::thread session_thread_ ABSL_GUARDED_BY(mu_);
   uint64_t heartbeat_seq_ = 0;  // writer thread of the one open session only
 };
 

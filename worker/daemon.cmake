@@ -23,3 +23,4 @@ target_link_libraries(detour_worker_lib
 
 add_executable(detour-worker ${CMAKE_CURRENT_LIST_DIR}/main.cc)
 target_link_libraries(detour-worker PRIVATE detour::worker detour_warnings)
+install(TARGETS detour-worker RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

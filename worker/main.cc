@@ -3,9 +3,11 @@
 
 #include <csignal>
 #include <iostream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "common/net/daemon_flags.h"
 #include "common/files.h"
 #include "common/flags.h"
@@ -16,6 +18,11 @@
 #include "common/version.h"
 #include "worker/worker.h"
 
+namespace {
+// --metrics_port defaults to the gRPC port plus this (7071 -> 9471).
+constexpr int kMetricsPortOffset = 2400;
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace detour;
   BlockShutdownSignals();
@@ -24,9 +31,13 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:7071";
   int64_t memory_slots = o.memory_slots;
   int64_t torch_threads = o.torch_threads;
+  int64_t port_offset = 0;
   DaemonFlags common;
   common.metrics_port = o.metrics_port;
   TlsFiles tls;
+  common.metrics_port_note =
+      "; default: the --listen port + 2400 (7071 -> 9471, 7072 -> 9472), so workers on one host "
+      "differ; a free one when --listen's port is 0";
 
   FlagSet flags("detour-worker",
                 "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
@@ -48,6 +59,9 @@ int main(int argc, char** argv) {
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   RegisterTlsFlags(&flags, &tls);
   flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
+  flags.Int("port_offset", &port_offset,
+            "added to the --listen port (and so to the default --metrics_port): the systemd "
+            "template detour-worker@N passes its GPU index N, so workers on one host differ");
   flags.Duration("connect_timeout", &o.connect_timeout,
                  "give up when the coordinator stays unreachable this long at start-up "
                  "(0 = retry forever)");
@@ -65,6 +79,13 @@ int main(int argc, char** argv) {
   auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
   if (!address.ok()) return flags.Fail(address.status());
   o.listen = *address;
+  if (port_offset < 0 || port_offset > 1024 ||
+      (o.listen.port != 0 && o.listen.port + port_offset > 65535)) {
+    return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--port_offset: ", port_offset, " is outside 0..1024 or takes --listen's port ",
+        o.listen.port, " past 65535")));
+  }
+  if (o.listen.port != 0) o.listen.port += static_cast<int>(port_offset);
   if (auto c = ParseHostPort(o.coordinator, "--coordinator", false); !c.ok()) {
     return flags.Fail(c.status());
   }
@@ -86,6 +107,11 @@ int main(int argc, char** argv) {
         absl::StrCat("--device: \"", o.device, "\" is not cpu or cuda")));
   }
   o.metrics_port = static_cast<int>(common.metrics_port);
+  if (!flags.WasSet("metrics_port")) {
+    o.metrics_port = o.listen.port == 0 || o.listen.port + kMetricsPortOffset > 65535
+                         ? 0
+                         : o.listen.port + kMetricsPortOffset;
+  }
   o.memory_slots = static_cast<int>(memory_slots);
   if (torch_threads < 0 || torch_threads > 1024) {
     return flags.Fail(absl::InvalidArgumentError(
@@ -109,10 +135,41 @@ int main(int argc, char** argv) {
     LogError(dir.message());
     return 1;
   }
-  auto worker = Worker::Start(o);
+  auto worker = Worker::Create(o);
   if (!worker.ok()) {
     LogError("cannot start: ", worker.status().message());
     return 1;
+  }
+  // Registration retries while the coordinator is unreachable (forever by
+  // default): on its own thread, so SIGTERM/SIGINT stop the worker meanwhile.
+  absl::Status registered;
+  absl::Notification registration_ended;
+  std::thread registering([&] {
+    registered = (*worker)->Register();
+    registration_ended.Notify();
+  });
+  int signal_number = 0;
+  while (!registration_ended.HasBeenNotified() && signal_number == 0) {
+    signal_number = WaitForShutdownSignal(absl::Milliseconds(100));
+  }
+  if (signal_number != 0 && !registration_ended.HasBeenNotified()) {
+    LogInfo("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+            " while registering with the coordinator; stopping");
+    (*worker)->Drain(common.drain_timeout);
+    registering.join();
+    LogInfo("stopped cleanly");
+    return 0;
+  }
+  registering.join();
+  if (!registered.ok()) {
+    LogError("cannot start: ", registered.message());
+    return 1;
+  }
+  if (signal_number != 0) {  // came with the registration: drain at once
+    LogInfo("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT", "; draining");
+    (*worker)->Drain(common.drain_timeout);
+    LogInfo("stopped cleanly");
+    return 0;
   }
   LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
           ", metrics on port ", (*worker)->metrics_port(), "; ", o.security.Describe());

@@ -28,9 +28,21 @@ std::string AdvertiseAddress(const WorkerOptions& options, int port) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(const WorkerOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Create(options));
+  RETURN_IF_ERROR(worker->Register());
+  return worker;
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options) {
   std::unique_ptr<Worker> worker(new Worker(options));
   RETURN_IF_ERROR(worker->Init());
   return worker;
+}
+
+absl::Status Worker::Register() {
+  absl::Status registered = control_->Start();
+  if (!registered.ok()) Drain(absl::ZeroDuration());
+  return registered;
 }
 
 Worker::~Worker() { Drain(absl::Seconds(1)); }
@@ -122,12 +134,6 @@ absl::Status Worker::Init() {
     runtime_->OnCoordinatorMessage(message);
   };
   control_ = std::make_unique<ControlClient>(std::move(control), std::move(hooks));
-  absl::Status registered = control_->Start();
-  if (!registered.ok()) {
-    server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
-    if (metrics_) metrics_->Stop();
-    return registered;
-  }
   return absl::OkStatus();
 }
 

@@ -47,6 +47,12 @@ struct WorkerOptions {
 class Worker {
  public:
   static absl::StatusOr<std::unique_ptr<Worker>> Start(const WorkerOptions& options);
+  // Start() in two steps, so that a daemon still retrying an unreachable
+  // coordinator can be stopped: Create() starts the gRPC and metrics servers;
+  // Register() blocks until registered, refused, past --connect_timeout, or
+  // ended (CANCELLED) by Drain() from another thread.
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options);
+  absl::Status Register();
   ~Worker();
 
   int grpc_port() const { return server_.port; }

@@ -11,7 +11,8 @@
 namespace detour {
 
 void DaemonFlags::Register(FlagSet* flags, const std::string& ready_fields) {
-  flags->Int("metrics_port", &metrics_port, "port for /metrics; 0 picks a free one, -1 disables");
+  flags->Int("metrics_port", &metrics_port,
+              absl::StrCat("port for /metrics; 0 picks a free one, -1 disables", metrics_port_note));
   flags->Duration("drain_timeout", &drain_timeout,
                   "on SIGTERM/SIGINT, how long in-flight work may take before being cut");
   flags->String("ready_file", &ready_file,

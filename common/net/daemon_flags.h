@@ -18,6 +18,8 @@ struct DaemonFlags {
   std::string log_level = "info";
   bool version = false;
   int64_t metrics_port = 0;  // set the daemon's default before Register
+  // Extra words for --metrics_port's help (e.g. how the default is derived).
+  std::string metrics_port_note;
   absl::Duration drain_timeout = absl::Seconds(10);
   std::string ready_file;
 

@@ -94,5 +94,28 @@ TEST(FlagSet, HelpListsFlagsAndExitsZero) {
   EXPECT_EQ(FlagSet::ExitCode(rest.status()), 0);
 }
 
+TEST(FlagSet, UsageNamesPositionalArguments) {
+  Fixture f;
+  f.flags.Positional("JOB_ID", "the job to show");
+  const std::string usage = f.flags.Usage();
+  EXPECT_THAT(usage, HasSubstr("Usage: prog [flags] JOB_ID\n"));
+  EXPECT_THAT(usage, HasSubstr("Arguments:\n  JOB_ID\n      the job to show\n"));
+  EXPECT_THAT(Fixture().flags.Usage(), ::testing::Not(HasSubstr("Arguments:")));
+}
+
+// Every value flag takes both forms, wherever it stands among positionals.
+TEST(FlagSet, ValueFlagsTakeBothFormsAfterPositionals) {
+  Fixture f;
+  auto rest = f.flags.Parse({"cmd", "--listen", "10.0.0.1:7070", "arg", "--silence", "2s"});
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(f.listen, "10.0.0.1:7070");
+  EXPECT_EQ(f.silence, absl::Seconds(2));
+  EXPECT_THAT(*rest, ElementsAre("cmd", "arg"));
+  Fixture g;
+  auto missing = g.flags.Parse({"--listen"});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("--listen: missing value"));
+}
+
 }  // namespace
 }  // namespace detour

@@ -64,6 +64,32 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
 // A job file that cannot be read, or holds another job's id, is kept aside
 // under a new name (never deleted, never overwritten by the next Submit, never
 // hiding the real job), and numbering continues after it.
+// An ended job shows no ETA, however it ended (issue 15: a failed job kept
+// its last "eta 120s").
+TEST(JobStore, AnEndedJobHasNoEta) {
+  const std::string dir = testing::MakeTempDir("jobstore");
+  JobStore store(dir);
+  ASSERT_EQ(*store.Load(), 0);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (const char* name : {"fails", "cancelled"}) {
+    auto job = store.Create(Spec(name), t0, "stored");
+    ASSERT_TRUE(job.ok());
+    auto running = store.Update(job->id(), [](v1::Job* j) {
+      j->set_state(v1::JOB_STATE_RUNNING);
+      j->mutable_progress()->set_eta_s(120);
+    });
+    ASSERT_TRUE(running.ok());
+    EXPECT_EQ(running->progress().eta_s(), 120);
+    absl::StatusOr<v1::Job> ended =
+        std::string(name) == "fails"
+            ? store.Update(job->id(), [](v1::Job* j) { j->set_state(v1::JOB_STATE_FAILED); })
+            : store.Cancel(job->id(), t0);
+    ASSERT_TRUE(ended.ok()) << ended.status();
+    EXPECT_EQ(ended->progress().eta_s(), 0) << name;
+    EXPECT_EQ(store.Get(job->id())->progress().eta_s(), 0) << name;
+  }
+}
+
 TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
   const std::string dir = testing::MakeTempDir("jobstore");
   const absl::Time t0 = absl::FromUnixSeconds(1000);

@@ -2,6 +2,7 @@
 // stages or a chosen subset/order of them (inference with skipped stages).
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "common/version.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/evaluate.h"
@@ -29,6 +31,7 @@ Usage:
   detour-eval [--checkpoint DIR | --preset NAME] [--split S] [--stages LIST | --half]
               [--data PATH [--tokenizer FILE]] [--validation-fraction F] [--max-samples N]
               [--batch N] [--seed N] [--threads N] [--device D] [--json]
+  detour-eval --version
 
   --checkpoint DIR   a checkpoint written by detour (its manifest.json); the
                      model shape comes from the manifest
@@ -47,6 +50,7 @@ Usage:
                      (default: the checkpoint's, else 0.05; a prepared
                      dataset's validation split is fixed)
   --max-samples N    evaluate at most N samples, spread evenly (default all)
+Flags take `--name value` or `--name=value`.
 Exit status: 0 on success, 1 on an error, 2 on bad usage.
 )";
 
@@ -60,10 +64,24 @@ struct Args {
 
 bool Parse(int argc, char** argv, Args* a, std::string* error) {
   for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
+    std::string flag = argv[i];
+    // `--name=value` as well as `--name value`.
+    std::optional<std::string> inline_value;
+    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = flag.substr(eq + 1);
+      flag.resize(eq);
+    }
     if (flag == "--help" || flag == "-h") {
       std::cout << kUsage;
       std::exit(0);
+    }
+    if (flag == "--version") {
+      std::cout << "detour-eval " << kVersion << " (" << kGitRevision << ")\n";
+      std::exit(0);
+    }
+    if (inline_value.has_value() && (flag == "--half" || flag == "--json")) {
+      *error = absl::StrCat(flag, " takes no value");
+      return false;
     }
     if (flag == "--half") {
       a->half = true;
@@ -73,11 +91,11 @@ bool Parse(int argc, char** argv, Args* a, std::string* error) {
       a->json = true;
       continue;
     }
-    if (i + 1 >= argc) {
+    if (!inline_value.has_value() && i + 1 >= argc) {
       *error = absl::StrCat(flag, " needs a value");
       return false;
     }
-    const std::string v = argv[++i];
+    const std::string v = inline_value.has_value() ? *inline_value : argv[++i];
     bool ok = true;
     if (flag == "--checkpoint") a->checkpoint = v;
     else if (flag == "--preset") a->preset = v;

@@ -31,6 +31,7 @@
 #include "common/spec.h"
 #include "common/status.h"
 #include "common/subprocess.h"
+#include "common/version.h"
 #include "detour/v1/job_service.grpc.pb.h"
 
 namespace detour {
@@ -72,11 +73,24 @@ std::string FormatEta(double s) {
 }
 
 // The build tree: this binary lives in <build>/tools/detour_local/.
+// Installed, the daemons sit next to this binary (bin/); in a build tree,
+// under coordinator/ and worker/ of the tree's root.
 std::string DefaultBinDir() {
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) return "build";
+  if (fs::exists(self.parent_path() / "detour-coordinator", ec)) return self.parent_path().string();
   return self.parent_path().parent_path().parent_path().string();
+}
+
+// `bin_dir`/NAME when installed there, else the build tree's
+// `bin_dir`/COMPONENT/NAME.
+std::string DaemonPath(const std::string& bin_dir, const std::string& component,
+                       const std::string& name) {
+  std::error_code ec;
+  const fs::path flat = fs::path(bin_dir) / name;
+  if (fs::is_regular_file(flat, ec)) return flat.string();
+  return (fs::path(bin_dir) / component / name).string();
 }
 
 class Launcher {
@@ -138,7 +152,7 @@ class Launcher {
     std::cout << "detour-local: coordinator + " << workers << " workers on loopback (logs in "
               << args_.out << "/)\n";
     std::vector<std::string> cargv = {
-        bin + "/coordinator/detour-coordinator", "--listen=127.0.0.1:0", "--metrics_port=0",
+        DaemonPath(bin, "coordinator", "detour-coordinator"), "--listen=127.0.0.1:0", "--metrics_port=0",
         "--metrics_bind=127.0.0.1", absl::StrCat("--data_dir=", args_.out, "/coordinator"),
         absl::StrCat("--ready_file=", args_.out, "/coordinator.ready"),
         "--heartbeat_interval=500ms", "--worker_silence=5s"};
@@ -165,7 +179,7 @@ class Launcher {
       const std::string region = regions.empty() ? "local" : regions[i % regions.size()];
       auto w = std::make_unique<ChildProcess>();
       std::vector<std::string> wargv = {
-          bin + "/worker/detour-worker", "--listen=127.0.0.1:0", "--metrics_port=-1",
+          DaemonPath(bin, "worker", "detour-worker"), "--listen=127.0.0.1:0", "--metrics_port=-1",
           absl::StrCat("--coordinator=", address_), absl::StrCat("--worker_id=w", i + 1),
           absl::StrCat("--region=", region), absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
           absl::StrCat("--torch_threads=", args_.torch_threads),
@@ -412,8 +426,9 @@ int Main(int argc, char** argv) {
   flags.String("out", &a.out,
                "directory for logs, data dirs, the loss curve; a non-empty directory is "
                "refused unless an earlier detour-local run wrote it (then it is emptied)");
-  flags.String("bin_dir", &a.bin_dir, "build directory holding the daemons (default: this "
-                                      "binary's build tree)");
+  flags.String("bin_dir", &a.bin_dir,
+               "where the daemons are: an install's bin/ or a build tree (default: this "
+               "binary's directory when they are installed next to it, else its build tree)");
   flags.String("cluster", &a.cluster,
                "ClusterSpec JSON: workers take its nodes' regions, the planner its links");
   flags.Bool("emulate_network", &a.emulate_network,
@@ -426,8 +441,14 @@ int Main(int argc, char** argv) {
                "directory with ca.crt, coordinator.crt/.key, w<N>.crt/.key and "
                "detour-local.crt/.key as tools/gen_certs.sh writes them; missing ones are "
                "made when ca.key is there (default: a fresh throwaway CA in <out>/certs)");
+  bool version = false;
+  flags.Bool("version", &version, "print the version and exit");
   auto rest = flags.Parse(argc, argv);
   if (!rest.ok()) return flags.Fail(rest.status());
+  if (version) {
+    std::cout << "detour-local " << kVersion << " (" << kGitRevision << ")\n";
+    return 0;
+  }
   if (!rest->empty()) return flags.Fail(absl::InvalidArgumentError("unexpected arguments"));
   if (a.insecure && !a.certs.empty()) {
     return flags.Fail(absl::InvalidArgumentError("--insecure contradicts --certs"));

@@ -29,6 +29,7 @@
 #include "common/sim/timeline_export.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "common/version.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/route_validator.h"
@@ -51,7 +52,7 @@ Usage:
                       [--svg-dir DIR] [flags]
   detour-sim kfac     --schedule gpipe|1f1b|chimera --stages D --microbatches N --profile P
                       | --cluster C.json --job J.json
-  detour-sim --help
+  detour-sim --help | --version
   detour-sim COMMAND --help   (every flag of COMMAND, with its default)
 
 Commands:
@@ -715,6 +716,10 @@ int Main(int argc, char** argv) {
   const std::string& command = args[0];
   if (command == "--help" || command == "-h" || command == "help") {
     std::cout << kUsage;
+    return 0;
+  }
+  if (command == "--version" || command == "version") {
+    std::cout << "detour-sim " << kVersion << " (" << kGitRevision << ")\n";
     return 0;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <map>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "common/plot.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "common/version.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/engine.h"
 #include "worker/model/evaluate.h"
@@ -83,7 +85,8 @@ Options:
   --threads N         intra-op threads (default 1; more only on idle cores)
   --device D          cpu (default) or cuda (needs a CUDA build of LibTorch)
   --out DIR           output directory (default detour-train-out)
-Flags may be spelled with '_' instead of '-' (--kfac_damping).
+Flags may be spelled with '_' instead of '-' (--kfac_damping), and take
+`--name value` or `--name=value`; --version prints the version.
 Exit status: 0 on success, 1 on a failed run, 2 on bad usage.
 )";
 
@@ -116,6 +119,12 @@ struct Args {
 bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
+    // `--name=value` as well as `--name value`.
+    std::optional<std::string> inline_value;
+    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = flag.substr(eq + 1);
+      flag.resize(eq);
+    }
     for (size_t c = 2; c < flag.size(); ++c) {
       if (flag[c] == '_') flag[c] = '-';
     }
@@ -123,11 +132,15 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
       std::cout << kUsage;
       std::exit(0);
     }
-    if (i + 1 >= argc) {
+    if (flag == "--version") {
+      std::cout << "detour-train " << kVersion << " (" << kGitRevision << ")\n";
+      std::exit(0);
+    }
+    if (!inline_value.has_value() && i + 1 >= argc) {
       *error = absl::StrCat(flag, " needs a value");
       return false;
     }
-    const std::string v = argv[++i];
+    const std::string v = inline_value.has_value() ? *inline_value : argv[++i];
     bool ok = true;
     if (flag == "--job") a->job = v;
     else if (flag == "--preset") a->preset = v;

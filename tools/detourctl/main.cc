@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/files.h"
@@ -68,11 +69,66 @@ The bearer token comes from --token_file, else $DETOUR_TOKEN.)";
 
 struct Globals {
   std::string coordinator;
+  TlsFiles tls;
+  std::string token_file;
   TransportSecurity security;
   std::string token;  // sent as "authorization: Bearer <token>"; "" = none
   bool json = false;
   absl::Duration timeout = absl::Seconds(10);
 };
+
+// The global flags, declared on the top-level FlagSet and again on every
+// command's, so they may come before or after the command, in either form
+// (`detourctl workers --coordinator HOST:PORT`).
+void AddGlobalFlags(FlagSet* flags, Globals* g) {
+  flags->String("coordinator", &g->coordinator,
+                "host:port of the coordinator (default $DETOUR_COORDINATOR, else 127.0.0.1:7070)");
+  flags->Bool("json", &g->json, "print results as JSON (the proto3 JSON mapping)");
+  flags->Duration("timeout", &g->timeout, "deadline for each request");
+  RegisterTlsFlags(flags, &g->tls);
+  flags->String("token_file", &g->token_file,
+                "file holding the bearer token (default: $DETOUR_TOKEN)");
+}
+
+absl::StatusOr<std::string> ReadToken(const std::string& path);
+
+// After parsing: the transport security (TLS files or an explicit
+// --insecure) and the bearer token.
+absl::Status LoadCredentials(Globals* g) {
+  const TlsFiles& tls = g->tls;
+  if (!tls.insecure && tls.ca.empty() && tls.cert.empty() && tls.key.empty()) {
+    return absl::InvalidArgumentError(
+        "give --tls_ca (the cluster CA) for TLS, or --insecure for plaintext");
+  }
+  auto security = TransportSecurity::Load(tls, /*client=*/true);
+  if (!security.ok()) return security.status();
+  g->security = *security;
+  if (!g->token_file.empty()) {
+    auto token = ReadToken(g->token_file);
+    if (!token.ok()) return token.status();
+    g->token = *token;
+  } else if (const char* t = std::getenv("DETOUR_TOKEN"); t != nullptr && *t != '\0') {
+    g->token = t;
+  }
+  return absl::OkStatus();
+}
+
+// Parses a command's arguments (its own flags and the global ones) and checks
+// the coordinator address.
+absl::StatusOr<std::vector<std::string>> ParseCommand(FlagSet* flags, Globals* g,
+                                                      const std::vector<std::string>& args) {
+  AddGlobalFlags(flags, g);
+  auto rest = flags->Parse(args);
+  if (!rest.ok()) return rest;
+  if (auto a = ParseHostPort(g->coordinator, "--coordinator", false); !a.ok()) return a.status();
+  if (absl::Status c = LoadCredentials(g); !c.ok()) return c;
+  return rest;
+}
+
+bool Ended(const v1::Job& job) {
+  return job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED ||
+         job.state() == v1::JOB_STATE_CANCELLED;
+}
 
 int Usage(const std::string& message) {
   std::cerr << "detourctl: " << message << "\nRun 'detourctl --help' for usage.\n";
@@ -152,7 +208,8 @@ std::string ProgressText(const v1::Job& job) {
   std::string text = absl::StrFormat("%d/%d", p.iteration(), p.total_iterations());
   if (p.iteration() > 0) absl::StrAppendFormat(&text, "  loss %.4f", p.loss());
   if (p.tokens_per_s() > 0) absl::StrAppendFormat(&text, "  %.0f tok/s", p.tokens_per_s());
-  if (p.eta_s() > 0) absl::StrAppendFormat(&text, "  eta %.0fs", p.eta_s());
+  // An ended job has no ETA, whatever an older coordinator stored.
+  if (p.eta_s() > 0 && !Ended(job)) absl::StrAppendFormat(&text, "  eta %.0fs", p.eta_s());
   if (p.utilization() > 0) {
     absl::StrAppendFormat(&text, "  busy %.0f%%", 100 * p.utilization());
     if (p.utilization_with_kfac() > p.utilization()) {
@@ -215,11 +272,11 @@ void PrintJob(const Globals& g, const v1::Job& job) {
   }
 }
 
-int CmdWorkers(const Globals& g, const std::vector<std::string>& args) {
+int CmdWorkers(Globals g, const std::vector<std::string>& args) {
   bool all = false;
   FlagSet flags("detourctl workers", "List registered workers.");
   flags.Bool("all", &all, "include workers marked lost");
-  auto rest = flags.Parse(args);
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("workers takes no arguments");
   auto stub = v1::ControlService::NewStub(MakeChannel(g.coordinator, g.security));
@@ -250,15 +307,16 @@ int CmdWorkers(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int CmdHealth(const Globals& g, const std::vector<std::string>& args) {
-  std::string target = g.coordinator;
+int CmdHealth(Globals g, const std::vector<std::string>& args) {
+  std::string target;
   std::string service;
   FlagSet flags("detourctl health", "Check gRPC health (grpc.health.v1.Health/Check).");
   flags.String("target", &target, "address to check (default: the coordinator)");
   flags.String("service", &service, "service name to ask about (default: the whole server)");
-  auto rest = flags.Parse(args);
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("health takes no arguments");
+  if (target.empty()) target = g.coordinator;
   auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target, g.security));
   grpc::ClientContext context;
   PrepareCall(g, &context);
@@ -284,11 +342,23 @@ int CmdHealth(const Globals& g, const std::vector<std::string>& args) {
 
 int Watch(const Globals& g, const std::string& job_id);
 
-int CmdSubmit(const Globals& g, const std::vector<std::string>& args) {
+// One progress line: state and progress, and while the job waits (pending,
+// assigning, paused) why.
+std::string WatchLine(const v1::Job& job) {
+  std::string line = absl::StrCat(job.id(), " ", JobStateName(job.state()), "  ", ProgressText(job));
+  const bool waiting = job.state() == v1::JOB_STATE_PENDING ||
+                       job.state() == v1::JOB_STATE_ASSIGNING ||
+                       absl::StartsWith(job.message(), "paused");
+  if (waiting && !job.message().empty()) absl::StrAppend(&line, "  (", job.message(), ")");
+  return line;
+}
+
+int CmdSubmit(Globals g, const std::vector<std::string>& args) {
   bool watch = false;
   FlagSet flags("detourctl submit", "Submit a job from a JSON spec file.");
+  flags.Positional("SPEC.json", "the job spec: the JSON form of detour.v1.JobSpec (see examples/jobs)");
   flags.Bool("watch", &watch, "follow the job until it ends");
-  auto rest = flags.Parse(args);
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("submit needs exactly one spec file");
   // Validate locally first for a fast, precise error; the coordinator
@@ -315,19 +385,22 @@ int CmdSubmit(const Globals& g, const std::vector<std::string>& args) {
   return watch ? Watch(g, job.id()) : kExitOk;
 }
 
-int WithJobId(const Globals& g, const std::vector<std::string>& args, const char* command,
-              std::string* job_id) {
-  FlagSet flags(absl::StrCat("detourctl ", command), "");
-  auto rest = flags.Parse(args);
+// Parses the arguments of a command that takes one JOB_ID and no flags of its
+// own; returns the exit code to stop with, or -1 to go on.
+int WithJobId(Globals* g, const std::vector<std::string>& args, const char* command,
+              const char* summary, std::string* job_id) {
+  FlagSet flags(absl::StrCat("detourctl ", command), summary);
+  flags.Positional("JOB_ID", "the job's id, as submit and list print it (e.g. j1)");
+  auto rest = ParseCommand(&flags, g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage(absl::StrCat(command, " needs exactly one JOB_ID"));
   *job_id = (*rest)[0];
   return -1;
 }
 
-int CmdGet(const Globals& g, const std::vector<std::string>& args) {
+int CmdGet(Globals g, const std::vector<std::string>& args) {
   std::string id;
-  if (int rc = WithJobId(g, args, "get", &id); rc >= 0) return rc;
+  if (int rc = WithJobId(&g, args, "get", "Show one job.", &id); rc >= 0) return rc;
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
   PrepareCall(g, &context);
@@ -340,9 +413,11 @@ int CmdGet(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int CmdCancel(const Globals& g, const std::vector<std::string>& args) {
+int CmdCancel(Globals g, const std::vector<std::string>& args) {
   std::string id;
-  if (int rc = WithJobId(g, args, "cancel", &id); rc >= 0) return rc;
+  if (int rc = WithJobId(&g, args, "cancel", "Cancel a job that has not ended.", &id); rc >= 0) {
+    return rc;
+  }
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
   PrepareCall(g, &context);
@@ -359,15 +434,16 @@ int CmdCancel(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int CmdResume(const Globals& g, const std::vector<std::string>& args) {
+int CmdResume(Globals g, const std::vector<std::string>& args) {
   std::string checkpoint;
-  FlagSet flags("detourctl resume JOB_ID",
+  FlagSet flags("detourctl resume",
                 "Restart a FAILED or CANCELLED job from a checkpoint: parameters, optimiser\n"
                 "and K-FAC state, learning-rate schedule and data position carry on, on\n"
                 "whichever workers are idle. The job keeps its id.");
   flags.String("checkpoint", &checkpoint,
                "checkpoint directory to resume from (default: the job's newest)");
-  auto rest = flags.Parse(args);
+  flags.Positional("JOB_ID", "the FAILED or CANCELLED job to restart");
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("resume needs exactly one JOB_ID");
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
@@ -387,11 +463,12 @@ int CmdResume(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
+int CmdEvents(Globals g, const std::vector<std::string>& args) {
   bool follow = false;
-  FlagSet flags("detourctl events JOB_ID", "Show a job's elastic-training history.");
+  FlagSet flags("detourctl events", "Show a job's elastic-training history.");
+  flags.Positional("JOB_ID", "the job whose history to show");
   flags.Bool("follow", &follow, "keep printing new events until the job ends");
-  auto rest = flags.Parse(args);
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("events needs exactly one JOB_ID");
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
@@ -401,7 +478,7 @@ int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
     const size_t n = static_cast<size_t>(job.history_size());
     for (size_t i = std::min(shown, n); i < n; ++i) {
       if (g.json) {
-        std::cout << ToJson(job.history(static_cast<int>(i))) << std::flush;
+        std::cout << ToJsonLine(job.history(static_cast<int>(i))) << "\n" << std::flush;
       } else {
         std::cout << EventLine(job.history(static_cast<int>(i))) << "\n" << std::flush;
       }
@@ -431,13 +508,13 @@ int CmdEvents(const Globals& g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int CmdList(const Globals& g, const std::vector<std::string>& args) {
+int CmdList(Globals g, const std::vector<std::string>& args) {
   std::string state_text;
   FlagSet flags("detourctl list", "List jobs, newest first.");
   flags.String("state", &state_text,
                "only jobs in this state: pending, assigning, running, succeeded, failed, "
                "cancelled");
-  auto rest = flags.Parse(args);
+  auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("list takes no arguments");
   v1::ListJobsRequest request;
@@ -500,10 +577,9 @@ int Watch(const Globals& g, const std::string& job_id) {
   while (reader->Read(&event)) {
     last = event.job();
     if (g.json) {
-      std::cout << ToJson(event) << std::flush;
+      std::cout << ToJsonLine(event) << "\n" << std::flush;  // JSON Lines
     } else {
-      std::cout << (tty ? "\r\033[K" : "") << last.id() << " " << JobStateName(last.state())
-                << "  " << ProgressText(last) << (tty ? "" : "\n") << std::flush;
+      std::cout << (tty ? "\r\033[K" : "") << WatchLine(last) << (tty ? "" : "\n") << std::flush;
     }
   }
   if (tty) std::cout << "\n";
@@ -514,9 +590,15 @@ int Watch(const Globals& g, const std::string& job_id) {
   return last.state() == v1::JOB_STATE_SUCCEEDED ? kExitOk : kExitError;
 }
 
-int CmdWatch(const Globals& g, const std::vector<std::string>& args) {
+int CmdWatch(Globals g, const std::vector<std::string>& args) {
   std::string id;
-  if (int rc = WithJobId(g, args, "watch", &id); rc >= 0) return rc;
+  if (int rc = WithJobId(&g, args, "watch",
+                         "Follow a job until it ends: one line per progress event (with --json\n"
+                         "one JSON object per line). Exit status 0 when it succeeded, 1 when not.",
+                         &id);
+      rc >= 0) {
+    return rc;
+  }
   return Watch(g, id);
 }
 
@@ -524,50 +606,22 @@ int Main(int argc, char** argv) {
   Globals g;
   const char* env = std::getenv("DETOUR_COORDINATOR");
   g.coordinator = env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
-  FlagSet flags("detourctl", "Command-line client for the detour coordinator.\n\n"
-                             "  detourctl [flags] COMMAND [command flags] [args]");
-  flags.String("coordinator", &g.coordinator, "host:port of the coordinator");
-  flags.Bool("json", &g.json, "print results as JSON (the proto3 JSON mapping)");
-  flags.Duration("timeout", &g.timeout, "deadline for each request");
-  TlsFiles tls;
-  RegisterTlsFlags(&flags, &tls);
-  std::string token_file;
-  flags.String("token_file", &token_file,
-               "file holding the bearer token (default: $DETOUR_TOKEN)");
+  FlagSet flags("detourctl", "Command-line client for the detour coordinator. Flags go before\n"
+                             "or after the command; `detourctl COMMAND --help` describes one.");
+  flags.Positional("COMMAND [command flags] [args]", "one of the commands below");
+  AddGlobalFlags(&flags, &g);
+  bool version = false;
+  flags.Bool("version", &version, "print the client version and exit (as `detourctl version`)");
   flags.SetEpilog(kCommands);
   auto args = flags.Parse(argc, argv, /*stop_at_positional=*/true);
   if (!args.ok()) return flags.Fail(args.status());
-  if (!tls.insecure && tls.ca.empty() && tls.cert.empty() && tls.key.empty() &&
-      !args->empty() && (*args)[0] != "version") {
-    return Usage("give --tls_ca (the cluster CA) for TLS, or --insecure for plaintext");
-  }
-  auto security = TransportSecurity::Load(tls, /*client=*/true);
-  if (!security.ok()) return Usage(std::string(security.status().message()));
-  g.security = *security;
-  if (!token_file.empty()) {
-    auto token = ReadToken(token_file);
-    if (!token.ok()) return Usage(std::string(token.status().message()));
-    g.token = *token;
-  } else if (const char* t = std::getenv("DETOUR_TOKEN"); t != nullptr && *t != '\0') {
-    g.token = t;
+  if (version) {
+    std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
+    return kExitOk;
   }
   if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
-  if (auto a = ParseHostPort(g.coordinator, "--coordinator", false); !a.ok()) {
-    return Usage(std::string(a.status().message()));
-  }
   const std::string command = (*args)[0];
-  // Global flags may also follow the command (`detourctl workers --json`).
-  std::vector<std::string> rest;
-  for (size_t i = 1; i < args->size(); ++i) {
-    const std::string& a = (*args)[i];
-    if (a == "--json") {
-      g.json = true;
-    } else if (a.rfind("--coordinator=", 0) == 0) {
-      g.coordinator = a.substr(14);
-    } else {
-      rest.push_back(a);
-    }
-  }
+  const std::vector<std::string> rest(args->begin() + 1, args->end());
   if (command == "workers") return CmdWorkers(g, rest);
   if (command == "health") return CmdHealth(g, rest);
   if (command == "submit") return CmdSubmit(g, rest);

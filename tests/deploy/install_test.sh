@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# `cmake --install` into a temporary DESTDIR, then checks what a fresh host
+# gets: every daemon and tool (each answers --version with the project's
+# version), the systemd units, the sysusers.d user and tmpfiles.d directories
+# (applied to the DESTDIR root by systemd-sysusers / systemd-tmpfiles), the
+# defaults files, and that the units pass `systemd-analyze verify` and
+# `systemd-analyze security --offline` under a threshold (each unit's score
+# is printed).
+#
+#   install_test.sh BUILD_DIR [SECURITY_THRESHOLD]   (threshold in tenths: 25 = 2.5)
+set -euo pipefail
+build=$(cd "$1" && pwd)
+threshold=${2:-25}
+dest=$(mktemp -d "${TMPDIR:-/tmp}/detour-install.XXXXXX")
+trap 'rm -rf "$dest"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+prefix=$(cache CMAKE_INSTALL_PREFIX)
+version=$(sed -n 's/^CMAKE_PROJECT_VERSION:[A-Z]*=//p' "$build/CMakeCache.txt")
+[[ -n "$version" ]] || version=$(grep -o 'project(detour VERSION [0-9.]*' "$(cache CMAKE_HOME_DIRECTORY)/CMakeLists.txt" | awk '{print $3}')
+sysconf=$prefix/etc
+[[ "$prefix" == /usr ]] && sysconf=/etc
+
+DESTDIR=$dest cmake --install "$build" > "$dest.log" 2>&1 || { cat "$dest.log"; rm -f "$dest.log"; fail "cmake --install"; exit 1; }
+rm -f "$dest.log"
+root=$dest$prefix
+
+# 1. The file list.
+programs=(detour-coordinator detour-worker detourctl detour-local detour-sim detour-eval detour-train)
+expected=()
+for p in "${programs[@]}"; do expected+=("$root/bin/$p"); done
+expected+=(
+  "$root/lib/systemd/system/detour-coordinator.service"
+  "$root/lib/systemd/system/detour-worker.service"
+  "$root/lib/systemd/system/detour-worker@.service"
+  "$root/lib/sysusers.d/detour.conf"
+  "$root/lib/tmpfiles.d/detour.conf"
+  "$dest$sysconf/default/detour-coordinator"
+  "$dest$sysconf/default/detour-worker"
+  "$root/share/detour/deploy/prometheus.yml"
+  "$root/share/detour/deploy/k8s/workers.yaml"
+  "$root/share/detour/examples/jobs/tiny_local.json"
+  "$root/share/doc/detour/OPERATIONS.md"
+)
+for f in "${expected[@]}"; do
+  [[ -f "$f" ]] || fail "not installed: ${f#$dest}"
+done
+# Every program the build made (an executable named detour* or detourctl
+# outside tests/ and benchmarks/) is installed: a new tool cannot be forgotten.
+while read -r built; do
+  name=$(basename "$built")
+  [[ -x "$root/bin/$name" ]] || fail "built but not installed: $name (${built#$build/})"
+done < <(find "$build/coordinator" "$build/worker" "$build/tools" -maxdepth 2 -type f -perm -u+x \
+           \( -name 'detour-*' -o -name detourctl \) ! -name '*.so' 2>/dev/null)
+
+# 2. Each installed binary runs and reports the version.
+for p in "${programs[@]}"; do
+  [[ -x "$root/bin/$p" ]] || continue
+  if ! out=$("$root/bin/$p" --version 2>&1); then
+    fail "$p --version exited non-zero: $out"
+  elif [[ "$out" != "$p $version "* ]]; then
+    fail "$p --version printed \"$out\", expected \"$p $version (...)\""
+  else
+    echo "ok: $out"
+  fi
+done
+
+# 3. The units name installed paths.
+units=("$root"/lib/systemd/system/detour-*.service)
+for u in "${units[@]}"; do
+  exec_path=$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' "$u")
+  [[ -x "$dest$exec_path" ]] || fail "$(basename "$u"): ExecStart $exec_path is not installed"
+  while read -r envfile; do
+    [[ -f "$dest$envfile" || "$envfile" == *%i ]] || fail "$(basename "$u"): EnvironmentFile $envfile is not installed"
+  done < <(sed -n 's/^EnvironmentFile=-\{0,1\}\(.*\)/\1/p' "$u")
+done
+
+# 4. sysusers.d and tmpfiles.d applied to the DESTDIR as root.
+mkdir -p "$dest/etc"
+printf 'root:x:0:0:root:/root:/bin/sh\n' > "$dest/etc/passwd"
+printf 'root:x:0:\nvideo:x:44:\nrender:x:105:\n' > "$dest/etc/group"
+if systemd-sysusers --root="$dest" "$root/lib/sysusers.d/detour.conf" > /dev/null 2>&1; then
+  grep -q '^detour:x:[0-9]*:[0-9]*:.*:/var/lib/detour:' "$dest/etc/passwd" || fail "sysusers.d did not create the detour user"
+  grep -q '^video:x:44:detour' "$dest/etc/group" || fail "sysusers.d did not add detour to video"
+else
+  fail "systemd-sysusers refused $root/lib/sysusers.d/detour.conf"
+fi
+if systemd-tmpfiles --root="$dest" --create "$root/lib/tmpfiles.d/detour.conf" 2>&1 | grep .; then
+  fail "systemd-tmpfiles complained"
+fi
+[[ -d "$dest$sysconf/detour/tls" ]] || fail "tmpfiles.d did not create $sysconf/detour/tls"
+perm=$(stat -c %a "$dest$sysconf/detour/tls" 2>/dev/null || echo missing)
+[[ "$perm" == 750 ]] || fail "$sysconf/detour/tls has mode $perm, expected 750"
+
+# 5. systemd-analyze verify and security, on copies whose ExecStart points
+# into the DESTDIR (verify checks the binary exists). Any word from verify is
+# a failure: it warns about unknown keys but still exits 0.
+work=$dest/verify
+mkdir -p "$work"
+for u in "${units[@]}"; do
+  name=$(basename "$u")
+  [[ "$name" == *@.service ]] && name=${name/@./@0.}
+  sed "s|^ExecStart=$prefix/bin/|ExecStart=$root/bin/|" "$u" > "$work/$name"
+done
+for u in "$work"/*.service; do
+  name=$(basename "$u")
+  out=$(cd "$work" && systemd-analyze verify "./$name" 2>&1) || fail "systemd-analyze verify $name failed: $out"
+  [[ -z "$out" ]] && echo "ok: systemd-analyze verify $name" || fail "systemd-analyze verify $name: $out"
+  score=$(cd "$work" && systemd-analyze security --offline=yes "./$name" 2>&1 | sed -n 's/.*Overall exposure level for [^:]*: \([0-9.]*\).*/\1/p')
+  if (cd "$work" && systemd-analyze security --offline=yes --threshold="$threshold" "./$name" > /dev/null 2>&1); then
+    echo "ok: systemd-analyze security $name: $score (threshold $((threshold / 10)).$((threshold % 10)))"
+  else
+    fail "systemd-analyze security $name: $score, above the threshold $((threshold / 10)).$((threshold % 10))"
+  fi
+done
+
+if [[ $failures -gt 0 ]]; then
+  echo "$failures failures"
+  exit 1
+fi
+echo "install test passed: $(find "$dest" -type f | wc -l) files under DESTDIR$prefix"
