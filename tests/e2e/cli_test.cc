@@ -46,8 +46,11 @@ bool PortFree(int port) {
   return ok;
 }
 
+// Flag forms, help, signals and ports: plaintext (--insecure) daemons and
+// clients; tls_test.cc covers the security rules.
 class CliTest : public E2eTest {
  protected:
+  CliTest() { tls_ = false; }
   // Runs argv with `--flag value` and again with `--flag=value` (the pair at
   // `at`); both must exit `code` with the same output, which must hold
   // `expect`.
@@ -151,9 +154,9 @@ TEST_F(CliTest, WatchSaysWhyAJobWaitsAndWritesJsonLines) {
       << GetJob(c.grpc_port, id).message();
 
   ChildProcess text;
-  ASSERT_TRUE(text.Start({Bin(kCtl), address, "watch", id}, dir_ + "/watch.log").ok());
+  ASSERT_TRUE(text.Start({Bin(kCtl), "--insecure", address, "watch", id}, dir_ + "/watch.log").ok());
   ChildProcess json;
-  ASSERT_TRUE(json.Start({Bin(kCtl), "watch", id, "--json", address}, dir_ + "/watch.jsonl").ok());
+  ASSERT_TRUE(json.Start({Bin(kCtl), "watch", id, "--json", "--insecure", address}, dir_ + "/watch.jsonl").ok());
   ASSERT_TRUE(Eventually([&] { return text.Log().find('\n') != std::string::npos &&
                                       json.Log().find('\n') != std::string::npos; },
                          absl::Seconds(10)));
@@ -187,7 +190,7 @@ TEST_F(CliTest, DaemonsStopOnSignalsInEveryState) {
     ::close(fd);
     ChildProcess retrying;
     ASSERT_TRUE(retrying
-                    .Start({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                    .Start({Bin(kWorker), "--insecure", "--listen=127.0.0.1:0", "--metrics_port=-1",
                             absl::StrCat("--coordinator=127.0.0.1:", port),
                             absl::StrCat("--data_dir=", dir_, "/retrying")},
                            absl::StrCat(dir_, "/retrying", sig, ".log"))
@@ -237,7 +240,7 @@ TEST_F(CliTest, TwoWorkersOnOneHostDoNotCollide) {
   auto start = [&](const std::string& name, std::vector<std::string> extra) {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
-    std::vector<std::string> argv = {Bin(kWorker), absl::StrCat("--listen=127.0.0.1:", base),
+    std::vector<std::string> argv = {Bin(kWorker), "--insecure", absl::StrCat("--listen=127.0.0.1:", base),
                                      "--metrics_bind=127.0.0.1",
                                      absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port),
                                      absl::StrCat("--data_dir=", dir_, "/", name),

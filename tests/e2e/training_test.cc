@@ -179,7 +179,7 @@ TEST_F(TrainingTest, PinnedAssignmentWaitsForItsWorkers) {
       [&] {
         const v1::Job j = GetJob(c.grpc_port, submitted.id());
         return j.state() == v1::JOB_STATE_PENDING &&
-               j.message().find("pinned workers no-such-worker") != std::string::npos;
+               j.message().find("pinned workers (pipeline.assignment): no-such-worker is not registered") != std::string::npos;
       },
       absl::Seconds(10)))
       << GetJob(c.grpc_port, submitted.id()).DebugString();
