@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
+#include "common/json.h"
 #include "common/spec.h"
 #include "common/status.h"
 
@@ -28,20 +29,7 @@ constexpr char kManifest[] = "manifest.json";
 constexpr char kFormat[] = "detour-checkpoint-v2";
 constexpr char kChecksumPrefix[] = "fnv1a64:";
 
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", static_cast<int>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
+std::string Quote(const std::string& s) { return JsonQuote(s); }
 
 // Reads the manifest's fields with the path and field named in every error.
 class FieldReader {
