@@ -160,10 +160,19 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (k->update() == v1::KFAC_UPDATE_UNSPECIFIED) {
     k->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
   }
+  // Replicas must step identically. Without a choice, each replica
+  // preconditions with its own factors and only gradients cross the links
+  // (docs/KFAC.md, "Replicas"); an explicit sync_factors keeps the exact
+  // factor all-reduce (and stored jobs normalised before replica_sync).
   if (o->kind() == v1::OPTIMIZER_KFAC &&
-      (spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1)) {
-    k->set_sync_factors(true);  // replicas must precondition identically
+      (spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1) &&
+      k->replica_sync() == v1::KFAC_REPLICA_SYNC_UNSPECIFIED) {
+    // The momentum rule's KL clipping needs the raw gradient: factors.
+    k->set_replica_sync(k->sync_factors() || k->update() == v1::KFAC_UPDATE_MOMENTUM
+                            ? v1::KFAC_REPLICA_SYNC_FACTORS
+                            : v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
   }
+  if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_sync_factors(true);
 
   v1::DataSpec* d = spec->mutable_data();
   if (d->source() == v1::DATA_SOURCE_UNSPECIFIED) d->set_source(v1::DATA_SOURCE_EMBEDDED);
@@ -410,6 +419,20 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (!v1::KfacUpdate_IsValid(k.update())) {
     return Invalid("optimizer.kfac.update", absl::StrCat(k.update(), " is not a KfacUpdate"));
+  }
+  if (!v1::KfacReplicaSync_IsValid(k.replica_sync())) {
+    return Invalid("optimizer.kfac.replica_sync",
+                   absl::StrCat(k.replica_sync(), " is not a KfacReplicaSync"));
+  }
+  if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED && k.sync_factors()) {
+    return Invalid("optimizer.kfac.replica_sync",
+                   "KFAC_REPLICA_SYNC_PRECONDITIONED contradicts sync_factors = true");
+  }
+  if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED &&
+      k.update() == v1::KFAC_UPDATE_MOMENTUM) {
+    return Invalid("optimizer.kfac.replica_sync",
+                   "KFAC_REPLICA_SYNC_PRECONDITIONED needs update KFAC_UPDATE_GRAFT_ADAMW "
+                   "(the momentum rule's KL clipping needs the raw gradient)");
   }
 
   const v1::DataSpec& d = spec.data();

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/kfac_workload.h"
 #include "common/log.h"
 #include "common/sim/cost_model.h"
 #include "common/spec.h"
@@ -1420,6 +1421,8 @@ class JobRunner::Impl {
     const std::vector<int> stage_of = assignment_.NodeStages(cost_->num_nodes());
     const double tokens = static_cast<double>(spec_.pipeline().samples_per_microbatch()) *
                           spec_.model().context_length();
+    const kfac::BlockWorkload block(spec_.model());
+    const kfac::ReplicaSync sync = kfac::ReplicaSyncOf(spec_.optimizer().kfac());
     for (int n = 0; n < cost_->num_nodes(); ++n) {
       planner::KfacNodeWork node;
       node.node_id = cost_->node_id(n);
@@ -1430,9 +1433,13 @@ class JobRunner::Impl {
         if (layers.ok()) {
           const double flops = KfacFlopsPerSecond(n);
           workload_flops_[cost_->node_id(n)] = flops;
+          // The factors' bytes over the stage's (measured) links: never free.
+          planner::KfacLayerCost c = planner::EstimateKfacLayerCost(block, tokens, flops);
+          c.sync_s = planner::StageSyncSeconds(*cost_, assignment_.stage_nodes[node.stage],
+                                               block, sync);
           for (int l = layers->begin; l < layers->end; ++l) {
             node.layers.push_back(l);
-            node.costs.push_back(planner::EstimateKfacLayerCost(spec_.model(), tokens, flops));
+            node.costs.push_back(c);
           }
         }
       }

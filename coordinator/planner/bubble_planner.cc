@@ -18,23 +18,7 @@ using Kind = v1::BubbleTask::Kind;
 // Times compare with a small tolerance: timelines come from sums of doubles.
 constexpr double kEps = 1e-9;
 
-constexpr int kNumModules = 7;
-
-// Input and output width of each projection (KfacModules order).
-struct ModuleDims {
-  double f_in = 0;
-  double f_out = 0;
-};
-
-std::vector<ModuleDims> ProjectionDims(const v1::ModelShape& shape) {
-  const double d = shape.d_model();
-  const double heads = std::max<uint32_t>(1, shape.num_heads());
-  const double kv_heads = shape.num_kv_heads() > 0 ? shape.num_kv_heads() : heads;
-  const double kv = d * kv_heads / heads;
-  double ffn = shape.ffn_dim();
-  if (ffn <= 0) ffn = std::ceil(8.0 * d / 3.0 / 64.0) * 64.0;
-  return {{d, d}, {d, kv}, {d, kv}, {d, d}, {d, ffn}, {d, ffn}, {ffn, d}};
-}
+constexpr int kNumModules = kfac::kNumProjections;
 
 // Free time of one node: [0, end) minus busy, as sorted segments.
 std::vector<std::pair<double, double>> Gaps(const NodeTimeline& node, double end) {
@@ -71,37 +55,41 @@ double PipelineBusy(const NodeTimeline& node, double end) {
 
 }  // namespace
 
-const std::vector<std::string>& KfacModules() {
-  static const auto* modules =
-      new std::vector<std::string>{"q", "k", "v", "o", "gate", "up", "down"};
-  return *modules;
-}
+const std::vector<std::string>& KfacModules() { return kfac::ModuleNames(); }
 
 KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape, double tokens_per_microbatch,
                                     double flops_per_s) {
-  const std::vector<ModuleDims> dims = ProjectionDims(shape);
-  const double tokens = tokens_per_microbatch;
+  return EstimateKfacLayerCost(kfac::BlockWorkload(shape), tokens_per_microbatch, flops_per_s);
+}
+
+KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block,
+                                    double tokens_per_microbatch, double flops_per_s) {
   const double speed = flops_per_s > 0 ? flops_per_s : 1.0;
   KfacLayerCost c;
-  // A: one product per distinct input — q/k/v share the block input, gate/up
-  // share the normalised attention output; o and down have their own.
-  const double d = dims[0].f_in;
-  const double ffn = dims[6].f_in;
-  c.curvature_a_s = 2.0 * tokens * (d * d + d * d + d * d + ffn * ffn) / speed;
-  double b_flops = 0;
-  double precondition = 0;
-  for (const ModuleDims& m : dims) {
-    b_flops += 2.0 * tokens * m.f_out * m.f_out;
-    // Cholesky (n³/3) plus the inverse from it (≈ 2n³/3).
-    c.invert_a_s.push_back(m.f_in * m.f_in * m.f_in / speed);
-    c.invert_b_s.push_back(m.f_out * m.f_out * m.f_out / speed);
-    // B⁻¹·∇W (f_out² f_in) then ·A⁻¹ (f_out f_in²), two FLOPs per multiply-add.
-    precondition += 2.0 * (m.f_out * m.f_out * m.f_in + m.f_out * m.f_in * m.f_in);
+  c.curvature_a_s = block.CurvatureAFlops(tokens_per_microbatch) / speed;
+  c.curvature_b_s = block.CurvatureBFlops(tokens_per_microbatch) / speed;
+  for (int m = 0; m < kNumModules; ++m) {
+    c.invert_a_s.push_back(block.InvertAFlops(m) / speed);
+    c.invert_b_s.push_back(block.InvertBFlops(m) / speed);
   }
-  c.curvature_b_s = b_flops / speed;
-  c.precondition_s = precondition / speed;
+  c.precondition_s = block.PreconditionFlops() / speed;
   c.sync_s = 0;
   return c;
+}
+
+double StageSyncSeconds(const sim::CostModel& cost, const std::vector<int>& group,
+                        const kfac::BlockWorkload& block, kfac::ReplicaSync sync) {
+  if (group.size() < 2) return 0;
+  double min_bandwidth = 0;
+  bool first = true;
+  for (int a : group) {
+    for (int b : group) {
+      if (a == b) continue;
+      min_bandwidth = first ? cost.Bandwidth(a, b) : std::min(min_bandwidth, cost.Bandwidth(a, b));
+      first = false;
+    }
+  }
+  return kfac::SyncSeconds(block, sync, static_cast<int>(group.size()), min_bandwidth);
 }
 
 IterationTimeline TimelineFromSimulation(const sim::SimResult& result) {

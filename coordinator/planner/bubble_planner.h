@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/kfac_workload.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
 #include "common/sim/plan.h"
@@ -76,8 +77,8 @@
 
 namespace detour::planner {
 
-// The projections of a block, in the order tasks are emitted.
-const std::vector<std::string>& KfacModules();  // q k v o gate up down
+// The projections of a block (kfac::ModuleNames()): q k v o gate up down.
+const std::vector<std::string>& KfacModules();
 
 // Durations of one block's K-FAC work on one node, in seconds.
 struct KfacLayerCost {
@@ -91,12 +92,22 @@ struct KfacLayerCost {
                               // EstimateKfacLayerCost leaves it 0)
 };
 
-// FLOP-count estimate of KfacLayerCost for `shape` with
-// `tokens_per_microbatch` tokens on a node doing `flops_per_s` (the cost
-// model's effective speed), documented in docs/KFAC.md.
+// FLOP-count estimate of KfacLayerCost for one block (common/kfac_workload.h)
+// with `tokens_per_microbatch` tokens on a node doing `flops_per_s` (the cost
+// model's effective speed), documented in docs/KFAC.md. sync_s is left 0:
+// StageSyncSeconds prices it from the links.
+KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block,
+                                    double tokens_per_microbatch,
+                                    double flops_per_s);
 KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape,
                                     double tokens_per_microbatch,
                                     double flops_per_s);
+
+// KfacLayerCost.sync_s of one block for a stage held by `group` (cost-model
+// node indices): what `sync` adds to the stage's all-reduce in the runtime
+// (kfac::SyncSeconds over the group's slowest link).
+double StageSyncSeconds(const sim::CostModel& cost, const std::vector<int>& group,
+                        const kfac::BlockWorkload& block, kfac::ReplicaSync sync);
 
 struct KfacNodeWork {
   std::string node_id;

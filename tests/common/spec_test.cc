@@ -1,5 +1,7 @@
 #include "common/spec.h"
 
+#include "absl/strings/str_cat.h"
+
 #include <string>
 
 #include "gmock/gmock.h"
@@ -247,8 +249,41 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   EXPECT_DOUBLE_EQ(k.kl_clip(), 1e-3);
   EXPECT_EQ(k.placement(), v1::KFAC_PLACEMENT_BUBBLES);
   EXPECT_EQ(k.update(), v1::KFAC_UPDATE_GRAFT_ADAMW);
-  // Replicated stages must sync their factors to stay identical.
-  EXPECT_TRUE(k.sync_factors());
+  // Replicated stages must step identically: by default each replica
+  // preconditions its own gradient (no factor traffic).
+  EXPECT_EQ(k.replica_sync(), v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+  EXPECT_FALSE(k.sync_factors());
+  // Normalising again changes nothing.
+  auto again = NormalizeJobSpec(*spec);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+  // The exact scheme on request: sync_factors (older specs, stored jobs) or
+  // replica_sync FACTORS; the momentum rule needs it.
+  auto factors = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      kfac, "\"OPTIMIZER_KFAC\"", "\"OPTIMIZER_KFAC\", \"kfac\": {\"sync_factors\": true}")));
+  ASSERT_TRUE(factors.ok()) << factors.status();
+  EXPECT_EQ(factors->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
+  auto by_name = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      kfac, "\"OPTIMIZER_KFAC\"",
+      "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_FACTORS\"}")));
+  ASSERT_TRUE(by_name.ok()) << by_name.status();
+  EXPECT_TRUE(by_name->optimizer().kfac().sync_factors());
+  auto momentum = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      kfac, "\"OPTIMIZER_KFAC\"",
+      "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\"}")));
+  ASSERT_TRUE(momentum.ok()) << momentum.status();
+  EXPECT_EQ(momentum->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
+  // Contradictions are refused by name.
+  for (const char* bad :
+       {"{\"replica_sync\": \"KFAC_REPLICA_SYNC_PRECONDITIONED\", \"sync_factors\": true}",
+        "{\"replica_sync\": \"KFAC_REPLICA_SYNC_PRECONDITIONED\", "
+        "\"update\": \"KFAC_UPDATE_MOMENTUM\"}"}) {
+    auto r = NormalizeJobSpec(*ParseJobSpecJson(
+        Replace(kfac, "\"OPTIMIZER_KFAC\"", absl::StrCat("\"OPTIMIZER_KFAC\", \"kfac\": ", bad))));
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("optimizer.kfac.replica_sync"), std::string::npos)
+        << r.status();
+  }
 
   // One replica everywhere: nothing to sync; AdamW jobs are left alone.
   std::string single = Replace(kfac, "\"data_nodes\": 2", "\"data_nodes\": 1");
@@ -256,6 +291,7 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   auto one = NormalizeJobSpec(*ParseJobSpecJson(single));
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_FALSE(one->optimizer().kfac().sync_factors());
+  EXPECT_EQ(one->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
   auto adamw = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
   ASSERT_TRUE(adamw.ok());
   EXPECT_FALSE(adamw->optimizer().kfac().sync_factors());

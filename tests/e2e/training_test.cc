@@ -185,12 +185,22 @@ TEST_F(TrainingTest, PinnedAssignmentWaitsForItsWorkers) {
       << GetJob(c.grpc_port, submitted.id()).DebugString();
 }
 
-TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
-  // K-FAC on every projection with its work planned into the pipeline's
-  // gaps; two data nodes and two replicas per stage sync their factors in
-  // the all-reduce. Refresh as often as the bubbles allow.
-  const v1::JobSpec spec = KfacJob(MicroJob(3, 2, 2, 0.0, 8), [](v1::KfacSpec*) {});
-  ASSERT_TRUE(spec.optimizer().kfac().sync_factors());
+// K-FAC on every projection with its work planned into the pipeline's gaps;
+// two data nodes and two replicas per stage, kept identical by `sync`.
+// Refresh as often as the bubbles allow.
+class KfacReplicasTest : public E2eTest {
+ protected:
+  void KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iterations);
+};
+
+void KfacReplicasTest::KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iterations) {
+  const v1::JobSpec spec =
+      KfacJob(MicroJob(3, 2, 2, 0.0, iterations), [&](v1::KfacSpec* k) {
+        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_replica_sync(sync);
+      });
+  // The default for replicated stages: each replica preconditions its own.
+  ASSERT_EQ(spec.optimizer().kfac().replica_sync(), sync);
+  ASSERT_EQ(spec.optimizer().kfac().sync_factors(), sync == v1::KFAC_REPLICA_SYNC_FACTORS);
   Daemon c = StartCoordinator({"--log_level=debug"});
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 6, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
@@ -201,7 +211,7 @@ TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
   // coordinator compares their checksums) with K-FAC preconditioning on.
   ASSERT_EQ(final_job.state(), v1::JOB_STATE_SUCCEEDED) << final_job.message() << "\n"
                                                         << c.process->Log();
-  ASSERT_EQ(losses.size(), 8u);
+  ASSERT_EQ(losses.size(), static_cast<size_t>(iterations));
   for (double l : losses) EXPECT_TRUE(std::isfinite(l));
   EXPECT_LT(losses.back(), losses.front());
   // Refreshes took effect, and the workers did K-FAC work.
@@ -210,6 +220,18 @@ TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
   EXPECT_GT(final_job.progress().utilization(), 0);
   EXPECT_GT(final_job.progress().utilization_with_kfac(), final_job.progress().utilization());
   EXPECT_THAT(c.process->Log(), Not(HasSubstr("diverged")));
+  // Factor sync tasks only with FACTORS; with PRECONDITIONED every replica
+  // of every stage holding blocks steps with K-FAC from its own factors.
+  int preconditioning = 0;
+  for (const Daemon& w : workers) {
+    preconditioning += w.process->Log().find("preconditions layer(s)") != std::string::npos;
+  }
+  if (sync == v1::KFAC_REPLICA_SYNC_PRECONDITIONED) {
+    EXPECT_EQ(preconditioning, 6);
+    EXPECT_THAT(c.process->Log(), Not(HasSubstr("KIND_SYNC_FACTORS")));
+  } else {
+    EXPECT_EQ(preconditioning, 0);
+  }
 
   // Every worker exports its K-FAC work and busy fractions, promtool-clean.
   for (const Daemon& w : workers) {
@@ -224,6 +246,14 @@ TEST_F(TrainingTest, KfacInTheBubblesTrainsAndKeepsReplicasIdentical) {
     EXPECT_EQ(Run({"/bin/sh", "-c", absl::StrCat("promtool check metrics < ", file)}, &out), 0)
         << out;
   }
+}
+
+TEST_F(KfacReplicasTest, PreconditionedReplicasTrainInTheBubblesAndStayIdentical) {
+  KeepsReplicasIdentical(v1::KFAC_REPLICA_SYNC_PRECONDITIONED, 8);
+}
+
+TEST_F(KfacReplicasTest, FactorSyncKeepsReplicasIdentical) {
+  KeepsReplicasIdentical(v1::KFAC_REPLICA_SYNC_FACTORS, 6);
 }
 
 TEST_F(TrainingTest, KfacWithSkipRoutesAndAFixedRefreshInterval) {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "common/kfac_workload.h"
 #include "model_test_util.h"
 #include "worker/model/corpus.h"
 #include "worker/model/engine.h"
@@ -463,6 +464,191 @@ TEST_F(KfacStageTest, GraftingTakesAdamWsStepLength) {
   for (auto& [name, p] : after) {
     EXPECT_TRUE(at::isfinite(p.detach()).all().item<bool>()) << name;
   }
+}
+
+// ---- Replicas preconditioning their own gradients ------------------------------
+
+// Two replicas of stage 1, the runtime's steps by hand: each preconditions its
+// own summed gradient with its own factors, the payloads (plus votes) are
+// summed in rank order, the sum is the gradient, then the step.
+class KfacReplicaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    at::set_num_threads(1);
+    spec_ = TwoStageSpec();
+    spec_.mutable_optimizer()->mutable_kfac()->set_replica_sync(
+        v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+    spec_.mutable_optimizer()->mutable_adamw()->set_lr(1e-3);
+    spec_.mutable_optimizer()->mutable_kfac()->set_lr(1e-3);
+    for (int r = 0; r < 2; ++r) {
+      auto stage = Stage::FromJobSpec(spec_, 1, at::Device(at::kCPU));
+      ASSERT_TRUE(stage.ok()) << stage.status();
+      stages_.push_back(std::move(*stage));
+      auto k = Kfac::Create(stages_[r].get(), spec_.optimizer());
+      ASSERT_TRUE(k.ok()) << k.status();
+      kfacs_.push_back(std::move(*k));
+      adams_.push_back(std::make_unique<AdamW>(stages_[r]->Parameters(), spec_.optimizer().adamw()));
+      adams_[r]->set_precondition_hook(kfacs_[r].get());
+    }
+  }
+
+  static at::Tensor Flat(Stage& stage) {
+    std::vector<at::Tensor> parts;
+    for (auto& [name, p] : stage.Parameters()) parts.push_back(p.grad().reshape({-1}).clone());
+    return at::cat(parts);
+  }
+  static void Unflat(Stage& stage, const at::Tensor& flat) {
+    int64_t off = 0;
+    for (auto& [name, p] : stage.Parameters()) {
+      p.mutable_grad().copy_(flat.narrow(0, off, p.numel()).view(p.sizes()));
+      off += p.numel();
+    }
+  }
+  static at::Tensor Param(Stage& stage, const std::string& name) {
+    for (auto& [n, p] : stage.Parameters()) {
+      if (n == name) return p;
+    }
+    ADD_FAILURE() << "no parameter " << name;
+    return at::Tensor();
+  }
+  static int64_t Numel(Stage& stage) {
+    int64_t n = 0;
+    for (auto& [name, p] : stage.Parameters()) n += p.numel();
+    return n;
+  }
+
+  // One iteration; `refresh` computes and activates new inverses on every
+  // replica after the step (as a planned activation would). Returns the
+  // reduced gradient of layers.2.wq (the mean over 2 visits).
+  at::Tensor Iterate(int step, bool refresh) {
+    std::vector<at::Tensor> payloads;
+    for (int r = 0; r < 2; ++r) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(100 + 10 * step + r);
+      at::Tensor x = at::randn({2, 8, 32}, gen);
+      at::Tensor g = at::randn({2, 8, 32}, gen) * 1e-2;
+      if (refresh) kfacs_[r]->Capture(0);
+      EXPECT_TRUE(stages_[r]->Forward(0, x).ok());
+      EXPECT_TRUE(stages_[r]->Backward(0, g).ok());
+      at::Tensor pre = Flat(*stages_[r]);
+      EXPECT_TRUE(kfacs_[r]->PreconditionFlat(stages_[r]->Parameters(), &pre).ok());
+      payloads.push_back(at::cat({pre, kfacs_[r]->ReadyVotes()}));
+    }
+    const at::Tensor sum = payloads[0] + payloads[1];
+    const int64_t n = Numel(*stages_[0]);
+    at::Tensor wq;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(kfacs_[r]->AgreeReady(sum.narrow(0, n, sum.numel() - n), 2).ok());
+      Unflat(*stages_[r], sum.narrow(0, 0, n) / 2.0);
+      if (r == 0) wq = Param(*stages_[0], "layers.2.wq").grad().clone();
+      EXPECT_TRUE(adams_[r]->Step(1e-3).ok());
+      (void)kfacs_[r]->CommitAgreement();
+      stages_[r]->ZeroGrad();
+      if (refresh) {
+        EXPECT_TRUE(kfacs_[r]->RefreshSerially().ok());
+        kfacs_[r]->DropAllCaptures();
+      }
+    }
+    return wq;
+  }
+
+  v1::JobSpec spec_;
+  std::vector<std::unique_ptr<Stage>> stages_;
+  std::vector<std::unique_ptr<Kfac>> kfacs_;
+  std::vector<std::unique_ptr<AdamW>> adams_;
+};
+
+TEST_F(KfacReplicaTest, ReplicasStepIdenticallyFromTheirOwnFactors) {
+  ASSERT_TRUE(kfacs_[0]->replicas_precondition());
+  // Iteration 0: no inverses yet (AdamW); refresh after it.
+  Iterate(0, /*refresh=*/true);
+  EXPECT_TRUE(kfacs_[0]->has_inverses(2));
+  EXPECT_FALSE(kfacs_[0]->replicas_ready(2));
+  // Each replica's factors are its own data's: different.
+  EXPECT_GT(MaxAbsDiff(kfacs_[0]->FactorA(2, "q"), kfacs_[1]->FactorA(2, "q")), 1e-6);
+  // Iteration 1: every replica votes for its layers; still AdamW this step.
+  Iterate(1, false);
+  EXPECT_TRUE(kfacs_[0]->replicas_ready(2) && kfacs_[1]->replicas_ready(3));
+  EXPECT_EQ(kfacs_[0]->last_graft_scale(2, "q"), 0);
+  EXPECT_EQ(kfacs_[0]->PreconditionedParameters().size(), 14u);  // 7 per layer
+  // Iterations 2-4: preconditioned before the reduce, K-FAC steps.
+  std::map<std::string, at::Tensor> before = testing::ToMap(stages_[0]->Parameters());
+  for (auto& [name, t] : before) t = t.detach().clone();
+  const at::Tensor reduced = Iterate(2, false);
+  // The first K-FAC step of a projection: m̂ = ĝ, v̂ = ĝ², so S = ĝ·‖U‖/‖ĝ‖
+  // with U = ĝ/(|ĝ|+eps).
+  {
+    const at::Tensor after = Param(*stages_[0], "layers.2.wq").detach();
+    const at::Tensor step = (before["layers.2.wq"] - after) / 1e-3;
+    const at::Tensor u = reduced / (reduced.abs() + 1e-8);
+    EXPECT_NEAR(step.norm().item<double>(), u.norm().item<double>(),
+                1e-3 * u.norm().item<double>());
+    const double cosine =
+        (step * reduced).sum().item<double>() / (step.norm() * reduced.norm()).item<double>();
+    EXPECT_GT(cosine, 1 - 1e-4);
+    EXPECT_GT(kfacs_[0]->last_graft_scale(2, "q"), 0);
+  }
+  Iterate(3, true);
+  Iterate(4, false);
+  // Bit-identical replicas, although their factors and inverses differ.
+  const auto p0 = stages_[0]->Parameters();
+  const auto p1 = stages_[1]->Parameters();
+  for (size_t i = 0; i < p0.size(); ++i) {
+    EXPECT_TRUE(at::equal(p0[i].second, p1[i].second)) << p0[i].first;
+  }
+  EXPECT_GT(MaxAbsDiff(kfacs_[0]->InverseB(3, "down"), kfacs_[1]->InverseB(3, "down")), 1e-6);
+  // The agreement is state: a joining replica or a resumed job keeps it.
+  auto load = Kfac::Create(stages_[1].get(), spec_.optimizer());
+  ASSERT_TRUE(load.ok());
+  std::map<std::string, at::Tensor> table;
+  for (auto& [name, t] : kfacs_[0]->State()) table[name] = t;
+  ASSERT_TRUE(table.count("kfac.2.replicas_ready"));
+  ASSERT_TRUE((*load)->LoadState(table).ok());
+  EXPECT_TRUE((*load)->replicas_ready(2));
+}
+
+TEST_F(KfacReplicaTest, ALayerIsReadyOnlyWhenEveryReplicaHoldsInverses) {
+  // Replica 0 has inverses, replica 1 none: 1 vote of 2.
+  kfacs_[0]->Capture(0);
+  ASSERT_TRUE(stages_[0]->Forward(0, at::randn({2, 8, 32})).ok());
+  ASSERT_TRUE(stages_[0]->Backward(0, at::randn({2, 8, 32}) * 1e-2).ok());
+  ASSERT_TRUE(kfacs_[0]->RefreshSerially().ok());
+  const at::Tensor votes = kfacs_[0]->ReadyVotes() + kfacs_[1]->ReadyVotes();
+  EXPECT_EQ(votes.sum().item<float>(), 2.0f);  // two layers, one vote each
+  for (auto& k : kfacs_) {
+    ASSERT_TRUE(k->AgreeReady(votes, 2).ok());
+    (void)k->CommitAgreement();
+    EXPECT_FALSE(k->replicas_ready(2));
+    EXPECT_TRUE(k->PreconditionedParameters().empty());
+  }
+  // A malformed vote tensor is refused by name.
+  absl::Status bad = kfacs_[0]->AgreeReady(at::ones({5}), 2);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("votes"), std::string::npos);
+  // The momentum rule cannot run on preconditioned gradients.
+  v1::OptimizerSpec o = spec_.optimizer();
+  o.mutable_kfac()->set_update(v1::KFAC_UPDATE_MOMENTUM);
+  EXPECT_EQ(Kfac::Create(stages_[0].get(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KfacWorkloadTest, PendingFactorsAreWhatThePlannerPrices) {
+  // GQA (kv 2 of 4 heads) and ffn ≠ 4d: the shared workload's sizes are the
+  // runtime's tensors.
+  const v1::JobSpec spec = TwoStageSpec();
+  auto stage = Stage::FromJobSpec(spec, 1, at::Device(at::kCPU));
+  ASSERT_TRUE(stage.ok());
+  auto k = Kfac::Create(stage->get(), spec.optimizer());
+  ASSERT_TRUE(k.ok());
+  const kfac::BlockWorkload block(spec.model());
+  int64_t numel = 0;
+  for (const at::Tensor& t : (*k)->PendingFactorTensors(2)) numel += t.numel();
+  EXPECT_EQ(numel, block.FactorSyncElements());
+  int64_t weights = 0;
+  for (auto& [name, p] : (*stage)->Parameters()) {
+    if (name.rfind("layers.2.w", 0) == 0) weights += p.numel();
+  }
+  EXPECT_EQ(weights, block.ProjectionElements());
+  EXPECT_EQ(KfacModules(), kfac::ModuleNames());
 }
 
 // ---- Engine ------------------------------------------------------------------

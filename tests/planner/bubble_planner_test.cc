@@ -13,6 +13,8 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/kfac_workload.h"
+#include "tests/planner/planner_test_util.h"
 
 namespace detour::planner {
 namespace {
@@ -422,6 +424,73 @@ TEST(BubblePlannerTest, SyncRunsOnAllReplicasAtOnceBeforeInversions) {
   EXPECT_EQ(Count(*it1, v1::BubbleTask::KIND_INVERT_A, false), 14);
   EXPECT_EQ(Count(*it1, v1::BubbleTask::KIND_SYNC_FACTORS, true), 0);
   EXPECT_TRUE(it1->activate_refresh.has_value());
+}
+
+TEST(BubblePlannerTest, SyncIsPricedFromTheSharedWorkloadAndTheLinks) {
+  // The runtime sends each replica's pending factors (4 A sums, 7 B sums, 2
+  // counts, fp32) to every other replica alongside the gradients: the
+  // factors add their bytes over the group's slowest link.
+  sim::CostTables t = testing::UniformModel(4, 2).tables();
+  t.bandwidth_bytes_per_s[2][1] = 2e6;  // the slowest link within {0, 1, 2}
+  t.bandwidth_bytes_per_s[3][0] = 1e3;  // outside the group: irrelevant
+  auto cost = sim::CostModel::FromTables(t);
+  ASSERT_TRUE(cost.ok());
+  v1::ModelShape shape;
+  shape.set_d_model(64);
+  shape.set_num_heads(4);
+  shape.set_num_kv_heads(2);
+  shape.set_ffn_dim(160);
+  const kfac::BlockWorkload block(shape);
+  // A: 64² ×3 (q/k/v, o, gate/up inputs) + 160² (down); B: 64², 32², 32², 64²,
+  // 160², 160², 64²; two counts.
+  const int64_t elems = 3 * 4096 + 25600 + 4096 + 1024 + 1024 + 4096 + 25600 + 25600 + 4096 + 2;
+  EXPECT_EQ(block.FactorSyncElements(), elems);
+  EXPECT_DOUBLE_EQ(StageSyncSeconds(*cost, {0, 1, 2}, block, kfac::ReplicaSync::kFactors),
+                   4.0 * elems / 2e6);
+  // Preconditioning replicas and lone stages send no factors.
+  EXPECT_EQ(StageSyncSeconds(*cost, {0, 1, 2}, block, kfac::ReplicaSync::kPreconditioned), 0);
+  EXPECT_EQ(StageSyncSeconds(*cost, {1}, block, kfac::ReplicaSync::kFactors), 0);
+  // What the estimate leaves to the links.
+  EXPECT_EQ(EstimateKfacLayerCost(block, 10, 1e9).sync_s, 0);
+}
+
+TEST(BubblePlannerTest, SyncTimeIsOnTheCriticalPathOnlyWhenFactorsAreSynced) {
+  // Two replicas of one stage; 2 s of factor sync per layer when synced.
+  KfacWorkload w;
+  w.nodes.push_back({"a", 1, {0}, {Cost(1, 1, 0.5, 0.1, 2.0)}});
+  w.nodes.push_back({"b", 1, {0}, {Cost(1, 1, 0.5, 0.1, 2.0)}});
+  sim::Plan plan;
+  plan.routes = {{0, {0}, {1}}, {1, {1}, {1}}};
+  IterationTimeline tl;
+  tl.end_s = 20;
+  tl.nodes.resize(2);
+  for (int n = 0; n < 2; ++n) {
+    tl.nodes[n].busy = {{0, 1, BK::kForward, n}, {2, 3, BK::kBackward, n}};
+  }
+  for (bool factors : {true, false}) {
+    SCOPED_TRACE(factors ? "factors" : "preconditioned");
+    v1::KfacSpec k = Spec();
+    k.set_sync_factors(factors);
+    k.set_replica_sync(factors ? v1::KFAC_REPLICA_SYNC_FACTORS
+                               : v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+    auto p = BubblePlanner::Create(w, k);
+    ASSERT_TRUE(p.ok());
+    auto it0 = p->PlanIteration(0, plan, tl);
+    ASSERT_TRUE(it0.ok());
+    const int syncs = Count(*it0, v1::BubbleTask::KIND_SYNC_FACTORS, true);
+    if (factors) {
+      EXPECT_EQ(syncs, 2);
+      // 20 s pipeline + 2 s sync + 0.1 s preconditioning.
+      EXPECT_NEAR(it0->iteration_time_s, 22.1, 1e-9);
+      EXPECT_FALSE(it0->activate_refresh.has_value());  // inversions wait for the sync
+    } else {
+      EXPECT_EQ(syncs, 0);
+      // Everything fits the gaps: only the preconditioning is added, and the
+      // refresh completes in its first iteration.
+      EXPECT_NEAR(it0->iteration_time_s, 20.1, 1e-9);
+      EXPECT_TRUE(it0->activate_refresh.has_value());
+    }
+  }
 }
 
 TEST(BubblePlannerTest, Errors) {

@@ -327,8 +327,38 @@ TEST(DetourSimCliTest, KfacChimera) {
   google::protobuf::Struct u = ParseObject(unit.out);
   EXPECT_NEAR(u.fields().at("pipeline_time_s").number_value(), 0.016, 1e-12);
   EXPECT_NEAR(u.fields().at("utilization_before").number_value(), 0.75, 1e-9);
-  // Every stage has two replicas (one per direction): factor sync defaults on.
-  EXPECT_TRUE(u.fields().at("sync_factors").bool_value());
+  // Every stage has two replicas (one per direction): the replicas
+  // precondition their own gradients by default, as in a job.
+  EXPECT_FALSE(u.fields().at("sync_factors").bool_value());
+  EXPECT_EQ(u.fields().at("replica_sync").string_value(), "preconditioned");
+  SimRun factors = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+                       "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
+                       "--replica-sync factors --json",
+                       /*merge_stderr=*/false);
+  ASSERT_EQ(factors.code, 0) << factors.out;
+  google::protobuf::Struct fs = ParseObject(factors.out);
+  EXPECT_TRUE(fs.fields().at("sync_factors").bool_value());
+  EXPECT_EQ(fs.fields().at("replica_sync").string_value(), "factors");
+}
+
+TEST(DetourSimCliTest, KfacReplicaSyncOnThePlannedExample) {
+  // geo20's stages have 3 replicas: the factor all-reduce is priced from the
+  // links and lengthens the iteration; preconditioned replicas pay nothing.
+  auto run = [](const std::string& sync) {
+    SimRun r = Sim(absl::StrCat("kfac ", Example(), " --tflops 5 --replica-sync ", sync,
+                                " --json"),
+                   /*merge_stderr=*/false);
+    EXPECT_EQ(r.code, 0) << r.out;
+    return ParseObject(r.out);
+  };
+  const google::protobuf::Struct factors = run("factors");
+  const google::protobuf::Struct pre = run("preconditioned");
+  const google::protobuf::Struct none = run("none");
+  const double t_factors = factors.fields().at("time_overhead").number_value();
+  const double t_pre = pre.fields().at("time_overhead").number_value();
+  EXPECT_GT(t_factors, 0.1);
+  EXPECT_LT(t_pre, 0.05);
+  EXPECT_NEAR(t_pre, none.fields().at("time_overhead").number_value(), 1e-9);
 }
 
 TEST(DetourSimCliTest, KfacOnThePlannedExample) {
@@ -364,6 +394,12 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
            {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 --bogus",
             "--bogus"},
            {"kfac --stages 2", "--schedule"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+            "--replica-sync sometimes",
+            "--replica-sync: preconditioned, factors or none"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+            "--replica-sync preconditioned --sync",
+            "contradicts"},
        }) {
     SimRun r = Sim(c.args);
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;

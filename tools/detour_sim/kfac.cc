@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "common/files.h"
 #include "common/flags.h"
+#include "common/kfac_workload.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/event_simulator.h"
 #include "common/sim/json_writer.h"
@@ -95,7 +96,9 @@ struct KfacArgs {
   double slack = 0.05;
   int refresh_interval = 0;
   bool serial = false;
-  std::optional<bool> sync;
+  // Replica synchronisation (default: preconditioned when a stage has
+  // replicas, as NormalizeJobSpec does for a job).
+  std::optional<kfac::ReplicaSync> sync;
   bool json = false;
   std::string svg;
 };
@@ -109,7 +112,7 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
           refresh_interval = a.refresh_interval;
   double forward_ms = 0, backward_ms = 0, curvature_ms = 0, inversion_ms = 0,
          precondition_ms = 0;
-  std::string seed, placement = "bubbles";
+  std::string seed, placement = "bubbles", replica_sync;
   bool sync = false, no_sync = false;
   flags.String("schedule", &a.schedule, "synthetic pipeline: gpipe, 1f1b or chimera");
   flags.String("profile", &a.profile,
@@ -138,10 +141,12 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   flags.Int("refresh-interval", &refresh_interval,
             "fixed refresh interval (0: as the bubbles allow)");
   flags.String("placement", &placement, "bubbles or serial");
-  flags.Bool("sync", &sync,
-             "all-reduce factors among a stage's replicas (default: on when a stage has "
-             "replicas; chimera's stages have 2)");
-  flags.Bool("no-sync", &no_sync, "do not all-reduce factors");
+  flags.String("replica-sync", &replica_sync,
+               "how replicas stay identical: preconditioned (each preconditions its own "
+               "gradient; the default when a stage has replicas, chimera's have 2), factors "
+               "(all-reduce the factors) or none");
+  flags.Bool("sync", &sync, "the same as --replica-sync factors");
+  flags.Bool("no-sync", &no_sync, "the same as --replica-sync none");
   flags.Bool("json", &a.json, "machine-readable output");
   flags.String("svg", &a.svg, "timeline of the first iteration with K-FAC work");
   flags.SetEpilog(kKfacEpilog);
@@ -202,8 +207,27 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   if (flags.WasSet("sync") && flags.WasSet("no-sync") && sync == no_sync) {
     return UsageError("--sync and --no-sync contradict each other");
   }
-  if (flags.WasSet("sync")) a.sync = sync;
-  if (flags.WasSet("no-sync")) a.sync = !no_sync;
+  if (flags.WasSet("sync")) a.sync = sync ? kfac::ReplicaSync::kFactors : kfac::ReplicaSync::kNone;
+  if (flags.WasSet("no-sync")) {
+    a.sync = no_sync ? kfac::ReplicaSync::kNone : kfac::ReplicaSync::kFactors;
+  }
+  if (flags.WasSet("replica-sync")) {
+    kfac::ReplicaSync r;
+    if (replica_sync == "preconditioned") {
+      r = kfac::ReplicaSync::kPreconditioned;
+    } else if (replica_sync == "factors") {
+      r = kfac::ReplicaSync::kFactors;
+    } else if (replica_sync == "none") {
+      r = kfac::ReplicaSync::kNone;
+    } else {
+      return UsageError(absl::StrCat(
+          "--replica-sync: preconditioned, factors or none, got \"", replica_sync, "\""));
+    }
+    if (a.sync && *a.sync != r) {
+      return UsageError("--replica-sync contradicts --sync/--no-sync");
+    }
+    a.sync = r;
+  }
   const bool synthetic = !a.schedule.empty();
   const bool real = !a.cluster.empty() || !a.job.empty();
   if (synthetic == real) {
@@ -512,44 +536,20 @@ absl::StatusOr<Scenario> Real(const KfacArgs& a) {
   const int num_stages = it.plan.assignment.num_stages();
   const std::vector<int> stage = it.plan.assignment.NodeStages(cost.num_nodes());
   Scenario sc{"", cost, it.plan, it.result, {}, job.optimizer().kfac()};
-  // Factor bytes of one block (fp32), all-reduced like the gradients: a ring
-  // over the stage's replicas.
-  double factor_elems = 0;
-  {
-    const double d = shape.d_model();
-    const double heads = std::max<uint32_t>(1, shape.num_heads());
-    const double kv = d * (shape.num_kv_heads() > 0 ? shape.num_kv_heads() : heads) / heads;
-    const double ffn = shape.ffn_dim();
-    for (auto [fi, fo] : std::vector<std::pair<double, double>>{
-             {d, d}, {d, kv}, {d, kv}, {d, d}, {d, ffn}, {d, ffn}, {ffn, d}}) {
-      factor_elems += fi * fi + fo * fo;
-    }
-  }
+  // One block's workload, shared with the coordinator and the workers; the
+  // factor sync is priced as the runtime sends it (kfac::SyncSeconds), used
+  // only with --replica-sync factors.
+  const kfac::BlockWorkload block(shape);
   for (int n = 0; n < cost.num_nodes(); ++n) {
     planner::KfacNodeWork w;
     w.node_id = cost.node_id(n);
     w.stage = stage[n];
     if (stage[n] >= 0) {
       ASSIGN_OR_RETURN(LayerSpan span, StageLayers(shape.num_layers(), num_stages, stage[n]));
-      const std::vector<int>& group = it.plan.assignment.stage_nodes[stage[n]];
-      double sync = 0;
-      if (group.size() > 1) {
-        double lat = 0, bw = 0;
-        bool first = true;
-        for (int x : group) {
-          for (int y : group) {
-            if (x == y) continue;
-            lat = std::max(lat, cost.Latency(x, y));
-            bw = first ? cost.Bandwidth(x, y) : std::min(bw, cost.Bandwidth(x, y));
-            first = false;
-          }
-        }
-        const double r = group.size();
-        sync = 2 * (r - 1) * (lat + 4 * factor_elems / r / bw);
-      }
       const double flops = tflops * 1e12 * cluster.nodes(n).speed();
-      planner::KfacLayerCost c = planner::EstimateKfacLayerCost(shape, tokens, flops);
-      c.sync_s = sync;
+      planner::KfacLayerCost c = planner::EstimateKfacLayerCost(block, tokens, flops);
+      c.sync_s = planner::StageSyncSeconds(cost, it.plan.assignment.stage_nodes[stage[n]], block,
+                                           kfac::ReplicaSync::kFactors);
       for (int l = span.begin; l < span.end; ++l) {
         w.layers.push_back(l);
         w.costs.push_back(c);
@@ -589,7 +589,16 @@ absl::Status Run(const KfacArgs& a) {
   k.set_refresh_interval(a.refresh_interval);
   k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
   for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
-  k.set_sync_factors(a.sync.value_or(sc.replicated));
+  const kfac::ReplicaSync sync = a.sync.value_or(
+      sc.replicated ? kfac::ReplicaSync::kPreconditioned : kfac::ReplicaSync::kNone);
+  k.set_sync_factors(sync == kfac::ReplicaSync::kFactors);
+  k.set_replica_sync(sync == kfac::ReplicaSync::kFactors ? v1::KFAC_REPLICA_SYNC_FACTORS
+                     : sync == kfac::ReplicaSync::kPreconditioned
+                         ? v1::KFAC_REPLICA_SYNC_PRECONDITIONED
+                         : v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
+  const char* sync_name = sync == kfac::ReplicaSync::kFactors           ? "factors"
+                          : sync == kfac::ReplicaSync::kPreconditioned ? "preconditioned"
+                                                                        : "none";
 
   ASSIGN_OR_RETURN(planner::BubblePlanner bp,
                    planner::BubblePlanner::Create(sc.workload, k));
@@ -674,6 +683,8 @@ absl::Status Run(const KfacArgs& a) {
     w.String(a.serial ? "serial" : "bubbles");
     w.Key("sync_factors");
     w.Bool(k.sync_factors());
+    w.Key("replica_sync");
+    w.String(sync_name);
     w.Key("pipeline_time_s");
     w.Number(timeline.end_s);
     w.Key("utilization_before");
@@ -726,10 +737,10 @@ absl::Status Run(const KfacArgs& a) {
   std::cout << sc.description << "\n";
   std::cout << absl::StrFormat(
       "K-FAC: %d curvature microbatch(es) per node, slack %.0f%%, %s, refresh interval %s, "
-      "factor sync %s\n\n",
+      "replica sync %s\n\n",
       k.curvature_microbatches(), 100 * k.slack(), a.serial ? "serial placement" : "in the bubbles",
       k.refresh_interval() ? absl::StrCat(k.refresh_interval()) : "as the bubbles allow",
-      k.sync_factors() ? "on" : "off");
+      sync_name);
   std::cout << absl::StrFormat("%9s %12s %12s %10s %10s %10s %6s %8s\n", "iteration", "pipeline_s",
                                "iteration_s", "before", "after", "serial_s", "tasks", "refresh");
   for (size_t i = 0; i < its.size(); ++i) {

@@ -162,9 +162,18 @@ absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
   }
   RETURN_IF_ERROR(NormalizeGradients(total_microbatches));
   double squared = 0;
-  for (auto& stage : stages_) {
-    ASSIGN_OR_RETURN(double sq, stage->SquaredGradNorm());
+  for (size_t i = 0; i < stages_.size(); ++i) {
+    // KFAC_REPLICA_SYNC_PRECONDITIONED: as a lone replica would (clipping
+    // over the raw gradients only).
+    std::set<std::string> preconditioned;
+    if (i < kfacs_.size() && kfacs_[i]->replicas_precondition()) {
+      preconditioned = kfacs_[i]->PreconditionedParameters();
+    }
+    ASSIGN_OR_RETURN(double sq, stages_[i]->SquaredGradNorm(&preconditioned));
     squared += sq;
+    if (i < kfacs_.size() && kfacs_[i]->replicas_precondition()) {
+      RETURN_IF_ERROR(kfacs_[i]->PreconditionInPlace());
+    }
   }
   stats.grad_norm = std::sqrt(squared);
   const double clip = GlobalClipScale(squared, spec_.optimizer().grad_clip_norm());
@@ -172,6 +181,7 @@ absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
       ScheduledLearningRate(spec_.optimizer(), iteration, spec_.iterations());
   for (int i = 0; i < num_stages(); ++i) {
     RETURN_IF_ERROR(optimizers_[i]->Step(stats.learning_rate, clip));
+    if (i < static_cast<int>(kfacs_.size())) (void)kfacs_[i]->CommitAgreement();
     stages_[i]->ZeroGrad();
   }
   normalized_ = false;

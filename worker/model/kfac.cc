@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/kfac_workload.h"
 #include "common/status.h"
 #include "worker/model/torch_status.h"
 #include "worker/model/transformer.h"
@@ -18,24 +19,22 @@
 namespace detour::model {
 namespace {
 
-constexpr int kNumModules = 7;
-constexpr int kNumInputs = 4;
+// Projections, their parameter names and shared inputs: common/kfac_workload.h
+// (the planner prices exactly this list).
+constexpr int kNumModules = kfac::kNumProjections;
+constexpr int kNumInputs = kfac::kNumInputs;
 constexpr double kMinDamping = 1e-7;
 constexpr int kDampingRetries = 4;
+static_assert(static_cast<int>(LayerCapture::kAttnIn) == kfac::kAttnIn &&
+                  static_cast<int>(LayerCapture::kAttnOut) == kfac::kAttnOut &&
+                  static_cast<int>(LayerCapture::kMlpIn) == kfac::kMlpIn &&
+                  static_cast<int>(LayerCapture::kMlpHidden) == kfac::kMlpHidden,
+              "LayerCapture's inputs are the workload's");
 
-// Parameter name suffix and input group (LayerCapture::Input) per module.
-constexpr const char* kParamSuffix[kNumModules] = {"wq", "wk",     "wv",  "wo",
-                                                   "w_gate", "w_up", "w_down"};
-constexpr int kInputOf[kNumModules] = {
-    LayerCapture::kAttnIn, LayerCapture::kAttnIn,  LayerCapture::kAttnIn,
-    LayerCapture::kAttnOut, LayerCapture::kMlpIn,  LayerCapture::kMlpIn,
-    LayerCapture::kMlpHidden};
+// Input group (LayerCapture::Input) of a module.
+int InputOf(int m) { return kfac::Projections()[m].input; }
 
-int ModuleIndex(const std::string& module) {
-  const auto& m = KfacModules();
-  auto it = std::find(m.begin(), m.end(), module);
-  return it == m.end() ? -1 : static_cast<int>(it - m.begin());
-}
+int ModuleIndex(const std::string& module) { return kfac::ModuleIndex(module); }
 
 // (layer, module index) of "layers.<i>.<suffix>", or (-1, -1).
 std::pair<int, int> ProjectionOf(const std::string& name) {
@@ -46,7 +45,7 @@ std::pair<int, int> ProjectionOf(const std::string& name) {
     return {-1, -1};
   }
   for (int m = 0; m < kNumModules; ++m) {
-    if (parts[2] == kParamSuffix[m]) return {layer, m};
+    if (parts[2] == kfac::Projections()[m].param_suffix) return {layer, m};
   }
   return {-1, -1};
 }
@@ -55,11 +54,7 @@ bool AllFinite(const at::Tensor& t) { return at::isfinite(t).all().item<bool>();
 
 }  // namespace
 
-const std::vector<std::string>& KfacModules() {
-  static const auto* modules = new std::vector<std::string>{
-      "q", "k", "v", "o", "gate", "up", "down"};
-  return *modules;
-}
+const std::vector<std::string>& KfacModules() { return kfac::ModuleNames(); }
 
 absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
                                                  const at::Tensor& grad_out) {
@@ -161,7 +156,8 @@ Kfac::Kfac(Stage* stage, const v1::OptimizerSpec& spec)
                   : spec.kfac().update()),
       beta1_(spec.adamw().beta1() > 0 ? spec.adamw().beta1() : 0.9),
       beta2_(spec.adamw().beta2() > 0 ? spec.adamw().beta2() : 0.95),
-      eps_(spec.adamw().eps() > 0 ? spec.adamw().eps() : 1e-8) {}
+      eps_(spec.adamw().eps() > 0 ? spec.adamw().eps() : 1e-8),
+      replicas_precondition_(spec.kfac().replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED) {}
 
 Kfac::~Kfac() { DropAllCaptures(); }
 
@@ -185,6 +181,12 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
   }
+  if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED &&
+      k.update() == v1::KFAC_UPDATE_MOMENTUM) {
+    return absl::InvalidArgumentError(
+        "optimizer.kfac.replica_sync: KFAC_REPLICA_SYNC_PRECONDITIONED needs update "
+        "KFAC_UPDATE_GRAFT_ADAMW (the momentum rule's KL clipping needs the raw gradient)");
+  }
   if (!(spec.adamw().beta1() >= 0 && spec.adamw().beta1() < 1 &&
         spec.adamw().beta2() >= 0 && spec.adamw().beta2() < 1)) {
     return absl::InvalidArgumentError(
@@ -192,20 +194,20 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
   }
   std::unique_ptr<Kfac> kfac(new Kfac(stage, spec));
   const ModelConfig& c = stage->config();
-  const int64_t d = c.d_model;
-  const int64_t kv = static_cast<int64_t>(c.num_kv_heads) * c.head_dim();
-  const int64_t f = c.ffn_dim;
-  const int64_t in_dim[kNumInputs] = {d, d, d, f};
-  const int64_t out_dim[kNumModules] = {d, kv, kv, d, f, f, d};
+  kfac::BlockShape shape;
+  shape.d_model = c.d_model;
+  shape.kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim();
+  shape.ffn_dim = c.ffn_dim;
+  const kfac::BlockWorkload block(shape);
   RETURN_IF_ERROR(GuardTorch("K-FAC allocation", [&]() -> absl::Status {
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(stage->device());
     for (int l = stage->layers().begin; l < stage->layers().end; ++l) {
       LayerState& st = kfac->layers_[l];
       for (int i = 0; i < kNumInputs; ++i) {
-        st.a_sum[i] = at::zeros({in_dim[i], in_dim[i]}, opts);
+        st.a_sum[i] = at::zeros({block.input_dim(i), block.input_dim(i)}, opts);
       }
       for (int m = 0; m < kNumModules; ++m) {
-        st.b_sum[m] = at::zeros({out_dim[m], out_dim[m]}, opts);
+        st.b_sum[m] = at::zeros({block.f_out(m), block.f_out(m)}, opts);
       }
       st.a_count = at::zeros({1}, opts);
       st.b_count = at::zeros({1}, opts);
@@ -362,7 +364,7 @@ absl::Status Kfac::Finalize(int layer, LayerState* st) {
       tr_b[m] = st->b[m].defined() ? st->b[m].trace().item<double>() : NAN;
     }
     for (int m = 0; m < kNumModules; ++m) {
-      const int i = kInputOf[m];
+      const int i = InputOf(m);
       const int64_t dim_a = st->a_sum[i].size(0);
       const int64_t dim_b = st->b_sum[m].size(0);
       st->proj[m].damping = PiDamping(tr_a[i], dim_a, tr_b[m], dim_b, damping_);
@@ -385,7 +387,7 @@ absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a) {
         "\" (q, k, v, o, gate, up, down)"));
   }
   RETURN_IF_ERROR(Finalize(layer, st));
-  const at::Tensor& factor = is_a ? st->a[kInputOf[m]] : st->b[m];
+  const at::Tensor& factor = is_a ? st->a[InputOf(m)] : st->b[m];
   if (!factor.defined()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "K-FAC ", what, " layer ", layer, " ", module, ": no ",
@@ -452,6 +454,99 @@ absl::Status Kfac::RefreshSerially() {
   return absl::OkStatus();
 }
 
+bool Kfac::replicas_ready(int layer) const {
+  auto it = layers_.find(layer);
+  return it != layers_.end() && it->second.replicas_ready;
+}
+
+bool Kfac::steps_layer(int layer) const {
+  return replicas_precondition_ ? replicas_ready(layer) && has_inverses(layer)
+                                : has_inverses(layer);
+}
+
+at::Tensor Kfac::ReadyVotes() const {
+  std::vector<float> votes;
+  for (const auto& [layer, st] : layers_) votes.push_back(has_inverses(layer) ? 1.0f : 0.0f);
+  return at::tensor(votes, at::TensorOptions().dtype(at::kFloat));
+}
+
+absl::Status Kfac::AgreeReady(const at::Tensor& votes, int members) {
+  if (!votes.defined() || votes.numel() != static_cast<int64_t>(layers_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "K-FAC replica votes: ", votes.defined() ? votes.numel() : 0, " values for ",
+        layers_.size(), " layers"));
+  }
+  const at::Tensor v = votes.to(at::kCPU).to(at::kFloat).contiguous();
+  const float* data = v.data_ptr<float>();
+  size_t i = 0;
+  for (auto& [layer, st] : layers_) {
+    // Exact: small whole numbers in float.
+    st.agreed = data[i++] == static_cast<float>(members);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int> Kfac::CommitAgreement() {
+  std::vector<int> fresh;
+  for (auto& [layer, st] : layers_) {
+    if (st.agreed && !st.replicas_ready) fresh.push_back(layer);
+    if (st.agreed) st.replicas_ready = true;
+    st.agreed = false;
+  }
+  return fresh;
+}
+
+absl::Status Kfac::PreconditionFlat(const std::vector<NamedTensor>& params,
+                                    at::Tensor* flat) const {
+  return GuardTorch("K-FAC preconditioning the local gradient", [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (const auto& [name, p] : params) {
+      const int64_t n = p.numel();
+      if (offset + n > flat->numel()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "K-FAC precondition: the flat gradient has ", flat->numel(), " values, fewer than ",
+            "the parameters need"));
+      }
+      const auto [layer, m] = ProjectionOf(name);
+      if (m >= 0 && steps_layer(layer)) {
+        const Projection& proj = layers_.at(layer).proj[m];
+        at::Tensor slice = flat->narrow(0, offset, n).view(p.sizes());
+        at::Tensor pre =
+            at::matmul(at::matmul(proj.b_inv, slice.to(proj.b_inv.device())), proj.a_inv);
+        slice.copy_(pre.to(at::kCPU));
+      }
+      offset += n;
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Kfac::PreconditionInPlace() {
+  RETURN_IF_ERROR(GuardTorch("K-FAC preconditioning the gradient", [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, p] : stage_->Parameters()) {
+      const auto [layer, m] = ProjectionOf(name);
+      if (m < 0 || !p.grad().defined() || !steps_layer(layer)) continue;
+      const Projection& proj = layers_.at(layer).proj[m];
+      at::Tensor g = p.grad();
+      g.copy_(at::matmul(at::matmul(proj.b_inv, g), proj.a_inv));
+    }
+    return absl::OkStatus();
+  }));
+  return AgreeReady(ReadyVotes(), 1);
+}
+
+std::set<std::string> Kfac::PreconditionedParameters() const {
+  std::set<std::string> out;
+  if (!replicas_precondition_) return out;
+  for (const auto& [name, p] : stage_->Parameters()) {
+    const auto [layer, m] = ProjectionOf(name);
+    if (m >= 0 && steps_layer(layer)) out.insert(name);
+  }
+  return out;
+}
+
 absl::Status Kfac::BeginStep(double lr) {
   step_updates_.clear();
   step_lr_ = kfac_lr_ * lr / adamw_lr_;
@@ -481,7 +576,7 @@ absl::Status Kfac::BeginStep(double lr) {
 
 absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& params,
                                 double lr, std::set<std::string>* self_updated) {
-  if (!has_inverses(layer)) return absl::OkStatus();  // AdamW's
+  if (!steps_layer(layer)) return absl::OkStatus();  // AdamW's
   if (update_ == v1::KFAC_UPDATE_GRAFT_ADAMW) {
     step_lr_ = kfac_lr_ * lr / adamw_lr_;
     return GraftStep(layer, params, self_updated);
@@ -544,7 +639,10 @@ absl::Status Kfac::GraftStep(int layer, const std::vector<NamedTensor>& params,
       const double bc2 = 1.0 - std::pow(beta2_, step);
       at::Tensor m_hat = proj.adam_m / bc1;
       at::Tensor adam = m_hat / (proj.adam_v / bc2).sqrt_().add_(eps_);
-      at::Tensor dir = at::matmul(at::matmul(proj.b_inv, m_hat), proj.a_inv);
+      // With replicas preconditioning, g is already B⁻¹·G·A⁻¹ (reduced).
+      at::Tensor dir = replicas_precondition_
+                           ? m_hat.clone()
+                           : at::matmul(at::matmul(proj.b_inv, m_hat), proj.a_inv);
       const double adam_norm = adam.norm().item<double>();
       const double dir_norm = dir.norm().item<double>();
       at::Tensor s;
@@ -576,7 +674,7 @@ at::Tensor Kfac::FactorA(int layer, const std::string& module) const {
   auto it = layers_.find(layer);
   const int m = ModuleIndex(module);
   if (it == layers_.end() || m < 0) return at::Tensor();
-  return it->second.a[kInputOf[m]];
+  return it->second.a[InputOf(m)];
 }
 
 at::Tensor Kfac::FactorB(int layer, const std::string& module) const {
@@ -650,7 +748,7 @@ void AddProjectionPieces(int layer, LayerStateT& st, std::vector<StatePiece>& ou
   for (int m = 0; m < kNumModules; ++m) {
     auto& pr = st.proj[m];
     const std::string p = absl::StrCat("kfac.", layer, ".", KfacModules()[m], ".");
-    const auto a = st.a_sum[kInputOf[m]].sizes().vec();
+    const auto a = st.a_sum[InputOf(m)].sizes().vec();
     const auto b = st.b_sum[m].sizes().vec();
     const std::vector<int64_t> w = {b[0], a[0]};
     out.push_back({p + "a_inv", &pr.a_inv, a});
@@ -689,6 +787,9 @@ std::vector<NamedTensor> Kfac::State() const {
       out.emplace_back(p + "graft_scale",
                        at::tensor({pr.graft_scale}, at::TensorOptions().dtype(at::kDouble)));
     }
+    out.emplace_back(absl::StrCat("kfac.", layer, ".replicas_ready"),
+                     at::tensor({static_cast<int64_t>(st.replicas_ready)},
+                                at::TensorOptions().dtype(at::kLong)));
   }
   return out;
 }
@@ -751,6 +852,18 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
         pr.damping.damping_b = d.data_ptr<double>()[2];
         pr.adam_step = step->second.item<int64_t>();
         pr.graft_scale = graft->second.item<double>();
+      }
+      // Absent in states written before replica_sync (they synced factors).
+      auto ready = table.find(absl::StrCat("kfac.", layer, ".replicas_ready"));
+      if (pass == 0) {
+        if (ready != table.end() &&
+            (ready->second.numel() != 1 || ready->second.scalar_type() != at::kLong)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("K-FAC state kfac.", layer, ".replicas_ready is malformed"));
+        }
+      } else {
+        st.replicas_ready = ready != table.end() && ready->second.item<int64_t>() != 0;
+        st.agreed = false;
       }
     }
   }

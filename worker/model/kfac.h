@@ -180,16 +180,62 @@ class Kfac : public PreconditionHook {
   // projection of the layer: ∇W ← ν·ΔW (written into the gradient),
   // momentum buffer m ← μ·m + ∇W, W ← W·(1 - lr_kfac·weight_decay) -
   // lr_kfac·m, and names it in self_updated.
+  //
+  // KFAC_REPLICA_SYNC_PRECONDITIONED (replicas_precondition()): the
+  // gradients of the replicas-ready layers (below) arrive here already
+  // preconditioned and reduced, ĝ = Σ_r B_r⁻¹·G_r·A_r⁻¹ / visits (clipped
+  // like the rest). GRAFT_ADAMW then keeps its Adam moments of ĝ and steps
+  // S = m̂·‖U‖/‖m̂‖ with U = m̂/(√v̂ + eps): the direction is the momentum of
+  // the preconditioned gradient (B⁻¹·m̂·A⁻¹ for fixed inverses), the length
+  // AdamW's on ĝ. Every input is the reduced sum, so the replicas step
+  // identically. Layers not ready are left to AdamW.
   absl::Status BeginStep(double lr) override;
   absl::Status Precondition(int layer, const std::vector<NamedTensor>& params,
                             double lr,
                             std::set<std::string>* self_updated) override;
 
+  // --- Replicas preconditioning their own gradients -------------------------
+  // (KfacSpec.replica_sync = KFAC_REPLICA_SYNC_PRECONDITIONED; docs/KFAC.md
+  // "Replicas"). Each replica keeps the factors of its own curvature
+  // microbatches. Per iteration the runtime (1) calls PreconditionFlat on its
+  // summed local gradient before the all-reduce, appending ReadyVotes(); (2)
+  // reduces; (3) AgreeReady with the summed votes; (4) steps; (5)
+  // CommitAgreement. A layer is preconditioned and K-FAC-stepped only once
+  // it is replicas-ready: all members of an earlier iteration's reduce held
+  // inverses for it (inverses, once there, stay), so every replica makes
+  // the same choice for every layer in every iteration.
+  bool replicas_precondition() const { return replicas_precondition_; }
+  bool replicas_ready(int layer) const;
+  // One float per held layer, in layer order: 1 where this replica has
+  // inverses for every projection, else 0 (on the CPU).
+  at::Tensor ReadyVotes() const;
+  // `votes`: the members' ReadyVotes summed. Layers with `members` votes
+  // become replicas-ready at the next CommitAgreement (not before: the
+  // step of this iteration still sees the choice its gradients were made
+  // with). INVALID_ARGUMENT for a wrong size.
+  absl::Status AgreeReady(const at::Tensor& votes, int members);
+  // Returns the layers that became replicas-ready.
+  std::vector<int> CommitAgreement();
+  // `flat` holds `params`' gradients one after another (each numel, in
+  // order; a float CPU tensor). Replaces the slices of the replicas-ready
+  // layers' projections by B⁻¹·slice·A⁻¹ with this replica's active
+  // inverses.
+  absl::Status PreconditionFlat(const std::vector<NamedTensor>& params, at::Tensor* flat) const;
+  // The same for a stage without replicas (the in-process engine): the
+  // parameters' gradients are preconditioned in place, and the layer votes
+  // are agreed with this replica's own (CommitAgreement after the step).
+  absl::Status PreconditionInPlace();
+  // Parameter names whose reduced gradient is a preconditioned one (the
+  // replicas-ready layers' projections): the runtime leaves them out of the
+  // clipping norm, which is over raw gradients.
+  std::set<std::string> PreconditionedParameters() const;
+
   // Everything K-FAC keeps between steps, for checkpoints and for a replica
   // joining a running job: per held layer the pending sums and counts, the
   // running factors, and per projection the active and staged inverses, the
   // damping (π, λ_A, λ_B), the momentum buffer, the grafting moments and
-  // step. Named "kfac.<layer>.<piece>"; pieces not yet computed are absent.
+  // step, and whether the layer is replicas-ready. Named
+  // "kfac.<layer>.<piece>"; pieces not yet computed are absent.
   // On the CPU, cloned.
   std::vector<NamedTensor> State() const;
   // Replaces the state with the "kfac.<layer>.*" entries of `table` for the
@@ -225,6 +271,8 @@ class Kfac : public PreconditionHook {
     std::array<at::Tensor, 4> a;      // running averages (undefined: none yet)
     std::array<at::Tensor, 7> b;
     std::array<Projection, 7> proj;
+    bool replicas_ready = false;  // replicas_precondition(): agreed
+    bool agreed = false;          // ... at the coming CommitAgreement
   };
 
   Kfac(Stage* stage, const v1::OptimizerSpec& spec);
@@ -235,6 +283,8 @@ class Kfac : public PreconditionHook {
   absl::Status Invert(int layer, const std::string& module, bool is_a);
   absl::Status GraftStep(int layer, const std::vector<NamedTensor>& params,
                          std::set<std::string>* self_updated);
+  // Whether Precondition K-FAC-steps `layer` this step.
+  bool steps_layer(int layer) const;
 
   Stage* stage_;
   int begin_ = 0;  // first global layer held
@@ -242,6 +292,7 @@ class Kfac : public PreconditionHook {
   double adamw_lr_, weight_decay_;
   v1::KfacUpdate update_;
   double beta1_, beta2_, eps_;
+  bool replicas_precondition_ = false;
   std::map<int, LayerState> layers_;
   std::map<uint32_t, std::vector<std::shared_ptr<LayerCapture>>> captures_;
   // BeginStep's clipped updates by parameter name, and the step's lr_kfac.

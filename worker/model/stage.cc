@@ -347,13 +347,14 @@ absl::Status Stage::ScaleGradients(double factor) {
                     });
 }
 
-absl::StatusOr<double> Stage::SquaredGradNorm() const {
+absl::StatusOr<double> Stage::SquaredGradNorm(const std::set<std::string>* exclude) const {
   return GuardTorch(
       absl::StrCat("stage ", impl_->index, " gradient norm"),
       [&]() -> absl::StatusOr<double> {
         c10::NoGradGuard no_grad;
         double total = 0;
         for (auto& [name, p] : impl_->Parameters()) {
+          if (exclude != nullptr && exclude->count(name)) continue;
           if (p.grad().defined()) {
             total += p.grad().to(at::kDouble).pow(2).sum().item<double>();
           }

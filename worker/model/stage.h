@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,8 +128,9 @@ class Stage {
   void ZeroGrad();
   // Multiplies every accumulated gradient by `factor`.
   absl::Status ScaleGradients(double factor);
-  // Sum of squared gradient elements (for global-norm clipping).
-  absl::StatusOr<double> SquaredGradNorm() const;
+  // Sum of squared gradient elements (for global-norm clipping), leaving
+  // out the parameters named in `exclude` (may be null).
+  absl::StatusOr<double> SquaredGradNorm(const std::set<std::string>* exclude = nullptr) const;
 
   // K-FAC capture (used by Kfac, kfac.h): the next Forward of `mb` fills
   // records[i] for the i-th block this stage holds (LayerCapture, in

@@ -281,6 +281,9 @@ class JobRuntime::Impl {
     // put the local gradient back first.
     bool reduced = false;
     double scaled = 1.0;
+    // Replicas preconditioning their own gradients: the raw local gradient
+    // (the payload holds the preconditioned one) for putting back.
+    at::Tensor raw_local;
     std::set<std::string> unreachable_reported;
     double max_delay_s = 0;  // pipeline work waiting for a bubble task
   };
@@ -729,14 +732,27 @@ class JobRuntime::Impl {
     Iteration& it = *it_;
     if (it.phase != Phase::kRunning || !it.tracker->LocalWorkDone()) return;
     it.phase = Phase::kReducing;
+    const bool precondition = kfac_ != nullptr && kfac_->replicas_precondition();
     // Share this replica's summed gradient with the other replicas.
-    if (group_.size() > 1) {
+    if (group_.size() > 1 || precondition) {
       // Factors to sync need all of this iteration's curvature first.
       if (!bubbles_->sync_layers().empty() && !DrainBubbles(BubbleSchedule::IsCurvature, false)) {
         return;
       }
       auto flat = FlatGradients(it.tracker->visits() > 0, bubbles_->sync_layers());
       if (!flat.ok()) return Fail(flat.status());
+      if (precondition) {
+        // This replica's own factors precondition its own gradient; the
+        // votes say which layers every replica could precondition.
+        it.raw_local = *flat;
+        auto payload = model::GuardTorch("preconditioning", [&]() -> absl::StatusOr<at::Tensor> {
+          at::Tensor pre = flat->clone();
+          RETURN_IF_ERROR(kfac_->PreconditionFlat(stage_->Parameters(), &pre));
+          return at::cat({pre, kfac_->ReadyVotes()}).contiguous();
+        });
+        if (!payload.ok()) return Fail(payload.status());
+        flat = *std::move(payload);
+      }
       reducer_.SetLocal(*flat, it.tracker->visits());
       const int rank = reducer_.rank();
       for (const std::string& peer : reducer_.Others()) {
@@ -799,7 +815,8 @@ class JobRuntime::Impl {
     if (it.phase != Phase::kReducing || !reducer_.Ready()) return;
     const absl::Time start = absl::Now();
     const int total_visits = reducer_.TotalVisits();
-    if (group_.size() > 1) {
+    const bool precondition = kfac_ != nullptr && kfac_->replicas_precondition();
+    if (group_.size() > 1 || precondition) {
       // Sum in rank order so every replica computes the identical result.
       const auto inputs = reducer_.InRankOrder();
       const int64_t numel = inputs.front()->payload.numel();
@@ -814,6 +831,11 @@ class JobRuntime::Impl {
                 absl::StrJoin(bubbles_->sync_layers(), ","), ")"));
           }
           sum = sum.defined() ? sum + part : part.clone();
+        }
+        if (precondition) {
+          const int64_t votes = sum.numel() - flat_numel_;
+          RETURN_IF_ERROR(kfac_->AgreeReady(sum.narrow(0, flat_numel_, votes),
+                                            static_cast<int>(inputs.size())));
         }
         return absl::OkStatus();
       });
@@ -830,7 +852,11 @@ class JobRuntime::Impl {
       if (!s.ok()) return Fail(s);
       it.scaled = scale;
     }
-    auto sq = stage_->SquaredGradNorm();
+    // The clipping norm is over raw gradients: preconditioned ones are left
+    // out (they get the same clip factor).
+    std::set<std::string> preconditioned;
+    if (precondition) preconditioned = kfac_->PreconditionedParameters();
+    auto sq = stage_->SquaredGradNorm(preconditioned.empty() ? nullptr : &preconditioned);
     if (!sq.ok()) return Fail(sq.status());
     it.phase = Phase::kWaitingStep;
     v1::WorkerMessage m;
@@ -866,7 +892,9 @@ class JobRuntime::Impl {
     if (it.reduced) {
       // Put the local gradient (and factors) back: the sum included workers
       // that are gone, and re-runs may add to it.
-      absl::Status s = Unflatten(reducer_.local()->payload, it.tracker->visits() > 0);
+      absl::Status s = Unflatten(
+          it.raw_local.defined() ? it.raw_local : reducer_.local()->payload,
+          it.tracker->visits() > 0);
       if (!s.ok()) return Fail(s);
       if (it.tracker->visits() == 0) stage_->ZeroGrad();
     } else if (it.scaled != 1.0) {
@@ -1057,6 +1085,14 @@ class JobRuntime::Impl {
                                                spec_.optimizer().grad_clip_norm());
     absl::Status stepped = optimizer_->Step(lr, clip);
     if (!stepped.ok()) return Fail(stepped);
+    if (kfac_ != nullptr) {
+      const std::vector<int> ready = kfac_->CommitAgreement();
+      if (!ready.empty()) {
+        LogInfo("job ", job_id_, ": K-FAC: every replica of stage ", stage_index_,
+                " preconditions layer(s) ", absl::StrJoin(ready, ","), " with its own factors from iteration ",
+                it.plan.iteration() + 1);
+      }
+    }
     stage_->ZeroGrad();
     if (kfac_ != nullptr) kfac_->DropAllCaptures();
     reducer_.Clear();
