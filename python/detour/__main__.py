@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from google.protobuf import json_format
 
@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _json(message) -> str:
-    return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None)
+def _json(message: Any) -> str:
+    return str(json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None))
 
 
 def _line(job: Job) -> str:
@@ -86,6 +86,10 @@ def _watch(client: Client, job_id: str, as_json: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.insecure and not (args.tls_ca or args.tls_cert or args.tls_key):
+        # As detourctl: the trust is chosen explicitly (the library falls back
+        # to the system's roots).
+        raise ConfigError("give --tls_ca (the cluster CA) for TLS, or --insecure for plaintext")
     client = Client(args.coordinator, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
                     token_file=args.token_file, insecure=args.insecure, timeout=args.timeout)
     with client:

@@ -14,7 +14,7 @@ after that raise DetourError.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 import grpc
 
@@ -141,7 +141,7 @@ class Client:
         self._token = _load_token(token, token_file)
         self._metadata: Tuple[Tuple[str, str], ...] = (
             (("authorization", "Bearer " + self._token),) if self._token else ())
-        options = [
+        options: List[Tuple[str, Union[int, str]]] = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 20000),
@@ -167,8 +167,11 @@ class Client:
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self.insecure = insecure
         self._closed = False
-        self._jobs = job_service_pb2_grpc.JobServiceStub(self._channel)
-        self._control = control_service_pb2_grpc.ControlServiceStub(self._channel)
+        # The generated stubs carry no annotations.
+        self._jobs = job_service_pb2_grpc.JobServiceStub(  # type: ignore[no-untyped-call]
+            self._channel)
+        self._control = control_service_pb2_grpc.ControlServiceStub(  # type: ignore[no-untyped-call]
+            self._channel)
 
     # -- lifetime ----------------------------------------------------------
 
@@ -203,7 +206,7 @@ class Client:
         """
         request = job_service_pb2.SubmitJobRequest(spec=load_spec(spec))
         job = self._unary("submit", self._jobs.Submit, request, timeout, spec=True)
-        return job.id
+        return str(job.id)
 
     def get(self, job_id: str, *, timeout: Optional[float] = None) -> Job:
         """The job with this id. Raises NotFound for an unknown id."""
@@ -227,7 +230,7 @@ class Client:
             parsed = JobState.parse(state)
             if parsed == JobState.UNSPECIFIED:
                 raise ValueError("state: give a job state, or None for all jobs")
-            request.state = int(parsed)
+            request.state = job_service_pb2.JobState.Value("JOB_STATE_" + parsed.name)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 0:
             raise ValueError("page_size: expected a non-negative int, got %r" % (page_size,))
         request.page_size = page_size
@@ -336,8 +339,8 @@ class Client:
         if self._closed:
             raise DetourError("the client is closed", method=method)
 
-    def _unary(self, method: str, stub_method, request, timeout: Optional[float], *,
-               spec: bool = False):
+    def _unary(self, method: str, stub_method: Callable[..., Any], request: Any,
+               timeout: Optional[float], *, spec: bool = False) -> Any:
         self._check_open(method)
         try:
             return stub_method(request, timeout=timeout if timeout is not None else self.timeout,
@@ -348,7 +351,7 @@ class Client:
             raise DetourError(str(e), method=method) from e
 
     @staticmethod
-    def _follow(call, method: str) -> Iterator[JobEvent]:
+    def _follow(call: Any, method: str) -> Iterator[JobEvent]:
         last: Optional[JobEvent] = None
         try:
             for message in call:

@@ -71,7 +71,7 @@ def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
     """A proto enum value's name, lower case without `prefix`; "unknown_N" for a
     number this client does not know (a newer coordinator's)."""
     try:
-        name = enum_type.Name(value)
+        name = str(enum_type.Name(value))
     except ValueError:
         return "unknown_%d" % value
     return name[len(prefix):].lower() if name.startswith(prefix) else name.lower()
@@ -80,7 +80,8 @@ def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
 def _time(ts: timestamp_pb2.Timestamp) -> Optional[_dt.datetime]:
     if ts.seconds == 0 and ts.nanos == 0:
         return None
-    return ts.ToDatetime(tzinfo=_dt.timezone.utc)
+    when: _dt.datetime = ts.ToDatetime(tzinfo=_dt.timezone.utc)
+    return when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,9 @@ class Job:
 
     def spec_dict(self) -> Dict[str, Any]:
         """The spec in the JSON form a spec file uses (field names as in the .proto)."""
-        return json_format.MessageToDict(self.spec, preserving_proto_field_name=True)
+        result: Dict[str, Any] = json_format.MessageToDict(self.spec,
+                                                           preserving_proto_field_name=True)
+        return result
 
     @classmethod
     def from_proto(cls, j: job_service_pb2.Job) -> "Job":

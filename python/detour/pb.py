@@ -13,3 +13,11 @@ from detour._proto.detour.v1.spec_pb2 import (  # noqa: F401
     JobSpec, KfacPlacement, KfacSpec, KfacUpdate, ModelShape, OptimizerKind, OptimizerSpec,
     PipelineSpec, PlanObjective, QueuePolicy, SchedulerKind, StageNodes)
 from detour._proto.detour.v1.control_service_pb2 import WorkerInfo, WorkerState  # noqa: F401
+
+__all__ = [
+    "Job", "JobEvent", "JobHistoryEvent", "JobProgress", "JobState",
+    "AdamWSpec", "CheckpointPolicy", "DataSourceKind", "DataSpec", "ElasticSpec",
+    "GradNormalization", "JobSpec", "KfacPlacement", "KfacSpec", "KfacUpdate", "ModelShape",
+    "OptimizerKind", "OptimizerSpec", "PipelineSpec", "PlanObjective", "QueuePolicy",
+    "SchedulerKind", "StageNodes", "WorkerInfo", "WorkerState",
+]

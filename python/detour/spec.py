@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 from google.protobuf import json_format
 
@@ -42,7 +42,8 @@ def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
         copy.CopyFrom(spec)
         return copy
     if isinstance(spec, Mapping):
-        return _parse(lambda m: json_format.ParseDict(dict(spec), m), "spec")
+        mapping = dict(spec)
+        return _parse(lambda m: json_format.ParseDict(mapping, m), "spec")
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         with open(path, "rb") as f:
@@ -59,7 +60,7 @@ def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
                     % type(spec).__name__)
 
 
-def _parse(parse: Any, what: str) -> spec_pb2.JobSpec:
+def _parse(parse: Callable[[spec_pb2.JobSpec], Any], what: str) -> spec_pb2.JobSpec:
     message = spec_pb2.JobSpec()
     try:
         parse(message)

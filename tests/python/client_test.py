@@ -14,6 +14,7 @@ whatever the outcome.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,7 +27,13 @@ import time
 import unittest
 from unittest import mock
 
-import detour
+import grpc
+
+try:
+    import detour
+except ImportError as e:
+    sys.exit("client_test.py: cannot import the detour package (%s): build the detour_python "
+             "target and put <build>/python on PYTHONPATH (ctest does)" % e)
 
 READ_TOKEN = "py-test-read-token-0001"
 SUBMIT_TOKEN = "py-test-submit-token-0001"
@@ -124,6 +131,60 @@ class Daemon:
 def gen_certs(out, *names):
     subprocess.run([os.path.join(SOURCE_DIR, "tools/gen_certs.sh"), out] + list(names),
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
+
+
+class OfflineTest(unittest.TestCase):
+    """What needs no daemon: the generated modules, the typed views, error parsing."""
+
+    def test_generated_modules_live_inside_the_package(self):
+        from detour._proto.detour.v1 import job_service_pb2, job_service_pb2_grpc
+        self.assertEqual(job_service_pb2.Job.__module__, "detour._proto.detour.v1.job_service_pb2")
+        self.assertTrue(hasattr(job_service_pb2_grpc, "JobServiceStub"))
+        self.assertEqual(job_service_pb2.Job.DESCRIPTOR.file.name, "detour/v1/job_service.proto")
+        with self.assertRaises(ImportError):
+            __import__("detour.v1")  # no top-level copies of the generated packages
+
+    def test_views_cover_every_proto_field(self):
+        proto = {f.name for f in detour.pb.JobProgress.DESCRIPTOR.fields}
+        self.assertEqual({f.name for f in dataclasses.fields(detour.Progress)}, proto)
+        names = {v.name[len("JOB_STATE_"):] for v in detour.pb.JobState.DESCRIPTOR.values}
+        self.assertEqual({s.name for s in detour.JobState}, names)
+        self.assertEqual(detour.JobState.parse("JOB_STATE_RUNNING"), detour.JobState.RUNNING)
+        self.assertEqual(detour.JobState.parse(4), detour.JobState.SUCCEEDED)
+        self.assertTrue(detour.JobState.CANCELLED.ended)
+        self.assertEqual(str(detour.JobState.FAILED), "failed")
+        with self.assertRaises(ValueError):
+            detour.JobState.parse(99)
+        # A number this client does not know yet (a newer coordinator's) still reads.
+        job = detour.Job.from_proto(detour.pb.Job(id="j", state=42, history=[
+            detour.pb.JobHistoryEvent(kind=77, message="new")]))
+        self.assertEqual(job.state, detour.JobState.UNSPECIFIED)
+        self.assertEqual(job.history[0].kind, "unknown_77")
+        self.assertIsNone(job.create_time)
+
+    def test_followed_events_survive_the_rolling_window(self):
+        def event(*iterations):
+            history = [detour.pb.JobHistoryEvent(iteration=i, message="e%d" % i)
+                       for i in iterations]
+            return detour.JobEvent.from_proto(detour.pb.JobEvent(
+                job=detour.pb.Job(id="j", history=history)))
+        # The record keeps the newest entries: 1..3, then 2..4 (1 rolled out), then 4..6.
+        stream = [event(), event(1, 2, 3), event(2, 3, 4), event(2, 3, 4), event(4, 5, 6)]
+        got = [e.iteration for e in detour.Client._new_history(stream)]
+        self.assertEqual(got, [1, 2, 3, 4, 5, 6])
+
+    def test_error_messages_name_the_field(self):
+        from detour.errors import spec_field
+        self.assertEqual(spec_field("spec: pipeline.skip_ratio: 1.5 is outside [0, 1)"),
+                         "pipeline.skip_ratio")
+        self.assertEqual(spec_field("spec: pipeline.assignment[2]: repeats w1"),
+                         "pipeline.assignment[2]")
+        self.assertIsNone(spec_field("spec is over 1 MiB"))
+        error = detour.InvalidSpec("spec: name: bad", field="name",
+                                   code=grpc.StatusCode.INVALID_ARGUMENT,
+                                   method="submit")
+        self.assertEqual(str(error), "submit: INVALID_ARGUMENT: spec: name: bad")
+        self.assertIsInstance(error, detour.DetourError)
 
 
 class ClusterTest(unittest.TestCase):
@@ -513,6 +574,10 @@ class InsecureCoordinatorTest(ClusterTest):
         self.assertIn("NOT_FOUND", out)
         code, out = cli("submit", os.path.join(self.dir, "missing.json"))
         self.assertEqual(code, 2, out)
+        result = subprocess.run([sys.executable, "-m", "detour", "--coordinator", self.address,
+                                 "list"], capture_output=True, text=True, timeout=30, check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("give --tls_ca", result.stderr)
 
 
 def main():
