@@ -18,8 +18,8 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev ccache
   sentencepiece
   libssl-dev openssl
-  python3-grpcio python3-grpc-tools python3-numpy
-  systemd yamllint python3-yaml
+  python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
+  systemd yamllint python3-yaml mypy
 )
 
 missing=()

@@ -3,7 +3,9 @@
 # gets: every daemon and tool (each answers --version with the project's
 # version), the systemd units, the sysusers.d user and tmpfiles.d directories
 # (applied to the DESTDIR root by systemd-sysusers / systemd-tmpfiles), the
-# defaults files, and that the units pass `systemd-analyze verify` and
+# defaults files, the Python client package (importable from the install
+# tree alone, on the python's own path for the prefix), and that the units
+# pass `systemd-analyze verify` and
 # `systemd-analyze security --offline` under a threshold (each unit's score
 # is printed).
 #
@@ -66,6 +68,41 @@ for p in "${programs[@]}"; do
     echo "ok: $out"
   fi
 done
+
+# 2b. The Python client package, when the build made it (python/CMakeLists.txt).
+python=$(cache DETOUR_PYTHON_FOUND)
+pydir=$(cache DETOUR_PYTHON_PACKAGE_DIR)
+if [[ -n "$python" && -n "$pydir" ]]; then
+  [[ "$pydir" == /* ]] || pydir=$prefix/$pydir
+  pkg=$dest$pydir/detour
+  for f in __init__.py client.py py.typed _proto/detour/v1/job_service_pb2.py \
+           _proto/detour/v1/job_service_pb2_grpc.py _proto/detour/v1/control_service_pb2_grpc.py; do
+    [[ -f "$pkg/$f" ]] || fail "not installed: ${pkg#$dest}/$f"
+  done
+  # Imported from the install tree, not the build's copy: nothing else on the path.
+  if out=$(cd / && env -u PYTHONPATH PYTHONPATH="$dest$pydir" PYTHONDONTWRITEBYTECODE=1 "$python" -c '
+import sys, detour
+from detour._proto.detour.v1 import job_service_pb2_grpc
+assert detour.__file__.startswith(sys.argv[1]), detour.__file__
+spec = detour.load_spec({"name": "x", "pipeline": {"skipRatio": 0.25}})
+assert spec.pipeline.skip_ratio == 0.25
+print(detour.__version__)' "$dest$pydir" 2>&1); then
+    [[ "$out" == "$version" ]] && echo "ok: python3 -c 'import detour' from ${pydir}: version $out" ||
+      fail "the installed detour package reports version \"$out\", expected $version"
+  else
+    fail "the installed detour package does not import: $out"
+  fi
+  (cd / && PYTHONPATH="$dest$pydir" PYTHONDONTWRITEBYTECODE=1 "$python" -m detour --help > /dev/null 2>&1) ||
+    fail "python3 -m detour --help failed from the install tree"
+  # Unless DETOUR_PYTHON_INSTALL_DIR chose otherwise, the python finds it without PYTHONPATH.
+  if [[ -z "$(cache DETOUR_PYTHON_INSTALL_DIR)" ]]; then
+    "$python" -c 'import sys; sys.exit(sys.argv[1] not in sys.path)' "$pydir" ||
+      echo "note: $pydir is not on $python's sys.path (the prefix has no site directory)"
+  fi
+  [[ -z "$(find "$pkg" -name __pycache__ -o -name '.proto-*')" ]] || fail "byte code or temporary files installed under ${pkg#$dest}"
+else
+  echo "skip: the Python client package (left out of this build)"
+fi
 
 # 3. The units name installed paths.
 units=("$root"/lib/systemd/system/detour-*.service)
