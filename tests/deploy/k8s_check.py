@@ -37,9 +37,6 @@ BINARIES = {
     "detour-worker": "worker/detour-worker",
     "detourctl": "tools/detourctl/detourctl",
 }
-# Flags of the TLS work (issue 15 part 1), accepted while a binary does not
-# declare them yet; reported so that the list goes once they exist.
-PENDING_FLAGS = {"tls_cert", "tls_key", "tls_ca", "auth_tokens", "insecure", "token_file"}
 
 
 def flags_of(bin_dir, binary, subcommand=None):
@@ -55,7 +52,6 @@ class Checker:
         self.docs = docs
         self.flag_lookup = flag_lookup
         self.problems = []
-        self.pending_used = set()
 
     def bad(self, where, message):
         self.problems.append(f"{where}: {message}")
@@ -211,9 +207,6 @@ class Checker:
             flag = arg[2:].split("=", 1)[0]
             if flag in known:
                 continue
-            if flag in PENDING_FLAGS:
-                self.pending_used.add(f"{binary} --{flag}")
-                continue
             self.bad(where, f"{binary}{' ' + subcommand if subcommand else ''} has no flag --{flag}")
 
     def check_secret_path(self, where, path, mounts, secrets):
@@ -333,9 +326,6 @@ def main():
     kinds = sorted({f"{d['kind']}/{d['metadata']['name']}" for d in docs})
     print(f"k8s_check: {len(docs)} objects ({', '.join(kinds)}): "
           f"{'OK' if not problems else f'{len(problems)} problems'}")
-    if checker.pending_used:
-        print("k8s_check: flags of the TLS work not declared by these binaries yet: "
-              + ", ".join(sorted(checker.pending_used)))
     return 1 if problems else 0
 
 

@@ -151,13 +151,12 @@ absl::Status ParseStage(const FieldReader& r, const google::protobuf::Value& sv,
 
 }  // namespace
 
+std::string Fnv1a64::Hex() const { return absl::StrFormat("%s%016x", kChecksumPrefix, h_); }
+
 std::string Checksum(absl::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  return absl::StrFormat("%s%016x", kChecksumPrefix, h);
+  Fnv1a64 f;
+  f.Add(bytes);
+  return f.Hex();
 }
 
 std::string ManifestJson(const CheckpointManifest& m) {

@@ -62,6 +62,22 @@ struct ManifestLimits {
 // "fnv1a64:<16 hex digits>" of `bytes`.
 std::string Checksum(absl::string_view bytes);
 
+// The same checksum over data fed in pieces (files too large to hold):
+// Fnv1a64 f; f.Add(a); f.Add(b); f.Hex() == Checksum(a + b).
+class Fnv1a64 {
+ public:
+  void Add(absl::string_view bytes) {
+    for (unsigned char c : bytes) {
+      h_ ^= c;
+      h_ *= 0x100000001b3ULL;
+    }
+  }
+  std::string Hex() const;
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
 // The JSON text of a manifest.
 std::string ManifestJson(const CheckpointManifest& manifest);
 

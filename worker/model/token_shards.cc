@@ -32,21 +32,6 @@ namespace fs = std::filesystem;
 constexpr char kManifest[] = "manifest.json";
 constexpr char kTokenizerFile[] = "tokenizer.model";
 
-// Streaming fnv1a64 with the same output as Checksum().
-class Fnv {
- public:
-  void Add(const uint8_t* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      h_ ^= p[i];
-      h_ *= 0x100000001b3ULL;
-    }
-  }
-  std::string Hex() const { return absl::StrFormat("fnv1a64:%016x", h_); }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ULL;
-};
-
 std::string Errno() { return std::strerror(errno); }
 
 // A new file written through a buffer, checksummed, synced on Close.
@@ -64,7 +49,7 @@ class OutFile {
   }
   absl::Status Write(const void* p, size_t n) {
     const auto* b = static_cast<const uint8_t*>(p);
-    fnv_.Add(b, n);
+    fnv_.Add(absl::string_view(reinterpret_cast<const char*>(b), n));
     bytes_ += n;
     buf_.insert(buf_.end(), b, b + n);
     return buf_.size() >= kBuffer ? Flush() : absl::OkStatus();
@@ -101,7 +86,7 @@ class OutFile {
   std::string path_;
   int fd_ = -1;
   std::vector<uint8_t> buf_;
-  Fnv fnv_;
+  Fnv1a64 fnv_;
   uint64_t bytes_ = 0;
 };
 
@@ -466,14 +451,15 @@ absl::StatusOr<MappedSplit> OpenSplit(const std::string& dir, const std::string&
     }
   }
   if (verify) {
-    Fnv fi;
-    fi.Add(index->data(), index->size());
+    Fnv1a64 fi;
+    fi.Add(absl::string_view(reinterpret_cast<const char*>(index->data()), index->size()));
     if (fi.Hex() != s.index_checksum()) {
       return Bad(index->path(), absl::StrCat("checksum ", fi.Hex(), " is not the manifest's ",
                                              s.index_checksum()));
     }
-    Fnv ft;
-    ft.Add(out.tokens->data(), out.tokens->size());
+    Fnv1a64 ft;
+    ft.Add(absl::string_view(reinterpret_cast<const char*>(out.tokens->data()),
+                             out.tokens->size()));
     if (ft.Hex() != s.tokens_checksum()) {
       return Bad(out.tokens->path(), absl::StrCat("checksum ", ft.Hex(),
                                                   " is not the manifest's ",
