@@ -134,9 +134,13 @@ absl::Status Worker::Init() {
   r.set_device(options_.device);
   r.set_version(kVersion);
   ControlClient::Hooks hooks;
-  hooks.on_heartbeat_sent = [this] { heartbeats_sent_->Increment(); };
+  hooks.on_heartbeat_sent = [this] {
+    heartbeats_sent_->Increment();
+    runtime_->Tick(absl::Now());
+  };
   hooks.on_registered = [this](const std::string& id) {
     registrations_->Increment();
+    runtime_->OnRegistered(id);
     SetLogComponent(absl::StrCat("worker ", id));
   };
   hooks.on_connection_change = [this](bool up) {
