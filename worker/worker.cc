@@ -29,6 +29,7 @@ std::string AdvertiseAddress(const WorkerOptions& options, int port) {
 // bind the host peers use for the gRPC port (the advertised address).
 std::string MetricsAdvertiseAddress(const WorkerOptions& options, const std::string& advertised,
                                     int metrics_port) {
+  if (!options.metrics_advertise.empty()) return options.metrics_advertise;
   HostPort address{options.metrics_bind, metrics_port};
   if (address.host == "0.0.0.0" || address.host == "::") {
     auto parsed = ParseHostPort(advertised, "address", /*allow_port_zero=*/false);

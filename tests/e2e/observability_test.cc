@@ -411,6 +411,19 @@ TEST_F(ObservabilityTest, MetricsMdMatchesTheScrapes) {
     EXPECT_TRUE(documented.count(name)) << name << " (" << reason << ") is not documented";
   }
 
+  // A worker behind a proxy registers the address it is told to advertise;
+  // a bad one is refused at start.
+  StartWorker(c.grpc_port, "proxied", {"--metrics_advertise=metrics.example:9999"});
+  auto sd = Get(c.metrics_port, "/prometheus/targets");
+  ASSERT_TRUE(sd.ok()) << sd.status();
+  EXPECT_THAT(*sd, HasSubstr("{\"targets\":[\"metrics.example:9999\"],\"labels\":{\"role\":"
+                             "\"worker\",\"__meta_detour_worker_id\":\"proxied\""));
+  std::string refused;
+  EXPECT_EQ(Run({Bin(kWorker), "--metrics_advertise=nowhere", "--coordinator=127.0.0.1:1"},
+                &refused),
+            2);
+  EXPECT_THAT(refused, HasSubstr("--metrics_advertise"));
+
   // And every scrape is valid exposition text.
   if (std::filesystem::exists("/usr/bin/promtool")) {
     for (const auto& [name, text] : scrapes) {
