@@ -1,5 +1,8 @@
 #include "coordinator/coordinator.h"
 
+#include <unistd.h>
+
+#include <set>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -9,6 +12,7 @@
 #include "common/metrics/process_metrics.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "coordinator/service_discovery.h"
 
 namespace detour {
 namespace {
@@ -22,6 +26,15 @@ ClientAuthorizer MakeAuthorizer(const CoordinatorOptions& options) {
                           {});
 }
 
+constexpr char kWorkerStatePrefix[] = "WORKER_STATE_";
+
+std::string WorkerStateLabel(v1::WorkerState state) {
+  return absl::AsciiStrToLower(v1::WorkerState_Name(state).substr(sizeof(kWorkerStatePrefix) - 1));
+}
+
+constexpr v1::WorkerState kWorkerStates[] = {v1::WORKER_STATE_IDLE, v1::WORKER_STATE_BUSY,
+                                             v1::WORKER_STATE_LOST};
+
 }  // namespace
 
 Coordinator::Coordinator(const CoordinatorOptions& options)
@@ -30,7 +43,21 @@ Coordinator::Coordinator(const CoordinatorOptions& options)
       jobs_(options.data_dir),
       auth_(MakeAuthorizer(options)) {}
 
-Coordinator::~Coordinator() { Drain(absl::Seconds(1)); }
+Coordinator::~Coordinator() {
+  Drain(absl::Seconds(1));
+  if (job_listener_ != 0) jobs_.RemoveListener(job_listener_);
+}
+
+std::string Coordinator::metrics_target() const {
+  if (!metrics_) return "";
+  if (!options_.metrics_advertise.empty()) return options_.metrics_advertise;
+  HostPort address{options_.metrics_bind, metrics_->port()};
+  if (address.host == "0.0.0.0" || address.host == "::") {
+    char name[256] = {0};
+    address.host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  }
+  return address.ToString();
+}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
     const CoordinatorOptions& options) {
@@ -63,6 +90,26 @@ absl::Status Coordinator::Init() {
   ASSIGN_OR_RETURN(auto* sessions, m.AddGauge("detour_coordinator_sessions",
                                               "Open worker Session streams."));
   ASSIGN_OR_RETURN(sessions_, sessions->WithLabels({}));
+  // Identity for joins (PromQL `* on(worker_id) group_left(region)`) and
+  // state per worker; bounded by the registry (kMaxWorkers, lost workers
+  // forgotten after 10 x --worker_silence).
+  ASSIGN_OR_RETURN(worker_info_,
+                   m.AddGauge("detour_coordinator_worker_info",
+                              "Always 1, one series per registered worker, with its identity.",
+                              {"worker_id", "region", "device", "version"},
+                              WorkerRegistry::kMaxWorkers));
+  ASSIGN_OR_RETURN(worker_state_,
+                   m.AddGauge("detour_coordinator_worker_state",
+                              "1 for the state each registered worker is in, 0 for the others.",
+                              {"worker_id", "state"}, 3 * WorkerRegistry::kMaxWorkers));
+  job_metrics_ = std::make_unique<JobMetrics>(&m, options_.job_metrics);
+  // Jobs the store loaded that hold workers (re-attached after a restart)
+  // get their series at once; later changes arrive through the listener.
+  for (const v1::Job& job : jobs_.List(v1::JOB_STATE_UNSPECIFIED)) {
+    if (!JobStore::IsFinal(job.state())) job_metrics_->Observe(job, absl::Now());
+  }
+  job_listener_ =
+      jobs_.AddListener("", [this](const v1::Job& job) { job_metrics_->Observe(job, absl::Now()); });
   UpdateGauges();
 
   JobServiceImpl::Hooks job_hooks;
@@ -108,6 +155,11 @@ absl::Status Coordinator::Init() {
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<metrics::MetricsHttpServer>(&metrics_registry_);
+    RETURN_IF_ERROR(metrics_->AddHandler(kServiceDiscoveryPath, [this] {
+      return metrics::MetricsHttpServer::Response{
+          "application/json",
+          ServiceDiscoveryJson(metrics_target(), registry_.List(/*include_lost=*/true))};
+    }));
     absl::Status started = metrics_->Start(options_.metrics_bind, options_.metrics_port);
     if (!started.ok()) {
       server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
@@ -120,10 +172,16 @@ absl::Status Coordinator::Init() {
 }
 
 void Coordinator::UpdateGauges() {
-  for (auto state : {v1::WORKER_STATE_IDLE, v1::WORKER_STATE_BUSY, v1::WORKER_STATE_LOST}) {
-    std::string name = absl::AsciiStrToLower(v1::WorkerState_Name(state).substr(13));
-    if (auto g = workers_gauge_->WithLabels({name}); g.ok()) (*g)->Set(registry_.Count(state));
+  const std::vector<v1::WorkerInfo> workers = registry_.List(/*include_lost=*/true);
+  std::map<v1::WorkerState, int> per_state;
+  for (const v1::WorkerInfo& w : workers) ++per_state[w.state()];
+  for (v1::WorkerState state : kWorkerStates) {
+    if (auto g = workers_gauge_->WithLabels({WorkerStateLabel(state)}); g.ok()) {
+      (*g)->Set(per_state[state]);
+    }
   }
+  UpdateWorkerSeries(workers);
+  job_metrics_->Sweep(absl::Now());
   auto counts = jobs_.CountByState();
   for (int s = v1::JOB_STATE_PENDING; s <= v1::JOB_STATE_CANCELLED; ++s) {
     auto state = static_cast<v1::JobState>(s);
@@ -131,6 +189,39 @@ void Coordinator::UpdateGauges() {
     if (auto g = jobs_gauge_->WithLabels({name}); g.ok()) (*g)->Set(counts[state]);
   }
   if (control_service_) sessions_->Set(control_service_->open_sessions());
+}
+
+void Coordinator::UpdateWorkerSeries(const std::vector<v1::WorkerInfo>& workers) {
+  std::set<std::string> present;
+  for (const v1::WorkerInfo& w : workers) {
+    present.insert(w.worker_id());
+    std::vector<std::string> labels = {w.worker_id(), w.region(), w.device(), w.version()};
+    auto known = worker_info_labels_.find(w.worker_id());
+    if (known != worker_info_labels_.end() && known->second != labels) {
+      (void)worker_info_->Remove(known->second);  // re-registered with another identity
+      known->second = labels;
+    } else if (known == worker_info_labels_.end()) {
+      known = worker_info_labels_.emplace(w.worker_id(), labels).first;
+    }
+    if (auto g = worker_info_->WithLabels(labels); g.ok()) (*g)->Set(1);
+    for (v1::WorkerState state : kWorkerStates) {
+      if (auto g = worker_state_->WithLabels({w.worker_id(), WorkerStateLabel(state)}); g.ok()) {
+        (*g)->Set(w.state() == state ? 1 : 0);
+      }
+    }
+  }
+  for (auto it = worker_info_labels_.begin(); it != worker_info_labels_.end();) {
+    if (present.count(it->first)) {
+      ++it;
+      continue;
+    }
+    // Forgotten by the registry: its series go too.
+    (void)worker_info_->Remove(it->second);
+    for (v1::WorkerState state : kWorkerStates) {
+      (void)worker_state_->Remove({it->first, WorkerStateLabel(state)});
+    }
+    it = worker_info_labels_.erase(it);
+  }
 }
 
 void Coordinator::ReaperLoop() {

@@ -5,6 +5,7 @@
 #ifndef DETOUR_COORDINATOR_COORDINATOR_H_
 #define DETOUR_COORDINATOR_COORDINATOR_H_
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,7 @@
 #include "common/net/server.h"
 #include "coordinator/client_auth.h"
 #include "coordinator/control_service.h"
+#include "coordinator/job_metrics.h"
 #include "coordinator/job_service.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/job_store.h"
@@ -38,6 +40,12 @@ struct CoordinatorOptions {
   std::string metrics_bind = "127.0.0.1";
   // 0 = pick a free port; -1 = no metrics endpoint.
   int metrics_port = 9470;
+  // host:port Prometheus scrapes this coordinator at, listed first by
+  // service discovery; empty = metrics_bind (the host name for a wildcard
+  // bind) and the bound metrics port.
+  std::string metrics_advertise;
+  // How long ended jobs keep their per-job series, and how many.
+  JobMetrics::Options job_metrics;
   std::string data_dir = "detour-data/coordinator";
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
@@ -53,6 +61,9 @@ class Coordinator {
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+  // Where service discovery says this coordinator's metrics are; "" without
+  // a metrics endpoint.
+  std::string metrics_target() const;
 
   // Graceful stop: health NOT_SERVING, refuse new work, end sessions and
   // watch streams, wait for in-flight RPCs up to `deadline`, stop metrics.
@@ -67,6 +78,9 @@ class Coordinator {
   absl::Status Init();
   void ReaperLoop();
   void UpdateGauges();
+  // detour_coordinator_worker_info / _worker_state for `workers` (reaper
+  // thread only, and Init before it starts).
+  void UpdateWorkerSeries(const std::vector<v1::WorkerInfo>& workers);
 
   const CoordinatorOptions options_;
   metrics::Registry metrics_registry_;
@@ -87,6 +101,12 @@ class Coordinator {
   metrics::Counter* registrations_ = nullptr;
   metrics::Counter* workers_lost_ = nullptr;
   metrics::Gauge* sessions_ = nullptr;
+  metrics::GaugeFamily* worker_info_ = nullptr;
+  metrics::GaugeFamily* worker_state_ = nullptr;
+  // Worker id -> its info series' label values (UpdateWorkerSeries only).
+  std::map<std::string, std::vector<std::string>> worker_info_labels_;
+  std::unique_ptr<JobMetrics> job_metrics_;
+  uint64_t job_listener_ = 0;
 
   absl::Notification stop_reaper_;
   std::thread reaper_;

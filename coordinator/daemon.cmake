@@ -5,10 +5,12 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/coordinator.cc
   ${CMAKE_CURRENT_LIST_DIR}/iteration_round.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_manager.cc
+  ${CMAKE_CURRENT_LIST_DIR}/job_metrics.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
+  ${CMAKE_CURRENT_LIST_DIR}/service_discovery.cc
   ${CMAKE_CURRENT_LIST_DIR}/timing_estimates.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_registry.cc
 )

@@ -251,7 +251,7 @@ void JobStore::Notify(const v1::Job& job) {
   // AddListener/RemoveListener.
   absl::MutexLock lock(&listeners_mu_);
   for (auto& [handle, entry] : listeners_) {
-    if (entry.job_id == job.id()) entry.fn(job);
+    if (entry.job_id.empty() || entry.job_id == job.id()) entry.fn(job);
   }
 }
 

@@ -64,7 +64,8 @@ class JobStore {
                                  const std::function<void(v1::Job*)>& mutate);
 
   // Called after every change of job `id` (outside the store's lock, on the
-  // changing thread). Returns a handle for RemoveListener.
+  // changing thread); an empty `id` listens to every job. Returns a handle
+  // for RemoveListener.
   uint64_t AddListener(const std::string& id, Listener listener);
   void RemoveListener(uint64_t handle);
 

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
 
   std::string listen = "127.0.0.1:7070";
   std::string metrics_bind = "127.0.0.1";
+  std::string metrics_advertise;
+  absl::Duration job_metrics_retention = absl::Hours(1);
   TlsFiles tls;
   std::string auth_tokens;
   std::string data_dir = "detour-data/coordinator";
@@ -44,6 +46,13 @@ int main(int argc, char** argv) {
   flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
   flags.String("metrics_bind", &metrics_bind,
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  flags.String("metrics_advertise", &metrics_advertise,
+               "host:port Prometheus scrapes this coordinator's metrics at, as its service "
+               "discovery (/prometheus/targets) lists it; default: --metrics_bind (the host "
+               "name for 0.0.0.0) and the metrics port");
+  flags.Duration("job_metrics_retention", &job_metrics_retention,
+                 "how long an ended job keeps its per-job series (detour_coordinator_job_*; "
+                 "at most 50 ended jobs keep them)");
   RegisterTlsFlags(&flags, &tls);
   flags.String("auth_tokens", &auth_tokens,
                "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
@@ -95,6 +104,16 @@ int main(int argc, char** argv) {
         ") must be shorter than --worker_silence (", absl::FormatDuration(worker_silence), ")")));
   }
   options.metrics_bind = metrics_bind;
+  if (!metrics_advertise.empty()) {
+    auto advertised = ParseHostPort(metrics_advertise, "--metrics_advertise",
+                                    /*allow_port_zero=*/false);
+    if (!advertised.ok()) return flags.Fail(advertised.status());
+    options.metrics_advertise = metrics_advertise;
+  }
+  if (job_metrics_retention < absl::ZeroDuration()) {
+    return flags.Fail(absl::InvalidArgumentError("--job_metrics_retention must not be negative"));
+  }
+  options.job_metrics.retention = job_metrics_retention;
   options.metrics_port = static_cast<int>(common.metrics_port);
   options.data_dir = data_dir;
   options.worker_silence = worker_silence;

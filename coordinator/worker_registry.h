@@ -61,6 +61,8 @@ class WorkerRegistry {
 
   // Most workers registered at once (lost ones included until forgotten).
   static constexpr size_t kMaxWorkers = 10000;
+  // Longest region, device, version and address accepted.
+  static constexpr size_t kMaxFieldBytes = 256;
 
   // Snapshot, sorted by worker id.
   std::vector<v1::WorkerInfo> List(bool include_lost) const;

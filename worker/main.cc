@@ -57,6 +57,10 @@ int main(int argc, char** argv) {
             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
   flags.String("metrics_bind", &o.metrics_bind,
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  flags.String("metrics_advertise", &o.metrics_advertise,
+               "host:port Prometheus scrapes this worker's metrics at, as the coordinator's "
+               "service discovery lists it (default: --metrics_bind, or for 0.0.0.0 the host "
+               "of --advertise_address, and the metrics port)");
   RegisterTlsFlags(&flags, &tls);
   flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
   flags.Int("port_offset", &port_offset,
@@ -91,6 +95,11 @@ int main(int argc, char** argv) {
   }
   if (!o.advertise_address.empty()) {
     if (auto a = ParseHostPort(o.advertise_address, "--advertise_address", false); !a.ok()) {
+      return flags.Fail(a.status());
+    }
+  }
+  if (!o.metrics_advertise.empty()) {
+    if (auto a = ParseHostPort(o.metrics_advertise, "--metrics_advertise", false); !a.ok()) {
       return flags.Fail(a.status());
     }
   }

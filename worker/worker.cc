@@ -25,6 +25,19 @@ std::string AdvertiseAddress(const WorkerOptions& options, int port) {
   return address.ToString();
 }
 
+// Where Prometheus reaches /metrics: the bind address, or for a wildcard
+// bind the host peers use for the gRPC port (the advertised address).
+std::string MetricsAdvertiseAddress(const WorkerOptions& options, const std::string& advertised,
+                                    int metrics_port) {
+  if (!options.metrics_advertise.empty()) return options.metrics_advertise;
+  HostPort address{options.metrics_bind, metrics_port};
+  if (address.host == "0.0.0.0" || address.host == "::") {
+    auto parsed = ParseHostPort(advertised, "address", /*allow_port_zero=*/false);
+    address.host = parsed.ok() ? parsed->host : "localhost";
+  }
+  return address.ToString();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(const WorkerOptions& options) {
@@ -116,12 +129,19 @@ absl::Status Worker::Init() {
   r.set_speed(options_.speed);
   r.set_memory_slots(options_.memory_slots);
   r.set_address(AdvertiseAddress(options_, server_.port));
+  if (metrics_ != nullptr) {
+    r.set_metrics_address(MetricsAdvertiseAddress(options_, r.address(), metrics_->port()));
+  }
   r.set_device(options_.device);
   r.set_version(kVersion);
   ControlClient::Hooks hooks;
-  hooks.on_heartbeat_sent = [this] { heartbeats_sent_->Increment(); };
+  hooks.on_heartbeat_sent = [this] {
+    heartbeats_sent_->Increment();
+    runtime_->Tick(absl::Now());
+  };
   hooks.on_registered = [this](const std::string& id) {
     registrations_->Increment();
+    runtime_->OnRegistered(id);
     SetLogComponent(absl::StrCat("worker ", id));
   };
   hooks.on_connection_change = [this](bool up) {

@@ -33,6 +33,10 @@ struct WorkerOptions {
   int memory_slots = 3;
   std::string device = "cpu";
   std::string metrics_bind = "127.0.0.1";
+  // host:port the coordinator's service discovery lists for this worker's
+  // metrics; empty = metrics_bind (for a wildcard bind the advertised host)
+  // and the bound metrics port.
+  std::string metrics_advertise;
   // TLS for the gRPC port, the coordinator and peers (the certificate's name
   // is the worker id), or plaintext.
   TransportSecurity security;

@@ -184,6 +184,26 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
   return absl::OkStatus();
 }
 
+absl::Status MetricsHttpServer::AddHandler(const std::string& path,
+                                           std::function<Response()> handler) {
+  if (context_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("metrics server: cannot add ", path, " after it started"));
+  }
+  if (path.empty() || path[0] != '/' || path == "/metrics" || path == "/healthz") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics server: handler path \"", path,
+        "\" must start with / and not be /metrics or /healthz"));
+  }
+  if (handler == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics server: no handler for ", path));
+  }
+  if (!handlers_.emplace(path, std::move(handler)).second) {
+    return absl::AlreadyExistsError(absl::StrCat("metrics server: ", path, " is already served"));
+  }
+  return absl::OkStatus();
+}
+
 void MetricsHttpServer::Stop() {
   if (context_ == nullptr) return;
   // civetweb's listener thread notices the stop request only when its poll()
@@ -215,7 +235,8 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
   const absl::string_view method =
       info != nullptr && info->request_method != nullptr ? info->request_method
                                                          : "";
-  if (path != "/metrics" && path != "/healthz") {
+  const auto handler = handlers_.find(path);
+  if (path != "/metrics" && path != "/healthz" && handler == handlers_.end()) {
     mg_send_http_error(connection, 404, "%s", "not found\n");
     return 404;
   }
@@ -234,6 +255,11 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
   }
   if (path == "/healthz") {
     SendText(connection, head_only, "text/plain; charset=utf-8", "ok");
+    return 200;
+  }
+  if (handler != handlers_.end()) {
+    const Response response = handler->second();
+    SendText(connection, head_only, response.content_type, response.body);
     return 200;
   }
   scrapes_->Increment();

@@ -3,6 +3,7 @@
 //   GET /metrics  200, the registry in text format 0.0.4
 //                 (Content-Type: text/plain; version=0.0.4; charset=utf-8)
 //   GET /healthz  200, "ok"
+//   GET <path>    what a handler added with AddHandler answers
 //   anything else 404 (other methods on those paths: 405)
 //
 //   metrics::MetricsHttpServer server(&registry);
@@ -14,6 +15,8 @@
 #ifndef DETOUR_COMMON_METRICS_HTTP_SERVER_H_
 #define DETOUR_COMMON_METRICS_HTTP_SERVER_H_
 
+#include <functional>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -46,6 +49,20 @@ class MetricsHttpServer {
   //                        127.0.0.1 is already in use") or civetweb failed
   absl::Status Start(const std::string& bind_address, int port);
 
+  // What a handler answers: 200 with this body and Content-Type.
+  struct Response {
+    std::string content_type;
+    std::string body;
+  };
+  // Serves GET (and HEAD) `path` with `handler` besides /metrics and
+  // /healthz, e.g. Prometheus service discovery. The handler runs on
+  // civetweb's threads, possibly several at once: it must be thread-safe and
+  // quick, and stay callable until Stop(). Call before Start().
+  // INVALID_ARGUMENT for a path that does not start with "/" or is /metrics
+  // or /healthz; ALREADY_EXISTS for a path added before; FAILED_PRECONDITION
+  // once started.
+  absl::Status AddHandler(const std::string& path, std::function<Response()> handler);
+
   // The port actually bound (the ephemeral one after Start(addr, 0)); 0 when
   // not started.
   int port() const { return port_; }
@@ -59,6 +76,8 @@ class MetricsHttpServer {
 
   Registry* const registry_;
   Counter* scrapes_ = nullptr;  // owned by registry_
+  // Fixed once started (read without a lock by civetweb's threads).
+  std::map<std::string, std::function<Response()>, std::less<>> handlers_;
   mg_context* context_ = nullptr;
   std::string bind_address_;
   int port_ = 0;

@@ -238,6 +238,26 @@ absl::StatusOr<T*> Family<T>::WithLabels(
 }
 
 template <typename T>
+absl::Status Family<T>::Remove(const std::vector<std::string>& label_values) {
+  if (label_names().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("metric ", name(), " has no labels; its one series cannot be removed"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (children_.erase(label_values) == 0) {
+    return absl::NotFoundError(absl::StrCat("metric ", name(), " has no series with labels ",
+                                            DescribeLabels(label_values)));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+size_t Family<T>::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return children_.size();
+}
+
+template <typename T>
 void Family<T>::AppendText(std::string* out) const {
   absl::ReaderMutexLock lock(&mu_);
   if (children_.empty()) return;

@@ -10,7 +10,8 @@
 //   ok->Increment();  // hot path: one atomic operation
 //
 // Families and children are owned by the registry and live exactly as long as
-// it does; the pointers handed out stay valid (and stable) until then.
+// it does; the pointers handed out stay valid (and stable) until then, unless
+// their owner removes the child (Family::Remove).
 #ifndef DETOUR_COMMON_METRICS_METRICS_H_
 #define DETOUR_COMMON_METRICS_METRICS_H_
 
@@ -164,6 +165,16 @@ class Family final : public internal::FamilyBase {
   // label names or a value is not valid UTF-8; RESOURCE_EXHAUSTED when the
   // family already holds max_series() children (a sign of unbounded labels).
   absl::StatusOr<T*> WithLabels(const std::vector<std::string>& label_values);
+
+  // Deletes the child for `label_values`, so that the series disappears from
+  // the exposition (a job that ended, a peer that left). Every pointer
+  // WithLabels returned for it dangles afterwards: only the code that owns
+  // the child's lifetime may remove it. A later WithLabels with the same
+  // values starts a fresh child at 0. NOT_FOUND when there is no such child;
+  // FAILED_PRECONDITION for a family without labels (always exposed).
+  absl::Status Remove(const std::vector<std::string>& label_values);
+  // Number of children (series, or histograms) the family holds.
+  size_t size() const;
 
   // The histogram's finite bucket bounds; empty for counters and gauges.
   const std::vector<double>& bucket_bounds() const { return bucket_bounds_; }

@@ -161,6 +161,19 @@ TEST(WorkerRegistry, RejectsBadRegistrations) {
   r = Request("ok");
   r.set_address("nowhere");
   EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("address"));
+  r = Request("ok");
+  r.set_metrics_address("host:99999");
+  EXPECT_THAT(registry.Register(r, t0).status().message(), HasSubstr("metrics_address"));
+  // Region, device and version become label values: bounded.
+  r = Request("ok");
+  r.set_version(std::string(WorkerRegistry::kMaxFieldBytes + 1, 'v'));
+  auto long_version = registry.Register(r, t0);
+  EXPECT_EQ(long_version.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(long_version.status().message(), HasSubstr("version: 257 bytes"));
+  r = Request("ok");
+  r.set_metrics_address("127.0.0.1:9471");
+  ASSERT_TRUE(registry.Register(r, t0).ok());
+  EXPECT_EQ(registry.List(false)[0].metrics_address(), "127.0.0.1:9471");
   EXPECT_EQ(registry.Heartbeat("forged", v1::Heartbeat(), t0).status().code(),
             absl::StatusCode::kUnauthenticated);
 }

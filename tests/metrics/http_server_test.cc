@@ -136,6 +136,39 @@ TEST(MetricsHttpServerTest, HealthzAndUnknownPaths) {
               HasSubstr("detour_metrics_scrapes_total 1\n"));
 }
 
+TEST(MetricsHttpServerTest, ServesAddedHandlersOnly) {
+  Registry registry;
+  MetricsHttpServer server(&registry);
+  int calls = 0;
+  ASSERT_TRUE(server
+                  .AddHandler("/sd", [&calls] {
+                    ++calls;
+                    return MetricsHttpServer::Response{"application/json", "[]"};
+                  })
+                  .ok());
+  EXPECT_EQ(server.AddHandler("/sd", [] { return MetricsHttpServer::Response{}; }).code(),
+            absl::StatusCode::kAlreadyExists);
+  for (const char* bad : {"", "sd", "/metrics", "/healthz"}) {
+    EXPECT_EQ(server.AddHandler(bad, [] { return MetricsHttpServer::Response{}; }).code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
+  EXPECT_EQ(server.AddHandler("/late", [] { return MetricsHttpServer::Response{}; }).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  const HttpResponse sd = HttpGet(server.port(), "/sd");
+  EXPECT_EQ(sd.status, 200);
+  EXPECT_EQ(sd.content_type, "application/json");
+  EXPECT_EQ(sd.body, "[]");
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(HttpRequest(server.port(), "POST", "/sd").status, 405);
+  EXPECT_EQ(HttpGet(server.port(), "/sd/x").status, 404);
+  EXPECT_EQ(calls, 1);
+  // Not a scrape.
+  EXPECT_THAT(registry.Serialize(), HasSubstr("detour_metrics_scrapes_total 0\n"));
+}
+
 // Issue 12: 30 slow connections made /metrics and /healthz time out. With 40
 // connections that send nothing, a scrape is still answered within seconds.
 TEST(MetricsHttpServerTest, IdleConnectionsDoNotBlockScrapes) {

@@ -15,6 +15,7 @@ namespace detour::metrics {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Unwraps a StatusOr in a test, failing loudly.
 template <typename T>
@@ -307,6 +308,33 @@ TEST(MetricsRegistryTest, MaxSeriesBoundsLabelValues) {
   ASSERT_FALSE(third.ok());
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(family->WithLabels({"1"}).ok());  // existing ones still work
+}
+
+TEST(MetricsRegistryTest, RemovedSeriesLeaveTheExpositionAndFreeTheirSlot) {
+  Registry registry;
+  GaugeFamily* family = Must(registry.AddGauge("g", "help", {"job_id"}, 2));
+  Must(family->WithLabels({"a"}))->Set(1);
+  Must(family->WithLabels({"b"}))->Set(2);
+  EXPECT_EQ(family->size(), 2u);
+  ASSERT_TRUE(family->Remove({"a"}).ok());
+  EXPECT_EQ(family->size(), 1u);
+  EXPECT_EQ(registry.Serialize(),
+            "# HELP g help\n# TYPE g gauge\ng{job_id=\"b\"} 2\n");
+  // The slot is free again for a new value, and "a" comes back at 0.
+  EXPECT_TRUE(family->WithLabels({"c"}).ok());
+  EXPECT_FALSE(family->WithLabels({"a"}).ok());  // limit 2: b and c
+  ASSERT_TRUE(family->Remove({"c"}).ok());
+  EXPECT_EQ(Must(family->WithLabels({"a"}))->Value(), 0);
+
+  const absl::Status missing = family->Remove({"zzz"});
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), HasSubstr("zzz"));
+  CounterFamily* plain = Must(registry.AddCounter("plain", "help"));
+  EXPECT_EQ(plain->Remove({}).code(), absl::StatusCode::kFailedPrecondition);
+  // Removing every child hides the family, as before its first child.
+  ASSERT_TRUE(family->Remove({"a"}).ok());
+  ASSERT_TRUE(family->Remove({"b"}).ok());
+  EXPECT_THAT(registry.Serialize(), Not(HasSubstr("# TYPE g ")));
 }
 
 TEST(MetricsRegistryTest, CallbackMetricsAreEvaluatedAtScrape) {

@@ -85,7 +85,7 @@ class JobRuntime::Impl {
       : options_(std::move(options)),
         send_(std::move(send)),
         set_job_(std::move(set_job)),
-        metrics_(options_.metrics) {
+        metrics_(options_.metrics, options_.region, options_.device) {
     executor_ = std::thread([this] { Loop(); });
   }
 
@@ -153,6 +153,10 @@ class JobRuntime::Impl {
       }
     });
   }
+
+  // Thread-safe parts only (not LinkTransfer/ForgetLinks): for the
+  // daemon's registration and heartbeat threads.
+  RuntimeMetrics& metrics() { return metrics_; }
 
   void OnSessionOpened() {
     Post([this] {
@@ -369,6 +373,7 @@ class JobRuntime::Impl {
       Abandon();
       return;
     }
+    metrics_.Holding(job_id_, absl::StrCat(stage_index_));
     LogInfo("job ", job_id_, ": holding stage ", stage_index_, " (layers ", a.layer_begin(), "-",
             a.layer_end(), "), replica ", reducer_.rank() + 1, " of ", group_.size(),
             a.start_iteration() > 0 ? absl::StrCat(", from iteration ", a.start_iteration()) : "",
@@ -1255,7 +1260,8 @@ class JobRuntime::Impl {
   void PublishUtilization(const Iteration& it, double duration) {
     if (duration <= 0) return;
     const BusySeconds busy = SumBusy(it.timing);
-    metrics_.Utilization(busy.pipeline / duration, (busy.pipeline + busy.kfac) / duration);
+    metrics_.Utilization(busy.pipeline / duration, (busy.pipeline + busy.kfac) / duration,
+                         duration);
   }
 
   // --- helpers ----------------------------------------------------------
@@ -1319,6 +1325,7 @@ class JobRuntime::Impl {
       return;
     }
     metrics_.Transfer(direction, seconds);
+    metrics_.LinkTransfer(to, bytes, seconds);
     if (it_ != nullptr && it_->plan.iteration() == iteration) {
       v1::TransferTiming* t = it_->timing.add_transfers();
       t->set_peer(to);
@@ -1395,6 +1402,8 @@ class JobRuntime::Impl {
     reducer_.Clear();
     state_from_.clear();
     if (!job_id_.empty()) metrics_.Utilization(0, 0);
+    metrics_.Holding("", "");
+    metrics_.ForgetLinks();
     if (!job_id_.empty() && set_job_) set_job_("");
     job_id_.clear();
   }
@@ -1486,5 +1495,7 @@ void JobRuntime::Deliver(const v1::FrameHeader& header, MutableBuffer buffer) {
 }
 
 void JobRuntime::Stop() { impl_->Stop(); }
+void JobRuntime::OnRegistered(const std::string& worker_id) { impl_->metrics().SetWorkerId(worker_id); }
+void JobRuntime::Tick(absl::Time now) { impl_->metrics().IdleCheck(now); }
 
 }  // namespace detour

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "common/metrics/metrics.h"
 #include "detour/v1/control_service.pb.h"
 #include "worker/runtime/peer_transport.h"
@@ -79,6 +80,11 @@ class JobRuntime : public TensorSink {
   // repeats the messages of the iteration in progress (the old session may
   // have lost them). Never blocks.
   void OnSessionOpened();
+  // Registered with the coordinator as `worker_id` (detour_worker_info).
+  void OnRegistered(const std::string& worker_id);
+  // Periodic (every heartbeat): busy fractions fall to 0 once the worker has
+  // completed no iteration for a while (RuntimeMetrics::IdleCheck).
+  void Tick(absl::Time now);
 
   // TensorSink, called on gRPC threads.
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& header) override;
