@@ -52,8 +52,14 @@
 // refresh's CURVATURE_A, CURVATURE_B (layer order within a kind, then
 // microbatch resp. projection); an item is placed at t when its
 // dependencies are met by t and t + duration·(1+slack) <= gap end; the next
-// item may start at t + duration·(1+slack). Each inversion task is one whole projection's A or
-// B factor (part 0, num_parts 1). Tasks are emitted per node (workload
+// item may start at t + duration·(1+slack).
+// Granules: an item whose estimated time exceeds KfacSpec.max_granule_ms is
+// split into parts (common/kfac_workload.h: curvature by projection group,
+// an inversion by units of the blocked algorithm; the fewest parts within
+// the cap). Parts of an item are placed in order, each its own task
+// (BubbleTask.part/num_parts); an inversion's parts may spread over
+// iterations, a curvature microbatch's must end in its iteration (serially
+// when its remaining parts find no gap). Tasks are emitted per node (workload
 // order), bubble tasks before serial ones, by planned start, then refresh.
 // Details and formulas: docs/KFAC.md §Planner.
 //
@@ -90,6 +96,9 @@ struct KfacLayerCost {
   double precondition_s = 0;  // at every step, serial
   double sync_s = 0;          // factor all-reduce among the replicas (network:
                               // EstimateKfacLayerCost leaves it 0)
+  // The block's dimensions, from which an item's parts and their share of
+  // its time follow (kfac::BlockWorkload). All zero: items are never split.
+  kfac::BlockShape shape;
 };
 
 // FLOP-count estimate of KfacLayerCost for one block (common/kfac_workload.h)
@@ -185,9 +194,11 @@ struct BubblePlannerOptions {
 
 class BubblePlanner {
  public:
-  // `kfac` defaulted (NormalizeJobSpec). INVALID_ARGUMENT for a node with
-  // costs not matching its layers (or invert_* not sized like KfacModules()),
-  // negative or non-finite durations, negative slack, serial_after < 1.
+  // `kfac` defaulted (NormalizeJobSpec); max_granule_ms 0 = no cap (items
+  // are never split). INVALID_ARGUMENT for a node with costs not matching
+  // its layers (or invert_* not sized like KfacModules()), negative or
+  // non-finite durations or dimensions, negative slack or max_granule_ms,
+  // serial_after < 1.
   static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload,
                                               const v1::KfacSpec& kfac,
                                               BubblePlannerOptions options = {});
