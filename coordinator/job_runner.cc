@@ -794,6 +794,8 @@ class JobRunner::Impl {
     }
     plan->set_predicted_time_s(planned.result.iteration_time_s);
     if (bubbles_ != nullptr) {
+      // The workers anchor their refresh numbers to the planner's.
+      plan->set_kfac_refresh_base(bubbles_->completed_refreshes() + 1);
       auto placed = bubbles_->PlanIteration(iteration, planned.plan,
                                             planner::TimelineFromSimulation(planned.result));
       if (!placed.ok()) return Annotate(placed.status(), "K-FAC bubble planner");

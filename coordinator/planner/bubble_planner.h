@@ -11,15 +11,18 @@
 //                           every replica in an earlier iteration and has no
 //                           bubble inversion of it in this one
 //   INVERT_A(layer, m), INVERT_B(layer, m) for each projection m: after all
-//                           curvature (and sync) of the layer
+//                           curvature (and sync) of the layer; for refresh
+//                           q+1 after q's inversions of the layer there
 // The planner is stateful: work that does not fit an iteration's gaps spills
 // into the following iterations. Refreshes overlap, at most two in flight:
 // refresh q+1 joins as soon as q is in flight and collects its curvature of a
 // layer on a node only after q's first inversion of that layer there (the
 // worker's K-FAC finalises the layer's pending factor sums at that inversion;
-// in the same iteration: from its end), and places its inversions only in
-// iterations after q's activation (Kfac::Activate activates every inverse
-// computed since the previous one). Refresh q's new inverses take effect on all
+// in the same iteration: from its end), and places its inversions of a layer
+// once q's inversions of it on the node are placed (rule 2'; the worker
+// stages inverses per refresh and Kfac::Activate(q) promotes q's only) —
+// with a fixed interval only in iterations after q's activation. Refresh
+// q's new inverses take effect on all
 // workers at once at the step of the iteration in which its last item ends
 // (IterationBubbles::activate_refresh). A microbatch feeds at most one refresh
 // per layer and kind (the older refresh takes the lowest ids). The refresh
@@ -36,7 +39,7 @@
 // end of one iteration (every iteration, or the K-th with a fixed interval),
 // without overlap.
 // Serial work starts at end_s, in the order curvature (older refresh first),
-// sync, inversions.
+// sync, inversions (older refresh first).
 //
 // Curvature microbatches: on each node, the first `curvature_microbatches`
 // microbatches (lowest ids) of the iteration whose route visits the node and
@@ -47,10 +50,13 @@
 // iterations (or in the last iteration of a fixed interval) contributes fewer
 // curvature microbatches to the refresh rather than stall it.
 //
-// Placement: greedy first-fit in time order per node, priority the older
-// refresh's CURVATURE_A, CURVATURE_B, INVERT_A, INVERT_B, then the next
-// refresh's CURVATURE_A, CURVATURE_B (layer order within a kind, then
-// microbatch resp. projection); an item is placed at t when its
+// Placement: greedy first-fit in time order per node, priority the next part
+// of what was begun (a curvature microbatch, then an inversion), the older
+// refresh's CURVATURE_A, CURVATURE_B, the next refresh's CURVATURE_A,
+// CURVATURE_B (with a fixed interval: after the older refresh's inversions),
+// the older refresh's INVERT_A, INVERT_B, the next refresh's INVERT_A,
+// INVERT_B (layer order within a kind, then microbatch resp. projection,
+// then part); an item is placed at t when its
 // dependencies are met by t and t + duration·(1+slack) <= gap end; the next
 // item may start at t + duration·(1+slack).
 // Granules: an item whose estimated time exceeds KfacSpec.max_granule_ms is

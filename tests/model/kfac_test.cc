@@ -650,12 +650,28 @@ TEST_F(KfacStageTest, OverlappingRefreshesStayApart) {
   ASSERT_TRUE(stale->InvertA(2, "q", 0, 1, 5).ok());
   stale->Activate(0);
   EXPECT_FALSE(stale->InverseA(2, "q").defined());
-  // After a restore the numbering starts again: the staged ones come next.
-  auto restored = MakeKfac(spec_.optimizer());
-  ASSERT_TRUE(restored->LoadState(saved).ok());
-  restored->ForgetRefreshNumbers();
-  restored->Activate(0);
-  EXPECT_TRUE(restored->InverseA(2, "q").defined());
+  // The state is relative to the last activation: the same whatever the
+  // coordinator's numbering, and a new numbering (a joining replica, a
+  // coordinator restart) keeps what is pending in its place.
+  auto renumbered = MakeKfac(spec_.optimizer());
+  ASSERT_TRUE(renumbered->LoadState(saved).ok());
+  renumbered->RebaseRefreshes(9);  // the last activated is 9: 0 and 1 become 10, 11
+  auto plain = MakeKfac(spec_.optimizer());
+  ASSERT_TRUE(plain->LoadState(saved).ok());
+  const std::vector<NamedTensor> a = plain->State(), b = renumbered->State();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  }
+  renumbered->Activate(10);
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "q"), only0->InverseA(2, "q")));
+  // Refresh 11 finalised its factors before the state was saved: its next
+  // inversion of the layer does not finalise again.
+  ASSERT_TRUE(renumbered->InvertA(2, "k", 0, 1, 11).ok());
+  renumbered->Activate(11);
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "q"), only1->InverseA(2, "q")));
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "k"), only1->InverseA(2, "k")));
 }
 
 class KfacReplicaTest : public ::testing::Test {

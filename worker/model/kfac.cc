@@ -391,8 +391,10 @@ absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int p
   }
   Projection& p = st->proj[m];
   std::shared_ptr<DampedInverseWork>& work = is_a ? p.a_work : p.b_work;
-  if (part == 0 || work == nullptr) {
+  int64_t& work_refresh = is_a ? p.a_work_refresh : p.b_work_refresh;
+  if (part == 0 || work == nullptr || work_refresh != refresh) {
     work.reset();
+    work_refresh = refresh;
     if (st->finalized_refresh != refresh) {
       RETURN_IF_ERROR(Finalize(layer, st));
       st->finalized_refresh = refresh;
@@ -417,9 +419,8 @@ absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int p
     return absl::Status(s.code(), absl::StrCat(ctx, ": ", s.message()));
   }
   if (work->done()) {
-    const int slot = static_cast<int>(refresh % 2);
-    (is_a ? p.a_staged : p.b_staged)[slot] = work->result();
-    (is_a ? p.a_tag : p.b_tag)[slot] = refresh;
+    StageInverse(refresh, work->result(), is_a ? &p.a_staged : &p.b_staged,
+                 is_a ? &p.a_tag : &p.b_tag);
     work.reset();
   }
   return absl::OkStatus();
@@ -433,6 +434,46 @@ absl::Status Kfac::InvertA(int layer, const std::string& module, int part, int n
 absl::Status Kfac::InvertB(int layer, const std::string& module, int part, int num_parts,
                            int64_t refresh) {
   return Invert(layer, module, /*is_a=*/false, part, num_parts, refresh);
+}
+
+namespace {
+
+// A factor's two staging slots kept in order: an empty slot last, the
+// lower refresh first (so State() writes them the same way whatever the
+// history).
+void CanonicalSlots(std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
+  const bool swap = (*staged)[1].defined() &&
+                    (!(*staged)[0].defined() || (*tag)[1] < (*tag)[0]);
+  if (swap) {
+    std::swap((*staged)[0], (*staged)[1]);
+    std::swap((*tag)[0], (*tag)[1]);
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    if (!(*staged)[slot].defined()) (*tag)[slot] = -1;
+  }
+}
+
+}  // namespace
+
+void Kfac::StageInverse(int64_t refresh, const at::Tensor& inverse,
+                        std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
+  // The slot of the same refresh, else an empty one, else the older one
+  // (at most two refreshes are in flight, so none is lost normally).
+  int slot;
+  if ((*staged)[0].defined() && (*tag)[0] == refresh) {
+    slot = 0;
+  } else if ((*staged)[1].defined() && (*tag)[1] == refresh) {
+    slot = 1;
+  } else if (!(*staged)[0].defined()) {
+    slot = 0;
+  } else if (!(*staged)[1].defined()) {
+    slot = 1;
+  } else {
+    slot = (*tag)[0] <= (*tag)[1] ? 0 : 1;
+  }
+  (*staged)[slot] = inverse;
+  (*tag)[slot] = refresh;
+  CanonicalSlots(staged, tag);
 }
 
 namespace {
@@ -454,6 +495,7 @@ void PromoteStaged(int64_t refresh, int64_t any, at::Tensor* active,
     t = at::Tensor();
     r = -1;
   }
+  CanonicalSlots(staged, tag);
 }
 
 }  // namespace
@@ -469,17 +511,24 @@ void Kfac::Activate(int64_t refresh) {
   last_activated_ = refresh;
 }
 
-void Kfac::ForgetRefreshNumbers() {
+void Kfac::RebaseRefreshes(int64_t last_activated) {
+  const int64_t delta = last_activated - last_activated_;
+  if (delta == 0) return;
+  auto shift = [delta](int64_t* r) {
+    if (*r >= 0) *r += delta;
+  };
   for (auto& [layer, st] : layers_) {
-    st.finalized_refresh = kNoRefresh;
+    shift(&st.finalized_refresh);
     for (Projection& p : st.proj) {
       for (int slot = 0; slot < 2; ++slot) {
-        if (p.a_staged[slot].defined()) p.a_tag[slot] = kAnyRefresh;
-        if (p.b_staged[slot].defined()) p.b_tag[slot] = kAnyRefresh;
+        shift(&p.a_tag[slot]);
+        shift(&p.b_tag[slot]);
       }
+      shift(&p.a_work_refresh);
+      shift(&p.b_work_refresh);
     }
   }
-  last_activated_ = kNoRefresh;
+  last_activated_ = last_activated;
 }
 
 bool Kfac::has_inverses(int layer) const {
@@ -847,15 +896,28 @@ std::vector<NamedTensor> Kfac::State() const {
                        at::tensor({pr.adam_step}, at::TensorOptions().dtype(at::kLong)));
       out.emplace_back(p + "graft_scale",
                        at::tensor({pr.graft_scale}, at::TensorOptions().dtype(at::kDouble)));
+      // Relative to the last activation (1 = the next refresh), so that the
+      // state does not depend on how the coordinator numbers refreshes (a
+      // resumed job numbers them from 0 again).
+      auto relative = [&](const at::Tensor& staged, int64_t tag) -> int64_t {
+        if (!staged.defined()) return -1;
+        return tag == kAnyRefresh ? 1 : std::max<int64_t>(1, tag - last_activated_);
+      };
       out.emplace_back(p + "staged_refresh",
-                       at::tensor({pr.a_tag[0], pr.a_tag[1], pr.b_tag[0], pr.b_tag[1]},
+                       at::tensor({relative(pr.a_staged[0], pr.a_tag[0]),
+                                   relative(pr.a_staged[1], pr.a_tag[1]),
+                                   relative(pr.b_staged[0], pr.b_tag[0]),
+                                   relative(pr.b_staged[1], pr.b_tag[1])},
                                   at::TensorOptions().dtype(at::kLong)));
     }
     out.emplace_back(absl::StrCat("kfac.", layer, ".replicas_ready"),
                      at::tensor({static_cast<int64_t>(st.replicas_ready)},
                                 at::TensorOptions().dtype(at::kLong)));
+    // Relative as well: 0 = no refresh after the last activation finalised.
+    const int64_t finalized =
+        st.finalized_refresh > last_activated_ ? st.finalized_refresh - last_activated_ : 0;
     out.emplace_back(absl::StrCat("kfac.", layer, ".finalized_refresh"),
-                     at::tensor({st.finalized_refresh}, at::TensorOptions().dtype(at::kLong)));
+                     at::tensor({finalized}, at::TensorOptions().dtype(at::kLong)));
   }
   return out;
 }
@@ -941,13 +1003,16 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
         const bool tagged = tags != table.end() && tags->second.numel() == 4 &&
                             tags->second.scalar_type() == at::kLong;
         const at::Tensor tag = tagged ? tags->second.contiguous() : at::Tensor();
+        // Stored relative to the last activation: anchored at this one's
+        // (a fresh K-FAC: none; RebaseRefreshes moves it to the plan's).
+        auto absolute = [&](const at::Tensor& staged, int i) -> int64_t {
+          if (!staged.defined()) return kNoRefresh;
+          if (!tagged) return kAnyRefresh;
+          return last_activated_ + std::max<int64_t>(1, tag.data_ptr<int64_t>()[i]);
+        };
         for (int slot = 0; slot < 2; ++slot) {
-          pr.a_tag[slot] = !pr.a_staged[slot].defined() ? kNoRefresh
-                           : tagged                     ? tag.data_ptr<int64_t>()[slot]
-                                                        : kAnyRefresh;
-          pr.b_tag[slot] = !pr.b_staged[slot].defined() ? kNoRefresh
-                           : tagged                     ? tag.data_ptr<int64_t>()[2 + slot]
-                                                        : kAnyRefresh;
+          pr.a_tag[slot] = absolute(pr.a_staged[slot], slot);
+          pr.b_tag[slot] = absolute(pr.b_staged[slot], 2 + slot);
         }
         for (const auto& [name, is_a] : {std::make_pair("a_inv_new", true),
                                          std::make_pair("b_inv_new", false)}) {
@@ -972,8 +1037,8 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
         }
       } else {
         st.replicas_ready = ready != table.end() && ready->second.item<int64_t>() != 0;
-        st.finalized_refresh =
-            finalized != table.end() ? finalized->second.item<int64_t>() : kNoRefresh;
+        const int64_t rel = finalized != table.end() ? finalized->second.item<int64_t>() : 0;
+        st.finalized_refresh = rel > 0 ? last_activated_ + rel : kNoRefresh;
         st.agreed = false;
         for (Projection& pr : st.proj) {
           pr.a_work.reset();

@@ -176,10 +176,13 @@ class Kfac : public PreconditionHook {
   // others keep their previous inverses); those staged for refresh + 1 stay
   // staged, any others (from an abandoned numbering) are dropped.
   void Activate(int64_t refresh = -1);
-  // After a restore from a checkpoint the coordinator numbers refreshes from
-  // 0 again: forgets which refresh each layer finalised, and staged inverses
-  // are activated by the next Activate whatever its number.
-  void ForgetRefreshNumbers();
+  // The coordinator's numbering: `last_activated` is the refresh activated
+  // last (-1: none; IterationPlan.kfac_refresh_base - 2). Shifts every
+  // refresh number held (finalised, staged, in progress) by the difference
+  // to this K-FAC's own, so that what is pending keeps its place: after
+  // joining with a replica's state (stored relative to its last
+  // activation), or when a restarted coordinator numbers from 0 again.
+  void RebaseRefreshes(int64_t last_activated);
   // All 7 projections of the block have active inverses.
   bool has_inverses(int layer) const;
 
@@ -290,12 +293,13 @@ class Kfac : public PreconditionHook {
   static constexpr int64_t kAnyRefresh = -2;
   struct Projection {
     at::Tensor a_inv, b_inv;  // active
-    // Staged until Activate: slot refresh % 2, tagged with the refresh
-    // (kNoRefresh: empty; kAnyRefresh: activated by the next Activate).
+    // Staged until Activate: two slots, tagged with their refresh (lower
+    // first; kNoRefresh: empty; kAnyRefresh: activated by the next Activate).
     std::array<at::Tensor, 2> a_staged, b_staged;
     std::array<int64_t, 2> a_tag{kNoRefresh, kNoRefresh}, b_tag{kNoRefresh, kNoRefresh};
-    // Inversions in progress (parts), not part of State().
+    // Inversions in progress (parts) and their refresh; not part of State().
     std::shared_ptr<DampedInverseWork> a_work, b_work;
+    int64_t a_work_refresh = kNoRefresh, b_work_refresh = kNoRefresh;
     KfacDamping damping;
     at::Tensor momentum;              // KFAC_UPDATE_MOMENTUM
     at::Tensor adam_m, adam_v;        // KFAC_UPDATE_GRAFT_ADAMW
@@ -323,6 +327,9 @@ class Kfac : public PreconditionHook {
   absl::Status Finalize(int layer, LayerState* st);
   absl::Status Invert(int layer, const std::string& module, bool is_a, int part, int num_parts,
                       int64_t refresh);
+  // Stages `inverse` for `refresh` in one of a factor's two slots.
+  static void StageInverse(int64_t refresh, const at::Tensor& inverse,
+                           std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag);
   absl::Status Curvature(int layer, uint32_t mb, bool is_a, int part, int num_parts);
   absl::Status GraftStep(int layer, const std::vector<NamedTensor>& params,
                          std::set<std::string>* self_updated);

@@ -428,8 +428,6 @@ class JobRuntime::Impl {
       ASSIGN_OR_RETURN(model::CheckpointManifest manifest, model::ReadManifest(a.restore_from()));
       RETURN_IF_ERROR(model::LoadStage(a.restore_from(), manifest, stage_.get(), optimizer_.get(),
                                        kfac_.get()));
-      // The coordinator numbers the resumed job's refreshes from 0 again.
-      if (kfac_ != nullptr) kfac_->ForgetRefreshNumbers();
     } else if (a.state_from().empty() && !spec.checkpoint().init_from().empty()) {
       // A fresh start from imported weights; a restore or a live replica's
       // state (a joining worker) supersedes them.
@@ -550,6 +548,11 @@ class JobRuntime::Impl {
     }
     const std::vector<uint32_t> own = it.tracker->Own();
     if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
+    // The coordinator's refresh numbering (it restarts after a resume or a
+    // coordinator restart; a joining replica's state is relative to it).
+    if (kfac_ != nullptr && plan.kfac_refresh_base() > 0) {
+      kfac_->RebaseRefreshes(static_cast<int64_t>(plan.kfac_refresh_base()) - 2);
+    }
     std::vector<uint32_t> capture;
     if (absl::Status s = bubbles_->Take(it.plan, me_, group_.size() > 1, &capture); !s.ok()) {
       return Fail(s);
