@@ -819,10 +819,12 @@ class JobRunner::Impl {
     if (bubbles_ != nullptr) {
       // A checkpoint closes the K-FAC refresh window: no refresh is in
       // flight across it, so a job resumed from it plans the same K-FAC
-      // work as one that went on (BubblePlanner::PlanIteration).
+      // work as one that went on (BubblePlanner::PlanIteration). Not the
+      // last iteration's: no iteration follows it.
+      const bool close = plan->checkpoint() && iteration + 1 < spec_.iterations();
       auto placed = bubbles_->PlanIteration(iteration, planned.plan,
                                             planner::TimelineFromSimulation(planned.result),
-                                            /*close_window=*/plan->checkpoint());
+                                            /*close_window=*/close);
       if (!placed.ok()) return Annotate(placed.status(), "K-FAC bubble planner");
       for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
       if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
