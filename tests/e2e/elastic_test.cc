@@ -652,6 +652,8 @@ TEST_F(ElasticTest, ResumeOnOtherReplicaCounts) {
             .string();
     ASSERT_TRUE(std::filesystem::exists(checkpoint + "/manifest.json")) << checkpoint;
     ASSERT_TRUE(first.count(5)) << "no loss logged for iteration 4";
+    EXPECT_NE(RunCtl({ctl, at, "resume", run.id(), "--replicas_per_stage=-1"}, &out), 0);
+    EXPECT_THAT(out, HasSubstr("--replicas_per_stage: -1 is outside 0..1024")) << out;
     // The store says CANCELLED at once; the runner may still be telling the
     // workers (resume answers "still running" until it is done).
     EXPECT_TRUE(Eventually(
