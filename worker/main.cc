@@ -55,6 +55,10 @@ int main(int argc, char** argv) {
   flags.String("device", &o.device, "cpu or cuda");
   flags.Int("torch_threads", &torch_threads,
             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
+  flags.Double("compute_slowdown", &o.compute_slowdown,
+               "testing and emulation aid (like the coordinator's --emulate_network): every "
+               "compute task takes this many times its measured time (the worker sleeps the "
+               "difference), to emulate a slow node; 1 = off, at most 100");
   flags.String("metrics_bind", &o.metrics_bind,
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags.String("metrics_advertise", &o.metrics_advertise,
@@ -106,6 +110,10 @@ int main(int argc, char** argv) {
   if (!(o.speed > 0)) {
     return flags.Fail(absl::InvalidArgumentError(
         absl::StrFormat("--speed: %g must be > 0", o.speed)));
+  }
+  if (!(o.compute_slowdown >= 1) || !(o.compute_slowdown <= 100)) {
+    return flags.Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
   }
   if (memory_slots < 1 || memory_slots > 1024) {
     return flags.Fail(absl::InvalidArgumentError(

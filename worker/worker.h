@@ -45,6 +45,9 @@ struct WorkerOptions {
   absl::Duration connect_timeout = absl::ZeroDuration();
   // LibTorch intra-op threads; 0 = LibTorch's default (all cores).
   int torch_threads = 0;
+  // Testing aid: compute tasks take this many times longer
+  // (JobRuntimeOptions::compute_slowdown); 1 = off.
+  double compute_slowdown = 1.0;
 };
 
 // Thread-safe. Start() returns once registered with the coordinator.
