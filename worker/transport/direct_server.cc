@@ -86,6 +86,22 @@ DirectServer::DirectServer(ActivationServer* activations, DirectServerOptions op
       port_(port),
       ctx_(std::move(ctx)) {
   if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
+  if (options_.metrics != nullptr) {
+    accepted_metric_ = metrics::OptionalCounter(
+        options_.metrics, "detour_worker_direct_connections_accepted",
+        "Direct-transport connections accepted (TLS handshake and preface done).");
+    refused_metric_ = metrics::OptionalCounter(
+        options_.metrics, "detour_worker_direct_connections_refused",
+        "Direct-transport connections refused: failed handshake (no or a foreign "
+        "certificate), wrong preface, silence, or over the connection limit.");
+    if (auto family = options_.metrics->AddGauge(
+            "detour_worker_direct_connections",
+            "Direct-transport connections open now (peers sending tensors to this worker).");
+        family.ok()) {
+      auto gauge = (*family)->WithLabels({});
+      if (gauge.ok()) open_metric_ = *gauge;
+    }
+  }
   acceptor_ = std::thread([this] { AcceptLoop(); });
 }
 
@@ -158,12 +174,14 @@ void DirectServer::AcceptLoop() {
     absl::MutexLock lock(&mu_);
     if (open_ >= options_.max_connections) {
       ++refused_;
+      if (refused_metric_ != nullptr) refused_metric_->Increment();
       ::close(fd);
       LogWarning("direct transport: refused a connection: ", open_, " open (limit ",
                  options_.max_connections, ")");
       continue;
     }
     ++open_;
+    if (open_metric_ != nullptr) open_metric_->Set(open_);
     const uint64_t id = next_id_++;
     threads_[id] = std::thread([this, id, fd] { Serve(id, fd); });
   }
@@ -184,10 +202,12 @@ void DirectServer::Serve(uint64_t id, int fd) {
     absl::MutexLock lock(&mu_);
     if (link == nullptr) {
       ++refused_;
+      if (refused_metric_ != nullptr) refused_metric_->Increment();
     } else if (stopping_) {
       link.reset();
     } else {
       ++accepted_;
+      if (accepted_metric_ != nullptr) accepted_metric_->Increment();
       links_[id] = link.get();
     }
   }
@@ -209,6 +229,7 @@ void DirectServer::Serve(uint64_t id, int fd) {
   link.reset();  // closes the socket before the slot is given back
   absl::MutexLock lock(&mu_);
   --open_;
+  if (open_metric_ != nullptr) open_metric_->Set(open_);
   finished_.push_back(id);
 }
 

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/metrics/metrics.h"
 #include "common/net/address.h"
 #include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
@@ -34,6 +35,8 @@ struct DirectServerOptions {
   int max_connections = 512;
   absl::Duration handshake_timeout = absl::Seconds(10);
   absl::Duration io_timeout = absl::Seconds(60);
+  // Optional; connection counters and the open-connection gauge go here.
+  metrics::Registry* metrics = nullptr;
 };
 
 class DirectServer {
@@ -85,6 +88,9 @@ class DirectServer {
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread acceptor_;
+  metrics::Counter* accepted_metric_ = nullptr;
+  metrics::Counter* refused_metric_ = nullptr;
+  metrics::Gauge* open_metric_ = nullptr;
 };
 
 }  // namespace detour
