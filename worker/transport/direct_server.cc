@@ -216,7 +216,11 @@ void DirectServer::Serve(uint64_t id, int fd) {
     absl::Status ended;
     {
       TensorAssembler assembler(activations_, link->peer_name());
-      ended = ReadFrames(link.get(), &assembler);
+      ended = ReadDirectFrames(link.get(), &assembler, activations_->options().max_tensor_bytes,
+                               [this] {
+                                 absl::MutexLock lock(&mu_);
+                                 return stopping_;
+                               });
     }
     if (!ended.ok() && ended.code() != absl::StatusCode::kUnavailable &&
         ended.code() != absl::StatusCode::kCancelled) {
@@ -233,12 +237,12 @@ void DirectServer::Serve(uint64_t id, int fd) {
   finished_.push_back(id);
 }
 
-absl::Status DirectServer::ReadFrames(DirectLink* link, TensorAssembler* assembler) {
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
+                              uint64_t max_tensor, const std::function<bool()>& stopping) {
   std::string header_bytes;
   std::string ack_bytes;
   std::vector<v1::FrameAck> acks;
   std::vector<char> scratch;
-  const uint64_t max_tensor = activations_->options().max_tensor_bytes;
   auto send_acks = [&]() -> absl::Status {
     for (const v1::FrameAck& ack : acks) {
       ack_bytes.clear();
@@ -257,8 +261,7 @@ absl::Status DirectServer::ReadFrames(DirectLink* link, TensorAssembler* assembl
     char prefix[kDirectFramePrefixBytes];
     absl::Status read = link->Read(prefix, sizeof(prefix), /*idle_ok=*/true);
     if (read.code() == absl::StatusCode::kDeadlineExceeded) {
-      absl::MutexLock lock(&mu_);
-      if (stopping_) return absl::CancelledError("server shutting down");
+      if (stopping()) return absl::CancelledError("server shutting down");
       continue;  // an idle connection between iterations
     }
     if (!read.ok()) return read;

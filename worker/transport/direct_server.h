@@ -13,6 +13,7 @@
 #ifndef DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
 #define DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <thread>
@@ -27,6 +28,14 @@
 #include "worker/transport/direct_link.h"
 
 namespace detour {
+
+// Reads frames from an accepted connection until it ends, an error, or
+// `stopping` says so (checked while the connection idles): each frame goes
+// through `assembler`, acknowledgements back on `link`. What a DirectServer
+// runs per connection; exposed for the fuzz target. Frame data beyond
+// `max_tensor_bytes` ends the connection.
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
+                              uint64_t max_tensor_bytes, const std::function<bool()>& stopping);
 
 struct DirectServerOptions {
   HostPort listen;  // port 0 picks a free one
@@ -66,8 +75,6 @@ class DirectServer {
                int port, std::shared_ptr<ssl_ctx_st> ctx);
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
-  // The connection's reader, after the handshake: frames until EOF or error.
-  absl::Status ReadFrames(DirectLink* link, TensorAssembler* assembler);
 
   ActivationServer* const activations_;
   const DirectServerOptions options_;
