@@ -480,6 +480,7 @@ class JobRunner::Impl {
       v1::Peer p;
       p.set_worker_id(id);
       p.set_address(w.address());
+      p.set_data_address(w.data_address());
       p.set_region(w.region());
       p.set_stage(stage);
       peers.push_back(std::move(p));

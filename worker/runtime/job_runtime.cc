@@ -486,7 +486,8 @@ class JobRuntime::Impl {
     peers_.clear();
     for (const v1::Peer& p : peers) {
       if (p.worker_id() == me_) continue;
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
     }
     PushPeers();
   }
@@ -1002,7 +1003,8 @@ class JobRuntime::Impl {
     metrics_.StateBytes(/*sent=*/true, size);
     if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
       const v1::Peer& p = request.peer();
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
       PushPeers();
     }
     LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());
