@@ -31,7 +31,20 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using TrainingTest = E2eTest;
+class TrainingTest : public E2eTest {
+ protected:
+  // Polls job `id` until it failed or succeeded (at most 90 s); the last view.
+  v1::Job AwaitFailureOrSuccess(int port, const std::string& id) {
+    v1::Job job;
+    const absl::Time deadline = absl::Now() + absl::Seconds(90);
+    while (absl::Now() < deadline) {
+      job = GetJob(port, id);
+      if (job.state() == v1::JOB_STATE_FAILED || job.state() == v1::JOB_STATE_SUCCEEDED) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return job;
+  }
+};
 
 
 // `base` with K-FAC on and its K-FAC settings changed by `configure`.
@@ -364,15 +377,7 @@ TEST_F(TrainingTest, DivergedReplicaFailsTheJobNamingIt) {
   v1::StageNodes* replicas = spec.mutable_pipeline()->add_assignment();
   replicas->add_nodes(workers[1].id);
   replicas->add_nodes(workers[2].id);
-  const v1::Job submitted = Submit(c.grpc_port, spec);
-  v1::Job job;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        job = GetJob(c.grpc_port, submitted.id());
-        return job.state() == v1::JOB_STATE_FAILED || job.state() == v1::JOB_STATE_SUCCEEDED;
-      },
-      absl::Seconds(90)))
-      << job.message();
+  const v1::Job job = AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(job.message(), HasSubstr("replicas of stage 1 diverged at iteration 2"));
   EXPECT_THAT(job.message(), AnyOf(HasSubstr(workers[1].id), HasSubstr(workers[2].id)));
@@ -397,15 +402,8 @@ TEST_F(TrainingTest, DuplicatedOrMissingMicrobatchFailsTheJob) {
     Daemon stage = StartWorker(c.grpc_port, "s1", WorkerFlags());
     spec.mutable_pipeline()->add_assignment()->add_nodes(data.id);
     spec.mutable_pipeline()->add_assignment()->add_nodes(stage.id);
-    const v1::Job submitted = Submit(c.grpc_port, spec);
-    v1::Job job;
-    ASSERT_TRUE(Eventually(
-        [&] {
-          job = GetJob(c.grpc_port, submitted.id());
-          return job.state() == v1::JOB_STATE_FAILED || job.state() == v1::JOB_STATE_SUCCEEDED;
-        },
-        absl::Seconds(90)))
-        << job.message();
+    const v1::Job job =
+        AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
     EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
     EXPECT_THAT(job.message(), HasSubstr(f.expect));
   }
