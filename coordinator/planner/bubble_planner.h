@@ -214,9 +214,29 @@ class BubblePlanner {
   // must be planned in increasing order (gaps allowed). INVALID_ARGUMENT when
   // the timeline has another node count than the workload, or the iteration
   // does not increase.
+  //
+  // `close_window`: the iteration ends with a checkpoint. Everything the
+  // oldest refresh still owes finishes in it (serially where the gaps do not
+  // suffice, like the last iteration of a fixed interval) and the refresh is
+  // activated at its step; a younger refresh in flight is abandoned (the
+  // curvature it collected stays in the workers' pending sums and counts
+  // toward the next refresh; the next refresh takes its number, and with it
+  // what it finalised and staged on the workers) and none joins. The planner's state after it is
+  // then that of a new planner (refresh numbers and statistics aside), so a
+  // job resumed from the checkpoint plans the same tasks as one that ran on.
   absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
                                                  const sim::Plan& plan,
-                                                 const IterationTimeline& timeline);
+                                                 const IterationTimeline& timeline,
+                                                 bool close_window = false);
+
+  // The job's membership changed (workers lost, joined or moved between
+  // stages): replaces the workload, whose nodes may differ in number, stage
+  // and layers (a node without layers holds no stage). Refreshes in flight
+  // are abandoned — their curvature stays in the workers' pending sums and
+  // counts toward the next refresh — and the next planned iteration starts a
+  // new one; refresh numbers go on increasing. INVALID_ARGUMENT for a bad
+  // workload (as Create); nothing changes then.
+  absl::Status SetWorkload(KfacWorkload workload);
 
   // Replaces the cost estimates (e.g. after measuring speeds); the nodes,
   // their stages and layers must stay the same (INVALID_ARGUMENT otherwise,
@@ -226,6 +246,9 @@ class BubblePlanner {
   // Refreshes completed (activated) so far, and the iterations between
   // consecutive activations (the first: up to and including its activation).
   uint64_t completed_refreshes() const;
+  // The number of the refresh activated last (none before the first). Not
+  // completed_refreshes() - 1: a membership change abandons numbers.
+  std::optional<uint64_t> last_activated_refresh() const;
   const std::vector<int>& refresh_intervals() const;
   // Mean of refresh_intervals(), 0 before the first.
   double mean_refresh_interval() const;
