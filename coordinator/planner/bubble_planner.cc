@@ -487,6 +487,8 @@ absl::Status BubblePlanner::UpdateCosts(const KfacWorkload& workload) {
 absl::Status BubblePlanner::SetWorkload(KfacWorkload workload) {
   RETURN_IF_ERROR(ValidateWorkload(workload));
   state_->workload = std::move(workload);
+  // The granules follow the nodes (their number, layers and speeds).
+  state_->ComputeParts();
   state_->flight.clear();
   state_->window_start.reset();
   return absl::OkStatus();

@@ -594,11 +594,7 @@ TEST(BubblePlannerTest, CloseWindowLeavesTheStateOfANewPlanner) {
   OneNode o = MakeOneNode(Cost(1, 1, 1.5), 12);
   auto ran = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(ran.ok());
-  auto first = ran->PlanIteration(0, o.plan, o.timeline);
-  ASSERT_TRUE(first.ok());
-  bool younger = false;
-  for (const v1::BubbleTask& t : first->tasks) younger = younger || t.refresh() == 1;
-  ASSERT_TRUE(younger) << "refresh 1 should collect curvature in iteration 0";
+  ASSERT_TRUE(ran->PlanIteration(0, o.plan, o.timeline).ok());
   EXPECT_FALSE(ran->last_activated_refresh().has_value());
   auto closing = ran->PlanIteration(1, o.plan, o.timeline, /*close_window=*/true);
   ASSERT_TRUE(closing.ok());
