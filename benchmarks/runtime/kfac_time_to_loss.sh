@@ -32,6 +32,13 @@
 # Defaults: build, 60 iterations, seeds "1 2", a checkpoint every 5
 # iterations, 64 validation samples. Writes benchmarks-out/kfac_time/*.
 # Runs one job at a time (4 workers + coordinator); note the machine's load.
+# Cost (measured 2026-12-02 at 40 iterations on the 2-vCPU development VM,
+# load 6-13): 189-264 s per AdamW run and 395-496 s per K-FAC run, with
+# evaluation; about 25 min of wall time and at most 50 CPU-minutes for
+# `build 40 "1 2" 5 64`. Time grows about linearly with ITERATIONS (the
+# default 60: about 40 min there). Give it >= 5 cores (5 processes) so
+# that bubbles are idle time; on fewer cores the wall-time ratio measures
+# CPU contention, not K-FAC.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${1:-$ROOT/build}
