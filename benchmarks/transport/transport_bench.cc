@@ -218,6 +218,7 @@ struct DetourPeer {
     bool ok = false;
     sender->Send(std::move(h), std::move(view), [&](absl::Status s, double) {
       ok = s.ok();
+      if (!ok) std::fprintf(stderr, "transport_bench: %s\n", s.ToString().c_str());
       done.Notify();
     });
     done.WaitForNotification();
