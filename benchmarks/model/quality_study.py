@@ -21,8 +21,10 @@ in OUT/study.json):
      spread over the seeds;
   2. equal wall time, from the same runs' loss.csv: within each seed, the time
      budget is the shortest training time of the runs compared (validation
-     passes left out: loss.csv's train_seconds); each run's validation loss at
-     its last evaluation inside that budget, and the iteration it had reached.
+     passes left out: loss.csv's train_seconds); per run the iterations done
+     within it, the mean training loss of the last 10 of them, and the
+     validation loss at its last evaluation inside the budget ("–" when none
+     fell inside).
      Skipping is compared with full at the budget of skip33 (the fastest),
      K-FAC with AdamW at the budget of the faster of the two.
 
@@ -145,6 +147,15 @@ def at_budget(rows, budget):
         if r["val_loss"] and float(r["train_seconds"]) <= budget + 1e-9:
             best = (int(r["iteration"]) + 1, float(r["val_loss"]), float(r["train_seconds"]))
     return best
+
+
+def train_at_budget(rows, budget, window=10):
+    """Mean training loss of the last `window` iterations within `budget`."""
+    inside = [float(r["train_loss"]) for r in rows if float(r["train_seconds"]) <= budget + 1e-9]
+    if not inside:
+        return None
+    tail = inside[-window:]
+    return sum(tail) / len(tail)
 
 
 def fmt(values, digits=3):
@@ -272,19 +283,24 @@ def main():
     lines.append("Equal wall time (validation loss at each run's last evaluation within the "
                  "budget = the shortest training time of the runs compared, per seed):")
     lines.append("")
-    lines.append("| comparison | run | budget s | iterations reached | val loss |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| comparison | run | budget s | iterations in budget | train loss, last 10 "
+                 "in budget | last evaluation in budget: iteration | val loss |")
+    lines.append("|---|---|---|---|---|---|---|")
     for group, names in (("skip", ["full", "skip25", "skip33"]), ("kfac", ["full", "kfac"])):
         for name in names:
-            pts = [at_budget(per_seed[s]["curves"][name], budgets[s][group]) for s in seeds]
+            rows = {s: per_seed[s]["curves"][name] for s in seeds}
+            done = [sum(1 for r in rows[s] if float(r["train_seconds"]) <= budgets[s][group] + 1e-9)
+                    for s in seeds]
+            train = [train_at_budget(rows[s], budgets[s][group]) for s in seeds]
+            pts = [at_budget(rows[s], budgets[s][group]) for s in seeds]
             its = [p[0] if p else None for p in pts]
             vals = [p[1] if p else None for p in pts]
             summary["runs"][name][f"equal_time_{group}"] = {
-                "budget_s": [budgets[s][group] for s in seeds], "iterations": its,
-                "val_loss": vals}
+                "budget_s": [budgets[s][group] for s in seeds], "iterations": done,
+                "train_loss_last10": train, "eval_iteration": its, "val_loss": vals}
             label = "skipping vs full" if group == "skip" else "K-FAC vs AdamW"
             lines.append(f"| {label} | {name} | {fmt([budgets[s][group] for s in seeds], 0)} | "
-                         f"{fmt(its, 0)} | {fmt(vals)} |")
+                         f"{fmt(done, 0)} | {fmt(train)} | {fmt(its, 0)} | {fmt(vals)} |")
     load_end = loadavg()
     summary["load_end"] = load_end
     summary["wall_s"] = time.time() - started
