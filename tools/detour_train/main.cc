@@ -47,8 +47,9 @@ Usage:
 Each run trains the same model from the same seed with its own routes and
 writes, under --out: loss.csv (every iteration: losses, lr, gradient norm,
 seconds since the start with and without validation), loss.svg (the curves),
-results.md and results.csv (perplexity with all layers and with half of them),
-ckpt-<run>/ (final checkpoint).
+results.md and results.csv (perplexity with all layers and with half of them,
+every run's final weights evaluated in float32), ckpt-<run>/ (final checkpoint).
+Validation during training runs in each run's own precision.
 
 Options:
   --job FILE          JobSpec JSON (model, optimiser, data, seed, microbatches)
@@ -416,6 +417,8 @@ absl::Status Main(const Args& args) {
   v1::JobSpec eval_spec = base;
   eval_spec.mutable_pipeline()->set_num_stages(layers);
   eval_spec.mutable_pipeline()->set_skip_ratio(0);
+  // One yardstick for every run, whatever precision it trained in.
+  eval_spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
   std::vector<int> all;
   for (int l = 0; l < layers; ++l) all.push_back(l);
   const std::vector<int> every_other = model::SpreadRoute(layers, 0.5);
