@@ -257,7 +257,9 @@ TEST_F(PrecisionTest, MixedPrecisionTrainingFollowsFloat32) {
   std::printf("largest |bf16 - fp32| loss difference over 40 iterations: %.4f\n", worst);
   for (int s = 0; s < 4; ++s) {
     for (const auto& [name, t] : (*b)->optimizer(s).State()) {
-      if (t.is_floating_point()) EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+      if (t.is_floating_point()) {
+        EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+      }
     }
   }
 }
@@ -312,7 +314,9 @@ TEST_F(PrecisionTest, Bf16CheckpointsHoldFloat32AndResumeBitForBit) {
     auto table = ParseStageFile(bytes, "stage file");
     ASSERT_TRUE(table.ok()) << table.status();
     for (const auto& [name, t] : *table) {
-      if (t.is_floating_point()) EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+      if (t.is_floating_point()) {
+        EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+      }
     }
   }
   auto b = PipelineEngine::Create(spec, at::Device(at::kCPU));
