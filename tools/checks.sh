@@ -55,7 +55,7 @@ for step in "${steps[@]}"; do
       (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
         DETOUR_SOURCE_DIR="$PWD/.." ctest --output-on-failure -j"$JOBS" \
         -E "ShippedExampleOrderingAndQuality|PlanJsonRoundTripsThroughSimulate|KeepsAGivenAssignmentAndIsDeterministic|SchedulerComesFromJobUnlessOverridden|DeterministicForASeed|KfacOnThePlannedExample|CompareTableOnShippedExample")
-      for t in frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file safetensors; do
+      for t in frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors; do
         mkdir -p "build-asan/fuzz-corpus/$t" "build-asan/fuzz-artifacts/$t"
         echo "-- fuzz $t ${FUZZ_SECONDS}s"
         "build-asan/tests/fuzz/${t}_fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 \
@@ -72,8 +72,8 @@ for step in "${steps[@]}"; do
       configure build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_WITH_TORCH=OFF \
         -DDETOUR_TSAN=ON -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread"
-      cmake --build build-tsan -j"$JOBS" --target transport_test net_test runtime_work_queue_test \
-        worker_control_client_test tsan_canary
+      cmake --build build-tsan -j"$JOBS" --target transport_test direct_transport_test net_test \
+        runtime_work_queue_test worker_control_client_test tsan_canary
       tsan_options="suppressions=$PWD/tests/tsan/tsan.supp report_signal_unsafe=0"
       # The canary's deliberate race in a reactor gRPC runs must be reported,
       # or the suppressions hide races in our code.
@@ -83,7 +83,8 @@ for step in "${steps[@]}"; do
         echo "checks: TSan did not report the canary's race: tests/tsan/tsan.supp hides races" >&2
         exit 1
       fi
-      for t in tests/transport/transport_test tests/net/net_test tests/runtime/runtime_work_queue_test \
+      for t in tests/transport/transport_test tests/transport/direct_transport_test tests/net/net_test \
+          tests/runtime/runtime_work_queue_test \
           tests/worker/worker_control_client_test; do
         TSAN_OPTIONS="halt_on_error=1 $tsan_options" DETOUR_SOURCE_DIR="$PWD" "build-tsan/$t"
       done

@@ -362,8 +362,14 @@ class JobRuntime::Impl {
       return;
     }
     if (!job_id_.empty()) {
-      LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
-                 "; abandoning the old job");
+      if (a.job_id() == job_id_) {
+        // The coordinator moves this worker to another stage of the job: it
+        // drops its stage and builds the new one (with a replica's state).
+        LogInfo("job ", job_id_, ": moving from stage ", stage_index_, " to stage ", a.stage());
+      } else {
+        LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
+                   "; abandoning the old job");
+      }
       Abandon();
     }
     absl::Status built = Build(a);
@@ -480,7 +486,8 @@ class JobRuntime::Impl {
     peers_.clear();
     for (const v1::Peer& p : peers) {
       if (p.worker_id() == me_) continue;
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
     }
     PushPeers();
   }
@@ -996,7 +1003,8 @@ class JobRuntime::Impl {
     metrics_.StateBytes(/*sent=*/true, size);
     if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
       const v1::Peer& p = request.peer();
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
       PushPeers();
     }
     LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());
@@ -1347,8 +1355,15 @@ class JobRuntime::Impl {
     Send(std::move(m), /*replay=*/false);
   }
 
+  // Times a task that started at `start` and just ended. With
+  // --compute_slowdown F, a compute task first takes F times as long (the
+  // executor sleeps the difference), as on a slower node.
   void Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {
-    const absl::Time end = absl::Now();
+    absl::Time end = absl::Now();
+    if (options_.compute_slowdown > 1 && kind != v1::TaskTiming::KIND_ALLREDUCE) {
+      absl::SleepFor((end - start) * (options_.compute_slowdown - 1));
+      end = absl::Now();
+    }
     const double seconds = absl::ToDoubleSeconds(end - start);
     if (it_ != nullptr) {
       v1::TaskTiming* t = it_->timing.add_tasks();

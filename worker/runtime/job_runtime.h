@@ -57,6 +57,11 @@ struct JobRuntimeOptions {
   // Activation memory of this worker in microbatches (what it registered,
   // what the planner assumed); 0 = the job's pipeline.memory_slots.
   int memory_slots = 0;
+  // Testing and emulation aid (like --emulate_network): after every compute
+  // task (forward, loss, backward, K-FAC bubble task, optimizer step) the
+  // executor sleeps (compute_slowdown - 1) times the task's measured time,
+  // so this worker behaves like a node that many times slower. 1 = off.
+  double compute_slowdown = 1.0;
   metrics::Registry* metrics = nullptr;  // not owned; may be null
   // Makes each job's peer transport; empty = gRPC streams (GrpcPeerTransport).
   PeerTransportFactory transport;
