@@ -3,11 +3,13 @@
 
 #include <csignal>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/net/daemon_flags.h"
 #include "common/files.h"
@@ -70,6 +72,13 @@ int main(int argc, char** argv) {
                "testing and emulation aid (like the coordinator's --emulate_network): every "
                "compute task takes this many times its measured time (the worker sleeps the "
                "difference), to emulate a slow node; 1 = off, at most 100");
+  std::string inject_fault;
+  flags.String("inject_fault", &inject_fault,
+               "testing aid, KIND@N: at iteration N (from 0) misbehave in a way the "
+               "coordinator must catch and fail the job for — diverge (nudge a parameter after "
+               "the step, so this replica differs from its peers), duplicate_microbatch or "
+               "missing_microbatch (a data node reports its first microbatch twice / leaves "
+               "its last out); default none");
   flags.String("metrics_bind", &o.metrics_bind,
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags.String("metrics_advertise", &o.metrics_advertise,
@@ -126,6 +135,21 @@ int main(int argc, char** argv) {
   if (!(o.compute_slowdown >= 1) || !(o.compute_slowdown <= 100)) {
     return flags.Fail(absl::InvalidArgumentError(absl::StrFormat(
         "--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
+  }
+  if (!inject_fault.empty()) {
+    using Kind = JobRuntimeOptions::FaultInjection::Kind;
+    const std::vector<std::string> parts = absl::StrSplit(inject_fault, '@');
+    const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
+                                               {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
+                                               {"missing_microbatch", Kind::kMissingMicrobatch}};
+    uint64_t iteration = 0;
+    if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
+      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--inject_fault: \"", inject_fault, "\" is not KIND@ITERATION with KIND diverge, "
+          "duplicate_microbatch or missing_microbatch")));
+    }
+    o.fault.kind = kinds.at(parts[0]);
+    o.fault.iteration = iteration;
   }
   if (memory_slots < 1 || memory_slots > 1024) {
     return flags.Fail(absl::InvalidArgumentError(

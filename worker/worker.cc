@@ -91,6 +91,7 @@ absl::Status Worker::Init() {
   runtime_options.device = options_.device;
   runtime_options.torch_threads = options_.torch_threads;
   runtime_options.compute_slowdown = options_.compute_slowdown;
+  runtime_options.fault = options_.fault;
   runtime_options.memory_slots = options_.memory_slots;
   runtime_options.metrics = &metrics_registry_;
   runtime_options.security = options_.security;

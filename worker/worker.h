@@ -54,6 +54,8 @@ struct WorkerOptions {
   // Testing aid: compute tasks take this many times longer
   // (JobRuntimeOptions::compute_slowdown); 1 = off.
   double compute_slowdown = 1.0;
+  // Testing aid: --inject_fault (JobRuntimeOptions::fault).
+  JobRuntimeOptions::FaultInjection fault;
 };
 
 // Thread-safe. Start() returns once registered with the coordinator.

@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/transport/recording_sink.h"
 #include "tests/test_paths.h"
 #include "worker/transport/activation_server.h"
 #include "worker/transport/direct_link.h"
@@ -32,34 +33,6 @@ namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-class RecordingSink : public TensorSink {
- public:
-  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) override {
-    if (h.job_id() != "job-1") {
-      return absl::FailedPreconditionError(absl::StrCat("unknown job ", h.job_id()));
-    }
-    auto storage = std::make_shared<std::vector<char>>(h.total_bytes());
-    MutableBuffer b;
-    b.data = storage->data();
-    b.bytes = storage->size();
-    b.keepalive = storage;
-    return b;
-  }
-  void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) override {
-    absl::MutexLock lock(&mu_);
-    auto storage = std::static_pointer_cast<std::vector<char>>(buffer.keepalive);
-    received_.push_back({h, *storage});
-  }
-  std::vector<std::pair<v1::FrameHeader, std::vector<char>>> received() {
-    absl::MutexLock lock(&mu_);
-    return received_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<std::pair<v1::FrameHeader, std::vector<char>>> received_ ABSL_GUARDED_BY(mu_);
-};
 
 // Certificates from tools/gen_certs.sh: "w1" and "w2" from the cluster CA,
 // "intruder" from another CA. Made once per test binary.

@@ -1098,6 +1098,15 @@ class JobRuntime::Impl {
                                                spec_.optimizer().grad_clip_norm());
     absl::Status stepped = optimizer_->Step(lr, clip);
     if (!stepped.ok()) return Fail(stepped);
+    const bool fault_now = options_.fault.kind != JobRuntimeOptions::FaultInjection::Kind::kNone &&
+                           it.plan.iteration() == options_.fault.iteration;
+    if (fault_now && options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDiverge) {
+      LogWarning("job ", job_id_, ": --inject_fault: nudging a parameter after the step of "
+                 "iteration ", it.plan.iteration());
+      torch::NoGradGuard no_grad;
+      std::vector<model::NamedTensor> params = stage_->Parameters();
+      if (!params.empty()) params.front().second.add_(1e-3);
+    }
     if (kfac_ != nullptr) {
       const std::vector<int> ready = kfac_->CommitAgreement();
       if (!ready.empty()) {
@@ -1125,6 +1134,18 @@ class JobRuntime::Impl {
     r->set_loss_sum(it.tracker->completed_loss());
     r->set_tokens(it.tracker->completed_tokens());
     for (uint32_t mb : it.tracker->Completed()) r->add_microbatches(mb);
+    if (fault_now && r->microbatches_size() > 0) {
+      if (options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDuplicateMicrobatch) {
+        LogWarning("job ", job_id_, ": --inject_fault: reporting microbatch ",
+                   r->microbatches(0), " twice");
+        r->add_microbatches(r->microbatches(0));
+      } else if (options_.fault.kind ==
+                 JobRuntimeOptions::FaultInjection::Kind::kMissingMicrobatch) {
+        LogWarning("job ", job_id_, ": --inject_fault: leaving microbatch ",
+                   r->microbatches(r->microbatches_size() - 1), " out of the result");
+        r->mutable_microbatches()->RemoveLast();
+      }
+    }
     r->set_parameter_checksum(Checksum(stage_->Parameters()));
     r->set_stage(stage_index_);
     r->set_duration_s(duration);

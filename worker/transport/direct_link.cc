@@ -146,6 +146,31 @@ absl::Status DirectLink::Wait(short events, absl::Time deadline, absl::string_vi
   return WaitFor(fd_, shutdown_pipe_[0], wake_fd_, events, deadline, what);
 }
 
+absl::Status DirectLink::Handshake(bool client, absl::Time deadline) {
+  while (true) {
+    ERR_clear_error();
+    const int rc = client ? SSL_connect(ssl_) : SSL_accept(ssl_);
+    if (rc == 1) return absl::OkStatus();
+    const int error = SSL_get_error(ssl_, rc);
+    absl::Status waited;
+    if (error == SSL_ERROR_WANT_READ) {
+      waited = Wait(POLLIN, deadline, "TLS handshake");
+    } else if (error == SSL_ERROR_WANT_WRITE) {
+      waited = Wait(POLLOUT, deadline, "TLS handshake");
+    } else {
+      const long verify = SSL_get_verify_result(ssl_);
+      return absl::UnauthenticatedError(absl::StrCat(
+          "failed: ",
+          verify != X509_V_OK ? X509_verify_cert_error_string(verify) : OpenSslErrors()));
+    }
+    if (!waited.ok()) {
+      return waited.code() == absl::StatusCode::kCancelled
+                 ? waited
+                 : absl::UnavailableError(waited.message());
+    }
+  }
+}
+
 absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::string& address,
                                                                 std::shared_ptr<ssl_ctx_st> ctx,
                                                                 const std::string& peer_name,
@@ -210,27 +235,9 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::strin
   }
   std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
   if (ssl != nullptr) {
-    while (true) {
-      ERR_clear_error();
-      const int rc = SSL_connect(ssl);
-      if (rc == 1) break;
-      const int error = SSL_get_error(ssl, rc);
-      absl::Status waited;
-      if (error == SSL_ERROR_WANT_READ) {
-        waited = link->Wait(POLLIN, deadline, "TLS handshake");
-      } else if (error == SSL_ERROR_WANT_WRITE) {
-        waited = link->Wait(POLLOUT, deadline, "TLS handshake");
-      } else {
-        const long verify = SSL_get_verify_result(ssl);
-        return absl::UnauthenticatedError(absl::StrCat(
-            "direct transport: TLS handshake with ", address, " (expecting ", peer_name,
-            ") failed: ",
-            verify != X509_V_OK ? X509_verify_cert_error_string(verify) : OpenSslErrors()));
-      }
-      if (!waited.ok()) {
-        return absl::UnavailableError(
-            absl::StrCat("direct transport: ", address, ": ", waited.message()));
-      }
+    if (absl::Status s = link->Handshake(/*client=*/true, deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("direct transport: TLS handshake with ", address,
+                                                 " (expecting ", peer_name, "): ", s.message()));
     }
     link->peer_name_ = VerifiedPeerName(ssl);
     if (!link->peer_name_.has_value()) {
@@ -264,21 +271,8 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
   }
   std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
   if (ssl != nullptr) {
-    while (true) {
-      ERR_clear_error();
-      const int rc = SSL_accept(ssl);
-      if (rc == 1) break;
-      const int error = SSL_get_error(ssl, rc);
-      absl::Status waited;
-      if (error == SSL_ERROR_WANT_READ) {
-        waited = link->Wait(POLLIN, deadline, "TLS handshake");
-      } else if (error == SSL_ERROR_WANT_WRITE) {
-        waited = link->Wait(POLLOUT, deadline, "TLS handshake");
-      } else {
-        return absl::UnauthenticatedError(
-            absl::StrCat("TLS handshake failed: ", OpenSslErrors()));
-      }
-      if (!waited.ok()) return waited;
+    if (absl::Status s = link->Handshake(/*client=*/false, deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("TLS handshake: ", s.message()));
     }
     link->peer_name_ = VerifiedPeerName(ssl);
     if (!link->peer_name_.has_value()) {

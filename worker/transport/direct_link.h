@@ -79,6 +79,8 @@ class DirectLink {
  private:
   DirectLink(int fd, ssl_st* ssl, int wake_fd);
   absl::Status Wait(short events, absl::Time deadline, absl::string_view what);
+  // The TLS handshake (SSL_connect or SSL_accept) by `deadline`.
+  absl::Status Handshake(bool client, absl::Time deadline);
 
   const int fd_;
   ssl_st* const ssl_;  // owned; null for plaintext

@@ -18,51 +18,6 @@
 #include "common/log.h"
 
 namespace detour {
-namespace {
-
-// Binds and listens on `listen`; returns the socket and the port it got.
-absl::StatusOr<std::pair<int, int>> Listen(const HostPort& listen) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string port = std::to_string(listen.port);
-  const char* host = listen.host.empty() ? nullptr : listen.host.c_str();
-  if (int rc = ::getaddrinfo(host, port.c_str(), &hints, &found); rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--data_port: cannot resolve ",
-                                                   listen.ToString(), ": ", gai_strerror(rc)));
-  }
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, ::freeaddrinfo);
-  std::string error = "no address";
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      error = std::strerror(errno);
-      continue;
-    }
-    const int one = 1;
-    // Like the gRPC ports: a restarted worker may bind again at once, but
-    // two processes never share the port (no SO_REUSEPORT).
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
-      error = std::strerror(errno);
-      ::close(fd);
-      continue;
-    }
-    sockaddr_storage bound{};
-    socklen_t len = sizeof(bound);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-    const int got = bound.ss_family == AF_INET6
-                        ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    return std::make_pair(fd, got);
-  }
-  return absl::UnavailableError(absl::StrCat("direct transport: cannot listen on ",
-                                             listen.ToString(), ": ", error));
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<DirectServer>> DirectServer::Start(ActivationServer* activations,
                                                                   DirectServerOptions options) {
@@ -72,10 +27,11 @@ absl::StatusOr<std::unique_ptr<DirectServer>> DirectServer::Start(ActivationServ
     if (!made.ok()) return made.status();
     ctx = *std::move(made);
   }
-  auto listening = Listen(options.listen);
-  if (!listening.ok()) return listening.status();
-  return std::unique_ptr<DirectServer>(new DirectServer(
-      activations, std::move(options), listening->first, listening->second, std::move(ctx)));
+  int port = 0;
+  absl::StatusOr<int> fd = BindTcp(options.listen, "--data_port", /*listen=*/true, &port);
+  if (!fd.ok()) return fd.status();
+  return std::unique_ptr<DirectServer>(
+      new DirectServer(activations, std::move(options), *fd, port, std::move(ctx)));
 }
 
 DirectServer::DirectServer(ActivationServer* activations, DirectServerOptions options,
