@@ -695,7 +695,13 @@ TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << History(job);
   EXPECT_EQ(job.resumes(), 1u);
   for (uint64_t it = 9; it <= 16; ++it) EXPECT_EQ(after.count(it), 1u) << "iteration " << it;
-  for (const auto& [it, loss] : after) resumed[it] = loss;
+  // The resumed run redoes iterations 9-16; what its stream says about
+  // iteration 8 is the coordinator's progress reset at the resume (iteration
+  // set back to the checkpoint's, the loss still that of the last iteration
+  // the cancelled run finished), not a measurement, so it is left out.
+  for (const auto& [it, loss] : after) {
+    if (it > 8) resumed[it] = loss;
+  }
   EXPECT_EQ(resumed, straight);
 }
 
