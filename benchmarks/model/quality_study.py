@@ -25,8 +25,8 @@ in OUT/study.json):
      within it, the mean training loss of the last 10 of them, and the
      validation loss at its last evaluation inside the budget ("–" when none
      fell inside).
-     Skipping is compared with full at the budget of skip33 (the fastest),
-     K-FAC with AdamW at the budget of the faster of the two.
+     Skipping is compared with full at the budget of the fastest of the
+     three, K-FAC with AdamW at the budget of the faster of the two.
 
 Corpus (--corpus): "copyright" (default) = /usr/share/common-licenses/* and
 /usr/share/doc/*/copyright, paragraphs deduplicated (exact, whitespace-trimmed:
@@ -44,8 +44,10 @@ load, which is printed next to the results.
   benchmarks/model/quality_study.py --build build --out /tmp/study \\
       [--iterations 600] [--seeds 0,1] [--vocab 4000] [--corpus-bytes 0]
 
-A smoke-size run (minutes): --iterations 30 --eval-every 10 --corpus-bytes
-1000000 --vocab 1000 --eval-samples 16.
+A smoke-size run (about 10 minutes on 2 loaded cores): --iterations 40
+--eval-every 10 --eval-samples 16 --corpus-bytes 1000000 --vocab 1000
+--precision bf16. The full study's command and its measured cost:
+docs/MODEL.md §"Quality on real text: the study driver".
 """
 import argparse
 import csv
