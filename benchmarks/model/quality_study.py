@@ -42,7 +42,12 @@ that). Runs are sequential: on a shared machine their timings drift with the
 load, which is printed next to the results.
 
   benchmarks/model/quality_study.py --build build --out /tmp/study \\
-      [--iterations 600] [--seeds 0,1] [--vocab 4000] [--corpus-bytes 0]
+      [--iterations 600] [--seeds 0,1] [--vocab 4000] [--corpus-bytes 0] \\
+      [--stop-after-minutes M]
+
+Each (seed, run) is one detour-train process writing OUT/seed-S/RUN/; rerun
+the same command to continue an interrupted or --stop-after-minutes study
+(finished runs are kept, an unfinished one starts again).
 
 A smoke-size run (about 10 minutes on 2 loaded cores): --iterations 40
 --eval-every 10 --eval-samples 16 --corpus-bytes 1000000 --vocab 1000
@@ -189,6 +194,9 @@ def main():
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--stop-after-minutes", type=float, default=0,
+                    help="start no further run after this many minutes (0 = no limit); "
+                         "the same command later continues with the runs not done")
     args = ap.parse_args()
 
     tools = os.path.join(args.build, "tools")
@@ -212,10 +220,37 @@ def main():
           f"dropped), sha256 {corpus['sha256'][:16]}", flush=True)
     model = os.path.join(args.out, "sp.model")
     dataset = os.path.join(args.out, "dataset")
-    run([data_tool, "tokenizer", "--output", model, "--vocab_size", str(args.vocab), "--type",
-         args.tokenizer_type, "--threads", "1", corpus_path], log)
-    run([data_tool, "prepare", "--output", dataset, "--tokenizer", model, "--force", "--quiet",
-         corpus_path], log)
+    # Every run is its own detour-train process writing seed-S/RUN/, so an
+    # interrupted study continues where it stopped when the same command runs
+    # again (a run gives the same numbers alone as beside the others: each
+    # starts from the seed's weights and data order). settings.json guards
+    # against mixing runs of different settings or corpora in one --out.
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("build", "out", "stop_after_minutes")}
+    settings["corpus_sha256"] = corpus["sha256"]
+    settings_path = os.path.join(args.out, "settings.json")
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            previous = json.load(f)
+        if previous != settings:
+            diff = sorted(k for k in set(previous) | set(settings)
+                          if previous.get(k) != settings.get(k))
+            sys.exit(f"{args.out} holds a study with other settings ({', '.join(diff)}); "
+                     "use another --out or remove it")
+    reuse = os.path.exists(settings_path) and os.path.exists(
+        os.path.join(dataset, "manifest.json")) and os.path.exists(model)
+    if reuse:
+        print(f"continuing the study in {args.out} (tokenizer and dataset reused)", flush=True)
+    else:
+        run([data_tool, "tokenizer", "--output", model, "--vocab_size", str(args.vocab),
+             "--type", args.tokenizer_type, "--threads", "1", corpus_path], log)
+        run([data_tool, "prepare", "--output", dataset, "--tokenizer", model, "--force",
+             "--quiet", corpus_path], log)
+        with open(settings_path + ".tmp", "w") as f:
+            json.dump(settings, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(settings_path + ".tmp", settings_path)
     with open(os.path.join(dataset, "manifest.json")) as f:
         manifest = json.load(f)
     job = {
@@ -233,15 +268,36 @@ def main():
         json.dump(job, f, indent=2)
 
     per_seed = {}
+    pending = 0
+    run_loads = []  # 1-minute load averages at the start and end of every run
     for seed in seeds:
-        out = os.path.join(args.out, f"seed-{seed}")
-        run([train_tool, "--job", job_path, "--seed", str(seed), "--iterations",
-             str(args.iterations), "--runs", ",".join(spec for _, spec in RUNS),
-             "--eval-every", str(eval_every), "--eval-samples", str(args.eval_samples),
-             "--kfac-refresh", "2", "--kfac-factor-decay", "0.5", "--threads",
-             str(args.threads), "--out", out], log)
-        per_seed[seed] = {"curves": read_curves(os.path.join(out, "loss.csv")),
-                          "results": read_results(os.path.join(out, "results.csv"))}
+        per_seed[seed] = {"curves": {}, "results": {}}
+        for name, spec in RUNS:
+            out = os.path.join(args.out, f"seed-{seed}", name)
+            done = os.path.join(out, "results.csv")
+            if not os.path.exists(done):
+                minutes = (time.time() - started) / 60
+                if args.stop_after_minutes and minutes >= args.stop_after_minutes:
+                    pending += 1
+                    continue
+                load_before = loadavg()
+                print(f"seed {seed}, run {name}: started at load {load_before}", flush=True)
+                run([train_tool, "--job", job_path, "--seed", str(seed), "--iterations",
+                     str(args.iterations), "--runs", spec, "--eval-every", str(eval_every),
+                     "--eval-samples", str(args.eval_samples), "--kfac-refresh", "2",
+                     "--kfac-factor-decay", "0.5", "--threads", str(args.threads),
+                     "--out", out], log)
+                with open(os.path.join(out, "load.txt"), "w") as f:
+                    f.write(f"start {load_before}\nend {loadavg()}\n")
+            with open(os.path.join(out, "load.txt")) as f:
+                run_loads.extend(float(line.split()[1]) for line in f if line.strip())
+            per_seed[seed]["curves"].update(read_curves(os.path.join(out, "loss.csv")))
+            per_seed[seed]["results"].update(read_results(done))
+    if pending:
+        print(f"stopped after {args.stop_after_minutes:g} minutes with {pending} of "
+              f"{len(seeds) * len(RUNS)} runs not done; run the same command again to "
+              "continue", flush=True)
+        return
 
     # Equal wall time: budgets per seed.
     budgets = {}
@@ -307,8 +363,11 @@ def main():
     summary["load_end"] = load_end
     summary["wall_s"] = time.time() - started
     lines.append("")
-    lines.append(f"Load average (1/5/15 min) at the start {load_start}, at the end {load_end}; "
-                 f"{summary['wall_s'] / 60:.1f} min in all.")
+    summary["run_load_range"] = [min(run_loads), max(run_loads)]
+    lines.append(f"Load average (1 min) at the starts and ends of the runs: "
+                 f"{min(run_loads):.1f}–{max(run_loads):.1f}; this invocation: {load_start} "
+                 f"at the start, {load_end} at the end (1/5/15 min), "
+                 f"{summary['wall_s'] / 60:.1f} min.")
     text = "\n".join(lines) + "\n"
     print()
     print(text)
