@@ -43,11 +43,12 @@ load, which is printed next to the results.
 
   benchmarks/model/quality_study.py --build build --out /tmp/study \\
       [--iterations 600] [--seeds 0,1] [--vocab 4000] [--corpus-bytes 0] \\
-      [--stop-after-minutes M]
+      [--stop-after-minutes M] [--max-runs N]
 
 Each (seed, run) is one detour-train process writing OUT/seed-S/RUN/; rerun
-the same command to continue an interrupted or --stop-after-minutes study
-(finished runs are kept, an unfinished one starts again).
+the same command to continue an interrupted study, or one stopped by
+--stop-after-minutes or --max-runs (finished runs are kept, an unfinished
+one starts again).
 
 A smoke-size run (about 10 minutes on 2 loaded cores): --iterations 40
 --eval-every 10 --eval-samples 16 --corpus-bytes 1000000 --vocab 1000
@@ -197,6 +198,9 @@ def main():
     ap.add_argument("--stop-after-minutes", type=float, default=0,
                     help="start no further run after this many minutes (0 = no limit); "
                          "the same command later continues with the runs not done")
+    ap.add_argument("--max-runs", type=int, default=0,
+                    help="start at most this many trainings (0 = no limit); the same "
+                         "command later continues with the runs not done")
     args = ap.parse_args()
 
     tools = os.path.join(args.build, "tools")
@@ -226,7 +230,7 @@ def main():
     # starts from the seed's weights and data order). settings.json guards
     # against mixing runs of different settings or corpora in one --out.
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("build", "out", "stop_after_minutes")}
+                if k not in ("build", "out", "stop_after_minutes", "max_runs")}
     settings["corpus_sha256"] = corpus["sha256"]
     settings_path = os.path.join(args.out, "settings.json")
     if os.path.exists(settings_path):
@@ -269,6 +273,7 @@ def main():
 
     per_seed = {}
     pending = 0
+    started_runs = 0
     run_loads = []  # 1-minute load averages at the start and end of every run
     for seed in seeds:
         per_seed[seed] = {"curves": {}, "results": {}}
@@ -277,9 +282,11 @@ def main():
             done = os.path.join(out, "results.csv")
             if not os.path.exists(done):
                 minutes = (time.time() - started) / 60
-                if args.stop_after_minutes and minutes >= args.stop_after_minutes:
+                if ((args.stop_after_minutes and minutes >= args.stop_after_minutes) or
+                        (args.max_runs and started_runs >= args.max_runs)):
                     pending += 1
                     continue
+                started_runs += 1
                 load_before = loadavg()
                 print(f"seed {seed}, run {name}: started at load {load_before}", flush=True)
                 run([train_tool, "--job", job_path, "--seed", str(seed), "--iterations",
@@ -294,7 +301,7 @@ def main():
             per_seed[seed]["curves"].update(read_curves(os.path.join(out, "loss.csv")))
             per_seed[seed]["results"].update(read_results(done))
     if pending:
-        print(f"stopped after {args.stop_after_minutes:g} minutes with {pending} of "
+        print(f"stopped ({started_runs} trainings started) with {pending} of "
               f"{len(seeds) * len(RUNS)} runs not done; run the same command again to "
               "continue", flush=True)
         return
