@@ -77,6 +77,17 @@ TEST_F(FollowTest, Bf16MixedPrecisionFollowsTheInProcessEngine) {
   Follow(*NormalizeJobSpec(spec));
 }
 
+// Activation recomputation in a distributed job, with bf16 as well (the
+// recomputed forward multiplies with the same cached bf16 weight copies): the
+// workers keep only each microbatch's input, redo the forward at the backward,
+// and still follow the in-process engine and end with its weights.
+TEST_F(FollowTest, RecomputedBf16ActivationsFollowTheInProcessEngine) {
+  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
+  spec.mutable_pipeline()->set_recompute_activations(true);
+  spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
+  Follow(*NormalizeJobSpec(spec));
+}
+
 void FollowTest::Follow(const v1::JobSpec& spec) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
