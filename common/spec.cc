@@ -155,6 +155,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   DETOUR_DEFAULT(k, momentum, 0.9);
   DETOUR_DEFAULT(k, slack, 0.05);
   DETOUR_DEFAULT(k, kl_clip, 1e-3);
+  DETOUR_DEFAULT(k, max_granule_ms, 5.0);
   if (k->placement() == v1::KFAC_PLACEMENT_UNSPECIFIED) {
     k->set_placement(v1::KFAC_PLACEMENT_BUBBLES);
   }
@@ -414,6 +415,10 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (!(k.slack() >= 0 && k.slack() < 1)) {
     return Invalid("optimizer.kfac.slack", Num(k.slack()) + " is outside [0, 1)");
+  }
+  if (!(k.max_granule_ms() >= 0.01 && k.max_granule_ms() <= 60000)) {
+    return Invalid("optimizer.kfac.max_granule_ms",
+                   Num(k.max_granule_ms()) + " is outside [0.01, 60000]");
   }
   if (!(k.lr() > 0 && k.lr() <= 10)) {
     return Invalid("optimizer.kfac.lr", Num(k.lr()) + " is outside (0, 10]");

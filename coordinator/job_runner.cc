@@ -512,6 +512,20 @@ class JobRunner::Impl {
     for (const auto& [id, stage] : members_) SendTo(id, m);
   }
 
+  // An iteration plan goes to every member with only its own K-FAC tasks:
+  // split into granules, the job's tasks run into thousands per iteration.
+  void SendPlan(const v1::CoordinatorMessage& m) {
+    if (m.plan().bubble_tasks().empty()) return SendToAll(m);
+    std::map<std::string, std::vector<const v1::BubbleTask*>> mine;
+    for (const v1::BubbleTask& t : m.plan().bubble_tasks()) mine[t.node()].push_back(&t);
+    v1::CoordinatorMessage own = m;
+    for (const auto& [id, stage] : members_) {
+      own.mutable_plan()->clear_bubble_tasks();
+      for (const v1::BubbleTask* t : mine[id]) *own.mutable_plan()->add_bubble_tasks() = *t;
+      SendTo(id, own);
+    }
+  }
+
   // --- history ---------------------------------------------------------------
 
   void AddEvent(v1::JobHistoryEvent::Kind kind, uint64_t iteration, const std::string& worker,
@@ -749,7 +763,7 @@ class JobRunner::Impl {
     routes_.clear();
     for (const v1::Route& r : plan.routes()) routes_[r.microbatch()] = r;
     IterationRound round(iteration, total_microbatches(), members_, epoch_);
-    SendToAll(*message);
+    SendPlan(*message);
     Collected collected;
     collected.overhead = absl::Now() - begin;
     if (recovering_since_) {
@@ -823,6 +837,9 @@ class JobRunner::Impl {
       // work as one that went on (BubblePlanner::PlanIteration). Not the
       // last iteration's: no iteration follows it.
       const bool close = plan->checkpoint() && iteration + 1 < spec_.iterations();
+      // The workers anchor their refresh numbers to the planner's.
+      const std::optional<uint64_t> last = bubbles_->last_activated_refresh();
+      plan->set_kfac_refresh_base(last ? *last + 2 : 1);
       auto placed = bubbles_->PlanIteration(iteration, planned.plan,
                                             planner::TimelineFromSimulation(planned.result),
                                             /*close_window=*/close);

@@ -1,6 +1,7 @@
 #include "coordinator/planner/bubble_planner.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -36,6 +37,37 @@ std::vector<std::pair<double, double>> Gaps(const NodeTimeline& node, double end
   return gaps;
 }
 
+// True when items of lengths `needs` fit the gaps one after another (each
+// within one gap), the first from `ready` on.
+bool FitsInOrder(const std::vector<std::pair<double, double>>& gaps, double ready,
+                 const std::vector<double>& needs) {
+  double cursor = ready;
+  for (double need : needs) {
+    bool found = false;
+    for (const auto& [s, e] : gaps) {
+      const double start = std::max(s, cursor);
+      if (start + need <= e + kEps) {
+        cursor = start + need;
+        found = true;
+        break;
+      }
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+
+// The gap time (with slack) of the parts of the item whose first part is
+// list[i], in order.
+template <typename Curv>
+std::vector<double> PartNeeds(const std::vector<Curv>& list, size_t i, double slack) {
+  std::vector<double> needs;
+  for (size_t k = i; k < list.size() && (k == i || list[k].part > 0); ++k) {
+    needs.push_back(list[k].duration * slack);
+  }
+  return needs;
+}
+
 // True when an item of length `need` ready at `ready` fits some gap.
 bool FitsSomeGap(const std::vector<std::pair<double, double>>& gaps, double ready, double need) {
   for (const auto& [s, e] : gaps) {
@@ -43,6 +75,43 @@ bool FitsSomeGap(const std::vector<std::pair<double, double>>& gaps, double read
   }
   return false;
 }
+
+// Shares of an item's time per part (in order, summing to 1): the fewest
+// parts of `weights` (kfac::PartsForCap) that keep each within `cap_s`.
+std::vector<double> PartShares(const std::vector<int64_t>& weights, double seconds,
+                               double cap_s) {
+  const int parts = weights.empty() ? 1 : kfac::PartsForCap(weights, seconds, cap_s);
+  if (parts <= 1) return {1.0};
+  const std::vector<int> bounds = kfac::SplitIntoParts(weights, parts);
+  double total = 0;
+  for (int64_t w : weights) total += static_cast<double>(w);
+  if (!(total > 0)) return {1.0};
+  std::vector<double> shares;
+  for (size_t p = 0; p + 1 < bounds.size(); ++p) {
+    double sum = 0;
+    for (int i = bounds[p]; i < bounds[p + 1]; ++i) sum += static_cast<double>(weights[i]);
+    shares.push_back(sum / total);
+  }
+  return shares;
+}
+
+// The seconds of one inversion part.
+template <typename Inversion>
+double InversionSeconds(const KfacLayerCost& c, const Inversion& inv) {
+  const double whole = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
+                                                                 : c.invert_b_s[inv.module];
+  return whole * inv.share;
+}
+
+// `b` is the part right after `a` of the same inversion.
+template <typename Inversion>
+bool NextPart(const Inversion& a, const Inversion& b) {
+  return a.kind == b.kind && a.layer == b.layer && a.module == b.module &&
+         a.part + 1 == b.part;
+}
+
+// Block dimensions beyond this are refused (the unit weights are n³).
+constexpr int64_t kMaxDimension = int64_t{1} << 20;
 
 double PipelineBusy(const NodeTimeline& node, double end) {
   double busy = 0;
@@ -74,6 +143,7 @@ KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block,
   }
   c.precondition_s = block.PreconditionFlops() / speed;
   c.sync_s = 0;
+  c.shape = block.shape();
   return c;
 }
 
@@ -197,12 +267,18 @@ struct BubblePlanner::State {
                                           // this iteration (0 when done earlier)
     std::vector<bool> inverted;           // an inversion of the layer was placed
                                           // in an earlier iteration
-    // Inversions still to run: (kind, layer position, module), priority order.
+    // Inversion parts still to run: (kind, layer position, module, part),
+    // priority order, an item's parts consecutive and in order. `share`:
+    // the part's fraction of the item's time (fixed when the refresh
+    // starts, so new costs re-time it without re-splitting).
     struct Inversion {
       Kind kind;
       int layer = 0;
       int module = 0;
       int misses = 0;
+      int part = 0;
+      int num_parts = 1;
+      double share = 1;
     };
     std::vector<Inversion> inversions;
   };
@@ -215,6 +291,7 @@ struct BubblePlanner::State {
   // syncs it) until flight[0] is activated.
   std::vector<Refresh> flight;
   uint64_t next_refresh = 0;
+  std::optional<uint64_t> last_activated;
   // First planned iteration after the last activation (the refresh window).
   std::optional<uint64_t> window_start;
   std::optional<uint64_t> last_iteration;
@@ -226,9 +303,47 @@ struct BubblePlanner::State {
     }
     return false;
   }
+  // Per node and layer position: the shares of each item's parts under the
+  // cap (PartShares), from the current costs.
+  struct LayerParts {
+    std::vector<double> curvature_a, curvature_b;
+    std::array<std::vector<double>, kNumModules> invert_a, invert_b;
+  };
+  std::vector<std::vector<LayerParts>> parts;
+
   bool NeedsSync(int node) const;
   Refresh NewRefresh();
+  void ComputeParts();
 };
+
+void BubblePlanner::State::ComputeParts() {
+  // Serial work is never split: nothing waits for it.
+  const double cap_s = kfac.placement() == v1::KFAC_PLACEMENT_SERIAL
+                           ? 0
+                           : kfac.max_granule_ms() * 1e-3;
+  parts.assign(workload.nodes.size(), {});
+  for (size_t n = 0; n < workload.nodes.size(); ++n) {
+    const KfacNodeWork& w = workload.nodes[n];
+    for (const KfacLayerCost& c : w.costs) {
+      LayerParts lp;
+      if (c.shape.d_model <= 0) {
+        lp.curvature_a = lp.curvature_b = {1.0};
+        for (int m = 0; m < kNumModules; ++m) lp.invert_a[m] = lp.invert_b[m] = {1.0};
+      } else {
+        const kfac::BlockWorkload block(c.shape);
+        lp.curvature_a = PartShares(block.CurvatureItemWeights(true), c.curvature_a_s, cap_s);
+        lp.curvature_b = PartShares(block.CurvatureItemWeights(false), c.curvature_b_s, cap_s);
+        for (int m = 0; m < kNumModules; ++m) {
+          lp.invert_a[m] =
+              PartShares(kfac::InversionUnitWeights(block.f_in(m)), c.invert_a_s[m], cap_s);
+          lp.invert_b[m] =
+              PartShares(kfac::InversionUnitWeights(block.f_out(m)), c.invert_b_s[m], cap_s);
+        }
+      }
+      parts[n].push_back(std::move(lp));
+    }
+  }
+}
 
 bool BubblePlanner::State::NeedsSync(int node) const {
   if (!kfac.sync_factors()) return false;
@@ -261,7 +376,13 @@ BubblePlanner::State::Refresh BubblePlanner::State::NewRefresh() {
     for (Kind kind : {v1::BubbleTask::KIND_INVERT_A, v1::BubbleTask::KIND_INVERT_B}) {
       for (size_t l = 0; l < layers; ++l) {
         for (int m = 0; m < kNumModules; ++m) {
-          s.inversions.push_back({kind, static_cast<int>(l), m, 0});
+          const LayerParts& lp = parts[n][l];
+          const std::vector<double>& shares =
+              kind == v1::BubbleTask::KIND_INVERT_A ? lp.invert_a[m] : lp.invert_b[m];
+          const int num_parts = static_cast<int>(shares.size());
+          for (int p = 0; p < num_parts; ++p) {
+            s.inversions.push_back({kind, static_cast<int>(l), m, 0, p, num_parts, shares[p]});
+          }
         }
       }
     }
@@ -291,14 +412,24 @@ static absl::Status ValidateWorkload(const KfacWorkload& workload) {
             w.node_id, w.layers[l], kNumModules, c.invert_a_s.size(), c.invert_b_s.size()));
       }
       bool bad = !(c.curvature_a_s >= 0) || !(c.curvature_b_s >= 0) ||
-                 !(c.precondition_s >= 0) || !(c.sync_s >= 0);
+                 !(c.precondition_s >= 0) || !(c.sync_s >= 0) ||
+                 !std::isfinite(c.curvature_a_s) || !std::isfinite(c.curvature_b_s) ||
+                 !std::isfinite(c.precondition_s) || !std::isfinite(c.sync_s);
       for (int m = 0; m < kNumModules; ++m) {
-        bad = bad || !(c.invert_a_s[m] >= 0) || !(c.invert_b_s[m] >= 0);
+        bad = bad || !(c.invert_a_s[m] >= 0) || !(c.invert_b_s[m] >= 0) ||
+              !std::isfinite(c.invert_a_s[m]) || !std::isfinite(c.invert_b_s[m]);
       }
       if (bad) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "bubble planner: node %s layer %d: durations must be finite and >= 0", w.node_id,
             w.layers[l]));
+      }
+      for (int64_t d : {c.shape.d_model, c.shape.kv_dim, c.shape.ffn_dim}) {
+        if (d < 0 || d > kMaxDimension) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "bubble planner: node %s layer %d: block dimension %d is outside [0, %d]",
+              w.node_id, w.layers[l], d, kMaxDimension));
+        }
       }
     }
   }
@@ -316,11 +447,16 @@ absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
     return absl::InvalidArgumentError(
         absl::StrFormat("bubble planner: kfac.slack %g must be >= 0", kfac.slack()));
   }
+  if (!(kfac.max_granule_ms() >= 0) || !std::isfinite(kfac.max_granule_ms())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "bubble planner: kfac.max_granule_ms %g must be >= 0", kfac.max_granule_ms()));
+  }
   RETURN_IF_ERROR(ValidateWorkload(workload));
   auto state = std::make_unique<State>();
   state->workload = std::move(workload);
   state->kfac = kfac;
   state->options = options;
+  state->ComputeParts();
   return BubblePlanner(std::move(state));
 }
 
@@ -344,18 +480,25 @@ absl::Status BubblePlanner::UpdateCosts(const KfacWorkload& workload) {
   for (size_t n = 0; n < now.nodes.size(); ++n) {
     state_->workload.nodes[n].costs = workload.nodes[n].costs;
   }
+  state_->ComputeParts();
   return absl::OkStatus();
 }
 
 absl::Status BubblePlanner::SetWorkload(KfacWorkload workload) {
   RETURN_IF_ERROR(ValidateWorkload(workload));
   state_->workload = std::move(workload);
+  // The granules follow the nodes (their number, layers and speeds).
+  state_->ComputeParts();
   state_->flight.clear();
   state_->window_start.reset();
   return absl::OkStatus();
 }
 
 uint64_t BubblePlanner::completed_refreshes() const { return state_->intervals.size(); }
+
+std::optional<uint64_t> BubblePlanner::last_activated_refresh() const {
+  return state_->last_activated;
+}
 
 const std::vector<int>& BubblePlanner::refresh_intervals() const { return state_->intervals; }
 
@@ -409,7 +552,14 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   const bool final_iteration =
       work && (close_window || (fixed > 0 ? age >= fixed : !use_bubbles));
   // A checkpoint closes the window: nothing younger than the front survives it.
-  if (close_window && st.flight.size() > 1) st.flight.resize(1);
+  // The next refresh takes the abandoned one's number: the workers may hold
+  // layers it finalised and inverses it staged (rule 2'), which the next
+  // refresh takes over — as in a job resumed from the checkpoint, whose
+  // state holds them as the next refresh's.
+  if (close_window && st.flight.size() > 1) {
+    st.next_refresh = st.flight[1].number;
+    st.flight.resize(1);
+  }
   if (work && st.flight.empty()) st.flight.push_back(st.NewRefresh());
   // The next refresh joins at once (bubbles, adaptive interval) or in the last
   // iteration of the current window (fixed interval); never with serial placement
@@ -428,7 +578,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   std::vector<v1::BubbleTask> tasks;
 
   auto make_task = [&](int f, int node, Kind kind, int layer_pos, int module, int microbatch,
-                       double start, double duration, bool serial) {
+                       double start, double duration, bool serial, int part = 0,
+                       int num_parts = 1) {
     v1::BubbleTask t;
     t.set_kind(kind);
     t.set_node(st.workload.nodes[node].node_id);
@@ -438,8 +589,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     t.set_refresh(st.flight[f].number);
     t.set_planned_start_s(start);
     t.set_planned_duration_s(duration);
-    t.set_part(0);
-    t.set_num_parts(1);
+    t.set_part(static_cast<uint32_t>(part));
+    t.set_num_parts(static_cast<uint32_t>(num_parts));
     t.set_serial(serial);
     tasks.push_back(std::move(t));
     if (kind == v1::BubbleTask::KIND_SYNC_FACTORS) {
@@ -451,9 +602,9 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     }
   };
   auto add_serial = [&](int f, int node, Kind kind, int layer_pos, int module, int microbatch,
-                        double duration) {
+                        double duration, int part = 0, int num_parts = 1) {
     make_task(f, node, kind, layer_pos, module, microbatch, end + serial_cursor[node], duration,
-              true);
+              true, part, num_parts);
     serial_cursor[node] += duration;
   };
 
@@ -465,14 +616,19 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     }
   }
 
-  // One curvature item of this iteration.
+  // One part of a curvature item of this iteration; a microbatch's parts
+  // are consecutive and in order, and placed in that order.
   struct Curv {
     Kind kind;
     int layer = 0;
     int mb = 0;
+    int part = 0;
+    int num_parts = 1;
     double ready = 0;
     double duration = 0;
     bool placed = false;
+    double end = 0;  // with slack, when placed in a gap
+    bool last() const { return part == num_parts - 1; }
   };
   // curv[f][n]: refresh flight[f]'s candidates on node n.
   std::vector<std::vector<std::vector<Curv>>> curv(
@@ -511,13 +667,25 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       const auto& cand = is_a ? fwd : bwd;
       for (size_t l = 0; l < w.layers.size(); ++l) {
         const double d = is_a ? w.costs[l].curvature_a_s : w.costs[l].curvature_b_s;
+        const std::vector<double>& shares =
+            is_a ? st.parts[n][l].curvature_a : st.parts[n][l].curvature_b;
+        const int num_parts = static_cast<int>(shares.size());
         size_t next = 0;
         for (int f = 0; f < num_refreshes; ++f) {
           const State::NodeState& ns = st.flight[f].nodes[n];
           const int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
           for (int i = 0; i < owed && next < cand.size(); ++i, ++next) {
-            curv[f][n].push_back(
-                {kind, static_cast<int>(l), cand[next].first, cand[next].second, d, false});
+            for (int p = 0; p < num_parts; ++p) {
+              Curv c;
+              c.kind = kind;
+              c.layer = static_cast<int>(l);
+              c.mb = cand[next].first;
+              c.part = p;
+              c.num_parts = num_parts;
+              c.ready = cand[next].second;
+              c.duration = d * shares[p];
+              curv[f][n].push_back(c);
+            }
           }
         }
       }
@@ -534,7 +702,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     const State::NodeState& ns = st.flight[f].nodes[n];
     int owed = is_a ? ns.owed_a[l] : ns.owed_b[l];
     for (const Curv& c : curv[f][n]) {
-      if (c.placed && c.layer == l && (c.kind == v1::BubbleTask::KIND_CURVATURE_A) == is_a) {
+      if (c.placed && c.last() && c.layer == l &&
+          (c.kind == v1::BubbleTask::KIND_CURVATURE_A) == is_a) {
         --owed;
       }
     }
@@ -552,25 +721,68 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   };
 
   // --- Greedy first-fit inside the gaps, per node. -------------------------
-  // Priority: the front's curvature A, B, its inversions A, B, then the next
-  // refresh's curvature A, B (it may not invert before the front is active).
-  std::vector<std::vector<bool>> inv_placed(num_nodes);  // the front's
+  // Priority: what was begun (a microbatch's or an inversion's next part),
+  // then curvature — the front's A, B, the next refresh's A, B: a
+  // microbatch's curvature can run only in its own iteration, inversions
+  // in any — then the front's inversions A, B and (adaptive interval) the
+  // next refresh's. With a fixed interval the next refresh's curvature
+  // comes after the front's inversions (they must end in the window).
+  // inv_placed[f][n][i]: inversion part i of flight[f] placed in a gap;
+  // inv_end: its end with slack.
+  std::array<std::vector<std::vector<bool>>, 2> inv_placed;
+  std::array<std::vector<std::vector<double>>, 2> inv_end;
+  for (int f = 0; f < 2; ++f) {
+    inv_placed[f].resize(num_nodes);
+    inv_end[f].resize(num_nodes);
+  }
+  // Rule 2': the next refresh inverts a layer once the front's inversions of
+  // it on the node are placed (the worker stages its inverses apart until
+  // its own activation). Not with a fixed interval: its window comes later.
+  const bool next_inverts = num_refreshes > 1 && fixed == 0;
   for (int n = 0; n < num_nodes && place; ++n) {
     const KfacNodeWork& w = st.workload.nodes[n];
     if (w.layers.empty()) continue;
-    State::NodeState& ns = st.flight[0].nodes[n];
-    inv_placed[n].assign(ns.inversions.size(), false);
+    for (int f = 0; f < num_refreshes; ++f) {
+      const size_t count = st.flight[f].nodes[n].inversions.size();
+      inv_placed[f][n].assign(count, false);
+      inv_end[f][n].assign(count, 0);
+    }
     const size_t layers = w.layers.size();
     first_inversion_end[n].assign(layers, kInf);
     if (!use_bubbles) continue;
-    // Curvature still owed per layer (A + B) and when its last placed item ends.
-    std::vector<int> left(layers, 0);
-    std::vector<double> done_at(layers, 0);
-    for (size_t l = 0; l < layers; ++l) left[l] = ns.owed_a[l] + ns.owed_b[l];
-    auto inv_ready = [&](int l) -> double {
-      if (left[l] > 0 || !ns.synced[l]) return kInf;
+    // Curvature still owed per refresh and layer (A + B microbatches) and
+    // when its last placed part ends.
+    std::array<std::vector<int>, 2> left;
+    std::array<std::vector<double>, 2> done_at;
+    for (int f = 0; f < num_refreshes; ++f) {
+      const State::NodeState& ns = st.flight[f].nodes[n];
+      left[f].assign(layers, 0);
+      done_at[f].assign(layers, 0);
+      for (size_t l = 0; l < layers; ++l) left[f][l] = ns.owed_a[l] + ns.owed_b[l];
+    }
+    // When inversion part i of flight[f] may start: after the layer's
+    // curvature (and sync), after the item's previous part (still listed =
+    // not placed before this iteration), and for the next refresh after
+    // every inversion part of the layer the front still owes.
+    auto inv_ready = [&](int f, size_t i) -> double {
+      const State::NodeState& ns = st.flight[f].nodes[n];
+      const State::NodeState::Inversion& inv = ns.inversions[i];
+      if (left[f][inv.layer] > 0 || !ns.synced[inv.layer]) return kInf;
       // With sync the factors were all-reduced at a previous step: ready at 0.
-      return done_at[l];
+      double ready = done_at[f][inv.layer];
+      if (i > 0 && NextPart(ns.inversions[i - 1], inv)) {
+        if (!inv_placed[f][n][i - 1]) return kInf;
+        ready = std::max(ready, inv_end[f][n][i - 1]);
+      }
+      if (f == 1) {
+        const auto& front = st.flight[0].nodes[n].inversions;
+        for (size_t k = 0; k < front.size(); ++k) {
+          if (front[k].layer != inv.layer) continue;
+          if (!inv_placed[0][n][k]) return kInf;
+          ready = std::max(ready, inv_end[0][n][k]);
+        }
+      }
+      return ready;
     };
     for (const auto& gap : gaps[n]) {
       // Plain variables, not structured bindings: lambdas below capture them.
@@ -580,55 +792,102 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       while (t < ge - kEps) {
         bool placed = false;
         double next_ready = kInf;
-        auto try_curvature = [&](int f) {
-          for (Curv& c : curv[f][n]) {
+        // A curvature microbatch of the node has parts placed and parts left.
+        auto curvature_open = [&]() {
+          for (int f = 0; f < num_refreshes; ++f) {
+            const std::vector<Curv>& list = curv[f][n];
+            for (size_t i = 0; i + 1 < list.size(); ++i) {
+              if (list[i].placed && !list[i].last() && !list[i + 1].placed) return true;
+            }
+          }
+          return false;
+        };
+        // begun: only the next part of a microbatch (inversion) whose
+        // earlier parts are placed; else any part whose turn it is.
+        auto try_curvature = [&](int f, bool begun) {
+          std::vector<Curv>& list = curv[f][n];
+          for (size_t i = 0; i < list.size(); ++i) {
+            Curv& c = list[i];
             if (c.placed) continue;
-            const double ready = f == 0 ? c.ready : std::max(c.ready, curvature_gate(n, c.layer));
+            if (c.part > 0 && !list[i - 1].placed) continue;  // the parts go in order
+            if (begun && c.part == 0) continue;
+            double ready = f == 0 ? c.ready : std::max(c.ready, curvature_gate(n, c.layer));
+            if (c.part > 0) ready = std::max(ready, list[i - 1].end);
             if (ready > t + kEps) {
               next_ready = std::min(next_ready, ready);
               continue;
             }
             if (t + c.duration * slack > ge + kEps) continue;
+            // A microbatch starts only when no other is half placed and all
+            // its parts fit this iteration's gaps from here (its data does
+            // not outlive the iteration).
+            if (c.part == 0 && c.num_parts > 1 &&
+                (curvature_open() || !FitsInOrder(gaps[n], t, PartNeeds(list, i, slack)))) {
+              continue;
+            }
             c.placed = true;
-            make_task(f, n, c.kind, c.layer, -1, c.mb, t, c.duration, false);
+            make_task(f, n, c.kind, c.layer, -1, c.mb, t, c.duration, false, c.part,
+                      c.num_parts);
             t += c.duration * slack;
+            c.end = t;
+            if (c.last()) --left[f][c.layer];
+            done_at[f][c.layer] = std::max(done_at[f][c.layer], t);
+            placed = true;
+            return;
+          }
+        };
+        auto try_inversion = [&](int f, bool begun) {
+          const auto& list = st.flight[f].nodes[n].inversions;
+          for (size_t i = 0; i < list.size(); ++i) {
+            if (inv_placed[f][n][i]) continue;
+            const State::NodeState::Inversion& inv = list[i];
+            if (begun && !(i > 0 && NextPart(list[i - 1], inv) && inv_placed[f][n][i - 1])) {
+              continue;
+            }
+            const double ready = inv_ready(f, i);
+            if (ready > t + kEps) {
+              next_ready = std::min(next_ready, ready);
+              continue;
+            }
+            const double d = InversionSeconds(w.costs[inv.layer], inv);
+            if (t + d * slack > ge + kEps) continue;
+            inv_placed[f][n][i] = true;
+            make_task(f, n, inv.kind, inv.layer, inv.module, -1, t, d, false, inv.part,
+                      inv.num_parts);
+            t += d * slack;
+            inv_end[f][n][i] = t;
             if (f == 0) {
-              --left[c.layer];
-              done_at[c.layer] = std::max(done_at[c.layer], t);
+              first_inversion_end[n][inv.layer] =
+                  std::min(first_inversion_end[n][inv.layer], t);
             }
             placed = true;
             return;
           }
         };
-        try_curvature(0);
-        if (placed) continue;
-        for (size_t i = 0; i < ns.inversions.size(); ++i) {
-          if (inv_placed[n][i]) continue;
-          const auto& inv = ns.inversions[i];
-          const double ready = inv_ready(inv.layer);
-          if (ready > t + kEps) {
-            next_ready = std::min(next_ready, ready);
-            continue;
-          }
-          const KfacLayerCost& c = w.costs[inv.layer];
-          const double d = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
-                                                                     : c.invert_b_s[inv.module];
-          if (t + d * slack > ge + kEps) continue;
-          inv_placed[n][i] = true;
-          make_task(0, n, inv.kind, inv.layer, inv.module, -1, t, d, false);
-          t += d * slack;
-          first_inversion_end[n][inv.layer] = std::min(first_inversion_end[n][inv.layer], t);
-          placed = true;
-          break;
-        }
-        if (placed) continue;
-        if (num_refreshes > 1) try_curvature(1);
+        // What was begun goes on first: a microbatch's parts (its data lives
+        // only this iteration), then an inversion's (fewer half-done
+        // inversions held by the worker). Then the priority order.
+        try_curvature(0, true);
+        if (!placed && num_refreshes > 1) try_curvature(1, true);
+        if (!placed) try_inversion(0, true);
+        if (!placed && next_inverts) try_inversion(1, true);
+        if (!placed) try_curvature(0, false);
+        // With a fixed interval the front must finish in its window (or run
+        // serially): its inversions before the next refresh's curvature.
+        if (!placed && num_refreshes > 1 && fixed == 0) try_curvature(1, false);
+        if (!placed) try_inversion(0, false);
+        if (!placed && num_refreshes > 1 && fixed > 0) try_curvature(1, false);
+        if (!placed && next_inverts) try_inversion(1, false);
         if (placed) continue;
         if (next_ready >= ge - kEps) break;
         t = std::max(t, next_ready);
       }
     }
-    for (size_t l = 0; l < layers; ++l) ns.curvature_end[l] = done_at[l];
+    for (int f = 0; f < num_refreshes; ++f) {
+      for (size_t l = 0; l < layers; ++l) {
+        st.flight[f].nodes[n].curvature_end[l] = done_at[f][l];
+      }
+    }
   }
 
   // --- Curvature: book what was placed, serialise what must be. -----------
@@ -638,6 +897,15 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
       const KfacNodeWork& w = st.workload.nodes[n];
       if (w.layers.empty()) continue;
       State::NodeState& ns = st.flight[f].nodes[n];
+      // A microbatch whose first parts ran in a gap finishes now (serially
+      // if need be): its saved inputs and gradients live only this iteration.
+      std::vector<Curv>& list = curv[f][n];
+      for (size_t i = 0; i < list.size(); ++i) {
+        Curv& c = list[i];
+        if (c.placed || c.part == 0 || !list[i - 1].placed) continue;
+        c.placed = true;
+        add_serial(f, n, c.kind, c.layer, -1, c.mb, c.duration, c.part, c.num_parts);
+      }
       for (Kind kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B}) {
         const bool is_a = kind == v1::BubbleTask::KIND_CURVATURE_A;
         for (size_t l = 0; l < w.layers.size(); ++l) {
@@ -658,10 +926,15 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
           int& misses = is_a ? ns.miss_a[l] : ns.miss_b[l];
           bool any_candidate = false;
           bool fits = false;
-          for (const Curv& c : curv[f][n]) {
+          for (size_t i = 0; i < list.size(); ++i) {
+            const Curv& c = list[i];
             if (c.placed || c.layer != l_int || c.kind != kind) continue;
             any_candidate = true;
-            fits = fits || FitsSomeGap(gaps[n], std::max(c.ready, gate), c.duration * slack);
+            // A microbatch fits when all its parts do, in order.
+            if (c.part == 0) {
+              fits = fits ||
+                     FitsInOrder(gaps[n], std::max(c.ready, gate), PartNeeds(list, i, slack));
+            }
           }
           // The older refresh taking every microbatch of the node is no miss.
           const int ran = is_a ? forwards[n] : backwards[n];
@@ -672,8 +945,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
             for (Curv& c : curv[f][n]) {
               if (c.placed || c.layer != l_int || c.kind != kind) continue;
               c.placed = true;
-              add_serial(f, n, kind, l_int, -1, c.mb, c.duration);
-              --owed;
+              add_serial(f, n, kind, l_int, -1, c.mb, c.duration, c.part, c.num_parts);
+              if (c.last()) --owed;
             }
             // What no microbatch of this iteration can provide (the node was
             // visited by too few, or by none for serial_after iterations) is
@@ -688,9 +961,14 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   }
 
   // --- Factor sync: serial, all replicas of a stage at once. ---------------
-  std::vector<std::vector<bool>> synced_now(num_nodes);  // the front's
-  for (int n = 0; n < num_nodes; ++n) {
-    synced_now[n].assign(st.workload.nodes[n].layers.size(), false);
+  // Layers synced in this iteration, per refresh in flight: their
+  // inversions run from the next iteration on.
+  std::array<std::vector<std::vector<bool>>, 2> synced_now;
+  for (auto& per_node : synced_now) {
+    per_node.resize(num_nodes);
+    for (int n = 0; n < num_nodes; ++n) {
+      per_node[n].assign(st.workload.nodes[n].layers.size(), false);
+    }
   }
   if (place && st.kfac.sync_factors()) {
     // Group replicas by stage, and sync layers in layer order.
@@ -729,7 +1007,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
               const State::NodeState& front = st.flight[0].nodes[m];
               if (!front.inverted[p]) ready = false;
               for (size_t i = 0; i < front.inversions.size(); ++i) {
-                if (inv_placed[m][i] && front.inversions[i].layer == p) ready = false;
+                if (inv_placed[0][m][i] && front.inversions[i].layer == p) ready = false;
               }
             }
           }
@@ -744,51 +1022,83 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
             serial_cursor[m] = start;
             add_serial(f, m, v1::BubbleTask::KIND_SYNC_FACTORS, pos[i], -1, -1, duration);
             st.flight[f].nodes[m].synced[pos[i]] = true;
-            if (f == 0) synced_now[m][pos[i]] = true;
+            synced_now[f][m][pos[i]] = true;
           }
         }
       }
     }
   }
 
-  // --- The front's inversions: book, count misses, serialise. -------------
-  for (int n = 0; n < num_nodes && place; ++n) {
-    const KfacNodeWork& w = st.workload.nodes[n];
-    if (w.layers.empty()) continue;
-    State::NodeState& ns = st.flight[0].nodes[n];
-    std::vector<State::NodeState::Inversion> remaining;
-    std::vector<bool> inverted_now(w.layers.size(), false);
-    for (size_t i = 0; i < ns.inversions.size(); ++i) {
-      auto inv = ns.inversions[i];
-      const int l = inv.layer;
-      if (inv_placed[n][i]) {
-        inverted_now[l] = true;
-        continue;
-      }
-      const bool curvature_done = ns.owed_a[l] == 0 && ns.owed_b[l] == 0;
-      const KfacLayerCost& c = w.costs[l];
-      const double d = inv.kind == v1::BubbleTask::KIND_INVERT_A ? c.invert_a_s[inv.module]
-                                                                 : c.invert_b_s[inv.module];
-      if (final_iteration) {
-        add_serial(0, n, inv.kind, l, inv.module, -1, d);
-        inverted_now[l] = true;
-        continue;
-      }
-      // Ready during this iteration's gaps? (Synced just now: from the next.)
-      const bool was_ready = curvature_done && ns.synced[l] && !synced_now[n][l];
-      if (was_ready && use_bubbles) {
-        if (!FitsSomeGap(gaps[n], ns.curvature_end[l], d * slack)) ++inv.misses;
-        if (inv.misses >= st.options.serial_after) {
-          add_serial(0, n, inv.kind, l, inv.module, -1, d);
+  // --- Inversions: book, count misses, serialise (the front's first). ------
+  // Per node and layer, before the front's list is booked: whether all the
+  // front's inversions of the layer are placed in gaps (none left, none
+  // serial now), and when the last of them ends (rule 2' for the next).
+  std::vector<std::vector<bool>> front_done(num_nodes);
+  std::vector<std::vector<double>> front_end(num_nodes);
+  for (int n = 0; n < num_nodes && place && next_inverts; ++n) {
+    front_done[n].assign(st.workload.nodes[n].layers.size(), true);
+    front_end[n].assign(st.workload.nodes[n].layers.size(), 0);
+    const auto& front = st.flight[0].nodes[n].inversions;
+    for (size_t k = 0; k < front.size() && k < inv_placed[0][n].size(); ++k) {
+      if (!inv_placed[0][n][k]) front_done[n][front[k].layer] = false;
+      front_end[n][front[k].layer] = std::max(front_end[n][front[k].layer], inv_end[0][n][k]);
+    }
+  }
+  for (int f = 0; f < num_refreshes && place; ++f) {
+    if (f == 1 && !next_inverts) break;
+    for (int n = 0; n < num_nodes; ++n) {
+      const KfacNodeWork& w = st.workload.nodes[n];
+      if (w.layers.empty()) continue;
+      State::NodeState& ns = st.flight[f].nodes[n];
+      std::vector<State::NodeState::Inversion> remaining;
+      std::vector<bool> inverted_now(w.layers.size(), false);
+      // The item's previous part went serial now: the rest follows it there.
+      bool cascade = false;
+      for (size_t i = 0; i < ns.inversions.size(); ++i) {
+        auto inv = ns.inversions[i];
+        const bool continues = i > 0 && NextPart(ns.inversions[i - 1], inv);
+        if (!continues) cascade = false;
+        const int l = inv.layer;
+        if (inv_placed[f][n][i]) {
           inverted_now[l] = true;
           continue;
         }
+        const double d = InversionSeconds(w.costs[l], inv);
+        if ((f == 0 && final_iteration) || cascade) {
+          add_serial(f, n, inv.kind, l, inv.module, -1, d, inv.part, inv.num_parts);
+          inverted_now[l] = true;
+          cascade = true;
+          continue;
+        }
+        // Ready during this iteration's gaps? (Synced just now: from the
+        // next; a later part: once its previous part ran.)
+        const bool curvature_done = ns.owed_a[l] == 0 && ns.owed_b[l] == 0;
+        bool was_ready = curvature_done && ns.synced[l] && (f == 0 || front_done[n][l]) &&
+                         !synced_now[f][n][l];
+        double ready_at = ns.curvature_end[l];
+        if (continues) {
+          if (inv_placed[f][n][i - 1]) {
+            ready_at = std::max(ready_at, inv_end[f][n][i - 1]);
+          } else {
+            was_ready = false;
+          }
+        }
+        if (f == 1) ready_at = std::max(ready_at, front_end[n][l]);
+        if (was_ready && use_bubbles) {
+          if (!FitsSomeGap(gaps[n], ready_at, d * slack)) ++inv.misses;
+          if (inv.misses >= st.options.serial_after) {
+            add_serial(f, n, inv.kind, l, inv.module, -1, d, inv.part, inv.num_parts);
+            inverted_now[l] = true;
+            cascade = true;
+            continue;
+          }
+        }
+        remaining.push_back(inv);
       }
-      remaining.push_back(inv);
-    }
-    ns.inversions = std::move(remaining);
-    for (size_t l = 0; l < w.layers.size(); ++l) {
-      if (inverted_now[l]) ns.inverted[l] = true;
+      ns.inversions = std::move(remaining);
+      for (size_t l = 0; l < w.layers.size(); ++l) {
+        if (inverted_now[l]) ns.inverted[l] = true;
+      }
     }
   }
 
@@ -804,6 +1114,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     }
     if (complete && (fixed == 0 || final_iteration)) {
       out.activate_refresh = st.flight[0].number;
+      st.last_activated = st.flight[0].number;
       st.intervals.push_back(static_cast<int>(age));
       st.window_start.reset();
       st.flight.erase(st.flight.begin());

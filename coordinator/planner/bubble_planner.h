@@ -11,15 +11,18 @@
 //                           every replica in an earlier iteration and has no
 //                           bubble inversion of it in this one
 //   INVERT_A(layer, m), INVERT_B(layer, m) for each projection m: after all
-//                           curvature (and sync) of the layer
+//                           curvature (and sync) of the layer; for refresh
+//                           q+1 after q's inversions of the layer there
 // The planner is stateful: work that does not fit an iteration's gaps spills
 // into the following iterations. Refreshes overlap, at most two in flight:
 // refresh q+1 joins as soon as q is in flight and collects its curvature of a
 // layer on a node only after q's first inversion of that layer there (the
 // worker's K-FAC finalises the layer's pending factor sums at that inversion;
-// in the same iteration: from its end), and places its inversions only in
-// iterations after q's activation (Kfac::Activate activates every inverse
-// computed since the previous one). Refresh q's new inverses take effect on all
+// in the same iteration: from its end), and places its inversions of a layer
+// once q's inversions of it on the node are placed (rule 2'; the worker
+// stages inverses per refresh and Kfac::Activate(q) promotes q's only) —
+// with a fixed interval only in iterations after q's activation. Refresh
+// q's new inverses take effect on all
 // workers at once at the step of the iteration in which its last item ends
 // (IterationBubbles::activate_refresh). A microbatch feeds at most one refresh
 // per layer and kind (the older refresh takes the lowest ids). The refresh
@@ -36,7 +39,7 @@
 // end of one iteration (every iteration, or the K-th with a fixed interval),
 // without overlap.
 // Serial work starts at end_s, in the order curvature (older refresh first),
-// sync, inversions.
+// sync, inversions (older refresh first).
 //
 // Curvature microbatches: on each node, the first `curvature_microbatches`
 // microbatches (lowest ids) of the iteration whose route visits the node and
@@ -47,13 +50,22 @@
 // iterations (or in the last iteration of a fixed interval) contributes fewer
 // curvature microbatches to the refresh rather than stall it.
 //
-// Placement: greedy first-fit in time order per node, priority the older
-// refresh's CURVATURE_A, CURVATURE_B, INVERT_A, INVERT_B, then the next
-// refresh's CURVATURE_A, CURVATURE_B (layer order within a kind, then
-// microbatch resp. projection); an item is placed at t when its
+// Placement: greedy first-fit in time order per node, priority the next part
+// of what was begun (a curvature microbatch, then an inversion), the older
+// refresh's CURVATURE_A, CURVATURE_B, the next refresh's CURVATURE_A,
+// CURVATURE_B (with a fixed interval: after the older refresh's inversions),
+// the older refresh's INVERT_A, INVERT_B, the next refresh's INVERT_A,
+// INVERT_B (layer order within a kind, then microbatch resp. projection,
+// then part); an item is placed at t when its
 // dependencies are met by t and t + duration·(1+slack) <= gap end; the next
-// item may start at t + duration·(1+slack). Each inversion task is one whole projection's A or
-// B factor (part 0, num_parts 1). Tasks are emitted per node (workload
+// item may start at t + duration·(1+slack).
+// Granules: an item whose estimated time exceeds KfacSpec.max_granule_ms is
+// split into parts (common/kfac_workload.h: curvature by projection group,
+// an inversion by units of the blocked algorithm; the fewest parts within
+// the cap). Parts of an item are placed in order, each its own task
+// (BubbleTask.part/num_parts); an inversion's parts may spread over
+// iterations, a curvature microbatch's must end in its iteration (serially
+// when its remaining parts find no gap). Tasks are emitted per node (workload
 // order), bubble tasks before serial ones, by planned start, then refresh.
 // Details and formulas: docs/KFAC.md §Planner.
 //
@@ -90,6 +102,9 @@ struct KfacLayerCost {
   double precondition_s = 0;  // at every step, serial
   double sync_s = 0;          // factor all-reduce among the replicas (network:
                               // EstimateKfacLayerCost leaves it 0)
+  // The block's dimensions, from which an item's parts and their share of
+  // its time follow (kfac::BlockWorkload). All zero: items are never split.
+  kfac::BlockShape shape;
 };
 
 // FLOP-count estimate of KfacLayerCost for one block (common/kfac_workload.h)
@@ -185,9 +200,11 @@ struct BubblePlannerOptions {
 
 class BubblePlanner {
  public:
-  // `kfac` defaulted (NormalizeJobSpec). INVALID_ARGUMENT for a node with
-  // costs not matching its layers (or invert_* not sized like KfacModules()),
-  // negative or non-finite durations, negative slack, serial_after < 1.
+  // `kfac` defaulted (NormalizeJobSpec); max_granule_ms 0 = no cap (items
+  // are never split). INVALID_ARGUMENT for a node with costs not matching
+  // its layers (or invert_* not sized like KfacModules()), negative or
+  // non-finite durations or dimensions, negative slack or max_granule_ms,
+  // serial_after < 1.
   static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload,
                                               const v1::KfacSpec& kfac,
                                               BubblePlannerOptions options = {});
@@ -203,7 +220,8 @@ class BubblePlanner {
   // suffice, like the last iteration of a fixed interval) and the refresh is
   // activated at its step; a younger refresh in flight is abandoned (the
   // curvature it collected stays in the workers' pending sums and counts
-  // toward the next refresh) and none joins. The planner's state after it is
+  // toward the next refresh; the next refresh takes its number, and with it
+  // what it finalised and staged on the workers) and none joins. The planner's state after it is
   // then that of a new planner (refresh numbers and statistics aside), so a
   // job resumed from the checkpoint plans the same tasks as one that ran on.
   absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
@@ -228,6 +246,9 @@ class BubblePlanner {
   // Refreshes completed (activated) so far, and the iterations between
   // consecutive activations (the first: up to and including its activation).
   uint64_t completed_refreshes() const;
+  // The number of the refresh activated last (none before the first). Not
+  // completed_refreshes() - 1: a membership change abandons numbers.
+  std::optional<uint64_t> last_activated_refresh() const;
   const std::vector<int>& refresh_intervals() const;
   // Mean of refresh_intervals(), 0 before the first.
   double mean_refresh_interval() const;

@@ -356,6 +356,18 @@ TEST(JobSpec, KfacBadValuesAreNamed) {
               HasSubstr("optimizer.kfac.curvature_microbatches"));
   EXPECT_THAT(JobStatus(with(R"({"slack": 1})")).message(), HasSubstr("optimizer.kfac.slack"));
   EXPECT_TRUE(JobStatus(with(R"({"kl_clip": -1, "refresh_interval": 4})")).ok());
+  // The granule cap: default 5 ms, bounded.
+  auto defaulted = NormalizeJobSpec(*ParseJobSpecJson(with("{}")));
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status();
+  EXPECT_EQ(defaulted->optimizer().kfac().max_granule_ms(), 5);
+  for (const char* bad : {R"({"max_granule_ms": 0.001})", R"({"max_granule_ms": -3})",
+                          R"({"max_granule_ms": 60001})"}) {
+    EXPECT_THAT(JobStatus(with(bad)).message(),
+                HasSubstr("optimizer.kfac.max_granule_ms: "))
+        << bad;
+  }
+  EXPECT_TRUE(JobStatus(with(R"({"max_granule_ms": 0.01})")).ok());
+  EXPECT_TRUE(JobStatus(with(R"({"max_granule_ms": 60000})")).ok());
 }
 
 TEST(JobSpec, MissingFileIsNotFound) {

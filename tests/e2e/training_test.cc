@@ -240,9 +240,15 @@ class KfacReplicasTest : public E2eTest {
 };
 
 void KfacReplicasTest::KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iterations) {
+  // With FACTORS every replica inverts the same factors: in the finest
+  // granules (a cap far below any item's time) the inverses must still be
+  // bit-identical (docs/KFAC.md "Granules"). PRECONDITIONED: the default cap.
   const v1::JobSpec spec =
       KfacJob(MicroJob(3, 2, 2, 0.0, iterations), [&](v1::KfacSpec* k) {
-        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_replica_sync(sync);
+        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) {
+          k->set_replica_sync(sync);
+          k->set_max_granule_ms(0.01);
+        }
       });
   // The default for replicated stages: each replica preconditions its own.
   ASSERT_EQ(spec.optimizer().kfac().replica_sync(), sync);

@@ -14,6 +14,7 @@
 #include "model_test_util.h"
 #include "worker/model/corpus.h"
 #include "worker/model/engine.h"
+#include "worker/model/kfac_inverse.h"
 #include "worker/model/routes.h"
 #include "worker/model/text_data.h"
 #include "worker/model/transformer.h"
@@ -471,6 +472,208 @@ TEST_F(KfacStageTest, GraftingTakesAdamWsStepLength) {
 // Two replicas of stage 1, the runtime's steps by hand: each preconditions its
 // own summed gradient with its own factors, the payloads (plus votes) are
 // summed in rank order, the sum is the gradient, then the step.
+// ---- Granules: an item in parts equals it whole, bit for bit. -----------
+
+// A well-conditioned symmetric positive definite fp32 factor.
+at::Tensor RandomFactor(int64_t n, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor q = at::randn({n, n}, gen);
+  return at::matmul(q, q.t()) / static_cast<double>(n) + at::eye(n) * 0.5;
+}
+
+TEST_F(KfacMathTest, InversionInPartsEqualsWholeBitForBit) {
+  // Unblocked (two units: potrf, potri) and blocked (5 blocks: 10 units).
+  for (int64_t n : {96, 1030}) {
+    SCOPED_TRACE(n);
+    const at::Tensor f = RandomFactor(n, 10 + n);
+    const double damping = 1e-3;
+    auto whole = DampedInverse(f, damping);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    // Against LAPACK's inverse of the same damped matrix in fp64.
+    at::Tensor f64 = f.to(at::kDouble);
+    at::Tensor m = (f64 + f64.t()) * 0.5 + at::eye(n, F64()) * damping;
+    at::Tensor ref = at::cholesky_inverse(at::linalg_cholesky(m));
+    EXPECT_LT(MaxAbsDiff(whole->to(at::kDouble), ref) / ref.abs().max().item<double>(), 1e-4);
+    if (n <= kfac::kUnblockedInversion) {
+      // Unblocked it is exactly what DampedInverse always computed.
+      at::Tensor m32 = (f + f.t()) * 0.5 + at::eye(n, f.options()) * damping;
+      EXPECT_TRUE(at::equal(*whole, at::cholesky_inverse(at::linalg_cholesky(m32))));
+    }
+    const std::vector<int64_t> units = kfac::InversionUnitWeights(n);
+    EXPECT_EQ(units.size(), n <= kfac::kUnblockedInversion ? 2u : 10u);
+    for (int parts : {1, 2, static_cast<int>(units.size())}) {
+      auto work = DampedInverseWork::Start(f, damping);
+      ASSERT_TRUE(work.ok()) << work.status();
+      const std::vector<int> bounds = kfac::SplitIntoParts(units, parts);
+      for (int p = 0; p < parts; ++p) {
+        ASSERT_TRUE((*work)->RunUntil(bounds[p + 1]).ok());
+        EXPECT_EQ((*work)->units_done(), bounds[p + 1]);
+        EXPECT_EQ((*work)->done(), p == parts - 1);
+      }
+      EXPECT_TRUE(at::equal((*work)->result(), *whole)) << parts << " parts";
+    }
+  }
+}
+
+TEST_F(KfacMathTest, InversionFallbackInPartsEqualsWhole) {
+  // Blocked, 5 blocks of 206 rows: positive on the first 600 diagonal
+  // entries, negative after. fp32 and fp64 fail in the third Cholesky step
+  // (rows 412-617) until the damping reaches 10; that part runs the rest.
+  const int64_t n = 1030;
+  at::Tensor f = at::ones({n});
+  f.narrow(0, 600, n - 600).fill_(-1);
+  f = at::diag(f);
+  double used = 0;
+  auto whole = DampedInverse(f, 1e-3, &used);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_NEAR(used, 10, 1e-9);
+  at::Tensor want = at::ones({n}) / 11.0;
+  want.narrow(0, 600, n - 600).fill_(1.0 / 9.0);
+  EXPECT_LT(MaxAbsDiff(*whole, at::diag(want)), 1e-6);
+  const std::vector<int64_t> units = kfac::InversionUnitWeights(n);
+  for (int parts : {2, static_cast<int>(units.size())}) {
+    auto work = DampedInverseWork::Start(f, 1e-3);
+    ASSERT_TRUE(work.ok());
+    const std::vector<int> bounds = kfac::SplitIntoParts(units, parts);
+    for (int p = 0; p < parts; ++p) ASSERT_TRUE((*work)->RunUntil(bounds[p + 1]).ok());
+    ASSERT_TRUE((*work)->done());
+    EXPECT_TRUE(at::equal((*work)->result(), *whole)) << parts << " parts";
+    EXPECT_EQ((*work)->used_damping(), used);
+  }
+  // Nothing helps a non-finite factor: refused at the start.
+  at::Tensor bad = at::eye(4);
+  bad[2][2] = INFINITY;
+  EXPECT_EQ(DampedInverseWork::Start(bad, 1e-3).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(DampedInverseWork::Start(at::ones({2, 3}), 1e-3).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(KfacStageTest, PartsEqualWholeItemsBitForBit) {
+  auto whole = MakeKfac(spec_.optimizer());
+  auto split = MakeKfac(spec_.optimizer());
+  ASSERT_NE(whole, nullptr);
+  ASSERT_NE(split, nullptr);
+  whole->Capture(0);
+  RunMicrobatch(0, x_, grad_out_);
+  split->Capture(1);
+  RunMicrobatch(1, x_, grad_out_);  // the same data: the same saved tensors
+  for (int layer : {2, 3}) {
+    ASSERT_TRUE(whole->CurvatureA(layer, 0).ok());
+    ASSERT_TRUE(whole->CurvatureB(layer, 0).ok());
+    // Any order of the parts; A per input (4), B in 3 runs of projections.
+    for (int part : {3, 1, 0, 2}) ASSERT_TRUE(split->CurvatureA(layer, 1, part, 4).ok());
+    for (int part : {2, 0, 1}) ASSERT_TRUE(split->CurvatureB(layer, 1, part, 3).ok());
+    const std::vector<at::Tensor> a = whole->PendingFactorTensors(layer);
+    const std::vector<at::Tensor> b = split->PendingFactorTensors(layer);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << layer << " " << i;
+  }
+  absl::Status again = split->CurvatureA(2, 1, 0, 4);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.message().find("already consumed"), std::string::npos) << again;
+  EXPECT_EQ(split->CurvatureA(2, 1, 4, 4).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(split->CurvatureB(2, 1, 0, 8).code(), absl::StatusCode::kInvalidArgument);
+  // A part taken twice within a microbatch is refused too (layer 3: the
+  // inversions below compare layer 2).
+  split->Capture(2);
+  RunMicrobatch(2, x_, grad_out_);
+  ASSERT_TRUE(split->CurvatureB(3, 2, 1, 7).ok());
+  EXPECT_EQ(split->CurvatureB(3, 2, 1, 7).code(), absl::StatusCode::kFailedPrecondition);
+  split->DropCapture(2);
+
+  // Every factor here is at most kUnblockedInversion wide: 2 units.
+  for (const std::string& m : KfacModules()) {
+    ASSERT_TRUE(whole->InvertA(2, m).ok());
+    ASSERT_TRUE(whole->InvertB(2, m).ok());
+    ASSERT_TRUE(split->InvertA(2, m, 0, 2).ok());
+    ASSERT_TRUE(split->InvertA(2, m, 1, 2).ok());
+    // B: the last part alone (a restart lost the first) runs what is missing.
+    ASSERT_TRUE(split->InvertB(2, m, 1, 2).ok());
+  }
+  EXPECT_EQ(split->InvertA(2, "q", 2, 2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(split->InvertA(2, "q", 0, 3).code(), absl::StatusCode::kInvalidArgument);
+  whole->Activate();
+  split->Activate();
+  for (const std::string& m : KfacModules()) {
+    EXPECT_TRUE(at::equal(whole->InverseA(2, m), split->InverseA(2, m))) << m;
+    EXPECT_TRUE(at::equal(whole->InverseB(2, m), split->InverseB(2, m))) << m;
+  }
+}
+
+// Overlapping refreshes on one worker: the next refresh's curvature taken
+// between this refresh's inversions stays out of them, the next refresh
+// may invert before this one is activated, and each activation takes its
+// own refresh's inverses (also after a round trip through State()).
+TEST_F(KfacStageTest, OverlappingRefreshesStayApart) {
+  auto kfac = MakeKfac(spec_.optimizer());  // factor_decay 1: F = the newest
+  auto only0 = MakeKfac(spec_.optimizer());
+  auto only1 = MakeKfac(spec_.optimizer());
+  const at::Tensor x2 = x_ * 2 + 0.5, g2 = grad_out_ * 3;
+  auto curvature = [&](Kfac* k, uint32_t mb, const at::Tensor& x, const at::Tensor& g) {
+    k->Capture(mb);
+    RunMicrobatch(mb, x, g);
+    ASSERT_TRUE(k->CurvatureA(2, mb).ok());
+    ASSERT_TRUE(k->CurvatureB(2, mb).ok());
+  };
+  curvature(kfac.get(), 0, x_, grad_out_);
+  ASSERT_TRUE(kfac->InvertA(2, "q", 0, 1, /*refresh=*/0).ok());  // finalises refresh 0
+  curvature(kfac.get(), 1, x2, g2);                              // refresh 1's
+  ASSERT_TRUE(kfac->InvertA(2, "k", 0, 1, 0).ok());              // still refresh 0's factors
+  ASSERT_TRUE(kfac->InvertA(2, "q", 0, 1, 1).ok());              // refresh 1 finalises mb 1
+  curvature(only0.get(), 2, x_, grad_out_);
+  curvature(only1.get(), 3, x2, g2);
+  for (Kfac* k : {only0.get(), only1.get()}) {
+    ASSERT_TRUE(k->InvertA(2, "q").ok());
+    ASSERT_TRUE(k->InvertA(2, "k").ok());
+    k->Activate();
+  }
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& [name, t] : kfac->State()) saved[name] = t;
+  kfac->Activate(0);
+  EXPECT_TRUE(at::equal(kfac->InverseA(2, "q"), only0->InverseA(2, "q")));
+  EXPECT_TRUE(at::equal(kfac->InverseA(2, "k"), only0->InverseA(2, "k")));
+  kfac->Activate(1);
+  EXPECT_TRUE(at::equal(kfac->InverseA(2, "q"), only1->InverseA(2, "q")));
+  EXPECT_TRUE(at::equal(kfac->InverseA(2, "k"), only0->InverseA(2, "k")));  // not inverted in 1
+  // The same from the saved state: staged inverses keep their refresh.
+  auto copy = MakeKfac(spec_.optimizer());
+  ASSERT_TRUE(copy->LoadState(saved).ok());
+  copy->Activate(0);
+  EXPECT_TRUE(at::equal(copy->InverseA(2, "q"), only0->InverseA(2, "q")));
+  copy->Activate(1);
+  EXPECT_TRUE(at::equal(copy->InverseA(2, "q"), only1->InverseA(2, "q")));
+  // A staged inverse of an abandoned numbering (a coordinator restart) is
+  // dropped, not activated.
+  auto stale = MakeKfac(spec_.optimizer());
+  curvature(stale.get(), 4, x_, grad_out_);
+  ASSERT_TRUE(stale->InvertA(2, "q", 0, 1, 5).ok());
+  stale->Activate(0);
+  EXPECT_FALSE(stale->InverseA(2, "q").defined());
+  // The state is relative to the last activation: the same whatever the
+  // coordinator's numbering, and a new numbering (a joining replica, a
+  // coordinator restart) keeps what is pending in its place.
+  auto renumbered = MakeKfac(spec_.optimizer());
+  ASSERT_TRUE(renumbered->LoadState(saved).ok());
+  renumbered->RebaseRefreshes(9);  // the last activated is 9: 0 and 1 become 10, 11
+  auto plain = MakeKfac(spec_.optimizer());
+  ASSERT_TRUE(plain->LoadState(saved).ok());
+  const std::vector<NamedTensor> a = plain->State(), b = renumbered->State();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  }
+  renumbered->Activate(10);
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "q"), only0->InverseA(2, "q")));
+  // Refresh 11 finalised its factors before the state was saved: its next
+  // inversion of the layer does not finalise again.
+  ASSERT_TRUE(renumbered->InvertA(2, "k", 0, 1, 11).ok());
+  renumbered->Activate(11);
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "q"), only1->InverseA(2, "q")));
+  EXPECT_TRUE(at::equal(renumbered->InverseA(2, "k"), only1->InverseA(2, "k")));
+}
+
 class KfacReplicaTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <tuple>
@@ -63,6 +64,12 @@ OneNode MakeOneNode(const KfacLayerCost& cost, double end) {
   o.timeline.nodes.resize(1);
   o.timeline.nodes[0].busy = {{0, 1, BK::kForward, 0}, {1, 2, BK::kBackward, 0}};
   return o;
+}
+
+std::string BubbleTaskName(const v1::BubbleTask& t) {
+  return absl::StrCat(v1::BubbleTask::Kind_Name(t.kind()), " layer ", t.layer(), " ", t.module(),
+                      " mb ", t.microbatch(), " part ", t.part(), "/", t.num_parts(), " refresh ",
+                      t.refresh());
 }
 
 int Count(const IterationBubbles& it, Kind kind, bool serial) {
@@ -126,47 +133,54 @@ TEST(BubblePlannerTest, EverythingFitsRefreshesEveryIteration) {
 }
 
 TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
-  // Gap [2, 12): A and B (1 s each) then 5 inversions of 1.5 s; then 6 per
-  // iteration: 5 + 6 + 3 = 14 inversions over three iterations. Refresh 1
-  // collects its curvature meanwhile, after refresh 0's inversions (the only
-  // microbatch is refresh 0's in iteration 0): A at 11 in iteration 1, B in
-  // iteration 2.
+  // Gap [2, 12): A and B (1 s each) then 5 inversions of 1.5 s; then 5 or 6
+  // per iteration. Refresh 1 collects its curvature (the only microbatch is
+  // refresh 0's in iteration 0) at the start of iteration 1 — curvature
+  // before inversions: a microbatch's data lives one iteration — and inverts
+  // right after refresh 0's last inversion of the layer (rule 2'), in the
+  // iteration refresh 0 is activated in.
   OneNode o = MakeOneNode(Cost(1, 1, 1.5), 12);
   auto p = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(p.ok());
-  std::vector<int> inversions;
+  std::vector<std::map<uint64_t, std::vector<double>>> inversions;  // refresh -> starts
   std::vector<std::pair<int, double>> next_curvature;  // (kind, start) of refresh 1
   for (uint64_t i = 0; i < 3; ++i) {
     auto it = p->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(it.ok());
-    inversions.push_back(Count(*it, v1::BubbleTask::KIND_INVERT_A, false) +
-                         Count(*it, v1::BubbleTask::KIND_INVERT_B, false));
+    inversions.emplace_back();
     EXPECT_EQ(it->activate_refresh.has_value(), i == 2) << i;
     EXPECT_DOUBLE_EQ(it->serial_s[0], 0);
     for (const auto& t : it->tasks) {
+      EXPECT_EQ(t.num_parts(), 1u);  // no shape: items are never split
       if (t.kind() >= v1::BubbleTask::KIND_INVERT_A) {
-        EXPECT_EQ(t.refresh(), 0u);
+        inversions.back()[t.refresh()].push_back(t.planned_start_s());
+      } else if (t.refresh() == 1) {
+        next_curvature.push_back({t.kind(), t.planned_start_s()});
       }
-      if (t.refresh() == 1) next_curvature.push_back({t.kind(), t.planned_start_s()});
     }
   }
-  EXPECT_EQ(inversions, (std::vector<int>{5, 6, 3}));
+  using Starts = std::map<uint64_t, std::vector<double>>;
+  EXPECT_EQ(inversions[0], (Starts{{0, {4, 5.5, 7, 8.5, 10}}}));
+  EXPECT_EQ(inversions[1], (Starts{{0, {4, 5.5, 7, 8.5, 10}}}));
+  EXPECT_EQ(inversions[2], (Starts{{0, {2, 3.5, 5, 6.5}}, {1, {8, 9.5}}}));
   EXPECT_EQ(next_curvature, (std::vector<std::pair<int, double>>{
-                                {v1::BubbleTask::KIND_CURVATURE_A, 11},
-                                {v1::BubbleTask::KIND_CURVATURE_B, 6.5}}));
+                                {v1::BubbleTask::KIND_CURVATURE_A, 2},
+                                {v1::BubbleTask::KIND_CURVATURE_B, 3}}));
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3}));
-  // Refresh 1 inverts from the next iteration on (its curvature is done);
-  // refresh 2 takes the tail of the gap.
+  // Refresh 1 goes on inverting; refresh 2 collects its curvature first.
   auto it = p->PlanIteration(3, o.plan, o.timeline);
   ASSERT_TRUE(it.ok());
-  EXPECT_EQ(it->tasks[0].refresh(), 1u);
-  EXPECT_EQ(it->tasks[0].kind(), v1::BubbleTask::KIND_INVERT_A);
+  EXPECT_EQ(it->tasks[0].refresh(), 2u);
+  EXPECT_EQ(it->tasks[0].kind(), v1::BubbleTask::KIND_CURVATURE_A);
   EXPECT_DOUBLE_EQ(it->tasks[0].planned_start_s(), 2);
-  EXPECT_EQ(it->tasks.back().refresh(), 2u);
-  EXPECT_EQ(it->tasks.back().kind(), v1::BubbleTask::KIND_CURVATURE_A);
-  for (uint64_t i = 4; i < 9; ++i) ASSERT_TRUE(p->PlanIteration(i, o.plan, o.timeline).ok());
-  // Still 14 inversions per refresh at 6 per iteration, but back to back.
-  EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3, 3, 3}));
+  EXPECT_EQ(it->tasks[2].refresh(), 1u);
+  EXPECT_EQ(it->tasks[2].kind(), v1::BubbleTask::KIND_INVERT_A);
+  EXPECT_DOUBLE_EQ(it->tasks[2].planned_start_s(), 4);
+  for (uint64_t i = 4; i < 8; ++i) ASSERT_TRUE(p->PlanIteration(i, o.plan, o.timeline).ok());
+  // 23 s of work per refresh, 10 s of gap per iteration: refresh 1 has 12
+  // inversions left after iteration 2 (3 iterations), refresh 2 only 9 as
+  // refresh 1 ends early in iteration 5 (2 iterations).
+  EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3, 3, 2}));
 }
 
 TEST(BubblePlannerTest, TooLargeItemSpillsThenGoesSerial) {
@@ -347,12 +361,13 @@ TEST(BubblePlannerTest, LeadingBubbleTakesThePreviousRefreshsInversions) {
   }
   // Iteration 1: refresh 0's last 5 inversions fill the leading bubble
   // [0, 2.5); refresh 1's curvature runs after the forward and the backward,
-  // and refresh 0 is activated at this step. Refresh 1 may not invert yet.
+  // and its inversions follow (rule 2': refresh 0's inversions of the layer
+  // are all placed) in [7.5, 12); refresh 0 is activated at this step.
   auto it1 = p->PlanIteration(1, o.plan, o.timeline);
   ASSERT_TRUE(it1.ok());
   ASSERT_TRUE(it1->activate_refresh.has_value());
   EXPECT_EQ(*it1->activate_refresh, 0u);
-  ASSERT_EQ(it1->tasks.size(), 7u);
+  ASSERT_EQ(it1->tasks.size(), 16u);
   for (int i = 0; i < 5; ++i) {
     const auto& t = it1->tasks[i];
     EXPECT_EQ(t.refresh(), 0u) << i;
@@ -365,10 +380,16 @@ TEST(BubblePlannerTest, LeadingBubbleTakesThePreviousRefreshsInversions) {
   EXPECT_EQ(it1->tasks[6].refresh(), 1u);
   EXPECT_EQ(it1->tasks[6].kind(), v1::BubbleTask::KIND_CURVATURE_B);
   EXPECT_DOUBLE_EQ(it1->tasks[6].planned_start_s(), 7);
-  EXPECT_DOUBLE_EQ(it1->bubble_s[0], 3.5);
-  // Iteration 2 on: each iteration inverts one refresh (8 in the leading
-  // bubble, 2 in [5, 6), 4 from 7) and collects the next one's curvature
-  // after them: a refresh every iteration (the old planner: every second).
+  for (int i = 7; i < 16; ++i) {
+    EXPECT_EQ(it1->tasks[i].refresh(), 1u) << i;
+    EXPECT_GE(it1->tasks[i].kind(), v1::BubbleTask::KIND_INVERT_A) << i;
+    EXPECT_DOUBLE_EQ(it1->tasks[i].planned_start_s(), 7.5 + 0.5 * (i - 7)) << i;
+  }
+  EXPECT_DOUBLE_EQ(it1->bubble_s[0], 8);
+  // Iteration 2 on: the leading bubble takes the front's last 5 inversions,
+  // the next refresh its curvature and 9 inversions from 7.5: a refresh
+  // every iteration (the planner before rule 2' needed the same, with idle
+  // time; before overlapping refreshes, every second).
   for (uint64_t i = 2; i < 5; ++i) {
     auto it = p->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(it.ok());
@@ -378,12 +399,10 @@ TEST(BubblePlannerTest, LeadingBubbleTakesThePreviousRefreshsInversions) {
     for (const auto& t : it->tasks) {
       ++per_refresh[t.refresh()];
       EXPECT_FALSE(t.serial());
-      if (t.refresh() == i) {
-        EXPECT_LE(t.kind(), v1::BubbleTask::KIND_CURVATURE_B);
-        EXPECT_GE(t.planned_start_s(), 9);  // after the 4 inversions from 7
-      }
+      if (t.refresh() == i - 1) EXPECT_LT(t.planned_start_s(), 2.5);
+      if (t.refresh() == i) EXPECT_GE(t.planned_start_s(), 5);
     }
-    EXPECT_EQ(per_refresh, (std::map<uint64_t, int>{{i - 1, 14}, {i, 2}})) << i;
+    EXPECT_EQ(per_refresh, (std::map<uint64_t, int>{{i - 1, 5}, {i, 11}})) << i;
     EXPECT_DOUBLE_EQ(it->bubble_s[0], 8);
   }
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{2, 1, 1, 1}));
@@ -576,6 +595,7 @@ TEST(BubblePlannerTest, CloseWindowLeavesTheStateOfANewPlanner) {
   auto ran = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(ran.ok());
   ASSERT_TRUE(ran->PlanIteration(0, o.plan, o.timeline).ok());
+  EXPECT_FALSE(ran->last_activated_refresh().has_value());
   auto closing = ran->PlanIteration(1, o.plan, o.timeline, /*close_window=*/true);
   ASSERT_TRUE(closing.ok());
   ASSERT_TRUE(closing->activate_refresh.has_value());
@@ -587,6 +607,7 @@ TEST(BubblePlannerTest, CloseWindowLeavesTheStateOfANewPlanner) {
     EXPECT_EQ(t.refresh(), 0u) << "a younger refresh placed work in a closing iteration";
   }
   EXPECT_EQ(ran->refresh_intervals(), (std::vector<int>{2}));
+  EXPECT_EQ(ran->last_activated_refresh(), std::optional<uint64_t>(0));
 
   auto fresh = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(fresh.ok());
@@ -595,6 +616,13 @@ TEST(BubblePlannerTest, CloseWindowLeavesTheStateOfANewPlanner) {
     auto b = fresh->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_EQ(Work(*a), Work(*b)) << "iteration " << i;
+    // The abandoned refresh's number goes to the next one (the workers'
+    // state holds what it finalised as the next refresh's): the straight
+    // run's refreshes are the resumed one's shifted by the last activation.
+    ASSERT_EQ(a->tasks.size(), b->tasks.size());
+    for (size_t k = 0; k < a->tasks.size(); ++k) {
+      EXPECT_EQ(a->tasks[k].refresh(), b->tasks[k].refresh() + 1) << i;
+    }
     EXPECT_EQ(a->activate_refresh.has_value(), b->activate_refresh.has_value()) << i;
   }
   // The same with a fixed interval, closing off its cadence.
@@ -657,6 +685,11 @@ TEST(BubblePlannerTest, SetWorkloadFollowsMembership) {
     nodes.insert(t.node());
     EXPECT_GT(t.refresh(), newest) << "refresh numbers go on after a membership change";
   }
+  // The abandoned numbers are skipped: the refresh activated last is not
+  // completed_refreshes() - 1.
+  ASSERT_TRUE(second->activate_refresh.has_value());
+  EXPECT_EQ(p->last_activated_refresh(), second->activate_refresh);
+  EXPECT_GT(*p->last_activated_refresh() + 1, p->completed_refreshes());
   EXPECT_EQ(nodes, (std::set<std::string>{"n0", "n1", "n2"}));
   EXPECT_TRUE(second->activate_refresh.has_value());
   // n1 is lost (no layers): it gets no work, and refreshes still complete.
@@ -756,10 +789,19 @@ RandomCase MakeRandom(uint64_t seed, int iterations) {
     std::vector<int> ids;
     for (int l = 0; l < layers; ++l) ids.push_back(layer++);
     std::vector<KfacLayerCost> costs;
+    // Half the cases give the blocks a shape, so items split into parts
+    // under the cap (wide factors: inversions of 6 or 8 units).
+    kfac::BlockShape shape;
+    if (pick(0, 1)) {
+      shape.d_model = pick(0, 1) ? 64 : 2048;
+      shape.kv_dim = shape.d_model / (pick(0, 1) ? 1 : 2);
+      shape.ffn_dim = pick(0, 1) ? 3 * shape.d_model : 1500;
+    }
     for (int l = 0; l < layers; ++l) {
       KfacLayerCost k = Cost(uni(0, 2), uni(0, 2), 0, uni(0, 0.2), uni(0, 0.5));
       for (double& v : k.invert_a_s) v = pick(0, 9) == 0 ? uni(5, 30) : uni(0, 2);
       for (double& v : k.invert_b_s) v = uni(0, 2);
+      k.shape = shape;
       costs.push_back(k);
     }
     for (int r = 0; r < replicas; ++r) {
@@ -770,6 +812,7 @@ RandomCase MakeRandom(uint64_t seed, int iterations) {
   const int n = static_cast<int>(c.workload.nodes.size());
   c.kfac = Spec(pick(0, 1) ? 0.05 : uni(0, 0.3), pick(0, 3) == 0 ? pick(1, 4) : 0, pick(1, 3));
   c.kfac.set_sync_factors(pick(0, 1) == 1);
+  if (pick(0, 2) != 0) c.kfac.set_max_granule_ms(uni(100, 3000));
   if (pick(0, 7) == 0) c.kfac.set_placement(v1::KFAC_PLACEMENT_SERIAL);
   // Routes: each microbatch visits a random subset of the block nodes.
   for (int mb = 0; mb < num_mbs; ++mb) {
@@ -822,7 +865,8 @@ RandomCase MakeRandom(uint64_t seed, int iterations) {
 
 TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
   constexpr int kIterations = 12;
-  int activations_total = 0, serial_total = 0, bubble_total = 0, overlapping_total = 0;
+  int activations_total = 0, serial_total = 0, bubble_total = 0, overlapping_total = 0,
+      split_total = 0;
   for (uint64_t seed = 1; seed <= 300; ++seed) {
     SCOPED_TRACE(absl::StrCat("seed ", seed));
     RandomCase c = MakeRandom(seed, kIterations);
@@ -845,8 +889,17 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
       double first_inversion_end = 0;  // in first_inversion's iteration
       When sync{0, -1};
       When first_sync{1u << 30, 0};
-      int inversions = 0, curv_a = 0, curv_b = 0, syncs = 0;
+      When last_inversion{0, -1};
+      int inversions = 0, curv_a = 0, curv_b = 0, syncs = 0;  // whole items
     };
+    // Every part placed, per item (refresh, node, layer, kind, module, mb).
+    struct Part {
+      uint32_t part, num_parts;
+      uint64_t iteration;
+      double start, end;
+    };
+    std::map<std::tuple<uint64_t, int, uint32_t, int, std::string, uint32_t>, std::vector<Part>>
+        parts;
     std::map<std::tuple<uint64_t, int, uint32_t>, Track> track;
     std::map<uint64_t, uint64_t> activated;  // refresh -> iteration
     std::map<uint64_t, uint64_t> last_task_iteration;
@@ -862,14 +915,47 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         const int node = index[t.node()];
         const double s = t.planned_start_s(), d = t.planned_duration_s();
         EXPECT_GE(d, 0);
-        EXPECT_EQ(t.num_parts(), 1u);
+        ASSERT_GE(t.num_parts(), 1u);
+        ASSERT_LT(t.part(), t.num_parts());
+        split_total += t.num_parts() > 1;
+        if (t.num_parts() > 1) {
+          ASSERT_GT(c.kfac.max_granule_ms(), 0) << "split without a cap";
+        }
+        // Under the cap, unless the item is split as finely as it can be.
+        const KfacLayerCost& lc =
+            c.workload.nodes[node].costs[std::find(c.workload.nodes[node].layers.begin(),
+                                                   c.workload.nodes[node].layers.end(),
+                                                   static_cast<int>(t.layer())) -
+                                         c.workload.nodes[node].layers.begin()];
+        if (!t.serial() && c.kfac.max_granule_ms() > 0 && lc.shape.d_model > 0 &&
+            t.kind() != v1::BubbleTask::KIND_SYNC_FACTORS) {
+          const kfac::BlockWorkload block(lc.shape);
+          const int m = kfac::ModuleIndex(t.module());
+          const size_t units =
+              t.kind() == v1::BubbleTask::KIND_CURVATURE_A   ? 4
+              : t.kind() == v1::BubbleTask::KIND_CURVATURE_B ? 7
+              : kfac::InversionUnitWeights(t.kind() == v1::BubbleTask::KIND_INVERT_A
+                                               ? block.f_in(m)
+                                               : block.f_out(m))
+                    .size();
+          if (t.num_parts() < units) {
+            EXPECT_LE(d, c.kfac.max_granule_ms() * 1e-3 * (1 + 1e-9))
+                << BubbleTaskName(t) << " exceeds the cap";
+          }
+        }
+        parts[{t.refresh(), node, t.layer(), static_cast<int>(t.kind()), t.module(),
+               t.microbatch()}]
+            .push_back({t.part(), t.num_parts(), it, s, s + d});
         // At most two refreshes in flight: the oldest not activated, and the
         // next one (not with serial placement).
         EXPECT_GE(t.refresh(), expected_refresh);
         EXPECT_LE(t.refresh(), expected_refresh +
                                    (c.kfac.placement() == v1::KFAC_PLACEMENT_SERIAL ? 0 : 1));
-        // Rule 2: inversions of q only after q-1's activation iteration.
-        if (t.refresh() > 0 && t.kind() >= v1::BubbleTask::KIND_INVERT_A) {
+        // Rule 2 (fixed interval): inversions of q only after q-1's
+        // activation iteration. Rule 2' (adaptive): after q-1's inversions
+        // of the layer on the node (checked at the end).
+        if (t.refresh() > 0 && t.kind() >= v1::BubbleTask::KIND_INVERT_A &&
+            c.kfac.refresh_interval() > 0) {
           ASSERT_TRUE(activated.count(t.refresh() - 1))
               << "inversion of refresh " << t.refresh() << " before " << t.refresh() - 1
               << " was activated";
@@ -911,7 +997,9 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
           case v1::BubbleTask::KIND_CURVATURE_A:
           case v1::BubbleTask::KIND_CURVATURE_B:
             tr.last_curvature = std::max(tr.last_curvature, end);
-            (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ? tr.curv_a : tr.curv_b)++;
+            if (t.part() + 1 == t.num_parts()) {
+              (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ? tr.curv_a : tr.curv_b)++;
+            }
             break;
           case v1::BubbleTask::KIND_SYNC_FACTORS:
             EXPECT_TRUE(t.serial());
@@ -925,7 +1013,8 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
               tr.first_inversion = start;
               tr.first_inversion_end = s + d;
             }
-            ++tr.inversions;
+            tr.last_inversion = std::max(tr.last_inversion, end);
+            if (t.part() + 1 == t.num_parts()) ++tr.inversions;
             break;
           default:
             ADD_FAILURE() << "unexpected kind " << t.kind();
@@ -943,7 +1032,10 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         const int node = index[t.node()];
         auto first_inversion_done = [&](int m, double at) {
           auto prev = track.find({t.refresh() - 1, m, t.layer()});
-          if (prev == track.end() || prev->second.inversions == 0) return false;
+          // Any inversion task (a first part) of the previous refresh.
+          if (prev == track.end() || prev->second.first_inversion.first == (1u << 30)) {
+            return false;
+          }
           const Track& p = prev->second;
           return p.first_inversion.first < it ||
                  (p.first_inversion.first == it && p.first_inversion_end <= at + 1e-9);
@@ -1019,6 +1111,42 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
       }
       EXPECT_LE(last_task_iteration[refresh], activated.at(refresh));
     }
+    // An item's parts: each once, in order, each after the previous one;
+    // a curvature microbatch's all in one iteration (its data lives there).
+    for (const auto& [key, list] : parts) {
+      const int kind = std::get<3>(key);
+      for (size_t i = 0; i < list.size(); ++i) {
+        const Part& p = list[i];
+        EXPECT_EQ(p.num_parts, list[0].num_parts);
+        // Items not finished by the end of the run may lack their last parts.
+        EXPECT_EQ(p.part, i % p.num_parts) << "part order, kind " << kind;
+        if (i > 0 && p.part > 0) {
+          const Part& q = list[i - 1];
+          EXPECT_TRUE(q.iteration < p.iteration ||
+                      (q.iteration == p.iteration && q.end <= p.start + 1e-9))
+              << "part " << p.part << " before part " << q.part;
+          if (kind <= v1::BubbleTask::KIND_CURVATURE_B) EXPECT_EQ(q.iteration, p.iteration);
+        }
+      }
+    }
+    // Rule 2': the next refresh's inversions of a layer on a node after all
+    // of the previous refresh's there.
+    if (c.kfac.refresh_interval() == 0) {
+      for (const auto& [key, list] : parts) {
+        const auto& [refresh, node, layer, kind, module, mb] = key;
+        if (refresh == 0 || kind < v1::BubbleTask::KIND_INVERT_A) continue;
+        auto prev = track.find({refresh - 1, node, layer});
+        if (prev == track.end()) continue;
+        for (const Part& p : list) {
+          EXPECT_TRUE(before(prev->second.last_inversion, When{p.iteration, p.start}))
+              << "inversion of refresh " << refresh << " layer " << layer << " on node " << node
+              << " (kind " << kind << " " << module << " part " << p.part << ") at iteration "
+              << p.iteration << " time " << p.start << " before refresh " << refresh - 1
+              << "'s last, iteration " << prev->second.last_inversion.first << " end "
+              << prev->second.last_inversion.second;
+        }
+      }
+    }
     overlapping_total += overlapping;
     // Intervals add up: refresh r spans (activation r-1, activation r].
     const std::vector<int>& intervals = planner->refresh_intervals();
@@ -1036,6 +1164,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
   EXPECT_GT(overlapping_total, 300);
   EXPECT_GT(serial_total, 0);
   EXPECT_GT(bubble_total, 0);
+  EXPECT_GT(split_total, 1000);  // parts are exercised
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -94,6 +95,7 @@ struct KfacArgs {
   int refreshes = 3;
   int curvature_microbatches = 1;
   double slack = 0.05;
+  double max_granule_ms = 5;  // the job default (NormalizeJobSpec)
   int refresh_interval = 0;
   bool serial = false;
   // Replica synchronisation (default: preconditioned when a stage has
@@ -138,6 +140,9 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   flags.Int("curvature-microbatches", &curvature_microbatches,
             "curvature microbatches per node and refresh");
   flags.Double("slack", &a.slack, "placement margin, in [0, 1)");
+  flags.Double("max-granule-ms", &a.max_granule_ms,
+               "longest K-FAC task placed in a gap, ms: longer items are split into parts "
+               "(docs/KFAC.md \"Granules\"); 0 = never split");
   flags.Int("refresh-interval", &refresh_interval,
             "fixed refresh interval (0: as the bubbles allow)");
   flags.String("placement", &placement, "bubbles or serial");
@@ -196,6 +201,10 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   if (flags.WasSet("seed")) {
     if (!absl::SimpleAtoi(seed, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", seed));
     a.has_seed = true;
+  }
+  if (!(a.max_granule_ms == 0 || (a.max_granule_ms >= 0.01 && a.max_granule_ms <= 60000))) {
+    return UsageError(absl::StrCat("--max-granule-ms: needs 0 or a number in [0.01, 60000], got ",
+                                   a.max_granule_ms));
   }
   if (!(a.slack >= 0 && a.slack < 1)) {
     return UsageError(absl::StrCat("--slack: needs a number in [0, 1), got ", a.slack));
@@ -298,6 +307,7 @@ planner::KfacLayerCost ProfileLayerCost(const Profile& p) {
   for (double v : flops.invert_a_s) c.invert_a_s.push_back(p.inversion_ms * 1e-3 * v / cubes);
   for (double v : flops.invert_b_s) c.invert_b_s.push_back(p.inversion_ms * 1e-3 * v / cubes);
   c.precondition_s = p.precondition_ms * 1e-3;
+  c.shape = flops.shape;
   return c;
 }
 
@@ -586,6 +596,7 @@ absl::Status Run(const KfacArgs& a) {
   v1::KfacSpec& k = sc.kfac;
   k.set_curvature_microbatches(a.curvature_microbatches);
   k.set_slack(a.slack);
+  k.set_max_granule_ms(a.max_granule_ms);
   k.set_refresh_interval(a.refresh_interval);
   k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
   for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
@@ -627,6 +638,20 @@ absl::Status Run(const KfacArgs& a) {
   const double before = before_den > 0 ? before_num / before_den : 0;
   const double after = after_den > 0 ? after_num / after_den : 0;
   const double overhead = end_sum > 0 ? time_sum / end_sum - 1 : 0;
+  // The longest task placed in a gap: the most pipeline work arriving while
+  // K-FAC runs waits (serial tasks run after the node's pipeline work).
+  double longest_s = 0;
+  std::string longest_what = "none";
+  for (const auto& b : its) {
+    for (const v1::BubbleTask& t : b.tasks) {
+      if (t.serial() || t.planned_duration_s() <= longest_s) continue;
+      longest_s = t.planned_duration_s();
+      longest_what = absl::StrCat(
+          absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5)),
+          t.module().empty() ? "" : absl::StrCat(" ", t.module()),
+          t.num_parts() > 1 ? absl::StrCat(" part ", t.part() + 1, "/", t.num_parts()) : "");
+    }
+  }
 
   if (!a.svg.empty()) {
     size_t pick = 0;
@@ -693,6 +718,12 @@ absl::Status Run(const KfacArgs& a) {
     w.Number(after);
     w.Key("time_overhead");
     w.Number(overhead);
+    w.Key("max_granule_ms");
+    w.Number(k.max_granule_ms());
+    w.Key("longest_bubble_task_ms");
+    w.Number(longest_s * 1e3);
+    w.Key("longest_bubble_task");
+    w.String(longest_what);
     w.Key("completed_refreshes");
     w.Int(static_cast<int64_t>(bp.completed_refreshes()));
     w.Key("mean_refresh_interval");
@@ -737,10 +768,11 @@ absl::Status Run(const KfacArgs& a) {
   std::cout << sc.description << "\n";
   std::cout << absl::StrFormat(
       "K-FAC: %d curvature microbatch(es) per node, slack %.0f%%, %s, refresh interval %s, "
-      "replica sync %s\n\n",
+      "replica sync %s, granules up to %s\n\n",
       k.curvature_microbatches(), 100 * k.slack(), a.serial ? "serial placement" : "in the bubbles",
       k.refresh_interval() ? absl::StrCat(k.refresh_interval()) : "as the bubbles allow",
-      sync_name);
+      sync_name,
+      k.max_granule_ms() > 0 ? absl::StrFormat("%g ms", k.max_granule_ms()) : "whole items");
   std::cout << absl::StrFormat("%9s %12s %12s %10s %10s %10s %6s %8s\n", "iteration", "pipeline_s",
                                "iteration_s", "before", "after", "serial_s", "tasks", "refresh");
   for (size_t i = 0; i < its.size(); ++i) {
@@ -755,9 +787,10 @@ absl::Status Run(const KfacArgs& a) {
   }
   std::cout << absl::StrFormat(
       "\nutilisation %.1f%% -> %.1f%% with K-FAC; time +%.1f%% (serial work and preconditioning); "
-      "%d refreshes, mean refresh interval %.2f iterations\n",
+      "%d refreshes, mean refresh interval %.2f iterations\n"
+      "longest K-FAC task in a gap: %.1f ms (%s)\n",
       100 * before, 100 * after, 100 * overhead, bp.completed_refreshes(),
-      bp.mean_refresh_interval());
+      bp.mean_refresh_interval(), 1e3 * longest_s, longest_what);
   return absl::OkStatus();
 }
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "common/kfac_workload.h"
 #include "common/status.h"
+#include "worker/model/kfac_inverse.h"
 #include "worker/model/torch_status.h"
 #include "worker/model/transformer.h"
 
@@ -23,8 +24,7 @@ namespace {
 // (the planner prices exactly this list).
 constexpr int kNumModules = kfac::kNumProjections;
 constexpr int kNumInputs = kfac::kNumInputs;
-constexpr double kMinDamping = 1e-7;
-constexpr int kDampingRetries = 4;
+constexpr double kMinDamping = 1e-7;  // as DampedInverseWork's floor
 static_assert(static_cast<int>(LayerCapture::kAttnIn) == kfac::kAttnIn &&
                   static_cast<int>(LayerCapture::kAttnOut) == kfac::kAttnOut &&
                   static_cast<int>(LayerCapture::kMlpIn) == kfac::kMlpIn &&
@@ -50,11 +50,17 @@ std::pair<int, int> ProjectionOf(const std::string& name) {
   return {-1, -1};
 }
 
-bool AllFinite(const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); }
-
 }  // namespace
 
 const std::vector<std::string>& KfacModules() { return kfac::ModuleNames(); }
+
+kfac::BlockShape KfacBlockShape(const ModelConfig& c) {
+  kfac::BlockShape shape;
+  shape.d_model = c.d_model;
+  shape.kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim();
+  shape.ffn_dim = c.ffn_dim;
+  return shape;
+}
 
 absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
                                                  const at::Tensor& grad_out) {
@@ -96,33 +102,7 @@ KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
 
 absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
                                          double damping, double* used_damping) {
-  if (!factor.defined() || factor.dim() != 2 || factor.size(0) != factor.size(1)) {
-    return absl::InvalidArgumentError("damped inverse: need a square matrix");
-  }
-  return GuardTorch("damped inverse", [&]() -> absl::StatusOr<at::Tensor> {
-    c10::NoGradGuard no_grad;
-    if (!AllFinite(factor)) {
-      return absl::FailedPreconditionError(
-          "damped inverse: the factor has non-finite entries");
-    }
-    double d = std::max(damping, kMinDamping);
-    const int64_t n = factor.size(0);
-    for (int attempt = 0; attempt <= kDampingRetries; ++attempt, d *= 10) {
-      for (at::ScalarType dtype : {factor.scalar_type(), at::kDouble}) {
-        at::Tensor f = factor.to(dtype);
-        at::Tensor m = (f + f.t()) * 0.5 +
-                       at::eye(n, f.options()) * d;
-        auto [l, info] = at::linalg_cholesky_ex(m);
-        if (info.item<int64_t>() != 0) continue;
-        at::Tensor inv = at::cholesky_inverse(l);
-        if (!AllFinite(inv)) continue;
-        if (used_damping != nullptr) *used_damping = d;
-        return inv.to(factor.scalar_type());
-      }
-    }
-    return absl::InternalError(absl::StrCat(
-        "damped inverse: Cholesky failed up to damping ", d / 10));
-  });
+  return BlockedDampedInverse(factor, damping, used_damping);
 }
 
 absl::StatusOr<at::Tensor> KfacPreconditionedGradient(const at::Tensor& grad,
@@ -193,12 +173,9 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
         "optimizer.adamw.beta1/beta2 must be in [0, 1) (K-FAC grafting)");
   }
   std::unique_ptr<Kfac> kfac(new Kfac(stage, spec));
-  const ModelConfig& c = stage->config();
-  kfac::BlockShape shape;
-  shape.d_model = c.d_model;
-  shape.kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim();
-  shape.ffn_dim = c.ffn_dim;
-  const kfac::BlockWorkload block(shape);
+  const kfac::BlockWorkload block(KfacBlockShape(stage->config()));
+  kfac->curvature_a_items_ = block.CurvatureItemWeights(true);
+  kfac->curvature_b_items_ = block.CurvatureItemWeights(false);
   RETURN_IF_ERROR(GuardTorch("K-FAC allocation", [&]() -> absl::Status {
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(stage->device());
     for (int l = stage->layers().begin; l < stage->layers().end; ++l) {
@@ -262,64 +239,77 @@ absl::StatusOr<LayerCapture*> Kfac::Record(int layer, uint32_t mb,
   return it->second[layer - begin_].get();
 }
 
-absl::Status Kfac::CurvatureA(int layer, uint32_t mb) {
-  ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, "curvature A"));
-  const std::string ctx = absl::StrCat("K-FAC curvature A layer ", layer, " mb ", mb);
-  if (rec->a_consumed) {
-    return absl::FailedPreconditionError(absl::StrCat(ctx, ": already consumed"));
-  }
-  if (!rec->forward_done) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(ctx, ": the microbatch's forward has not run on this stage"));
-  }
-  LayerState* st = &layers_.at(layer);
-  RETURN_IF_ERROR(GuardTorch(ctx, [&]() -> absl::Status {
-    c10::NoGradGuard no_grad;
-    int64_t n = 0;
-    for (int i = 0; i < kNumInputs; ++i) {
-      at::Tensor a = rec->inputs[i].reshape({-1, rec->inputs[i].size(-1)})
-                         .to(st->a_sum[i].device(), at::kFloat);
-      n = a.size(0);
-      st->a_sum[i].addmm_(a.t(), a);
-    }
-    st->a_count.add_(static_cast<double>(n));
-    return absl::OkStatus();
-  }));
-  for (auto& t : rec->inputs) t = at::Tensor();
-  rec->a_consumed = true;
-  return absl::OkStatus();
+absl::Status Kfac::CurvatureA(int layer, uint32_t mb, int part, int num_parts) {
+  return Curvature(layer, mb, /*is_a=*/true, part, num_parts);
 }
 
-absl::Status Kfac::CurvatureB(int layer, uint32_t mb) {
-  ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, "curvature B"));
-  const std::string ctx = absl::StrCat("K-FAC curvature B layer ", layer, " mb ", mb);
-  if (rec->b_consumed) {
+absl::Status Kfac::CurvatureB(int layer, uint32_t mb, int part, int num_parts) {
+  return Curvature(layer, mb, /*is_a=*/false, part, num_parts);
+}
+
+absl::Status Kfac::Curvature(int layer, uint32_t mb, bool is_a, int part, int num_parts) {
+  const char* what = is_a ? "curvature A" : "curvature B";
+  ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, what));
+  const std::string ctx = absl::StrCat("K-FAC ", what, " layer ", layer, " mb ", mb,
+                                       num_parts > 1 ? absl::StrCat(" part ", part + 1, "/",
+                                                                    num_parts)
+                                                     : "");
+  const std::vector<int64_t>& items = is_a ? curvature_a_items_ : curvature_b_items_;
+  if (num_parts < 1 || num_parts > static_cast<int>(items.size()) || part < 0 ||
+      part >= num_parts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "K-FAC ", what, " layer ", layer, " mb ", mb, ": part ", part, " of ", num_parts,
+        " (at most ", items.size(), " parts, one per ", is_a ? "input" : "projection", ")"));
+  }
+  if (is_a ? rec->a_consumed : rec->b_consumed) {
     return absl::FailedPreconditionError(absl::StrCat(ctx, ": already consumed"));
   }
-  if (!rec->backward_done()) {
+  if (is_a ? !rec->forward_done : !rec->backward_done()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        ctx, ": the microbatch's ", rec->forward_done ? "backward" : "forward",
+        ctx, ": the microbatch's ", !is_a && rec->forward_done ? "backward" : "forward",
         " has not run on this stage"));
+  }
+  const std::vector<int> bounds = kfac::SplitIntoParts(items, num_parts);
+  const int first = bounds[part], last = bounds[part + 1];
+  bool counted = false;
+  for (int i = 0; i < static_cast<int>(items.size()); ++i) {
+    const bool taken = is_a ? rec->a_taken[i] : rec->b_taken[i];
+    counted = counted || taken;
+    if (taken && i >= first && i < last) {
+      return absl::FailedPreconditionError(absl::StrCat(ctx, ": already consumed"));
+    }
   }
   LayerState* st = &layers_.at(layer);
   RETURN_IF_ERROR(GuardTorch(ctx, [&]() -> absl::Status {
     c10::NoGradGuard no_grad;
     int64_t n = 0;
-    for (int m = 0; m < kNumModules; ++m) {
-      const at::Tensor& raw = rec->output_grads[m];
-      at::Tensor g = raw.reshape({-1, raw.size(-1)})
-                         .to(st->b_sum[m].device(), at::kFloat);
-      n = g.size(0);
-      // The microbatch loss is a mean over its n tokens: g·n is the
-      // per-token gradient. Σ (n g)(n g)ᵀ = n² Σ g gᵀ.
-      st->b_sum[m].addmm_(g.t(), g, /*beta=*/1.0,
-                          /*alpha=*/static_cast<double>(n) * static_cast<double>(n));
+    for (int i = first; i < last; ++i) {
+      const at::Tensor& raw = is_a ? rec->inputs[i] : rec->output_grads[i];
+      at::Tensor& sum = is_a ? st->a_sum[i] : st->b_sum[i];
+      at::Tensor x = raw.reshape({-1, raw.size(-1)}).to(sum.device(), at::kFloat);
+      n = x.size(0);
+      if (is_a) {
+        sum.addmm_(x.t(), x);
+      } else {
+        // The microbatch loss is a mean over its n tokens: g·n is the
+        // per-token gradient. Σ (n g)(n g)ᵀ = n² Σ g gᵀ.
+        sum.addmm_(x.t(), x, /*beta=*/1.0,
+                   /*alpha=*/static_cast<double>(n) * static_cast<double>(n));
+      }
     }
-    st->b_count.add_(static_cast<double>(n));
+    // The microbatch's tokens count once, with its first part.
+    if (!counted) (is_a ? st->a_count : st->b_count).add_(static_cast<double>(n));
     return absl::OkStatus();
   }));
-  for (auto& t : rec->output_grads) t = at::Tensor();
-  rec->b_consumed = true;
+  bool all = true;
+  for (int i = 0; i < static_cast<int>(items.size()); ++i) {
+    if (i >= first && i < last) {
+      (is_a ? rec->inputs[i] : rec->output_grads[i]) = at::Tensor();
+      (is_a ? rec->a_taken[i] : rec->b_taken[i]) = true;
+    }
+    all = all && (is_a ? rec->a_taken[i] : rec->b_taken[i]);
+  }
+  if (all) (is_a ? rec->a_consumed : rec->b_consumed) = true;
   return absl::OkStatus();
 }
 
@@ -377,7 +367,9 @@ absl::Status Kfac::Finalize(int layer, LayerState* st) {
   });
 }
 
-absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a) {
+absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int part,
+                          int num_parts, int64_t refresh) {
+  if (refresh < 0) refresh = last_activated_ + 1;
   const std::string what = is_a ? "invert A" : "invert B";
   ASSIGN_OR_RETURN(LayerState * st, Layer(layer, what));
   const int m = ModuleIndex(module);
@@ -386,41 +378,157 @@ absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a) {
         "K-FAC ", what, " layer ", layer, ": unknown projection \"", module,
         "\" (q, k, v, o, gate, up, down)"));
   }
-  RETURN_IF_ERROR(Finalize(layer, st));
-  const at::Tensor& factor = is_a ? st->a[InputOf(m)] : st->b[m];
-  if (!factor.defined()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "K-FAC ", what, " layer ", layer, " ", module, ": no ",
-        is_a ? "activation" : "gradient", " curvature yet"));
+  const std::string ctx = absl::StrCat(
+      "K-FAC ", what, " layer ", layer, " ", module,
+      num_parts > 1 ? absl::StrCat(" part ", part + 1, "/", num_parts) : "");
+  const int64_t n = is_a ? st->a_sum[InputOf(m)].size(0) : st->b_sum[m].size(0);
+  const std::vector<int64_t> units = kfac::InversionUnitWeights(n);
+  if (num_parts < 1 || num_parts > static_cast<int>(units.size()) || part < 0 ||
+      part >= num_parts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "K-FAC ", what, " layer ", layer, " ", module, ": part ", part, " of ", num_parts,
+        " (a ", n, "-wide inversion has ", units.size(), " units)"));
   }
   Projection& p = st->proj[m];
-  auto inv = DampedInverse(factor, is_a ? p.damping.damping_a : p.damping.damping_b);
-  if (!inv.ok()) {
-    return absl::Status(inv.status().code(),
-                        absl::StrCat("K-FAC ", what, " layer ", layer, " ", module,
-                                     ": ", inv.status().message()));
+  std::shared_ptr<DampedInverseWork>& work = is_a ? p.a_work : p.b_work;
+  int64_t& work_refresh = is_a ? p.a_work_refresh : p.b_work_refresh;
+  if (part == 0 || work == nullptr || work_refresh != refresh) {
+    work.reset();
+    work_refresh = refresh;
+    if (st->finalized_refresh != refresh) {
+      RETURN_IF_ERROR(Finalize(layer, st));
+      st->finalized_refresh = refresh;
+    }
+    const at::Tensor& factor = is_a ? st->a[InputOf(m)] : st->b[m];
+    if (!factor.defined()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          ctx, ": no ", is_a ? "activation" : "gradient", " curvature yet"));
+    }
+    auto started = DampedInverseWork::Start(
+        factor, is_a ? p.damping.damping_a : p.damping.damping_b);
+    if (!started.ok()) {
+      return absl::Status(started.status().code(),
+                          absl::StrCat(ctx, ": ", started.status().message()));
+    }
+    work = std::move(*started);
   }
-  (is_a ? p.a_inv_new : p.b_inv_new) = *std::move(inv);
+  const std::vector<int> bounds = kfac::SplitIntoParts(units, num_parts);
+  const int until = part == num_parts - 1 ? work->units() : bounds[part + 1];
+  if (absl::Status s = work->RunUntil(until); !s.ok()) {
+    work.reset();
+    return absl::Status(s.code(), absl::StrCat(ctx, ": ", s.message()));
+  }
+  if (work->done()) {
+    StageInverse(refresh, work->result(), is_a ? &p.a_staged : &p.b_staged,
+                 is_a ? &p.a_tag : &p.b_tag);
+    work.reset();
+  }
   return absl::OkStatus();
 }
 
-absl::Status Kfac::InvertA(int layer, const std::string& module) {
-  return Invert(layer, module, /*is_a=*/true);
+absl::Status Kfac::InvertA(int layer, const std::string& module, int part, int num_parts,
+                           int64_t refresh) {
+  return Invert(layer, module, /*is_a=*/true, part, num_parts, refresh);
 }
 
-absl::Status Kfac::InvertB(int layer, const std::string& module) {
-  return Invert(layer, module, /*is_a=*/false);
+absl::Status Kfac::InvertB(int layer, const std::string& module, int part, int num_parts,
+                           int64_t refresh) {
+  return Invert(layer, module, /*is_a=*/false, part, num_parts, refresh);
 }
 
-void Kfac::Activate() {
+namespace {
+
+// A factor's two staging slots kept in order: an empty slot last, the
+// lower refresh first (so State() writes them the same way whatever the
+// history).
+void CanonicalSlots(std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
+  const bool swap = (*staged)[1].defined() &&
+                    (!(*staged)[0].defined() || (*tag)[1] < (*tag)[0]);
+  if (swap) {
+    std::swap((*staged)[0], (*staged)[1]);
+    std::swap((*tag)[0], (*tag)[1]);
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    if (!(*staged)[slot].defined()) (*tag)[slot] = -1;
+  }
+}
+
+}  // namespace
+
+void Kfac::StageInverse(int64_t refresh, const at::Tensor& inverse,
+                        std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
+  // The slot of the same refresh, else an empty one, else the older one
+  // (at most two refreshes are in flight, so none is lost normally).
+  int slot;
+  if ((*staged)[0].defined() && (*tag)[0] == refresh) {
+    slot = 0;
+  } else if ((*staged)[1].defined() && (*tag)[1] == refresh) {
+    slot = 1;
+  } else if (!(*staged)[0].defined()) {
+    slot = 0;
+  } else if (!(*staged)[1].defined()) {
+    slot = 1;
+  } else {
+    slot = (*tag)[0] <= (*tag)[1] ? 0 : 1;
+  }
+  (*staged)[slot] = inverse;
+  (*tag)[slot] = refresh;
+  CanonicalSlots(staged, tag);
+}
+
+namespace {
+
+// Activation of one factor's staged inverses (Kfac::Activate): the newest
+// staged for a refresh up to `refresh` becomes active, the one for refresh
+// + 1 stays, others are dropped.
+void PromoteStaged(int64_t refresh, int64_t any, at::Tensor* active,
+                   std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
+  const int older = (*tag)[1] < (*tag)[0] ? 1 : 0;
+  for (int slot : {older, 1 - older}) {
+    at::Tensor& t = (*staged)[slot];
+    int64_t& r = (*tag)[slot];
+    if (t.defined() && (r == any || (r >= 0 && r <= refresh))) {
+      *active = t;
+    } else if (t.defined() && r == refresh + 1) {
+      continue;
+    }
+    t = at::Tensor();
+    r = -1;
+  }
+  CanonicalSlots(staged, tag);
+}
+
+}  // namespace
+
+void Kfac::Activate(int64_t refresh) {
+  if (refresh < 0) refresh = last_activated_ + 1;
   for (auto& [layer, st] : layers_) {
     for (Projection& p : st.proj) {
-      if (p.a_inv_new.defined()) p.a_inv = std::move(p.a_inv_new);
-      if (p.b_inv_new.defined()) p.b_inv = std::move(p.b_inv_new);
-      p.a_inv_new = at::Tensor();
-      p.b_inv_new = at::Tensor();
+      PromoteStaged(refresh, kAnyRefresh, &p.a_inv, &p.a_staged, &p.a_tag);
+      PromoteStaged(refresh, kAnyRefresh, &p.b_inv, &p.b_staged, &p.b_tag);
     }
   }
+  last_activated_ = refresh;
+}
+
+void Kfac::RebaseRefreshes(int64_t last_activated) {
+  const int64_t delta = last_activated - last_activated_;
+  if (delta == 0) return;
+  auto shift = [delta](int64_t* r) {
+    if (*r >= 0) *r += delta;
+  };
+  for (auto& [layer, st] : layers_) {
+    shift(&st.finalized_refresh);
+    for (Projection& p : st.proj) {
+      for (int slot = 0; slot < 2; ++slot) {
+        shift(&p.a_tag[slot]);
+        shift(&p.b_tag[slot]);
+      }
+      shift(&p.a_work_refresh);
+      shift(&p.b_work_refresh);
+    }
+  }
+  last_activated_ = last_activated;
 }
 
 bool Kfac::has_inverses(int layer) const {
@@ -753,8 +861,10 @@ void AddProjectionPieces(int layer, LayerStateT& st, std::vector<StatePiece>& ou
     const std::vector<int64_t> w = {b[0], a[0]};
     out.push_back({p + "a_inv", &pr.a_inv, a});
     out.push_back({p + "b_inv", &pr.b_inv, b});
-    out.push_back({p + "a_inv_new", &pr.a_inv_new, a});
-    out.push_back({p + "b_inv_new", &pr.b_inv_new, b});
+    for (int slot = 0; slot < 2; ++slot) {
+      out.push_back({absl::StrCat(p, "a_inv_staged.", slot), &pr.a_staged[slot], a});
+      out.push_back({absl::StrCat(p, "b_inv_staged.", slot), &pr.b_staged[slot], b});
+    }
     out.push_back({p + "momentum", &pr.momentum, w});
     out.push_back({p + "adam_m", &pr.adam_m, w});
     out.push_back({p + "adam_v", &pr.adam_v, w});
@@ -786,10 +896,28 @@ std::vector<NamedTensor> Kfac::State() const {
                        at::tensor({pr.adam_step}, at::TensorOptions().dtype(at::kLong)));
       out.emplace_back(p + "graft_scale",
                        at::tensor({pr.graft_scale}, at::TensorOptions().dtype(at::kDouble)));
+      // Relative to the last activation (1 = the next refresh), so that the
+      // state does not depend on how the coordinator numbers refreshes (a
+      // resumed job numbers them from 0 again).
+      auto relative = [&](const at::Tensor& staged, int64_t tag) -> int64_t {
+        if (!staged.defined()) return -1;
+        return tag == kAnyRefresh ? 1 : std::max<int64_t>(1, tag - last_activated_);
+      };
+      out.emplace_back(p + "staged_refresh",
+                       at::tensor({relative(pr.a_staged[0], pr.a_tag[0]),
+                                   relative(pr.a_staged[1], pr.a_tag[1]),
+                                   relative(pr.b_staged[0], pr.b_tag[0]),
+                                   relative(pr.b_staged[1], pr.b_tag[1])},
+                                  at::TensorOptions().dtype(at::kLong)));
     }
     out.emplace_back(absl::StrCat("kfac.", layer, ".replicas_ready"),
                      at::tensor({static_cast<int64_t>(st.replicas_ready)},
                                 at::TensorOptions().dtype(at::kLong)));
+    // Relative as well: 0 = no refresh after the last activation finalised.
+    const int64_t finalized =
+        st.finalized_refresh > last_activated_ ? st.finalized_refresh - last_activated_ : 0;
+    out.emplace_back(absl::StrCat("kfac.", layer, ".finalized_refresh"),
+                     at::tensor({finalized}, at::TensorOptions().dtype(at::kLong)));
   }
   return out;
 }
@@ -844,6 +972,23 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
             return absl::InvalidArgumentError(absl::StrCat(
                 "K-FAC state ", p, "{damping,adam_step,graft_scale} missing or malformed"));
           }
+          auto tags = table.find(p + "staged_refresh");
+          if (tags != table.end() &&
+              (tags->second.numel() != 4 || tags->second.scalar_type() != at::kLong)) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("K-FAC state ", p, "staged_refresh is malformed"));
+          }
+          for (const auto& [name, is_a] : {std::make_pair("a_inv_new", true),
+                                           std::make_pair("b_inv_new", false)}) {
+            auto legacy = table.find(p + name);
+            const auto want = (is_a ? st.a_sum[InputOf(m)] : st.b_sum[m]).sizes().vec();
+            if (legacy != table.end() && (legacy->second.sizes().vec() != want ||
+                                          legacy->second.scalar_type() != at::kFloat)) {
+              return absl::InvalidArgumentError(absl::StrCat(
+                  "K-FAC state ", p, name, " has shape ", shape_of(legacy->second), ", expected [",
+                  absl::StrJoin(want, ","), "] float"));
+            }
+          }
           continue;
         }
         const at::Tensor d = damping->second.contiguous();
@@ -852,18 +997,53 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
         pr.damping.damping_b = d.data_ptr<double>()[2];
         pr.adam_step = step->second.item<int64_t>();
         pr.graft_scale = graft->second.item<double>();
+        // The staged inverses' refreshes; a state from before refresh tags
+        // has one staged inverse per factor ("*_inv_new"), activated next.
+        auto tags = table.find(p + "staged_refresh");
+        const bool tagged = tags != table.end() && tags->second.numel() == 4 &&
+                            tags->second.scalar_type() == at::kLong;
+        const at::Tensor tag = tagged ? tags->second.contiguous() : at::Tensor();
+        // Stored relative to the last activation: anchored at this one's
+        // (a fresh K-FAC: none; RebaseRefreshes moves it to the plan's).
+        auto absolute = [&](const at::Tensor& staged, int i) -> int64_t {
+          if (!staged.defined()) return kNoRefresh;
+          if (!tagged) return kAnyRefresh;
+          return last_activated_ + std::max<int64_t>(1, tag.data_ptr<int64_t>()[i]);
+        };
+        for (int slot = 0; slot < 2; ++slot) {
+          pr.a_tag[slot] = absolute(pr.a_staged[slot], slot);
+          pr.b_tag[slot] = absolute(pr.b_staged[slot], 2 + slot);
+        }
+        for (const auto& [name, is_a] : {std::make_pair("a_inv_new", true),
+                                         std::make_pair("b_inv_new", false)}) {
+          auto legacy = table.find(p + name);
+          if (legacy == table.end()) continue;
+          (is_a ? pr.a_staged : pr.b_staged)[0] = legacy->second.to(stage_->device()).clone();
+          (is_a ? pr.a_tag : pr.b_tag)[0] = kAnyRefresh;
+        }
       }
-      // Absent in states written before replica_sync (they synced factors).
+      // Absent in states written before replica_sync (they synced factors)
+      // resp. before inversions came in parts (finalised = not yet).
       auto ready = table.find(absl::StrCat("kfac.", layer, ".replicas_ready"));
+      auto finalized = table.find(absl::StrCat("kfac.", layer, ".finalized_refresh"));
       if (pass == 0) {
-        if (ready != table.end() &&
-            (ready->second.numel() != 1 || ready->second.scalar_type() != at::kLong)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("K-FAC state kfac.", layer, ".replicas_ready is malformed"));
+        for (const auto& [it, piece] : {std::make_pair(ready, "replicas_ready"),
+                                        std::make_pair(finalized, "finalized_refresh")}) {
+          if (it != table.end() &&
+              (it->second.numel() != 1 || it->second.scalar_type() != at::kLong)) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("K-FAC state kfac.", layer, ".", piece, " is malformed"));
+          }
         }
       } else {
         st.replicas_ready = ready != table.end() && ready->second.item<int64_t>() != 0;
+        const int64_t rel = finalized != table.end() ? finalized->second.item<int64_t>() : 0;
+        st.finalized_refresh = rel > 0 ? last_activated_ + rel : kNoRefresh;
         st.agreed = false;
+        for (Projection& pr : st.proj) {
+          pr.a_work.reset();
+          pr.b_work.reset();
+        }
       }
     }
   }

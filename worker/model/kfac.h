@@ -41,16 +41,21 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/kfac_workload.h"
 #include "detour/v1/spec.pb.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
 
 namespace detour::model {
 
-struct LayerCapture;  // transformer.h
+struct LayerCapture;       // transformer.h
+class DampedInverseWork;   // kfac_inverse.h
 
 // Projections of a block: "q","k","v","o","gate","up","down".
 const std::vector<std::string>& KfacModules();
+
+// The dimensions of one block of `config` (common/kfac_workload.h).
+kfac::BlockShape KfacBlockShape(const ModelConfig& config);
 
 // ---- The math, as free functions (tests, docs). -------------------------
 
@@ -72,7 +77,9 @@ struct KfacDamping {
 KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
                       int64_t dim_b, double damping);
 
-// (F + damping·I)⁻¹ by Cholesky with the fallbacks above, in F's dtype.
+// (F + damping·I)⁻¹ by Cholesky with the fallbacks above, in F's dtype:
+// every unit of DampedInverseWork (kfac_inverse.h) in one go — potrf and
+// potri up to kfac::kUnblockedInversion wide, blocked beyond.
 // `used_damping` (optional) receives the damping that succeeded.
 // FAILED_PRECONDITION for a non-finite F, INTERNAL if every retry fails.
 absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
@@ -117,11 +124,16 @@ class Kfac : public PreconditionHook {
   // Adds microbatch mb's contribution for block `layer` (global index) to the
   // pending activation factors A (needs mb's forward done) / gradient factors
   // B (needs its backward done) and frees that block's saved tensors.
-  // FAILED_PRECONDITION naming layer and mb when the data is not there (not
-  // captured, forward/backward not run, already consumed); INVALID_ARGUMENT
-  // for a layer this stage does not hold.
-  absl::Status CurvatureA(int layer, uint32_t mb);
-  absl::Status CurvatureB(int layer, uint32_t mb);
+  // In parts (docs/KFAC.md "Granules"): part p of num_parts takes run p of
+  // kfac::SplitIntoParts(CurvatureItemWeights) — a run of the distinct
+  // inputs (A) or projections (B) — in any order; the microbatch's token
+  // count is added with its first part, and the record is consumed once
+  // every input (projection) is. The sums equal the unsplit call's bit for
+  // bit. FAILED_PRECONDITION naming layer and mb when the data is not there
+  // (not captured, forward/backward not run, already consumed);
+  // INVALID_ARGUMENT for a layer this stage does not hold or a bad part.
+  absl::Status CurvatureA(int layer, uint32_t mb, int part = 0, int num_parts = 1);
+  absl::Status CurvatureB(int layer, uint32_t mb, int part = 0, int num_parts = 1);
   // Forgets the saved tensors of mb (no-op if none).
   void DropCapture(uint32_t mb);
   void DropAllCaptures();
@@ -136,19 +148,41 @@ class Kfac : public PreconditionHook {
   std::vector<at::Tensor> PendingFactorTensors(int layer);
 
   // Cholesky inverse of the damped factor of one projection (module in
-  // KfacModules()), staged until Activate(). The first inversion call of a
-  // layer after new curvature finalises the layer: pending sums → means
+  // KfacModules()) for refresh `refresh` (-1: the one after the last
+  // activated), staged until Activate() of that refresh. The first inversion
+  // of a layer for a refresh finalises the layer: pending sums → means
   // (F_new = sum / count), running average F ← (1-ρ)F + ρF_new (ρ =
   // factor_decay; the first refresh takes F_new), π per projection from ONE
   // snapshot of all traces, then the pending sums are cleared. Curvature
-  // added after that starts the next refresh. FAILED_PRECONDITION if the
-  // layer has no curvature of that kind yet; INVALID_ARGUMENT for an unknown
-  // layer or module.
-  absl::Status InvertA(int layer, const std::string& module);
-  absl::Status InvertB(int layer, const std::string& module);
-  // Inverses computed since the last Activate become the ones Precondition
-  // uses (per projection; others keep their previous inverses).
-  void Activate();
+  // added after that belongs to the next refresh, even when more inversions
+  // of this one follow (they use the factors as finalised). The next
+  // refresh may invert before this one is activated (at most two are
+  // staged: refresh numbers r and r+1), once this one's inversions of the
+  // layer have begun.
+  // In parts (docs/KFAC.md "Granules"): part p of num_parts runs the units
+  // of run p of kfac::SplitIntoParts(InversionUnitWeights(n)) of a
+  // DampedInverseWork; part 0 starts it (dropping one in progress), the
+  // last part finishes and stages the inverse, which equals the unsplit
+  // call's bit for bit. A later part with no inversion in progress (a
+  // restart lost it) runs the missing units first. FAILED_PRECONDITION if
+  // the layer has no curvature of that kind yet; INVALID_ARGUMENT for an
+  // unknown layer or module or a bad part.
+  absl::Status InvertA(int layer, const std::string& module, int part = 0, int num_parts = 1,
+                       int64_t refresh = -1);
+  absl::Status InvertB(int layer, const std::string& module, int part = 0, int num_parts = 1,
+                       int64_t refresh = -1);
+  // The inverses staged for refreshes up to `refresh` (-1: the one after the
+  // last activated) become the ones Precondition uses (per projection;
+  // others keep their previous inverses); those staged for refresh + 1 stay
+  // staged, any others (from an abandoned numbering) are dropped.
+  void Activate(int64_t refresh = -1);
+  // The coordinator's numbering: `last_activated` is the refresh activated
+  // last (-1: none; IterationPlan.kfac_refresh_base - 2). Shifts every
+  // refresh number held (finalised, staged, in progress) by the difference
+  // to this K-FAC's own, so that what is pending keeps its place: after
+  // joining with a replica's state (stored relative to its last
+  // activation), or when a restarted coordinator numbers from 0 again.
+  void RebaseRefreshes(int64_t last_activated);
   // All 7 projections of the block have active inverses.
   bool has_inverses(int layer) const;
 
@@ -255,9 +289,17 @@ class Kfac : public PreconditionHook {
   double last_graft_scale(int layer, const std::string& module) const;
 
  private:
+  static constexpr int64_t kNoRefresh = -1;
+  static constexpr int64_t kAnyRefresh = -2;
   struct Projection {
-    at::Tensor a_inv, b_inv;          // active
-    at::Tensor a_inv_new, b_inv_new;  // staged until Activate
+    at::Tensor a_inv, b_inv;  // active
+    // Staged until Activate: two slots, tagged with their refresh (lower
+    // first; kNoRefresh: empty; kAnyRefresh: activated by the next Activate).
+    std::array<at::Tensor, 2> a_staged, b_staged;
+    std::array<int64_t, 2> a_tag{kNoRefresh, kNoRefresh}, b_tag{kNoRefresh, kNoRefresh};
+    // Inversions in progress (parts) and their refresh; not part of State().
+    std::shared_ptr<DampedInverseWork> a_work, b_work;
+    int64_t a_work_refresh = kNoRefresh, b_work_refresh = kNoRefresh;
     KfacDamping damping;
     at::Tensor momentum;              // KFAC_UPDATE_MOMENTUM
     at::Tensor adam_m, adam_v;        // KFAC_UPDATE_GRAFT_ADAMW
@@ -273,6 +315,9 @@ class Kfac : public PreconditionHook {
     std::array<Projection, 7> proj;
     bool replicas_ready = false;  // replicas_precondition(): agreed
     bool agreed = false;          // ... at the coming CommitAgreement
+    // The refresh the factors were last finalised for (its first inversion);
+    // curvature since then belongs to a later refresh.
+    int64_t finalized_refresh = kNoRefresh;
   };
 
   Kfac(Stage* stage, const v1::OptimizerSpec& spec);
@@ -280,7 +325,12 @@ class Kfac : public PreconditionHook {
   absl::StatusOr<LayerCapture*> Record(int layer, uint32_t mb,
                                        const std::string& what);
   absl::Status Finalize(int layer, LayerState* st);
-  absl::Status Invert(int layer, const std::string& module, bool is_a);
+  absl::Status Invert(int layer, const std::string& module, bool is_a, int part, int num_parts,
+                      int64_t refresh);
+  // Stages `inverse` for `refresh` in one of a factor's two slots.
+  static void StageInverse(int64_t refresh, const at::Tensor& inverse,
+                           std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag);
+  absl::Status Curvature(int layer, uint32_t mb, bool is_a, int part, int num_parts);
   absl::Status GraftStep(int layer, const std::vector<NamedTensor>& params,
                          std::set<std::string>* self_updated);
   // Whether Precondition K-FAC-steps `layer` this step.
@@ -288,6 +338,7 @@ class Kfac : public PreconditionHook {
 
   Stage* stage_;
   int begin_ = 0;  // first global layer held
+  std::vector<int64_t> curvature_a_items_, curvature_b_items_;  // kfac::BlockWorkload
   double damping_, factor_decay_, kfac_lr_, momentum_, kl_clip_;
   double adamw_lr_, weight_decay_;
   v1::KfacUpdate update_;
@@ -299,6 +350,7 @@ class Kfac : public PreconditionHook {
   std::map<std::string, at::Tensor> step_updates_;
   double step_lr_ = 0;
   double last_kl_scale_ = 1;
+  int64_t last_activated_ = kNoRefresh;
 };
 
 }  // namespace detour::model

@@ -83,11 +83,15 @@ struct LayerCapture {
   // Output gradients in KfacModules() order: q k v o gate up down.
   std::array<at::Tensor, 7> output_grads;
   bool forward_done = false;
-  bool a_consumed = false;  // inputs turned into A and freed
-  bool b_consumed = false;  // output gradients turned into B and freed
+  // Per input / projection: turned into its A / B sum and freed (K-FAC may
+  // take them in parts, Kfac::CurvatureA/B); all of them: consumed.
+  std::array<bool, 4> a_taken{};
+  std::array<bool, 7> b_taken{};
+  bool a_consumed = false;  // every input turned into A and freed
+  bool b_consumed = false;  // every output gradient turned into B and freed
   bool backward_done() const {
-    for (const auto& g : output_grads) {
-      if (!g.defined()) return false;
+    for (size_t m = 0; m < output_grads.size(); ++m) {
+      if (!output_grads[m].defined() && !b_taken[m]) return false;
     }
     return true;
   }

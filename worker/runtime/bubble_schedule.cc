@@ -12,6 +12,7 @@ std::string BubbleSchedule::Name(const v1::BubbleTask& t) {
   absl::StrAppend(&name, "(layer ", t.layer());
   if (!t.module().empty()) absl::StrAppend(&name, " ", t.module());
   if (IsCurvature(t)) absl::StrAppend(&name, " mb ", t.microbatch());
+  if (t.num_parts() > 1) absl::StrAppend(&name, " part ", t.part() + 1, "/", t.num_parts());
   absl::StrAppend(&name, ", refresh ", t.refresh(), ")");
   return name;
 }
@@ -42,6 +43,37 @@ absl::Status BubbleSchedule::Take(const v1::IterationPlan& plan, const std::stri
       return absl::InvalidArgumentError(absl::StrCat("K-FAC task ", Name(t),
                                                      " names a layer this stage (", layer_begin_,
                                                      "-", layer_end_ - 1, ") does not hold"));
+    }
+    // Parts: 0 = unsplit (plans from before parts); at most one per unit.
+    const uint32_t parts = std::max<uint32_t>(1, t.num_parts());
+    if (t.part() >= parts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("K-FAC task ", Name(t), ": part ", t.part(), " of ", parts));
+    }
+    size_t units = 0;
+    const int module = kfac::ModuleIndex(t.module());
+    switch (t.kind()) {
+      case v1::BubbleTask::KIND_CURVATURE_A:
+      case v1::BubbleTask::KIND_CURVATURE_B:
+        units = block_.CurvatureItemWeights(t.kind() == v1::BubbleTask::KIND_CURVATURE_A).size();
+        break;
+      case v1::BubbleTask::KIND_INVERT_A:
+      case v1::BubbleTask::KIND_INVERT_B:
+        if (module < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "K-FAC task ", Name(t), " names no projection (q, k, v, o, gate, up, down)"));
+        }
+        units = kfac::InversionUnitWeights(t.kind() == v1::BubbleTask::KIND_INVERT_A
+                                               ? block_.f_in(module)
+                                               : block_.f_out(module))
+                    .size();
+        break;
+      default:
+        units = parts;
+    }
+    if (block_.shape().d_model > 0 && parts > units) {
+      return absl::InvalidArgumentError(absl::StrCat("K-FAC task ", Name(t), ": ", parts,
+                                                     " parts for an item of ", units, " units"));
     }
     switch (t.kind()) {
       case v1::BubbleTask::KIND_CURVATURE_A:
@@ -102,6 +134,14 @@ bool BubbleSchedule::Ready(const v1::BubbleTask& t, const IterationTracker& trac
   }
   for (const v1::BubbleTask& o : tasks_) {
     if (IsCurvature(o) && o.layer() == t.layer() && o.refresh() <= t.refresh()) return false;
+    // An inversion's parts in order; the next refresh's inversions of a
+    // layer after the previous refresh's (its first one finalises the
+    // factors that those still read).
+    if (o.kind() == t.kind() && o.layer() == t.layer() && o.module() == t.module() &&
+        o.refresh() == t.refresh() && o.part() < t.part()) {
+      return false;
+    }
+    if (IsInversion(o) && o.layer() == t.layer() && o.refresh() < t.refresh()) return false;
   }
   return !SyncsLayer(static_cast<int>(t.layer())) || waiting_step;
 }

@@ -6,8 +6,10 @@
 // does not depend on timing), and once the layer's previous refresh is
 // finalised; an inversion once no curvature of the same or an earlier
 // refresh of its layer is left and its factors are not waiting for the
-// all-reduce. Persists across iterations per job (the newest refresh each
-// layer inverted).
+// all-reduce, and once no inversion of an earlier refresh of its layer is
+// left; a part of an inversion (BubbleTask.part > 0) once its earlier parts
+// of this plan ran. Persists across iterations per job (the newest
+// refresh each layer inverted).
 //
 // No LibTorch, no threads: the runtime's executor owns it and runs the tasks.
 #ifndef DETOUR_WORKER_RUNTIME_BUBBLE_SCHEDULE_H_
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/kfac_workload.h"
 #include "detour/v1/plan.pb.h"
 #include "worker/runtime/iteration_tracker.h"
 
@@ -28,15 +31,17 @@ namespace detour {
 
 class BubbleSchedule {
  public:
-  // Layers [begin, end) of this node's stage; `kfac`: the job uses K-FAC.
-  BubbleSchedule(bool kfac, int layer_begin, int layer_end)
-      : kfac_(kfac), layer_begin_(layer_begin), layer_end_(layer_end) {}
+  // Layers [begin, end) of this node's stage, whose blocks have `shape`
+  // (the tasks' parts are checked against it); `kfac`: the job uses K-FAC.
+  BubbleSchedule(bool kfac, int layer_begin, int layer_end, const kfac::BlockShape& shape = {})
+      : kfac_(kfac), layer_begin_(layer_begin), layer_end_(layer_end), block_(shape) {}
 
   // Takes this node's tasks of `plan` (the previous iteration's are
   // forgotten). Fills `capture` with the curvature microbatches whose block
   // inputs and output gradients must be kept. INVALID_ARGUMENT for a task
   // this node cannot run (no K-FAC, a layer it does not hold, a microbatch
-  // without a route, an unknown kind). `replicated`: the stage has replicas
+  // without a route, an unknown kind or module, part >= num_parts, more
+  // parts than the item has units). `replicated`: the stage has replicas
   // (factors sync only then).
   absl::Status Take(const v1::IterationPlan& plan, const std::string& me, bool replicated,
                     std::vector<uint32_t>* capture);
@@ -77,6 +82,7 @@ class BubbleSchedule {
   const bool kfac_;
   const int layer_begin_;
   const int layer_end_;
+  const kfac::BlockWorkload block_;
   std::list<v1::BubbleTask> tasks_;
   std::vector<int> sync_layers_;
   std::map<int, uint64_t> finalized_refresh_;  // layer -> newest refresh inverted

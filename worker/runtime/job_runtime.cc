@@ -428,7 +428,8 @@ class JobRuntime::Impl {
         for (const at::Tensor& t : kfac_->PendingFactorTensors(l)) factor_numel_ += t.numel();
       }
     }
-    bubbles_ = std::make_unique<BubbleSchedule>(kfac_ != nullptr, layers.begin, layers.end);
+    bubbles_ = std::make_unique<BubbleSchedule>(kfac_ != nullptr, layers.begin, layers.end,
+                                                 model::KfacBlockShape(stage_->config()));
     if (!a.restore_from().empty()) {
       ASSIGN_OR_RETURN(model::CheckpointManifest manifest, model::ReadManifest(a.restore_from()));
       RETURN_IF_ERROR(model::LoadStage(a.restore_from(), manifest, stage_.get(), optimizer_.get(),
@@ -554,6 +555,11 @@ class JobRuntime::Impl {
     }
     const std::vector<uint32_t> own = it.tracker->Own();
     if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
+    // The coordinator's refresh numbering (it restarts after a resume or a
+    // coordinator restart; a joining replica's state is relative to it).
+    if (kfac_ != nullptr && plan.kfac_refresh_base() > 0) {
+      kfac_->RebaseRefreshes(static_cast<int64_t>(plan.kfac_refresh_base()) - 2);
+    }
     std::vector<uint32_t> capture;
     if (absl::Status s = bubbles_->Take(it.plan, me_, group_.size() > 1, &capture); !s.ok()) {
       return Fail(s);
@@ -1087,7 +1093,7 @@ class JobRuntime::Impl {
     // items, run now: the step may activate what they compute.
     if (!DrainBubbles([](const v1::BubbleTask&) { return true; }, true)) return;
     if (kfac_ != nullptr && it.plan.kfac_activate_refresh() > 0) {
-      kfac_->Activate();
+      kfac_->Activate(static_cast<int64_t>(it.plan.kfac_activate_refresh() - 1));
       LogDebug("job ", job_id_, ": K-FAC refresh ", it.plan.kfac_activate_refresh() - 1,
                " active from iteration ", it.plan.iteration());
     }
@@ -1225,11 +1231,18 @@ class JobRuntime::Impl {
     bubble_running_.store(true, std::memory_order_release);
     absl::Status s = model::GuardTorch("K-FAC", [&]() -> absl::Status {
       const int layer = static_cast<int>(t.layer());
+      // num_parts 0: a plan from before parts (one whole item).
+      const int parts = static_cast<int>(std::max<uint32_t>(1, t.num_parts()));
+      const int part = static_cast<int>(t.part());
       switch (t.kind()) {
-        case v1::BubbleTask::KIND_CURVATURE_A: return kfac_->CurvatureA(layer, t.microbatch());
-        case v1::BubbleTask::KIND_CURVATURE_B: return kfac_->CurvatureB(layer, t.microbatch());
-        case v1::BubbleTask::KIND_INVERT_A: return kfac_->InvertA(layer, t.module());
-        case v1::BubbleTask::KIND_INVERT_B: return kfac_->InvertB(layer, t.module());
+        case v1::BubbleTask::KIND_CURVATURE_A:
+          return kfac_->CurvatureA(layer, t.microbatch(), part, parts);
+        case v1::BubbleTask::KIND_CURVATURE_B:
+          return kfac_->CurvatureB(layer, t.microbatch(), part, parts);
+        case v1::BubbleTask::KIND_INVERT_A:
+          return kfac_->InvertA(layer, t.module(), part, parts, static_cast<int64_t>(t.refresh()));
+        case v1::BubbleTask::KIND_INVERT_B:
+          return kfac_->InvertB(layer, t.module(), part, parts, static_cast<int64_t>(t.refresh()));
         default: return absl::OkStatus();
       }
     });
