@@ -8,8 +8,10 @@
 #   make bench   build and run the benchmarks
 #   make fuzz    build the libFuzzer targets with clang and run each for
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
-#   make checks  the checked builds CI runs besides `make test`: clang with
-#                -Wthread-safety -Werror, and a short fuzz run
+#   make checks  the checked builds CI runs besides `make test` (tools/checks.sh):
+#                ASan+UBSan+LSan over the suite and the e2e tests with
+#                -Wthread-safety -Werror, short fuzz runs, TSan over the
+#                threaded parts and e2e tests with a TSan coordinator
 #   make clean   remove the build directory
 
 BUILD_DIR ?= build

@@ -116,13 +116,15 @@ for step in "${steps[@]}"; do
       # DETOUR_TSAN links tests/tsan/absl_sync_annotations.cc into the tests
       # and daemons: Debian's abseil is not instrumented, so without it TSan
       # sees no ordering through absl::Mutex at all.
-      configure build-tsan "${OPT_FLAGS[@]}" -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
+      # Full debug info (not OPT_FLAGS' line tables): tests/tsan/tsan.supp
+      # matches qualified names of inlined frames, which line tables lack.
+      configure build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
         -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread"
       tsan_tests=(tests/transport/transport_test tests/net/net_test tests/runtime/runtime_work_queue_test
                   tests/runtime/runtime_parts_test tests/runtime/runtime_test
                   tests/worker/worker_control_client_test)
-      timed "build-tsan" cmake --build build-tsan -j"$JOBS" --target tsan_canary detour-coordinator \
+      timed "build-tsan" cmake --build build-tsan -j"$JOBS" --target tsan_canary detour-coordinator detour-worker \
         "${tsan_tests[@]##*/}"
       tsan_options="suppressions=$ROOT/tests/tsan/tsan.supp report_signal_unsafe=0"
       # The canary's deliberate race in a reactor gRPC runs must be reported,

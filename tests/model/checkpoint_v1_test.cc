@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <sstream>
 
@@ -214,18 +215,19 @@ TEST_F(CheckpointV1Test, AFileThatCrashesLibTorchsReaderIsNamedAndNothingIsLeft)
 
   // In a sanitized build the child's SEGV is reported by ASan; its report
   // goes to this test's directory (checked below), not to the run's log
-  // directory that tools/checks.sh fails on.
-  const char* asan = std::getenv("ASAN_OPTIONS");
-  const std::string saved_asan = asan != nullptr ? asan : "";
+  // directory that tools/checks.sh fails on. (log_path is a flag common to
+  // the sanitizers: UBSAN_OPTIONS, read after ASAN_OPTIONS, would win.)
   const std::string reports = (root_ / "reader-crash").string();
-  ::setenv("ASAN_OPTIONS", absl::StrCat(saved_asan, ":log_path=", reports).c_str(), 1);
+  std::map<std::string, std::string> saved;
+  for (const char* var : {"ASAN_OPTIONS", "UBSAN_OPTIONS"}) {
+    const char* options = std::getenv(var);
+    if (options == nullptr) continue;
+    saved[var] = options;
+    ::setenv(var, absl::StrCat(options, ":log_path=", reports).c_str(), 1);
+  }
   std::string out;
   const int code = Run({"convert", old_, new_}, &out);
-  if (asan != nullptr) {
-    ::setenv("ASAN_OPTIONS", saved_asan.c_str(), 1);
-  } else {
-    ::unsetenv("ASAN_OPTIONS");
-  }
+  for (const auto& [var, options] : saved) ::setenv(var.c_str(), options.c_str(), 1);
   EXPECT_EQ(code, 1) << out;
   EXPECT_TRUE(absl::StrContains(out, (fs::path(old_) / "stage-2.pt").string() +
                                          ": LibTorch's archive reader crashed on this file"))
