@@ -244,7 +244,9 @@ TEST_F(ElasticTest, TwoStallsComeBackAndRefillTwoShortStages) {
   // Iterations enough not to end first; cancelled once the check is done.
   const v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 100000);
   Daemon c = StartCoordinator();
-  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 6, WorkerFlags());
+  // Exactly the job's five: no spare worker, so the first one back is judged
+  // against both short stages.
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
   ElasticRun run(this, c.grpc_port, spec);
   ASSERT_TRUE(run.ReachIteration(2, absl::Seconds(90))) << c.process->Log();
   const v1::Job before = run.Get();
