@@ -184,6 +184,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   v1::ElasticSpec* e = spec->mutable_elastic();
   DETOUR_DEFAULT(e, pause_timeout_s, 600u);
   DETOUR_DEFAULT(e, reconnect_grace_ms, 2000u);
+  DETOUR_DEFAULT(e, reassign_horizon_iterations, 20u);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -478,6 +479,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("elastic.reconnect_grace_ms",
                    absl::StrCat(e.reconnect_grace_ms(), " exceeds the limit ",
                                 L::kMaxReconnectGraceMs));
+  }
+  if (e.reassign_horizon_iterations() > L::kMaxReassignHorizon) {
+    return Invalid("elastic.reassign_horizon_iterations",
+                   absl::StrCat(e.reassign_horizon_iterations(), " exceeds the limit ",
+                                L::kMaxReassignHorizon));
   }
   if (spec.iterations() > L::kMaxIterations) {
     return Invalid("iterations",

@@ -55,6 +55,7 @@ struct SpecLimits {
   static constexpr int kMaxLinks = 1 << 20;
   static constexpr uint32_t kMaxPauseSeconds = 7 * 24 * 3600;
   static constexpr uint32_t kMaxReconnectGraceMs = 600'000;
+  static constexpr uint32_t kMaxReassignHorizon = 100'000;
 };
 
 // Reads, parses, defaults and validates a spec file. NOT_FOUND when the file

@@ -115,8 +115,9 @@ absl::Status Coordinator::Init() {
   JobServiceImpl::Hooks job_hooks;
   job_hooks.on_submitted = [this](const std::string& id) { manager_->Add(id); };
   job_hooks.on_cancelled = [this](const std::string& id) { manager_->Cancel(id); };
-  job_hooks.on_resume = [this](const std::string& id, const std::string& checkpoint) {
-    return manager_->Resume(id, checkpoint);
+  job_hooks.on_resume = [this](const std::string& id, const std::string& checkpoint,
+                               uint32_t replicas_per_stage) {
+    return manager_->Resume(id, checkpoint, replicas_per_stage);
   };
   job_service_ = std::make_unique<JobServiceImpl>(&jobs_, &auth_, std::move(job_hooks));
   ControlServiceImpl::Hooks hooks;

@@ -11,6 +11,8 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
   ${CMAKE_CURRENT_LIST_DIR}/service_discovery.cc
+  ${CMAKE_CURRENT_LIST_DIR}/stage_reassignment.cc
+  ${CMAKE_CURRENT_LIST_DIR}/stragglers.cc
   ${CMAKE_CURRENT_LIST_DIR}/timing_estimates.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_registry.cc
 )

@@ -122,7 +122,8 @@ void JobManager::Cancel(const std::string& job_id) {
 }
 
 absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
-                                           const std::string& checkpoint) {
+                                           const std::string& checkpoint,
+                                           uint32_t replicas_per_stage) {
   {
     absl::MutexLock lock(&mu_);
     if (runners_.count(job_id) && !runners_.at(job_id)->finished()) {
@@ -144,11 +145,21 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
   spec.mutable_checkpoint()->set_resume_from(dir);
   // The checkpoint holds the weights now; the import was only the start.
   spec.mutable_checkpoint()->clear_init_from();
-  if (auto valid = NormalizeJobSpec(spec); !valid.ok()) return valid.status();
+  const uint32_t was = spec.pipeline().replicas_per_stage();
+  if (replicas_per_stage > 0) spec.mutable_pipeline()->set_replicas_per_stage(replicas_per_stage);
+  if (auto valid = NormalizeJobSpec(spec); !valid.ok()) {
+    return replicas_per_stage > 0 ? Annotate(valid.status(), absl::StrCat("replicas_per_stage ",
+                                                                           replicas_per_stage))
+                                  : valid.status();
+  }
+  const bool changed = replicas_per_stage > 0 && replicas_per_stage != was;
   ASSIGN_OR_RETURN(v1::Job resumed, jobs_->Update(job_id, [&](v1::Job* j) {
     *j->mutable_spec() = spec;
     j->set_state(v1::JOB_STATE_PENDING);
-    j->set_message(absl::StrCat("resuming from ", dir));
+    j->set_message(absl::StrCat("resuming from ", dir,
+                                changed ? absl::StrCat(" with ", replicas_per_stage,
+                                                       " replicas per stage (was ", was, ")")
+                                        : ""));
     j->clear_end_time();
     j->set_resumes(j->resumes() + 1);
   }));

@@ -46,9 +46,13 @@ class JobManager final : public RunnerHost {
   // are told to drop it within seconds.
   void Cancel(const std::string& job_id);
   // Restarts a FAILED or CANCELLED job from `checkpoint` ("" = its newest):
-  // it becomes PENDING again under its id. FAILED_PRECONDITION when it has
-  // not ended, succeeded, or there is no checkpoint; NOT_FOUND when unknown.
-  absl::StatusOr<v1::Job> Resume(const std::string& job_id, const std::string& checkpoint);
+  // it becomes PENDING again under its id, with `replicas_per_stage`
+  // replicas per stage (0 = the job's own; checkpoints hold one file per
+  // stage). FAILED_PRECONDITION when it has not ended, succeeded, or there
+  // is no checkpoint; NOT_FOUND when unknown; INVALID_ARGUMENT for a replica
+  // count the spec does not allow.
+  absl::StatusOr<v1::Job> Resume(const std::string& job_id, const std::string& checkpoint,
+                                 uint32_t replicas_per_stage = 0);
   // From ControlService (gRPC thread): results, norms, timings, errors.
   void OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message);
   // Stops the scheduler and every runner; running jobs become FAILED

@@ -22,6 +22,8 @@
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
+#include "coordinator/stage_reassignment.h"
+#include "coordinator/stragglers.h"
 #include "worker/model/checkpoint_manifest.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -68,6 +70,12 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   lost = counter("detour_coordinator_job_workers_lost", "Workers that left a running job.");
   joined = counter("detour_coordinator_job_workers_joined",
                    "Workers that joined a running job.");
+  reassigned = counter("detour_coordinator_job_workers_reassigned",
+                       "Workers moved from one stage of a running job to another (the planner "
+                       "predicted a gain repaying the move).");
+  stragglers = counter("detour_coordinator_stragglers",
+                       "Workers found persistently slower than their replicas or their "
+                       "prediction (routed around with fewer visits).");
   if (auto f = m->AddHistogram("detour_coordinator_recovery_seconds",
                                "From the detection of a lost worker to the job running again "
                                "(re-planned microbatches sent, or the next iteration planned).",
@@ -102,6 +110,12 @@ void RunnerMetrics::WorkerLost() {
 }
 void RunnerMetrics::WorkerJoined() {
   if (joined != nullptr) joined->Increment();
+}
+void RunnerMetrics::WorkerReassigned() {
+  if (reassigned != nullptr) reassigned->Increment();
+}
+void RunnerMetrics::StragglerFound() {
+  if (stragglers != nullptr) stragglers->Increment();
 }
 void RunnerMetrics::MembersChanged(int delta) {
   if (members != nullptr) members->Increment(delta);
@@ -184,8 +198,10 @@ class JobRunner::Impl {
         .IgnoreError();
     started_ = absl::Now();
     started_iteration_ = next_iteration_;
+    reassign_epoch_ = epoch_;
     while (next_iteration_ < spec_.iterations()) {
       if (auto e = Grow(); e) return *e;
+      if (auto e = Reassign(); e) return *e;
       if (std::string why = Infeasible(); !why.empty()) {
         if (auto e = Pause(next_iteration_, why); e) return *e;
       }
@@ -318,7 +334,8 @@ class JobRunner::Impl {
   // remaining ones; jumps and swap distances shrink by `missing`, so that
   // mapped back onto the real stages they stay within the job's limits.
   // FAILED_PRECONDITION when that is impossible (stage 0 gone, the full
-  // pipeline, K-FAC's bubble plan, too few stages left, jumps too short).
+  // pipeline, too few stages left, jumps too short). K-FAC jobs skip like
+  // the others: their bubble plan covers the stages that have workers.
   absl::StatusOr<v1::PipelineSpec> SkipSpec(size_t missing) const {
     const v1::PipelineSpec& p = spec_.pipeline();
     const int stages = static_cast<int>(p.num_stages()) - static_cast<int>(missing);
@@ -327,8 +344,7 @@ class JobRunner::Impl {
     if (assignment_.stage_nodes.empty() || assignment_.stage_nodes[0].empty()) {
       return absl::FailedPreconditionError("no data node is left");
     }
-    if (p.scheduler() == v1::SCHEDULER_FULL || p.skip_ratio() <= 0 || kfac() ||
-        p.full_model_every() > 0) {
+    if (p.scheduler() == v1::SCHEDULER_FULL || p.skip_ratio() <= 0 || p.full_model_every() > 0) {
       return absl::FailedPreconditionError("the job's routes cannot skip a stage");
     }
     if (visited > stages || jump < 1 ||
@@ -465,6 +481,7 @@ class JobRunner::Impl {
       v1::Peer p;
       p.set_worker_id(id);
       p.set_address(w.address());
+      p.set_data_address(w.data_address());
       p.set_region(w.region());
       p.set_stage(stage);
       peers.push_back(std::move(p));
@@ -521,10 +538,23 @@ class JobRunner::Impl {
   // --- assignment --------------------------------------------------------------
 
   std::optional<JobEnd> Assign() {
+    // A resumed job (or one started from another job's checkpoint) restores
+    // every stage and continues at the checkpoint's iteration.
+    std::string restore = spec_.checkpoint().resume_from();
+    if (!restore.empty()) {
+      auto done = CheckpointIteration(restore);
+      if (!done.ok()) return Failed(absl::StrCat("checkpoint.resume_from: ", done.status().message()));
+      if (*done >= spec_.iterations()) {
+        return Failed(absl::StrCat("checkpoint.resume_from: ", restore, " was taken after ", *done,
+                                   " iterations; the job has only ", spec_.iterations()));
+      }
+      next_iteration_ = *done;
+    }
     for (const auto& [id, w] : infos_) node_order_.push_back(id);
     if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
     planner::PlannerOptions po;
-    po.seed = spec_.seed();
+    // The plan of iteration i is seeded with seed + i, resumed or not.
+    po.seed = spec_.seed() + next_iteration_;
     // K-FAC places its work into the simulated timeline's gaps; otherwise
     // only the predicted time is used.
     po.sim.record_timeline = kfac();
@@ -537,21 +567,19 @@ class JobRunner::Impl {
     }
     host_->runner_metrics().MembersChanged(static_cast<int>(members_.size()));
     if (auto e = CreateBubblePlanner(); e) return e;
-
-    // A resumed job (or one started from another job's checkpoint) restores
-    // every stage and continues at the checkpoint's iteration.
-    std::string restore = spec_.checkpoint().resume_from();
     if (!restore.empty()) {
-      auto done = CheckpointIteration(restore);
-      if (!done.ok()) return Failed(absl::StrCat("checkpoint.resume_from: ", done.status().message()));
-      if (*done >= spec_.iterations()) {
-        return Failed(absl::StrCat("checkpoint.resume_from: ", restore, " was taken after ", *done,
-                                   " iterations; the job has only ", spec_.iterations()));
-      }
-      next_iteration_ = *done;
       AddEvent(v1::JobHistoryEvent::KIND_RESUMED, next_iteration_, "",
                absl::StrCat("resuming from checkpoint ", restore, " at iteration ",
-                            next_iteration_));
+                            next_iteration_, " on ", members_.size(), " workers (",
+                            spec_.pipeline().replicas_per_stage(), " per stage)"));
+      // Progress restarts at the checkpoint: what came after it is redone.
+      host_->jobs()
+          .Update(job_id_,
+                  [&](v1::Job* j) {
+                    j->mutable_progress()->set_iteration(next_iteration_);
+                    j->mutable_progress()->set_total_iterations(spec_.iterations());
+                  })
+          .IgnoreError();
     }
     if (restore.empty() && !spec_.checkpoint().init_from().empty()) {
       LogInfo("job ", job_id_, ": workers initialise their stages from ",
@@ -780,14 +808,6 @@ class JobRunner::Impl {
       route->set_epoch(epoch_);
     }
     plan->set_predicted_time_s(planned.result.iteration_time_s);
-    if (bubbles_ != nullptr) {
-      auto placed = bubbles_->PlanIteration(iteration, planned.plan,
-                                            planner::TimelineFromSimulation(planned.result));
-      if (!placed.ok()) return Annotate(placed.status(), "K-FAC bubble planner");
-      for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
-      if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
-      plan->set_predicted_time_s(placed->iteration_time_s);
-    }
     const v1::CheckpointPolicy& policy = spec_.checkpoint();
     // A stage without workers has no file to write: no checkpoint is taken
     // while one is empty (the last complete one stays the newest).
@@ -797,6 +817,20 @@ class JobRunner::Impl {
       plan->set_checkpoint(true);
       plan->set_checkpoint_dir(absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root,
                                                job_id_, iteration + 1));
+    }
+    if (bubbles_ != nullptr) {
+      // A checkpoint closes the K-FAC refresh window: no refresh is in
+      // flight across it, so a job resumed from it plans the same K-FAC
+      // work as one that went on (BubblePlanner::PlanIteration). Not the
+      // last iteration's: no iteration follows it.
+      const bool close = plan->checkpoint() && iteration + 1 < spec_.iterations();
+      auto placed = bubbles_->PlanIteration(iteration, planned.plan,
+                                            planner::TimelineFromSimulation(planned.result),
+                                            /*close_window=*/close);
+      if (!placed.ok()) return Annotate(placed.status(), "K-FAC bubble planner");
+      for (v1::BubbleTask& t : placed->tasks) *plan->add_bubble_tasks() = std::move(t);
+      if (placed->activate_refresh) plan->set_kfac_activate_refresh(*placed->activate_refresh + 1);
+      plan->set_predicted_time_s(placed->iteration_time_s);
     }
     return m;
   }
@@ -891,6 +925,14 @@ class JobRunner::Impl {
       p->set_microbatches_rerun(rerun_total_);
       p->set_microbatches_dropped(dropped_total_);
       p->set_members(static_cast<uint32_t>(members_.size()));
+      p->clear_planned_visits();
+      for (const auto& [id, stage] : members_) (*p->mutable_planned_visits())[id] = 0;
+      for (const v1::Route& r : plan.routes()) {
+        for (const std::string& id : r.nodes()) {
+          auto v = p->mutable_planned_visits()->find(id);
+          if (v != p->mutable_planned_visits()->end()) ++v->second;
+        }
+      }
       j->set_epoch(epoch_);
     });
     if (!recorded.ok()) {
@@ -1089,10 +1131,17 @@ class JobRunner::Impl {
                absl::StrCat("stage ", stage, " has no worker left: every route skips it until a "
                             "worker joins (no checkpoints meanwhile)"));
     }
-    if (bubbles_ != nullptr) {
-      if (absl::Status s = bubbles_->UpdateCosts(KfacWorkload()); !s.ok()) {
-        LogWarning("job ", job_id_, ": K-FAC costs after a loss: ", s.message());
-      }
+    straggler_replans_.erase(id);
+    stragglers_.erase(id);
+    KfacMembershipChanged();
+  }
+
+  // The K-FAC bubble plan follows the membership: the lost worker's blocks
+  // leave it, a joiner's enter it (refreshes in flight start over).
+  void KfacMembershipChanged() {
+    if (bubbles_ == nullptr) return;
+    if (absl::Status s = bubbles_->SetWorkload(KfacWorkload()); !s.ok()) {
+      LogWarning("job ", job_id_, ": K-FAC workload after a membership change: ", s.message());
     }
   }
 
@@ -1249,6 +1298,7 @@ class JobRunner::Impl {
     const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
     while (!Infeasible().empty()) {
       if (auto e = Grow(); e) return e;
+      if (auto e = Reassign(); e) return e;
       if (Infeasible().empty()) break;
       Event ev = Wait(deadline, [&] { return absl::StrCat("workers to join (", why, ")"); },
                       /*detect_loss=*/true, /*return_on_change=*/true);
@@ -1338,8 +1388,11 @@ class JobRunner::Impl {
   }
 
   // `w` joins stage `stage` at the next iteration: it builds the stage and
-  // receives a live replica's state (or the newest checkpoint's).
-  std::optional<JobEnd> Join(const v1::WorkerInfo& w, int stage) {
+  // receives a live replica's state (or the newest checkpoint's). With
+  // `move`, `w` is a member moving from move->from (it already left it): it
+  // drops that stage and takes the new one the same way.
+  std::optional<JobEnd> Join(const v1::WorkerInfo& w, int stage,
+                             const StageMove* move = nullptr) {
     const std::string id = w.worker_id();
     infos_[id] = w;
     if (std::find(node_order_.begin(), node_order_.end(), id) == node_order_.end()) {
@@ -1352,17 +1405,20 @@ class JobRunner::Impl {
     ++epoch_;
     RebuildAssignment();
     last_routes_.clear();
-    host_->runner_metrics().MembersChanged(1);
+    if (move == nullptr) host_->runner_metrics().MembersChanged(1);
+    KfacMembershipChanged();
     const std::string restore = donor.empty() ? last_checkpoint_ : "";
+    const std::string verb = move == nullptr ? "join" : "move to";
     auto fail_join = [&](const std::string& why) -> std::optional<JobEnd> {
       // Not again for a while: a worker that cannot join would otherwise be
       // tried at every iteration.
       join_backoff_[id] = absl::Now() + kJoinBackoff;
       AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
-               absl::StrCat("worker ", id, " could not join stage ", stage, ": ", why));
+               absl::StrCat("worker ", id, " could not ", verb, " stage ", stage, ": ", why));
       RemoveMember(id, why, next_iteration_);
       return std::nullopt;
     };
+    const absl::Time begin = absl::Now();
     if (!SendTo(id, AssignmentFor(id, stage, next_iteration_, donor, restore))) {
       return fail_join("it has no open session");
     }
@@ -1371,7 +1427,8 @@ class JobRunner::Impl {
     bool received = donor.empty();
     uint64_t checksum = 0;
     while (!ready || !received) {
-      Event ev = Wait(deadline, [&] { return absl::StrCat("worker ", id, " to join stage ", stage); });
+      Event ev = Wait(deadline,
+                      [&] { return absl::StrCat("worker ", id, " to ", verb, " stage ", stage); });
       if (ev.end) {
         if (ev.end->state == v1::JOB_STATE_FAILED && !StopRequested()) {
           return fail_join(ev.end->message);
@@ -1406,17 +1463,123 @@ class JobRunner::Impl {
       return fail_join(absl::StrCat("the state it received has checksum ", checksum,
                                     ", its replicas ", last_checksum_.at(stage)));
     }
-    host_->runner_metrics().WorkerJoined();
     RecordStages();
-    AddEvent(v1::JobHistoryEvent::KIND_WORKER_JOINED, next_iteration_, id,
-             absl::StrCat("worker ", id, " joined stage ", stage, " at iteration ",
-                          next_iteration_,
-                          donor.empty() ? (restore.empty() ? " (fresh parameters: no replica or "
-                                                             "checkpoint was left)"
-                                                           : absl::StrCat(" from checkpoint ",
-                                                                          restore))
-                                        : absl::StrCat(" with the state of ", donor)));
+    const std::string source =
+        donor.empty() ? (restore.empty() ? " (fresh parameters: no replica or checkpoint was left)"
+                                         : absl::StrCat(" from checkpoint ", restore))
+                      : absl::StrCat(" with the state of ", donor);
+    if (move == nullptr) {
+      host_->runner_metrics().WorkerJoined();
+      AddEvent(v1::JobHistoryEvent::KIND_WORKER_JOINED, next_iteration_, id,
+               absl::StrCat("worker ", id, " joined stage ", stage, " at iteration ",
+                            next_iteration_, source));
+      return std::nullopt;
+    }
+    host_->runner_metrics().WorkerReassigned();
+    AddEvent(v1::JobHistoryEvent::KIND_REASSIGNED, next_iteration_, id,
+             absl::StrCat("worker ", id, " moved from stage ", move->from, " to stage ", stage,
+                          " at iteration ", next_iteration_, source, " in ",
+                          absl::FormatDuration(absl::Trunc(absl::Now() - begin,
+                                                           absl::Milliseconds(1))),
+                          " (", MoveReason(*move), ")"));
     return std::nullopt;
+  }
+
+  // --- moving workers between stages -----------------------------------------------
+
+  // At an iteration boundary after a membership change or a re-plan with
+  // measured speeds: moves one worker from a stage with spare replicas to
+  // another stage when the planner predicts a gain that repays the move
+  // within the horizon, or to a stage left empty (stage_reassignment.h).
+  std::optional<JobEnd> Reassign() {
+    if (!elastic() || spec_.elastic().reassign_disabled()) return std::nullopt;
+    if (epoch_ == reassign_epoch_ && cost_version_ == reassign_costs_) return std::nullopt;
+    reassign_epoch_ = epoch_;
+    reassign_costs_ = cost_version_;
+    const uint64_t left = spec_.iterations() - next_iteration_;
+    const uint64_t horizon =
+        std::min<uint64_t>(spec_.elastic().reassign_horizon_iterations(), left);
+    if (horizon == 0) return std::nullopt;
+    std::vector<std::vector<std::string>> stages;
+    for (int s = 0; s < assignment_.num_stages(); ++s) stages.push_back(StageMembers(s));
+    auto seconds = [this](const std::string& id, int stage) {
+      const int n = cost_->NodeIndex(id);
+      return n < 0 ? 0.0 : cost_->ForwardTime(n, stage) + cost_->BackwardTime(n, stage);
+    };
+    std::vector<StageMove> moves = CandidateMoves(stages, seconds, kMoveCandidates);
+    if (moves.empty()) return std::nullopt;
+    // Every candidate is judged by the same quick route search.
+    const uint64_t seed = spec_.seed() + next_iteration_;
+    const double current = PredictIteration(seed);
+    for (StageMove& m : moves) {
+      members_[m.worker] = m.to;
+      RebuildAssignment();
+      m.predicted_iteration_s = PredictIteration(seed);
+      members_[m.worker] = m.from;
+      RebuildAssignment();
+      m.cost_s = MoveCost(m);
+    }
+    std::optional<StageMove> move = ChooseMove(current, moves, horizon);
+    if (!move) {
+      LogDebug("job ", job_id_, ": no stage move pays within ", horizon, " iterations (",
+               moves.size(), " judged)");
+      return std::nullopt;
+    }
+    move_baseline_s_ = current;
+    LogInfo("job ", job_id_, ": moving worker ", move->worker, " from stage ", move->from,
+            " to stage ", move->to, " (", MoveReason(*move), ")");
+    members_.erase(move->worker);
+    RebuildAssignment();
+    return Join(infos_.at(move->worker), move->to, &*move);
+  }
+
+  // The iteration time a quick plan predicts for the membership as it is
+  // now; infinity when it cannot train or the planner fails.
+  double PredictIteration(uint64_t seed) {
+    if (!Infeasible().empty()) return std::numeric_limits<double>::infinity();
+    auto p = PlanLive(seed, total_microbatches(), nullptr, kQuickEvaluations, std::nullopt);
+    return p.ok() ? p->result.iteration_time_s : std::numeric_limits<double>::infinity();
+  }
+
+  // Seconds the job stands still for `m`: the target stage's state (fp32
+  // parameters, AdamW moments, K-FAC factors and inverses) over the link
+  // from its first replica, plus kMovePause; from a checkpoint the pause.
+  double MoveCost(const StageMove& m) const {
+    const sim::ModelCosts mc = sim::ComputeModelCosts(spec_.model());
+    const std::vector<int> layers = sim::LayersPerStage(
+        static_cast<int>(spec_.model().num_layers()), assignment_.num_stages());
+    const int blocks = layers.at(static_cast<size_t>(m.to));
+    const double params = blocks * mc.params_per_layer + (m.to == 0 ? mc.stage0_extra_params : 0);
+    double kfac_values = 0;
+    if (kfac()) {
+      // Pending sums, running factors, active and staged inverses, and the
+      // grafting moments of the projections.
+      const kfac::BlockWorkload block(spec_.model());
+      kfac_values = blocks * (4.0 * static_cast<double>(block.FactorSyncElements()) +
+                              2.0 * static_cast<double>(block.ProjectionElements()));
+    }
+    const double bytes = StageStateBytes(params, kfac_values);
+    const double pause = absl::ToDoubleSeconds(kMovePause);
+    const std::vector<std::string> donors = StageMembers(m.to);
+    const int a = donors.empty() ? -1 : cost_->NodeIndex(donors.front());
+    const int b = cost_->NodeIndex(m.worker);
+    if (a < 0 || b < 0) return MoveCostSeconds(bytes, 0, 0, pause);
+    return MoveCostSeconds(bytes, cost_->Latency(a, b), cost_->Bandwidth(a, b), pause);
+  }
+
+  std::string MoveReason(const StageMove& m) const {
+    if (m.fills_empty_stage) {
+      return absl::StrFormat("stage %d had no worker; predicted iteration %.3g s", m.to,
+                             m.predicted_iteration_s);
+    }
+    if (!std::isfinite(move_baseline_s_)) {
+      return absl::StrFormat("the workers left could not train; predicted iteration %.3g s",
+                             m.predicted_iteration_s);
+    }
+    const double gain = move_baseline_s_ - m.predicted_iteration_s;
+    return absl::StrFormat(
+        "predicted iteration %.3g s -> %.3g s; the move costs %.3g s, repaid in %.1f iterations",
+        move_baseline_s_, m.predicted_iteration_s, m.cost_s, gain > 0 ? m.cost_s / gain : 0.0);
   }
 
   bool StopRequested() const {
@@ -1498,27 +1661,71 @@ class JobRunner::Impl {
   }
 
   // Re-derives every node's speed from its measured forward time against the
-  // cost model's prediction, and rebuilds the cost model for later planning.
-  // The stage assignment stays (moving stages would mean moving weights).
+  // cost model's prediction, and rebuilds the cost model for later planning
+  // (the next iteration boundary judges stage moves with it: Reassign).
   void UpdateSpeedsFromTimings(uint64_t iteration) {
     const int links = UpdateLinksFromTimings();
     int changed = 0;
+    std::vector<ForwardSample> samples;
     for (const auto& [id, stage] : members_) {
       const int index = cost_->NodeIndex(id);
       if (index < 0) continue;
       const double measured = host_->estimates().Compute(id, v1::TaskTiming::KIND_FORWARD);
       const double predicted = cost_->ForwardTime(index, stage);
       if (!(measured > 0) || !(predicted > 0)) continue;
-      speeds_[id] = cluster_.nodes(index).speed() * predicted / measured;
+      const double assumed = cluster_.nodes(index).speed();
+      speeds_[id] = assumed * predicted / measured;
       ++changed;
+      // What the node's registered speed predicts (the cost model's speed
+      // may already be a measured one).
+      const double registered = infos_.count(id) && infos_.at(id).speed() > 0
+                                    ? infos_.at(id).speed()
+                                    : 1.0;
+      samples.push_back({id, stage, measured, predicted * assumed / registered});
     }
+    NoteStragglers(iteration, samples);
     if (changed == 0 && links == 0) return;
     if (absl::Status s = BuildCostModel(); !s.ok()) {
       LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
       return;
     }
+    ++cost_version_;
     LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ",
              links, " links measured (iteration ", iteration, ")");
+  }
+
+  // Workers slow at kStragglerReplans consecutive re-plans become
+  // stragglers (history STRAGGLER, once per episode); one no longer slow is
+  // recorded again (REPLANNED). Routing needs no flag: the measured speeds
+  // already give a slow worker fewer visits.
+  void NoteStragglers(uint64_t iteration, const std::vector<ForwardSample>& samples) {
+    std::map<std::string, Slowdown> slow;
+    for (Slowdown& d : FindSlowdowns(samples, kStragglerFactor)) slow[d.worker] = std::move(d);
+    for (const ForwardSample& sample : samples) {
+      const std::string& id = sample.worker;
+      auto found = slow.find(id);
+      if (found == slow.end()) {
+        straggler_replans_.erase(id);
+        if (stragglers_.erase(id) > 0) {
+          AddEvent(v1::JobHistoryEvent::KIND_REPLANNED, iteration, id,
+                   absl::StrCat("worker ", id, " (stage ", sample.stage,
+                                ") is no longer slower than its replicas or its prediction"));
+        }
+        continue;
+      }
+      const Slowdown& d = found->second;
+      if (++straggler_replans_[id] < kStragglerReplans || stragglers_.count(id)) continue;
+      stragglers_[id] = d.factor;
+      host_->runner_metrics().StragglerFound();
+      AddEvent(v1::JobHistoryEvent::KIND_STRAGGLER, iteration, id,
+               absl::StrFormat("worker %s (stage %d) is a straggler: its forward passes take "
+                               "%.1fx %s at %d re-plans in a row; routes give it fewer visits",
+                               id, d.stage, d.factor,
+                               d.replica.empty()
+                                   ? std::string("what its speed predicts, relative to the job")
+                                   : absl::StrCat("those of its replica ", d.replica),
+                               straggler_replans_[id]));
+    }
   }
 
   // --- checkpoints ----------------------------------------------------------------
@@ -1689,6 +1896,21 @@ class JobRunner::Impl {
   std::optional<absl::Time> recovering_since_;
   absl::Time last_loss_check_ = absl::InfinitePast();
   static constexpr absl::Duration kLossCheck = absl::Milliseconds(500);
+  // Stage reassignment: the epoch and cost model last judged, and the
+  // iteration time predicted before the move being made.
+  uint64_t reassign_epoch_ = 0;
+  uint64_t cost_version_ = 0;  // bumped whenever measured speeds change the cost model
+  uint64_t reassign_costs_ = 0;
+  double move_baseline_s_ = 0;
+  static constexpr int kMoveCandidates = 4;
+  static constexpr int kQuickEvaluations = 200;
+  static constexpr absl::Duration kMovePause = absl::Seconds(1);
+  // Stragglers: consecutive re-plans each worker was found slow at, and
+  // those recorded as stragglers (worker -> slowdown).
+  std::map<std::string, int> straggler_replans_;
+  std::map<std::string, double> stragglers_;
+  static constexpr double kStragglerFactor = 2.0;
+  static constexpr int kStragglerReplans = 3;
   std::map<std::string, absl::Time> join_backoff_;  // worker -> no join before
   static constexpr absl::Duration kJoinBackoff = absl::Seconds(60);
   uint64_t recoveries_ = 0;

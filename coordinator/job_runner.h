@@ -18,8 +18,13 @@
 // the rest; replicas reduce among the survivors. A stage left without a
 // replica pauses the job until a worker joins. At iteration boundaries idle
 // workers join where the job lacks capacity, with the state of a live
-// replica (or the newest checkpoint). A runner can also re-attach to the
-// workers of a job that was running when the coordinator restarted.
+// replica (or the newest checkpoint). After a membership change or a re-plan
+// with measured speeds, a worker may move from a stage with spare replicas to
+// a thin or slow one when the planner predicts a gain that repays moving the
+// weights within elastic.reassign_horizon_iterations (stage_reassignment.h);
+// workers persistently slower than their replicas are named in the history
+// (stragglers.h). A runner can also re-attach to the workers of a job that
+// was running when the coordinator restarted.
 //
 // Thread-safe: Post/RequestStop/Poke from any thread.
 #ifndef DETOUR_COORDINATOR_JOB_RUNNER_H_
@@ -74,6 +79,8 @@ struct RunnerMetrics {
   void Microbatches(const char* outcome, int n);  // "rerun", "dropped"
   void WorkerLost();
   void WorkerJoined();
+  void WorkerReassigned();
+  void StragglerFound();
   void MembersChanged(int delta);
 
   metrics::Counter* recoveries = nullptr;
@@ -81,6 +88,8 @@ struct RunnerMetrics {
   metrics::CounterFamily* microbatches = nullptr;
   metrics::Counter* lost = nullptr;
   metrics::Counter* joined = nullptr;
+  metrics::Counter* reassigned = nullptr;
+  metrics::Counter* stragglers = nullptr;
   metrics::Gauge* members = nullptr;
 };
 

@@ -258,7 +258,8 @@ grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* co
                               " bytes is longer than ", SpecLimits::kMaxPathBytes)));
   }
   if (!hooks_.on_resume) return Reply(context, absl::UnimplementedError("resume is not served"));
-  auto job = hooks_.on_resume(request->job_id(), request->checkpoint());
+  auto job =
+      hooks_.on_resume(request->job_id(), request->checkpoint(), request->replicas_per_stage());
   if (!job.ok()) return Reply(context, job.status());
   LogInfo("job ", job->id(), " resumes from ", job->spec().checkpoint().resume_from());
   *response = *std::move(job);

@@ -22,9 +22,11 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   struct Hooks {
     std::function<void(const std::string& job_id)> on_submitted;
     std::function<void(const std::string& job_id)> on_cancelled;
-    // Resume: the JobManager checks and re-queues the job.
+    // Resume: the JobManager checks and re-queues the job
+    // (replicas_per_stage 0 = the job's own).
     std::function<absl::StatusOr<v1::Job>(const std::string& job_id,
-                                          const std::string& checkpoint)>
+                                          const std::string& checkpoint,
+                                          uint32_t replicas_per_stage)>
         on_resume;
   };
   // Does not own `store` or `auth`, which must outlive the service. Every

@@ -68,13 +68,19 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
         ParseHostPort(request.metrics_address(), "metrics_address", /*allow_port_zero=*/false);
     if (!parsed.ok()) return parsed.status();
   }
+  if (!request.data_address().empty()) {
+    auto parsed =
+        ParseHostPort(request.data_address(), "data_address", /*allow_port_zero=*/false);
+    if (!parsed.ok()) return parsed.status();
+  }
   // They become label values of metrics and service-discovery labels.
   for (const auto& [field, value] :
        {std::pair<const char*, const std::string*>{"region", &request.region()},
         {"device", &request.device()},
         {"version", &request.version()},
         {"address", &request.address()},
-        {"metrics_address", &request.metrics_address()}}) {
+        {"metrics_address", &request.metrics_address()},
+        {"data_address", &request.data_address()}}) {
     if (value->size() > kMaxFieldBytes) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", value->size(),
                                                      " bytes is longer than ", kMaxFieldBytes));
@@ -109,6 +115,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
   entry.info.set_memory_slots(request.memory_slots() == 0 ? 3 : request.memory_slots());
   entry.info.set_address(request.address());
   entry.info.set_metrics_address(request.metrics_address());
+  entry.info.set_data_address(request.data_address());
   entry.info.set_device(request.device().empty() ? "cpu" : request.device());
   entry.info.set_version(request.version());
   entry.info.set_state(v1::WORKER_STATE_IDLE);

@@ -101,7 +101,7 @@ for step in "${steps[@]}"; do
       (cd build-asan && timed "ctest under ASan" env "${asan_env[@]}" \
         ctest --output-on-failure -j"$JOBS" -LE deploy -E "$ASAN_SKIP")
       check_logs "$logs" "ASan/UBSan/LSan"
-      for t in frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file safetensors \
+      for t in frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors \
           stage_loader; do
         mkdir -p "build-asan/fuzz-corpus/$t" "build-asan/fuzz-artifacts/$t"
         echo "-- fuzz $t ${FUZZ_SECONDS}s"
@@ -121,7 +121,7 @@ for step in "${steps[@]}"; do
       configure build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
         -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread"
-      tsan_tests=(tests/transport/transport_test tests/net/net_test tests/runtime/runtime_work_queue_test
+      tsan_tests=(tests/transport/transport_test tests/transport/direct_transport_test tests/net/net_test tests/runtime/runtime_work_queue_test
                   tests/runtime/runtime_parts_test tests/runtime/runtime_test
                   tests/worker/worker_control_client_test tests/common/log_test
                   tests/metrics/metrics_http_server_test)

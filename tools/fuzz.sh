@@ -25,7 +25,7 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$
   -DCMAKE_CXX_FLAGS="$SAN -fno-omit-frame-pointer" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" > "$BUILD/configure.log" 2>&1 ||
   { cat "$BUILD/configure.log"; exit 1; }
-TARGETS=(frame_decoder job_spec route_decoder job_record checkpoint_manifest stage_file safetensors)
+TARGETS=(frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors)
 cmake --build "$BUILD" -j"$(nproc)" --target "${TARGETS[@]/%/_fuzzer}"
 status=0
 for t in "${TARGETS[@]}"; do

@@ -3,10 +3,13 @@
 
 #include <csignal>
 #include <iostream>
+#include <map>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "common/net/daemon_flags.h"
 #include "common/files.h"
@@ -21,6 +24,8 @@
 namespace {
 // --metrics_port defaults to the gRPC port plus this (7071 -> 9471).
 constexpr int kMetricsPortOffset = 2400;
+// --data_port defaults to the gRPC port plus this (7071 -> 8271).
+constexpr int kDataPortOffset = 1200;
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -32,6 +37,7 @@ int main(int argc, char** argv) {
   int64_t memory_slots = o.memory_slots;
   int64_t torch_threads = o.torch_threads;
   int64_t port_offset = 0;
+  std::string data_port;
   DaemonFlags common;
   common.metrics_port = o.metrics_port;
   TlsFiles tls;
@@ -45,6 +51,13 @@ int main(int argc, char** argv) {
   flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
   flags.String("advertise_address", &o.advertise_address,
                "host:port peers use to reach this worker (default: from --listen)");
+  flags.String("data_port", &data_port,
+               "port of the direct tensor transport (peers send activations and gradients "
+               "there, TLS like --listen); default: the --listen port + 1200 (7071 -> 8271), a "
+               "free one when --listen's port is 0; \"off\" = tensors only over the gRPC port");
+  flags.String("data_advertise", &o.data_advertise,
+               "host:port peers use for the direct transport (default: the host of "
+               "--advertise_address and the data port)");
   flags.String("coordinator", &o.coordinator, "host:port of the coordinator");
   flags.String("worker_id", &o.worker_id,
                "stable worker id (with TLS: its certificate's CN, the default; without: "
@@ -55,6 +68,17 @@ int main(int argc, char** argv) {
   flags.String("device", &o.device, "cpu or cuda");
   flags.Int("torch_threads", &torch_threads,
             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
+  flags.Double("compute_slowdown", &o.compute_slowdown,
+               "testing and emulation aid (like the coordinator's --emulate_network): every "
+               "compute task takes this many times its measured time (the worker sleeps the "
+               "difference), to emulate a slow node; 1 = off, at most 100");
+  std::string inject_fault;
+  flags.String("inject_fault", &inject_fault,
+               "testing aid, KIND@N: at iteration N (from 0) misbehave in a way the "
+               "coordinator must catch and fail the job for — diverge (nudge a parameter after "
+               "the step, so this replica differs from its peers), duplicate_microbatch or "
+               "missing_microbatch (a data node reports its first microbatch twice / leaves "
+               "its last out); default none");
   flags.String("metrics_bind", &o.metrics_bind,
                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags.String("metrics_advertise", &o.metrics_advertise,
@@ -69,7 +93,8 @@ int main(int argc, char** argv) {
   flags.Duration("connect_timeout", &o.connect_timeout,
                  "give up when the coordinator stays unreachable this long at start-up "
                  "(0 = retry forever)");
-  common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"worker_id\", \"pid\"}");
+  common.Register(&flags,
+                  "{\"grpc_port\", \"metrics_port\", \"data_port\", \"worker_id\", \"pid\"}");
   flags.SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the worker cannot\n"
       "start (port in use, coordinator refused or unreachable past --connect_timeout),\n"
@@ -107,6 +132,25 @@ int main(int argc, char** argv) {
     return flags.Fail(absl::InvalidArgumentError(
         absl::StrFormat("--speed: %g must be > 0", o.speed)));
   }
+  if (!(o.compute_slowdown >= 1) || !(o.compute_slowdown <= 100)) {
+    return flags.Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
+  }
+  if (!inject_fault.empty()) {
+    using Kind = JobRuntimeOptions::FaultInjection::Kind;
+    const std::vector<std::string> parts = absl::StrSplit(inject_fault, '@');
+    const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
+                                               {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
+                                               {"missing_microbatch", Kind::kMissingMicrobatch}};
+    uint64_t iteration = 0;
+    if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
+      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--inject_fault: \"", inject_fault, "\" is not KIND@ITERATION with KIND diverge, "
+          "duplicate_microbatch or missing_microbatch")));
+    }
+    o.fault.kind = kinds.at(parts[0]);
+    o.fault.iteration = iteration;
+  }
   if (memory_slots < 1 || memory_slots > 1024) {
     return flags.Fail(absl::InvalidArgumentError(
         absl::StrCat("--memory_slots: ", memory_slots, " is outside 1..1024")));
@@ -120,6 +164,29 @@ int main(int argc, char** argv) {
     o.metrics_port = o.listen.port == 0 || o.listen.port + kMetricsPortOffset > 65535
                          ? 0
                          : o.listen.port + kMetricsPortOffset;
+  }
+  if (data_port == "off") {
+    o.data_port = -1;
+  } else if (data_port.empty()) {
+    o.data_port = o.listen.port == 0 || o.listen.port + kDataPortOffset > 65535
+                      ? 0
+                      : o.listen.port + kDataPortOffset;
+  } else {
+    int port = -1;
+    if (!absl::SimpleAtoi(data_port, &port) || port < 0 || port > 65535) {
+      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--data_port: \"", data_port, "\" is not a port (0..65535) or \"off\"")));
+    }
+    o.data_port = port;
+  }
+  if (!o.data_advertise.empty()) {
+    if (o.data_port < 0) {
+      return flags.Fail(absl::InvalidArgumentError(
+          "--data_advertise: the direct transport is off (--data_port=off)"));
+    }
+    if (auto a = ParseHostPort(o.data_advertise, "--data_advertise", false); !a.ok()) {
+      return flags.Fail(a.status());
+    }
   }
   o.memory_slots = static_cast<int>(memory_slots);
   if (torch_threads < 0 || torch_threads > 1024) {
@@ -181,14 +248,18 @@ int main(int argc, char** argv) {
     return 0;
   }
   LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
+          (*worker)->data_port() >= 0
+              ? absl::StrCat(", the direct transport on port ", (*worker)->data_port())
+              : std::string(", no direct transport"),
           ", metrics on port ", (*worker)->metrics_port(), "; ", o.security.Describe());
   if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
         common.ready_file,
-        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"worker_id\": \"%s\", "
-                        "\"pid\": %d}\n",
+        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"data_port\": %d, "
+                        "\"worker_id\": \"%s\", \"pid\": %d}\n",
                         (*worker)->grpc_port(), (*worker)->metrics_port(),
-                        (*worker)->worker_id(), static_cast<int>(getpid())));
+                        (*worker)->data_port(), (*worker)->worker_id(),
+                        static_cast<int>(getpid())));
     if (!written.ok()) LogWarning("--ready_file: ", written.message());
   }
   AwaitShutdownSignal(common.drain_timeout);

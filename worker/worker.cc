@@ -38,6 +38,15 @@ std::string MetricsAdvertiseAddress(const WorkerOptions& options, const std::str
   return address.ToString();
 }
 
+// Where peers reach the direct transport: --data_advertise, or the host of
+// the advertised gRPC address and the bound data port.
+std::string DataAdvertiseAddress(const WorkerOptions& options, const std::string& advertised,
+                                 int data_port) {
+  if (!options.data_advertise.empty()) return options.data_advertise;
+  auto parsed = ParseHostPort(advertised, "address", /*allow_port_zero=*/false);
+  return HostPort{parsed.ok() ? parsed->host : "localhost", data_port}.ToString();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Start(const WorkerOptions& options) {
@@ -81,6 +90,8 @@ absl::Status Worker::Init() {
   runtime_options.data_dir = options_.data_dir;
   runtime_options.device = options_.device;
   runtime_options.torch_threads = options_.torch_threads;
+  runtime_options.compute_slowdown = options_.compute_slowdown;
+  runtime_options.fault = options_.fault;
   runtime_options.memory_slots = options_.memory_slots;
   runtime_options.metrics = &metrics_registry_;
   runtime_options.security = options_.security;
@@ -110,11 +121,25 @@ absl::Status Worker::Init() {
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));
 
+  if (options_.data_port >= 0) {
+    DirectServerOptions direct;
+    direct.listen = HostPort{options_.listen.host, options_.data_port};
+    direct.security = options_.security;
+    direct.metrics = &metrics_registry_;
+    auto started = DirectServer::Start(activations_.get(), direct);
+    if (!started.ok()) {
+      server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
+      return Annotate(started.status(), "--data_port");
+    }
+    direct_ = *std::move(started);
+  }
+
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<metrics::MetricsHttpServer>(&metrics_registry_);
     absl::Status started = metrics_->Start(options_.metrics_bind, options_.metrics_port);
     if (!started.ok()) {
       server_.server->Shutdown(absl::ToChronoTime(absl::Now()));
+      if (direct_) direct_->Shutdown();
       return Annotate(started, "--metrics_port");
     }
   }
@@ -129,6 +154,9 @@ absl::Status Worker::Init() {
   r.set_speed(options_.speed);
   r.set_memory_slots(options_.memory_slots);
   r.set_address(AdvertiseAddress(options_, server_.port));
+  if (direct_ != nullptr) {
+    r.set_data_address(DataAdvertiseAddress(options_, r.address(), direct_->port()));
+  }
   if (metrics_ != nullptr) {
     r.set_metrics_address(MetricsAdvertiseAddress(options_, r.address(), metrics_->port()));
   }
@@ -164,6 +192,7 @@ void Worker::Drain(absl::Duration deadline) {
   if (server_.server) SetServing(server_.server.get(), false);
   if (control_) control_->Stop();
   if (runtime_) runtime_->Stop();
+  if (direct_) direct_->Shutdown();
   if (server_.server) {
     server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_.server->Wait();

@@ -18,6 +18,7 @@
 #include "worker/control_client.h"
 #include "worker/runtime/job_runtime.h"
 #include "worker/transport/activation_server.h"
+#include "worker/transport/direct_server.h"
 
 namespace detour {
 
@@ -41,10 +42,20 @@ struct WorkerOptions {
   // is the worker id), or plaintext.
   TransportSecurity security;
   int metrics_port = 9471;  // 0 = pick a free port; -1 = none
+  // The direct tensor transport's port (on the --listen host): 0 = pick a
+  // free one; -1 = none (peers send over the gRPC port).
+  int data_port = -1;
+  // host:port peers use for it; empty = the advertised host and data_port.
+  std::string data_advertise;
   std::string data_dir = "detour-data/worker";
   absl::Duration connect_timeout = absl::ZeroDuration();
   // LibTorch intra-op threads; 0 = LibTorch's default (all cores).
   int torch_threads = 0;
+  // Testing aid: compute tasks take this many times longer
+  // (JobRuntimeOptions::compute_slowdown); 1 = off.
+  double compute_slowdown = 1.0;
+  // Testing aid: --inject_fault (JobRuntimeOptions::fault).
+  JobRuntimeOptions::FaultInjection fault;
 };
 
 // Thread-safe. Start() returns once registered with the coordinator.
@@ -61,6 +72,7 @@ class Worker {
 
   int grpc_port() const { return server_.port; }
   int metrics_port() const { return metrics_ ? metrics_->port() : -1; }
+  int data_port() const { return direct_ ? direct_->port() : -1; }
   std::string worker_id() const { return control_ ? control_->worker_id() : ""; }
 
   // Graceful stop: health NOT_SERVING, close the session, wait for in-flight
@@ -77,6 +89,7 @@ class Worker {
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;
   std::unique_ptr<JobRuntime> runtime_;
   std::unique_ptr<ActivationServer> activations_;
+  std::unique_ptr<DirectServer> direct_;
   std::unique_ptr<ControlClient> control_;
   metrics::Counter* heartbeats_sent_ = nullptr;
   metrics::Counter* registrations_ = nullptr;

@@ -5,7 +5,9 @@
 //
 //   build/benchmarks/transport/transport_bench --benchmark_min_time=1
 // BM_DetourTls is the same transfer over mutual TLS, with a throwaway CA made
-// by <build>/tools/gen_certs.sh at start.
+// by <build>/tools/gen_certs.sh at start. BM_DetourDirect / BM_DetourDirectTls
+// send over the direct transport (direct_link.h) instead of the
+// ActivationService stream: same frames, sink and acknowledgements.
 // DETOUR_BENCH_CHUNK_MIB=N sets the sender's chunk size (default 4 MiB).
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -28,6 +30,7 @@
 #include "common/net/server.h"
 #include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
+#include "worker/transport/direct_server.h"
 #include "worker/transport/peer_sender.h"
 
 namespace detour {
@@ -163,7 +166,7 @@ const TransportSecurity& BenchTls() {
 }
 
 struct DetourPeer {
-  explicit DetourPeer(bool tls = false) {
+  explicit DetourPeer(bool tls = false, bool direct = false) {
     ActivationServerOptions server_options;
     server_options.require_peer_certificates = tls;
     server = std::make_unique<ActivationServer>(&sink, server_options);
@@ -177,11 +180,25 @@ struct DetourPeer {
     if (const char* chunk = std::getenv("DETOUR_BENCH_CHUNK_MIB")) {
       sender_options.chunk_bytes = static_cast<size_t>(std::atoi(chunk)) << 20;
     }
+    if (direct) {
+      DirectServerOptions direct_options;
+      direct_options.listen = HostPort{"127.0.0.1", 0};
+      if (tls) direct_options.security = BenchTls();
+      auto started = DirectServer::Start(server.get(), direct_options);
+      if (!started.ok()) {
+        std::fprintf(stderr, "transport_bench: %s\n", started.status().ToString().c_str());
+        std::exit(1);
+      }
+      direct_server = *std::move(started);
+      sender_options.direct_address = absl::StrCat("127.0.0.1:", direct_server->port());
+      sender_options.peer_name = "bench";
+    }
     sender = std::make_unique<PeerSender>(absl::StrCat("127.0.0.1:", running.port),
                                           sender_options);
   }
   ~DetourPeer() {
     sender.reset();
+    if (direct_server != nullptr) direct_server->Shutdown();
     running.server->Shutdown();
   }
   bool Transfer(const std::shared_ptr<std::vector<char>>& data, uint32_t id) {
@@ -209,11 +226,12 @@ struct DetourPeer {
   ReusingSink sink;
   std::unique_ptr<ActivationServer> server;
   RunningServer running;
+  std::unique_ptr<DirectServer> direct_server;
   std::unique_ptr<PeerSender> sender;
 };
 
-void RunDetour(benchmark::State& state, bool tls) {
-  DetourPeer peer(tls);
+void RunDetour(benchmark::State& state, bool tls, bool direct = false) {
+  DetourPeer peer(tls, direct);
   auto data = std::make_shared<std::vector<char>>(static_cast<size_t>(state.range(0)), 'x');
   uint32_t id = 0;
   for (auto _ : state) {
@@ -224,12 +242,18 @@ void RunDetour(benchmark::State& state, bool tls) {
 
 void BM_Detour(benchmark::State& state) { RunDetour(state, false); }
 void BM_DetourTls(benchmark::State& state) { RunDetour(state, true); }
+void BM_DetourDirect(benchmark::State& state) { RunDetour(state, false, true); }
+void BM_DetourDirectTls(benchmark::State& state) { RunDetour(state, true, true); }
 
 BENCHMARK(BM_RawTcp)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Detour)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(32 << 20)->Arg(64 << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DetourTls)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourDirect)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourDirectTls)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -45,41 +46,60 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view
   return out;
 }
 
-absl::Status CheckPortFree(const HostPort& address, absl::string_view what) {
-  if (address.port == 0) return absl::OkStatus();
+absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, bool listen,
+                            int* bound_port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* result = nullptr;
   const std::string port = std::to_string(address.port);
-  const int rc = ::getaddrinfo(address.host.c_str(), port.c_str(), &hints, &result);
+  const char* host = address.host.empty() ? nullptr : address.host.c_str();
+  const int rc = ::getaddrinfo(host, port.c_str(), &hints, &result);
   if (rc != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": cannot resolve host \"",
                                                    address.host, "\": ", gai_strerror(rc)));
   }
-  absl::Status status = absl::OkStatus();
-  for (addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
-    const int fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+  absl::Status status = absl::UnavailableError(
+      absl::StrCat(what, ": no address to bind for ", address.ToString()));
+  int bound = -1;
+  for (addrinfo* ai = result; ai != nullptr && bound < 0; ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || (listen && ::listen(fd, 128) != 0)) {
       const int err = errno;
-      if (err == EADDRINUSE) {
-        status = absl::UnavailableError(absl::StrCat(
-            what, ": ", address.ToString(), " is already in use by another process"));
-      } else {
-        status = absl::UnavailableError(absl::StrCat(what, ": cannot bind ",
-                                                     address.ToString(), ": ",
-                                                     std::strerror(err)));
-      }
+      status = err == EADDRINUSE
+                   ? absl::UnavailableError(absl::StrCat(what, ": ", address.ToString(),
+                                                         " is already in use by another process"))
+                   : absl::UnavailableError(absl::StrCat(what, ": cannot bind ",
+                                                         address.ToString(), ": ",
+                                                         std::strerror(err)));
+      ::close(fd);
+      continue;
     }
-    ::close(fd);
-    break;
+    bound = fd;
   }
   ::freeaddrinfo(result);
-  return status;
+  if (bound < 0) return status;
+  if (bound_port != nullptr) {
+    sockaddr_storage name{};
+    socklen_t len = sizeof(name);
+    ::getsockname(bound, reinterpret_cast<sockaddr*>(&name), &len);
+    *bound_port = name.ss_family == AF_INET6
+                      ? ntohs(reinterpret_cast<sockaddr_in6*>(&name)->sin6_port)
+                      : ntohs(reinterpret_cast<sockaddr_in*>(&name)->sin_port);
+  }
+  return bound;
+}
+
+absl::Status CheckPortFree(const HostPort& address, absl::string_view what) {
+  if (address.port == 0) return absl::OkStatus();
+  absl::StatusOr<int> fd = BindTcp(address, what, /*listen=*/false);
+  if (!fd.ok()) return fd.status();
+  ::close(*fd);
+  return absl::OkStatus();
 }
 
 }  // namespace detour

@@ -22,6 +22,14 @@ struct HostPort {
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view flag,
                                        bool allow_port_zero);
 
+// A TCP socket (close-on-exec) bound to `address` — SO_REUSEADDR, never
+// SO_REUSEPORT, so two processes cannot share a port — and listening (backlog
+// 128) when `listen` is set. The port it got (for port 0) goes to
+// *bound_port. Errors name `what` and the address: cannot resolve, already
+// in use by another process, cannot bind.
+absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, bool listen,
+                            int* bound_port = nullptr);
+
 // True when nothing listens on host:port right now (a TCP bind succeeds
 // without SO_REUSEPORT). Used to give a clear "already in use" error before
 // gRPC or civetweb print their own.

@@ -2,6 +2,7 @@
 
 #include <openssl/err.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509_vfy.h>
 #include <sys/stat.h>
@@ -218,6 +219,49 @@ std::shared_ptr<grpc::ChannelCredentials> TransportSecurity::ChannelCredentials(
   return grpc::SslCredentials(options);
 }
 
+absl::StatusOr<std::shared_ptr<SSL_CTX>> TransportSecurity::NewSslContext(bool server) const {
+  if (!tls() || material_->cert_pem.empty()) {
+    return absl::FailedPreconditionError(
+        "TLS connections between workers need TLS with a certificate of our own");
+  }
+  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(server ? TLS_server_method() : TLS_client_method()),
+                               SSL_CTX_free);
+  if (ctx == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
+  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+  // Bulk transfers: read ahead in large buffers (one system call brings
+  // several records instead of two calls per record). Few connections per
+  // worker, so the buffers stay allocated.
+  SSL_CTX_set_mode(ctx.get(), SSL_MODE_AUTO_RETRY);
+  SSL_CTX_set_read_ahead(ctx.get(), 1);
+  SSL_CTX_set_default_read_buffer_len(ctx.get(), 256 << 10);
+  ASSIGN_OR_RETURN(std::vector<Cert> chain, ParseCertificates(material_->cert_pem, "certificate"));
+  if (SSL_CTX_use_certificate(ctx.get(), chain[0].get()) != 1) {
+    return absl::InternalError(absl::StrCat("SSL_CTX_use_certificate: ", OpenSslError()));
+  }
+  for (size_t i = 1; i < chain.size(); ++i) {
+    if (SSL_CTX_add1_chain_cert(ctx.get(), chain[i].get()) != 1) {
+      return absl::InternalError(absl::StrCat("SSL_CTX_add1_chain_cert: ", OpenSslError()));
+    }
+  }
+  Bio key_bio(BIO_new_mem_buf(material_->key_pem.data(),
+                              static_cast<int>(material_->key_pem.size())));
+  std::unique_ptr<EVP_PKEY, KeyFree> key(
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
+  if (key == nullptr || SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 ||
+      SSL_CTX_check_private_key(ctx.get()) != 1) {
+    return absl::InternalError(absl::StrCat("private key: ", OpenSslError()));
+  }
+  ASSIGN_OR_RETURN(std::vector<Cert> roots, ParseCertificates(material_->ca_pem, "CA bundle"));
+  X509_STORE* store = SSL_CTX_get_cert_store(ctx.get());
+  for (const Cert& root : roots) {
+    if (X509_STORE_add_cert(store, root.get()) != 1) {
+      return absl::InternalError(absl::StrCat("CA certificate: ", OpenSslError()));
+    }
+  }
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  return ctx;
+}
+
 std::string TransportSecurity::Describe() const {
   if (!tls()) return "plaintext (--insecure)";
   return absl::StrCat("TLS", material_->name.empty() ? "" : absl::StrCat(" as ", material_->name),
@@ -246,6 +290,15 @@ std::optional<std::string> VerifiedPeerName(const grpc::AuthContext* auth) {
   std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
   if (names.size() != 1) return std::nullopt;
   std::string name(names[0].data(), names[0].size());
+  if (!ValidIdentityName(name)) return std::nullopt;
+  return name;
+}
+
+std::optional<std::string> VerifiedPeerName(const ssl_st* ssl) {
+  if (ssl == nullptr || SSL_get_verify_result(ssl) != X509_V_OK) return std::nullopt;
+  Cert peer(SSL_get1_peer_certificate(ssl));
+  if (peer == nullptr) return std::nullopt;
+  std::string name = CommonName(peer.get());
   if (!ValidIdentityName(name)) return std::nullopt;
   return name;
 }

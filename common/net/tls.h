@@ -16,6 +16,10 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/security/auth_context.h"
 
+// OpenSSL's types, without its headers.
+struct ssl_ctx_st;
+struct ssl_st;
+
 namespace detour {
 
 // Paths as given on a command line.
@@ -53,6 +57,13 @@ class TransportSecurity {
   // certificate when we have one.
   std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
 
+  // An OpenSSL context for detour's own TLS connections (the direct tensor
+  // transport, worker/transport/direct_link.h): presents our certificate and
+  // requires the peer's, verified against the CA, both ways (a server refuses
+  // a client without a certificate). TLS 1.2 or newer. FAILED_PRECONDITION
+  // without TLS or without our own certificate.
+  absl::StatusOr<std::shared_ptr<ssl_ctx_st>> NewSslContext(bool server) const;
+
   // "plaintext (--insecure)" or "TLS as CN=... (CA ...)" for start-up logs.
   std::string Describe() const;
 
@@ -76,6 +87,9 @@ absl::StatusOr<TransportSecurity> LoadDaemonSecurity(const TlsFiles& files);
 // certificate was verified against our CA; nullopt for plaintext calls and
 // TLS clients without a certificate.
 std::optional<std::string> VerifiedPeerName(const grpc::AuthContext* auth);
+
+// The same for an established OpenSSL connection made with NewSslContext.
+std::optional<std::string> VerifiedPeerName(const ssl_st* ssl);
 
 // Whether `name` could be a certificate-derived identity we accept (worker
 // ids, client names): 1..128 characters of [A-Za-z0-9._-].

@@ -347,6 +347,14 @@ absl::Status BubblePlanner::UpdateCosts(const KfacWorkload& workload) {
   return absl::OkStatus();
 }
 
+absl::Status BubblePlanner::SetWorkload(KfacWorkload workload) {
+  RETURN_IF_ERROR(ValidateWorkload(workload));
+  state_->workload = std::move(workload);
+  state_->flight.clear();
+  state_->window_start.reset();
+  return absl::OkStatus();
+}
+
 uint64_t BubblePlanner::completed_refreshes() const { return state_->intervals.size(); }
 
 const std::vector<int>& BubblePlanner::refresh_intervals() const { return state_->intervals; }
@@ -361,7 +369,8 @@ double BubblePlanner::mean_refresh_interval() const {
 
 absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration,
                                                               const sim::Plan& plan,
-                                                              const IterationTimeline& timeline) {
+                                                              const IterationTimeline& timeline,
+                                                              bool close_window) {
   State& st = *state_;
   const int num_nodes = static_cast<int>(st.workload.nodes.size());
   if (static_cast<int>(timeline.nodes.size()) != num_nodes) {
@@ -397,11 +406,16 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   // in flight is activated at the end of a window.
   const uint64_t age = work ? iteration - *st.window_start + 1 : 0;
   // The iteration in which everything the oldest refresh still owes must finish.
-  const bool final_iteration = work && (fixed > 0 ? age >= fixed : !use_bubbles);
+  const bool final_iteration =
+      work && (close_window || (fixed > 0 ? age >= fixed : !use_bubbles));
+  // A checkpoint closes the window: nothing younger than the front survives it.
+  if (close_window && st.flight.size() > 1) st.flight.resize(1);
   if (work && st.flight.empty()) st.flight.push_back(st.NewRefresh());
   // The next refresh joins at once (bubbles, adaptive interval) or in the last
-  // iteration of the current window (fixed interval); never with serial placement.
-  if (work && use_bubbles && st.flight.size() == 1 && (fixed == 0 || final_iteration)) {
+  // iteration of the current window (fixed interval); never with serial placement
+  // nor in an iteration that closes the window.
+  if (work && use_bubbles && !close_window && st.flight.size() == 1 &&
+      (fixed == 0 || final_iteration)) {
     st.flight.push_back(st.NewRefresh());
   }
   const bool place = work && (use_bubbles || final_iteration);

@@ -197,9 +197,28 @@ class BubblePlanner {
   // must be planned in increasing order (gaps allowed). INVALID_ARGUMENT when
   // the timeline has another node count than the workload, or the iteration
   // does not increase.
+  //
+  // `close_window`: the iteration ends with a checkpoint. Everything the
+  // oldest refresh still owes finishes in it (serially where the gaps do not
+  // suffice, like the last iteration of a fixed interval) and the refresh is
+  // activated at its step; a younger refresh in flight is abandoned (the
+  // curvature it collected stays in the workers' pending sums and counts
+  // toward the next refresh) and none joins. The planner's state after it is
+  // then that of a new planner (refresh numbers and statistics aside), so a
+  // job resumed from the checkpoint plans the same tasks as one that ran on.
   absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
                                                  const sim::Plan& plan,
-                                                 const IterationTimeline& timeline);
+                                                 const IterationTimeline& timeline,
+                                                 bool close_window = false);
+
+  // The job's membership changed (workers lost, joined or moved between
+  // stages): replaces the workload, whose nodes may differ in number, stage
+  // and layers (a node without layers holds no stage). Refreshes in flight
+  // are abandoned — their curvature stays in the workers' pending sums and
+  // counts toward the next refresh — and the next planned iteration starts a
+  // new one; refresh numbers go on increasing. INVALID_ARGUMENT for a bad
+  // workload (as Create); nothing changes then.
+  absl::Status SetWorkload(KfacWorkload workload);
 
   // Replaces the cost estimates (e.g. after measuring speeds); the nodes,
   // their stages and layers must stay the same (INVALID_ARGUMENT otherwise,

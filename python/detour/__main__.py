@@ -4,7 +4,7 @@
                       [--insecure] [--token_file F] [--json] COMMAND ...
 
 Commands: submit SPEC.json [--watch], get JOB_ID, list [--state S],
-watch JOB_ID, cancel JOB_ID, resume JOB_ID [--checkpoint DIR],
+watch JOB_ID, cancel JOB_ID, resume JOB_ID [--checkpoint DIR] [--replicas_per_stage N],
 events JOB_ID [--follow], workers [--all]. The flags and the exit status
 follow detourctl's: 0 success, 1 the coordinator refused (or a watched job
 did not succeed), 2 bad usage or settings, 3 coordinator unreachable.
@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("resume", help="restart a failed or cancelled job from a checkpoint")
     s.add_argument("job_id")
     s.add_argument("--checkpoint", default="")
+    s.add_argument("--replicas_per_stage", type=int, default=0,
+                   help="replicas per stage of the resumed job (default 0: the job's own)")
     s = sub.add_parser("list", help="list jobs, newest first")
     s.add_argument("--state", help="pending, assigning, running, succeeded, failed, cancelled")
     s = sub.add_parser("events", help="a job's elastic-training history")
@@ -116,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             return _watch(client, args.job_id, args.json)
         if args.command in ("cancel", "resume"):
             job = (client.cancel(args.job_id) if args.command == "cancel" else
-                   client.resume(args.job_id, args.checkpoint))
+                   client.resume(args.job_id, args.checkpoint,
+                                 replicas_per_stage=args.replicas_per_stage))
             print(_json(job.proto) if args.json else "%s: %s" % (job.id, job.state))
             return EXIT_OK
         if args.command == "events":

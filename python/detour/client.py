@@ -261,18 +261,23 @@ class Client:
         request = job_service_pb2.CancelJobRequest(job_id=_check_job_id(job_id))
         return Job.from_proto(self._unary("cancel", self._jobs.Cancel, request, timeout))
 
-    def resume(self, job_id: str, checkpoint: str = "", *,
+    def resume(self, job_id: str, checkpoint: str = "", *, replicas_per_stage: int = 0,
                timeout: Optional[float] = None) -> Job:
         """Restarts a FAILED or CANCELLED job from a checkpoint (default its newest).
 
-        The job becomes PENDING again under its id. Raises
-        FailedPrecondition when it has not ended, succeeded, or has no
-        checkpoint.
+        The job becomes PENDING again under its id, with ``replicas_per_stage``
+        replicas per stage (0: its own). Raises FailedPrecondition when it has
+        not ended, succeeded, or has no checkpoint.
         """
         if not isinstance(checkpoint, str):
             raise TypeError("checkpoint: expected a str, not %s" % type(checkpoint).__name__)
+        if (not isinstance(replicas_per_stage, int) or isinstance(replicas_per_stage, bool)
+                or not 0 <= replicas_per_stage <= 1024):
+            raise ValueError("replicas_per_stage: expected an int in 0..1024, not %r"
+                             % (replicas_per_stage,))
         request = job_service_pb2.ResumeJobRequest(job_id=_check_job_id(job_id),
-                                                   checkpoint=checkpoint)
+                                                   checkpoint=checkpoint,
+                                                   replicas_per_stage=replicas_per_stage)
         return Job.from_proto(self._unary("resume", self._jobs.Resume, request, timeout))
 
     def watch(self, job_id: str, *, timeout: Optional[float] = None) -> Iterator[JobEvent]:

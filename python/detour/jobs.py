@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from google.protobuf import json_format
 from google.protobuf import timestamp_pb2
@@ -105,10 +105,14 @@ class Progress:
     microbatches_rerun: int = 0
     microbatches_dropped: int = 0
     members: int = 0
+    # Worker id -> microbatches the last iteration's plan routed through it.
+    planned_visits: Mapping[str, int] = dataclasses.field(default_factory=dict, hash=False)
 
     @classmethod
     def from_proto(cls, p: job_service_pb2.JobProgress) -> "Progress":
-        return cls(**{f.name: getattr(p, f.name) for f in dataclasses.fields(cls)})
+        values: Dict[str, Any] = {f.name: getattr(p, f.name) for f in dataclasses.fields(cls)}
+        values["planned_visits"] = dict(p.planned_visits)
+        return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +121,8 @@ class HistoryEvent:
 
     ``kind`` is the lower-case kind without its prefix: "worker_lost",
     "rerouted", "worker_joined", "resumed", "replanned", "paused",
-    "reattached", "microbatches_dropped", "continued", "checkpoint_skipped".
+    "reattached", "microbatches_dropped", "continued", "checkpoint_skipped",
+    "straggler", "reassigned".
     """
 
     time: Optional[_dt.datetime]

@@ -303,6 +303,8 @@ TEST(JobSpec, ElasticDefaultsAndBounds) {
   EXPECT_FALSE(spec->elastic().disabled());
   EXPECT_EQ(spec->elastic().reconnect_grace_ms(), 2000u);
   EXPECT_EQ(spec->elastic().pause_timeout_s(), 600u);
+  EXPECT_EQ(spec->elastic().reassign_horizon_iterations(), 20u);
+  EXPECT_FALSE(spec->elastic().reassign_disabled());
   auto with = [](const std::string& elastic) {
     return NormalizeJobSpec(*ParseJobSpecJson(Replace(
         kGoodJob, "\"iterations\": 10", absl::StrCat("\"iterations\": 10, \"elastic\": {",
@@ -312,6 +314,12 @@ TEST(JobSpec, ElasticDefaultsAndBounds) {
               HasSubstr("elastic.pause_timeout_s: 4000000000 exceeds the limit"));
   EXPECT_THAT(with("\"reconnect_grace_ms\": 4000000000").status().message(),
               HasSubstr("elastic.reconnect_grace_ms"));
+  EXPECT_THAT(with("\"reassign_horizon_iterations\": 100001").status().message(),
+              HasSubstr("elastic.reassign_horizon_iterations: 100001 exceeds the limit"));
+  auto horizon = with("\"reassign_horizon_iterations\": 100000, \"reassign_disabled\": true");
+  ASSERT_TRUE(horizon.ok()) << horizon.status();
+  EXPECT_EQ(horizon->elastic().reassign_horizon_iterations(), 100000u);
+  EXPECT_TRUE(horizon->elastic().reassign_disabled());
   EXPECT_TRUE(with("\"disabled\": true, \"never_join\": true").ok());
 }
 

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -29,8 +31,9 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 class ElasticTest : public E2eTest {
  public:
-  Daemon AddWorker(int port, const std::string& name) {
-    return StartWorker(port, name, WorkerFlags());
+  Daemon AddWorker(int port, const std::string& name,
+                   std::vector<std::string> flags = WorkerFlags()) {
+    return StartWorker(port, name, std::move(flags));
   }
   int RunCtl(const std::vector<std::string>& argv, std::string* out) { return Run(argv, out); }
   v1::Job SubmitJob(int port, const v1::JobSpec& spec) { return Submit(port, spec); }
@@ -38,6 +41,27 @@ class ElasticTest : public E2eTest {
   template <typename P>
   static bool Poll(P predicate, absl::Duration timeout) {
     return Eventually(predicate, timeout);
+  }
+  // EmptyStageIsSkippedThenRefilled with `spec` (4 stages of one worker
+  // each, routes skipping one).
+  void RunSkipThenRefill(const v1::JobSpec& spec);
+  // Follows a job until it ends: the loss of every progress update, by the
+  // iteration count it reports (a later update of the same count wins).
+  std::map<uint64_t, double> WatchLossMap(int port, const std::string& id) {
+    auto stub = v1::JobService::NewStub(Channel(port));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(300)));
+    v1::WatchJobRequest request;
+    request.set_job_id(id);
+    auto reader = stub->Watch(&context, request);
+    std::map<uint64_t, double> losses;
+    v1::JobEvent event;
+    while (reader->Read(&event)) {
+      const v1::JobProgress& p = event.job().progress();
+      if (p.iteration() > 0) losses[p.iteration()] = p.loss();
+    }
+    reader->Finish().IgnoreError();
+    return losses;
   }
 };
 
@@ -290,6 +314,9 @@ TEST_F(ElasticTest, TwoStallsComeBackAndRefillTwoShortStages) {
 TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 10);
   spec.mutable_checkpoint()->set_every_iterations(2);
+  // Otherwise a replica of stage 1 moves to the empty stage at once
+  // (StageLosingAllReplicasTakesASpareReplica).
+  spec.mutable_elastic()->set_reassign_disabled(true);
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
   ElasticRun run(this, c.grpc_port, spec);
@@ -313,12 +340,167 @@ TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   EXPECT_EQ(NodeOf(job, 2, 0), fresh.id);
 }
 
+// Both replicas of stage 2 die while stage 1 has two: instead of waiting
+// for a new worker, a replica of stage 1 moves to the empty stage (from the
+// newest checkpoint) and the job finishes on the four workers left.
+TEST_F(ElasticTest, StageLosingAllReplicasTakesASpareReplica) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 10);
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
+  ElasticRun run(this, c.grpc_port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const v1::Job before = run.Get();
+  ASSERT_FALSE(before.last_checkpoint().empty());
+  for (const std::string& id : before.stages(2).nodes()) ById(workers, id)->process->Signal(SIGKILL);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_REASSIGNED), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("from stage 1 to stage 2"));
+  EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_JOINED), 0) << History(job);
+  ASSERT_EQ(job.stages(1).nodes_size(), 1);
+  ASSERT_EQ(job.stages(2).nodes_size(), 1);
+  EXPECT_EQ(job.progress().members(), 3u);
+  EXPECT_EQ(job.progress().iteration(), 10u);
+}
+
+// Pins the assignment w0 | w1 w2 | w3 w4 (worker ids are the certificate
+// names), so a test knows which worker to slow down.
+void PinFiveWorkers(v1::JobSpec* spec) {
+  v1::PipelineSpec* p = spec->mutable_pipeline();
+  p->clear_assignment();
+  p->add_assignment()->add_nodes("w0");
+  v1::StageNodes* one = p->add_assignment();
+  one->add_nodes("w1");
+  one->add_nodes("w2");
+  v1::StageNodes* two = p->add_assignment();
+  two->add_nodes("w3");
+  two->add_nodes("w4");
+}
+
+// Starts w0..w4; `slow` runs every compute task `factor` times slower.
+std::vector<Daemon> StartFive(ElasticTest* test, int port, const std::string& slow,
+                              double factor) {
+  std::vector<Daemon> workers;
+  for (int i = 0; i < 5; ++i) {
+    const std::string name = absl::StrCat("w", i);
+    std::vector<std::string> flags = WorkerFlags();
+    if (name == slow) flags.push_back(absl::StrFormat("--compute_slowdown=%g", factor));
+    workers.push_back(test->AddWorker(port, name, flags));
+  }
+  return workers;
+}
+
+// The value of the series `series` (name and labels as exposed) on a
+// daemon's /metrics; -1 when absent.
+double MetricValue(const Daemon& daemon, const std::string& series) {
+  auto scrape = HttpGet(daemon.metrics_port, "/metrics");
+  EXPECT_TRUE(scrape.ok()) << scrape.status();
+  if (!scrape.ok()) return -1;
+  const std::string key = "\n" + series + " ";
+  const size_t at = scrape->find(key);
+  if (at == std::string::npos) return -1;
+  const size_t begin = at + key.size();
+  double value = -1;
+  EXPECT_TRUE(absl::SimpleAtod(scrape->substr(begin, scrape->find('\n', begin) - begin), &value));
+  return value;
+}
+
+// Forward tasks a worker ran (its detour_worker_task_seconds count).
+double Forwards(const Daemon& worker) {
+  return MetricValue(worker, "detour_worker_task_seconds_count{kind=\"forward\"}");
+}
+
+// One replica of stage 1 is four times slower than the other
+// (--compute_slowdown): once re-planning has measured it, routes give it
+// clearly fewer visits than its fast replica, the history names it a
+// straggler, and the job completes.
+TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 16);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);  // routes choose replicas
+  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
+  spec.mutable_elastic()->set_reassign_disabled(true);  // the assignment stays as pinned
+  PinFiveWorkers(&spec);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator({"--replan_every=2"});
+  std::vector<Daemon> workers = StartFive(this, c.grpc_port, "w2", 4);
+  ElasticRun run(this, c.grpc_port, spec);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+  ExpectHealthyEnd(job, c);
+  // w2 is named (other workers may be too on a loaded machine; never w1,
+  // the one it is compared with).
+  EXPECT_THAT(History(job), HasSubstr("worker w2 (stage 1) is a straggler"));
+  EXPECT_THAT(History(job), HasSubstr("those of its replica w1"));
+  EXPECT_THAT(History(job), Not(HasSubstr("worker w1 (stage 1) is a straggler")));
+  // The last plan: stage 1's eight visits mostly on w1.
+  const auto& visits = job.progress().planned_visits();
+  ASSERT_TRUE(visits.count("w1") && visits.count("w2")) << job.DebugString();
+  EXPECT_EQ(visits.at("w1") + visits.at("w2"), 8u);
+  EXPECT_LT(2 * visits.at("w2"), visits.at("w1")) << job.progress().DebugString();
+  EXPECT_EQ(visits.at("w0"), 8u);
+  // What ran: over the whole job (the first iterations split evenly), w2
+  // ran fewer forwards than w1.
+  const double slow = Forwards(workers[2]), fast = Forwards(workers[1]);
+  EXPECT_GT(slow, 0);
+  EXPECT_LT(slow, fast);
+  EXPECT_GE(MetricValue(c, "detour_coordinator_stragglers_total"), 1);
+}
+
+// Stage 2's fast replica dies and leaves a slow one (ten times slower)
+// while stage 1 has two fast replicas: at the next iteration boundary the
+// planner predicts that moving one of them to stage 2 repays its cost, so
+// it drops stage 1 and receives stage 2's state from the slow replica
+// (bit-identical: the checksum check, then the replica check of every later
+// iteration), and the job completes on the four workers left.
+TEST_F(ElasticTest, SpareReplicaMovesToAThinSlowStage) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 40);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
+  spec.mutable_elastic()->set_reassign_horizon_iterations(1000);  // the iterations left bound it
+  PinFiveWorkers(&spec);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator({"--replan_every=2"});
+  std::vector<Daemon> workers = StartFive(this, c.grpc_port, "w4", 10);
+  ElasticRun run(this, c.grpc_port, spec);
+  // Two re-plans have measured w4.
+  ASSERT_TRUE(run.ReachIteration(5, absl::Seconds(120))) << c.process->Log();
+  EXPECT_EQ(Count(run.Get(), v1::JobHistoryEvent::KIND_REASSIGNED), 0) << History(run.Get());
+  workers[3].process->Signal(SIGKILL);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(240));
+  ExpectHealthyEnd(job, c);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_REASSIGNED), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("from stage 1 to stage 2"));
+  EXPECT_THAT(History(job), HasSubstr("with the state of w4"));
+  EXPECT_THAT(History(job), HasSubstr("repaid in"));
+  ASSERT_EQ(job.stages(1).nodes_size(), 1);
+  ASSERT_EQ(job.stages(2).nodes_size(), 2);
+  EXPECT_EQ(job.progress().members(), 4u);
+  EXPECT_EQ(MetricValue(c, "detour_coordinator_job_workers_reassigned_total"), 1);
+}
+
 // With skip routes a stage that lost its only worker is skipped by every
 // route (no pause); a worker started later fills it again from the newest
 // checkpoint.
 TEST_F(ElasticTest, EmptyStageIsSkippedThenRefilled) {
   v1::JobSpec spec = ElasticJob(4, 1, 1, 0.25, 150);  // routes visit 3 of 4 stages
   spec.mutable_checkpoint()->set_every_iterations(2);
+  RunSkipThenRefill(spec);
+}
+
+// The same for K-FAC: the bubble plan covers the stages that have workers
+// (the lost worker's blocks leave it, the refill's enter it), so the job
+// goes on like an AdamW job instead of pausing.
+TEST_F(ElasticTest, EmptyStageOfAKfacJobIsSkippedThenRefilled) {
+  v1::JobSpec spec = ElasticJob(4, 1, 1, 0.25, 150);
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
+  spec = *NormalizeJobSpec(spec);
+  RunSkipThenRefill(spec);
+}
+
+void ElasticTest::RunSkipThenRefill(const v1::JobSpec& spec) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 4, WorkerFlags());
   ElasticRun run(this, c.grpc_port, spec);
@@ -342,6 +524,9 @@ TEST_F(ElasticTest, EmptyStageIsSkippedThenRefilled) {
   ASSERT_EQ(job.stages(2).nodes_size(), 1);
   EXPECT_EQ(NodeOf(job, 2, 0), fresh.id);
   EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  if (spec.optimizer().kind() == v1::OPTIMIZER_KFAC) {
+    EXPECT_GT(job.progress().kfac_refreshes(), 0u);
+  }
 }
 
 // A worker started mid-job replaces a lost one: it receives the stage's
@@ -466,19 +651,24 @@ std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::Job
 
 // N iterations straight equal N/2, a failure, a resume from the checkpoint
 // (other workers, the stages restored) and N/2 more — bit for bit on CPU:
-// parameters, AdamW moments and (second case) K-FAC factors and inverses,
-// the learning-rate schedule and the data position all carry over. One data
+// parameters, AdamW moments and K-FAC factors and inverses, the
+// learning-rate schedule and the data position all carry over. One data
 // node with one activation slot keeps the gradient sums in one order, and
 // the coordinator keeps its cost model (--replan_every=0), so both runs are
-// the same computation.
+// the same computation. K-FAC runs with its work at step end (serial) and,
+// the default, in the pipeline's bubbles with an adaptive refresh interval:
+// a checkpoint closes the refresh window (no refresh is in flight across
+// it) and the workers sum curvature in plan order, so the resumed run plans
+// and computes the same K-FAC work as the straight one.
 TEST_F(ElasticTest, ResumeEqualsAStraightRunBitForBit) {
   Daemon c = StartCoordinator({"--replan_every=0"});
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const std::string ctl = Bin(kCtl);
-  for (bool kfac : {false, true}) {
-    SCOPED_TRACE(kfac ? "K-FAC" : "AdamW");
+  for (const std::string variant : {"adamw", "kfac-serial", "kfac-bubbles"}) {
+    SCOPED_TRACE(variant);
+    const bool kfac = variant != "adamw";
     v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 24);
-    spec.set_name(kfac ? "kfac" : "adamw");
+    spec.set_name(variant);
     spec.mutable_pipeline()->set_memory_slots(1);
     spec.mutable_checkpoint()->set_every_iterations(12);
     spec.mutable_checkpoint()->set_keep_last(4);
@@ -486,14 +676,83 @@ TEST_F(ElasticTest, ResumeEqualsAStraightRunBitForBit) {
     if (kfac) {
       spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
       spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
-      spec.mutable_optimizer()->mutable_kfac()->set_refresh_interval(3);
-      spec.mutable_optimizer()->mutable_kfac()->set_placement(v1::KFAC_PLACEMENT_SERIAL);
+      if (variant == "kfac-serial") {
+        spec.mutable_optimizer()->mutable_kfac()->set_refresh_interval(3);
+        spec.mutable_optimizer()->mutable_kfac()->set_placement(v1::KFAC_PLACEMENT_SERIAL);
+      }
     }
     spec = *NormalizeJobSpec(spec);
     const auto straight = TrainStraightOrResumed(this, spec, false, c.grpc_port, workers, ctl, c);
     const auto resumed = TrainStraightOrResumed(this, spec, true, c.grpc_port, workers, ctl, c);
     ASSERT_EQ(straight.size(), 3u);
     EXPECT_EQ(straight, resumed);
+  }
+}
+
+// A job saved with R replicas per stage resumes (detourctl resume
+// --replicas_per_stage) on workers giving another count, both ways: it
+// continues at the checkpoint's iteration (its first loss is the one the
+// first run logged there, which is computed from the checkpoint's
+// parameters alone), completes, and its replicas stay identical.
+TEST_F(ElasticTest, ResumeOnOtherReplicaCounts) {
+  Daemon c = StartCoordinator({"--replan_every=0"});
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
+  const std::string ctl = Bin(kCtl);
+  const std::string at = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
+  for (const auto& [saved, resumed] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}}) {
+    SCOPED_TRACE(absl::StrCat(saved, " -> ", resumed, " replicas"));
+    v1::JobSpec spec = MicroJob(3, 1, saved, 0.0, 24);
+    spec.set_name(absl::StrCat("replicas-", saved, "-", resumed));
+    spec.mutable_checkpoint()->set_every_iterations(4);
+    spec.mutable_checkpoint()->set_keep_last(10);
+    spec = *NormalizeJobSpec(spec);
+    ElasticRun run(this, c.grpc_port, spec);
+    std::map<uint64_t, double> first;
+    std::thread watch_first([&] { first = WatchLossMap(c.grpc_port, run.id()); });
+    ASSERT_TRUE(run.ReachIteration(6, absl::Seconds(120))) << c.process->Log();
+    std::string out;
+    EXPECT_EQ(RunCtl({ctl, at, "cancel", run.id()}, &out), 0) << out;
+    const v1::Job cancelled = run.AwaitEnd(absl::Seconds(60));
+    watch_first.join();
+    ASSERT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED) << cancelled.message();
+    ASSERT_LT(cancelled.progress().iteration(), 24u) << "the job ended before the cancel";
+    ASSERT_EQ(cancelled.stages(1).nodes_size(), saved);
+    const std::string checkpoint =
+        (std::filesystem::path(cancelled.last_checkpoint()).parent_path() / "iter-000004")
+            .string();
+    ASSERT_TRUE(std::filesystem::exists(checkpoint + "/manifest.json")) << checkpoint;
+    ASSERT_TRUE(first.count(5)) << "no loss logged for iteration 4";
+    EXPECT_NE(RunCtl({ctl, at, "resume", run.id(), "--replicas_per_stage=-1"}, &out), 0);
+    EXPECT_THAT(out, HasSubstr("--replicas_per_stage: -1 is outside 0..1024")) << out;
+    // The store says CANCELLED at once; the runner may still be telling the
+    // workers (resume answers "still running" until it is done).
+    EXPECT_TRUE(Eventually(
+        [&] {
+          return RunCtl({ctl, at, "resume", run.id(), absl::StrCat("--checkpoint=", checkpoint),
+                         absl::StrCat("--replicas_per_stage=", resumed)},
+                        &out) == 0;
+        },
+        absl::Seconds(10)))
+        << out;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("with ", resumed, " replicas per stage")));
+    std::map<uint64_t, double> second;
+    std::thread watch_second([&] { second = WatchLossMap(c.grpc_port, run.id()); });
+    const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+    watch_second.join();
+    ExpectHealthyEnd(job, c);
+    EXPECT_EQ(job.progress().iteration(), 24u);
+    EXPECT_EQ(job.spec().pipeline().replicas_per_stage(), static_cast<uint32_t>(resumed));
+    EXPECT_EQ(job.stages(1).nodes_size(), resumed);
+    EXPECT_EQ(job.stages(2).nodes_size(), resumed);
+    EXPECT_THAT(History(job), HasSubstr(absl::StrCat("at iteration 4 on ", 1 + 2 * resumed,
+                                                     " workers (", resumed, " per stage)")));
+    // Iteration 4 (progress 5) runs on the checkpoint's parameters: the same
+    // loss as the first run's, which had those parameters then.
+    ASSERT_TRUE(second.count(5)) << "the resumed run logged no loss for iteration 4";
+    EXPECT_NEAR(second.at(5), first.at(5), 1e-6 * std::abs(first.at(5)));
+    ASSERT_TRUE(second.count(24));
+    EXPECT_TRUE(std::isfinite(second.at(24)));
+    EXPECT_LT(second.at(24), second.at(5));
   }
 }
 

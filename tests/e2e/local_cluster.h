@@ -127,6 +127,7 @@ struct Daemon {
   std::unique_ptr<ChildProcess> process = std::make_unique<ChildProcess>();
   int grpc_port = 0;
   int metrics_port = 0;
+  int data_port = -1;  // a worker's direct transport; -1 = none
   std::string id;
 };
 
@@ -192,6 +193,10 @@ class E2eTest : public ::testing::Test {
     auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
     if (metrics.ok()) {
       EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d.metrics_port));
+    }
+    auto data = WaitForReadyField(ready, "data_port", absl::Seconds(1));
+    if (data.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*data, &d.data_port));
     }
     auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
     if (id.ok()) d.id = *id;

@@ -25,6 +25,7 @@ namespace detour::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kReadToken[] = "read-token-0123456789abcdef";
 constexpr char kSubmitToken[] = "submit-token-0123456789abcdef";
@@ -272,12 +273,20 @@ TEST_F(TlsTest, CertificateNamingAnotherWorkerCannotRegisterAsIt) {
 }
 
 // Sends one small tensor with `sender` to `address` over a channel with
-// `security`; returns how the peer answered.
+// `security` — or, with `direct_address`, over the worker's direct transport
+// (expecting its certificate to name `worker`) — and returns how the peer
+// answered.
 absl::Status SendFrame(const std::string& address, const TransportSecurity& security,
-                       const std::string& job, const std::string& sender) {
+                       const std::string& job, const std::string& sender,
+                       const std::string& direct_address = "", const std::string& worker = "") {
   PeerSenderOptions options;
   options.ack_timeout = absl::Seconds(10);
-  PeerSender peer(address, MakeChannel(address, security), options);
+  options.security = security;
+  options.direct_address = direct_address;
+  options.peer_name = worker;
+  options.connect_timeout = absl::Seconds(5);
+  PeerSender peer(address, direct_address.empty() ? MakeChannel(address, security) : nullptr,
+                  options);
   v1::FrameHeader h;
   h.set_job_id(job);
   h.set_direction(v1::DIRECTION_FORWARD);
@@ -340,6 +349,28 @@ TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
       << UnauthorizedFrames(target.metrics_port) << " vs " << before;
   // Plaintext does not reach the worker at all.
   EXPECT_FALSE(SendFrame(address, TransportSecurity::Insecure(), job.id(), "x").ok());
+
+  // The same through the worker's direct transport (the path its peers use).
+  ASSERT_GT(target.data_port, 0);
+  const std::string direct = absl::StrCat("127.0.0.1:", target.data_port);
+  const double before_direct = UnauthorizedFrames(target.metrics_port);
+  s = SendFrame(address, Client("outsider"), job.id(), "outsider", direct, target.id);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("is not a member of job " + job.id()));
+  s = SendFrame(address, Client("outsider"), job.id(), workers[0].id, direct, target.id);
+  EXPECT_FALSE(s.ok());
+  s = SendFrame(address, TransportSecurity::Insecure(), job.id(), workers[0].id, direct,
+                target.id);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(Eventually(
+      [&] { return UnauthorizedFrames(target.metrics_port) >= before_direct + 3; },
+      absl::Seconds(5)))
+      << UnauthorizedFrames(target.metrics_port) << " vs " << before_direct;
+  // The job's own tensors travel there: its workers connected.
+  auto scrape = HttpGet(target.metrics_port, "/metrics");
+  ASSERT_TRUE(scrape.ok());
+  EXPECT_THAT(*scrape, HasSubstr("detour_worker_direct_connections_accepted_total "));
+  EXPECT_THAT(*scrape, Not(HasSubstr("detour_worker_direct_connections_accepted_total 0\n")));
 
   // The job was not disturbed.
   const uint64_t at = GetJob(c.grpc_port, job.id()).progress().iteration();

@@ -28,9 +28,23 @@
 namespace detour::testing {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using TrainingTest = E2eTest;
+class TrainingTest : public E2eTest {
+ protected:
+  // Polls job `id` until it failed or succeeded (at most 90 s); the last view.
+  v1::Job AwaitFailureOrSuccess(int port, const std::string& id) {
+    v1::Job job;
+    const absl::Time deadline = absl::Now() + absl::Seconds(90);
+    while (absl::Now() < deadline) {
+      job = GetJob(port, id);
+      if (job.state() == v1::JOB_STATE_FAILED || job.state() == v1::JOB_STATE_SUCCEEDED) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return job;
+  }
+};
 
 
 // `base` with K-FAC on and its K-FAC settings changed by `configure`.
@@ -343,6 +357,56 @@ TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
         return idle == 2;
       },
       absl::Seconds(10)));
+}
+
+// The replica check is shown to fail on real processes: one replica of stage
+// 1 nudges a parameter after its step of iteration 2 (fault injection), and
+// the coordinator fails the job at that iteration, naming the stage and the
+// worker, instead of training on with replicas that disagree.
+TEST_F(TrainingTest, DivergedReplicaFailsTheJobNamingIt) {
+  v1::JobSpec spec = MicroJob(2, 1, 2, 0.0, 100000);
+  spec.mutable_elastic()->set_disabled(true);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  std::vector<std::string> faulty = WorkerFlags();
+  faulty.push_back("--inject_fault=diverge@2");
+  workers.push_back(StartWorker(c.grpc_port, "w2", faulty));
+  ASSERT_EQ(workers.size(), 3u);
+  // The data node is w0; w1 and the faulty w2 replicate stage 1.
+  spec.mutable_pipeline()->add_assignment()->add_nodes(workers[0].id);
+  v1::StageNodes* replicas = spec.mutable_pipeline()->add_assignment();
+  replicas->add_nodes(workers[1].id);
+  replicas->add_nodes(workers[2].id);
+  const v1::Job job = AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.message(), HasSubstr("replicas of stage 1 diverged at iteration 2"));
+  EXPECT_THAT(job.message(), AnyOf(HasSubstr(workers[1].id), HasSubstr(workers[2].id)));
+}
+
+// The exactly-once check on real processes: the data node reports a
+// microbatch twice at iteration 1, or leaves one out at iteration 2; either
+// fails the job naming the microbatch and the iteration.
+TEST_F(TrainingTest, DuplicatedOrMissingMicrobatchFailsTheJob) {
+  struct Case {
+    std::string fault, expect;
+  };
+  for (const Case& f : {Case{"duplicate_microbatch@1", "of iteration 1 completed 2 times"},
+                        Case{"missing_microbatch@2", "of iteration 2 completed 0 times"}}) {
+    SCOPED_TRACE(f.fault);
+    v1::JobSpec spec = MicroJob(2, 1, 1, 0.0, 100000);
+    spec.mutable_elastic()->set_disabled(true);
+    Daemon c = StartCoordinator({}, absl::StrCat("c-", f.fault.substr(0, 4)));
+    std::vector<std::string> faulty = WorkerFlags();
+    faulty.push_back("--inject_fault=" + f.fault);
+    Daemon data = StartWorker(c.grpc_port, "d0", faulty);
+    Daemon stage = StartWorker(c.grpc_port, "s1", WorkerFlags());
+    spec.mutable_pipeline()->add_assignment()->add_nodes(data.id);
+    spec.mutable_pipeline()->add_assignment()->add_nodes(stage.id);
+    const v1::Job job =
+        AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
+    EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+    EXPECT_THAT(job.message(), HasSubstr(f.expect));
+  }
 }
 
 // A job on a prepared dataset with a subword vocabulary: the data node maps

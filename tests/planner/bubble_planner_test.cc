@@ -554,6 +554,132 @@ TEST(BubblePlannerTest, UpdateCostsRetimesLaterWork) {
   EXPECT_EQ(p->UpdateCosts(renamed).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// What a task does, without its refresh number (a label that differs
+// between a planner that ran on and a new one).
+std::vector<std::tuple<int, std::string, uint32_t, std::string, uint32_t, double, bool>> Work(
+    const IterationBubbles& it) {
+  std::vector<std::tuple<int, std::string, uint32_t, std::string, uint32_t, double, bool>> out;
+  for (const v1::BubbleTask& t : it.tasks) {
+    out.emplace_back(t.kind(), t.node(), t.layer(), t.module(), t.microbatch(),
+                     t.planned_start_s(), t.serial());
+  }
+  return out;
+}
+
+TEST(BubblePlannerTest, CloseWindowLeavesTheStateOfANewPlanner) {
+  // A refresh needs three iterations (WorkNeedingThreeIterationsGivesIntervalThree)
+  // and the next one collects curvature meanwhile. Iteration 1 ends with a
+  // checkpoint: refresh 0 finishes there (serially) and is activated, refresh
+  // 1 is abandoned; from iteration 2 the planner plans exactly what a new
+  // planner starting at iteration 2 plans (what a resumed job does).
+  OneNode o = MakeOneNode(Cost(1, 1, 1.5), 12);
+  auto ran = BubblePlanner::Create(o.workload, Spec());
+  ASSERT_TRUE(ran.ok());
+  ASSERT_TRUE(ran->PlanIteration(0, o.plan, o.timeline).ok());
+  auto closing = ran->PlanIteration(1, o.plan, o.timeline, /*close_window=*/true);
+  ASSERT_TRUE(closing.ok());
+  ASSERT_TRUE(closing->activate_refresh.has_value());
+  EXPECT_EQ(*closing->activate_refresh, 0u);
+  EXPECT_GT(Count(*closing, v1::BubbleTask::KIND_INVERT_A, true) +
+                Count(*closing, v1::BubbleTask::KIND_INVERT_B, true),
+            0);
+  for (const v1::BubbleTask& t : closing->tasks) {
+    EXPECT_EQ(t.refresh(), 0u) << "a younger refresh placed work in a closing iteration";
+  }
+  EXPECT_EQ(ran->refresh_intervals(), (std::vector<int>{2}));
+
+  auto fresh = BubblePlanner::Create(o.workload, Spec());
+  ASSERT_TRUE(fresh.ok());
+  for (uint64_t i = 2; i < 9; ++i) {
+    auto a = ran->PlanIteration(i, o.plan, o.timeline);
+    auto b = fresh->PlanIteration(i, o.plan, o.timeline);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(Work(*a), Work(*b)) << "iteration " << i;
+    EXPECT_EQ(a->activate_refresh.has_value(), b->activate_refresh.has_value()) << i;
+  }
+  // The same with a fixed interval, closing off its cadence.
+  auto fixed = BubblePlanner::Create(o.workload, Spec(0, 4));
+  ASSERT_TRUE(fixed.ok());
+  for (uint64_t i = 0; i < 6; ++i) {
+    auto it = fixed->PlanIteration(i, o.plan, o.timeline, /*close_window=*/i == 5);
+    ASSERT_TRUE(it.ok());
+    EXPECT_EQ(it->activate_refresh.has_value(), i == 3 || i == 5) << i;
+  }
+  auto fixed_fresh = BubblePlanner::Create(o.workload, Spec(0, 4));
+  ASSERT_TRUE(fixed_fresh.ok());
+  for (uint64_t i = 6; i < 14; ++i) {
+    auto a = fixed->PlanIteration(i, o.plan, o.timeline);
+    auto b = fixed_fresh->PlanIteration(i, o.plan, o.timeline);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(Work(*a), Work(*b)) << "iteration " << i;
+    EXPECT_EQ(a->activate_refresh.has_value(), b->activate_refresh.has_value()) << i;
+  }
+}
+
+TEST(BubblePlannerTest, SetWorkloadFollowsMembership) {
+  // n0 holds stage 1 (layer 0), n1 stage 2 (layer 1). Every microbatch
+  // visits both.
+  KfacWorkload w;
+  w.nodes.push_back({"n0", 1, {0}, {Cost(0.5, 0.5, 0.25)}});
+  w.nodes.push_back({"n1", 2, {1}, {Cost(0.5, 0.5, 0.25)}});
+  sim::Plan plan;
+  plan.routes = {{0, {0, 1}, {1, 2}}};
+  auto timeline = [](int nodes) {
+    IterationTimeline tl;
+    tl.end_s = 12;
+    tl.nodes.resize(nodes);
+    // Busy with microbatches 0 and 1 (only those routed through a node count).
+    for (auto& n : tl.nodes) {
+      n.busy = {{0, 1, BK::kForward, 0}, {1, 2, BK::kForward, 1}, {2, 3, BK::kBackward, 0},
+                {3, 4, BK::kBackward, 1}};
+    }
+    return tl;
+  };
+  auto p = BubblePlanner::Create(w, Spec(0, 0, 1));
+  ASSERT_TRUE(p.ok());
+  auto first = p->PlanIteration(0, plan, timeline(2));
+  ASSERT_TRUE(first.ok());
+  uint64_t newest = 0;
+  for (const auto& t : first->tasks) newest = std::max(newest, t.refresh());
+  // A third worker joins stage 2: a timeline of three nodes is refused
+  // until the workload says so.
+  sim::Plan joined = plan;
+  joined.routes.push_back({1, {0, 2}, {1, 2}});
+  EXPECT_EQ(p->PlanIteration(1, joined, timeline(3)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  KfacWorkload bigger = w;
+  bigger.nodes.push_back({"n2", 2, {1}, {Cost(0.5, 0.5, 0.25)}});
+  ASSERT_TRUE(p->SetWorkload(bigger).ok());
+  auto second = p->PlanIteration(2, joined, timeline(3));
+  ASSERT_TRUE(second.ok()) << second.status();
+  std::set<std::string> nodes;
+  for (const auto& t : second->tasks) {
+    nodes.insert(t.node());
+    EXPECT_GT(t.refresh(), newest) << "refresh numbers go on after a membership change";
+  }
+  EXPECT_EQ(nodes, (std::set<std::string>{"n0", "n1", "n2"}));
+  EXPECT_TRUE(second->activate_refresh.has_value());
+  // n1 is lost (no layers): it gets no work, and refreshes still complete.
+  KfacWorkload lost = bigger;
+  lost.nodes[1].stage = -1;
+  lost.nodes[1].layers.clear();
+  lost.nodes[1].costs.clear();
+  ASSERT_TRUE(p->SetWorkload(lost).ok());
+  sim::Plan without = plan;
+  without.routes = {{0, {0, 2}, {1, 2}}};
+  for (uint64_t i = 3; i < 5; ++i) {
+    auto it = p->PlanIteration(i, without, timeline(3));
+    ASSERT_TRUE(it.ok());
+    for (const auto& t : it->tasks) EXPECT_NE(t.node(), "n1");
+    EXPECT_TRUE(it->activate_refresh.has_value()) << i;
+  }
+  // A bad workload is refused and changes nothing.
+  KfacWorkload bad = lost;
+  bad.nodes[0].costs[0].invert_a_s.pop_back();
+  EXPECT_EQ(p->SetWorkload(bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(p->PlanIteration(5, without, timeline(3)).ok());
+}
+
 TEST(BubblePlannerTest, TimelineFromSimulation) {
   sim::SimResult r;
   r.iteration_time_s = 9;

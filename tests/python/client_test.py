@@ -161,6 +161,14 @@ class OfflineTest(unittest.TestCase):
         self.assertEqual(job.state, detour.JobState.UNSPECIFIED)
         self.assertEqual(job.history[0].kind, "unknown_77")
         self.assertIsNone(job.create_time)
+        # Planned visits read as a plain dict; the new event kinds by name.
+        job = detour.Job.from_proto(detour.pb.Job(
+            id="j", progress=detour.pb.JobProgress(planned_visits={"w1": 6, "w2": 2}),
+            history=[detour.pb.JobHistoryEvent(kind=detour.pb.JobHistoryEvent.KIND_REASSIGNED),
+                     detour.pb.JobHistoryEvent(kind=detour.pb.JobHistoryEvent.KIND_STRAGGLER)]))
+        self.assertEqual(job.progress.planned_visits, {"w1": 6, "w2": 2})
+        self.assertEqual([e.kind for e in job.history], ["reassigned", "straggler"])
+        hash(job.progress)  # still hashable: the dict is left out of the hash
 
     def test_followed_events_survive_the_rolling_window(self):
         def event(*iterations):
@@ -368,6 +376,9 @@ class TlsCoordinatorTest(ClusterTest):
             c.submit(os.path.join(self.dir, "missing.json"))
         with self.assertRaises(TypeError):
             c.submit(42)
+        for replicas in (-1, 1025, True, 1.5):
+            with self.assertRaisesRegex(ValueError, "replicas_per_stage"):
+                c.resume("job-000001", replicas_per_stage=replicas)  # type: ignore[arg-type]
         # Refused by the coordinator's validation, which names the field.
         spec = pending_spec("py-bad")
         spec["pipeline"]["skip_ratio"] = 1.5

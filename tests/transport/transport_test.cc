@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
+#include "tests/transport/recording_sink.h"
 #include "worker/transport/activation_server.h"
 #include "worker/transport/frame_codec.h"
 #include "worker/transport/peer_sender.h"
@@ -21,35 +22,6 @@ namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Accepts tensors of job "job-1" into fresh vectors; refuses others.
-class RecordingSink : public TensorSink {
- public:
-  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) override {
-    if (h.job_id() != "job-1") {
-      return absl::FailedPreconditionError(absl::StrCat("unknown job ", h.job_id()));
-    }
-    auto storage = std::make_shared<std::vector<char>>(h.total_bytes());
-    MutableBuffer b;
-    b.data = storage->data();
-    b.bytes = storage->size();
-    b.keepalive = storage;
-    return b;
-  }
-  void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) override {
-    absl::MutexLock lock(&mu_);
-    auto storage = std::static_pointer_cast<std::vector<char>>(buffer.keepalive);
-    received_.push_back({h, *storage});
-  }
-  std::vector<std::pair<v1::FrameHeader, std::vector<char>>> received() {
-    absl::MutexLock lock(&mu_);
-    return received_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<std::pair<v1::FrameHeader, std::vector<char>>> received_ ABSL_GUARDED_BY(mu_);
-};
 
 class TransportTest : public ::testing::Test {
  protected:

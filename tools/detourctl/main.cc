@@ -51,11 +51,13 @@ constexpr char kCommands[] = R"(Commands:
   list [--state=STATE]       list jobs, newest first (STATE: pending, running, ...)
   watch JOB_ID               follow a job's progress until it ends
   cancel JOB_ID              cancel a job that has not ended
-  resume JOB_ID [--checkpoint=DIR]
+  resume JOB_ID [--checkpoint=DIR] [--replicas_per_stage=N]
                              restart a failed or cancelled job from its newest
-                             checkpoint (or DIR)
+                             checkpoint (or DIR), optionally with N replicas
+                             per stage
   events JOB_ID [--follow]   the job's elastic-training history (workers lost,
-                             rerouted, joined, paused, resumed); --follow keeps
+                             rerouted, joined, moved, stragglers, paused,
+                             resumed); --follow keeps
                              printing new events until the job ends
   version                    print the client version
 
@@ -253,8 +255,15 @@ void PrintJob(const Globals& g, const v1::Job& job) {
             << job.spec().pipeline().data_nodes() << " data nodes, "
             << job.spec().pipeline().replicas_per_stage() << " replicas/stage, skip "
             << job.spec().pipeline().skip_ratio() << "\n";
+  // Each worker with the visits the last plan routed through it.
+  const auto& visits = job.progress().planned_visits();
   for (int i = 0; i < job.stages_size(); ++i) {
-    std::cout << "stage " << i << ":   " << absl::StrJoin(job.stages(i).nodes(), ", ") << "\n";
+    std::vector<std::string> nodes;
+    for (const std::string& id : job.stages(i).nodes()) {
+      auto v = visits.find(id);
+      nodes.push_back(v == visits.end() ? id : absl::StrCat(id, " (", v->second, " visits)"));
+    }
+    std::cout << "stage " << i << ":   " << absl::StrJoin(nodes, ", ") << "\n";
   }
   const v1::JobProgress& p = job.progress();
   if (p.recoveries() > 0 || job.history_size() > 0 || job.resumes() > 0) {
@@ -436,22 +445,31 @@ int CmdCancel(Globals g, const std::vector<std::string>& args) {
 
 int CmdResume(Globals g, const std::vector<std::string>& args) {
   std::string checkpoint;
+  int64_t replicas = 0;
   FlagSet flags("detourctl resume",
                 "Restart a FAILED or CANCELLED job from a checkpoint: parameters, optimiser\n"
                 "and K-FAC state, learning-rate schedule and data position carry on, on\n"
                 "whichever workers are idle. The job keeps its id.");
   flags.String("checkpoint", &checkpoint,
                "checkpoint directory to resume from (default: the job's newest)");
+  flags.Int("replicas_per_stage", &replicas,
+            "replicas per stage of the resumed job, e.g. fewer when fewer workers are left "
+            "(default 0: the job's own)");
   flags.Positional("JOB_ID", "the FAILED or CANCELLED job to restart");
   auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("resume needs exactly one JOB_ID");
+  if (replicas < 0 || replicas > 1024) {
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrCat("--replicas_per_stage: ", replicas, " is outside 0..1024")));
+  }
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;
   PrepareCall(g, &context);
   v1::ResumeJobRequest request;
   request.set_job_id((*rest)[0]);
   request.set_checkpoint(checkpoint);
+  request.set_replicas_per_stage(static_cast<uint32_t>(replicas));
   v1::Job job;
   grpc::Status status = stub->Resume(&context, request, &job);
   if (!status.ok()) return RpcFailed(g, status, "resume");

@@ -86,6 +86,12 @@ bool BubbleSchedule::Ready(const v1::BubbleTask& t, const IterationTracker& trac
                            ? tracker.ForwardDone(t.microbatch())
                            : tracker.BackwardDone(t.microbatch());
     if (!input) return false;
+    // A factor sums its microbatches in plan order, whatever the timing:
+    // runs given the same plans compute the same bits.
+    for (const v1::BubbleTask& o : tasks_) {
+      if (&o == &t) break;
+      if (o.kind() == t.kind() && o.layer() == t.layer()) return false;
+    }
     if (t.refresh() == 0) return true;
     auto done = finalized_refresh_.find(static_cast<int>(t.layer()));
     if (done != finalized_refresh_.end() && done->second + 1 >= t.refresh()) return true;

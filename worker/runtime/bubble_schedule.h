@@ -1,7 +1,9 @@
 // Which K-FAC bubble task a worker runs next (docs/KFAC.md §Runtime): this
 // node's tasks of the iteration's plan, in plan order with the serial ones
 // last, and the readiness rules — curvature after its microbatch's forward
-// (A) or backward (B) ran here and once the layer's previous refresh is
+// (A) or backward (B) ran here, after every earlier curvature task of the
+// same layer and kind (factor sums accumulate in plan order, so the result
+// does not depend on timing), and once the layer's previous refresh is
 // finalised; an inversion once no curvature of the same or an earlier
 // refresh of its layer is left and its factors are not waiting for the
 // all-reduce. Persists across iterations per job (the newest refresh each

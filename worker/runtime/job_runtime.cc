@@ -362,8 +362,14 @@ class JobRuntime::Impl {
       return;
     }
     if (!job_id_.empty()) {
-      LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
-                 "; abandoning the old job");
+      if (a.job_id() == job_id_) {
+        // The coordinator moves this worker to another stage of the job: it
+        // drops its stage and builds the new one (with a replica's state).
+        LogInfo("job ", job_id_, ": moving from stage ", stage_index_, " to stage ", a.stage());
+      } else {
+        LogWarning("assignment for job ", a.job_id(), " while holding job ", job_id_,
+                   "; abandoning the old job");
+      }
       Abandon();
     }
     absl::Status built = Build(a);
@@ -480,7 +486,8 @@ class JobRuntime::Impl {
     peers_.clear();
     for (const v1::Peer& p : peers) {
       if (p.worker_id() == me_) continue;
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
     }
     PushPeers();
   }
@@ -996,7 +1003,8 @@ class JobRuntime::Impl {
     metrics_.StateBytes(/*sent=*/true, size);
     if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
       const v1::Peer& p = request.peer();
-      peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region()};
+      peers_[p.worker_id()] =
+          PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
       PushPeers();
     }
     LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());
@@ -1090,6 +1098,15 @@ class JobRuntime::Impl {
                                                spec_.optimizer().grad_clip_norm());
     absl::Status stepped = optimizer_->Step(lr, clip);
     if (!stepped.ok()) return Fail(stepped);
+    const bool fault_now = options_.fault.kind != JobRuntimeOptions::FaultInjection::Kind::kNone &&
+                           it.plan.iteration() == options_.fault.iteration;
+    if (fault_now && options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDiverge) {
+      LogWarning("job ", job_id_, ": --inject_fault: nudging a parameter after the step of "
+                 "iteration ", it.plan.iteration());
+      torch::NoGradGuard no_grad;
+      std::vector<model::NamedTensor> params = stage_->Parameters();
+      if (!params.empty()) params.front().second.add_(1e-3);
+    }
     if (kfac_ != nullptr) {
       const std::vector<int> ready = kfac_->CommitAgreement();
       if (!ready.empty()) {
@@ -1117,6 +1134,18 @@ class JobRuntime::Impl {
     r->set_loss_sum(it.tracker->completed_loss());
     r->set_tokens(it.tracker->completed_tokens());
     for (uint32_t mb : it.tracker->Completed()) r->add_microbatches(mb);
+    if (fault_now && r->microbatches_size() > 0) {
+      if (options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDuplicateMicrobatch) {
+        LogWarning("job ", job_id_, ": --inject_fault: reporting microbatch ",
+                   r->microbatches(0), " twice");
+        r->add_microbatches(r->microbatches(0));
+      } else if (options_.fault.kind ==
+                 JobRuntimeOptions::FaultInjection::Kind::kMissingMicrobatch) {
+        LogWarning("job ", job_id_, ": --inject_fault: leaving microbatch ",
+                   r->microbatches(r->microbatches_size() - 1), " out of the result");
+        r->mutable_microbatches()->RemoveLast();
+      }
+    }
     r->set_parameter_checksum(Checksum(stage_->Parameters()));
     r->set_stage(stage_index_);
     r->set_duration_s(duration);
@@ -1347,8 +1376,15 @@ class JobRuntime::Impl {
     Send(std::move(m), /*replay=*/false);
   }
 
+  // Times a task that started at `start` and just ended. With
+  // --compute_slowdown F, a compute task first takes F times as long (the
+  // executor sleeps the difference), as on a slower node.
   void Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {
-    const absl::Time end = absl::Now();
+    absl::Time end = absl::Now();
+    if (options_.compute_slowdown > 1 && kind != v1::TaskTiming::KIND_ALLREDUCE) {
+      absl::SleepFor((end - start) * (options_.compute_slowdown - 1));
+      end = absl::Now();
+    }
     const double seconds = absl::ToDoubleSeconds(end - start);
     if (it_ != nullptr) {
       v1::TaskTiming* t = it_->timing.add_tasks();

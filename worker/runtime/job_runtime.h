@@ -57,6 +57,23 @@ struct JobRuntimeOptions {
   // Activation memory of this worker in microbatches (what it registered,
   // what the planner assumed); 0 = the job's pipeline.memory_slots.
   int memory_slots = 0;
+  // Testing and emulation aid (like --emulate_network): after every compute
+  // task (forward, loss, backward, K-FAC bubble task, optimizer step) the
+  // executor sleeps (compute_slowdown - 1) times the task's measured time,
+  // so this worker behaves like a node that many times slower. 1 = off.
+  double compute_slowdown = 1.0;
+  // Testing aid (fault injection, worker --inject_fault KIND@N): at
+  // iteration N (plan numbering, from 0) the worker misbehaves in a way the
+  // coordinator's result checks must catch — kDiverge: after its step it
+  // nudges one parameter, so it no longer equals its replicas; a data node
+  // reports its first completed microbatch twice (kDuplicateMicrobatch) or
+  // leaves its last one out (kMissingMicrobatch).
+  struct FaultInjection {
+    enum class Kind { kNone, kDiverge, kDuplicateMicrobatch, kMissingMicrobatch };
+    Kind kind = Kind::kNone;
+    uint64_t iteration = 0;
+  };
+  FaultInjection fault;
   metrics::Registry* metrics = nullptr;  // not owned; may be null
   // Makes each job's peer transport; empty = gRPC streams (GrpcPeerTransport).
   PeerTransportFactory transport;

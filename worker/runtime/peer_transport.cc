@@ -40,7 +40,8 @@ void GrpcPeerTransport::SetPeers(const std::vector<PeerEndpoint>& peers) {
     for (const PeerEndpoint& p : peers) next[p.worker_id] = p;
     for (auto it = senders_.begin(); it != senders_.end();) {
       auto keep = next.find(it->first);
-      if (keep == next.end() || keep->second.address != peers_[it->first].address) {
+      if (keep == next.end() || keep->second.address != peers_[it->first].address ||
+          keep->second.data_address != peers_[it->first].data_address) {
         closing.push_back(std::move(it->second));
         it = senders_.erase(it);
       } else {
@@ -72,6 +73,7 @@ void GrpcPeerTransport::Send(const std::string& to, v1::FrameHeader header, Tens
       o.emulation = EmulationBetween(config_.emulate_network, config_.region, peer->second.region);
       o.security = config_.security;
       o.peer_name = peer->second.worker_id;
+      o.direct_address = peer->second.data_address;
       slot = std::make_unique<PeerSender>(peer->second.address, o);
     }
     sender = slot.get();

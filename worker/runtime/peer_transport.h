@@ -3,9 +3,10 @@
 // factory and makes one transport per job, so tests can run the runtime's
 // logic over in-memory fakes instead of gRPC streams.
 //
-// GrpcPeerTransport (the daemon's) keeps one PeerSender — a long-lived
-// ActivationService stream — per peer, created when the peer is first used,
-// with the job's network emulation if it asks for one.
+// GrpcPeerTransport (the daemon's) keeps one PeerSender per peer — a direct
+// connection when the peer has a direct address, else a long-lived
+// ActivationService stream — created when the peer is first used, with the
+// job's network emulation if it asks for one.
 #ifndef DETOUR_WORKER_RUNTIME_PEER_TRANSPORT_H_
 #define DETOUR_WORKER_RUNTIME_PEER_TRANSPORT_H_
 
@@ -28,6 +29,8 @@ struct PeerEndpoint {
   std::string worker_id;
   std::string address;  // host:port of its ActivationService
   std::string region;
+  // host:port of its direct transport; empty = tensors go over `address`.
+  std::string data_address;
 };
 
 class PeerTransport {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/net/grpc_status.h"
 #include "common/net/reactor_support.h"
 #include "common/net/tls.h"
 #include "common/tsan.h"
@@ -44,6 +45,149 @@ v1::FrameAck AckFor(const v1::FrameHeader& h, bool ok, std::string error) {
 
 }  // namespace
 
+TensorAssembler::TensorAssembler(ActivationServer* server, std::optional<std::string> peer_name)
+    : server_(server), peer_name_(std::move(peer_name)) {}
+
+TensorAssembler::~TensorAssembler() {
+  // A stream that ends with tensors half received gives their memory back.
+  for (auto& [key, a] : assemblies_) Forget(a);
+}
+
+void TensorAssembler::Forget(const Assembly& a) {
+  server_->Release(a.reserved);
+  server_->AddBookkeeping(-a.bookkeeping);
+}
+
+void TensorAssembler::Erase(Assemblies::iterator it) {
+  Forget(it->second);
+  assemblies_.erase(it);
+}
+
+void TensorAssembler::Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks) {
+  ActivationServer& s = *server_;
+  s.Count(&s.frames_, s.frames_metric_);
+  s.Count(&s.malformed_, s.malformed_metric_);
+  LogWarning("activation stream: dropped malformed frame: ", why);
+  acks->push_back(AckFor(v1::FrameHeader(), false, std::string(why)));
+}
+
+TensorAssembler::Verdict TensorAssembler::Begin(const v1::FrameHeader& h, size_t data_bytes,
+                                                void** dest, std::vector<v1::FrameAck>* acks,
+                                                absl::Status* end) {
+  ActivationServer& s = *server_;
+  have_current_ = false;
+  s.Count(&s.frames_, s.frames_metric_);
+  absl::Status valid = ValidateFrameHeader(h, data_bytes, s.options_.max_tensor_bytes);
+  if (!valid.ok()) {
+    s.Count(&s.malformed_, s.malformed_metric_);
+    LogWarning("activation stream: dropped frame from ", absl::CHexEscape(h.sender()), ": ",
+               valid.message());
+    acks->push_back(AckFor(h, false, std::string(valid.message())));
+    return Verdict::kDrop;
+  }
+  if (s.options_.require_peer_certificates &&
+      (!peer_name_.has_value() || h.sender() != *peer_name_)) {
+    s.Count(&s.unauthorized_, s.unauthorized_metric_);
+    const std::string who = peer_name_.value_or("(none)");
+    LogWarning("activation stream: certificate ", who, " sent a frame as \"",
+               absl::CHexEscape(h.sender()), "\"; ending its stream");
+    *end = absl::PermissionDeniedError(
+        absl::StrCat("frames from certificate ", who, " must name it as sender"));
+    return Verdict::kEndStream;
+  }
+  const std::string key = TensorKey(h);
+  auto it = assemblies_.find(key);
+  if (it == assemblies_.end()) {
+    // A stream holds a bounded number of half-received tensors; a peer
+    // that opens more is refused (it cannot make us book-keep without end).
+    if (assemblies_.size() >= kMaxPartialTensors) {
+      s.Count(&s.rejected_, s.rejected_metric_);
+      acks->push_back(AckFor(h, false, absl::StrCat("more than ", kMaxPartialTensors,
+                                                    " tensors half-received on this stream")));
+      return Verdict::kDrop;
+    }
+    // Within the server's limits (all streams together) before the sink
+    // is asked for memory.
+    std::string why;
+    if (!s.Reserve(h.total_bytes(), &why)) {
+      s.Count(&s.rejected_, s.rejected_metric_);
+      acks->push_back(AckFor(h, false, why));
+      return Verdict::kDrop;
+    }
+    Assembly a;
+    a.first = h;
+    a.reserved = h.total_bytes();
+    auto buffer = s.sink_->Allocate(h);
+    if (!buffer.ok()) {
+      a.rejected = true;
+      if (buffer.status().code() == absl::StatusCode::kPermissionDenied) {
+        s.Count(&s.unauthorized_, s.unauthorized_metric_);
+      } else {
+        s.Count(&s.rejected_, s.rejected_metric_);
+      }
+      LogWarning("activation stream: rejected tensor ", key, " from ", h.sender(), ": ",
+                 buffer.status().message());
+      acks->push_back(AckFor(h, false, std::string(buffer.status().message())));
+    } else if (buffer->bytes < h.total_bytes()) {
+      a.rejected = true;
+      s.Count(&s.rejected_, s.rejected_metric_);
+      acks->push_back(AckFor(h, false, "receiver buffer smaller than the tensor"));
+    } else {
+      a.buffer = *std::move(buffer);
+      // Only an accepted tensor gets its chunk book-keeping (bounded by
+      // ValidateFrameHeader through total_bytes).
+      a.seen.assign(h.num_chunks(), false);
+    }
+    if (a.rejected) {  // no sink memory held: give the bytes back now
+      s.ReleaseBytes(a.reserved);
+      a.reserved = 0;
+    }
+    a.bookkeeping = static_cast<int64_t>(sizeof(Assembly) + 2 * key.size() +
+                                         a.first.SpaceUsedLong() + a.seen.capacity() / 8);
+    s.AddBookkeeping(a.bookkeeping);
+    it = assemblies_.emplace(key, std::move(a)).first;
+  }
+  Assembly& a = it->second;
+  if (h.num_chunks() != a.first.num_chunks() || h.total_bytes() != a.first.total_bytes() ||
+      h.dtype() != a.first.dtype()) {
+    s.Count(&s.malformed_, s.malformed_metric_);
+    acks->push_back(AckFor(h, false, "chunk disagrees with the first chunk of its tensor"));
+    return Verdict::kDrop;
+  }
+  if (a.rejected) {
+    s.Count(&s.dropped_, s.dropped_metric_);
+    if (++a.received == a.first.num_chunks()) Erase(it);
+    return Verdict::kDrop;
+  }
+  if (a.seen[h.chunk_index()]) {
+    s.Count(&s.duplicates_, s.duplicates_metric_);
+    return Verdict::kDrop;
+  }
+  *dest = static_cast<char*>(a.buffer.data) + h.offset();
+  current_ = it;
+  current_chunk_ = h.chunk_index();
+  current_bytes_ = data_bytes;
+  have_current_ = true;
+  return Verdict::kAccept;
+}
+
+void TensorAssembler::Finish(std::vector<v1::FrameAck>* acks) {
+  if (!have_current_) return;
+  have_current_ = false;
+  ActivationServer& s = *server_;
+  Assembly& a = current_->second;
+  a.seen[current_chunk_] = true;
+  s.Count(&s.bytes_, s.bytes_metric_, current_bytes_);
+  if (++a.received == a.first.num_chunks()) {
+    v1::FrameHeader done = a.first;
+    MutableBuffer buffer = std::move(a.buffer);
+    Erase(current_);
+    s.Count(&s.tensors_, s.tensors_metric_);
+    s.sink_->Deliver(done, std::move(buffer));
+    acks->push_back(AckFor(done, true, ""));
+  }
+}
+
 // One sender's stream. Chunks of one tensor always travel on one stream, so
 // reassembly state lives here and needs no lock (reads are serial).
 class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
@@ -51,15 +195,14 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   // `peer_name`: the verified certificate name of the sender, if any.
   ActivationStreamReactor(ActivationServer* server, bool right_method,
                           std::optional<std::string> peer_name)
-      : server_(server), peer_name_(std::move(peer_name)) {
+      : server_(server), assembler_(server, peer_name) {
     if (!right_method) {
       Apply(outbox_.RequestFinish(
           grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
     }
-    if (server_->options_.require_peer_certificates && !peer_name_.has_value()) {
-      server_->Count(&server_->unauthorized_, server_->unauthorized_metric_);
-      LogWarning("activation stream: refused a peer without a worker certificate");
+    if (server_->options_.require_peer_certificates && !peer_name.has_value()) {
+      server_->CountUnauthorizedStream();
       Apply(outbox_.RequestFinish(grpc::Status(
           grpc::StatusCode::UNAUTHENTICATED,
           "activation streams need a worker certificate from the cluster CA")));
@@ -70,8 +213,6 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
 
   ~ActivationStreamReactor() override {
     DETOUR_HAPPENS_AFTER(this);  // after the last reaction (OnDone comes last)
-    // A stream that ends with tensors half received gives their memory back.
-    for (auto& [key, a] : assemblies_) Forget(a);
   }
 
   void OnReadDone(bool ok) override {
@@ -117,165 +258,53 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   void OnDone() override { delete this; }
 
  private:
-  struct Assembly {
-    v1::FrameHeader first;
-    MutableBuffer buffer;
-    std::vector<bool> seen;
-    uint32_t received = 0;
-    bool rejected = false;
-    uint64_t reserved = 0;     // sink bytes counted against the server's limit
-    int64_t bookkeeping = 0;   // what this entry costs the transport
-  };
-
   void NextRead() {
     DETOUR_HAPPENS_BEFORE(this);
     StartRead(&incoming_);
   }
 
-  // Releases what an assembly holds against the server's limits.
-  void Forget(const Assembly& a) {
-    server_->Release(a.reserved);
-    server_->AddBookkeeping(-a.bookkeeping);
-  }
-
-  void Erase(std::map<std::string, Assembly>::iterator it) {
-    Forget(it->second);
-    assemblies_.erase(it);
-  }
-
   // False when the stream is ending (a sender its certificate does not name).
   bool Handle() {
-    ActivationServer& s = *server_;
-    s.Count(&s.frames_, s.frames_metric_);
+    acks_.clear();
     auto frame = DecodeFrame(incoming_);
     if (!frame.ok()) {
-      s.Count(&s.malformed_, s.malformed_metric_);
-      LogWarning("activation stream: dropped malformed frame: ", frame.status().message());
-      Ack(AckFor(v1::FrameHeader(), false, std::string(frame.status().message())));
+      assembler_.Malformed(frame.status().message(), &acks_);
+      SendAcks();
       return true;
     }
-    const v1::FrameHeader& h = frame->header;
-    absl::Status valid = ValidateFrameHeader(h, frame->data_bytes, s.options_.max_tensor_bytes);
-    if (!valid.ok()) {
-      s.Count(&s.malformed_, s.malformed_metric_);
-      LogWarning("activation stream: dropped frame from ", h.sender(), ": ", valid.message());
-      Ack(AckFor(h, false, std::string(valid.message())));
-      return true;
+    void* dest = nullptr;
+    absl::Status end;
+    switch (assembler_.Begin(frame->header, frame->data_bytes, &dest, &acks_, &end)) {
+      case TensorAssembler::Verdict::kAccept:
+        frame->CopyTo(dest);
+        assembler_.Finish(&acks_);
+        break;
+      case TensorAssembler::Verdict::kDrop:
+        break;
+      case TensorAssembler::Verdict::kEndStream:
+        Apply(outbox_.RequestFinish(ToGrpcStatus(end)));
+        return false;
     }
-    if (s.options_.require_peer_certificates && h.sender() != *peer_name_) {
-      s.Count(&s.unauthorized_, s.unauthorized_metric_);
-      LogWarning("activation stream: certificate ", *peer_name_, " sent a frame as \"",
-                 absl::CHexEscape(h.sender()), "\"; ending its stream");
-      Apply(outbox_.RequestFinish(grpc::Status(
-          grpc::StatusCode::PERMISSION_DENIED,
-          absl::StrCat("frames from certificate ", *peer_name_, " must name it as sender"))));
-      return false;
-    }
-    HandleFrame(*frame);
+    SendAcks();
     return true;
   }
 
-  void HandleFrame(const DecodedFrame& frame_ref) {
-    ActivationServer& s = *server_;
-    const DecodedFrame* frame = &frame_ref;
-    const v1::FrameHeader& h = frame->header;
-    const std::string key = TensorKey(h);
-    auto it = assemblies_.find(key);
-    if (it == assemblies_.end()) {
-      // A stream holds a bounded number of half-received tensors; a peer
-      // that opens more is refused (it cannot make us book-keep without end).
-      if (assemblies_.size() >= kMaxPartialTensors) {
-        s.Count(&s.rejected_, s.rejected_metric_);
-        Ack(AckFor(h, false, absl::StrCat("more than ", kMaxPartialTensors,
-                                          " tensors half-received on this stream")));
-        return;
-      }
-      // Within the server's limits (all streams together) before the sink
-      // is asked for memory.
-      std::string why;
-      if (!s.Reserve(h.total_bytes(), &why)) {
-        s.Count(&s.rejected_, s.rejected_metric_);
-        Ack(AckFor(h, false, why));
-        return;
-      }
-      Assembly a;
-      a.first = h;
-      a.reserved = h.total_bytes();
-      auto buffer = s.sink_->Allocate(h);
-      if (!buffer.ok()) {
-        a.rejected = true;
-        if (buffer.status().code() == absl::StatusCode::kPermissionDenied) {
-          s.Count(&s.unauthorized_, s.unauthorized_metric_);
-        } else {
-          s.Count(&s.rejected_, s.rejected_metric_);
-        }
-        LogWarning("activation stream: rejected tensor ", key, " from ", h.sender(), ": ",
-                   buffer.status().message());
-        Ack(AckFor(h, false, std::string(buffer.status().message())));
-      } else if (buffer->bytes < h.total_bytes()) {
-        a.rejected = true;
-        s.Count(&s.rejected_, s.rejected_metric_);
-        Ack(AckFor(h, false, "receiver buffer smaller than the tensor"));
-      } else {
-        a.buffer = *std::move(buffer);
-        // Only an accepted tensor gets its chunk book-keeping (bounded by
-        // ValidateFrameHeader through total_bytes).
-        a.seen.assign(h.num_chunks(), false);
-      }
-      if (a.rejected) {  // no sink memory held: give the bytes back now
-        s.ReleaseBytes(a.reserved);
-        a.reserved = 0;
-      }
-      a.bookkeeping = static_cast<int64_t>(sizeof(Assembly) + 2 * key.size() +
-                                           a.first.SpaceUsedLong() + a.seen.capacity() / 8);
-      s.AddBookkeeping(a.bookkeeping);
-      it = assemblies_.emplace(key, std::move(a)).first;
-    }
-    Assembly& a = it->second;
-    if (h.num_chunks() != a.first.num_chunks() || h.total_bytes() != a.first.total_bytes() ||
-        h.dtype() != a.first.dtype()) {
-      s.Count(&s.malformed_, s.malformed_metric_);
-      Ack(AckFor(h, false, "chunk disagrees with the first chunk of its tensor"));
-      return;
-    }
-    if (a.rejected) {
-      s.Count(&s.dropped_, s.dropped_metric_);
-      if (++a.received == a.first.num_chunks()) Erase(it);
-      return;
-    }
-    if (a.seen[h.chunk_index()]) {
-      s.Count(&s.duplicates_, s.duplicates_metric_);
-      return;
-    }
-    a.seen[h.chunk_index()] = true;
-    frame->CopyTo(static_cast<char*>(a.buffer.data) + h.offset());
-    s.Count(&s.bytes_, s.bytes_metric_, frame->data_bytes);
-    if (++a.received == a.first.num_chunks()) {
-      v1::FrameHeader done = a.first;
-      MutableBuffer buffer = std::move(a.buffer);
-      Erase(it);
-      s.Count(&s.tensors_, s.tensors_metric_);
-      s.sink_->Deliver(done, std::move(buffer));
-      Ack(AckFor(done, true, ""));
-    }
+  void SendAcks() {
+    for (const v1::FrameAck& ack : acks_) Apply(outbox_.Enqueue(Serialize(ack)));
   }
-
-  void Ack(const v1::FrameAck& ack) { Apply(outbox_.Enqueue(Serialize(ack))); }
 
   void Apply(const ServerOutbox<grpc::ByteBuffer>::Action& action) {
     if (action.write != nullptr) StartWrite(action.write);
     if (action.finish) Finish(action.status);
   }
 
-  // Half-received tensors one stream may hold (a sender has a few in flight).
-  static constexpr size_t kMaxPartialTensors = 256;
   // Acks queued for a sender before its stream stops being read.
   static constexpr size_t kMaxQueuedAcks = 64;
 
   ActivationServer* const server_;
-  const std::optional<std::string> peer_name_;
+  TensorAssembler assembler_;
   grpc::ByteBuffer incoming_;
-  std::map<std::string, Assembly> assemblies_;
+  std::vector<v1::FrameAck> acks_;
   ServerOutbox<grpc::ByteBuffer> outbox_;
   absl::Mutex read_mu_;  // orders the pause check with the outbox draining
   bool read_paused_ ABSL_GUARDED_BY(read_mu_) = false;
@@ -308,6 +337,11 @@ grpc::ServerGenericBidiReactor* ActivationServer::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
   return new ActivationStreamReactor(this, ctx->method() == kMethod,
                                      VerifiedPeerName(ctx->auth_context().get()));
+}
+
+void ActivationServer::CountUnauthorizedStream() {
+  Count(&unauthorized_, unauthorized_metric_);
+  LogWarning("activation stream: refused a peer without a worker certificate");
 }
 
 void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric,

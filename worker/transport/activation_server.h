@@ -4,14 +4,18 @@
 // every complete or rejected tensor with a FrameAck. Malformed, oversized,
 // duplicate and unwanted frames are dropped and counted, never applied.
 // Thread-safe; reactions never block (the only work in them is one memcpy
-// of a chunk).
+// of a chunk). The same reassembly, limits and counters serve the direct
+// transport (direct_server.h), through TensorAssembler.
 #ifndef DETOUR_WORKER_TRANSPORT_ACTIVATION_SERVER_H_
 #define DETOUR_WORKER_TRANSPORT_ACTIVATION_SERVER_H_
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/metrics/metrics.h"
@@ -59,6 +63,69 @@ struct ActivationServerOptions {
   bool require_peer_certificates = false;
 };
 
+class ActivationServer;
+
+// Reassembles the tensors arriving on one stream (an ActivationService
+// stream or a direct connection) into sink memory, within the server's
+// limits, and says what to acknowledge. Not thread-safe: one per stream,
+// used by that stream's reader only. Gives back what half-received tensors
+// hold when destroyed. Does not own `server`.
+class TensorAssembler {
+ public:
+  // `peer_name`: the verified certificate name of the sender, if any; with
+  // ActivationServerOptions::require_peer_certificates every frame must name
+  // it as its sender.
+  TensorAssembler(ActivationServer* server, std::optional<std::string> peer_name);
+  ~TensorAssembler();
+  TensorAssembler(const TensorAssembler&) = delete;
+  TensorAssembler& operator=(const TensorAssembler&) = delete;
+
+  enum class Verdict {
+    kAccept,     // write the frame's data to *dest, then call Finish()
+    kDrop,       // read and discard the frame's data
+    kEndStream,  // the sender is not who its certificate says: end the stream
+  };
+  // A decoded frame's header and the length of its data: counts the frame,
+  // validates it, and starts or continues its tensor (asking the sink for
+  // memory at its first chunk). Acknowledgements to send go to `acks`; with
+  // kEndStream, `end` says why.
+  Verdict Begin(const v1::FrameHeader& header, size_t data_bytes, void** dest,
+                std::vector<v1::FrameAck>* acks, absl::Status* end);
+  // The data of the frame Begin accepted is in place: completes the chunk
+  // and, with its tensor's last chunk, delivers the tensor and acks it.
+  void Finish(std::vector<v1::FrameAck>* acks);
+  // A frame that could not be decoded: counted, its error acknowledged.
+  void Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks);
+
+  // Half-received tensors one stream may hold (a sender has a few in flight).
+  static constexpr size_t kMaxPartialTensors = 256;
+
+ private:
+  struct Assembly {
+    v1::FrameHeader first;
+    MutableBuffer buffer;
+    std::vector<bool> seen;
+    uint32_t received = 0;
+    bool rejected = false;
+    uint64_t reserved = 0;     // sink bytes counted against the server's limit
+    int64_t bookkeeping = 0;   // what this entry costs the transport
+  };
+  using Assemblies = std::map<std::string, Assembly>;
+
+  // Releases what an assembly holds against the server's limits.
+  void Forget(const Assembly& a);
+  void Erase(Assemblies::iterator it);
+
+  ActivationServer* const server_;
+  const std::optional<std::string> peer_name_;
+  Assemblies assemblies_;
+  // The tensor and chunk Begin accepted, until Finish.
+  Assemblies::iterator current_;
+  uint32_t current_chunk_ = 0;
+  size_t current_bytes_ = 0;
+  bool have_current_ = false;
+};
+
 class ActivationServer final : public grpc::CallbackGenericService {
  public:
   static constexpr char kMethod[] = "/detour.v1.ActivationService/Stream";
@@ -87,9 +154,13 @@ class ActivationServer final : public grpc::CallbackGenericService {
     uint64_t bookkeeping_bytes = 0, peak_bookkeeping_bytes = 0;
   };
   Stats stats() const;
+  const ActivationServerOptions& options() const { return options_; }
+  // A stream refused for who opened it (no certificate): counted.
+  void CountUnauthorizedStream();
 
  private:
   friend class ActivationStreamReactor;
+  friend class TensorAssembler;
   void Count(std::atomic<uint64_t>* counter, metrics::Counter* metric, uint64_t n = 1);
   // Takes one half-received tensor holding `bytes` of sink memory within
   // the limits; false (nothing taken) when it does not fit.

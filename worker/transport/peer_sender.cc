@@ -1,6 +1,11 @@
 #include "worker/transport/peer_sender.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +14,7 @@
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
+#include "worker/transport/direct_link.h"
 
 namespace detour {
 namespace {
@@ -25,22 +31,58 @@ std::string AckKey(const std::string& job, uint64_t iteration, uint64_t epoch,
 
 }  // namespace
 
-// One bidirectional stream. A hold keeps it alive while the writer thread may
-// still start operations; it deletes itself in OnDone, and only then tells the
-// sender: its ClientContext holds the call and a reference to the channel, so
-// until the delete is over the sender must not count it gone (Close() could
-// return, and the sender, its channel, even gRPC itself at process exit be torn
-// down, while a gRPC thread is still releasing this call).
-class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+// How chunks reach the peer. The writer thread starts every operation on it,
+// without the sender's lock held.
+class PeerSender::Stream {
  public:
-  Stream(PeerSender* owner, grpc::GenericStub* stub) : owner_(owner) {
+  virtual ~Stream() = default;
+  // Writes one chunk. OnWriteDone follows (inline or from another thread).
+  virtual void Write(Chunk* chunk) = 0;
+  // Ends the stream (`closing`: politely, the peer may finish reading) and
+  // gives it up; OnStreamDone follows once nothing of it is left running.
+  virtual void End(bool closing) = 0;
+};
+
+// One bidirectional ActivationService stream. A hold keeps it alive while
+// the writer thread may still start operations; it deletes itself in OnDone,
+// and only then tells the sender: its ClientContext holds the call and a
+// reference to the channel, so until the delete is over the sender must not
+// count it gone (Close() could return, and the sender, its channel, even gRPC
+// itself at process exit be torn down, while a gRPC thread is still releasing
+// this call).
+class PeerSender::GrpcStream : public Stream,
+                               public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  GrpcStream(PeerSender* owner, grpc::GenericStub* stub) : owner_(owner) {
     stub->PrepareBidiStreamingCall(&context_, kMethod, grpc::StubOptions(), this);
     AddHold();
     NextRead();
     StartCall();
   }
 
-  void OnWriteDone(bool ok) override { owner_->OnWriteDone(ok); }
+  void Write(Chunk* chunk) override {
+    outgoing_ = EncodeFrame(chunk->header, chunk->data, chunk->offset, chunk->bytes);
+    StartWrite(&outgoing_);
+  }
+
+  void End(bool closing) override {
+    bool ended = false;
+    if (closing) {
+      StartWritesDone();
+      absl::MutexLock lock(&owner_->mu_);
+      ended = owner_->mu_.AwaitWithTimeout(
+          absl::Condition(+[](bool* e) { return *e; }, &owner_->read_ended_), absl::Seconds(2));
+    }
+    // A broken stream, or one whose peer did not end it: cancelled, so its
+    // OnDone is certain to come (Close() waits for it).
+    if (!ended) context_.TryCancel();
+    RemoveHold();
+  }
+
+  void OnWriteDone(bool ok) override {
+    outgoing_.Clear();
+    owner_->OnWriteDone(ok);
+  }
 
   void OnReadDone(bool ok) override {
     // Serial reads on any gRPC thread, ordered by gRPC (invisible to TSan).
@@ -63,8 +105,6 @@ class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
     owner->OnStreamDone();
   }
 
-  void Cancel() { context_.TryCancel(); }
-
  private:
   void NextRead() {
     DETOUR_HAPPENS_BEFORE(this);
@@ -74,19 +114,118 @@ class PeerSender::Stream : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   PeerSender* const owner_;
   grpc::ClientContext context_;
   grpc::ByteBuffer incoming_;
+  grpc::ByteBuffer outgoing_;
+};
+
+// A direct connection: the writer thread writes frames (blocking, from the
+// tensor's memory), a thread of its own reads the acks.
+class PeerSender::DirectStream : public Stream {
+ public:
+  DirectStream(PeerSender* owner, std::unique_ptr<DirectLink> link)
+      : owner_(owner), link_(std::move(link)) {
+    link_->SetIoTimeout(owner_->options_.ack_timeout);
+    reader_ = std::thread([this] { ReadAcks(); });
+  }
+
+  void Write(Chunk* chunk) override {
+    header_.clear();
+    header_.resize(kDirectFramePrefixBytes);
+    chunk->header.AppendToString(&header_);
+    EncodeDirectFramePrefix(static_cast<uint32_t>(header_.size() - kDirectFramePrefixBytes),
+                            chunk->bytes, header_.data());
+    const char* data = static_cast<const char*>(chunk->data.data) + chunk->offset;
+    absl::Status written = link_->Write(header_.data(), header_.size(), data, chunk->bytes);
+    if (!written.ok()) {
+      owner_->OnStreamError(absl::UnavailableError(absl::StrCat(
+          "direct transport to ", owner_->peer_, ": ", written.message())));
+    }
+    owner_->OnWriteDone(written.ok());
+  }
+
+  void End(bool closing) override {
+    if (closing) {
+      link_->CloseWrite();
+      absl::MutexLock lock(&owner_->mu_);
+      owner_->mu_.AwaitWithTimeout(
+          absl::Condition(+[](bool* e) { return *e; }, &owner_->read_ended_), absl::Seconds(2));
+    }
+    link_->Shutdown();
+    reader_.join();
+    PeerSender* const owner = owner_;
+    delete this;
+    owner->OnStreamDone();
+  }
+
+ private:
+  void ReadAcks() {
+    std::string bytes;
+    while (true) {
+      char prefix[kDirectAckPrefixBytes];
+      absl::Status read = link_->Read(prefix, sizeof(prefix), /*idle_ok=*/true);
+      if (read.code() == absl::StatusCode::kDeadlineExceeded) continue;  // idle
+      uint32_t size = 0;
+      if (read.ok()) read = DecodeDirectAckPrefix(prefix, &size);
+      if (read.ok()) {
+        bytes.resize(size);
+        read = link_->Read(bytes.data(), size);
+      }
+      v1::FrameAck ack;
+      if (read.ok() && !ack.ParseFromString(bytes)) {
+        read = absl::InvalidArgumentError("unparseable acknowledgement");
+      }
+      if (!read.ok()) {
+        if (read.code() != absl::StatusCode::kCancelled) {
+          owner_->OnStreamError(absl::UnavailableError(
+              absl::StrCat("direct transport to ", owner_->peer_, ": ", read.message())));
+        }
+        owner_->OnReadEnded();
+        return;
+      }
+      owner_->OnAck(ack);
+    }
+  }
+
+  PeerSender* const owner_;
+  std::unique_ptr<DirectLink> link_;
+  std::string header_;  // the frame prefix and header being written
+  std::thread reader_;
 };
 
 PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
-    : PeerSender(peer_address, MakeChannel(peer_address, options.security, options.peer_name),
+    : PeerSender(peer_address,
+                 options.direct_address.empty()
+                     ? MakeChannel(peer_address, options.security, options.peer_name)
+                     : nullptr,
                  options) {}
 
 PeerSender::PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> channel,
                        PeerSenderOptions options)
     : peer_(std::move(peer_address)), options_(options), channel_(std::move(channel)) {
+  if (direct()) {
+    // OpenSSL writes to the socket with write(2): a peer that went away must
+    // fail the write, not kill the process.
+    static std::once_flag ignore_sigpipe;
+    std::call_once(ignore_sigpipe, [] { std::signal(SIGPIPE, SIG_IGN); });
+    if (options_.security.tls()) {
+      auto ctx = options_.security.NewSslContext(/*server=*/false);
+      if (ctx.ok()) {
+        ssl_ctx_ = *std::move(ctx);
+      } else {
+        ssl_ctx_status_ = ctx.status();
+      }
+    }
+    if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
+  } else if (channel_ == nullptr) {
+    channel_ = MakeChannel(peer_, options_.security, options_.peer_name);
+  }
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
-PeerSender::~PeerSender() { Close(); }
+PeerSender::~PeerSender() {
+  Close();
+  if (wake_pipe_[0] >= 0) ::close(wake_pipe_[0]);
+  if (wake_pipe_[1] >= 0) ::close(wake_pipe_[1]);
+}
 
 void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
   const size_t chunk = std::max<size_t>(kMinChunkBytes, options_.chunk_bytes);
@@ -115,7 +254,9 @@ void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
     header.set_chunk_index(i);
     header.set_offset(offset);
     Chunk c;
-    c.buffer = EncodeFrame(header, data, offset, bytes);
+    c.header = header;
+    c.data = data;
+    c.offset = offset;
     c.key = key;
     c.bytes = bytes;
     c.release = now;
@@ -150,7 +291,8 @@ void PeerSender::FailAll(const absl::Status& status) {
 }
 
 void PeerSender::WriterLoop() {
-  grpc::GenericStub stub(channel_);
+  std::unique_ptr<grpc::GenericStub> stub;
+  if (!direct()) stub = std::make_unique<grpc::GenericStub>(channel_);
   while (true) {
     mu_.Lock();
     // Wake for work, for a broken stream, for closing, or to expire overdue
@@ -187,22 +329,14 @@ void PeerSender::WriterLoop() {
       const bool closing = closing_;
       if (stream_broken_) {
         stream_broken_ = false;
-        FailAll(absl::UnavailableError(absl::StrCat("stream to ", peer_, " broke")));
+        FailAll(absl::UnavailableError(
+            broken_reason_.empty() ? absl::StrCat("stream to ", peer_, " broke")
+                                   : broken_reason_));
+        broken_reason_.clear();
       }
       if (old != nullptr) {
         mu_.Unlock();
-        bool ended = false;
-        if (closing) {
-          old->StartWritesDone();
-          mu_.Lock();
-          ended = mu_.AwaitWithTimeout(
-              absl::Condition(+[](bool* e) { return *e; }, &read_ended_), absl::Seconds(2));
-          mu_.Unlock();
-        }
-        // A broken stream, or one whose peer did not end it: cancelled, so
-        // its OnDone is certain to come (Close() waits for it).
-        if (!ended) old->Cancel();
-        old->RemoveHold();
+        old->End(closing);
         mu_.Lock();
       }
       if (closing) {
@@ -216,6 +350,31 @@ void PeerSender::WriterLoop() {
       mu_.Unlock();
       continue;
     }
+    if (stream_ == nullptr && direct()) {
+      // Connecting blocks (up to connect_timeout, or until Close wakes it):
+      // without the lock, before the chunk leaves the queue.
+      mu_.Unlock();
+      absl::StatusOr<std::unique_ptr<DirectLink>> link =
+          ssl_ctx_status_.ok()
+              ? DirectLink::Connect(options_.direct_address, ssl_ctx_, options_.peer_name,
+                                    options_.connect_timeout, wake_pipe_[0])
+              : absl::StatusOr<std::unique_ptr<DirectLink>>(ssl_ctx_status_);
+      mu_.Lock();
+      if (!link.ok()) {
+        stream_broken_ = true;
+        broken_reason_ = absl::StrCat("cannot reach ", peer_, " (direct transport at ",
+                                      options_.direct_address, "): ", link.status().message());
+        mu_.Unlock();
+        continue;
+      }
+      if (closing_) {
+        mu_.Unlock();
+        continue;  // the link closes here; the loop ends on closing_
+      }
+      read_ended_ = false;
+      ++live_streams_;
+      stream_ = new DirectStream(this, *std::move(link));
+    }
     Chunk chunk = std::move(queue_.front());
     queue_.pop_front();
     auto p = pending_.find(chunk.key);
@@ -227,13 +386,13 @@ void PeerSender::WriterLoop() {
     if (stream_ == nullptr) {
       read_ended_ = false;
       ++live_streams_;
-      stream_ = new Stream(this, &stub);
+      stream_ = new GrpcStream(this, stub.get());
     }
     Stream* stream = stream_;
     current_ = std::move(chunk);
     write_in_flight_ = true;
     mu_.Unlock();
-    stream->StartWrite(&current_.buffer);
+    stream->Write(&current_);
   }
 }
 
@@ -242,6 +401,11 @@ void PeerSender::OnWriteDone(bool ok) {
   write_in_flight_ = false;
   current_ = Chunk();
   if (!ok) stream_broken_ = true;
+}
+
+void PeerSender::OnStreamError(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  if (broken_reason_.empty() && !closing_) broken_reason_ = std::string(status.message());
 }
 
 void PeerSender::OnReadEnded() {
@@ -273,7 +437,7 @@ void PeerSender::OnAck(const v1::FrameAck& ack) {
 }
 
 void PeerSender::OnStreamDone() {
-  // The writer cleared stream_ before it removed its hold, so this stream is
+  // The writer cleared stream_ before it ended the stream, so this stream is
   // no longer current; only the count remains.
   absl::MutexLock lock(&mu_);
   --live_streams_;
@@ -285,6 +449,10 @@ void PeerSender::Close() {
     if (closing_ && !writer_.joinable()) return;
     closing_ = true;
     FailAll(absl::CancelledError("sender closed"));
+  }
+  if (wake_pipe_[1] >= 0) {  // a direct connect in progress gives up
+    const char byte = 1;
+    (void)!::write(wake_pipe_[1], &byte, 1);
   }
   if (writer_.joinable()) writer_.join();
   // Every stream was cancelled or ended and has no hold left, so gRPC calls

@@ -1,10 +1,12 @@
-// The sending side of ActivationService towards one peer: a long-lived
-// bidirectional stream, tensors cut into chunks (a few MiB per frame, data
-// slices pointing at the tensor's memory), one write in flight, completion
-// when the peer acknowledges the whole tensor. Optional network emulation
-// delays and rate-limits frames as a geo-distributed link would (tests and
-// benchmarks only). Thread-safe; owns one thread that paces and issues the
-// writes, so gRPC reactions never wait.
+// The sending side of the activation transport towards one peer: a
+// long-lived ActivationService stream, or — when the peer has a direct
+// address — a direct connection (direct_link.h); tensors cut into chunks (a
+// few MiB per frame, sent from the tensor's memory), one write in flight,
+// completion when the peer acknowledges the whole tensor. Optional network
+// emulation delays and rate-limits frames as a geo-distributed link would
+// (tests and benchmarks only). Thread-safe; owns one thread that paces and
+// issues the writes (and, for a direct connection, one that reads its acks),
+// so gRPC reactions never wait.
 #ifndef DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
 #define DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
 
@@ -44,6 +46,12 @@ struct PeerSenderOptions {
   // host of the address).
   TransportSecurity security;
   std::string peer_name;
+  // host:port of the peer's direct transport; empty = its ActivationService
+  // stream. A direct connection uses `security` the same way (TLS with the
+  // peer's certificate naming `peer_name`, or plaintext).
+  std::string direct_address;
+  // Connecting (and the TLS handshake) of a direct connection.
+  absl::Duration connect_timeout = absl::Seconds(10);
 };
 
 class PeerSender {
@@ -54,7 +62,8 @@ class PeerSender {
   using Done = std::function<void(absl::Status, double seconds)>;
 
   PeerSender(std::string peer_address, PeerSenderOptions options);
-  // Sends over `channel` (to `peer_address`) instead of a channel of its own.
+  // Sends over `channel` (to `peer_address`) instead of a channel of its own
+  // (ignored with a direct address).
   PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> channel,
              PeerSenderOptions options);
   ~PeerSender();
@@ -73,9 +82,14 @@ class PeerSender {
   void Close();
 
   const std::string& peer() const { return peer_; }
+  // "grpc" or "direct": how tensors travel to this peer.
+  const char* transport() const { return direct() ? "direct" : "grpc"; }
 
  private:
   class Stream;
+  class GrpcStream;
+  class DirectStream;
+  bool direct() const { return !options_.direct_address.empty(); }
   struct Pending {
     v1::FrameHeader header;
     TensorView data;
@@ -84,7 +98,9 @@ class PeerSender {
     absl::Time deadline;
   };
   struct Chunk {
-    grpc::ByteBuffer buffer;
+    v1::FrameHeader header;  // with its chunk fields
+    TensorView data;         // the whole tensor
+    size_t offset = 0;       // of this chunk in it
     std::string key;
     size_t bytes = 0;
     absl::Time release;  // emulated: not written before this time
@@ -95,6 +111,8 @@ class PeerSender {
   void OnWriteDone(bool ok);
   void OnReadEnded();
   void OnStreamDone();
+  // A stream could not be opened or broke: its reason, for the failures.
+  void OnStreamError(const absl::Status& status);
   void FailAll(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string peer_;
@@ -108,11 +126,15 @@ class PeerSender {
   Stream* stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   int live_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool stream_broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   Chunk current_;  // the chunk being written; writer thread and OnWriteDone
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time link_free_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::shared_ptr<ssl_ctx_st> ssl_ctx_;  // direct TLS connections
+  absl::Status ssl_ctx_status_;
+  int wake_pipe_[2] = {-1, -1};          // Close() wakes a direct connect
   std::thread writer_;
 };
 

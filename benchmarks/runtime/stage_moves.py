@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Stage reassignment: what moving a spare replica to a thin, slow stage buys.
+
+One job (a small model — 3 blocks, d_model 64, context 32 — in 3 stages: 1 data
+node, 2 replicas of stages 1 and 2, skippipe routes over all stages, 8
+microbatches of 2 samples per iteration) on five workers of
+this machine, pinned w0 | w1 w2 | w3 w4, where w4 runs every compute task
+--slowdown times slower (detour-worker --compute_slowdown). The coordinator
+re-plans with measured speeds every 2 iterations, so routes avoid w4 while its
+fast replica w3 lives. At iteration --kill-at w3 is killed (SIGKILL): stage 2 is
+left with the slow w4 alone while stage 1 keeps two fast replicas.
+
+  stay  elastic.reassign_disabled: every route goes through w4 from then on;
+  move  the default: at the next iteration boundary the planner predicts that
+        moving w1 or w2 to stage 2 repays its cost, and the worker moves (state
+        from w4, checksum-checked).
+
+Prints per run: seconds per iteration before the kill and after it (wall time
+over iterations, polled), the job's wall time, and the move's own stall as the
+REASSIGNED event reports it. Both runs share this machine: compare them with
+each other, not with other machines.
+
+  benchmarks/runtime/stage_moves.py [--build build] [--iterations 30] [--kill-at 8]
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_ready(path, field, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if field in data:
+                return data
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{path}: no {field} after {timeout}s")
+
+
+class Cluster:
+    def __init__(self, args, name):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix=f"detour-moves-{name}-")
+        self.procs = {}
+        ready = os.path.join(self.dir, "c.ready")
+        self.coordinator = subprocess.Popen(
+            [os.path.join(args.build, "coordinator/detour-coordinator"), "--listen=127.0.0.1:0",
+             "--insecure", "--metrics_port=0", "--metrics_bind=127.0.0.1",
+             f"--data_dir={self.dir}/c", "--replan_every=2", "--worker_silence=3s",
+             "--heartbeat_interval=500ms", f"--ready_file={ready}"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "c.log"), "w"))
+        self.port = wait_ready(ready, "grpc_port")["grpc_port"]
+
+    def start_worker(self, wid, slowdown):
+        ready = os.path.join(self.dir, f"{wid}.ready")
+        self.procs[wid] = subprocess.Popen(
+            [os.path.join(self.args.build, "worker/detour-worker"), "--listen=127.0.0.1:0",
+             "--insecure", "--metrics_port=0", "--metrics_bind=127.0.0.1",
+             f"--coordinator=127.0.0.1:{self.port}", f"--data_dir={self.dir}/{wid}",
+             "--region=local", f"--worker_id={wid}", "--torch_threads=1",
+             f"--compute_slowdown={slowdown}", f"--ready_file={ready}"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"{wid}.log"), "w"))
+        wait_ready(ready, "grpc_port")
+
+    def ctl(self, *argv):
+        out = subprocess.run([os.path.join(self.args.build, "tools/detourctl/detourctl"),
+                              f"--coordinator=127.0.0.1:{self.port}", "--insecure", "--json",
+                              *argv], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"detourctl {' '.join(argv)}: {out.stderr}")
+        return json.loads(out.stdout) if out.stdout.strip() else {}
+
+    def stop(self):
+        for p in list(self.procs.values()) + [self.coordinator]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in list(self.procs.values()) + [self.coordinator]:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def job_spec(args, move):
+    return {
+        "name": "moves",
+        "model": {"num_layers": 3, "d_model": 64, "num_heads": 2, "ffn_dim": 128,
+                  "context_length": 32},
+        "pipeline": {"num_stages": 3, "data_nodes": 1, "replicas_per_stage": 2,
+                     "microbatches_per_data_node": 8, "samples_per_microbatch": 2,
+                     "skip_ratio": 0, "scheduler": "SCHEDULER_SKIPPIPE", "memory_slots": 3,
+                     "assignment": [{"nodes": ["w0"]}, {"nodes": ["w1", "w2"]},
+                                    {"nodes": ["w3", "w4"]}]},
+        "optimizer": {"adamw": {"lr": 1e-3}},
+        "iterations": args.iterations, "seed": 5,
+        "checkpoint": {"disabled": True},
+        "elastic": {"reconnect_grace_ms": 500, "reassign_disabled": not move,
+                    "reassign_horizon_iterations": args.horizon},
+    }
+
+
+def run(args, mode):
+    c = Cluster(args, mode)
+    try:
+        for i in range(5):
+            c.start_worker(f"w{i}", args.slowdown if i == 4 else 1)
+        spec_path = os.path.join(c.dir, "job.json")
+        json.dump(job_spec(args, move=(mode == "move")), open(spec_path, "w"))
+        jid = c.ctl("submit", spec_path)["id"]
+        start = killed = None
+        at_kill = 0
+        while True:
+            j = c.ctl("get", jid)
+            state = j.get("state", "")
+            it = int(j.get("progress", {}).get("iteration", 0))
+            if start is None and state == "JOB_STATE_RUNNING" and it >= 1:
+                start, start_it = time.time(), it
+            if state == "JOB_STATE_SUCCEEDED":
+                end = time.time()
+                break
+            if state in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED"):
+                raise RuntimeError(f"{mode}: job ended: {j.get('message')}")
+            if killed is None and it >= args.kill_at:
+                c.procs["w3"].send_signal(signal.SIGKILL)
+                killed, at_kill = time.time(), it
+            time.sleep(0.05)
+        moved = [e.get("message", "") for e in j.get("history", [])
+                 if e.get("kind") == "KIND_REASSIGNED"]
+        stall = None
+        if moved:
+            m = re.search(r" in ([0-9.]+)(ms|s) ", moved[0])
+            if m:
+                stall = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+        return {
+            "mode": mode,
+            "before_s": (killed - start) / max(1, at_kill - start_it),
+            "after_s": (end - killed) / max(1, args.iterations - at_kill),
+            "wall_s": end - start, "moves": len(moved), "move_stall_s": stall,
+            "move": moved[0] if moved else "",
+        }
+    finally:
+        c.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--kill-at", type=int, default=8)
+    ap.add_argument("--slowdown", type=float, default=8)
+    ap.add_argument("--horizon", type=int, default=20)
+    ap.add_argument("--modes", default="stay,move")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    results = []
+    for mode in args.modes.split(","):
+        print(f"== {mode}", file=sys.stderr, flush=True)
+        results.append(run(args, mode))
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    print(f"{'run':6} {'s/it before':>11} {'s/it after':>10} {'wall s':>7} {'moves':>5} "
+          f"{'stall s':>7}")
+    for r in results:
+        stall = f"{r['move_stall_s']:.3f}" if r["move_stall_s"] is not None else "-"
+        print(f"{r['mode']:6} {r['before_s']:11.3f} {r['after_s']:10.3f} {r['wall_s']:7.1f} "
+              f"{r['moves']:5d} {stall:>7}")
+    for r in results:
+        if r["move"]:
+            print(f"{r['mode']}: {r['move']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+// The direct transport (direct_link.h, direct_server.h, PeerSender with a
+// direct address) on loopback, plaintext and mutual TLS: tensors arrive
+// intact into the sink, the ActivationServer's checks and counters apply,
+// and bad peers — wrong preface, oversized or malformed framing, no or a
+// foreign certificate, a sender the certificate does not name, a server
+// that is not the expected worker — are refused without harm.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/transport/recording_sink.h"
+#include "tests/test_paths.h"
+#include "worker/transport/activation_server.h"
+#include "worker/transport/direct_link.h"
+#include "worker/transport/direct_server.h"
+#include "worker/transport/peer_sender.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Certificates from tools/gen_certs.sh: "w1" and "w2" from the cluster CA,
+// "intruder" from another CA. Made once per test binary.
+struct Certs {
+  std::string dir, other_dir;
+  TransportSecurity Load(const std::string& name, bool other_ca = false) const {
+    const std::string d = other_ca ? other_dir : dir;
+    auto s = TransportSecurity::Load(
+        TlsFiles{d + "/" + name + ".crt", d + "/" + name + ".key", d + "/ca.crt", false},
+        /*client=*/false);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *s;
+  }
+};
+
+const Certs& TestCerts() {
+  static const Certs* const certs = [] {
+    auto* c = new Certs;
+    char pattern[] = "/tmp/detour-direct-test.XXXXXX";
+    const std::string root = ::mkdtemp(pattern);
+    c->dir = root + "/ca";
+    c->other_dir = root + "/other";
+    const std::string script = testing::SourceDir() + "/tools/gen_certs.sh";
+    const std::string make = absl::StrCat(script, " ", c->dir, " w1 w2 > /dev/null && ", script,
+                                          " ", c->other_dir, " intruder w1 > /dev/null");
+    if (std::system(make.c_str()) != 0) {
+      std::fprintf(stderr, "cannot make certificates: %s\n", make.c_str());
+      std::abort();
+    }
+    return c;
+  }();
+  return *certs;
+}
+
+v1::FrameHeader Header(uint32_t microbatch, int64_t elements, const std::string& sender = "w1",
+                       const std::string& job = "job-1") {
+  v1::FrameHeader h;
+  h.set_job_id(job);
+  h.set_iteration(3);
+  h.set_microbatch(microbatch);
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_sender(sender);
+  h.set_hop(1);
+  h.add_shape(elements);
+  h.set_dtype(v1::DTYPE_FP32);
+  return h;
+}
+
+std::shared_ptr<std::vector<char>> Pattern(size_t n, int seed) {
+  auto v = std::make_shared<std::vector<char>>(n);
+  for (size_t i = 0; i < n; ++i) (*v)[i] = static_cast<char>((i * 131 + seed) & 0xff);
+  return v;
+}
+
+TensorView View(std::shared_ptr<std::vector<char>> bytes) {
+  TensorView v;
+  v.data = bytes->data();
+  v.bytes = bytes->size();
+  v.keepalive = bytes;
+  return v;
+}
+
+absl::Status SendAndWait(PeerSender& sender, v1::FrameHeader h, TensorView v) {
+  absl::Notification done;
+  absl::Status result;
+  sender.Send(std::move(h), std::move(v), [&](absl::Status s, double) {
+    result = s;
+    done.Notify();
+  });
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  return result;
+}
+
+class DirectFixture : public ::testing::Test {
+ protected:
+  virtual bool tls() const { return false; }
+
+  void StartServer(const std::string& name = "w2") {
+    ActivationServerOptions o;
+    o.max_tensor_bytes = 64 << 20;
+    o.require_peer_certificates = tls();
+    activations_ = std::make_unique<ActivationServer>(&sink_, o);
+    DirectServerOptions d;
+    d.listen = HostPort{"127.0.0.1", 0};
+    d.handshake_timeout = absl::Seconds(2);
+    if (tls()) d.security = TestCerts().Load(name);
+    auto started = DirectServer::Start(activations_.get(), d);
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = *std::move(started);
+    address_ = absl::StrCat("127.0.0.1:", server_->port());
+  }
+
+  PeerSenderOptions SenderOptions(const std::string& me = "w1", bool other_ca = false) {
+    PeerSenderOptions o;
+    o.direct_address = address_;
+    o.peer_name = "w2";
+    o.connect_timeout = absl::Seconds(3);
+    if (tls()) o.security = TestCerts().Load(me, other_ca);
+    return o;
+  }
+
+  // A raw TCP connection to the server (plaintext tests of the framing).
+  int RawConnect() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  }
+
+  // Reads until the server closes the connection (or 5 s pass).
+  static bool ClosedByServer(int fd) {
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char buffer[4096];
+    while (true) {
+      const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+      if (n < 0) return false;
+    }
+  }
+
+  template <typename Pred>
+  static bool Eventually(Pred pred) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      if (pred()) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return pred();
+  }
+
+  RecordingSink sink_;
+  std::unique_ptr<ActivationServer> activations_;
+  std::unique_ptr<DirectServer> server_;
+  std::string address_;
+};
+
+class DirectTransportTest : public DirectFixture, public ::testing::WithParamInterface<bool> {
+ protected:
+  bool tls() const override { return GetParam(); }
+};
+
+TEST_P(DirectTransportTest, ChunkedTensorsArriveIntact) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.chunk_bytes = 1 << 20;  // the 10 MB tensor takes 10 chunks
+  PeerSender sender("w2", o);
+  EXPECT_STREQ(sender.transport(), "direct");
+  const size_t sizes[] = {4 * 8, 4 * 1000, 4 * 2500000, 0};
+  std::vector<std::shared_ptr<std::vector<char>>> sent;
+  for (uint32_t i = 0; i < 4; ++i) {
+    sent.push_back(Pattern(sizes[i], static_cast<int>(i)));
+    ASSERT_TRUE(SendAndWait(sender, Header(i, static_cast<int64_t>(sizes[i] / 4)), View(sent[i]))
+                    .ok());
+  }
+  auto got = sink_.received();
+  ASSERT_EQ(got.size(), 4u);
+  for (uint32_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(got[i].first.microbatch(), i);
+    EXPECT_EQ(got[i].second, *sent[i]) << "tensor " << i;
+  }
+  ActivationServer::Stats s = activations_->stats();
+  EXPECT_EQ(s.tensors, 4u);
+  EXPECT_EQ(s.frames, 1u + 1 + 10 + 1);
+  EXPECT_EQ(s.malformed + s.rejected + s.unauthorized, 0u);
+  EXPECT_EQ(s.partial_tensors, 0u);
+  EXPECT_EQ(server_->stats().accepted, 1u);
+}
+
+TEST_P(DirectTransportTest, SinkRejectionIsAcknowledgedAndTheConnectionGoesOn) {
+  StartServer();
+  PeerSender sender("w2", SenderOptions());
+  auto data = Pattern(4 * 300000, 1);
+  absl::Status refused = SendAndWait(sender, Header(0, 300000, "w1", "job-other"), View(data));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("unknown job job-other"));
+  EXPECT_TRUE(SendAndWait(sender, Header(1, 300000), View(data)).ok());
+  EXPECT_EQ(sink_.received().size(), 1u);
+  EXPECT_EQ(activations_->stats().rejected, 1u);
+  EXPECT_EQ(server_->stats().accepted, 1u);  // the same connection carried both
+}
+
+TEST_P(DirectTransportTest, ServerLimitsApply) {
+  StartServer();
+  PeerSender sender("w2", SenderOptions());
+  auto big = Pattern(size_t{80} << 20, 2);  // over max_tensor_bytes (64 MiB)
+  absl::Status refused = SendAndWait(sender, Header(0, (int64_t{80} << 20) / 4), View(big));
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.message(), HasSubstr("exceeds the limit"));
+  EXPECT_TRUE(sink_.received().empty());
+}
+
+TEST_P(DirectTransportTest, UnreachablePeerFailsFastWithItsAddress) {
+  StartServer();
+  const int port = server_->port();
+  server_.reset();  // nothing listens there any more
+  PeerSenderOptions o = SenderOptions();
+  o.direct_address = absl::StrCat("127.0.0.1:", port);
+  PeerSender sender("w2", o);
+  const absl::Time start = absl::Now();
+  absl::Status s = SendAndWait(sender, Header(0, 4), View(Pattern(16, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr(o.direct_address));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+}
+
+TEST_P(DirectTransportTest, CloseDuringAHandshakeOrAWaitReturnsPromptly) {
+  // A peer whose kernel completes the TCP connection but whose process never
+  // accepts it: a TLS handshake waits (up to connect_timeout), a plaintext
+  // tensor waits for an ack that never comes. Close must not wait for either.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 8), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  PeerSenderOptions o;
+  o.direct_address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  o.peer_name = "w2";
+  o.connect_timeout = absl::Seconds(30);
+  if (tls()) o.security = TestCerts().Load("w1");
+  auto sender = std::make_unique<PeerSender>("w2", o);
+  absl::Notification done;
+  absl::Status result;
+  sender->Send(Header(0, 4), View(Pattern(16, 0)), [&](absl::Status s, double) {
+    result = s;
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(done.HasBeenNotified());
+  const absl::Time start = absl::Now();
+  sender->Close();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  ASSERT_TRUE(done.HasBeenNotified());
+  EXPECT_EQ(result.code(), absl::StatusCode::kCancelled);
+  ::close(listener);
+}
+
+TEST_P(DirectTransportTest, ShutdownEndsIdleConnectionsPromptly) {
+  StartServer();
+  PeerSender sender("w2", SenderOptions());
+  ASSERT_TRUE(SendAndWait(sender, Header(0, 4), View(Pattern(16, 0))).ok());
+  EXPECT_EQ(server_->stats().open, 1);
+  const absl::Time start = absl::Now();
+  server_->Shutdown();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(server_->stats().open, 0);
+  // The sender notices and fails the next tensor instead of hanging.
+  const absl::Time send = absl::Now();
+  absl::Status s = SendAndWait(sender, Header(1, 4), View(Pattern(16, 1)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - send, absl::Seconds(2));
+}
+
+INSTANTIATE_TEST_SUITE_P(PlaintextAndTls, DirectTransportTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Tls" : "Plaintext";
+                         });
+
+// --- plaintext framing attacks ----------------------------------------------
+
+class DirectFramingTest : public DirectFixture {};
+
+TEST_F(DirectFramingTest, WrongPrefaceIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  const int fd = RawConnect();
+  const char http[] = "GET / HTTP/1.1\r\n\r\n";
+  ASSERT_GT(::send(fd, http, sizeof(http) - 1, 0), 0);
+  EXPECT_TRUE(ClosedByServer(fd));
+  ::close(fd);
+  EXPECT_TRUE(Eventually([&] { return server_->stats().refused == 1; }));
+  EXPECT_EQ(server_->stats().accepted, 0u);
+}
+
+TEST_F(DirectFramingTest, SilentClientIsDroppedAfterTheHandshakeTimeout) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());  // handshake_timeout 2 s
+  const int fd = RawConnect();
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(ClosedByServer(fd));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  ::close(fd);
+}
+
+TEST_F(DirectFramingTest, OversizedAndMalformedFramingEndsTheConnection) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  struct Case {
+    std::string name;
+    std::string bytes;
+  };
+  std::vector<Case> cases;
+  {
+    char prefix[kDirectFramePrefixBytes];
+    EncodeDirectFramePrefix(kMaxDirectMessageBytes + 1, 0, prefix);
+    cases.push_back({"header too long", std::string(prefix, sizeof(prefix))});
+  }
+  {
+    char prefix[kDirectFramePrefixBytes];
+    EncodeDirectFramePrefix(5, 0, prefix);
+    cases.push_back({"unparseable header", std::string(prefix, sizeof(prefix)) + "\xff\xff\xff\xff\xff"});
+  }
+  {
+    // A valid header announcing 2^60 data bytes: refused by the header
+    // checks, and far more than a tensor may be, so not read on.
+    v1::FrameHeader h = Header(0, 4);
+    h.set_total_bytes(16);
+    h.set_num_chunks(1);
+    const std::string header = h.SerializeAsString();
+    char prefix[kDirectFramePrefixBytes];
+    EncodeDirectFramePrefix(static_cast<uint32_t>(header.size()), uint64_t{1} << 60, prefix);
+    cases.push_back({"data beyond any tensor", std::string(prefix, sizeof(prefix)) + header});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const uint64_t malformed_before = activations_->stats().malformed;
+    const int fd = RawConnect();
+    std::string bytes(kDirectPreface, sizeof(kDirectPreface));
+    bytes += c.bytes;
+    ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    EXPECT_TRUE(ClosedByServer(fd));
+    ::close(fd);
+    EXPECT_TRUE(Eventually([&] { return activations_->stats().malformed == malformed_before + 1; }));
+  }
+  EXPECT_TRUE(sink_.received().empty());
+  EXPECT_TRUE(Eventually([&] { return server_->stats().open == 0; }));
+  EXPECT_EQ(activations_->stats().partial_tensors, 0u);
+}
+
+// --- TLS identity -----------------------------------------------------------
+
+TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
+  RecordingSink sink;
+  ActivationServerOptions ao;
+  ao.require_peer_certificates = true;
+  ActivationServer activations(&sink, ao);
+  DirectServerOptions d;
+  d.listen = HostPort{"127.0.0.1", 0};
+  d.handshake_timeout = absl::Seconds(2);
+  d.security = TestCerts().Load("w2");
+  auto server = DirectServer::Start(&activations, d);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto data = Pattern(64, 3);
+
+  {  // a certificate from another CA: the handshake fails
+    PeerSenderOptions o;
+    o.direct_address = address;
+    o.peer_name = "w2";
+    o.security = TestCerts().Load("intruder", /*other_ca=*/true);
+    PeerSender sender("w2", o);
+    absl::Status s = SendAndWait(sender, Header(0, 16, "intruder"), View(data));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  }
+  {  // plaintext to a TLS server
+    PeerSenderOptions o;
+    o.direct_address = address;
+    o.peer_name = "w2";
+    o.connect_timeout = absl::Seconds(3);
+    PeerSender sender("w2", o);
+    EXPECT_FALSE(SendAndWait(sender, Header(1, 16), View(data)).ok());
+  }
+  {  // a cluster certificate, but frames sent in another worker's name
+    PeerSenderOptions o;
+    o.direct_address = address;
+    o.peer_name = "w2";
+    o.security = TestCerts().Load("w1");
+    PeerSender sender("w2", o);
+    absl::Status s = SendAndWait(sender, Header(2, 16, "w2"), View(data));
+    EXPECT_FALSE(s.ok());
+    EXPECT_TRUE(SendAndWait(sender, Header(3, 16, "w1"), View(data)).ok());
+  }
+  {  // the server is not the worker we meant to reach
+    PeerSenderOptions o;
+    o.direct_address = address;
+    o.peer_name = "w3";
+    o.security = TestCerts().Load("w1");
+    PeerSender sender("w3", o);
+    absl::Status s = SendAndWait(sender, Header(4, 16, "w1"), View(data));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(s.message(), HasSubstr("w3"));
+  }
+  ASSERT_EQ(sink.received().size(), 1u);
+  EXPECT_EQ(sink.received()[0].first.microbatch(), 3u);
+  ActivationServer::Stats s = activations.stats();
+  EXPECT_GE(s.unauthorized, 3u);  // the foreign CA, plaintext, the impersonation
+  EXPECT_EQ(s.tensors, 1u);
+}
+
+}  // namespace
+}  // namespace detour

@@ -1,0 +1,424 @@
+#include "worker/transport/direct_link.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/net/address.h"
+
+namespace detour {
+namespace {
+
+std::string OpenSslErrors() {
+  std::string text;
+  while (unsigned long code = ERR_get_error()) {
+    char buffer[256];
+    ERR_error_string_n(code, buffer, sizeof(buffer));
+    if (!text.empty()) text += "; ";
+    text += buffer;
+  }
+  return text.empty() ? "no detail" : text;
+}
+
+void SetSocketOptions(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer that vanished without a FIN (power loss, cut cable) is noticed
+  // within about 25 s even on an idle connection.
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  const int idle = 10, interval = 5, count = 3;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+void PutU32(uint32_t v, char* out) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+void PutU64(uint64_t v, char* out) {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+uint32_t GetU32(const char* in) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(in[i]);
+  return v;
+}
+uint64_t GetU64(const char* in) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(in[i]);
+  return v;
+}
+
+// Waits until `fd` is ready for `events`, a wake descriptor is readable, or
+// the deadline passes. OK when ready.
+absl::Status WaitFor(int fd, int wake_a, int wake_b, short events, absl::Time deadline,
+                     absl::string_view what) {
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+    }
+    pollfd fds[3] = {{fd, events, 0}, {wake_a, POLLIN, 0}, {wake_b, POLLIN, 0}};
+    const int timeout_ms = static_cast<int>(std::min<int64_t>(
+        absl::ToInt64Milliseconds(left) + 1, int64_t{1} << 30));
+    const int n = ::poll(fds, 3, timeout_ms);  // negative descriptors are ignored
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::UnavailableError(absl::StrCat(what, ": poll: ", std::strerror(errno)));
+    }
+    if (n == 0) continue;  // the loop checks the deadline
+    if ((fds[1].revents | fds[2].revents) & POLLIN) {
+      return absl::CancelledError(absl::StrCat(what, ": connection shut down"));
+    }
+    if (fds[0].revents & (events | POLLERR | POLLHUP)) return absl::OkStatus();
+  }
+}
+
+}  // namespace
+
+void EncodeDirectFramePrefix(uint32_t header_bytes, uint64_t data_bytes, char out[16]) {
+  PutU32(header_bytes, out);
+  PutU32(0, out + 4);
+  PutU64(data_bytes, out + 8);
+}
+
+void EncodeDirectAckPrefix(uint32_t ack_bytes, char out[8]) {
+  PutU32(ack_bytes, out);
+  PutU32(0, out + 4);
+}
+
+absl::Status DecodeDirectFramePrefix(const char in[16], uint32_t* header_bytes,
+                                     uint64_t* data_bytes) {
+  *header_bytes = GetU32(in);
+  *data_bytes = GetU64(in + 8);
+  if (GetU32(in + 4) != 0) return absl::InvalidArgumentError("frame prefix: reserved bytes set");
+  if (*header_bytes == 0 || *header_bytes > kMaxDirectMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("frame prefix: a header of ", *header_bytes,
+                                                   " bytes (1..", kMaxDirectMessageBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeDirectAckPrefix(const char in[8], uint32_t* ack_bytes) {
+  *ack_bytes = GetU32(in);
+  if (GetU32(in + 4) != 0) return absl::InvalidArgumentError("ack prefix: reserved bytes set");
+  if (*ack_bytes > kMaxDirectMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("ack prefix: an ack of ", *ack_bytes,
+                                                   " bytes (at most ", kMaxDirectMessageBytes,
+                                                   ")"));
+  }
+  return absl::OkStatus();
+}
+
+DirectLink::DirectLink(int fd, ssl_st* ssl, int wake_fd) : fd_(fd), ssl_(ssl), wake_fd_(wake_fd) {
+  if (::pipe2(shutdown_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    shutdown_pipe_[0] = shutdown_pipe_[1] = -1;
+  }
+}
+
+DirectLink::~DirectLink() {
+  if (ssl_ != nullptr) SSL_free(ssl_);
+  ::close(fd_);
+  if (shutdown_pipe_[0] >= 0) ::close(shutdown_pipe_[0]);
+  if (shutdown_pipe_[1] >= 0) ::close(shutdown_pipe_[1]);
+}
+
+void DirectLink::SetIoTimeout(absl::Duration timeout) { io_timeout_ = timeout; }
+
+absl::Status DirectLink::Wait(short events, absl::Time deadline, absl::string_view what) {
+  return WaitFor(fd_, shutdown_pipe_[0], wake_fd_, events, deadline, what);
+}
+
+absl::Status DirectLink::Handshake(bool client, absl::Time deadline) {
+  while (true) {
+    ERR_clear_error();
+    const int rc = client ? SSL_connect(ssl_) : SSL_accept(ssl_);
+    if (rc == 1) return absl::OkStatus();
+    const int error = SSL_get_error(ssl_, rc);
+    absl::Status waited;
+    if (error == SSL_ERROR_WANT_READ) {
+      waited = Wait(POLLIN, deadline, "TLS handshake");
+    } else if (error == SSL_ERROR_WANT_WRITE) {
+      waited = Wait(POLLOUT, deadline, "TLS handshake");
+    } else {
+      const long verify = SSL_get_verify_result(ssl_);
+      return absl::UnauthenticatedError(absl::StrCat(
+          "failed: ",
+          verify != X509_V_OK ? X509_verify_cert_error_string(verify) : OpenSslErrors()));
+    }
+    if (!waited.ok()) {
+      return waited.code() == absl::StatusCode::kCancelled
+                 ? waited
+                 : absl::UnavailableError(waited.message());
+    }
+  }
+}
+
+absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::string& address,
+                                                                std::shared_ptr<ssl_ctx_st> ctx,
+                                                                const std::string& peer_name,
+                                                                absl::Duration timeout,
+                                                                int wake_fd) {
+  const absl::Time deadline = absl::Now() + timeout;
+  auto hp = ParseHostPort(address, "direct transport address", /*allow_port_zero=*/false);
+  if (!hp.ok()) return hp.status();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(hp->port);
+  if (int rc = ::getaddrinfo(hp->host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("direct transport: cannot resolve ", address, ": ", gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, ::freeaddrinfo);
+  int fd = -1;
+  std::string last_error = "no address";
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (s < 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    SetSocketOptions(s);
+    if (::connect(s, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      last_error = std::strerror(errno);
+      ::close(s);
+      continue;
+    }
+    absl::Status ready = WaitFor(s, wake_fd, -1, POLLOUT, deadline, "connect");
+    int error = 0;
+    socklen_t len = sizeof(error);
+    if (ready.ok()) ::getsockopt(s, SOL_SOCKET, SO_ERROR, &error, &len);
+    if (!ready.ok() || error != 0) {
+      last_error = ready.ok() ? std::strerror(error) : std::string(ready.message());
+      ::close(s);
+      continue;
+    }
+    fd = s;
+  }
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("direct transport: cannot connect to ", address, ": ", last_error));
+  }
+  ssl_st* ssl = nullptr;
+  if (ctx != nullptr) {
+    ssl = SSL_new(ctx.get());
+    if (ssl == nullptr) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("SSL_new: ", OpenSslErrors()));
+    }
+    SSL_set_fd(ssl, fd);
+    SSL_set_hostflags(ssl, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    if (SSL_set1_host(ssl, peer_name.c_str()) != 1) {
+      SSL_free(ssl);
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("SSL_set1_host: ", OpenSslErrors()));
+    }
+  }
+  std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
+  if (ssl != nullptr) {
+    if (absl::Status s = link->Handshake(/*client=*/true, deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("direct transport: TLS handshake with ", address,
+                                                 " (expecting ", peer_name, "): ", s.message()));
+    }
+    link->peer_name_ = VerifiedPeerName(ssl);
+    if (!link->peer_name_.has_value()) {
+      return absl::UnauthenticatedError(absl::StrCat(
+          "direct transport: ", address, " presented no verified worker certificate"));
+    }
+  }
+  link->SetIoTimeout(std::max(absl::Seconds(1), deadline - absl::Now()));
+  if (absl::Status s = link->Write(kDirectPreface, sizeof(kDirectPreface)); !s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("direct transport: ", address, ": sending the preface: ", s.message()));
+  }
+  link->SetIoTimeout(absl::Seconds(60));
+  return link;
+}
+
+absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
+                                                               std::shared_ptr<ssl_ctx_st> ctx,
+                                                               absl::Duration timeout,
+                                                               int wake_fd) {
+  const absl::Time deadline = absl::Now() + timeout;
+  SetSocketOptions(fd);
+  ssl_st* ssl = nullptr;
+  if (ctx != nullptr) {
+    ssl = SSL_new(ctx.get());
+    if (ssl == nullptr) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("SSL_new: ", OpenSslErrors()));
+    }
+    SSL_set_fd(ssl, fd);
+  }
+  std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
+  if (ssl != nullptr) {
+    if (absl::Status s = link->Handshake(/*client=*/false, deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("TLS handshake: ", s.message()));
+    }
+    link->peer_name_ = VerifiedPeerName(ssl);
+    if (!link->peer_name_.has_value()) {
+      return absl::UnauthenticatedError("the peer presented no verified worker certificate");
+    }
+  }
+  link->SetIoTimeout(std::max(absl::Milliseconds(1), deadline - absl::Now()));
+  char preface[sizeof(kDirectPreface)];
+  if (absl::Status s = link->Read(preface, sizeof(preface)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("reading the preface: ", s.message()));
+  }
+  if (std::memcmp(preface, kDirectPreface, sizeof(preface)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "not a detour direct-transport client (preface \"",
+        absl::CHexEscape(absl::string_view(preface, sizeof(preface))), "\")"));
+  }
+  link->SetIoTimeout(absl::Seconds(60));
+  return link;
+}
+
+absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
+  char* p = static_cast<char*>(data);
+  size_t done = 0;
+  absl::Time deadline = absl::Now() + io_timeout_;
+  while (done < n) {
+    ssize_t got;
+    short wait_for = POLLIN;
+    if (ssl_ != nullptr) {
+      absl::MutexLock lock(&ssl_mu_);
+      ERR_clear_error();
+      const int want = static_cast<int>(std::min<size_t>(n - done, size_t{1} << 30));
+      const int rc = SSL_read(ssl_, p + done, want);
+      if (rc > 0) {
+        got = rc;
+      } else {
+        const int error = SSL_get_error(ssl_, rc);
+        if (error == SSL_ERROR_ZERO_RETURN) {
+          return absl::UnavailableError("connection closed by the peer");
+        } else if (error == SSL_ERROR_WANT_READ) {
+          got = -1;
+        } else if (error == SSL_ERROR_WANT_WRITE) {
+          got = -1;
+          wait_for = POLLOUT;
+        } else {
+          return absl::UnavailableError(absl::StrCat("TLS read: ", OpenSslErrors()));
+        }
+      }
+    } else {
+      got = ::recv(fd_, p + done, n - done, 0);
+      if (got == 0) return absl::UnavailableError("connection closed by the peer");
+      if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return absl::UnavailableError(absl::StrCat("read: ", std::strerror(errno)));
+      }
+    }
+    if (got > 0) {
+      done += static_cast<size_t>(got);
+      deadline = absl::Now() + io_timeout_;  // progress: the timeout starts again
+      continue;
+    }
+    absl::Status waited = Wait(wait_for, deadline, "read");
+    if (!waited.ok()) {
+      if (waited.code() == absl::StatusCode::kDeadlineExceeded && idle_ok && done == 0) {
+        return waited;
+      }
+      return waited.code() == absl::StatusCode::kDeadlineExceeded
+                 ? absl::DeadlineExceededError(absl::StrCat(
+                       "read: no progress for ", absl::FormatDuration(io_timeout_), " (", done,
+                       " of ", n, " bytes)"))
+                 : waited;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DirectLink::Write(const void* a, size_t na, const void* b, size_t nb) {
+  const char* parts[2] = {static_cast<const char*>(a), static_cast<const char*>(b)};
+  size_t left[2] = {na, nb};
+  absl::Time deadline = absl::Now() + io_timeout_;
+  while (left[0] + left[1] > 0) {
+    ssize_t put;
+    short wait_for = POLLOUT;
+    if (ssl_ != nullptr) {
+      const int i = left[0] > 0 ? 0 : 1;
+      absl::MutexLock lock(&ssl_mu_);
+      ERR_clear_error();
+      const int want = static_cast<int>(std::min<size_t>(left[i], size_t{1} << 30));
+      const int rc = SSL_write(ssl_, parts[i], want);
+      if (rc > 0) {
+        put = rc;
+      } else {
+        const int error = SSL_get_error(ssl_, rc);
+        if (error == SSL_ERROR_WANT_WRITE) {
+          put = -1;
+        } else if (error == SSL_ERROR_WANT_READ) {
+          put = -1;
+          wait_for = POLLIN;
+        } else {
+          return absl::UnavailableError(absl::StrCat("TLS write: ", OpenSslErrors()));
+        }
+      }
+    } else {
+      iovec iov[2];
+      int count = 0;
+      for (int i = 0; i < 2; ++i) {
+        if (left[i] > 0) iov[count++] = {const_cast<char*>(parts[i]), left[i]};
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = count;
+      put = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (put < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return absl::UnavailableError(absl::StrCat("write: ", std::strerror(errno)));
+      }
+    }
+    if (put > 0) {
+      size_t n = static_cast<size_t>(put);
+      for (int i = 0; i < 2 && n > 0; ++i) {
+        const size_t take = std::min(n, left[i]);
+        parts[i] += take;
+        left[i] -= take;
+        n -= take;
+      }
+      deadline = absl::Now() + io_timeout_;
+      continue;
+    }
+    absl::Status waited = Wait(wait_for, deadline, "write");
+    if (!waited.ok()) return waited;
+  }
+  return absl::OkStatus();
+}
+
+void DirectLink::CloseWrite() {
+  if (ssl_ != nullptr) {
+    absl::MutexLock lock(&ssl_mu_);
+    ERR_clear_error();
+    SSL_shutdown(ssl_);  // sends close_notify (non-blocking: best effort)
+  }
+  ::shutdown(fd_, SHUT_WR);
+}
+
+void DirectLink::Shutdown() {
+  if (shutdown_pipe_[1] >= 0) {
+    const char byte = 1;
+    (void)!::write(shutdown_pipe_[1], &byte, 1);
+  }
+  ::shutdown(fd_, SHUT_RDWR);
+}
+
+}  // namespace detour

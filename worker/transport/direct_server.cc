@@ -1,0 +1,270 @@
+#include "worker/transport/direct_server.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace detour {
+
+absl::StatusOr<std::unique_ptr<DirectServer>> DirectServer::Start(ActivationServer* activations,
+                                                                  DirectServerOptions options) {
+  std::shared_ptr<ssl_ctx_st> ctx;
+  if (options.security.tls()) {
+    auto made = options.security.NewSslContext(/*server=*/true);
+    if (!made.ok()) return made.status();
+    ctx = *std::move(made);
+  }
+  int port = 0;
+  absl::StatusOr<int> fd = BindTcp(options.listen, "--data_port", /*listen=*/true, &port);
+  if (!fd.ok()) return fd.status();
+  return std::unique_ptr<DirectServer>(
+      new DirectServer(activations, std::move(options), *fd, port, std::move(ctx)));
+}
+
+DirectServer::DirectServer(ActivationServer* activations, DirectServerOptions options,
+                           int listen_fd, int port, std::shared_ptr<ssl_ctx_st> ctx)
+    : activations_(activations),
+      options_(std::move(options)),
+      listen_fd_(listen_fd),
+      port_(port),
+      ctx_(std::move(ctx)) {
+  if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
+  if (options_.metrics != nullptr) {
+    accepted_metric_ = metrics::OptionalCounter(
+        options_.metrics, "detour_worker_direct_connections_accepted",
+        "Direct-transport connections accepted (TLS handshake and preface done).");
+    refused_metric_ = metrics::OptionalCounter(
+        options_.metrics, "detour_worker_direct_connections_refused",
+        "Direct-transport connections refused: failed handshake (no or a foreign "
+        "certificate), wrong preface, silence, or over the connection limit.");
+    if (auto family = options_.metrics->AddGauge(
+            "detour_worker_direct_connections",
+            "Direct-transport connections open now (peers sending tensors to this worker).");
+        family.ok()) {
+      auto gauge = (*family)->WithLabels({});
+      if (gauge.ok()) open_metric_ = *gauge;
+    }
+  }
+  acceptor_ = std::thread([this] { AcceptLoop(); });
+}
+
+DirectServer::~DirectServer() {
+  Shutdown();
+  if (wake_pipe_[0] >= 0) ::close(wake_pipe_[0]);
+  if (wake_pipe_[1] >= 0) ::close(wake_pipe_[1]);
+}
+
+void DirectServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && !acceptor_.joinable()) return;
+    stopping_ = true;
+  }
+  if (wake_pipe_[1] >= 0) {
+    const char byte = 1;
+    (void)!::write(wake_pipe_[1], &byte, 1);
+  }
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  std::map<uint64_t, std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, link] : links_) link->Shutdown();
+    threads.swap(threads_);
+  }
+  for (auto& [id, t] : threads) t.join();
+}
+
+DirectServer::Stats DirectServer::stats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.accepted = accepted_;
+  s.refused = refused_;
+  s.open = open_;
+  return s;
+}
+
+void DirectServer::AcceptLoop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
+    const int n = ::poll(fds, 2, 1000);
+    std::vector<std::thread> done;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      for (uint64_t id : finished_) {
+        auto it = threads_.find(id);
+        if (it != threads_.end()) {
+          done.push_back(std::move(it->second));
+          threads_.erase(it);
+        }
+      }
+      finished_.clear();
+    }
+    for (std::thread& t : done) t.join();
+    if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        LogWarning("direct transport: accept: ", std::strerror(errno));
+        ::usleep(100000);  // the condition persists; do not spin
+      }
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    if (open_ >= options_.max_connections) {
+      ++refused_;
+      if (refused_metric_ != nullptr) refused_metric_->Increment();
+      ::close(fd);
+      LogWarning("direct transport: refused a connection: ", open_, " open (limit ",
+                 options_.max_connections, ")");
+      continue;
+    }
+    ++open_;
+    if (open_metric_ != nullptr) open_metric_->Set(open_);
+    const uint64_t id = next_id_++;
+    threads_[id] = std::thread([this, id, fd] { Serve(id, fd); });
+  }
+}
+
+void DirectServer::Serve(uint64_t id, int fd) {
+  auto accepted = DirectLink::Accept(fd, ctx_, options_.handshake_timeout, wake_pipe_[0]);
+  std::unique_ptr<DirectLink> link;
+  if (!accepted.ok()) {
+    if (accepted.status().code() == absl::StatusCode::kUnauthenticated) {
+      activations_->CountUnauthorizedStream();
+    }
+    LogWarning("direct transport: refused a connection: ", accepted.status().message());
+  } else {
+    link = *std::move(accepted);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (link == nullptr) {
+      ++refused_;
+      if (refused_metric_ != nullptr) refused_metric_->Increment();
+    } else if (stopping_) {
+      link.reset();
+    } else {
+      ++accepted_;
+      if (accepted_metric_ != nullptr) accepted_metric_->Increment();
+      links_[id] = link.get();
+    }
+  }
+  if (link != nullptr) {
+    link->SetIoTimeout(options_.io_timeout);
+    absl::Status ended;
+    {
+      TensorAssembler assembler(activations_, link->peer_name());
+      ended = ReadDirectFrames(link.get(), &assembler, activations_->options().max_tensor_bytes,
+                               [this] {
+                                 absl::MutexLock lock(&mu_);
+                                 return stopping_;
+                               });
+    }
+    if (!ended.ok() && ended.code() != absl::StatusCode::kUnavailable &&
+        ended.code() != absl::StatusCode::kCancelled) {
+      LogWarning("direct transport: ended a connection from ",
+                 link->peer_name().value_or("a plaintext peer"), ": ", ended.message());
+    }
+    absl::MutexLock lock(&mu_);
+    links_.erase(id);
+  }
+  link.reset();  // closes the socket before the slot is given back
+  absl::MutexLock lock(&mu_);
+  --open_;
+  if (open_metric_ != nullptr) open_metric_->Set(open_);
+  finished_.push_back(id);
+}
+
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
+                              uint64_t max_tensor, const std::function<bool()>& stopping) {
+  std::string header_bytes;
+  std::string ack_bytes;
+  std::vector<v1::FrameAck> acks;
+  std::vector<char> scratch;
+  auto send_acks = [&]() -> absl::Status {
+    for (const v1::FrameAck& ack : acks) {
+      ack_bytes.clear();
+      ack.SerializeToString(&ack_bytes);
+      char prefix[kDirectAckPrefixBytes];
+      EncodeDirectAckPrefix(static_cast<uint32_t>(ack_bytes.size()), prefix);
+      if (absl::Status s = link->Write(prefix, sizeof(prefix), ack_bytes.data(), ack_bytes.size());
+          !s.ok()) {
+        return s;
+      }
+    }
+    acks.clear();
+    return absl::OkStatus();
+  };
+  while (true) {
+    char prefix[kDirectFramePrefixBytes];
+    absl::Status read = link->Read(prefix, sizeof(prefix), /*idle_ok=*/true);
+    if (read.code() == absl::StatusCode::kDeadlineExceeded) {
+      if (stopping()) return absl::CancelledError("server shutting down");
+      continue;  // an idle connection between iterations
+    }
+    if (!read.ok()) return read;
+    uint32_t header_size = 0;
+    uint64_t data_bytes = 0;
+    if (absl::Status s = DecodeDirectFramePrefix(prefix, &header_size, &data_bytes); !s.ok()) {
+      assembler->Malformed(s.message(), &acks);
+      (void)send_acks();
+      return s;
+    }
+    header_bytes.resize(header_size);
+    if (absl::Status s = link->Read(header_bytes.data(), header_size); !s.ok()) return s;
+    v1::FrameHeader header;
+    if (!header.ParseFromString(header_bytes)) {
+      assembler->Malformed("unparseable frame header", &acks);
+      (void)send_acks();
+      return absl::InvalidArgumentError("unparseable frame header");
+    }
+    void* dest = nullptr;
+    absl::Status end;
+    switch (assembler->Begin(header, data_bytes, &dest, &acks, &end)) {
+      case TensorAssembler::Verdict::kAccept:
+        if (absl::Status s = link->Read(dest, data_bytes); !s.ok()) return s;
+        assembler->Finish(&acks);
+        break;
+      case TensorAssembler::Verdict::kDrop: {
+        // Data of a refused or duplicate chunk is read and dropped, as long
+        // as it is no larger than a tensor may be; beyond that the framing
+        // itself is not credible.
+        if (data_bytes > max_tensor) {
+          (void)send_acks();
+          return absl::InvalidArgumentError(
+              absl::StrCat("a frame of ", data_bytes, " data bytes (limit ", max_tensor, ")"));
+        }
+        scratch.resize(std::min<uint64_t>(data_bytes, uint64_t{256} << 10));
+        for (uint64_t left = data_bytes; left > 0;) {
+          const size_t take = static_cast<size_t>(std::min<uint64_t>(left, scratch.size()));
+          if (absl::Status s = link->Read(scratch.data(), take); !s.ok()) return s;
+          left -= take;
+        }
+        break;
+      }
+      case TensorAssembler::Verdict::kEndStream:
+        return end;
+    }
+    if (absl::Status s = send_acks(); !s.ok()) return s;
+  }
+}
+
+}  // namespace detour

@@ -1,0 +1,105 @@
+// The receiving side of the direct transport (direct_link.h): a listening
+// socket whose connections each get a reader thread that reads frames
+// straight into the memory the ActivationServer's sink provides, and
+// acknowledges tensors as ActivationService does. Reassembly, limits, the
+// sink's checks and the counters are the ActivationServer's (one
+// TensorAssembler per connection), so both paths obey the same bounds.
+//
+// A connection must complete its TLS handshake (a worker certificate from the
+// cluster CA when the server has TLS) and send the preface within
+// `handshake_timeout`; a frame's bytes must keep coming (no `io_timeout`
+// without progress); malformed framing, a sender its certificate does not
+// name, or too many connections end the connection. Thread-safe.
+#ifndef DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
+#define DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/metrics/metrics.h"
+#include "common/net/address.h"
+#include "common/net/tls.h"
+#include "worker/transport/activation_server.h"
+#include "worker/transport/direct_link.h"
+
+namespace detour {
+
+// Reads frames from an accepted connection until it ends, an error, or
+// `stopping` says so (checked while the connection idles): each frame goes
+// through `assembler`, acknowledgements back on `link`. What a DirectServer
+// runs per connection; exposed for the fuzz target. Frame data beyond
+// `max_tensor_bytes` ends the connection.
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
+                              uint64_t max_tensor_bytes, const std::function<bool()>& stopping);
+
+struct DirectServerOptions {
+  HostPort listen;  // port 0 picks a free one
+  TransportSecurity security;
+  // Connections open at once (each holds a thread); more are closed at once.
+  int max_connections = 512;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  absl::Duration io_timeout = absl::Seconds(60);
+  // Optional; connection counters and the open-connection gauge go here.
+  metrics::Registry* metrics = nullptr;
+};
+
+class DirectServer {
+ public:
+  // Listens and starts accepting. Does not own `activations` (must outlive
+  // the server). Errors: the port is taken, TLS without a certificate.
+  static absl::StatusOr<std::unique_ptr<DirectServer>> Start(ActivationServer* activations,
+                                                             DirectServerOptions options);
+  ~DirectServer();
+  DirectServer(const DirectServer&) = delete;
+  DirectServer& operator=(const DirectServer&) = delete;
+
+  int port() const { return port_; }
+  // Stops accepting, ends every connection and joins their threads.
+  // Idempotent.
+  void Shutdown();
+
+  struct Stats {
+    uint64_t accepted = 0;  // connections that completed the handshake
+    uint64_t refused = 0;   // failed handshakes, over the limit, bad preface
+    int open = 0;           // connections now
+  };
+  Stats stats() const;
+
+ private:
+  DirectServer(ActivationServer* activations, DirectServerOptions options, int listen_fd,
+               int port, std::shared_ptr<ssl_ctx_st> ctx);
+  void AcceptLoop();
+  void Serve(uint64_t id, int fd);
+
+  ActivationServer* const activations_;
+  const DirectServerOptions options_;
+  int listen_fd_;  // closed by Shutdown (new connections are refused)
+  const int port_;
+  const std::shared_ptr<ssl_ctx_st> ctx_;
+  int wake_pipe_[2] = {-1, -1};
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  // Open connections' links (for Shutdown) and every connection thread not
+  // yet joined (a finished one is joined by the next accept or Shutdown).
+  std::map<uint64_t, DirectLink*> links_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);
+  int open_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread acceptor_;
+  metrics::Counter* accepted_metric_ = nullptr;
+  metrics::Counter* refused_metric_ = nullptr;
+  metrics::Gauge* open_metric_ = nullptr;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
