@@ -1,6 +1,6 @@
 // The e2e harness's sanitizer plumbing (local_cluster.h): a report written by
 // a process a test started reaches the test, so a race or a leak in a daemon
-// fails the e2e test that ran it. tools/checks.sh runs this with
+// fails the e2e test that ran it. tools/checks.sh tsan-full runs this with
 // $DETOUR_TSAN_CANARY (tests/tsan/tsan_canary, whose deliberate race TSan
 // reports) and TSAN_OPTIONS set; elsewhere only the routing is checked.
 #include <cstdlib>
@@ -27,7 +27,7 @@ TEST_F(SanitizerHarnessTest, AReportFromAChildProcessReachesTheTest) {
     EXPECT_FALSE(absl::StrContains(SanitizerReports(dir_), "not a report"));
     std::remove((dir_ + "/sanitizer.4242").c_str());
     GTEST_SKIP() << "DETOUR_TSAN_CANARY/TSAN_OPTIONS unset: the real canary runs in "
-                    "tools/checks.sh tsan";
+                    "tools/checks.sh tsan-full";
   }
   // The canary exits non-zero (TSan's exitcode) after reporting its race.
   ChildProcess child;

@@ -3,7 +3,7 @@
 #include <malloc.h>
 
 // Under AddressSanitizer malloc is ASan's, and glibc's mallinfo2 reports
-// nothing: ask the sanitizer's allocator instead (tools/checks.sh asan).
+// nothing: ask the sanitizer's allocator instead (tools/checks.sh asan-full).
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define DETOUR_TEST_ASAN 1
