@@ -11,7 +11,7 @@
 #   make checks  the checked builds CI runs besides `make test` (tools/checks.sh):
 #                clang -Wthread-safety -Werror over the tree, ASan+UBSan over
 #                the LibTorch-free suite with short fuzz runs, TSan over the
-#                transport, net, work queue, control client, log, metrics server
+#                transport, net, work queue, control client and log tests
 #   make checks-full  opt-in, not in CI (never yet passed in full; its time on
 #                2 cores unmeasured): ASan+UBSan+LSan over
 #                the whole suite with LibTorch and the e2e tests, TSan over the
