@@ -135,6 +135,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (p->plan_objective() == v1::PLAN_OBJECTIVE_UNSPECIFIED) {
     p->set_plan_objective(v1::PLAN_OBJECTIVE_ITERATION);
   }
+  if (p->precision() == v1::PRECISION_UNSPECIFIED) p->set_precision(v1::PRECISION_FP32);
 
   v1::OptimizerSpec* o = spec->mutable_optimizer();
   if (o->kind() == v1::OPTIMIZER_UNSPECIFIED) o->set_kind(v1::OPTIMIZER_ADAMW);
@@ -313,6 +314,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!v1::PlanObjective_IsValid(p.plan_objective())) {
     return Invalid("pipeline.plan_objective",
                    absl::StrCat(p.plan_objective(), " is not an objective"));
+  }
+  if (!v1::Precision_IsValid(p.precision())) {
+    return Invalid("pipeline.precision",
+                   absl::StrCat(p.precision(), " is not a precision (PRECISION_FP32 or "
+                                               "PRECISION_BF16)"));
   }
   if (p.assignment_size() > 0) {
     if (p.assignment_size() != static_cast<int>(p.num_stages())) {

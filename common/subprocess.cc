@@ -1,11 +1,14 @@
 #include "common/subprocess.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -15,6 +18,7 @@
 namespace detour {
 
 ChildProcess::~ChildProcess() {
+  CloseInput();
   if (running()) {
     ::kill(pid_, SIGKILL);
     Wait(absl::Seconds(5));
@@ -23,12 +27,34 @@ ChildProcess::~ChildProcess() {
 
 absl::Status ChildProcess::Start(const std::vector<std::string>& argv,
                                  const std::string& log_path, bool own_group) {
+  return Spawn(argv, log_path, own_group, /*pipe_input=*/false, "");
+}
+
+absl::Status ChildProcess::StartWithInput(const std::vector<std::string>& argv,
+                                          const std::string& log_path,
+                                          const std::string& working_dir) {
+  return Spawn(argv, log_path, /*own_group=*/false, /*pipe_input=*/true, working_dir);
+}
+
+absl::Status ChildProcess::Spawn(const std::vector<std::string>& argv,
+                                 const std::string& log_path, bool own_group, bool pipe_input,
+                                 const std::string& working_dir) {
   log_path_ = log_path;
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  int input[2] = {-1, -1};
+  if (pipe_input && ::pipe2(input, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+  }
   const pid_t pid = ::fork();
-  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid < 0) {
+    if (pipe_input) {
+      ::close(input[0]);
+      ::close(input[1]);
+    }
+    return absl::InternalError("fork failed");
+  }
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (own_group) ::setpgid(0, 0);
@@ -38,6 +64,10 @@ absl::Status ChildProcess::Start(const std::vector<std::string>& argv,
       ::dup2(fd, STDERR_FILENO);
       ::close(fd);
     }
+    // dup2 clears close-on-exec on the copy: the read end survives exec as
+    // standard input, both originals do not.
+    if (pipe_input) ::dup2(input[0], STDIN_FILENO);
+    if (!working_dir.empty() && ::chdir(working_dir.c_str()) != 0) ::_exit(127);
     // Signals blocked by the test runner must not stay blocked in the child.
     sigset_t none;
     sigemptyset(&none);
@@ -45,8 +75,52 @@ absl::Status ChildProcess::Start(const std::vector<std::string>& argv,
     ::execv(args[0], args.data());
     ::_exit(127);
   }
+  if (pipe_input) {
+    ::close(input[0]);
+    input_fd_ = input[1];
+  }
   pid_ = pid;
   return absl::OkStatus();
+}
+
+absl::Status ChildProcess::WriteInput(absl::string_view data) {
+  if (input_fd_ < 0) return absl::FailedPreconditionError("the child has no input pipe");
+  // A write to a pipe nobody reads raises SIGPIPE, which would end this
+  // process: block it in this thread, and take back the one a failed write
+  // left pending, so only the EPIPE status remains.
+  sigset_t pipe_only, old;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  sigset_t pending;
+  sigemptyset(&pending);
+  ::sigpending(&pending);
+  const bool was_pending = sigismember(&pending, SIGPIPE) == 1;
+  ::pthread_sigmask(SIG_BLOCK, &pipe_only, &old);
+  absl::Status status;
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(input_fd_, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      if (err == EPIPE && !was_pending) {
+        const timespec zero = {0, 0};
+        ::sigtimedwait(&pipe_only, nullptr, &zero);
+      }
+      status = absl::UnavailableError(absl::StrCat(
+          "writing to ", log_path_.empty() ? "the child" : "the child logging to " + log_path_,
+          ": ", std::strerror(err)));
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return status;
+}
+
+void ChildProcess::CloseInput() {
+  if (input_fd_ >= 0) ::close(input_fd_);
+  input_fd_ = -1;
 }
 
 void ChildProcess::Signal(int sig) {

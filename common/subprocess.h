@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace detour {
@@ -29,6 +30,16 @@ class ChildProcess {
   // which then stops its children in order.
   absl::Status Start(const std::vector<std::string>& argv, const std::string& log_path,
                      bool own_group = false);
+  // Same, with the child's standard input a pipe that WriteInput feeds and
+  // CloseInput ends, and run in `working_dir` when it is not empty.
+  absl::Status StartWithInput(const std::vector<std::string>& argv, const std::string& log_path,
+                              const std::string& working_dir = "");
+  // Writes all of `data` to the child's standard input. UNAVAILABLE when the
+  // child closed it or died (EPIPE, reported as a status: this process gets
+  // no SIGPIPE for it), FAILED_PRECONDITION without an input pipe.
+  absl::Status WriteInput(absl::string_view data);
+  // Closes the input pipe (the child reads end-of-file); no-op without one.
+  void CloseInput();
   void Signal(int sig);
   // Exit status (or 128+signal) once the process ended within `timeout`.
   std::optional<int> Wait(absl::Duration timeout);
@@ -39,7 +50,11 @@ class ChildProcess {
   std::string Log() const;
 
  private:
+  absl::Status Spawn(const std::vector<std::string>& argv, const std::string& log_path,
+                     bool own_group, bool pipe_input, const std::string& working_dir);
+
   pid_t pid_ = -1;
+  int input_fd_ = -1;
   std::optional<int> exit_code_;
   std::string log_path_;
 };

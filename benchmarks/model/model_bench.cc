@@ -6,6 +6,9 @@
 //   in the same process; reports both rates (medians, in tokens per CPU
 //   second, one intra-op thread) and the split's overhead. The machines are
 //   shared and noisy, so the ratio is what counts.
+// BM_Recompute/<preset>, BM_Precision/<preset>: a slot's heap bytes and the
+//   forward+backward time with activation recomputation / in bf16 against the
+//   plain float32 stage, paired round by round.
 // BM_SlotMemory/<preset>: heap bytes one in-flight microbatch holds in a
 //   stage between Forward and Backward, per transformer block and sample,
 //   measured with mallinfo2 at two reduced context lengths and, where it
@@ -236,10 +239,103 @@ void BM_Recompute(benchmark::State& state, const std::string& preset, int sample
   state.counters["time_ratio_paired"] = Median(ratios);
 }
 
+// bf16 mixed precision against float32, same stage shape and seed, in one
+// process: heap bytes one microbatch holds between Forward and Backward (the
+// bf16 weight copies are made before, shared by all microbatches until the
+// next step, and reported apart), and the time of Forward + Backward,
+// interleaved round by round. Also bf16 with activation recomputation.
+void BM_Precision(benchmark::State& state, const std::string& preset, int samples) {
+  at::set_num_threads(1);
+  v1::ModelShape shape;
+  shape.set_preset(preset);
+  auto config = ModelConfigFromShape(shape);
+  if (!config.ok()) {
+    state.SkipWithError("bad preset");
+    return;
+  }
+  ModelConfig cfg = *config;
+  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  StageOptions fp32, bf16, bf16_again;
+  fp32.memory_slots = bf16.memory_slots = bf16_again.memory_slots = 2;
+  bf16.compute_dtype = bf16_again.compute_dtype = at::kBFloat16;
+  bf16_again.recompute_activations = true;
+  auto full = Stage::Create(cfg, 1, 2, fp32);
+  auto half = Stage::Create(cfg, 1, 2, bf16);
+  auto half_again = Stage::Create(cfg, 1, 2, bf16_again);
+  if (!full.ok() || !half.ok() || !half_again.ok()) {
+    state.SkipWithError("cannot build the stages");
+    return;
+  }
+  const int t = cfg.context_length;
+  at::Tensor x = at::randn({samples, t, cfg.d_model});
+  at::Tensor g = at::randn({samples, t, cfg.d_model});
+  // The bf16 copies of the weights appear at the first forward after a
+  // parameter change; measured on a fresh stage.
+  double cast_bytes = 0;
+  {
+    auto fresh = Stage::Create(cfg, 1, 2, bf16);
+    if (fresh.ok()) {
+      const int64_t before = HeapInUse();
+      if ((*fresh)->Forward(0, x).ok()) {
+        (*fresh)->DropAll();
+        // What stays after the slot is gone: the copies.
+        cast_bytes = static_cast<double>(HeapInUse() - before);
+      }
+    }
+  }
+  auto slot_bytes = [&](Stage& st) -> double {
+    if (!st.Forward(0, x).ok() || !st.Backward(0, g).ok()) return -1;
+    const int64_t before = HeapInUse();
+    auto out = st.Forward(1, x);
+    const int64_t after = HeapInUse();
+    st.DropAll();
+    return out.ok() ? static_cast<double>(after - before) : -1;
+  };
+  auto step = [&](Stage& st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!st.Forward(2, x).ok() || !st.Backward(2, g).ok()) return -1.0;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> t_full, t_half, t_again, ratios, ratios_again;
+  double m_full = 0, m_half = 0, m_again = 0;
+  int round = 0;
+  for (auto _ : state) {
+    m_full = slot_bytes(**full);
+    m_half = slot_bytes(**half);
+    m_again = slot_bytes(**half_again);
+    double a, b, c;
+    if (round++ % 2 == 0) {
+      a = step(**full);
+      b = step(**half);
+      c = step(**half_again);
+    } else {
+      c = step(**half_again);
+      b = step(**half);
+      a = step(**full);
+    }
+    t_full.push_back(a);
+    t_half.push_back(b);
+    t_again.push_back(c);
+    ratios.push_back(b / a);
+    ratios_again.push_back(c / a);
+  }
+  state.counters["slot_MiB_fp32"] = m_full / (1 << 20);
+  state.counters["slot_MiB_bf16"] = m_half / (1 << 20);
+  state.counters["slot_MiB_bf16_recompute"] = m_again / (1 << 20);
+  state.counters["memory_ratio_bf16"] = m_half / m_full;
+  state.counters["bf16_weight_copies_MiB"] = cast_bytes / (1 << 20);
+  state.counters["fwd_bwd_s_fp32"] = Median(t_full);
+  state.counters["fwd_bwd_s_bf16"] = Median(t_half);
+  state.counters["time_ratio_bf16_paired"] = Median(ratios);
+  state.counters["time_ratio_bf16_recompute_paired"] = Median(ratios_again);
+}
+
 BENCHMARK_CAPTURE(BM_SplitOverhead, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SplitOverhead, small, "small", 1, 2)->Iterations(3)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_Precision, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_Precision, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, tiny, "tiny", true)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, small, "small", true)->Iterations(1)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, 500m, "500m", true)->Iterations(1)->Unit(benchmark::kSecond);

@@ -122,12 +122,29 @@ TEST(JobSpec, OtherFieldChecks) {
       {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "wire_dtype": "int8")",
        "pipeline.wire_dtype"},
       {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.5, "max_jump": 1)", "pipeline.max_jump"},
+      {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "precision": 7)", "pipeline.precision"},
+      {R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "precision": "PRECISION_FP16")",
+       "precision"},
   };
   for (const Case& c : cases) {
     absl::Status s = JobStatus(Replace(kGoodJob, c.from, c.to));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.to;
     EXPECT_THAT(s.message(), HasSubstr(c.field)) << c.to << " -> " << s;
   }
+}
+
+TEST(JobSpec, PrecisionDefaultsToFp32AndTakesBf16) {
+  auto plain = ParseJobSpecJson(kGoodJob);
+  ASSERT_TRUE(plain.ok());
+  auto normal = NormalizeJobSpec(*plain);
+  ASSERT_TRUE(normal.ok()) << normal.status();
+  EXPECT_EQ(normal->pipeline().precision(), v1::PRECISION_FP32);
+  auto bf16 = ParseJobSpecJson(
+      Replace(kGoodJob, R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "precision": "PRECISION_BF16")"));
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  normal = NormalizeJobSpec(*bf16);
+  ASSERT_TRUE(normal.ok()) << normal.status();
+  EXPECT_EQ(normal->pipeline().precision(), v1::PRECISION_BF16);
 }
 
 TEST(JobSpec, InitFromIsBoundedAndExclusiveWithResume) {

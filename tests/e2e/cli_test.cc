@@ -102,6 +102,7 @@ TEST_F(CliTest, EveryProgramTakesBothFlagForms) {
             "nonexistent");
   BothForms({Bin(kEval), "--split", "0", "--preset", "tiny"}, 1, 2, "--split: bad value \"0\"");
   BothForms({Bin(kTrain), "--iterations", "0"}, 1, 2, "--iterations: bad value \"0\"");
+  BothForms({Bin(kTrain), "--precision", "fp16"}, 1, 2, "--precision: bad value \"fp16\"");
   // --version everywhere.
   for (const std::string& bin : {kCoordinator, kWorker, kCtl, kLocal, kSim, kEval, kTrain}) {
     std::string out;

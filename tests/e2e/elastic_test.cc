@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +24,8 @@
 #include "tests/e2e/local_cluster.h"
 #include "tests/e2e/micro_job.h"
 #include "worker/model/checkpoint.h"
+#include "worker/model/corpus.h"
+#include "worker/model/token_shards.h"
 
 namespace detour::testing {
 namespace {
@@ -45,12 +48,16 @@ class ElasticTest : public E2eTest {
   // EmptyStageIsSkippedThenRefilled with `spec` (4 stages of one worker
   // each, routes skipping one).
   void RunSkipThenRefill(const v1::JobSpec& spec);
-  // Follows a job until it ends: the loss of every progress update, by the
-  // iteration count it reports (a later update of the same count wins).
-  std::map<uint64_t, double> WatchLossMap(int port, const std::string& id) {
+  // Follows a job until its Watch stream ends (at a final state): the loss of
+  // every progress update, by the iteration count it reports (a later update
+  // of the same count wins, so an iteration redone after a resume replaces
+  // the earlier one), and the last job seen in `final_job` when not null.
+  std::map<uint64_t, double> WatchLossMap(int port, const std::string& id,
+                                          v1::Job* final_job = nullptr,
+                                          absl::Duration timeout = absl::Seconds(300)) {
     auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(300)));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     v1::WatchJobRequest request;
     request.set_job_id(id);
     auto reader = stub->Watch(&context, request);
@@ -59,6 +66,7 @@ class ElasticTest : public E2eTest {
     while (reader->Read(&event)) {
       const v1::JobProgress& p = event.job().progress();
       if (p.iteration() > 0) losses[p.iteration()] = p.loss();
+      if (final_job != nullptr) *final_job = event.job();
     }
     reader->Finish().IgnoreError();
     return losses;
@@ -118,6 +126,9 @@ class ElasticRun {
   ElasticRun(ElasticTest* test, int port, const v1::JobSpec& spec) : test_(test), port_(port) {
     job_ = test_->SubmitJob(port, spec).id();
   }
+  // A job submitted already.
+  ElasticRun(ElasticTest* test, int port, std::string id)
+      : test_(test), port_(port), job_(std::move(id)) {}
   const std::string& id() const { return job_; }
   v1::Job Get() const { return test_->Job(port_, job_); }
   // Waits until `iterations` are done; false on timeout or a final state.
@@ -687,6 +698,81 @@ TEST_F(ElasticTest, ResumeEqualsAStraightRunBitForBit) {
     ASSERT_EQ(straight.size(), 3u);
     EXPECT_EQ(straight, resumed);
   }
+}
+
+// A job on a prepared dataset (DATA_SOURCE_SHARDS) checkpoints at iteration
+// 8, is cancelled after it, `detourctl resume`d, and continues from the data
+// position the checkpoint implies — the data a data node reads is a function
+// of the seed and the iteration, so the resumed run's per-iteration losses
+// are the uninterrupted run's, bit for bit on CPU (one data node, one
+// activation slot, no re-planning: the same computation). Were the resumed
+// job to read from the start of the dataset again, iterations 9-16 would
+// see other samples and other losses.
+TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
+  const std::string text = absl::StrCat(dir_, "/corpus.txt");
+  ASSERT_TRUE(WriteFileAtomically(text, model::GenerateCorpus(8, 200000)).ok());
+  model::PrepareOptions prep;
+  prep.inputs = {text};
+  prep.output = absl::StrCat(dir_, "/dataset");
+  auto prepared = model::PrepareDataset(prep);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+
+  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 16);
+  spec.set_name("shards");
+  spec.mutable_data()->set_source(v1::DATA_SOURCE_SHARDS);
+  spec.mutable_data()->set_path(prep.output);
+  spec.mutable_pipeline()->set_memory_slots(1);
+  spec.mutable_checkpoint()->set_every_iterations(8);
+  spec.mutable_checkpoint()->set_keep_last(4);
+  spec.mutable_elastic()->set_disabled(true);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator({"--replan_every=0"});
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
+  const std::string at = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
+
+  v1::Job job;
+  const v1::Job straight_job = SubmitJob(c.grpc_port, spec);
+  const std::map<uint64_t, double> straight =
+      WatchLossMap(c.grpc_port, straight_job.id(), &job, absl::Seconds(180));
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << c.process->Log();
+  ASSERT_EQ(straight.size(), 16u);
+  std::set<double> distinct;
+  for (const auto& [it, loss] : straight) distinct.insert(loss);
+  EXPECT_GT(distinct.size(), 12u) << "the iterations did not see different data";
+
+  const v1::Job interrupted = SubmitJob(c.grpc_port, spec);
+  std::map<uint64_t, double> resumed;
+  v1::Job cancelled;
+  std::thread watch([&] {
+    resumed = WatchLossMap(c.grpc_port, interrupted.id(), &cancelled, absl::Seconds(180));
+  });
+  ElasticRun run(this, c.grpc_port, interrupted.id());
+  EXPECT_TRUE(run.ReachIteration(9, absl::Seconds(120)));
+  std::string out;
+  EXPECT_EQ(RunCtl({Bin(kCtl), at, "cancel", interrupted.id()}, &out), 0) << out;
+  watch.join();
+  ASSERT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED) << cancelled.message();
+  ASSERT_THAT(cancelled.last_checkpoint(), HasSubstr("iter-000008"))
+      << "the job got past the next checkpoint before the cancel";
+  EXPECT_LT(resumed.rbegin()->first, 16u);
+  auto manifest = model::ReadManifest(cancelled.last_checkpoint());
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->data.source, "shards");
+  EXPECT_EQ(manifest->data.path, prep.output);
+  ASSERT_EQ(RunCtl({Bin(kCtl), at, "resume", interrupted.id()}, &out), 0) << out;
+  const std::map<uint64_t, double> after =
+      WatchLossMap(c.grpc_port, interrupted.id(), &job, absl::Seconds(180));
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << History(job);
+  EXPECT_EQ(job.resumes(), 1u);
+  for (uint64_t it = 9; it <= 16; ++it) EXPECT_EQ(after.count(it), 1u) << "iteration " << it;
+  // The resumed run redoes iterations 9-16; what its stream says about
+  // iteration 8 is the coordinator's progress reset at the resume (iteration
+  // set back to the checkpoint's, the loss still that of the last iteration
+  // the cancelled run finished), not a measurement, so it is left out.
+  for (const auto& [it, loss] : after) {
+    if (it > 8) resumed[it] = loss;
+  }
+  EXPECT_EQ(resumed, straight);
 }
 
 // A job saved with R replicas per stage resumes (detourctl resume

@@ -56,8 +56,39 @@ v1::JobSpec KfacJob(v1::JobSpec base, const std::function<void(v1::KfacSpec*)>& 
   return *NormalizeJobSpec(base);
 }
 
-TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
-  const v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
+// Trains `spec` (3 stages, one data node, full routes, 4 iterations) on real
+// daemons and in the in-process engine: the losses must agree at every
+// iteration and the final checkpoint must hold the engine's weights.
+class FollowTest : public E2eTest {
+ protected:
+  void Follow(const v1::JobSpec& spec);
+};
+
+TEST_F(FollowTest, FullPipelineFollowsTheInProcessEngine) {
+  Follow(MicroJob(3, 1, 1, 0.0, 4));
+}
+
+// bf16 mixed precision in a distributed job: the workers compute in bf16
+// exactly as the in-process engine does, and the checkpoint holds the
+// engine's float32 master weights.
+TEST_F(FollowTest, Bf16MixedPrecisionFollowsTheInProcessEngine) {
+  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
+  spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
+  Follow(*NormalizeJobSpec(spec));
+}
+
+// Activation recomputation in a distributed job, with bf16 as well (the
+// recomputed forward multiplies with the same cached bf16 weight copies): the
+// workers keep only each microbatch's input, redo the forward at the backward,
+// and still follow the in-process engine and end with its weights.
+TEST_F(FollowTest, RecomputedBf16ActivationsFollowTheInProcessEngine) {
+  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 4);
+  spec.mutable_pipeline()->set_recompute_activations(true);
+  spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
+  Follow(*NormalizeJobSpec(spec));
+}
+
+void FollowTest::Follow(const v1::JobSpec& spec) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
@@ -100,6 +131,7 @@ TEST_F(TrainingTest, FullPipelineFollowsTheInProcessEngine) {
     const auto got = (*restored)->stage(s).Parameters();
     ASSERT_EQ(expected.size(), got.size());
     for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_EQ(got[i].second.scalar_type(), at::kFloat) << expected[i].first;
       EXPECT_TRUE(expected[i].second.allclose(got[i].second, 1e-4, 1e-5))
           << "stage " << s << " " << expected[i].first;
     }

@@ -223,6 +223,62 @@ TEST_F(HfExportTest, ShipsASentencePieceTokenizer) {
   EXPECT_NE(s.message().find("41 pieces, more than the model's vocab_size 40"), std::string::npos) << s;
 }
 
+// Without --tokenizer the export ships the tokenizer the checkpoint records;
+// a recorded tokenizer that is gone, or a --tokenizer the checkpoint was not
+// trained with, is refused rather than exported under the wrong ids.
+TEST_F(HfExportTest, UsesTheRecordedTokenizerAndRefusesAnother) {
+  const std::string sp = (root_ / "sp.model").string();
+  ASSERT_TRUE(WriteFileAtomically(sp, SentencePieceBytes(30, 1, 2)).ok());
+  const std::string ckpt = (root_ / "ckpt").string();
+  auto record = [&](const std::string& tokenizer, const std::string& checksum) {
+    WriteCheckpoint();
+    auto m = ReadManifest(ckpt);
+    ASSERT_TRUE(m.ok()) << m.status();
+    m->data.source = "text";
+    m->data.path = "/corpus";
+    m->data.tokenizer = tokenizer;
+    m->data.tokenizer_checksum = checksum;
+    ASSERT_TRUE(WriteManifest(ckpt, *m).ok());
+  };
+  HfExportOptions o;
+  o.overwrite = true;
+  const std::string out = (root_ / "hf").string();
+
+  record(sp, Checksum(SentencePieceBytes(30, 1, 2)));
+  ASSERT_TRUE(ExportHfCheckpoint(ckpt, out, o).ok());
+  EXPECT_EQ(*ReadFileToString(out + "/tokenizer.model"), SentencePieceBytes(30, 1, 2));
+
+  // The recorded model changed since training.
+  ASSERT_TRUE(WriteFileAtomically(sp, SentencePieceBytes(31, 1, 2)).ok());
+  auto s = ExportHfCheckpoint(ckpt, out, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("is not the one the checkpoint was trained with"), std::string::npos)
+      << s;
+  // ... or is gone.
+  fs::remove(sp);
+  s = ExportHfCheckpoint(ckpt, out, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find(sp + " ("), std::string::npos) << s;
+  EXPECT_NE(s.message().find("pass --tokenizer"), std::string::npos) << s;
+  // An explicit --tokenizer equal to the recorded one still exports.
+  const std::string copy = (root_ / "copy.model").string();
+  ASSERT_TRUE(WriteFileAtomically(copy, SentencePieceBytes(30, 1, 2)).ok());
+  o.tokenizer_model = copy;
+  EXPECT_TRUE(ExportHfCheckpoint(ckpt, out, o).ok());
+
+  // Trained with bytes: a SentencePiece --tokenizer is refused, none is fine.
+  record("", "byte");
+  s = ExportHfCheckpoint(ckpt, out, o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("trained with the byte tokenizer"), std::string::npos) << s;
+  o.tokenizer_model.clear();
+  const std::string bytes_out = (root_ / "hf-bytes").string();
+  ASSERT_TRUE(ExportHfCheckpoint(ckpt, bytes_out, o).ok());
+  EXPECT_FALSE(fs::exists(bytes_out + "/tokenizer.model"));
+  EXPECT_NE(ReadFileToString(bytes_out + "/config.json")->find("\"tokenizer\": \"byte\""),
+            std::string::npos);
+}
+
 TEST(HfLlamaConfigTest, ReadsAForeignConfigWithDefaults) {
   // The shape of a released LLaMA config (abridged), without the fields
   // transformers defaults.

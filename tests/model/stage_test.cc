@@ -172,7 +172,9 @@ TEST_F(StageTest, RecomputedActivationsGiveIdenticalGradients) {
       auto gb = (*again)->Backward(mb, grad);
       ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
       EXPECT_EQ(ga->defined(), gb->defined());
-      if (ga->defined()) EXPECT_TRUE(at::equal(*ga, *gb));
+      if (ga->defined()) {
+        EXPECT_TRUE(at::equal(*ga, *gb));
+      }
     }
     EXPECT_EQ((*again)->Backward(1, grad).status().code(), absl::StatusCode::kNotFound);
     EXPECT_EQ((*again)->Forward(9, in).ok(), true);

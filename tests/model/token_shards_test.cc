@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/files.h"
+#include "detour/spm/model.pb.h"
 #include "worker/model/corpus.h"
 #include "worker/model/tokenizer.h"
 
@@ -153,6 +155,125 @@ TEST_F(ShardsTest, SentencePieceDatasetsCarryTheirTokenizer) {
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->vocab_size, 400);
   EXPECT_LT(loaded->train.size(), 100000 * 7 / 10);  // subwords, not bytes
+}
+
+// `detour-data tokenizer` before streaming: the inputs went through a
+// scratch byte dataset (one document per line), were read back into a lines
+// file without their line ends and empty lines, and spm_train read the file.
+std::string TrainThroughAScratchFile(const SentencePieceTraining& t,
+                                     const std::vector<std::string>& inputs,
+                                     const fs::path& dir, int64_t* lines) {
+  PrepareOptions scan;
+  scan.inputs = inputs;
+  scan.output = (dir / "scan").string();
+  scan.text_documents = TextDocuments::kLines;
+  scan.validation_fraction = 0;
+  EXPECT_TRUE(PrepareDataset(scan).ok());
+  auto opened = OpenShardDataset(scan.output, /*verify=*/false);
+  EXPECT_TRUE(opened.ok()) << opened.status();
+  std::string text;
+  *lines = 0;
+  const auto& starts = opened->train_documents;
+  for (size_t doc = 0; doc + 1 < starts.size() && *lines < t.max_sentences; ++doc) {
+    std::string line;
+    for (uint64_t i = starts[doc]; i < starts[doc + 1]; ++i) {
+      const int32_t c = opened->train[static_cast<int64_t>(i)];
+      if (c != '\n') line.push_back(static_cast<char>(c));
+    }
+    if (line.empty()) continue;
+    text += line + "\n";
+    ++*lines;
+  }
+  const std::string file = (dir / "lines.txt").string();
+  EXPECT_TRUE(WriteFileAtomically(file, text).ok());
+  auto model = TrainSentencePiece(t, file);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *model : "";
+}
+
+// A model with the two run-specific strings spm_train records (its input
+// path and model prefix: fields 1 and 2 of the trainer spec) removed.
+spm::ModelProto WithoutPaths(const std::string& bytes) {
+  spm::ModelProto m;
+  EXPECT_TRUE(m.ParseFromString(bytes));
+  m.mutable_trainer_spec()->mutable_unknown_fields()->DeleteByNumber(1);
+  m.mutable_trainer_spec()->mutable_unknown_fields()->DeleteByNumber(2);
+  return m;
+}
+
+// Streaming the inputs' lines into spm_train trains the model the scratch
+// route trained: the same pieces, scores, types, normaliser and training
+// settings; only the recorded input path and prefix differ, and those are
+// fixed now, so the same inputs give byte-identical models.
+TEST_F(ShardsTest, StreamedTokenizerTrainingEqualsTheScratchFileRoute) {
+  if (::access("/usr/bin/spm_train", X_OK) != 0) GTEST_SKIP() << "no spm_train";
+  const fs::path in = dir_ / "tok";
+  fs::create_directories(in);
+  std::string text = GenerateCorpus(4, 150000);
+  text += "\n\nÜnïcödé wörds — “quotes”, 日本語, emoji 🙂,\ttabs and   runs   of spaces\r\n";
+  ASSERT_TRUE(WriteFileAtomically((in / "a.txt").string(), text).ok());
+  ASSERT_TRUE(WriteFileAtomically((in / "b.jsonl").string(),
+                                  "{\"text\": \"a json line\"}\n\n{\"text\": \"x 12345\"}\n")
+                  .ok());
+  for (const char* type : {"bpe", "unigram"}) {
+    SCOPED_TRACE(type);
+    SentencePieceTraining t;
+    t.model_type = type;
+    t.vocab_size = 400;
+    t.max_sentences = 1000;  // fewer than the inputs' ~1200 lines: the limit counts the same
+    int64_t lines = 0;
+    const fs::path old_dir = dir_ / absl::StrCat("old-", type);
+    fs::create_directories(old_dir);
+    const std::string before = TrainThroughAScratchFile(t, {in.string()}, old_dir, &lines);
+    ASSERT_FALSE(before.empty());
+    EXPECT_EQ(lines, 1000);
+    TokenizerCorpus corpus;
+    const std::string scratch = (dir_ / absl::StrCat("spm-", type)).string();
+    auto now = TrainTokenizerOnInputs(t, {in.string()}, "text", scratch, &corpus);
+    ASSERT_TRUE(now.ok()) << now.status();
+    EXPECT_FALSE(fs::exists(scratch));
+    EXPECT_EQ(corpus.lines, lines);
+    const spm::ModelProto a = WithoutPaths(before);
+    const spm::ModelProto b = WithoutPaths(*now);
+    ASSERT_EQ(a.pieces_size(), b.pieces_size());
+    for (int i = 0; i < a.pieces_size(); ++i) {
+      ASSERT_EQ(a.pieces(i).piece(), b.pieces(i).piece()) << i;
+      ASSERT_EQ(a.pieces(i).score(), b.pieces(i).score()) << i;
+      ASSERT_EQ(a.pieces(i).type(), b.pieces(i).type()) << i;
+    }
+    EXPECT_EQ(a.SerializeAsString(), b.SerializeAsString());
+    EXPECT_NE(before, *now);  // the recorded paths did differ
+    auto again = TrainTokenizerOnInputs(t, {in.string()}, "text", scratch);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(*again, *now);
+  }
+  // A JSONL text with line breaks trains on each of its lines; the inputs'
+  // errors are named and leave nothing behind.
+  SentencePieceTraining t;
+  t.vocab_size = 400;
+  TokenizerCorpus corpus;
+  const std::string scratch = (dir_ / "spm-errors").string();
+  auto split = TrainTokenizerOnInputs(t, {(dir_ / "in").string()}, "text", scratch, &corpus);
+  ASSERT_TRUE(split.ok()) << split.status();
+  // The non-empty lines of a.txt, b.txt's 3, and the JSONL texts' 2 + 1.
+  int64_t expected = 6;
+  for (absl::string_view l : absl::StrSplit(Slurp(dir_ / "in" / "a.txt"), '\n')) {
+    expected += l.empty() ? 0 : 1;
+  }
+  EXPECT_EQ(corpus.lines, expected);
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "bad.jsonl").string(),
+                                  "{\"text\": \"ok\"}\n{\"text\": 3}\n").ok());
+  auto bad = TrainTokenizerOnInputs(t, {(dir_ / "bad.jsonl").string()}, "text", scratch);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("bad.jsonl:2"), std::string::npos) << bad.status();
+  EXPECT_FALSE(fs::exists(scratch));
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "empty.txt").string(), "\n\n").ok());
+  auto empty = TrainTokenizerOnInputs(t, {(dir_ / "empty.txt").string()}, "text", scratch);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition) << empty.status();
+  EXPECT_EQ(TrainTokenizerOnInputs(t, {(dir_ / "missing").string()}, "text", scratch)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(ShardsTest, BadInputsAreNamed) {

@@ -98,58 +98,24 @@ int Tokenizer(int argc, char** argv) {
     return flags.Fail(absl::InvalidArgumentError(
         output.empty() ? "--output FILE.model is required" : "no INPUT given"));
   }
-  // The training lines: the inputs read as `prepare` reads them (one
-  // document per line, JSONL's text field), written to a scratch file for
-  // spm_train.
-  const std::string tmp = absl::StrCat(output, ".scan-", ::getpid());
-  model::PrepareOptions scan;
-  scan.inputs = *args;
-  scan.output = tmp;
-  scan.text_documents = model::TextDocuments::kLines;
-  scan.jsonl_field = field;
-  scan.validation_fraction = 0;
-  auto ds = model::PrepareDataset(scan);
-  std::error_code ec;
-  auto fail = [&](const absl::Status& s) {
-    std::filesystem::remove_all(tmp, ec);
-    std::filesystem::remove(tmp + ".txt", ec);
-    std::fprintf(stderr, "detour-data tokenizer: %s\n", s.ToString().c_str());
-    return 1;
-  };
-  if (!ds.ok()) return fail(ds.status());
-  auto opened = model::OpenShardDataset(tmp, /*verify=*/false);
-  if (!opened.ok()) return fail(opened.status());
-  std::FILE* lines = std::fopen((tmp + ".txt").c_str(), "wb");
-  if (lines == nullptr) return fail(absl::UnavailableError("cannot create " + tmp + ".txt"));
-  const auto& starts = opened->train_documents;
-  uint64_t bytes = 0;
-  int64_t written = 0;
-  for (size_t doc = 0; doc + 1 < starts.size() && written < max_lines; ++doc) {
-    std::string line;
-    for (uint64_t i = starts[doc]; i < starts[doc + 1]; ++i) {
-      const int32_t c = opened->train[static_cast<int64_t>(i)];
-      if (c != '\n') line.push_back(static_cast<char>(c));
-    }
-    if (line.empty()) continue;
-    line.push_back('\n');
-    bytes += line.size();
-    ++written;
-    std::fwrite(line.data(), 1, line.size(), lines);
-  }
-  if (std::fclose(lines) != 0) return fail(absl::UnavailableError("cannot write " + tmp + ".txt"));
-  std::filesystem::remove_all(tmp, ec);
-  std::fprintf(stderr, "tokenizer: training %s, vocabulary %lld, on %lld lines (%.1f MB)...\n",
-               type.c_str(), static_cast<long long>(vocab), static_cast<long long>(written),
-               bytes / 1e6);
+  // The training lines: the inputs read as `prepare` reads them, one line
+  // at a time, streamed into spm_train (nothing staged on disk).
+  std::fprintf(stderr, "tokenizer: training %s, vocabulary %lld...\n", type.c_str(),
+               static_cast<long long>(vocab));
   model::SentencePieceTraining t;
   t.model_type = type;
   t.vocab_size = static_cast<int>(vocab);
   t.character_coverage = coverage;
   t.num_threads = static_cast<int>(threads);
   t.max_sentences = max_lines;
-  auto model = model::TrainSentencePiece(t, tmp + ".txt");
-  std::filesystem::remove(tmp + ".txt", ec);
-  if (!model.ok()) return fail(model.status());
+  model::TokenizerCorpus corpus;
+  auto model = model::TrainTokenizerOnInputs(t, *args, field,
+                                             absl::StrCat(output, ".spm-", ::getpid()), &corpus);
+  if (!model.ok()) {
+    std::fprintf(stderr, "detour-data tokenizer: %s\n", model.status().ToString().c_str());
+    return 1;
+  }
+  const double bytes = static_cast<double>(corpus.bytes);
   if (absl::Status s = WriteFileAtomically(output, *model); !s.ok()) {
     std::fprintf(stderr, "detour-data tokenizer: %s\n", s.ToString().c_str());
     return 1;
@@ -159,8 +125,9 @@ int Tokenizer(int argc, char** argv) {
     std::fprintf(stderr, "detour-data tokenizer: %s\n", check.status().ToString().c_str());
     return 1;
   }
-  std::printf("wrote %s: %s, %d pieces, %s (trained on %.1f MB of text)\n", output.c_str(),
-              type.c_str(), (*check)->vocab_size(), (*check)->checksum().c_str(), bytes / 1e6);
+  std::printf("wrote %s: %s, %d pieces, %s (trained on %lld lines, %.1f MB of text)\n",
+              output.c_str(), type.c_str(), (*check)->vocab_size(),
+              (*check)->checksum().c_str(), static_cast<long long>(corpus.lines), bytes / 1e6);
   return 0;
 }
 

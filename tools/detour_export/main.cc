@@ -45,8 +45,9 @@ int main(int argc, char** argv) {
   bool quiet = false;
   flags.String("dtype", &dtype, "tensor dtype in model.safetensors: f32 (exact) or bf16");
   flags.String("tokenizer", &tokenizer,
-               "SentencePiece .model to ship as tokenizer.model (default: none; the byte "
-               "tokenizer is recorded in config.json)");
+               "SentencePiece .model to ship as tokenizer.model (default: the one the "
+               "checkpoint records it was trained with; none, and \"byte\" in config.json, "
+               "for the byte tokenizer); one the checkpoint was not trained with is refused");
   flags.Bool("overwrite", &overwrite, "replace model.safetensors/config.json already in OUT_DIR");
   flags.Bool("quiet", &quiet, "no progress lines");
   flags.SetEpilog(kEpilog);

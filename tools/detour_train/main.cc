@@ -45,16 +45,20 @@ Usage:
                [--out DIR] [options]
 
 Each run trains the same model from the same seed with its own routes and
-writes, under --out: loss.csv (every iteration), loss.svg (the curves),
-results.md (perplexity table), ckpt-<run>/ (final checkpoint).
+writes, under --out: loss.csv (every iteration: losses, lr, gradient norm,
+seconds since the start with and without validation), loss.svg (the curves),
+results.md and results.csv (perplexity with all layers and with half of them,
+every run's final weights evaluated in float32), ckpt-<run>/ (final checkpoint).
+Validation during training runs in each run's own precision.
 
 Options:
   --job FILE          JobSpec JSON (model, optimiser, data, seed, microbatches)
   --preset NAME       model preset when no --job (default tiny)
   --iterations N      training iterations per run (default 300)
-  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS[:OPTIMIZER] ("" for
-                      none), e.g. full:4:0:0,skip25:4:0.25:0 or
-                      adamw:4:0:0:adamw,kfac:4:0:0:kfac (default: full:4:0:0,
+  --runs SPEC         comma-separated NAME:STAGES:SKIP:SWAPS[:OPTIMIZER][:PRECISION]
+                      ("" for none), e.g. full:4:0:0,skip25:4:0.25:0,
+                      adamw:4:0:0:adamw,kfac:4:0:0:kfac or
+                      fp32:4:0:0:adamw:fp32,bf16:4:0:0:adamw:bf16 (default: full:4:0:0,
                       skip25:4:0.25:0, skip25-swap:4:0.25:1, skip33:6:0.3333:0,
                       skip33-swap:6:0.3333:1)
   --plan NAME:FILE    add a run that reuses the routes of FILE every iteration:
@@ -82,6 +86,9 @@ Options:
                       length; default) or momentum (momentum SGD, KL clip)
   --kfac-factor-decay X  running-average weight of new factors, (0, 1]
                       (default: the job's, else 1)
+  --precision P       fp32 or bf16 (mixed precision, pipeline.precision): the
+                      runs' compute precision unless a run names its own
+                      (default: the job's, else fp32)
   --threads N         intra-op threads (default 1; more only on idle cores)
   --device D          cpu (default) or cuda (needs a CUDA build of LibTorch)
   --out DIR           output directory (default detour-train-out)
@@ -96,6 +103,7 @@ struct Run {
   double skip = 0;
   int swaps = 0;
   std::string optimizer;  // "" = --optimizer / the job's
+  std::string precision;  // "" = --precision / the job's
   std::vector<v1::Route> fixed_routes;  // --plan: used every iteration
 };
 
@@ -107,7 +115,7 @@ struct Args {
   int64_t iterations = 300, microbatches = 0, samples = 0, warmup = -1;
   int64_t eval_every = 50, eval_samples = 64, threads = 1;
   double lr = 0;
-  std::string optimizer;
+  std::string optimizer, precision;
   double kfac_lr = 0, kfac_damping = 0, kfac_momentum = -1, kfac_kl_clip = 0;
   int64_t kfac_refresh = -1, kfac_curvature = 0;
   std::string kfac_update;
@@ -157,6 +165,7 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
     else if (flag == "--lr") ok = absl::SimpleAtod(v, &a->lr) && a->lr > 0;
     else if (flag == "--optimizer") ok = (a->optimizer = v) == "adamw" || v == "kfac";
+    else if (flag == "--precision") ok = (a->precision = v) == "fp32" || v == "bf16";
     else if (flag == "--kfac-lr") ok = absl::SimpleAtod(v, &a->kfac_lr) && a->kfac_lr > 0;
     else if (flag == "--kfac-damping") ok = absl::SimpleAtod(v, &a->kfac_damping) && a->kfac_damping > 0;
     else if (flag == "--kfac-momentum") ok = absl::SimpleAtod(v, &a->kfac_momentum) && a->kfac_momentum >= 0 && a->kfac_momentum < 1;
@@ -183,6 +192,10 @@ absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     std::vector<std::string> f = absl::StrSplit(item, ':');
     Run r;
+    if (f.size() == 6 && (f[5] == "fp32" || f[5] == "bf16")) {
+      r.precision = f[5];
+      f.pop_back();
+    }
     if (f.size() == 5 && (f[4] == "adamw" || f[4] == "kfac")) {
       r.optimizer = f[4];
       f.pop_back();
@@ -191,7 +204,8 @@ absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
         !absl::SimpleAtod(f[2], &r.skip) || !absl::SimpleAtoi(f[3], &r.swaps) ||
         r.stages < 1 || r.skip < 0 || r.skip >= 1 || r.swaps < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--runs: \"", item, "\" is not NAME:STAGES:SKIP:SWAPS[:adamw|kfac]"));
+          absl::StrCat("--runs: \"", item,
+                       "\" is not NAME:STAGES:SKIP:SWAPS[:adamw|kfac][:fp32|bf16]"));
     }
     r.name = f[0];
     runs.push_back(r);
@@ -271,6 +285,8 @@ absl::Status Main(const Args& args) {
   if (args.warmup >= 0) base.mutable_optimizer()->set_warmup_iterations(args.warmup);
   if (args.optimizer == "kfac") base.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
   if (args.optimizer == "adamw") base.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+  if (args.precision == "fp32") base.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
+  if (args.precision == "bf16") base.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
   v1::KfacSpec* kfac = base.mutable_optimizer()->mutable_kfac();
   if (args.kfac_lr > 0) kfac->set_lr(args.kfac_lr);
   if (args.kfac_damping > 0) kfac->set_damping(args.kfac_damping);
@@ -322,7 +338,9 @@ absl::Status Main(const Args& args) {
               data.validation.size());
 
   std::vector<Curve> curves;
-  std::string csv = "run,iteration,train_loss,val_loss,lr,grad_norm,seconds\n";
+  // seconds: since the run started; train_seconds: the same without the
+  // validation passes (what equal-wall-time comparisons use).
+  std::string csv = "run,iteration,train_loss,val_loss,lr,grad_norm,seconds,train_seconds\n";
   for (const Run& run : runs) {
     v1::JobSpec spec = base;
     spec.mutable_pipeline()->set_num_stages(run.stages);
@@ -330,6 +348,8 @@ absl::Status Main(const Args& args) {
     spec.mutable_pipeline()->set_max_swaps(run.swaps);
     if (run.optimizer == "kfac") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
     if (run.optimizer == "adamw") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+    if (run.precision == "fp32") spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
+    if (run.precision == "bf16") spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
     const int run_mbs = run.fixed_routes.empty() ? total_mbs
                                                  : static_cast<int>(run.fixed_routes.size());
     if (!run.fixed_routes.empty()) {
@@ -350,6 +370,7 @@ absl::Status Main(const Args& args) {
     curve.visited = run.fixed_routes.empty() ? VisitedStages(spec.pipeline())
                                              : run.fixed_routes[0].stages_size();
     const absl::Time start = absl::Now();
+    absl::Duration evaluating;
     for (int64_t it = 0; it < args.iterations; ++it) {
       std::vector<v1::Route> routes = run.fixed_routes;
       if (routes.empty()) {
@@ -361,6 +382,7 @@ absl::Status Main(const Args& args) {
       ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
       curve.train.push_back(stats.loss);
       std::string val;
+      const absl::Time trained = absl::Now();
       if ((it + 1) % args.eval_every == 0 || it + 1 == args.iterations) {
         model::EvalOptions eo;
         eo.max_samples = args.eval_samples;
@@ -372,11 +394,13 @@ absl::Status Main(const Args& args) {
                     absl::ToDoubleSeconds(absl::Now() - start));
         std::fflush(stdout);
       }
-      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f\n", run.name, it,
+      evaluating += absl::Now() - trained;
+      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f,%.2f\n", run.name, it,
                             stats.loss, val, stats.learning_rate, stats.grad_norm,
-                            absl::ToDoubleSeconds(absl::Now() - start));
+                            absl::ToDoubleSeconds(absl::Now() - start),
+                            absl::ToDoubleSeconds(absl::Now() - start - evaluating));
     }
-    curve.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    curve.seconds = absl::ToDoubleSeconds(absl::Now() - start - evaluating);
     const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", run.name);
     fs::remove_all(ckpt, ec);
     RETURN_IF_ERROR(model::SaveCheckpoint(ckpt.string(), *engine,
@@ -393,6 +417,8 @@ absl::Status Main(const Args& args) {
   v1::JobSpec eval_spec = base;
   eval_spec.mutable_pipeline()->set_num_stages(layers);
   eval_spec.mutable_pipeline()->set_skip_ratio(0);
+  // One yardstick for every run, whatever precision it trained in.
+  eval_spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
   std::vector<int> all;
   for (int l = 0; l < layers; ++l) all.push_back(l);
   const std::vector<int> every_other = model::SpreadRoute(layers, 0.5);
@@ -402,6 +428,9 @@ absl::Status Main(const Args& args) {
       " layers | ppl half, layers {", absl::StrJoin(every_other, ","),
       "} | ratio | ppl half, layers {", absl::StrJoin(first_half, ","),
       "} | ratio |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::string results_csv =
+      "run,stages,visited,train_seconds,final_train_loss,final_val_loss,ppl_all,"
+      "ppl_every_other,ppl_first_half\n";
   for (const Curve& c : curves) {
     ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(eval_spec, device));
     const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", c.name);
@@ -422,10 +451,14 @@ absl::Status Main(const Args& args) {
     absl::StrAppendFormat(&table, "| %s | %d | %d | %.0f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.2fx |\n",
                           c.name, c.stages, c.visited, c.seconds, tail, ppl[0], ppl[1],
                           ppl[1] / ppl[0], ppl[2], ppl[2] / ppl[0]);
+    absl::StrAppendFormat(&results_csv, "%s,%d,%d,%.2f,%.5f,%.5f,%.5f,%.5f,%.5f\n", c.name,
+                          c.stages, c.visited, c.seconds, tail,
+                          c.val.empty() ? NAN : c.val.back().second, ppl[0], ppl[1], ppl[2]);
   }
   RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "results.md", table));
-  std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,ckpt-*}\n", table.c_str(),
-              args.out.c_str());
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "results.csv", results_csv));
+  std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,results.csv,ckpt-*}\n",
+              table.c_str(), args.out.c_str());
   return absl::OkStatus();
 }
 

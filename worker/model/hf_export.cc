@@ -190,22 +190,45 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
   std::string tokenizer;
   SentencePieceInfo sp;
   std::string tokenizer_path = o.tokenizer_model;
-  if (tokenizer_path.empty()) {
-    // The tokenizer the checkpoint records it was trained with, if any:
-    // data.tokenizer, or a prepared dataset's own tokenizer.model.
-    if (auto m = ReadManifest(checkpoint_dir); m.ok() && m->data.known()) {
-      if (!m->data.tokenizer.empty()) {
-        tokenizer_path = m->data.tokenizer;
-      } else if (m->data.source == "shards" && m->data.tokenizer_checksum != "byte") {
-        tokenizer_path = (fs::path(m->data.path) / "tokenizer.model").string();
-      }
-      std::error_code ec;
-      if (!tokenizer_path.empty() && !fs::exists(tokenizer_path, ec)) tokenizer_path.clear();
+  // The tokenizer the checkpoint records it was trained with, if any:
+  // data.tokenizer, or a prepared dataset's own tokenizer.model, and its
+  // checksum ("byte", a SentencePiece model's, or "" when unknown). A model
+  // shipped with another tokenizer than its own would read other ids, so a
+  // recorded tokenizer that is missing or differs is an error, not a default.
+  std::string recorded_path, recorded_checksum;
+  if (auto m = ReadManifest(checkpoint_dir); m.ok() && m->data.known()) {
+    recorded_checksum = m->data.tokenizer_checksum;
+    if (!m->data.tokenizer.empty()) {
+      recorded_path = m->data.tokenizer;
+    } else if (m->data.source == "shards" && recorded_checksum != "byte") {
+      recorded_path = (fs::path(m->data.path) / "tokenizer.model").string();
     }
+  }
+  if (tokenizer_path.empty() && !recorded_path.empty()) {
+    std::error_code ec;
+    if (!fs::exists(recorded_path, ec)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint was trained with the tokenizer ", recorded_path, " (",
+          recorded_checksum.empty() ? "checksum unknown" : recorded_checksum,
+          "), which is not there; pass --tokenizer with that SentencePiece model"));
+    }
+    tokenizer_path = recorded_path;
   }
   if (!tokenizer_path.empty()) {
     ASSIGN_OR_RETURN(tokenizer, ReadTokenizer(tokenizer_path));
     ASSIGN_OR_RETURN(sp, InspectSentencePieceModel(tokenizer, tokenizer_path));
+    if (recorded_checksum == "byte") {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--tokenizer ", tokenizer_path,
+                       ": the checkpoint was trained with the byte tokenizer, not a "
+                       "SentencePiece model; export it without --tokenizer"));
+    }
+    if (!recorded_checksum.empty() && Checksum(tokenizer) != recorded_checksum) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tokenizer ", tokenizer_path, " (", Checksum(tokenizer),
+          ") is not the one the checkpoint was trained with (", recorded_checksum,
+          (recorded_path.empty() ? "" : absl::StrCat(", ", recorded_path)), ")"));
+    }
   }
 
   LoadedCheckpoint ckpt;

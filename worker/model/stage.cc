@@ -90,6 +90,41 @@ struct Stage::Impl {
   }
 };
 
+namespace {
+
+// Whether `device` runs what a bf16 forward and backward need: a product,
+// a softmax and their gradients, in bfloat16.
+absl::Status CheckComputeDtype(at::ScalarType dtype, c10::Device device) {
+  if (dtype == at::kFloat) return absl::OkStatus();
+  if (dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute dtype ", c10::toString(dtype), ": only float32 and bfloat16 are supported"));
+  }
+  absl::Status probe = GuardTorch("bfloat16 probe", [&]() -> absl::Status {
+    c10::AutoGradMode grad(true);
+    at::Tensor w = at::ones({4, 4}, at::TensorOptions().device(device)).requires_grad_(true);
+    at::Tensor x = at::ones({2, 4}, at::TensorOptions().device(device).dtype(at::kBFloat16));
+    at::Tensor y = at::softmax(at::linear(x, w.to(at::kBFloat16)), -1).to(at::kFloat).sum();
+    torch::autograd::backward({y});
+    if (!w.grad().defined() || w.grad().scalar_type() != at::kFloat) {
+      return absl::InternalError("no float32 gradient");
+    }
+    return absl::OkStatus();
+  });
+  if (!probe.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pipeline.precision PRECISION_BF16: device ", device.str(),
+        " cannot compute in bfloat16 (", probe.message(), "); use PRECISION_FP32"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+at::ScalarType ComputeDtype(v1::Precision precision) {
+  return precision == v1::PRECISION_BF16 ? at::kBFloat16 : at::kFloat;
+}
+
 Stage::Stage(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Stage::~Stage() = default;
 
@@ -102,6 +137,7 @@ absl::StatusOr<std::unique_ptr<Stage>> Stage::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline.memory_slots: ", options.memory_slots, " must be >= 1"));
   }
+  RETURN_IF_ERROR(CheckComputeDtype(options.compute_dtype, options.device));
   return GuardTorch(
       absl::StrCat("stage ", stage, " construction"),
       [&]() -> absl::StatusOr<std::unique_ptr<Stage>> {
@@ -117,10 +153,12 @@ absl::StatusOr<std::unique_ptr<Stage>> Stage::Create(
           impl->embed->to(options.device);
           impl->head = LmHead(config, options.seed);
           impl->head->to(options.device);
+          impl->head->set_compute_dtype(options.compute_dtype);
         }
         for (int i = range->begin; i < range->end; ++i) {
           impl->layers.push_back(DecoderLayer(config, i, options.seed));
           impl->layers.back()->to(options.device);
+          impl->layers.back()->set_compute_dtype(options.compute_dtype);
         }
         return std::unique_ptr<Stage>(new Stage(std::move(impl)));
       });
@@ -135,6 +173,7 @@ absl::StatusOr<std::unique_ptr<Stage>> Stage::FromJobSpec(
   StageOptions options;
   options.memory_slots = static_cast<int>(s.pipeline().memory_slots());
   options.recompute_activations = s.pipeline().recompute_activations();
+  options.compute_dtype = ComputeDtype(s.pipeline().precision());
   options.device = device;
   options.seed = s.seed();
   return Create(*config, stage, static_cast<int>(s.pipeline().num_stages()),

@@ -57,7 +57,16 @@ struct StageOptions {
   // block's intermediate activations, for about one more forward per
   // microbatch. Microbatches captured for K-FAC keep their graph.
   bool recompute_activations = false;
+  // Arithmetic of forward and backward (PipelineSpec.precision): at::kFloat
+  // or at::kBFloat16 (mixed precision: bf16 products on bf16 copies of the
+  // float32 parameters, see DecoderLayerImpl::set_compute_dtype). Whatever
+  // it is, parameters and their gradients are float32, and so are the
+  // hidden states a stage takes and returns.
+  at::ScalarType compute_dtype = at::kFloat;
 };
+
+// The compute dtype of a precision (PRECISION_UNSPECIFIED is float32).
+at::ScalarType ComputeDtype(v1::Precision precision);
 
 // Result of the loss on stage 0.
 struct LossOutput {
@@ -69,7 +78,9 @@ struct LossOutput {
 class Stage {
  public:
   // Builds stage `stage` of `num_stages` with deterministic parameters.
-  // INVALID_ARGUMENT for a bad index or stage count.
+  // INVALID_ARGUMENT for a bad index or stage count or a compute dtype other
+  // than float32 and bfloat16; FAILED_PRECONDITION, naming the device, when
+  // the device cannot run bfloat16 products and their backward.
   static absl::StatusOr<std::unique_ptr<Stage>> Create(
       const ModelConfig& config, int stage, int num_stages,
       const StageOptions& options);

@@ -131,55 +131,6 @@ struct SplitWriter {
   }
 };
 
-// Lines of a file, read through a buffer, each bounded in bytes.
-class LineReader {
- public:
-  explicit LineReader(const std::string& path) : path_(path) {
-    f_ = std::fopen(path.c_str(), "rb");
-  }
-  ~LineReader() {
-    if (f_ != nullptr) std::fclose(f_);
-  }
-  bool ok() const { return f_ != nullptr; }
-  // Next line without its '\n'; false at the end (check status()).
-  bool Next(std::string* line) {
-    line->clear();
-    if (f_ == nullptr || !status_.ok()) return false;
-    bool any = false;
-    for (;;) {
-      const int c = std::getc(f_);
-      if (c == EOF) {
-        if (std::ferror(f_)) status_ = absl::DataLossError(absl::StrCat("error reading ", path_));
-        if (any) ++line_;
-        return any && status_.ok();
-      }
-      any = true;
-      ++bytes_;
-      if (c == '\n') {
-        ++line_;
-        return true;
-      }
-      if (line->size() >= DatasetLimits::kMaxDocumentBytes) {
-        status_ = absl::InvalidArgumentError(
-            absl::StrCat(path_, ":", line_ + 1, ": line longer than the limit of ",
-                         DatasetLimits::kMaxDocumentBytes, " bytes"));
-        return false;
-      }
-      line->push_back(static_cast<char>(c));
-    }
-  }
-  uint64_t line() const { return line_; }
-  uint64_t bytes() const { return bytes_; }
-  const absl::Status& status() const { return status_; }
-
- private:
-  std::string path_;
-  std::FILE* f_ = nullptr;
-  uint64_t line_ = 0;
-  uint64_t bytes_ = 0;
-  absl::Status status_;
-};
-
 absl::Status ListInputs(const std::vector<std::string>& inputs, std::vector<std::string>* files,
                         uint64_t* total) {
   for (const std::string& in : inputs) {
@@ -233,6 +184,167 @@ bool SafeName(const std::string& name) {
 
 }  // namespace
 
+// Lines of a file, read through a buffer, each bounded in bytes.
+class DocumentReader::LineReader {
+ public:
+  explicit LineReader(const std::string& path) : path_(path) {
+    f_ = std::fopen(path.c_str(), "rb");
+  }
+  ~LineReader() {
+    if (f_ != nullptr) std::fclose(f_);
+  }
+  bool ok() const { return f_ != nullptr; }
+  // Next line without its '\n'; false at the end (check status()).
+  bool Next(std::string* line) {
+    line->clear();
+    if (f_ == nullptr || !status_.ok()) return false;
+    bool any = false;
+    for (;;) {
+      const int c = std::getc(f_);
+      if (c == EOF) {
+        if (std::ferror(f_)) status_ = absl::DataLossError(absl::StrCat("error reading ", path_));
+        if (any) ++line_;
+        return any && status_.ok();
+      }
+      any = true;
+      ++bytes_;
+      if (c == '\n') {
+        ++line_;
+        return true;
+      }
+      if (line->size() >= DatasetLimits::kMaxDocumentBytes) {
+        status_ = absl::InvalidArgumentError(
+            absl::StrCat(path_, ":", line_ + 1, ": line longer than the limit of ",
+                         DatasetLimits::kMaxDocumentBytes, " bytes"));
+        return false;
+      }
+      line->push_back(static_cast<char>(c));
+    }
+  }
+  uint64_t line() const { return line_; }
+  uint64_t bytes() const { return bytes_; }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
+  uint64_t line_ = 0;
+  uint64_t bytes_ = 0;
+  absl::Status status_;
+};
+
+DocumentReader::~DocumentReader() = default;
+
+absl::StatusOr<std::unique_ptr<DocumentReader>> DocumentReader::Open(
+    const std::vector<std::string>& inputs, TextDocuments text_documents,
+    const std::string& jsonl_field) {
+  if (inputs.empty()) return absl::InvalidArgumentError("no inputs");
+  if (jsonl_field.empty()) return absl::InvalidArgumentError("empty JSONL field name");
+  std::unique_ptr<DocumentReader> r(new DocumentReader());
+  RETURN_IF_ERROR(ListInputs(inputs, &r->files_, &r->bytes_total_));
+  r->text_documents_ = text_documents;
+  r->jsonl_field_ = jsonl_field;
+  return r;
+}
+
+uint64_t DocumentReader::bytes_done() const {
+  return bytes_before_ + (reader_ != nullptr ? reader_->bytes() : 0);
+}
+
+void DocumentReader::FinishFile() {
+  InputSource src;
+  src.path = files_[next_file_];
+  src.bytes = reader_->bytes();
+  src.documents = file_documents_;
+  bytes_before_ += src.bytes;
+  sources_.push_back(std::move(src));
+  reader_.reset();
+  ++next_file_;
+}
+
+// Hands `*doc` out unless it is empty (then false: read on).
+absl::StatusOr<bool> DocumentReader::Emit(std::string* doc, const std::string& where,
+                                          std::string* text, std::string* where_out) {
+  if (doc->empty()) return false;
+  if (absl::Status s = CheckUtf8(*doc); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", s.message()));
+  }
+  text->swap(*doc);
+  doc->clear();
+  *where_out = where;
+  ++file_documents_;
+  return true;
+}
+
+absl::StatusOr<bool> DocumentReader::Next(std::string* text, std::string* where) {
+  RETURN_IF_ERROR(status_);
+  auto fail = [&](absl::Status s) {
+    status_ = s;
+    return s;
+  };
+  std::string line;
+  for (;;) {
+    if (reader_ == nullptr) {
+      if (next_file_ >= files_.size()) return false;
+      const std::string& file = files_[next_file_];
+      reader_ = std::make_unique<LineReader>(file);
+      if (!reader_->ok()) {
+        return fail(absl::NotFoundError(absl::StrCat("cannot open ", file, ": ", Errno())));
+      }
+      jsonl_ = absl::EndsWith(file, ".jsonl");
+      doc_.clear();
+      doc_line_ = 0;
+      file_documents_ = 0;
+    }
+    const std::string& file = files_[next_file_];
+    if (!reader_->Next(&line)) {
+      if (!reader_->status().ok()) return fail(reader_->status());
+      // The end of the file ends its last paragraph (or the file's document).
+      auto last = Emit(&doc_, absl::StrCat(file, ":", doc_line_), text, where);
+      if (!last.ok()) return fail(last.status());
+      FinishFile();
+      if (*last) return true;
+      continue;
+    }
+    absl::StatusOr<bool> out = false;
+    if (jsonl_) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      google::protobuf::Struct obj;
+      google::protobuf::util::JsonParseOptions po;
+      const auto st = google::protobuf::util::JsonStringToMessage(line, &obj, po);
+      if (!st.ok()) {
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            file, ":", reader_->line(), ": not a JSON object (", std::string(st.message()), ")")));
+      }
+      auto it = obj.fields().find(jsonl_field_);
+      if (it == obj.fields().end() ||
+          it->second.kind_case() != google::protobuf::Value::kStringValue) {
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            file, ":", reader_->line(), ": no string field \"", jsonl_field_, "\"")));
+      }
+      std::string value = it->second.string_value();
+      out = Emit(&value, absl::StrCat(file, ":", reader_->line()), text, where);
+    } else if (text_documents_ == TextDocuments::kLines) {
+      line += '\n';
+      out = Emit(&line, absl::StrCat(file, ":", reader_->line()), text, where);
+    } else if (text_documents_ == TextDocuments::kParagraphs &&
+               line.find_first_not_of(" \t\r") == std::string::npos) {
+      out = Emit(&doc_, absl::StrCat(file, ":", doc_line_), text, where);
+    } else {
+      if (doc_.empty()) doc_line_ = reader_->line();
+      if (doc_.size() + line.size() + 1 > DatasetLimits::kMaxDocumentBytes) {
+        return fail(absl::InvalidArgumentError(absl::StrCat(
+            file, ":", doc_line_, ": document longer than the limit of ",
+            DatasetLimits::kMaxDocumentBytes, " bytes (use --documents paragraphs or lines)")));
+      }
+      doc_ += line;
+      doc_ += '\n';
+    }
+    if (!out.ok()) return fail(out.status());
+    if (*out) return true;
+  }
+}
+
 absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   if (!(o.validation_fraction >= 0 && o.validation_fraction <= 0.5)) {
     return absl::InvalidArgumentError(
@@ -242,9 +354,8 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   if (o.inputs.empty()) return absl::InvalidArgumentError("no inputs");
   if (o.jsonl_field.empty()) return absl::InvalidArgumentError("empty JSONL field name");
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::Load(o.tokenizer_path));
-  std::vector<std::string> files;
-  uint64_t total = 0;
-  RETURN_IF_ERROR(ListInputs(o.inputs, &files, &total));
+  ASSIGN_OR_RETURN(std::unique_ptr<DocumentReader> reader,
+                   DocumentReader::Open(o.inputs, o.text_documents, o.jsonl_field));
 
   std::error_code ec;
   const std::string out = fs::path(o.output).lexically_normal().string();
@@ -272,8 +383,7 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   m.set_split_seed(o.split_seed);
 
   PrepareProgress progress;
-  progress.bytes_total = total;
-  uint64_t done_before = 0;
+  progress.bytes_total = reader->bytes_total();
   auto last = std::chrono::steady_clock::now();
   auto report = [&](bool force) {
     if (!o.progress) return;
@@ -283,12 +393,17 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
     o.progress(progress);
   };
   uint64_t doc_index = 0;
-  auto add_document = [&](const std::string& text, const std::string& where) -> absl::Status {
-    if (text.empty()) return absl::OkStatus();
-    if (absl::Status s = CheckUtf8(text); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", s.message()));
+  std::string text, where;
+  for (;;) {
+    ASSIGN_OR_RETURN(bool more, reader->Next(&text, &where));
+    progress.bytes_done = reader->bytes_done();
+    if (!more) break;
+    absl::StatusOr<std::vector<int32_t>> encoded = tokenizer->Encode(text);
+    if (!encoded.ok()) {
+      return absl::Status(encoded.status().code(),
+                          absl::StrCat(where, ": ", encoded.status().message()));
     }
-    ASSIGN_OR_RETURN(std::vector<int32_t> ids, tokenizer->Encode(text));
+    std::vector<int32_t> ids = *std::move(encoded);
     if (tokenizer->eos_id() >= 0) {
       ids.push_back(tokenizer->eos_id());
     } else {
@@ -303,70 +418,14 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
         progress.documents > DatasetLimits::kMaxDocuments) {
       return absl::ResourceExhaustedError("the dataset exceeds the token or document limit");
     }
-    return absl::OkStatus();
-  };
-
-  for (const std::string& file : files) {
-    LineReader reader(file);
-    if (!reader.ok()) return absl::NotFoundError(absl::StrCat("cannot open ", file, ": ", Errno()));
-    const bool jsonl = absl::EndsWith(file, ".jsonl");
-    const uint64_t docs_before = progress.documents;
-    std::string line, doc;
-    uint64_t doc_line = 0;
-    auto flush = [&]() -> absl::Status {
-      absl::Status s = add_document(doc, absl::StrCat(file, ":", doc_line));
-      doc.clear();
-      return s;
-    };
-    while (reader.Next(&line)) {
-      progress.bytes_done = done_before + reader.bytes();
-      if (jsonl) {
-        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-        google::protobuf::Struct obj;
-        google::protobuf::util::JsonParseOptions po;
-        const auto st = google::protobuf::util::JsonStringToMessage(line, &obj, po);
-        if (!st.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat(file, ":", reader.line(),
-                                                         ": not a JSON object (",
-                                                         std::string(st.message()), ")"));
-        }
-        auto it = obj.fields().find(o.jsonl_field);
-        if (it == obj.fields().end() ||
-            it->second.kind_case() != google::protobuf::Value::kStringValue) {
-          return absl::InvalidArgumentError(absl::StrCat(file, ":", reader.line(),
-                                                         ": no string field \"", o.jsonl_field,
-                                                         "\""));
-        }
-        RETURN_IF_ERROR(add_document(it->second.string_value(),
-                                     absl::StrCat(file, ":", reader.line())));
-      } else if (o.text_documents == TextDocuments::kLines) {
-        doc = line + "\n";
-        doc_line = reader.line();
-        RETURN_IF_ERROR(flush());
-      } else if (o.text_documents == TextDocuments::kParagraphs &&
-                 line.find_first_not_of(" \t\r") == std::string::npos) {
-        RETURN_IF_ERROR(flush());
-      } else {
-        if (doc.empty()) doc_line = reader.line();
-        if (doc.size() + line.size() + 1 > DatasetLimits::kMaxDocumentBytes) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              file, ":", doc_line, ": document longer than the limit of ",
-              DatasetLimits::kMaxDocumentBytes, " bytes (use --documents paragraphs or lines)"));
-        }
-        doc += line;
-        doc += '\n';
-      }
-      report(false);
-    }
-    RETURN_IF_ERROR(reader.status());
-    RETURN_IF_ERROR(flush());
-    done_before += reader.bytes();
-    progress.bytes_done = done_before;
-    m.set_text_bytes(m.text_bytes() + reader.bytes());
+    report(false);
+  }
+  for (const InputSource& in : reader->sources()) {
+    m.set_text_bytes(m.text_bytes() + in.bytes);
     v1::DatasetManifest::Source* src = m.add_sources();
-    src->set_path(file);
-    src->set_bytes(reader.bytes());
-    src->set_documents(progress.documents - docs_before);
+    src->set_path(in.path);
+    src->set_bytes(in.bytes);
+    src->set_documents(in.documents);
   }
   report(true);
   RETURN_IF_ERROR(train.Close());
@@ -403,6 +462,53 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   const fs::path parent = fs::path(out).parent_path();
   RETURN_IF_ERROR(SyncDirectory(parent.empty() ? "." : parent.string()));
   return m;
+}
+
+absl::StatusOr<std::string> TrainTokenizerOnInputs(const SentencePieceTraining& options,
+                                                   const std::vector<std::string>& inputs,
+                                                   const std::string& jsonl_field,
+                                                   const std::string& scratch,
+                                                   TokenizerCorpus* corpus) {
+  ASSIGN_OR_RETURN(std::unique_ptr<DocumentReader> reader,
+                   DocumentReader::Open(inputs, TextDocuments::kLines, jsonl_field));
+  TokenizerCorpus seen;
+  std::string doc, where;
+  size_t pos = 0;  // next line of `doc`
+  auto next_line = [&](std::string* line) -> absl::StatusOr<bool> {
+    while (options.max_sentences <= 0 || seen.lines < options.max_sentences) {
+      if (pos >= doc.size()) {
+        ASSIGN_OR_RETURN(bool more, reader->Next(&doc, &where));
+        if (!more) return false;
+        pos = 0;
+      }
+      size_t end = doc.find('\n', pos);
+      if (end == std::string::npos) end = doc.size();
+      line->assign(doc, pos, end - pos);
+      pos = end + 1;
+      if (line->empty()) continue;
+      ++seen.lines;
+      seen.bytes += line->size();
+      return true;
+    }
+    return false;
+  };
+  // The first line before spm_train starts: inputs without text are ours to
+  // name, not spm_train's.
+  std::string first;
+  ASSIGN_OR_RETURN(bool any, next_line(&first));
+  if (!any) return absl::FailedPreconditionError("the inputs hold no text");
+  bool first_pending = true;
+  auto feed = [&](std::string* line) -> absl::StatusOr<bool> {
+    if (first_pending) {
+      first_pending = false;
+      line->swap(first);
+      return true;
+    }
+    return next_line(line);
+  };
+  absl::StatusOr<std::string> model = TrainSentencePieceOnLines(options, feed, scratch);
+  if (corpus != nullptr) *corpus = seen;
+  return model;
 }
 
 namespace {

@@ -19,10 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "detour/v1/spec.pb.h"
 #include "worker/model/checkpoint_manifest.h"
 #include "worker/model/text_data.h"
+#include "worker/model/tokenizer.h"
 
 namespace detour::model {
 
@@ -41,6 +43,68 @@ struct DatasetLimits {
 
 // How a text file (not JSONL) is cut into documents.
 enum class TextDocuments { kParagraphs, kLines, kFiles };
+
+// One file the inputs named, once read to its end.
+struct InputSource {
+  std::string path;
+  uint64_t bytes = 0;
+  uint64_t documents = 0;  // non-empty documents it gave
+};
+
+// The documents of text files, directories of them and JSONL, one at a time,
+// in the order, with the cutting, the checks and the limits of PrepareDataset
+// (which reads through it; `detour-data tokenizer` streams it into spm_train):
+// files of a directory in byte order of their paths, a text file cut per
+// `text_documents`, a .jsonl file one document per non-blank line (its
+// `jsonl_field`). Documents are non-empty valid UTF-8 and keep their line
+// ends. Holds one document and one line buffer at a time. Thread-compatible.
+class DocumentReader {
+ public:
+  // Lists the inputs (NOT_FOUND for a missing one, INVALID_ARGUMENT for a
+  // device or FIFO, RESOURCE_EXHAUSTED beyond DatasetLimits,
+  // FAILED_PRECONDITION for no file at all); reads nothing yet.
+  static absl::StatusOr<std::unique_ptr<DocumentReader>> Open(
+      const std::vector<std::string>& inputs, TextDocuments text_documents,
+      const std::string& jsonl_field);
+  ~DocumentReader();
+  DocumentReader(const DocumentReader&) = delete;
+  DocumentReader& operator=(const DocumentReader&) = delete;
+
+  // The next document into `text`, and into `where` the file and line it
+  // starts at ("a.jsonl:2"). False at the end of the inputs. INVALID_ARGUMENT
+  // naming the file and line for a bad JSONL line, invalid UTF-8 or a
+  // document over DatasetLimits::kMaxDocumentBytes; NOT_FOUND for a file that
+  // cannot be opened; DATA_LOSS for a read error. After an error the reader
+  // stays failed.
+  absl::StatusOr<bool> Next(std::string* text, std::string* where);
+
+  uint64_t bytes_total() const { return bytes_total_; }
+  // Bytes of the inputs consumed so far.
+  uint64_t bytes_done() const;
+  // The files read to their end so far, in reading order.
+  const std::vector<InputSource>& sources() const { return sources_; }
+
+ private:
+  class LineReader;
+  DocumentReader() = default;
+  absl::StatusOr<bool> Emit(std::string* doc, const std::string& where, std::string* text,
+                            std::string* where_out);
+  void FinishFile();
+
+  std::vector<std::string> files_;
+  TextDocuments text_documents_ = TextDocuments::kParagraphs;
+  std::string jsonl_field_;
+  uint64_t bytes_total_ = 0;
+  uint64_t bytes_before_ = 0;  // of the files finished
+  size_t next_file_ = 0;
+  std::unique_ptr<LineReader> reader_;
+  bool jsonl_ = false;
+  std::string doc_;        // paragraph or file being gathered
+  uint64_t doc_line_ = 0;  // its first line
+  uint64_t file_documents_ = 0;
+  std::vector<InputSource> sources_;
+  absl::Status status_;
+};
 
 struct PrepareProgress {
   uint64_t bytes_done = 0;
@@ -72,6 +136,25 @@ struct PrepareOptions {
 // FAILED_PRECONDITION when there is no text or too few documents for the
 // validation split asked.
 absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& options);
+
+// What `detour-data tokenizer` trained on.
+struct TokenizerCorpus {
+  int64_t lines = 0;
+  uint64_t bytes = 0;  // of those lines, without their '\n'
+};
+
+// Trains a SentencePiece model on `inputs` (files, directories, .jsonl) as
+// `detour-data tokenizer` does: DocumentReader's documents one line each
+// (TextDocuments::kLines; a JSONL text with line breaks gives one line per
+// line), empty lines left out, at most options.max_sentences lines, streamed
+// into spm_train (TrainSentencePieceOnLines, scratch directory `scratch`).
+// Errors: DocumentReader's, TrainSentencePieceOnLines's, and
+// FAILED_PRECONDITION when the inputs hold no text.
+absl::StatusOr<std::string> TrainTokenizerOnInputs(const SentencePieceTraining& options,
+                                                   const std::vector<std::string>& inputs,
+                                                   const std::string& jsonl_field,
+                                                   const std::string& scratch,
+                                                   TokenizerCorpus* corpus = nullptr);
 
 struct ShardDataset {
   v1::DatasetManifest manifest;

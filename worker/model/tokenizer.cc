@@ -6,6 +6,7 @@
 #include <array>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <queue>
 #include <unordered_map>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/files.h"
+#include "common/status.h"
 #include "common/subprocess.h"
 #include "detour/spm/model.pb.h"
 #include "worker/model/byte_tokenizer.h"
@@ -404,8 +406,9 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids) con
   return text;
 }
 
-absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& options,
-                                               const std::string& input) {
+namespace {
+
+absl::Status CheckTraining(const SentencePieceTraining& options) {
   if (options.model_type != "bpe" && options.model_type != "unigram") {
     return absl::InvalidArgumentError(
         absl::StrCat("model type \"", options.model_type, "\" is not bpe or unigram"));
@@ -429,12 +432,14 @@ absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& opti
         options.spm_train, " is missing: install Debian's `sentencepiece` package "
                            "(tools/install_deps.sh)"));
   }
-  std::error_code ec;
-  const std::string dir = absl::StrCat(input, ".spm-", ::getpid());
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  const std::string prefix = dir + "/m";
-  std::vector<std::string> argv = {
+  return absl::OkStatus();
+}
+
+// spm_train's command line: the settings DATA.md documents (exact round
+// trips, LLaMA's special ids).
+std::vector<std::string> SpmTrainArgs(const SentencePieceTraining& options,
+                                      const std::string& input, const std::string& prefix) {
+  return {
       options.spm_train,
       "--input=" + input,
       "--model_prefix=" + prefix,
@@ -457,30 +462,81 @@ absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& opti
       "--pad_id=-1",
       "--hard_vocab_limit=false",
   };
-  ChildProcess child;
-  const std::string log = dir + "/spm_train.log";
-  absl::Status started = child.Start(argv, log);
-  std::optional<int> rc;
-  if (started.ok()) rc = child.Wait(absl::Hours(24));
-  std::string result;
-  absl::Status status;
-  if (!started.ok()) {
-    status = started;
-  } else if (!rc.has_value() || *rc != 0) {
-    std::string text = child.Log();
+}
+
+// Waits for a started spm_train and reads the model it wrote at `model`.
+absl::StatusOr<std::string> FinishSpmTrain(ChildProcess* child, const std::string& model) {
+  const std::optional<int> rc = child->Wait(absl::Hours(24));
+  if (!rc.has_value() || *rc != 0) {
+    std::string text = child->Log();
     if (text.size() > 2000) text = "..." + text.substr(text.size() - 2000);
-    status = absl::FailedPreconditionError(
+    return absl::FailedPreconditionError(
         absl::StrCat("spm_train failed (exit ", rc.value_or(-1), "): ", text));
-  } else {
-    auto bytes = ReadFileBounded(prefix + ".model", kMaxTokenizerFileBytes);
-    if (bytes.ok()) {
-      result = *std::move(bytes);
-    } else {
-      status = bytes.status();
-    }
   }
+  return ReadFileBounded(model, kMaxTokenizerFileBytes);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& options,
+                                               const std::string& input) {
+  RETURN_IF_ERROR(CheckTraining(options));
+  std::error_code ec;
+  const std::string dir = absl::StrCat(input, ".spm-", ::getpid());
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  const std::string prefix = dir + "/m";
+  ChildProcess child;
+  const absl::Status started = child.Start(SpmTrainArgs(options, input, prefix),
+                                           dir + "/spm_train.log");
+  absl::StatusOr<std::string> result =
+      started.ok() ? FinishSpmTrain(&child, prefix + ".model") : started;
   std::filesystem::remove_all(dir, ec);
-  if (!status.ok()) return status;
+  return result;
+}
+
+absl::StatusOr<std::string> TrainSentencePieceOnLines(
+    const SentencePieceTraining& options,
+    const std::function<absl::StatusOr<bool>(std::string* line)>& next_line,
+    const std::string& scratch) {
+  RETURN_IF_ERROR(CheckTraining(options));
+  std::error_code ec;
+  if (std::filesystem::exists(scratch, ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(scratch, " exists"));
+  }
+  std::filesystem::create_directories(scratch, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cannot create ", scratch, ": ", ec.message()));
+  }
+  // Relative names inside the scratch directory: the model records them,
+  // and they are the same on every run.
+  ChildProcess child;
+  absl::Status status = child.StartWithInput(SpmTrainArgs(options, "/dev/stdin", "m"),
+                                             scratch + "/spm_train.log", scratch);
+  std::string buffer, line;
+  constexpr size_t kChunk = 1 << 20;
+  while (status.ok()) {
+    absl::StatusOr<bool> more = next_line(&line);
+    if (!more.ok()) {
+      status = more.status();
+      child.Stop(absl::Seconds(5));
+      break;
+    }
+    if (*more) {
+      buffer += line;
+      buffer += '\n';
+    }
+    if (!buffer.empty() && (!*more || buffer.size() >= kChunk)) {
+      // A child that stopped reading has failed: its log says why.
+      if (!child.WriteInput(buffer).ok()) break;
+      buffer.clear();
+    }
+    if (!*more) break;
+  }
+  child.CloseInput();
+  absl::StatusOr<std::string> result =
+      status.ok() ? FinishSpmTrain(&child, scratch + "/m.model") : status;
+  std::filesystem::remove_all(scratch, ec);
   return result;
 }
 

@@ -86,6 +86,18 @@ inline constexpr int kMinTrainedVocab = 260;  // 256 byte pieces + specials
 absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& options,
                                                const std::string& input);
 
+// The same on the lines `next_line` hands out (each without its '\n'; called
+// until it returns false), streamed into spm_train's standard input: nothing
+// is staged on disk but spm_train's own output, in the directory `scratch`
+// (ALREADY_EXISTS if it exists; removed at the end). The model records its
+// input as "/dev/stdin" and its prefix as "m", so the same lines and options
+// give the same bytes. An error of `next_line` stops spm_train and is
+// returned as it is.
+absl::StatusOr<std::string> TrainSentencePieceOnLines(
+    const SentencePieceTraining& options,
+    const std::function<absl::StatusOr<bool>(std::string* line)>& next_line,
+    const std::string& scratch);
+
 }  // namespace detour::model
 
 #endif  // DETOUR_WORKER_MODEL_TOKENIZER_H_

@@ -49,6 +49,19 @@ RotaryTables RotaryTables::Make(const ModelConfig& config,
   return t;
 }
 
+at::Tensor ComputeCast::Of(const at::Tensor& master, at::ScalarType dtype) {
+  if (master.scalar_type() == dtype) return master;
+  const bool grad = c10::GradMode::is_enabled() && master.requires_grad();
+  Entry& e = grad ? with_grad_ : without_grad_;
+  if (!e.cast.defined() || e.cast.scalar_type() != dtype || e.version != master._version() ||
+      e.data != master.data_ptr()) {
+    e.cast = master.to(dtype);
+    e.version = master._version();
+    e.data = master.data_ptr();
+  }
+  return e.cast;
+}
+
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
 }
@@ -96,9 +109,15 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
   const int64_t hd = config_.head_dim();
   LayerCapture* cap = capture_.get();
   std::weak_ptr<LayerCapture> weak = capture_;
-  // y = a·Wᵀ; with a capture, keeps a and hooks y's gradient.
-  auto project = [&](const at::Tensor& a, const at::Tensor& w, int input,
+  // In float32 both are the identity, and the arithmetic is exactly the
+  // all-float32 model's.
+  const bool low = compute_ != at::kFloat;
+  auto lowered = [&](const at::Tensor& t) { return low ? t.to(compute_) : t; };
+  // y = a·Wᵀ (W in the compute dtype); with a capture, keeps a and hooks
+  // y's gradient.
+  auto project = [&](const at::Tensor& a, const at::Tensor& master, int input,
                      int module) {
+    const at::Tensor w = low ? casts_[module].Of(master, compute_) : master;
     at::Tensor y = at::linear(a, w);
     if (cap != nullptr) {
       if (!cap->inputs[input].defined()) cap->inputs[input] = a.detach();
@@ -111,15 +130,16 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
     return y;
   };
 
-  at::Tensor a = RmsNorm(x, attn_norm_, config_.norm_eps);
+  at::Tensor a = lowered(RmsNorm(x, attn_norm_, config_.norm_eps));
   at::Tensor q = project(a, wq_, LayerCapture::kAttnIn, 0)
                      .view({b, t, h, hd}).transpose(1, 2);
   at::Tensor k = project(a, wk_, LayerCapture::kAttnIn, 1)
                      .view({b, t, kvh, hd}).transpose(1, 2);
   at::Tensor v = project(a, wv_, LayerCapture::kAttnIn, 2)
                      .view({b, t, kvh, hd}).transpose(1, 2);
-  q = ApplyRotary(q, rope);
-  k = ApplyRotary(k, rope);
+  // The float32 tables promote a bf16 q, k: the rotation runs in float32.
+  q = lowered(ApplyRotary(q, rope));
+  k = lowered(ApplyRotary(k, rope));
   if (kvh != h) {
     k = k.repeat_interleave(h / kvh, /*dim=*/1);
     v = v.repeat_interleave(h / kvh, /*dim=*/1);
@@ -128,11 +148,15 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
                                                                static_cast<double>(hd));
   at::Tensor mask = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  // With bf16 scores LibTorch's softmax kernel accumulates in float32 and
+  // only rounds its result (on the CPU it equals the float32 softmax rounded
+  // to bf16); the probabilities kept for the backward are bf16.
   at::Tensor attn = at::matmul(at::softmax(scores, -1), v);
   attn = attn.transpose(1, 2).reshape({b, t, h * hd});
+  // float32 + bf16 is float32: the residual stream keeps full precision.
   at::Tensor y = x + project(attn, wo_, LayerCapture::kAttnOut, 3);
 
-  at::Tensor m = RmsNorm(y, mlp_norm_, config_.norm_eps);
+  at::Tensor m = lowered(RmsNorm(y, mlp_norm_, config_.norm_eps));
   at::Tensor gated = at::silu(project(m, w_gate_, LayerCapture::kMlpIn, 4)) *
                      project(m, w_up_, LayerCapture::kMlpIn, 5);
   at::Tensor out = y + project(gated, w_down_, LayerCapture::kMlpHidden, 6);
@@ -173,7 +197,9 @@ LmHeadImpl::LmHeadImpl(const ModelConfig& config, uint64_t seed)
 }
 
 at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) {
-  return at::linear(RmsNorm(hidden, norm_, eps_), head_);
+  if (compute_ == at::kFloat) return at::linear(RmsNorm(hidden, norm_, eps_), head_);
+  return at::linear(RmsNorm(hidden, norm_, eps_).to(compute_), head_cast_.Of(head_, compute_))
+      .to(at::kFloat);
 }
 
 at::Tensor LmHeadImpl::Loss(const at::Tensor& hidden,
@@ -209,6 +235,11 @@ at::Tensor TransformerImpl::Loss(const at::Tensor& tokens,
     for (int i : layer_order) x = layers_.at(i)->forward(x, rope_);
   }
   return head_->Loss(x, targets);
+}
+
+void TransformerImpl::set_compute_dtype(at::ScalarType dtype) {
+  for (auto& layer : layers_) layer->set_compute_dtype(dtype);
+  head_->set_compute_dtype(dtype);
 }
 
 std::vector<NamedTensor> TransformerImpl::GlobalParameters() const {

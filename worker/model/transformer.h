@@ -38,6 +38,27 @@ struct RotaryTables {
   static RotaryTables Make(const ModelConfig& config, const at::Device& device);
 };
 
+// The copy of a float32 master parameter that a lower-precision forward
+// multiplies with (PipelineSpec.precision BF16). Made once per version of the
+// parameter (every in-place change — an optimiser step, a checkpoint load —
+// bumps it) and per grad mode: with gradients the cast is a node of the
+// autograd graph, so each microbatch's gradient flows back into the float32
+// parameter, and all microbatches between two optimiser steps share one copy
+// instead of each keeping its own in its memory slot. Thread-compatible.
+class ComputeCast {
+ public:
+  // `master` itself when it already has `dtype`.
+  at::Tensor Of(const at::Tensor& master, at::ScalarType dtype);
+
+ private:
+  struct Entry {
+    at::Tensor cast;
+    int64_t version = -1;
+    const void* data = nullptr;
+  };
+  Entry with_grad_, without_grad_;
+};
+
 // x·rsqrt(mean(x²)+eps)·weight over the last dimension.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
@@ -84,6 +105,13 @@ class DecoderLayerImpl : public torch::nn::Module {
     capture_ = std::move(capture);
   }
 
+  // Arithmetic of forward(): at::kFloat (the default: everything float32)
+  // or at::kBFloat16 (mixed precision as PipelineSpec.precision BF16
+  // describes it: projections, attention and the SwiGLU in bf16 on cached
+  // bf16 copies of the weights; RMSNorm, rotary embeddings and the residual
+  // stream in float32, so input and output stay float32).
+  void set_compute_dtype(at::ScalarType dtype) { compute_ = dtype; }
+
   // Parameters with global names ("layers.3.wq").
   std::vector<NamedTensor> GlobalParameters() const;
   int global_index() const { return global_index_; }
@@ -94,6 +122,8 @@ class DecoderLayerImpl : public torch::nn::Module {
   at::Tensor attn_norm_, wq_, wk_, wv_, wo_;
   at::Tensor mlp_norm_, w_gate_, w_up_, w_down_;
   std::shared_ptr<LayerCapture> capture_;
+  at::ScalarType compute_ = at::kFloat;
+  std::array<ComputeCast, 7> casts_;  // KfacModules() order: q k v o gate up down
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -113,15 +143,20 @@ TORCH_MODULE(Embedding);
 class LmHeadImpl : public torch::nn::Module {
  public:
   LmHeadImpl(const ModelConfig& config, uint64_t seed);
-  at::Tensor forward(const at::Tensor& hidden);  // logits [B, T, vocab]
+  // Float32 logits [B, T, vocab] (with a bf16 compute dtype the head's
+  // product runs in bf16 and the logits are widened before the loss).
+  at::Tensor forward(const at::Tensor& hidden);
   // Mean token cross-entropy of `hidden` against `targets` [B, T].
   at::Tensor Loss(const at::Tensor& hidden, const at::Tensor& targets);
+  void set_compute_dtype(at::ScalarType dtype) { compute_ = dtype; }
   std::vector<NamedTensor> GlobalParameters() const;
 
  private:
   double eps_;
   at::Tensor norm_;
   at::Tensor head_;
+  at::ScalarType compute_ = at::kFloat;
+  ComputeCast head_cast_;
 };
 TORCH_MODULE(LmHead);
 
@@ -136,6 +171,8 @@ class TransformerImpl : public torch::nn::Module {
   at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets,
                   const std::vector<int>& layer_order = {});
   std::vector<NamedTensor> GlobalParameters() const;
+  // Compute dtype of every block and the head (DecoderLayerImpl).
+  void set_compute_dtype(at::ScalarType dtype);
 
  private:
   ModelConfig config_;

@@ -81,6 +81,12 @@ class DirectLink {
   absl::Status Wait(short events, absl::Time deadline, absl::string_view what);
   // The TLS handshake (SSL_connect or SSL_accept) by `deadline`.
   absl::Status Handshake(bool client, absl::Time deadline);
+  // After the handshake: a buffer BIO in front of the socket gathers TLS
+  // records (kWriteBufferBytes at a time) instead of one write() per record.
+  absl::Status BufferWrites();
+  // Writes out what the buffer BIO holds (the end of every Write()).
+  absl::Status Flush(absl::Time deadline);
+  static constexpr int kWriteBufferBytes = 256 << 10;
 
   const int fd_;
   ssl_st* const ssl_;  // owned; null for plaintext
