@@ -8,8 +8,15 @@
 #   make bench   build and run the benchmarks
 #   make fuzz    build the libFuzzer targets with clang and run each for
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
-#   make checks  the checked builds CI runs besides `make test`: clang with
-#                -Wthread-safety -Werror, and a short fuzz run
+#   make checks  the checked builds CI runs besides `make test` (tools/checks.sh):
+#                clang -Wthread-safety -Werror over the tree, ASan+UBSan over
+#                the LibTorch-free suite with short fuzz runs, TSan over the
+#                transport, net, work queue, control client and log tests
+#   make checks-full  opt-in, not in CI (never yet passed in full; its time on
+#                2 cores unmeasured): ASan+UBSan+LSan over
+#                the whole suite with LibTorch and the e2e tests, TSan over the
+#                runtime and e2e tests with a TSan coordinator
+#                (tools/checks.sh asan-full tsan-full; docs/DEVELOPMENT.md)
 #   make clean   remove the build directory
 
 BUILD_DIR ?= build
@@ -20,7 +27,7 @@ CTEST_FLAGS ?=
 
 FUZZ_SECONDS ?= 300
 
-.PHONY: all deps configure build test demo bench fuzz checks clean
+.PHONY: all deps configure build test demo bench fuzz checks checks-full clean
 
 all: build
 
@@ -51,6 +58,9 @@ fuzz: deps
 
 checks: deps
 	tools/checks.sh
+
+checks-full: deps
+	tools/checks.sh asan-full tsan-full
 
 clean:
 	rm -rf $(BUILD_DIR)

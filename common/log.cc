@@ -5,15 +5,31 @@
 #include <atomic>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace detour {
 namespace {
 
-std::string& Component() {
-  static std::string* component = new std::string("detour");
+// The component name, which may change while other threads log: the worker
+// learns its id at registration, on its control thread (TSan found the
+// unguarded string).
+struct ComponentName {
+  absl::Mutex mu;
+  std::string name ABSL_GUARDED_BY(mu) = "detour";
+};
+
+ComponentName& Component() {
+  static ComponentName* const component = new ComponentName;
   return *component;
+}
+
+std::string CurrentComponent() {
+  ComponentName& c = Component();
+  absl::MutexLock lock(&c.mu);
+  return c.name;
 }
 
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
@@ -30,7 +46,11 @@ const char* LevelName(LogLevel level) {
 
 }  // namespace
 
-void SetLogComponent(absl::string_view component) { Component() = std::string(component); }
+void SetLogComponent(absl::string_view component) {
+  ComponentName& c = Component();
+  absl::MutexLock lock(&c.mu);
+  c.name = std::string(component);
+}
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
@@ -47,7 +67,7 @@ void LogLine(LogLevel level, absl::string_view message) {
   if (static_cast<int>(level) < g_level.load()) return;
   std::string line = absl::StrCat(
       absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
-      LevelName(level), " ", Component(), ": ", message, "\n");
+      LevelName(level), " ", CurrentComponent(), ": ", message, "\n");
   // One write per line so concurrent lines do not interleave.
   size_t done = 0;
   while (done < line.size()) {

@@ -12,8 +12,8 @@ namespace detour {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 
-// Component name printed on each line ("coordinator", "worker w3"). Call once
-// at start-up, before other threads log.
+// Component name printed on each line ("coordinator", "worker w3"). May be
+// called while other threads log (the worker sets its id once registered).
 void SetLogComponent(absl::string_view component);
 // Lines below `level` are dropped. Default kInfo.
 void SetLogLevel(LogLevel level);

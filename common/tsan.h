@@ -26,4 +26,23 @@ extern "C" void __tsan_release(void* addr);
 #define DETOUR_HAPPENS_AFTER(addr) ((void)(addr))
 #endif
 
+namespace detour {
+
+// Marks the end of a gRPC reaction: everything it did happens before a
+// DETOUR_HAPPENS_AFTER(addr) — OnDone's, which gRPC runs only after every
+// reaction has returned. Put it first in the reaction: it releases on every
+// way out.
+class ReactionEnd {
+ public:
+  explicit ReactionEnd(const void* addr) : addr_(addr) {}
+  ~ReactionEnd() { DETOUR_HAPPENS_BEFORE(addr_); }
+  ReactionEnd(const ReactionEnd&) = delete;
+  ReactionEnd& operator=(const ReactionEnd&) = delete;
+
+ private:
+  const void* addr_;
+};
+
+}  // namespace detour
+
 #endif  // DETOUR_COMMON_TSAN_H_

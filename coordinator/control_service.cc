@@ -10,6 +10,7 @@
 #include "common/net/grpc_status.h"
 #include "common/net/reactor_support.h"
 #include "common/net/tls.h"
+#include "common/tsan.h"
 
 namespace detour {
 namespace {
@@ -30,21 +31,32 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
   // `peer_name`: the worker's verified certificate CN, if any.
   SessionReactor(ControlServiceImpl* service, std::optional<std::string> peer_name)
       : service_(service), peer_name_(std::move(peer_name)) {
-    StartRead(&incoming_);
+    NextRead();
   }
 
+  // gRPC orders these through its completion queue, which ThreadSanitizer
+  // cannot see (common/tsan.h): a read's reaction follows the StartRead,
+  // a write's follows the StartWrite (&incoming_, &outbox_), and OnDone
+  // follows every reaction and the Finish (this).
   void OnReadDone(bool ok) override {
+    DETOUR_HAPPENS_AFTER(&incoming_);
+    ReactionEnd end(this);
     if (!ok) {  // the worker closed its side or went away
       Apply(outbox_.FinishAfterQueued(grpc::Status::OK));
       return;
     }
     if (!HandleMessage()) return;
-    StartRead(&incoming_);
+    NextRead();
   }
 
-  void OnWriteDone(bool ok) override { Apply(outbox_.WriteDone(ok)); }
+  void OnWriteDone(bool ok) override {
+    DETOUR_HAPPENS_AFTER(&outbox_);
+    ReactionEnd end(this);
+    Apply(outbox_.WriteDone(ok));
+  }
 
   void OnDone() override {
+    DETOUR_HAPPENS_AFTER(this);
     {
       absl::MutexLock lock(&service_->mu_);
       auto it = service_->sessions_.find(worker_id_);
@@ -119,9 +131,21 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
     return true;
   }
 
+  void NextRead() {
+    DETOUR_HAPPENS_BEFORE(&incoming_);
+    StartRead(&incoming_);
+  }
+
+  // On any thread (reactions, and Send/Close from the job threads).
   void Apply(const ServerOutbox<v1::CoordinatorMessage>::Action& action) {
-    if (action.write != nullptr) StartWrite(action.write);
-    if (action.finish) Finish(action.status);
+    if (action.write != nullptr) {
+      DETOUR_HAPPENS_BEFORE(&outbox_);
+      StartWrite(action.write);
+    }
+    if (action.finish) {
+      DETOUR_HAPPENS_BEFORE(this);
+      Finish(action.status);
+    }
   }
 
   ControlServiceImpl* const service_;

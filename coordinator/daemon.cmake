@@ -25,4 +25,5 @@ target_link_libraries(detour_coordinator_lib
 
 add_executable(detour-coordinator ${CMAKE_CURRENT_LIST_DIR}/main.cc)
 target_link_libraries(detour-coordinator PRIVATE detour::coordinator detour_warnings)
+detour_tsan_support(detour-coordinator)
 install(TARGETS detour-coordinator RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -1367,14 +1368,22 @@ class JobRunner::Impl {
       if (assignment_.stage_nodes[s].empty()) return s;
     }
     if (deficit.size() == 1) return deficit.begin()->first;
-    // Judge each candidate by the plan it allows (a quick route search).
+    // Judge each candidate by the plan it allows (a quick route search), with
+    // `w` tried in each stage; then everything is put back as it was. `w` may
+    // be a worker the job had before (lost, then back and idle): it keeps its
+    // entry and node index, which BuildCostModel needs for every node.
     int best = deficit.begin()->first;
     double best_time = std::numeric_limits<double>::infinity();
-    infos_[w.worker_id()] = w;
-    node_order_.push_back(w.worker_id());
+    const std::string id = w.worker_id();
+    const auto had_info = infos_.find(id);
+    const std::optional<v1::WorkerInfo> old_info =
+        had_info != infos_.end() ? std::optional<v1::WorkerInfo>(had_info->second) : std::nullopt;
+    const bool had_node = std::find(node_order_.begin(), node_order_.end(), id) != node_order_.end();
+    infos_[id] = w;
+    if (!had_node) node_order_.push_back(id);
     if (BuildCostModel().ok()) {
       for (const auto& [s, n] : deficit) {
-        members_[w.worker_id()] = s;
+        members_[id] = s;
         RebuildAssignment();
         auto p = PlanLive(spec_.seed() + s, total_microbatches(), nullptr, 200, std::nullopt);
         if (p.ok() && p->result.iteration_time_s < best_time) {
@@ -1383,9 +1392,13 @@ class JobRunner::Impl {
         }
       }
     }
-    members_.erase(w.worker_id());
-    node_order_.pop_back();
-    infos_.erase(w.worker_id());
+    members_.erase(id);
+    if (!had_node) node_order_.pop_back();
+    if (old_info.has_value()) {
+      infos_[id] = *old_info;
+    } else {
+      infos_.erase(id);
+    }
     BuildCostModel().IgnoreError();
     RebuildAssignment();
     return best;

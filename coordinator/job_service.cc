@@ -15,6 +15,7 @@
 #include "common/net/reactor_support.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "common/tsan.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
@@ -49,8 +50,14 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
 // A Watch refused before it started.
 class RefusedWatch : public grpc::ServerWriteReactor<v1::JobEvent> {
  public:
-  explicit RefusedWatch(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
-  void OnDone() override { delete this; }
+  explicit RefusedWatch(const absl::Status& status) {
+    DETOUR_HAPPENS_BEFORE(this);  // OnDone follows the Finish (common/tsan.h)
+    Finish(ToGrpcStatus(status));
+  }
+  void OnDone() override {
+    DETOUR_HAPPENS_AFTER(this);
+    delete this;
+  }
 };
 
 v1::JobEvent EventFor(const v1::Job& job) {
@@ -101,10 +108,21 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
 
   void Close(grpc::Status status) { Apply(outbox_.RequestFinish(std::move(status))); }
 
-  void OnWriteDone(bool ok) override { Apply(outbox_.WriteDone(ok)); }
-  void OnCancel() override { Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
+  // gRPC orders these through its completion queue, which ThreadSanitizer
+  // cannot see (common/tsan.h): a write's reaction follows its StartWrite
+  // (&outbox_), OnDone every reaction and the Finish (this).
+  void OnWriteDone(bool ok) override {
+    DETOUR_HAPPENS_AFTER(&outbox_);
+    ReactionEnd end(this);
+    Apply(outbox_.WriteDone(ok));
+  }
+  void OnCancel() override {
+    ReactionEnd end(this);
+    Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+  }
 
   void OnDone() override {
+    DETOUR_HAPPENS_AFTER(this);
     if (listener_ != 0) service_->store_->RemoveListener(listener_);
     {
       absl::MutexLock lock(&service_->mu_);
@@ -120,9 +138,16 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
   }
 
  private:
+  // On any thread (the constructor, reactions, the store's listeners).
   void Apply(const ServerOutbox<v1::JobEvent>::Action& action) {
-    if (action.write != nullptr) StartWrite(action.write);
-    if (action.finish) Finish(action.status);
+    if (action.write != nullptr) {
+      DETOUR_HAPPENS_BEFORE(&outbox_);
+      StartWrite(action.write);
+    }
+    if (action.finish) {
+      DETOUR_HAPPENS_BEFORE(this);
+      Finish(action.status);
+    }
   }
 
   JobServiceImpl* const service_;

@@ -23,4 +23,5 @@ target_link_libraries(detour_worker_lib
 
 add_executable(detour-worker ${CMAKE_CURRENT_LIST_DIR}/main.cc)
 target_link_libraries(detour-worker PRIVATE detour::worker detour_warnings)
+detour_tsan_support(detour-worker)
 install(TARGETS detour-worker RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

@@ -92,7 +92,7 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
                                       int port) {
   if (context_ != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "metrics server already listening on port ", port_));
+        "metrics server already listening on port ", port_.load()));
   }
   if (port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
@@ -172,15 +172,18 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
         "metrics server on ", listening_port,
         " started but did not report its port"));
   }
+  // What handlers may read is set before they can run: a handler that named
+  // the port (service discovery) read it unordered with this write, and saw 0
+  // in the instant after registration (TSan found it).
+  context_ = context;
+  bind_address_ = bind_address;
+  port_ = bound.port;
   // "**" matches every URI; HandleRequest routes by path itself so that
   // anything unknown gets a 404 from us rather than from civetweb. (civetweb
   // only takes handlers once started; a request in the instant before this
   // call gets civetweb's own 404, as there is no document root.)
   mg_set_request_handler(context, "**", &MetricsHttpServer::HandleRequest,
                          this);
-  context_ = context;
-  bind_address_ = bind_address;
-  port_ = bound.port;
   return absl::OkStatus();
 }
 
@@ -213,7 +216,7 @@ void MetricsHttpServer::Stop() {
   std::atomic<bool> stopped{false};
   std::thread waker([this, &stopped] {
     while (!stopped.load()) {
-      PokeListener(bind_address_, port_);
+      PokeListener(bind_address_, port_.load());
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });

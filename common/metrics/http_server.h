@@ -15,6 +15,7 @@
 #ifndef DETOUR_COMMON_METRICS_HTTP_SERVER_H_
 #define DETOUR_COMMON_METRICS_HTTP_SERVER_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <string>
@@ -65,7 +66,7 @@ class MetricsHttpServer {
 
   // The port actually bound (the ephemeral one after Start(addr, 0)); 0 when
   // not started.
-  int port() const { return port_; }
+  int port() const { return port_.load(); }
 
   // Closes the socket and waits for in-flight requests. Idempotent.
   void Stop();
@@ -79,8 +80,10 @@ class MetricsHttpServer {
   // Fixed once started (read without a lock by civetweb's threads).
   std::map<std::string, std::function<Response()>, std::less<>> handlers_;
   mg_context* context_ = nullptr;
-  std::string bind_address_;
-  int port_ = 0;
+  std::string bind_address_;  // set before the handler is registered
+  // Read by handlers on civetweb's threads (service discovery names it) and
+  // by any thread through port().
+  std::atomic<int> port_{0};
 };
 
 }  // namespace detour::metrics

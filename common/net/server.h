@@ -50,8 +50,13 @@ struct RunningServer {
 absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
                                               absl::string_view what);
 
+// The least time MakeChannel's channels give one connection attempt (TCP,
+// TLS and HTTP/2 handshakes) before it counts as failed.
+inline constexpr int kMinConnectTimeoutMs = 5000;
+
 // Channel to a peer with the limits above and keep-alive pings so a dead peer
-// is noticed on long-lived streams, secured by `security`. With TLS, the
+// is noticed on long-lived streams, secured by `security`. Reconnects after
+// 0.2 s growing to 2 s; one attempt may take kMinConnectTimeoutMs. With TLS, the
 // server's certificate must name `server_name` (a worker's id) when given,
 // else the host of `target`.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target,

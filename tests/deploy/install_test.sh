@@ -30,7 +30,7 @@ rm -f "$dest.log"
 root=$dest$prefix
 
 # 1. The file list.
-programs=(detour-coordinator detour-worker detourctl detour-local detour-sim detour-eval detour-train)
+programs=(detour-coordinator detour-worker detourctl detour-local detour-sim detour-eval detour-train detour-checkpoint)
 expected=()
 for p in "${programs[@]}"; do expected+=("$root/bin/$p"); done
 expected+=(

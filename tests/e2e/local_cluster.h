@@ -12,8 +12,12 @@
 #ifndef DETOUR_TESTS_E2E_LOCAL_CLUSTER_H_
 #define DETOUR_TESTS_E2E_LOCAL_CLUSTER_H_
 
+#include <stdlib.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,10 +36,51 @@
 
 namespace detour::testing {
 
-inline std::string Bin(const std::string& relative) { return BuildDir() + "/" + relative; }
 inline const std::string kCoordinator = "coordinator/detour-coordinator";
 inline const std::string kWorker = "worker/detour-worker";
 inline const std::string kCtl = "tools/detourctl/detourctl";
+
+// A program of the build under test. The daemons may come from another build
+// than the tests and the tools: $DETOUR_E2E_COORDINATOR_BUILD_DIR and
+// $DETOUR_E2E_WORKER_BUILD_DIR (tools/checks.sh runs the ASan-built e2e
+// tests against a ThreadSanitizer coordinator this way).
+inline std::string Bin(const std::string& relative) {
+  const char* dir = nullptr;
+  if (relative == kCoordinator) dir = std::getenv("DETOUR_E2E_COORDINATOR_BUILD_DIR");
+  if (relative == kWorker) dir = std::getenv("DETOUR_E2E_WORKER_BUILD_DIR");
+  return (dir != nullptr && *dir != '\0' ? std::string(dir) : BuildDir()) + "/" + relative;
+}
+
+// Sanitizer reports of the processes a test starts. When the test runs with
+// ASAN_OPTIONS / TSAN_OPTIONS / UBSAN_OPTIONS set (tools/checks.sh), every
+// process it starts from now on — daemons, tools and their children —
+// writes its reports to `dir`/sanitizer.<pid> instead of its log
+// (log_path; a later flag overrides an earlier one), and
+// SanitizerReports(dir) collects them for the test to fail on. Changes this
+// process's environment: call before starting threads that read it (SetUp;
+// ctest runs one test per process).
+inline void RouteSanitizerReports(const std::string& dir) {
+  for (const char* var : {"ASAN_OPTIONS", "TSAN_OPTIONS", "UBSAN_OPTIONS"}) {
+    const char* options = std::getenv(var);
+    if (options == nullptr) continue;
+    ::setenv(var, absl::StrCat(options, ":log_path=", dir, "/sanitizer").c_str(), 1);
+  }
+}
+
+inline std::string SanitizerReports(const std::string& dir) {
+  std::string reports;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("sanitizer.", 0) != 0) continue;
+    std::ifstream in(entry.path());  // the first 16 KiB of each
+    std::string text(16384, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(in.gcount()));
+    absl::StrAppend(&reports, "==== ", entry.path().string(), "\n", text, "\n");
+  }
+  return reports;
+}
 
 // The test binary's CA and certificates (made once, kept for its lifetime).
 inline const std::string& CertsDir() {
@@ -88,7 +133,16 @@ struct Daemon {
 
 class E2eTest : public ::testing::Test {
  protected:
-  void SetUp() override { dir_ = MakeTempDir("detour-e2e"); }
+  void SetUp() override {
+    dir_ = MakeTempDir("detour-e2e");
+    RouteSanitizerReports(dir_);
+  }
+  // A sanitizer report from any process the test started fails the test.
+  void TearDown() override {
+    const std::string reports = SanitizerReports(dir_);
+    EXPECT_TRUE(reports.empty()) << "sanitizer reports from processes this test started:\n"
+                                 << reports;
+  }
 
   Daemon StartCoordinator(std::vector<std::string> extra = {}, const std::string& name = "c") {
     Daemon d;

@@ -231,8 +231,11 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
   }
   const std::string config_path = dir_ + "/prometheus.yml";
   std::ofstream(config_path) << config;
-  auto [fd, port] = OccupyPort();
-  ::close(fd);
+  // Not a structured binding: lambdas below capture the port, which C++17
+  // allows only for variables (clang refuses it; the checked builds use clang).
+  const std::pair<int, int> occupied = OccupyPort();
+  ::close(occupied.first);
+  const int port = occupied.second;
   prometheus_port_ = port;
   ChildProcess prometheus;
   ASSERT_TRUE(prometheus

@@ -1,8 +1,20 @@
 // The shared gRPC server set-up bounds what one client can make it hold:
-// streams per connection wait beyond max_concurrent_streams.
+// streams per connection wait beyond max_concurrent_streams. Its channels
+// connect through slow handshakes.
 #include "common/net/server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -53,6 +65,121 @@ TEST(GrpcServer, StreamsBeyondTheConnectionLimitWait) {
   second->reader->Finish();
   fourth->context.TryCancel();
   fourth->reader->Finish();
+  server->server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+// A TCP proxy on 127.0.0.1 that holds back the server's first bytes on each
+// connection for `delay`: a handshake as slow as a loaded (or sanitized)
+// server's, or a few round trips on a long-distance link.
+class SlowProxy {
+ public:
+  SlowProxy(int upstream_port, absl::Duration delay)
+      : upstream_port_(upstream_port), delay_(delay) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(listen_fd_, 8);
+    socklen_t len = sizeof(addr);
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+  }
+  ~SlowProxy() {
+    stop_ = true;
+    acceptor_.join();
+    std::vector<std::thread> pumps;
+    {
+      absl::MutexLock lock(&mu_);
+      pumps.swap(pumps_);
+    }
+    for (std::thread& t : pumps) t.join();
+    absl::MutexLock lock(&mu_);
+    for (int fd : fds_) ::close(fd);
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  // Waits up to 50 ms for `fd` to be readable; false once stopping.
+  bool WaitReadable(int fd) {
+    pollfd p{fd, POLLIN, 0};
+    while (!stop_) {
+      if (::poll(&p, 1, 50) > 0) return true;
+    }
+    return false;
+  }
+  void AcceptLoop() {
+    while (WaitReadable(listen_fd_)) {
+      const int client = ::accept(listen_fd_, nullptr, nullptr);
+      if (client < 0) continue;
+      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(upstream_port_));
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      ::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      absl::MutexLock lock(&mu_);
+      fds_.push_back(client);
+      fds_.push_back(server);
+      pumps_.emplace_back([this, client, server] { Pump(client, server, absl::ZeroDuration()); });
+      pumps_.emplace_back([this, client, server] { Pump(server, client, delay_); });
+    }
+  }
+  void Pump(int from, int to, absl::Duration first_delay) {
+    char buffer[16384];
+    bool first = true;
+    while (WaitReadable(from)) {
+      const ssize_t n = ::read(from, buffer, sizeof(buffer));
+      if (n <= 0) break;
+      if (first) {
+        const absl::Time until = absl::Now() + first_delay;
+        while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+        first = false;
+      }
+      for (ssize_t done = 0; done < n;) {
+        const ssize_t w = ::write(to, buffer + done, static_cast<size_t>(n - done));
+        if (w <= 0) return;
+        done += w;
+      }
+    }
+    ::shutdown(to, SHUT_WR);
+  }
+
+  const int upstream_port_;
+  const absl::Duration delay_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+  absl::Mutex mu_;
+  std::vector<std::thread> pumps_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+};
+
+// Found by the sanitized e2e runs: the channels gave a connection attempt
+// only 200 ms (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is gRPC's minimum connect
+// timeout), so a server whose handshake took longer was unreachable for every
+// call without wait_for_ready. A 1 s handshake must connect.
+TEST(GrpcServer, ASlowHandshakeStillConnects) {
+  GrpcServerOptions options;
+  options.listen = HostPort{"127.0.0.1", 0};
+  auto server = StartGrpcServer(std::move(options), "test");
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    SlowProxy proxy(server->port, absl::Seconds(1));
+    auto stub = Health::NewStub(
+        MakeChannel(absl::StrCat("127.0.0.1:", proxy.port()), TransportSecurity::Insecure()));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    HealthCheckResponse response;
+    const absl::Time start = absl::Now();
+    const grpc::Status status = stub->Check(&context, HealthCheckRequest(), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));  // the proxy did delay it
+  }
   server->server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 

@@ -78,7 +78,8 @@ TEST_F(BaselinesTest, SkipNoCollisionIsValidAndCheaperStatically) {
   EXPECT_LT(snc_cost, 0.9 * rnd_cost);
 }
 
-TEST_F(BaselinesTest, QuotasSpreadTheRemainder) {
+// Needs no cluster (the fixture's stage assignment takes minutes under ASan).
+TEST(BaselineQuotasTest, QuotasSpreadTheRemainder) {
   RouteRules r;
   r.num_stages = 4;
   r.visited_stages = 3;

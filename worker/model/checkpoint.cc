@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -121,8 +122,34 @@ absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW&
     if (kfac != nullptr) {
       for (auto& [name, t] : kfac->State()) tensors.emplace_back(name, t.contiguous());
     }
+    return EncodeStageTensors(tensors);
+  });
+}
+
+absl::StatusOr<std::string> EncodeStageTensors(
+    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  return GuardTorch("encoding a stage file", [&]() -> absl::StatusOr<std::string> {
+    std::set<std::string> names;
     std::vector<StageTensorRecord> records;
     for (const auto& [name, t] : tensors) {
+      if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() ||
+          !t.is_contiguous()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", name, " is not a dense contiguous CPU tensor"));
+      }
+      if (name.empty() || name.size() > StageFileLimits::kMaxNameBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor name \"", absl::CEscape(name.substr(0, 64)), "\" is empty or longer than ",
+            StageFileLimits::kMaxNameBytes, " bytes"));
+      }
+      if (t.dim() > static_cast<int64_t>(StageFileLimits::kMaxDims)) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has ", t.dim(),
+                                                       " dimensions, more than ",
+                                                       StageFileLimits::kMaxDims));
+      }
+      if (!names.insert(name).second) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " appears twice"));
+      }
       StageTensorRecord r;
       r.name = name;
       ASSIGN_OR_RETURN(r.dtype, StageDTypeOf(t.scalar_type(), name));
@@ -130,6 +157,10 @@ absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW&
       r.data = absl::string_view(static_cast<const char*>(t.data_ptr()),
                                  static_cast<size_t>(t.nbytes()));
       records.push_back(std::move(r));
+    }
+    if (records.size() > StageFileLimits::kMaxTensors) {
+      return absl::InvalidArgumentError(absl::StrCat(records.size(), " tensors, more than ",
+                                                     StageFileLimits::kMaxTensors));
     }
     return EncodeStageFile(records);
   });

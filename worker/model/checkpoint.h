@@ -48,6 +48,11 @@ class Kfac;
 // streams to a joining one; ParseStageFile reads it back.
 absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW& optimizer,
                                                 const Kfac* kfac);
+// The bytes of a stage file holding `tensors` (dense CPU tensors of the
+// container's dtypes, unique names): INVALID_ARGUMENT naming a tensor that
+// cannot be stored. What SerializeStageState and the v1 converter write.
+absl::StatusOr<std::string> EncodeStageTensors(
+    const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 // Puts a table's entries into `stage`, `optimizer` (may be null) and `kfac`
 // (may be null; without "kfac.*" entries K-FAC keeps its state). Checks
 // every entry's presence and shape first (INVALID_ARGUMENT naming it, `ctx`

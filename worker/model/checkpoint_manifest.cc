@@ -27,6 +27,7 @@ using Fields = google::protobuf::Map<std::string, google::protobuf::Value>;
 
 constexpr char kManifest[] = "manifest.json";
 constexpr char kFormat[] = "detour-checkpoint-v2";
+constexpr char kFormatV1[] = "detour-checkpoint-v1";
 constexpr char kChecksumPrefix[] = "fnv1a64:";
 
 std::string Quote(const std::string& s) { return JsonQuote(s); }
@@ -191,8 +192,13 @@ std::string ManifestJson(const CheckpointManifest& m) {
       "  \"stages\": [\n", absl::StrJoin(stages, ",\n"), "\n  ]\n}\n");
 }
 
-absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
-                                                 const std::string& path) {
+namespace {
+
+// Parses a manifest of `format`: v1 and v2 have the same fields and rules;
+// only the stage files' contents differ.
+absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
+                                                   const std::string& path,
+                                                   absl::string_view format) {
   const FieldReader r(path);
   if (json.size() > ManifestLimits::kMaxManifestBytes) {
     return r.Bad("", absl::StrCat("is ", json.size(), " bytes, more than the limit of ",
@@ -206,12 +212,17 @@ absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
   CheckpointManifest m;
   double v = 0;
   RETURN_IF_ERROR(r.String(f, "format", "format", 64, &m.format));
-  if (m.format == "detour-checkpoint-v1") {
+  if (m.format == kFormatV1 && format != kFormatV1) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, ": a detour-checkpoint-v1 checkpoint (LibTorch archive stage files), which this "
-        "version no longer reads: LibTorch's archive reader crashes on corrupt files"));
+        "version no longer reads: LibTorch's archive reader crashes on corrupt files; convert "
+        "it with `detour-checkpoint convert OLD NEW`"));
   }
-  if (m.format != kFormat) {
+  if (m.format == kFormat && format != kFormat) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": already a ", kFormat, " checkpoint, not ", format));
+  }
+  if (m.format != format) {
     return absl::FailedPreconditionError(
         absl::StrCat(path, ": unsupported format ", absl::CEscape(m.format)));
   }
@@ -276,12 +287,25 @@ absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
   return m;
 }
 
+}  // namespace
+
+absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
+                                                 const std::string& path) {
+  return ParseManifestOf(json, path, kFormat);
+}
+
+absl::StatusOr<CheckpointManifest> ParseV1Manifest(absl::string_view json,
+                                                   const std::string& path) {
+  return ParseManifestOf(json, path, kFormatV1);
+}
+
 absl::Status WriteManifest(const std::string& dir, const CheckpointManifest& manifest) {
   return WriteFileAtomically((fs::path(dir) / kManifest).string(), ManifestJson(manifest));
 }
 
-absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir) {
-  const std::string path = (fs::path(dir) / kManifest).string();
+namespace {
+
+absl::StatusOr<std::string> ReadManifestText(const std::string& path) {
   std::error_code ec;
   const uintmax_t size = fs::file_size(path, ec);
   if (ec) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", ec.message()));
@@ -289,8 +313,21 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir) {
     return absl::DataLossError(absl::StrCat(path, " is ", size, " bytes, more than the limit of ",
                                             ManifestLimits::kMaxManifestBytes));
   }
-  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  return ReadFileToString(path);
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kManifest).string();
+  ASSIGN_OR_RETURN(std::string text, ReadManifestText(path));
   return ParseManifest(text, path);
+}
+
+absl::StatusOr<CheckpointManifest> ReadV1Manifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kManifest).string();
+  ASSIGN_OR_RETURN(std::string text, ReadManifestText(path));
+  return ParseV1Manifest(text, path);
 }
 
 absl::StatusOr<std::string> ReadStageFileBytes(const std::string& dir,

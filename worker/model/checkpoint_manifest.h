@@ -91,10 +91,17 @@ std::string ManifestJson(const CheckpointManifest& manifest);
 absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
                                                  const std::string& path);
 
+// The same rules for a detour-checkpoint-v1 manifest (the converter's
+// input, checkpoint_convert.h); FAILED_PRECONDITION for any other format.
+absl::StatusOr<CheckpointManifest> ParseV1Manifest(absl::string_view json,
+                                                   const std::string& path);
+
 // Writes `dir`/manifest.json atomically and durably (common/files.h).
 absl::Status WriteManifest(const std::string& dir, const CheckpointManifest& manifest);
 // Reads `dir`/manifest.json (at most ManifestLimits::kMaxManifestBytes).
 absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& dir);
+// Reads `dir`/manifest.json of a v1 checkpoint (ParseV1Manifest).
+absl::StatusOr<CheckpointManifest> ReadV1Manifest(const std::string& dir);
 
 // Reads the bytes of the stage file `entry` names in `dir`, checking its
 // size (before reading: the manifest bounds what is allocated) and checksum.
