@@ -587,11 +587,19 @@ class JobRunner::Impl {
                             next_iteration_, " on ", members_.size(), " workers (",
                             spec_.pipeline().replicas_per_stage(), " per stage)"));
       // Progress restarts at the checkpoint: what came after it is redone.
+      // The last iteration's loss, speed and ETA belong to the run that
+      // stopped (a later iteration than the checkpoint's): cleared until the
+      // resumed run completes an iteration.
       host_->jobs()
           .Update(job_id_,
                   [&](v1::Job* j) {
-                    j->mutable_progress()->set_iteration(next_iteration_);
-                    j->mutable_progress()->set_total_iterations(spec_.iterations());
+                    v1::JobProgress* p = j->mutable_progress();
+                    p->set_iteration(next_iteration_);
+                    p->set_total_iterations(spec_.iterations());
+                    p->clear_loss();
+                    p->clear_tokens_per_s();
+                    p->clear_iteration_time_s();
+                    p->clear_eta_s();
                   })
           .IgnoreError();
     }

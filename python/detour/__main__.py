@@ -68,7 +68,7 @@ def _json(message: Any) -> str:
 def _line(job: Job) -> str:
     p = job.progress
     text = "%s %s  %d/%d" % (job.id, job.state, p.iteration, p.total_iterations)
-    if p.iteration > 0:
+    if p.loss > 0:
         text += "  loss %.4f" % p.loss
     if p.tokens_per_s > 0:
         text += "  %.0f tok/s" % p.tokens_per_s

@@ -208,7 +208,7 @@ void PrintTable(const std::vector<std::vector<std::string>>& rows) {
 std::string ProgressText(const v1::Job& job) {
   const v1::JobProgress& p = job.progress();
   std::string text = absl::StrFormat("%d/%d", p.iteration(), p.total_iterations());
-  if (p.iteration() > 0) absl::StrAppendFormat(&text, "  loss %.4f", p.loss());
+  if (p.loss() > 0) absl::StrAppendFormat(&text, "  loss %.4f", p.loss());
   if (p.tokens_per_s() > 0) absl::StrAppendFormat(&text, "  %.0f tok/s", p.tokens_per_s());
   // An ended job has no ETA, whatever an older coordinator stored.
   if (p.eta_s() > 0 && !Ended(job)) absl::StrAppendFormat(&text, "  eta %.0fs", p.eta_s());
