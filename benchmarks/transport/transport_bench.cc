@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <memory>
 #include <thread>
@@ -66,10 +67,11 @@ bool ReadAll(int fd, void* data, size_t n) {
   return true;
 }
 
-// Receives length-prefixed messages into its own buffer and acks each.
-class RawTcpPeer {
+// A loopback TCP connection: `serve` runs on the accepted end in its own
+// thread until it returns; the client end is the caller's.
+class LoopbackConnection {
  public:
-  RawTcpPeer() {
+  explicit LoopbackConnection(std::function<void(int fd)> serve) {
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -78,31 +80,44 @@ class RawTcpPeer {
     ::listen(listen_fd_, 1);
     socklen_t len = sizeof(addr);
     ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
-    server_ = std::thread([this] { Serve(); });
+    server_ = std::thread([this, serve = std::move(serve)] {
+      const int fd = ::accept(listen_fd_, nullptr, nullptr);
+      const int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      serve(fd);
+      ::close(fd);
+    });
     client_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     ::connect(client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
     const int one = 1;
     ::setsockopt(client_fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   }
-  ~RawTcpPeer() {
+  ~LoopbackConnection() {
     ::shutdown(client_fd_, SHUT_RDWR);
     ::close(client_fd_);
     server_.join();
     ::close(listen_fd_);
   }
+  int client_fd() const { return client_fd_; }
+
+ private:
+  int listen_fd_ = -1, client_fd_ = -1;
+  std::thread server_;
+};
+
+// Receives length-prefixed messages into its own buffer and acks each.
+class RawTcpPeer {
+ public:
   bool Transfer(const std::vector<char>& data) {
     const uint64_t n = data.size();
-    if (!WriteAll(client_fd_, &n, sizeof(n)) || !WriteAll(client_fd_, data.data(), n)) return false;
+    const int fd = connection_.client_fd();
+    if (!WriteAll(fd, &n, sizeof(n)) || !WriteAll(fd, data.data(), n)) return false;
     char ack;
-    return ReadAll(client_fd_, &ack, 1);
+    return ReadAll(fd, &ack, 1);
   }
 
  private:
-  void Serve() {
-    const int fd = ::accept(listen_fd_, nullptr, nullptr);
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  static void Serve(int fd) {
     std::vector<char> buffer;
     while (true) {
       uint64_t n;
@@ -112,14 +127,14 @@ class RawTcpPeer {
       const char ack = 1;
       if (!WriteAll(fd, &ack, 1)) break;
     }
-    ::close(fd);
   }
-  int listen_fd_ = -1, client_fd_ = -1, port_ = 0;
-  std::thread server_;
+  LoopbackConnection connection_{Serve};
 };
 
-void BM_RawTcp(benchmark::State& state) {
-  RawTcpPeer peer;
+// Transfers range(0) bytes with a raw peer (RawTcpPeer, RawTcpAesGcmPeer).
+template <typename Peer>
+void RunRaw(benchmark::State& state) {
+  Peer peer;
   std::vector<char> data(static_cast<size_t>(state.range(0)), 'x');
   for (auto _ : state) {
     if (!peer.Transfer(data)) state.SkipWithError("raw transfer failed");
@@ -165,31 +180,10 @@ bool SealRecord(EVP_CIPHER_CTX* ctx, bool encrypt, uint64_t seq, const unsigned 
 
 class RawTcpAesGcmPeer {
  public:
-  RawTcpAesGcmPeer() : send_(NewCipher(true)) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    ::listen(listen_fd_, 1);
-    socklen_t len = sizeof(addr);
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    server_ = std::thread([this] { Serve(); });
-    client_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    ::connect(client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    const int one = 1;
-    ::setsockopt(client_fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    staging_.resize(kRecordsPerCall * (kRecord + kTag));
-  }
-  ~RawTcpAesGcmPeer() {
-    ::shutdown(client_fd_, SHUT_RDWR);
-    ::close(client_fd_);
-    server_.join();
-    ::close(listen_fd_);
-  }
   bool Transfer(const std::vector<char>& data) {
     const uint64_t n = data.size();
-    if (!WriteAll(client_fd_, &n, sizeof(n))) return false;
+    const int fd = connection_.client_fd();
+    if (!WriteAll(fd, &n, sizeof(n))) return false;
     const auto* in = reinterpret_cast<const unsigned char*>(data.data());
     for (size_t done = 0; done < n;) {
       size_t put = 0;
@@ -200,31 +194,28 @@ class RawTcpAesGcmPeer {
         put += len + kTag;
         done += len;
       }
-      if (!WriteAll(client_fd_, staging_.data(), put)) return false;
+      if (!WriteAll(fd, staging_.data(), put)) return false;
     }
     char ack;
-    return ReadAll(client_fd_, &ack, 1) && ack == 1;
+    return ReadAll(fd, &ack, 1) && ack == 1;
   }
 
  private:
-  void Serve() {
-    const int fd = ::accept(listen_fd_, nullptr, nullptr);
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  static void Serve(int fd) {
     CipherCtx open = NewCipher(false);
     std::vector<unsigned char> staging(kRecordsPerCall * (kRecord + kTag));
     std::vector<char> buffer;
     uint64_t seq = 0;
     while (true) {
       uint64_t n;
-      if (!ReadAll(fd, &n, sizeof(n))) break;
+      if (!ReadAll(fd, &n, sizeof(n))) return;
       buffer.resize(n);
       auto* out = reinterpret_cast<unsigned char*>(buffer.data());
       char ack = 1;
       for (size_t done = 0; done < n;) {
         const size_t records = std::min<size_t>(kRecordsPerCall, (n - done + kRecord - 1) / kRecord);
         const size_t data = std::min<size_t>(records * kRecord, n - done);
-        if (!ReadAll(fd, staging.data(), data + records * kTag)) return (void)::close(fd);
+        if (!ReadAll(fd, staging.data(), data + records * kTag)) return;
         size_t at = 0;
         for (size_t r = 0; r < records; ++r) {
           const size_t len = std::min<size_t>(kRecord, n - done);
@@ -236,25 +227,17 @@ class RawTcpAesGcmPeer {
           done += len;
         }
       }
-      if (!WriteAll(fd, &ack, 1)) break;
+      if (!WriteAll(fd, &ack, 1)) return;
     }
-    ::close(fd);
   }
-  CipherCtx send_;
-  std::vector<unsigned char> staging_;
+  CipherCtx send_ = NewCipher(true);
+  std::vector<unsigned char> staging_ = std::vector<unsigned char>(kRecordsPerCall * (kRecord + kTag));
   uint64_t seq_ = 0;
-  int listen_fd_ = -1, client_fd_ = -1;
-  std::thread server_;
+  LoopbackConnection connection_{Serve};  // last: its thread starts in the constructor
 };
 
-void BM_RawTcpAesGcm(benchmark::State& state) {
-  RawTcpAesGcmPeer peer;
-  std::vector<char> data(static_cast<size_t>(state.range(0)), 'x');
-  for (auto _ : state) {
-    if (!peer.Transfer(data)) state.SkipWithError("raw AES-GCM transfer failed");
-  }
-  state.SetBytesProcessed(state.iterations() * state.range(0));
-}
+void BM_RawTcp(benchmark::State& state) { RunRaw<RawTcpPeer>(state); }
+void BM_RawTcpAesGcm(benchmark::State& state) { RunRaw<RawTcpAesGcmPeer>(state); }
 
 // --- detour ActivationService ----------------------------------------------
 
