@@ -786,7 +786,11 @@ TEST_F(ElasticTest, ResumeOnOtherReplicaCounts) {
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
   const std::string ctl = Bin(kCtl);
   const std::string at = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
-  for (const auto& [saved, resumed] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}}) {
+  for (const auto& counts : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}}) {
+    // Plain variables, not a structured binding: the lambdas below capture
+    // them (clang 14, which the checked builds use, cannot capture a binding).
+    const int saved = counts.first;
+    const int resumed = counts.second;
     SCOPED_TRACE(absl::StrCat(saved, " -> ", resumed, " replicas"));
     v1::JobSpec spec = MicroJob(3, 1, saved, 0.0, 24);
     spec.set_name(absl::StrCat("replicas-", saved, "-", resumed));

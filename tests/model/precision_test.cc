@@ -4,7 +4,6 @@
 // weight copies follow every parameter update, that a slot holds less, that
 // training follows float32 within a stated tolerance, checkpoints, and the
 // refusals.
-#include <malloc.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -21,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "model_test_util.h"
+#include "tests/heap_in_use.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/corpus.h"
 #include "worker/model/engine.h"
@@ -199,8 +199,8 @@ TEST_F(PrecisionTest, Bf16WeightCopiesFollowParameterUpdates) {
 }
 
 // What bf16 is for: a microbatch in flight holds far less heap than in
-// float32 (glibc's count of bytes in use), at a shape where activations
-// dominate.
+// float32 (glibc's count of bytes in use; ASan's under ASan), at a shape
+// where activations dominate.
 TEST_F(PrecisionTest, Bf16SlotHoldsLessMemory) {
   ModelConfig config;
   config.num_layers = 2;
@@ -209,10 +209,7 @@ TEST_F(PrecisionTest, Bf16SlotHoldsLessMemory) {
   config.num_kv_heads = 4;
   config.ffn_dim = 192;
   config.context_length = 128;
-  auto heap = [] {
-    struct mallinfo2 mi = mallinfo2();
-    return static_cast<double>(mi.uordblks + mi.hblkhd);
-  };
+  auto heap = ::detour::testing::HeapBytesInUse;
   double bytes[2];
   for (int k = 0; k < 2; ++k) {
     StageOptions o;

@@ -1,27 +1,12 @@
 #include "worker/model/stage.h"
 
-#include <malloc.h>
-
-// Under AddressSanitizer malloc is ASan's, and glibc's mallinfo2 reports
-// nothing: ask the sanitizer's allocator instead (tools/checks.sh asan-full).
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DETOUR_TEST_ASAN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__)
-#define DETOUR_TEST_ASAN 1
-#endif
-#ifdef DETOUR_TEST_ASAN
-#include <sanitizer/allocator_interface.h>
-#endif
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
 #include "model_test_util.h"
+#include "tests/heap_in_use.h"
 #include "worker/model/transformer.h"
 
 namespace detour::model {
@@ -150,14 +135,7 @@ TEST_F(StageTest, RecomputedActivationsGiveIdenticalGradients) {
     EXPECT_FALSE(b->requires_grad());
     // What it is for: a slot without the graph holds a small part of the
     // heap a slot with it holds (the allocator's count of bytes in use).
-    auto heap = [] {
-#ifdef DETOUR_TEST_ASAN
-      return static_cast<double>(__sanitizer_get_current_allocated_bytes());
-#else
-      struct mallinfo2 mi = mallinfo2();
-      return static_cast<double>(mi.uordblks + mi.hblkhd);
-#endif
-    };
+    auto heap = ::detour::testing::HeapBytesInUse;
     const double h0 = heap();
     ASSERT_TRUE((*plain)->Forward(6, in).ok());
     const double kept = heap() - h0;
