@@ -118,13 +118,29 @@ absl::Status ConvertInChild(const std::string& self, const std::string& v1_path,
   const std::string message(absl::StripTrailingAsciiWhitespace(output));
   if (*code == kChildCorrupt) return absl::DataLossError(message);
   if (*code == kChildFailed) return absl::UnavailableError(message);
-  const std::string fate =
-      *code > 128 ? absl::StrCat("was killed by signal ", *code - 128, " (",
-                                 ::strsignal(*code - 128), ")")
-                  : absl::StrCat("exited with status ", *code);
-  return absl::DataLossError(absl::StrCat(
-      "LibTorch's archive reader crashed on this file (its process ", fate,
-      "): the file is corrupt", output.empty() ? "" : "; its last output:", Tail(output, 8)));
+  const std::string last =
+      output.empty() ? std::string() : absl::StrCat("; its last output:", Tail(output, 8));
+  if (*code <= 128) {  // not one of the child's own codes: a sanitizer's exit after a fault
+    return absl::DataLossError(absl::StrCat(
+        "LibTorch's archive reader crashed on this file (its process exited with status ", *code,
+        "): the file is corrupt", last));
+  }
+  const int sig = *code - 128;
+  const std::string named = absl::StrCat("signal ", sig, " (", ::strsignal(sig), ")");
+  // A fault inside the reader is the file's doing; any other signal came from
+  // outside (the OOM killer, a resource limit, an operator) and says nothing
+  // about the file, which may well convert on a retry.
+  if (sig == SIGSEGV || sig == SIGBUS || sig == SIGABRT || sig == SIGILL || sig == SIGFPE ||
+      sig == SIGTRAP || sig == SIGSYS) {
+    return absl::DataLossError(absl::StrCat(
+        "LibTorch's archive reader crashed on this file (its process was killed by ", named,
+        "): the file is corrupt", last));
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "LibTorch's archive reader was stopped by ", named,
+      " while reading this file, not by a fault of its own (out of memory, a resource limit or "
+      "a kill from outside): the file was not judged; retry once the cause is gone",
+      last));
 }
 
 int CmdConvert(const std::vector<std::string>& args) {
