@@ -142,7 +142,7 @@ for step in "${steps[@]}"; do
       timed "build-asan" cmake --build build-asan -j"$JOBS"
       (cd build-asan && timed "ctest under ASan" env ASAN_OPTIONS=detect_leaks=1 \
         UBSAN_OPTIONS=print_stacktrace=1 DETOUR_SOURCE_DIR="$ROOT" \
-        ctest --output-on-failure -j"$JOBS" -E "$ASAN_SKIP")
+        ctest --output-on-failure --no-tests=error -j"$JOBS" -E "$ASAN_SKIP")
       fuzz build-asan "${FUZZ_TARGETS[@]}"
       ;;
     tsan)
@@ -177,7 +177,7 @@ for step in "${steps[@]}"; do
         TMPDIR="$ROOT/build-asan-full/tmp" DETOUR_SOURCE_DIR="$ROOT" DETOUR_BUILD_DIR="$ROOT/build-asan-full")
       # deploy: packaging checks (install tree, container, manifests), not code.
       (cd build-asan-full && timed "ctest under ASan" env "${asan_env[@]}" \
-        ctest --output-on-failure -j"$JOBS" -LE deploy -E "$ASAN_SKIP")
+        ctest --output-on-failure --no-tests=error -j"$JOBS" -LE deploy -E "$ASAN_SKIP")
       check_logs "$logs" "ASan/UBSan/LSan"
       fuzz build-asan-full "${FUZZ_TARGETS[@]}" "${TORCH_FUZZ_TARGETS[@]}"
       ;;
@@ -213,7 +213,7 @@ for step in "${steps[@]}"; do
         DETOUR_E2E_COORDINATOR_BUILD_DIR="$ROOT/build-tsan-full" \
         DETOUR_TSAN_CANARY="$ROOT/build-tsan-full/tests/tsan/tsan_canary" \
         TMPDIR="$ROOT/build-tsan-full/tmp" DETOUR_SOURCE_DIR="$ROOT" DETOUR_BUILD_DIR="$ROOT/build-asan-full" \
-        ctest --output-on-failure -j"$JOBS" -L sanitized)
+        ctest --output-on-failure --no-tests=error -j"$JOBS" -L sanitized)
       check_logs "$logs" "TSan (e2e)"
       ;;
     *) echo "checks: unknown step $step (tsa, asan, tsan, asan-full, tsan-full)" >&2; exit 2 ;;
