@@ -91,6 +91,16 @@ absl::Status WaitFor(int fd, int wake_a, int wake_b, short events, absl::Time de
   }
 }
 
+// What an SSL call that did not complete waits for before it is retried:
+// POLLIN or POLLOUT (TLS may need to read while writing, and to write while
+// reading or handshaking), or 0 when the error is not a retry (the caller
+// reports it).
+short RetryEvent(int ssl_error) {
+  if (ssl_error == SSL_ERROR_WANT_READ) return POLLIN;
+  if (ssl_error == SSL_ERROR_WANT_WRITE) return POLLOUT;
+  return 0;
+}
+
 }  // namespace
 
 void EncodeDirectFramePrefix(uint32_t header_bytes, uint64_t data_bytes, char out[16]) {
@@ -151,18 +161,14 @@ absl::Status DirectLink::Handshake(bool client, absl::Time deadline) {
     ERR_clear_error();
     const int rc = client ? SSL_connect(ssl_) : SSL_accept(ssl_);
     if (rc == 1) return BufferWrites();
-    const int error = SSL_get_error(ssl_, rc);
-    absl::Status waited;
-    if (error == SSL_ERROR_WANT_READ) {
-      waited = Wait(POLLIN, deadline, "TLS handshake");
-    } else if (error == SSL_ERROR_WANT_WRITE) {
-      waited = Wait(POLLOUT, deadline, "TLS handshake");
-    } else {
+    const short event = RetryEvent(SSL_get_error(ssl_, rc));
+    if (event == 0) {
       const long verify = SSL_get_verify_result(ssl_);
       return absl::UnauthenticatedError(absl::StrCat(
           "failed: ",
           verify != X509_V_OK ? X509_verify_cert_error_string(verify) : OpenSslErrors()));
     }
+    absl::Status waited = Wait(event, deadline, "TLS handshake");
     if (!waited.ok()) {
       return waited.code() == absl::StatusCode::kCancelled
                  ? waited
@@ -352,14 +358,12 @@ absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
       } else {
         if (error == SSL_ERROR_ZERO_RETURN) {
           return absl::UnavailableError("connection closed by the peer");
-        } else if (error == SSL_ERROR_WANT_READ) {
-          got = -1;
-        } else if (error == SSL_ERROR_WANT_WRITE) {
-          got = -1;
-          wait_for = POLLOUT;
-        } else {
+        }
+        wait_for = RetryEvent(error);
+        if (wait_for == 0) {
           return absl::UnavailableError(absl::StrCat("TLS read: ", OpenSslErrors()));
         }
+        got = -1;
       }
     } else {
       got = ::recv(fd_, p + done, n - done, 0);
@@ -404,15 +408,11 @@ absl::Status DirectLink::Write(const void* a, size_t na, const void* b, size_t n
       if (rc > 0) {
         put = rc;
       } else {
-        const int error = SSL_get_error(ssl_, rc);
-        if (error == SSL_ERROR_WANT_WRITE) {
-          put = -1;
-        } else if (error == SSL_ERROR_WANT_READ) {
-          put = -1;
-          wait_for = POLLIN;
-        } else {
+        wait_for = RetryEvent(SSL_get_error(ssl_, rc));
+        if (wait_for == 0) {
           return absl::UnavailableError(absl::StrCat("TLS write: ", OpenSslErrors()));
         }
+        put = -1;
       }
     } else {
       iovec iov[2];
