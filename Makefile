@@ -8,15 +8,16 @@
 #   make bench   build and run the benchmarks
 #   make fuzz    build the libFuzzer targets with clang and run each for
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
-#   make checks  the checked builds CI runs besides `make test` (tools/checks.sh):
+#   make checks  checked builds (tools/checks.sh; CI runs them after `make test`):
 #                clang -Wthread-safety -Werror over the tree, ASan+UBSan over
 #                the LibTorch-free suite with short fuzz runs, TSan over the
 #                transport, net, work queue, control client and log tests
-#   make checks-full  opt-in, not in CI (never yet passed in full; its time on
-#                2 cores unmeasured): ASan+UBSan+LSan over
-#                the whole suite with LibTorch and the e2e tests, TSan over the
-#                runtime and e2e tests with a TSan coordinator
-#                (tools/checks.sh asan-full tsan-full; docs/DEVELOPMENT.md)
+#   make checks-full  the wider checked builds CI runs after `make checks`:
+#                ASan+UBSan+LSan over the whole suite with LibTorch and every
+#                e2e test, every fuzz target, TSan over the runtime and the
+#                e2e tests with a TSan coordinator (tools/checks.sh asan-full
+#                tsan-full; about 30 min on 2 cores from a cold ccache;
+#                docs/DEVELOPMENT.md)
 #   make clean   remove the build directory
 
 BUILD_DIR ?= build

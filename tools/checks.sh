@@ -3,8 +3,8 @@
 # build directory. What runs under which sanitizer, and why, is in
 # docs/DEVELOPMENT.md §"Checked builds and fuzzing".
 #
-# Default steps (`make checks`, which CI runs after `make test`; CI has 90
-# minutes for both):
+# Default steps (`make checks`; CI runs them after `make test`, then the
+# full steps; CI has 90 minutes for all):
 #   tsa   (build-tsa) the whole tree, LibTorch code included, with
 #         -Wthread-safety -Werror=thread-safety (every ABSL_GUARDED_BY /
 #         EXCLUSIVE_LOCKS_REQUIRED checked);
@@ -18,9 +18,8 @@
 #         narrow suppressions for the uninstrumented libraries
 #         (tests/tsan/tsan.supp) and a canary race that must be reported.
 #
-# Opt-in steps (`make checks-full`; not in CI yet: they have never passed in
-# full and their time on CI's 2 cores next to `make test` is unmeasured;
-# docs/DEVELOPMENT.md says where they stand):
+# Full steps (`make checks-full`, in CI after `make checks`; about 30 min on
+# 2 cores from a cold ccache, docs/DEVELOPMENT.md):
 #   asan-full  (build-asan-full) the whole tree, LibTorch code included, with
 #         the thread-safety analysis and ASan + UBSan + LSan on our code;
 #         the whole suite under ctest, e2e tests with sanitized daemons
@@ -158,7 +157,7 @@ for step in "${steps[@]}"; do
       tsan_run build-tsan "${TSAN_TESTS[@]}"
       ;;
     asan-full)
-      echo "== checks (opt-in): thread-safety analysis, ASan+UBSan+LSan over the whole suite and e2e, every fuzz target (build-asan-full)"
+      echo "== checks (full): thread-safety analysis, ASan+UBSan+LSan over the whole suite and e2e, every fuzz target (build-asan-full)"
       configure build-asan-full "${OPT_FLAGS[@]}" -DDETOUR_FUZZ=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
         -DCMAKE_CXX_FLAGS="$TSA_FLAGS $ASAN_CXX_FLAGS" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
@@ -182,7 +181,7 @@ for step in "${steps[@]}"; do
       fuzz build-asan-full "${FUZZ_TARGETS[@]}" "${TORCH_FUZZ_TARGETS[@]}"
       ;;
     tsan-full)
-      echo "== checks (opt-in): ThreadSanitizer over the default tests and the runtime; e2e with a TSan coordinator (build-tsan-full)"
+      echo "== checks (full): ThreadSanitizer over the default tests and the runtime; e2e with a TSan coordinator (build-tsan-full)"
       if [[ ! -x build-asan-full/tests/e2e/daemons_test ]]; then
         echo "checks: tsan-full's e2e part runs build-asan-full's tests: run tools/checks.sh asan-full tsan-full" >&2
         exit 1
