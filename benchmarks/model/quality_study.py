@@ -43,7 +43,13 @@ load, which is printed next to the results.
 
   benchmarks/model/quality_study.py --build build --out /tmp/study \\
       [--iterations 600] [--seeds 0,1] [--vocab 4000] [--corpus-bytes 0] \\
-      [--stop-after-minutes M] [--max-runs N]
+      [--stop-after-minutes M] [--max-runs N] [--jobs N]
+
+--jobs N runs N trainings at once (default 1; the runs of one kind for the
+seeds side by side). The BLAS decides float32 speed: the file libblas.so.3
+resolves to is recorded (settings.json, the table header), and the full study
+takes 12 minutes on 2 cores with OpenBLAS in front, about 3.6 CPU-hours on
+Debian's reference BLAS (docs/MODEL.md).
 
 Each (seed, run) is one detour-train process writing OUT/seed-S/RUN/; rerun
 the same command to continue an interrupted study, or one stopped by
@@ -72,6 +78,19 @@ RUNS = [
     ("skip33", "skip33:6:0.3333:0:adamw"),
     ("kfac", "kfac:4:0:0:kfac"),
 ]
+
+
+def resolved_blas(binary):
+    """The file libblas.so.3 resolves to for `binary` (ldd, this environment)."""
+    try:
+        out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (ldd failed)"
+    for line in out.splitlines():
+        if line.strip().startswith("libblas.so"):
+            path = line.split("=>")[-1].split("(")[0].strip()
+            return os.path.realpath(path) if path else "unknown"
+    return "none (not linked)"
 
 
 def loadavg():
@@ -198,6 +217,9 @@ def main():
     ap.add_argument("--stop-after-minutes", type=float, default=0,
                     help="start no further run after this many minutes (0 = no limit); "
                          "the same command later continues with the runs not done")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="trainings at once (each uses --threads threads); runs of the same "
+                    "kind for different seeds go side by side")
     ap.add_argument("--max-runs", type=int, default=0,
                     help="start at most this many trainings (0 = no limit); the same "
                          "command later continues with the runs not done")
@@ -232,6 +254,11 @@ def main():
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("build", "out", "stop_after_minutes", "max_runs")}
     settings["corpus_sha256"] = corpus["sha256"]
+    # The BLAS decides float32 speed (Debian's reference BLAS is 10-15x slower
+    # than OpenBLAS here): record which one the trainings load, and refuse to
+    # mix runs on different ones in one --out.
+    settings["blas"] = resolved_blas(train_tool)
+    print(f"BLAS: {settings['blas']}", flush=True)
     settings_path = os.path.join(args.out, "settings.json")
     if os.path.exists(settings_path):
         with open(settings_path) as f:
@@ -271,31 +298,70 @@ def main():
     with open(job_path, "w") as f:
         json.dump(job, f, indent=2)
 
-    per_seed = {}
+    run_loads = []  # 1-minute load averages at the start and end of every run
+    per_seed = {seed: {"curves": {}, "results": {}} for seed in seeds}
+    # The trainings not done yet, run kind by kind (full of every seed, then
+    # skip25, ...): with --jobs 2 the two trainings running side by side are
+    # of the same kind, so each kind's times carry the same sharing of the
+    # memory system and the equal-time budgets stay comparable.
+    todo = [(seed, name, spec) for name, spec in RUNS for seed in seeds
+            if not os.path.exists(os.path.join(args.out, f"seed-{seed}", name, "results.csv"))]
     pending = 0
     started_runs = 0
-    run_loads = []  # 1-minute load averages at the start and end of every run
+    running = []  # (process, log file, out dir, load at start, command)
+
+    def reap(block):
+        while running and (block or any(p.poll() is not None for p, *_ in running)):
+            for i, (proc, logf, out, load_before, cmd) in enumerate(running):
+                if proc.poll() is None and not block:
+                    continue
+                code = proc.wait()
+                logf.close()
+                del running[i]
+                if code != 0:
+                    for other, f, *_ in running:
+                        other.kill()
+                        other.wait()
+                        f.close()
+                    sys.exit(f"failed ({code}): {' '.join(cmd)}; see {os.path.join(out, 'train.log')}")
+                with open(os.path.join(out, "load.txt"), "w") as f:
+                    f.write(f"start {load_before}\nend {loadavg()}\n")
+                print(f"{os.path.relpath(out, args.out)}: done", flush=True)
+                break
+            if block:
+                return
+
+    for seed, name, spec in todo:
+        minutes = (time.time() - started) / 60
+        if ((args.stop_after_minutes and minutes >= args.stop_after_minutes) or
+                (args.max_runs and started_runs >= args.max_runs)):
+            pending += 1
+            continue
+        while len(running) >= args.jobs:
+            reap(block=False)
+            if len(running) >= args.jobs:
+                time.sleep(1)
+        started_runs += 1
+        out = os.path.join(args.out, f"seed-{seed}", name)
+        os.makedirs(out, exist_ok=True)
+        load_before = loadavg()
+        cmd = [train_tool, "--job", job_path, "--seed", str(seed), "--iterations",
+               str(args.iterations), "--runs", spec, "--eval-every", str(eval_every),
+               "--eval-samples", str(args.eval_samples), "--kfac-refresh", "2",
+               "--kfac-factor-decay", "0.5", "--threads", str(args.threads), "--out", out]
+        print(f"seed {seed}, run {name}: started at load {load_before}", flush=True)
+        print("+ " + " ".join(cmd), flush=True)
+        logf = open(os.path.join(out, "train.log"), "w")
+        running.append((subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT), logf, out,
+                        load_before, cmd))
+    while running:
+        reap(block=True)
     for seed in seeds:
-        per_seed[seed] = {"curves": {}, "results": {}}
-        for name, spec in RUNS:
+        for name, _ in RUNS:
             out = os.path.join(args.out, f"seed-{seed}", name)
             done = os.path.join(out, "results.csv")
             if not os.path.exists(done):
-                minutes = (time.time() - started) / 60
-                if ((args.stop_after_minutes and minutes >= args.stop_after_minutes) or
-                        (args.max_runs and started_runs >= args.max_runs)):
-                    pending += 1
-                    continue
-                started_runs += 1
-                load_before = loadavg()
-                print(f"seed {seed}, run {name}: started at load {load_before}", flush=True)
-                run([train_tool, "--job", job_path, "--seed", str(seed), "--iterations",
-                     str(args.iterations), "--runs", spec, "--eval-every", str(eval_every),
-                     "--eval-samples", str(args.eval_samples), "--kfac-refresh", "2",
-                     "--kfac-factor-decay", "0.5", "--threads", str(args.threads),
-                     "--out", out], log)
-                with open(os.path.join(out, "load.txt"), "w") as f:
-                    f.write(f"start {load_before}\nend {loadavg()}\n")
+                continue
             with open(os.path.join(out, "load.txt")) as f:
                 run_loads.extend(float(line.split()[1]) for line in f if line.strip())
             per_seed[seed]["curves"].update(read_curves(os.path.join(out, "loss.csv")))
@@ -325,7 +391,7 @@ def main():
                  f"{manifest['validation']['tokens']} validation tokens. Model `{args.preset}`, "
                  f"{args.microbatches} microbatches × {args.samples} samples, {args.iterations} "
                  f"iterations, lr {args.lr}, {args.precision}, seeds {args.seeds} "
-                 f"(mean ± half the spread).")
+                 f"(mean ± half the spread). BLAS: {settings['blas']}.")
     lines.append("")
     lines.append("Equal iterations (validation, perplexity on the final checkpoints):")
     lines.append("")
