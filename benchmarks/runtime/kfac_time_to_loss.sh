@@ -46,7 +46,17 @@ ITERS=${2:-60}
 SEEDS=${3:-1 2}
 EVERY=${4:-5}
 SAMPLES=${5:-64}
-OUT=$ROOT/benchmarks-out/kfac_time
+# KFAC_SYNC=FACTORS (or PRECONDITIONED) sets kfac.replica_sync instead of the
+# job default (PRECONDITIONED for replicated stages); its runs go to
+# benchmarks-out/kfac_time-<scheme>.
+KFAC_SYNC=${KFAC_SYNC:-}
+case $KFAC_SYNC in
+  "") OUT=$ROOT/benchmarks-out/kfac_time; SYNC_JSON="" ;;
+  FACTORS|PRECONDITIONED)
+    OUT=$ROOT/benchmarks-out/kfac_time-${KFAC_SYNC,,}
+    SYNC_JSON=", \"replica_sync\": \"KFAC_REPLICA_SYNC_$KFAC_SYNC\"" ;;
+  *) echo "KFAC_SYNC must be FACTORS or PRECONDITIONED, not '$KFAC_SYNC'" >&2; exit 2 ;;
+esac
 LOCAL=$BUILD/tools/detour_local/detour-local
 EVAL=$BUILD/tools/detour_eval/detour-eval
 DATA=$BUILD/tools/detour_data/detour-data
@@ -91,7 +101,7 @@ job() {  # name seed optimizer-json
 JSON
 }
 ADAMW='"adamw": { "lr": 2e-3 }, "warmup_iterations": 5'
-KFAC="\"kind\": \"OPTIMIZER_KFAC\", $ADAMW, \"kfac\": { \"factor_decay\": 0.5 }"
+KFAC="\"kind\": \"OPTIMIZER_KFAC\", $ADAMW, \"kfac\": { \"factor_decay\": 0.5$SYNC_JSON }"
 
 echo "load average at start: $(cat /proc/loadavg)"
 for seed in $SEEDS; do
