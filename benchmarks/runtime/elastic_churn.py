@@ -26,91 +26,29 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_daemons import LocalCluster  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def wait_ready(path, field, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            if field in data:
-                return data
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{path}: no {field} after {timeout}s")
+class Cluster(LocalCluster):
+    """The emulated geo cluster: a coordinator with --cluster and --emulate_network,
+    workers named w0, w1, ... in the cluster's regions."""
 
-
-class Cluster:
     def __init__(self, args, name):
-        self.args = args
-        self.dir = tempfile.mkdtemp(prefix=f"detour-churn-{name}-")
-        self.procs = {}
+        super().__init__(args.build, f"detour-churn-{name}-",
+                         [f"--cluster={args.cluster}", "--emulate_network"])
         self.regions = [n["region"] for n in json.load(open(args.cluster))["nodes"]]
-        ready = os.path.join(self.dir, "c.ready")
-        self.coordinator = subprocess.Popen(
-            [os.path.join(args.build, "coordinator/detour-coordinator"), "--listen=127.0.0.1:0",
-             "--insecure",
-             "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--data_dir={self.dir}/c",
-             f"--cluster={args.cluster}", "--emulate_network", "--worker_silence=3s",
-             "--heartbeat_interval=500ms", f"--ready_file={ready}"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "c.log"), "w"))
-        info = wait_ready(ready, "grpc_port")
-        self.port = info["grpc_port"]
-        self.metrics_port = info.get("metrics_port")
         self.next_worker = 0
 
     def start_worker(self, region):
-        i = self.next_worker
+        wid = f"w{self.next_worker}"
         self.next_worker += 1
-        wid = f"w{i}"
-        ready = os.path.join(self.dir, f"{wid}.ready")
-        self.procs[wid] = subprocess.Popen(
-            [os.path.join(self.args.build, "worker/detour-worker"), "--listen=127.0.0.1:0",
-             "--insecure",
-             "--metrics_port=0", "--metrics_bind=127.0.0.1", f"--coordinator=127.0.0.1:{self.port}",
-             f"--data_dir={self.dir}/{wid}", f"--region={region}", f"--worker_id={wid}",
-             "--torch_threads=1", f"--ready_file={ready}"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"{wid}.log"), "w"))
-        wait_ready(ready, "grpc_port")
-        return wid
-
-    def ctl(self, *argv):
-        out = subprocess.run([os.path.join(self.args.build, "tools/detourctl/detourctl"),
-                              f"--coordinator=127.0.0.1:{self.port}", "--insecure", "--json", *argv],
-                             capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"detourctl {' '.join(argv)}: {out.stderr}")
-        return json.loads(out.stdout) if out.stdout.strip() else {}
-
-    def metric(self, name):
-        if not self.metrics_port:
-            return 0.0
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                      timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{}"):
-                return float(line.split()[-1])
-        return 0.0
-
-    def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        self.coordinator.send_signal(signal.SIGTERM)
-        for p in list(self.procs.values()) + [self.coordinator]:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        return super().start_worker(wid, region)
 
 
 def job_spec(args, elastic):

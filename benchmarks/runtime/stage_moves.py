@@ -27,70 +27,24 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_daemons import LocalCluster  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def wait_ready(path, field, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            if field in data:
-                return data
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{path}: no {field} after {timeout}s")
+class Cluster(LocalCluster):
+    """Five local workers under a coordinator that re-plans every 2 iterations;
+    a worker's --compute_slowdown makes it slow."""
 
-
-class Cluster:
     def __init__(self, args, name):
-        self.args = args
-        self.dir = tempfile.mkdtemp(prefix=f"detour-moves-{name}-")
-        self.procs = {}
-        ready = os.path.join(self.dir, "c.ready")
-        self.coordinator = subprocess.Popen(
-            [os.path.join(args.build, "coordinator/detour-coordinator"), "--listen=127.0.0.1:0",
-             "--insecure", "--metrics_port=0", "--metrics_bind=127.0.0.1",
-             f"--data_dir={self.dir}/c", "--replan_every=2", "--worker_silence=3s",
-             "--heartbeat_interval=500ms", f"--ready_file={ready}"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "c.log"), "w"))
-        self.port = wait_ready(ready, "grpc_port")["grpc_port"]
+        super().__init__(args.build, f"detour-moves-{name}-", ["--replan_every=2"])
 
     def start_worker(self, wid, slowdown):
-        ready = os.path.join(self.dir, f"{wid}.ready")
-        self.procs[wid] = subprocess.Popen(
-            [os.path.join(self.args.build, "worker/detour-worker"), "--listen=127.0.0.1:0",
-             "--insecure", "--metrics_port=0", "--metrics_bind=127.0.0.1",
-             f"--coordinator=127.0.0.1:{self.port}", f"--data_dir={self.dir}/{wid}",
-             "--region=local", f"--worker_id={wid}", "--torch_threads=1",
-             f"--compute_slowdown={slowdown}", f"--ready_file={ready}"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"{wid}.log"), "w"))
-        wait_ready(ready, "grpc_port")
-
-    def ctl(self, *argv):
-        out = subprocess.run([os.path.join(self.args.build, "tools/detourctl/detourctl"),
-                              f"--coordinator=127.0.0.1:{self.port}", "--insecure", "--json",
-                              *argv], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"detourctl {' '.join(argv)}: {out.stderr}")
-        return json.loads(out.stdout) if out.stdout.strip() else {}
-
-    def stop(self):
-        for p in list(self.procs.values()) + [self.coordinator]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in list(self.procs.values()) + [self.coordinator]:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        return super().start_worker(wid, "local", [f"--compute_slowdown={slowdown}"])
 
 
 def job_spec(args, move):
