@@ -120,21 +120,19 @@ absl::Status ConvertInChild(const std::string& self, const std::string& v1_path,
   if (*code == kChildFailed) return absl::UnavailableError(message);
   const std::string last =
       output.empty() ? std::string() : absl::StrCat("; its last output:", Tail(output, 8));
-  if (*code <= 128) {  // not one of the child's own codes: a sanitizer's exit after a fault
-    return absl::DataLossError(absl::StrCat(
-        "LibTorch's archive reader crashed on this file (its process exited with status ", *code,
-        "): the file is corrupt", last));
-  }
-  const int sig = *code - 128;
-  const std::string named = absl::StrCat("signal ", sig, " (", ::strsignal(sig), ")");
-  // A fault inside the reader is the file's doing; any other signal came from
-  // outside (the OOM killer, a resource limit, an operator) and says nothing
-  // about the file, which may well convert on a retry.
-  if (sig == SIGSEGV || sig == SIGBUS || sig == SIGABRT || sig == SIGILL || sig == SIGFPE ||
-      sig == SIGTRAP || sig == SIGSYS) {
-    return absl::DataLossError(absl::StrCat(
-        "LibTorch's archive reader crashed on this file (its process was killed by ", named,
-        "): the file is corrupt", last));
+  // Not one of the child's own codes: an exit status is a sanitizer's exit
+  // after a fault, and a fault signal is the file's doing. Any other signal
+  // came from outside (the OOM killer, a resource limit, an operator) and
+  // says nothing about the file, which may well convert on a retry.
+  const int sig = *code > 128 ? *code - 128 : 0;
+  const std::string named =
+      sig > 0 ? absl::StrCat("signal ", sig, " (", ::strsignal(sig), ")") : std::string();
+  if (sig == 0 || sig == SIGSEGV || sig == SIGBUS || sig == SIGABRT || sig == SIGILL ||
+      sig == SIGFPE || sig == SIGTRAP || sig == SIGSYS) {
+    const std::string fate = sig == 0 ? absl::StrCat("exited with status ", *code)
+                                      : absl::StrCat("was killed by ", named);
+    return absl::DataLossError(absl::StrCat("LibTorch's archive reader crashed on this file (its ",
+                                            "process ", fate, "): the file is corrupt", last));
   }
   return absl::UnavailableError(absl::StrCat(
       "LibTorch's archive reader was stopped by ", named,
