@@ -310,26 +310,22 @@ def main():
     started_runs = 0
     running = []  # (process, log file, out dir, load at start, command)
 
-    def reap(block):
-        while running and (block or any(p.poll() is not None for p, *_ in running)):
-            for i, (proc, logf, out, load_before, cmd) in enumerate(running):
-                if proc.poll() is None and not block:
-                    continue
-                code = proc.wait()
-                logf.close()
-                del running[i]
-                if code != 0:
-                    for other, f, *_ in running:
-                        other.kill()
-                        other.wait()
-                        f.close()
-                    sys.exit(f"failed ({code}): {' '.join(cmd)}; see {os.path.join(out, 'train.log')}")
-                with open(os.path.join(out, "load.txt"), "w") as f:
-                    f.write(f"start {load_before}\nend {loadavg()}\n")
-                print(f"{os.path.relpath(out, args.out)}: done", flush=True)
-                break
-            if block:
-                return
+    def finish(entry):
+        """Waits for a started training; stops the study (and the others) if it failed."""
+        proc, logf, out, load_before, cmd = entry
+        code = proc.wait()
+        logf.close()
+        running.remove(entry)
+        if code != 0:
+            for other in list(running):
+                other[0].kill()
+                other[0].wait()
+                other[1].close()
+                running.remove(other)
+            sys.exit(f"failed ({code}): {' '.join(cmd)}; see {os.path.join(out, 'train.log')}")
+        with open(os.path.join(out, "load.txt"), "w") as f:
+            f.write(f"start {load_before}\nend {loadavg()}\n")
+        print(f"{os.path.relpath(out, args.out)}: done", flush=True)
 
     for seed, name, spec in todo:
         minutes = (time.time() - started) / 60
@@ -338,8 +334,10 @@ def main():
             pending += 1
             continue
         while len(running) >= args.jobs:
-            reap(block=False)
-            if len(running) >= args.jobs:
+            ended = [e for e in running if e[0].poll() is not None]
+            for e in ended:
+                finish(e)
+            if not ended:
                 time.sleep(1)
         started_runs += 1
         out = os.path.join(args.out, f"seed-{seed}", name)
@@ -355,7 +353,7 @@ def main():
         running.append((subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT), logf, out,
                         load_before, cmd))
     while running:
-        reap(block=True)
+        finish(running[0])
     for seed in seeds:
         for name, _ in RUNS:
             out = os.path.join(args.out, f"seed-{seed}", name)
