@@ -423,10 +423,12 @@ double Forwards(const Daemon& worker) {
   return MetricValue(worker, "detour_worker_task_seconds_count{kind=\"forward\"}");
 }
 
-// One replica of stage 1 is four times slower than the other
+// One replica of stage 1 is ten times slower than the other
 // (--compute_slowdown): once re-planning has measured it, routes give it
 // clearly fewer visits than its fast replica, the history names it a
-// straggler, and the job completes.
+// straggler, and the job completes. (Four times slower was not enough under
+// ASan in CI: the tiny stage's compute is small next to the data node's and
+// the links', so an even split of its visits cost the plan nothing.)
 TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
   v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 16);
   spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);  // routes choose replicas
@@ -435,7 +437,7 @@ TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
   PinFiveWorkers(&spec);
   spec = *NormalizeJobSpec(spec);
   Daemon c = StartCoordinator({"--replan_every=2"});
-  std::vector<Daemon> workers = StartFive(this, c.grpc_port, "w2", 4);
+  std::vector<Daemon> workers = StartFive(this, c.grpc_port, "w2", 10);
   ElasticRun run(this, c.grpc_port, spec);
   const v1::Job job = run.AwaitEnd(absl::Seconds(180));
   ExpectHealthyEnd(job, c);
@@ -448,7 +450,7 @@ TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
   const auto& visits = job.progress().planned_visits();
   ASSERT_TRUE(visits.count("w1") && visits.count("w2")) << job.DebugString();
   EXPECT_EQ(visits.at("w1") + visits.at("w2"), 8u);
-  EXPECT_LT(2 * visits.at("w2"), visits.at("w1")) << job.progress().DebugString();
+  EXPECT_LT(2 * visits.at("w2"), visits.at("w1")) << job.progress().DebugString() << c.process->Log();
   EXPECT_EQ(visits.at("w0"), 8u);
   // What ran: over the whole job (the first iterations split evenly), w2
   // ran fewer forwards than w1.
