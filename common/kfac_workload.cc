@@ -237,6 +237,7 @@ ReplicaSync ReplicaSyncOf(const v1::KfacSpec& kfac) {
     case v1::KFAC_REPLICA_SYNC_FACTORS:
       return ReplicaSync::kFactors;
     case v1::KFAC_REPLICA_SYNC_PRECONDITIONED:
+    case v1::KFAC_REPLICA_SYNC_AUTO:
       return ReplicaSync::kPreconditioned;
     default:
       return kfac.sync_factors() ? ReplicaSync::kFactors : ReplicaSync::kNone;

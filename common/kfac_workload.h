@@ -144,6 +144,9 @@ enum class ReplicaSync {
   kPreconditioned,  // each replica preconditions with its own factors;
                     // only the (already exchanged) gradients are reduced
 };
+// An unresolved KFAC_REPLICA_SYNC_AUTO (the coordinator resolves it before it
+// plans: planner::ChooseReplicaSync) is priced as kPreconditioned, the
+// scheme without factor traffic.
 ReplicaSync ReplicaSyncOf(const v1::KfacSpec& kfac);
 
 // Extra seconds one block's synchronisation adds to the stage's all-reduce

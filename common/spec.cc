@@ -162,17 +162,24 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (k->update() == v1::KFAC_UPDATE_UNSPECIFIED) {
     k->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
   }
-  // Replicas must step identically. Without a choice, each replica
-  // preconditions with its own factors and only gradients cross the links
-  // (docs/KFAC.md, "Replicas"); an explicit sync_factors keeps the exact
-  // factor all-reduce (and stored jobs normalised before replica_sync).
-  if (o->kind() == v1::OPTIMIZER_KFAC &&
-      (spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1) &&
-      k->replica_sync() == v1::KFAC_REPLICA_SYNC_UNSPECIFIED) {
-    // The momentum rule's KL clipping needs the raw gradient: factors.
-    k->set_replica_sync(k->sync_factors() || k->update() == v1::KFAC_UPDATE_MOMENTUM
-                            ? v1::KFAC_REPLICA_SYNC_FACTORS
-                            : v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+  // Replicas must step identically. Without a choice the coordinator picks
+  // the scheme from the cost model when it assigns the stages (AUTO;
+  // docs/KFAC.md, "Replicas"); an explicit sync_factors keeps the exact
+  // factor all-reduce (and stored jobs normalised before replica_sync), and
+  // the momentum rule's KL clipping needs the raw gradient: factors too.
+  if (o->kind() == v1::OPTIMIZER_KFAC) {
+    const bool replicated =
+        spec->pipeline().data_nodes() > 1 || spec->pipeline().replicas_per_stage() > 1;
+    const bool momentum = k->update() == v1::KFAC_UPDATE_MOMENTUM;
+    if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_UNSPECIFIED && replicated) {
+      k->set_replica_sync(k->sync_factors() || momentum ? v1::KFAC_REPLICA_SYNC_FACTORS
+                                                        : v1::KFAC_REPLICA_SYNC_AUTO);
+    } else if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_AUTO) {
+      // Nothing to choose between: one replica per stage, or the momentum
+      // rule (FACTORS is its only scheme).
+      if (!replicated) k->set_replica_sync(v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
+      else if (momentum) k->set_replica_sync(v1::KFAC_REPLICA_SYNC_FACTORS);
+    }
   }
   if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_sync_factors(true);
 
@@ -439,6 +446,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED && k.sync_factors()) {
     return Invalid("optimizer.kfac.replica_sync",
                    "KFAC_REPLICA_SYNC_PRECONDITIONED contradicts sync_factors = true");
+  }
+  if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_AUTO && k.sync_factors()) {
+    return Invalid("optimizer.kfac.replica_sync",
+                   "KFAC_REPLICA_SYNC_AUTO contradicts sync_factors = true (which asks for "
+                   "KFAC_REPLICA_SYNC_FACTORS)");
   }
   if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED &&
       k.update() == v1::KFAC_UPDATE_MOMENTUM) {

@@ -22,6 +22,7 @@
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/planner/planner.h"
+#include "coordinator/planner/replica_sync_choice.h"
 #include "coordinator/stage_reassignment.h"
 #include "coordinator/stragglers.h"
 #include "worker/model/checkpoint_manifest.h"
@@ -580,6 +581,7 @@ class JobRunner::Impl {
       for (int n : assignment_.stage_nodes[s]) members_[cost_->node_id(n)] = s;
     }
     host_->runner_metrics().MembersChanged(static_cast<int>(members_.size()));
+    if (auto e = ResolveReplicaSync(); e) return e;
     if (auto e = CreateBubblePlanner(); e) return e;
     if (!restore.empty()) {
       AddEvent(v1::JobHistoryEvent::KIND_RESUMED, next_iteration_, "",
@@ -634,6 +636,39 @@ class JobRunner::Impl {
       }
     }
     LogInfo("job ", job_id_, ": all ", members_.size(), " stages built");
+    return std::nullopt;
+  }
+
+  // optimizer.kfac.replica_sync AUTO: FACTORS or PRECONDITIONED for the
+  // whole job, from the cost model on the first plan's timeline
+  // (planner::ChooseReplicaSync). The choice goes into spec_ (the workers'
+  // assignments carry it), into the stored job's spec before any worker
+  // holds a stage (a resumed or re-attached job keeps it), and into the
+  // history with both modelled iteration times.
+  std::optional<JobEnd> ResolveReplicaSync() {
+    v1::KfacSpec* k = spec_.mutable_optimizer()->mutable_kfac();
+    if (!kfac() || k->replica_sync() != v1::KFAC_REPLICA_SYNC_AUTO) return std::nullopt;
+    auto choice = planner::ChooseReplicaSync(KfacWorkload(kfac::ReplicaSync::kFactors), *k,
+                                             first_plan_->plan,
+                                             planner::TimelineFromSimulation(first_plan_->result));
+    if (!choice.ok()) {
+      return Failed(absl::StrCat("K-FAC replica sync choice: ", choice.status().message()));
+    }
+    const bool factors = choice->sync == kfac::ReplicaSync::kFactors;
+    const v1::KfacReplicaSync chosen =
+        factors ? v1::KFAC_REPLICA_SYNC_FACTORS : v1::KFAC_REPLICA_SYNC_PRECONDITIONED;
+    k->set_replica_sync(chosen);
+    k->set_sync_factors(factors);
+    auto recorded = host_->jobs().Update(job_id_, [&](v1::Job* j) {
+      v1::KfacSpec* stored = j->mutable_spec()->mutable_optimizer()->mutable_kfac();
+      stored->set_replica_sync(chosen);
+      stored->set_sync_factors(factors);
+    });
+    if (!recorded.ok()) {
+      return Failed(absl::StrCat("cannot write the job record: ", recorded.status().message()));
+    }
+    LogInfo("job ", job_id_, ": ", choice->reason);
+    AddEvent(v1::JobHistoryEvent::KIND_CONFIGURED, next_iteration_, "", choice->reason);
     return std::nullopt;
   }
 
@@ -720,6 +755,7 @@ class JobRunner::Impl {
     if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
     RebuildAssignment();
     host_->runner_metrics().MembersChanged(static_cast<int>(members_.size()));
+    if (auto e = ResolveReplicaSync(); e) return e;
     if (auto e = CreateBubblePlanner(); e) return e;
     // Whatever iteration was in flight is run again from its start.
     v1::CoordinatorMessage abort;
@@ -1617,13 +1653,16 @@ class JobRunner::Impl {
   // Every planning node's blocks and the estimated cost of their K-FAC work
   // at the node's current speed (cluster_, calibrated from timings).
   // Remembers the FLOP/s each node's costs assume (workload_flops_).
-  planner::KfacWorkload KfacWorkload() {
+  // `sync` prices the factor all-reduce of another scheme than the job's
+  // (ResolveReplicaSync).
+  planner::KfacWorkload KfacWorkload(std::optional<kfac::ReplicaSync> sync_override = {}) {
     planner::KfacWorkload w;
     const std::vector<int> stage_of = assignment_.NodeStages(cost_->num_nodes());
     const double tokens = static_cast<double>(spec_.pipeline().samples_per_microbatch()) *
                           spec_.model().context_length();
     const kfac::BlockWorkload block(spec_.model());
-    const kfac::ReplicaSync sync = kfac::ReplicaSyncOf(spec_.optimizer().kfac());
+    const kfac::ReplicaSync sync =
+        sync_override.value_or(kfac::ReplicaSyncOf(spec_.optimizer().kfac()));
     for (int n = 0; n < cost_->num_nodes(); ++n) {
       planner::KfacNodeWork node;
       node.node_id = cost_->node_id(n);

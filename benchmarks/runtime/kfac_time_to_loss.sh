@@ -12,9 +12,10 @@
 # (real English: licences and notices), prepared once with `detour-data
 # prepare` (byte tokenizer, documents = paragraphs, 5% of them held out for
 # validation). AdamW: lr 2e-3, 5 warm-up iterations, cosine decay over the
-# job. K-FAC: the job defaults (replica_sync PRECONDITIONED for the
-# replicated stage, 1 curvature microbatch per node, grafted onto AdamW's
-# step length, granules of <= 5 ms) and factor_decay 0.5.
+# job. K-FAC: the job defaults (replica_sync AUTO for the replicated stage:
+# the coordinator picks FACTORS or PRECONDITIONED from the cost model and
+# logs why, printed below; 1 curvature microbatch per node, grafted onto
+# AdamW's step length, granules of <= 5 ms) and factor_decay 0.5.
 #
 # Each run writes a checkpoint every EVAL_EVERY iterations (all kept); then
 # every checkpoint is evaluated on the validation split (detour-eval, nats
@@ -47,7 +48,7 @@ SEEDS=${3:-1 2}
 EVERY=${4:-5}
 SAMPLES=${5:-64}
 # KFAC_SYNC=FACTORS (or PRECONDITIONED) sets kfac.replica_sync instead of the
-# job default (PRECONDITIONED for replicated stages); its runs go to
+# job default (AUTO for replicated stages); its runs go to
 # benchmarks-out/kfac_time-<scheme>.
 KFAC_SYNC=${KFAC_SYNC:-}
 case $KFAC_SYNC in
@@ -116,6 +117,8 @@ for seed in $SEEDS; do
     "$LOCAL" --job "$OUT/$name.json" --cluster "$OUT/geo4.json" --emulate_network \
       --insecure --out "$dir" > "$OUT/$name.log" 2>&1
     cp "$dir/loss.csv" "$OUT/$name.csv"
+    # The replica sync scheme AUTO chose (the coordinator's reason).
+    grep -o "K-FAC replica sync [A-Z]*:.*" "$dir/coordinator.log" | head -1 || true
     # Every kept checkpoint on the validation split: iteration,nll.
     : > "$OUT/$name.val"
     for ckpt in "$dir"/coordinator/checkpoints/*/iter-*; do

@@ -266,14 +266,21 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   EXPECT_DOUBLE_EQ(k.kl_clip(), 1e-3);
   EXPECT_EQ(k.placement(), v1::KFAC_PLACEMENT_BUBBLES);
   EXPECT_EQ(k.update(), v1::KFAC_UPDATE_GRAFT_ADAMW);
-  // Replicated stages must step identically: by default each replica
-  // preconditions its own gradient (no factor traffic).
-  EXPECT_EQ(k.replica_sync(), v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+  // Replicated stages must step identically: by default the coordinator
+  // chooses the scheme from the cost model (AUTO).
+  EXPECT_EQ(k.replica_sync(), v1::KFAC_REPLICA_SYNC_AUTO);
   EXPECT_FALSE(k.sync_factors());
   // Normalising again changes nothing.
   auto again = NormalizeJobSpec(*spec);
   ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
+  EXPECT_EQ(again->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_AUTO);
+  // A scheme given by name is kept.
+  auto preconditioned = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      kfac, "\"OPTIMIZER_KFAC\"",
+      "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_PRECONDITIONED\"}")));
+  ASSERT_TRUE(preconditioned.ok()) << preconditioned.status();
+  EXPECT_EQ(preconditioned->optimizer().kfac().replica_sync(),
+            v1::KFAC_REPLICA_SYNC_PRECONDITIONED);
   // The exact scheme on request: sync_factors (older specs, stored jobs) or
   // replica_sync FACTORS; the momentum rule needs it.
   auto factors = NormalizeJobSpec(*ParseJobSpecJson(Replace(
@@ -290,9 +297,17 @@ TEST(JobSpec, KfacDefaultsAndSync) {
       "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\"}")));
   ASSERT_TRUE(momentum.ok()) << momentum.status();
   EXPECT_EQ(momentum->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
+  // AUTO with the momentum rule leaves nothing to choose: FACTORS.
+  auto auto_momentum = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      kfac, "\"OPTIMIZER_KFAC\"",
+      "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\", "
+      "\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
+  ASSERT_TRUE(auto_momentum.ok()) << auto_momentum.status();
+  EXPECT_EQ(auto_momentum->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
   // Contradictions are refused by name.
   for (const char* bad :
        {"{\"replica_sync\": \"KFAC_REPLICA_SYNC_PRECONDITIONED\", \"sync_factors\": true}",
+        "{\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\", \"sync_factors\": true}",
         "{\"replica_sync\": \"KFAC_REPLICA_SYNC_PRECONDITIONED\", "
         "\"update\": \"KFAC_UPDATE_MOMENTUM\"}"}) {
     auto r = NormalizeJobSpec(*ParseJobSpecJson(
@@ -309,6 +324,12 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_FALSE(one->optimizer().kfac().sync_factors());
   EXPECT_EQ(one->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
+  // ... also when AUTO is asked for.
+  auto one_auto = NormalizeJobSpec(*ParseJobSpecJson(Replace(
+      single, "\"OPTIMIZER_KFAC\"",
+      "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
+  ASSERT_TRUE(one_auto.ok()) << one_auto.status();
+  EXPECT_EQ(one_auto->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
   auto adamw = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
   ASSERT_TRUE(adamw.ok());
   EXPECT_FALSE(adamw->optimizer().kfac().sync_factors());

@@ -242,15 +242,14 @@ class KfacReplicasTest : public E2eTest {
 void KfacReplicasTest::KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iterations) {
   // With FACTORS every replica inverts the same factors: in the finest
   // granules (a cap far below any item's time) the inverses must still be
-  // bit-identical (docs/KFAC.md "Granules"). PRECONDITIONED: the default cap.
+  // bit-identical (docs/KFAC.md "Granules"). PRECONDITIONED and AUTO: the
+  // default cap.
   const v1::JobSpec spec =
       KfacJob(MicroJob(3, 2, 2, 0.0, iterations), [&](v1::KfacSpec* k) {
-        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) {
-          k->set_replica_sync(sync);
-          k->set_max_granule_ms(0.01);
-        }
+        if (sync != v1::KFAC_REPLICA_SYNC_AUTO) k->set_replica_sync(sync);
+        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_max_granule_ms(0.01);
       });
-  // The default for replicated stages: each replica preconditions its own.
+  // AUTO is the default for replicated stages.
   ASSERT_EQ(spec.optimizer().kfac().replica_sync(), sync);
   ASSERT_EQ(spec.optimizer().kfac().sync_factors(), sync == v1::KFAC_REPLICA_SYNC_FACTORS);
   Daemon c = StartCoordinator({"--log_level=debug"});
@@ -272,13 +271,31 @@ void KfacReplicasTest::KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iter
   EXPECT_GT(final_job.progress().utilization(), 0);
   EXPECT_GT(final_job.progress().utilization_with_kfac(), final_job.progress().utilization());
   EXPECT_THAT(c.process->Log(), Not(HasSubstr("diverged")));
+  // The scheme the job ran: AUTO is resolved by the coordinator before it
+  // assigns the stages, into the stored spec and the history.
+  const v1::KfacReplicaSync ran = final_job.spec().optimizer().kfac().replica_sync();
+  std::string configured;
+  for (const v1::JobHistoryEvent& e : final_job.history()) {
+    if (e.kind() == v1::JobHistoryEvent::KIND_CONFIGURED) configured += e.message();
+  }
+  if (sync == v1::KFAC_REPLICA_SYNC_AUTO) {
+    // The tiny model's factors over loopback links cost next to nothing
+    // against the bubbles: the exact scheme.
+    EXPECT_EQ(ran, v1::KFAC_REPLICA_SYNC_FACTORS) << configured;
+    EXPECT_TRUE(final_job.spec().optimizer().kfac().sync_factors());
+    EXPECT_THAT(configured, HasSubstr("K-FAC replica sync FACTORS: with the factor all-reduce"));
+    EXPECT_THAT(c.process->Log(), HasSubstr("K-FAC replica sync FACTORS"));
+  } else {
+    EXPECT_EQ(ran, sync);
+    EXPECT_EQ(configured, "");
+  }
   // Factor sync tasks only with FACTORS; with PRECONDITIONED every replica
   // of every stage holding blocks steps with K-FAC from its own factors.
   int preconditioning = 0;
   for (const Daemon& w : workers) {
     preconditioning += w.process->Log().find("preconditions layer(s)") != std::string::npos;
   }
-  if (sync == v1::KFAC_REPLICA_SYNC_PRECONDITIONED) {
+  if (ran == v1::KFAC_REPLICA_SYNC_PRECONDITIONED) {
     EXPECT_EQ(preconditioning, 6);
     EXPECT_THAT(c.process->Log(), Not(HasSubstr("KIND_SYNC_FACTORS")));
   } else {
@@ -306,6 +323,10 @@ TEST_F(KfacReplicasTest, PreconditionedReplicasTrainInTheBubblesAndStayIdentical
 
 TEST_F(KfacReplicasTest, FactorSyncKeepsReplicasIdentical) {
   KeepsReplicasIdentical(v1::KFAC_REPLICA_SYNC_FACTORS, 6);
+}
+
+TEST_F(KfacReplicasTest, TheDefaultSchemeIsChosenFromTheCostModel) {
+  KeepsReplicasIdentical(v1::KFAC_REPLICA_SYNC_AUTO, 4);
 }
 
 TEST_F(TrainingTest, KfacWithSkipRoutesAndAFixedRefreshInterval) {

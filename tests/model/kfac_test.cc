@@ -832,6 +832,14 @@ TEST_F(KfacReplicaTest, ALayerIsReadyOnlyWhenEveryReplicaHoldsInverses) {
   o.mutable_kfac()->set_update(v1::KFAC_UPDATE_MOMENTUM);
   EXPECT_EQ(Kfac::Create(stages_[0].get(), o).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // AUTO is the coordinator's to resolve: a worker never guesses a scheme
+  // its replicas might guess differently.
+  v1::OptimizerSpec unresolved = spec_.optimizer();
+  unresolved.mutable_kfac()->set_replica_sync(v1::KFAC_REPLICA_SYNC_AUTO);
+  auto refused = Kfac::Create(stages_[0].get(), unresolved);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("KFAC_REPLICA_SYNC_AUTO"), std::string::npos)
+      << refused.status();
 }
 
 TEST(KfacWorkloadTest, PendingFactorsAreWhatThePlannerPrices) {

@@ -327,10 +327,24 @@ TEST(DetourSimCliTest, KfacChimera) {
   google::protobuf::Struct u = ParseObject(unit.out);
   EXPECT_NEAR(u.fields().at("pipeline_time_s").number_value(), 0.016, 1e-12);
   EXPECT_NEAR(u.fields().at("utilization_before").number_value(), 0.75, 1e-9);
-  // Every stage has two replicas (one per direction): the replicas
-  // precondition their own gradients by default, as in a job.
-  EXPECT_FALSE(u.fields().at("sync_factors").bool_value());
-  EXPECT_EQ(u.fields().at("replica_sync").string_value(), "preconditioned");
+  // Every stage has two replicas (one per direction): the scheme is chosen
+  // as for a job (AUTO). A synthetic pipeline has no links, so the factor
+  // all-reduce costs nothing and the exact scheme is taken.
+  EXPECT_TRUE(u.fields().at("sync_factors").bool_value());
+  EXPECT_EQ(u.fields().at("replica_sync").string_value(), "factors");
+  const auto& choice = u.fields().at("replica_sync_choice").struct_value().fields();
+  EXPECT_NEAR(choice.at("factors_iteration_s").number_value(),
+              choice.at("preconditioned_iteration_s").number_value(), 1e-12);
+  EXPECT_NE(choice.at("reason").string_value().find("K-FAC replica sync FACTORS"),
+            std::string::npos);
+  SimRun pre = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+                   "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
+                   "--replica-sync preconditioned --json",
+                   /*merge_stderr=*/false);
+  ASSERT_EQ(pre.code, 0) << pre.out;
+  google::protobuf::Struct p = ParseObject(pre.out);
+  EXPECT_EQ(p.fields().at("replica_sync").string_value(), "preconditioned");
+  EXPECT_EQ(p.fields().at("replica_sync_choice").kind_case(), google::protobuf::Value::kNullValue);
   SimRun factors = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
                        "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
                        "--replica-sync factors --json",
@@ -362,10 +376,13 @@ TEST(DetourSimCliTest, KfacGranulesMeetTheTargets) {
   EXPECT_GT(whole.fields().at("longest_bubble_task_ms").number_value(), 35);
   EXPECT_EQ(whole.fields().at("longest_bubble_task").string_value().find("part"),
             std::string::npos);
-  const google::protobuf::Struct chimera = run("--schedule chimera --iterations 30");
+  // Replicas precondition their own gradients (no factor sync, as in
+  // PipeFisher's Chimera).
+  const google::protobuf::Struct chimera =
+      run("--schedule chimera --iterations 30 --replica-sync preconditioned");
   EXPECT_GE(chimera.fields().at("utilization_after").number_value(), 0.976);
   const google::protobuf::Struct chimera_whole =
-      run("--schedule chimera --iterations 30 --max-granule-ms 0");
+      run("--schedule chimera --iterations 30 --replica-sync preconditioned --max-granule-ms 0");
   EXPECT_LT(chimera_whole.fields().at("utilization_after").number_value(),
             chimera.fields().at("utilization_after").number_value());
 }
@@ -388,6 +405,14 @@ TEST(DetourSimCliTest, KfacReplicaSyncOnThePlannedExample) {
   EXPECT_GT(t_factors, 0.1);
   EXPECT_LT(t_pre, 0.05);
   EXPECT_NEAR(t_pre, none.fields().at("time_overhead").number_value(), 1e-9);
+  // The job default (AUTO) weighs the two: the factor all-reduce costs more
+  // than the 5% the exact factors are worth, so replicas precondition.
+  const google::protobuf::Struct chosen = run("auto");
+  EXPECT_EQ(chosen.fields().at("replica_sync").string_value(), "preconditioned");
+  EXPECT_NEAR(chosen.fields().at("time_overhead").number_value(), t_pre, 1e-9);
+  const auto& why = chosen.fields().at("replica_sync_choice").struct_value().fields();
+  EXPECT_GT(why.at("factors_iteration_s").number_value(),
+            1.05 * why.at("preconditioned_iteration_s").number_value());
 }
 
 TEST(DetourSimCliTest, KfacOnThePlannedExample) {
@@ -425,7 +450,10 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
            {"kfac --stages 2", "--schedule"},
            {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
             "--replica-sync sometimes",
-            "--replica-sync: preconditioned, factors or none"},
+            "--replica-sync: auto, preconditioned, factors or none"},
+           {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+            "--no-sync --replica-sync auto",
+            "--replica-sync auto contradicts"},
            {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
             "--replica-sync preconditioned --sync",
             "contradicts"},

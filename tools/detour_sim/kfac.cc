@@ -30,6 +30,7 @@
 #include "common/status.h"
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/planner.h"
+#include "coordinator/planner/replica_sync_choice.h"
 
 namespace detour::sim_tool {
 
@@ -98,9 +99,11 @@ struct KfacArgs {
   double max_granule_ms = 5;  // the job default (NormalizeJobSpec)
   int refresh_interval = 0;
   bool serial = false;
-  // Replica synchronisation (default: preconditioned when a stage has
-  // replicas, as NormalizeJobSpec does for a job).
+  // Replica synchronisation; unset or auto_sync: chosen like a job's
+  // KFAC_REPLICA_SYNC_AUTO (planner::ChooseReplicaSync) when a stage has
+  // replicas, none otherwise.
   std::optional<kfac::ReplicaSync> sync;
+  bool auto_sync = false;
   bool json = false;
   std::string svg;
 };
@@ -147,9 +150,10 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
             "fixed refresh interval (0: as the bubbles allow)");
   flags.String("placement", &placement, "bubbles or serial");
   flags.String("replica-sync", &replica_sync,
-               "how replicas stay identical: preconditioned (each preconditions its own "
-               "gradient; the default when a stage has replicas, chimera's have 2), factors "
-               "(all-reduce the factors) or none");
+               "how replicas stay identical: auto (the default when a stage has replicas, "
+               "chimera's have 2: factors when the modelled iteration is within 5% of "
+               "preconditioned's, as for a job), preconditioned (each preconditions its own "
+               "gradient), factors (all-reduce the factors) or none");
   flags.Bool("sync", &sync, "the same as --replica-sync factors");
   flags.Bool("no-sync", &no_sync, "the same as --replica-sync none");
   flags.Bool("json", &a.json, "machine-readable output");
@@ -222,7 +226,11 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   }
   if (flags.WasSet("replica-sync")) {
     kfac::ReplicaSync r;
-    if (replica_sync == "preconditioned") {
+    if (replica_sync == "auto") {
+      if (a.sync) return UsageError("--replica-sync auto contradicts --sync/--no-sync");
+      a.auto_sync = true;
+      r = kfac::ReplicaSync::kPreconditioned;  // unused: chosen in Run
+    } else if (replica_sync == "preconditioned") {
       r = kfac::ReplicaSync::kPreconditioned;
     } else if (replica_sync == "factors") {
       r = kfac::ReplicaSync::kFactors;
@@ -230,12 +238,14 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
       r = kfac::ReplicaSync::kNone;
     } else {
       return UsageError(absl::StrCat(
-          "--replica-sync: preconditioned, factors or none, got \"", replica_sync, "\""));
+          "--replica-sync: auto, preconditioned, factors or none, got \"", replica_sync, "\""));
     }
-    if (a.sync && *a.sync != r) {
-      return UsageError("--replica-sync contradicts --sync/--no-sync");
+    if (!a.auto_sync) {
+      if (a.sync && *a.sync != r) {
+        return UsageError("--replica-sync contradicts --sync/--no-sync");
+      }
+      a.sync = r;
     }
-    a.sync = r;
   }
   const bool synthetic = !a.schedule.empty();
   const bool real = !a.cluster.empty() || !a.job.empty();
@@ -600,8 +610,15 @@ absl::Status Run(const KfacArgs& a) {
   k.set_refresh_interval(a.refresh_interval);
   k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
   for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
-  const kfac::ReplicaSync sync = a.sync.value_or(
-      sc.replicated ? kfac::ReplicaSync::kPreconditioned : kfac::ReplicaSync::kNone);
+  const planner::IterationTimeline timeline = planner::TimelineFromSimulation(sc.result);
+  // auto: the job's choice (KFAC_REPLICA_SYNC_AUTO) on this plan.
+  std::optional<planner::ReplicaSyncChoice> choice;
+  if (sc.replicated && !a.sync) {
+    ASSIGN_OR_RETURN(choice, planner::ChooseReplicaSync(sc.workload, k, sc.plan, timeline,
+                                                        a.refreshes));
+  }
+  const kfac::ReplicaSync sync =
+      choice ? choice->sync : a.sync.value_or(kfac::ReplicaSync::kNone);
   k.set_sync_factors(sync == kfac::ReplicaSync::kFactors);
   k.set_replica_sync(sync == kfac::ReplicaSync::kFactors ? v1::KFAC_REPLICA_SYNC_FACTORS
                      : sync == kfac::ReplicaSync::kPreconditioned
@@ -613,7 +630,6 @@ absl::Status Run(const KfacArgs& a) {
 
   ASSIGN_OR_RETURN(planner::BubblePlanner bp,
                    planner::BubblePlanner::Create(sc.workload, k));
-  const planner::IterationTimeline timeline = planner::TimelineFromSimulation(sc.result);
   const int max_iterations = a.iterations > 0 ? a.iterations : 1000;
   std::vector<planner::IterationBubbles> its;
   int holders = 0;
@@ -710,6 +726,21 @@ absl::Status Run(const KfacArgs& a) {
     w.Bool(k.sync_factors());
     w.Key("replica_sync");
     w.String(sync_name);
+    w.Key("replica_sync_choice");
+    if (choice) {
+      w.BeginObject();
+      w.Key("factors_iteration_s");
+      w.Number(choice->factors_s);
+      w.Key("preconditioned_iteration_s");
+      w.Number(choice->preconditioned_s);
+      w.Key("iterations");
+      w.Int(choice->iterations);
+      w.Key("reason");
+      w.String(choice->reason);
+      w.EndObject();
+    } else {
+      w.Null();
+    }
     w.Key("pipeline_time_s");
     w.Number(timeline.end_s);
     w.Key("utilization_before");
@@ -771,8 +802,9 @@ absl::Status Run(const KfacArgs& a) {
       "replica sync %s, granules up to %s\n\n",
       k.curvature_microbatches(), 100 * k.slack(), a.serial ? "serial placement" : "in the bubbles",
       k.refresh_interval() ? absl::StrCat(k.refresh_interval()) : "as the bubbles allow",
-      sync_name,
+      choice ? absl::StrCat(sync_name, " (auto)") : std::string(sync_name),
       k.max_granule_ms() > 0 ? absl::StrFormat("%g ms", k.max_granule_ms()) : "whole items");
+  if (choice) std::cout << choice->reason << "\n\n";
   std::cout << absl::StrFormat("%9s %12s %12s %10s %10s %10s %6s %8s\n", "iteration", "pipeline_s",
                                "iteration_s", "before", "after", "serial_s", "tasks", "refresh");
   for (size_t i = 0; i < its.size(); ++i) {

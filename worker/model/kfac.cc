@@ -161,6 +161,11 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
   }
+  if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_AUTO) {
+    return absl::InvalidArgumentError(
+        "optimizer.kfac.replica_sync: KFAC_REPLICA_SYNC_AUTO is left unresolved; the "
+        "coordinator chooses FACTORS or PRECONDITIONED before it assigns the stages");
+  }
   if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_PRECONDITIONED &&
       k.update() == v1::KFAC_UPDATE_MOMENTUM) {
     return absl::InvalidArgumentError(
