@@ -122,7 +122,8 @@ class HistoryEvent:
     ``kind`` is the lower-case kind without its prefix: "worker_lost",
     "rerouted", "worker_joined", "resumed", "replanned", "paused",
     "reattached", "microbatches_dropped", "continued", "checkpoint_skipped",
-    "straggler", "reassigned".
+    "straggler", "reassigned", "configured" (a choice the spec left to the
+    coordinator, e.g. the K-FAC replica sync scheme).
     """
 
     time: Optional[_dt.datetime]
