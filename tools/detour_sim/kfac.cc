@@ -654,6 +654,24 @@ absl::Status Run(const KfacArgs& a) {
   const double before = before_den > 0 ? before_num / before_den : 0;
   const double after = after_den > 0 ? after_num / after_den : 0;
   const double overhead = end_sum > 0 ? time_sum / end_sum - 1 : 0;
+  // The steady state: the iterations after the first activation (the
+  // start-up iterations cannot have an earlier refresh's inversions to fill
+  // their bubbles); nullopt when no iteration follows it.
+  std::optional<double> steady;
+  int steady_iterations = 0;
+  {
+    double num = 0, den = 0;
+    bool activated = false;
+    for (const auto& b : its) {
+      if (activated) {
+        num += b.utilization_after * holders * b.iteration_time_s;
+        den += holders * b.iteration_time_s;
+        ++steady_iterations;
+      }
+      activated |= b.activate_refresh.has_value();
+    }
+    if (den > 0) steady = num / den;
+  }
   // The longest task placed in a gap: the most pipeline work arriving while
   // K-FAC runs waits (serial tasks run after the node's pipeline work).
   double longest_s = 0;
@@ -749,6 +767,14 @@ absl::Status Run(const KfacArgs& a) {
     w.Number(after);
     w.Key("time_overhead");
     w.Number(overhead);
+    w.Key("utilization_after_steady");
+    if (steady) {
+      w.Number(*steady);
+    } else {
+      w.Null();
+    }
+    w.Key("steady_iterations");
+    w.Int(steady_iterations);
     w.Key("max_granule_ms");
     w.Number(k.max_granule_ms());
     w.Key("longest_bubble_task_ms");
@@ -823,6 +849,12 @@ absl::Status Run(const KfacArgs& a) {
       "longest K-FAC task in a gap: %.1f ms (%s)\n",
       100 * before, 100 * after, 100 * overhead, bp.completed_refreshes(),
       bp.mean_refresh_interval(), 1e3 * longest_s, longest_what);
+  if (steady) {
+    std::cout << absl::StrFormat(
+        "steady state (the %d iterations after the first activation): utilisation %.1f%% "
+        "with K-FAC\n",
+        steady_iterations, 100 * *steady);
+  }
   return absl::OkStatus();
 }
 
