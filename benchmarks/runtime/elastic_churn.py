@@ -97,7 +97,10 @@ def run(args, mode):
                 ckpt = j.get("lastCheckpoint", j.get("last_checkpoint", ""))
                 done = int(ckpt.rsplit("iter-", 1)[1]) if "iter-" in ckpt else 0
                 redone += it - done
-                c.ctl("resume", jid)
+                if done > 0:
+                    c.ctl("resume", jid)
+                else:  # killed before the first checkpoint: start over
+                    jid = c.ctl("submit", spec_path)["id"]
                 continue
             if mode != "none" and state == "JOB_STATE_RUNNING" and it >= next_kill and \
                     it < args.iterations - 2:
@@ -130,15 +133,29 @@ def run(args, mode):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/geo12.json"))
-    ap.add_argument("--iterations", type=int, default=60)
-    ap.add_argument("--kill-every", type=int, default=10)
-    ap.add_argument("--checkpoint-every", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--modes", default="none,elastic,restart")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
+                    help="build directory with the daemons and detourctl (default: %(default)s)")
+    ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/geo12.json"),
+                    help="cluster file whose regions and links are emulated (default: %(default)s)")
+    ap.add_argument("--iterations", type=int, default=60,
+                    help="iterations of the job in each run (default: %(default)s)")
+    ap.add_argument("--kill-every", type=int, default=10,
+                    help="kill a worker of the job every N iterations (default: %(default)s)")
+    ap.add_argument("--checkpoint-every", type=int, default=5,
+                    help="checkpoint interval; what the restart run resumes from "
+                         "(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="seed of the choice of victims (default: %(default)s)")
+    ap.add_argument("--modes", default="none,elastic,restart",
+                    help="comma-separated runs, of none, elastic, restart; the first of "
+                         "them is the baseline when none is left out (default: %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
+    if args.iterations < 1 or args.kill_every < 1 or args.checkpoint_every < 1:
+        ap.error("--iterations, --kill-every and --checkpoint-every must be at least 1")
+    bad = [m for m in args.modes.split(",") if m not in ("none", "elastic", "restart")]
+    if bad:
+        ap.error(f"--modes: unknown run {bad[0]!r} (none, elastic, restart)")
     results = []
     for mode in args.modes.split(","):
         print(f"== {mode}", file=sys.stderr, flush=True)
