@@ -21,7 +21,6 @@ numbers compare the three runs of one session, not absolute speeds.
 
   benchmarks/runtime/elastic_churn.py [--build build] [--iterations 60] ...
 """
-import argparse
 import json
 import os
 import random
@@ -30,9 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_daemons import LocalCluster  # noqa: E402
+from local_daemons import ROOT, LocalCluster, benchmark_parser, parse_benchmark_args  # noqa: E402,E501
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Cluster(LocalCluster):
@@ -132,13 +130,9 @@ def run(args, mode):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
-                    help="build directory with the daemons and detourctl (default: %(default)s)")
+    ap = benchmark_parser(__doc__, 60, ("none", "elastic", "restart"))
     ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/geo12.json"),
                     help="cluster file whose regions and links are emulated (default: %(default)s)")
-    ap.add_argument("--iterations", type=int, default=60,
-                    help="iterations of the job in each run (default: %(default)s)")
     ap.add_argument("--kill-every", type=int, default=10,
                     help="kill a worker of the job every N iterations (default: %(default)s)")
     ap.add_argument("--checkpoint-every", type=int, default=5,
@@ -146,16 +140,9 @@ def main():
                          "(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=1,
                     help="seed of the choice of victims (default: %(default)s)")
-    ap.add_argument("--modes", default="none,elastic,restart",
-                    help="comma-separated runs, of none, elastic, restart; the first of "
-                         "them is the baseline when none is left out (default: %(default)s)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args()
-    if args.iterations < 1 or args.kill_every < 1 or args.checkpoint_every < 1:
-        ap.error("--iterations, --kill-every and --checkpoint-every must be at least 1")
-    bad = [m for m in args.modes.split(",") if m not in ("none", "elastic", "restart")]
-    if bad:
-        ap.error(f"--modes: unknown run {bad[0]!r} (none, elastic, restart)")
+    args = parse_benchmark_args(ap)
+    if args.kill_every < 1 or args.checkpoint_every < 1:
+        ap.error("--kill-every and --checkpoint-every must be at least 1")
     results = []
     for mode in args.modes.split(","):
         print(f"== {mode}", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ benchmarks (elastic_churn.py, stage_moves.py): start them on ephemeral ports
 (each writes a ready file), talk to the coordinator with detourctl --json,
 read its /metrics, stop everything with SIGTERM (SIGKILL after 15 s).
 Plaintext (--insecure): the benchmarks measure the runtime, not TLS."""
+import argparse
 import json
 import os
 import signal
@@ -10,6 +11,35 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def benchmark_parser(doc, iterations, modes):
+    """The options every runtime benchmark has: --build, --iterations, --modes
+    (a comma-separated subset of `modes`, all by default) and --json. Add the
+    script's own, then call parse_benchmark_args."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
+                    help="build directory with the daemons and detourctl (default: %(default)s)")
+    ap.add_argument("--iterations", type=int, default=iterations,
+                    help="iterations of the job in each run (default: %(default)s)")
+    ap.add_argument("--modes", default=",".join(modes),
+                    help=f"comma-separated runs, of {', '.join(modes)} (default: %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.set_defaults(allowed_modes=tuple(modes))
+    return ap
+
+
+def parse_benchmark_args(ap):
+    """Parses; a bad --iterations or --modes is a usage error (exit 2)."""
+    args = ap.parse_args()
+    if args.iterations < 1:
+        ap.error("--iterations must be at least 1")
+    bad = [m for m in args.modes.split(",") if m not in args.allowed_modes]
+    if bad:
+        ap.error(f"--modes: unknown run {bad[0]!r} ({', '.join(args.allowed_modes)})")
+    return args
 
 
 def wait_ready(path, field, timeout=30):

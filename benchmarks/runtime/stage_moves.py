@@ -22,7 +22,6 @@ each other, not with other machines.
 
   benchmarks/runtime/stage_moves.py [--build build] [--iterations 30] [--kill-at 8]
 """
-import argparse
 import json
 import os
 import re
@@ -31,9 +30,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_daemons import LocalCluster  # noqa: E402
+from local_daemons import ROOT, LocalCluster, benchmark_parser, parse_benchmark_args  # noqa: E402,E501
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Cluster(LocalCluster):
@@ -109,11 +107,7 @@ def run(args, mode):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"),
-                    help="build directory with the daemons and detourctl (default: %(default)s)")
-    ap.add_argument("--iterations", type=int, default=30,
-                    help="iterations of the job in each run (default: %(default)s)")
+    ap = benchmark_parser(__doc__, 30, ("stay", "move"))
     ap.add_argument("--kill-at", type=int, default=8,
                     help="iteration at which the fast replica w3 is killed (default: %(default)s)")
     ap.add_argument("--slowdown", type=float, default=8,
@@ -121,18 +115,12 @@ def main():
     ap.add_argument("--horizon", type=int, default=20,
                     help="elastic.reassign_horizon_iterations: the iterations a move must "
                          "repay its cost within (default: %(default)s)")
-    ap.add_argument("--modes", default="stay,move",
-                    help="comma-separated runs, of stay and move (default: %(default)s)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args()
+    args = parse_benchmark_args(ap)
     if not 1 <= args.kill_at < args.iterations - 2:
         ap.error("--kill-at must be at least 1 and leave 3 iterations after it "
                  f"(--iterations {args.iterations})")
     if not args.slowdown >= 1 or args.horizon < 1:
         ap.error("--slowdown must be at least 1 and --horizon at least 1")
-    bad = [m for m in args.modes.split(",") if m not in ("stay", "move")]
-    if bad:
-        ap.error(f"--modes: unknown run {bad[0]!r} (stay, move)")
     results = []
     for mode in args.modes.split(","):
         print(f"== {mode}", file=sys.stderr, flush=True)
