@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -1567,11 +1568,25 @@ class JobRunner::Impl {
       const int n = cost_->NodeIndex(id);
       return n < 0 ? 0.0 : cost_->ForwardTime(n, stage) + cost_->BackwardTime(n, stage);
     };
-    std::vector<StageMove> moves = CandidateMoves(stages, seconds, kMoveCandidates);
+    std::vector<StageMove> moves = CandidateMoves(stages, seconds, /*limit=*/-1);
     if (moves.empty()) return std::nullopt;
     // Every candidate is judged by the same quick route search.
     const uint64_t seed = spec_.seed() + next_iteration_;
     const double current = PredictIteration(seed);
+    if (std::isfinite(current)) {  // workers that can train: recent moves settle first
+      const size_t before = moves.size();
+      moves.erase(std::remove_if(moves.begin(), moves.end(),
+                                 [&](const StageMove& m) {
+                                   return MoveMustSettle(m, made_moves_, next_iteration_, epoch_);
+                                 }),
+                  moves.end());
+      if (moves.size() < before) {
+        LogDebug("job ", job_id_, ": ", before - moves.size(),
+                 " stage move(s) wait for a recent move of their worker to settle");
+      }
+    }
+    if (moves.size() > static_cast<size_t>(kMoveCandidates)) moves.resize(kMoveCandidates);
+    if (moves.empty()) return std::nullopt;
     for (StageMove& m : moves) {
       members_[m.worker] = m.to;
       RebuildAssignment();
@@ -1591,7 +1606,12 @@ class JobRunner::Impl {
             " to stage ", move->to, " (", MoveReason(*move), ")");
     members_.erase(move->worker);
     RebuildAssignment();
-    return Join(infos_.at(move->worker), move->to, &*move);
+    std::optional<JobEnd> end = Join(infos_.at(move->worker), move->to, &*move);
+    auto moved = members_.find(move->worker);
+    if (!end && moved != members_.end() && moved->second == move->to) {
+      made_moves_[move->worker] = MadeMove{next_iteration_, horizon, epoch_};
+    }
+    return end;
   }
 
   // The iteration time a quick plan predicts for the membership as it is
@@ -1966,6 +1986,8 @@ class JobRunner::Impl {
   uint64_t cost_version_ = 0;  // bumped whenever measured speeds change the cost model
   uint64_t reassign_costs_ = 0;
   double move_baseline_s_ = 0;
+  // Each worker's last stage move (MoveMustSettle).
+  std::map<std::string, MadeMove> made_moves_;
   static constexpr int kMoveCandidates = 4;
   static constexpr int kQuickEvaluations = 200;
   static constexpr absl::Duration kMovePause = absl::Seconds(1);

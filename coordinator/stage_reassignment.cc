@@ -93,4 +93,14 @@ std::optional<StageMove> ChooseMove(double current_iteration_s,
   return best;
 }
 
+bool MoveMustSettle(const StageMove& m, const std::map<std::string, MadeMove>& made,
+                    uint64_t iteration, uint64_t epoch) {
+  if (m.fills_empty_stage) return false;
+  auto it = made.find(m.worker);
+  if (it == made.end()) return false;
+  const MadeMove& last = it->second;
+  return last.epoch == epoch && iteration >= last.iteration &&
+         iteration - last.iteration < last.horizon;
+}
+
 }  // namespace detour

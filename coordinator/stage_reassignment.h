@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,6 +73,27 @@ double MoveCostSeconds(double state_bytes, double latency_s, double bandwidth_by
 // a finite prediction pay. None when `horizon` is 0.
 std::optional<StageMove> ChooseMove(double current_iteration_s,
                                     const std::vector<StageMove>& judged, uint64_t horizon);
+
+// The last move made of a worker: at iteration boundary `iteration`, judged
+// to repay within `horizon` iterations; `epoch` is the membership's epoch
+// right after it (a loss or a join makes a new one).
+struct MadeMove {
+  uint64_t iteration = 0;
+  uint64_t horizon = 0;
+  uint64_t epoch = 0;
+};
+
+// Whether `m` waits instead of being judged: its worker moved less than that
+// move's horizon ago (made.at(worker); `iteration` is the boundary now) and
+// the membership is still the one the move made (`epoch`). A move was judged
+// to pay over its horizon; moving the same worker again before, with the
+// same workers, would follow the noise of re-measured speeds, not a change —
+// a worker moved back and forth, each move predicted to gain, was measured
+// in benchmarks/runtime/elastic_churn.py. A move that fills an empty stage
+// never waits; the caller also judges every move when the workers left
+// cannot train at all.
+bool MoveMustSettle(const StageMove& m, const std::map<std::string, MadeMove>& made,
+                    uint64_t iteration, uint64_t epoch);
 
 }  // namespace detour
 

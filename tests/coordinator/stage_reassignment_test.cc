@@ -131,5 +131,30 @@ TEST(StageReassignment, InfeasibleMembershipOrEmptyStageMovesAnyway) {
   EXPECT_FALSE(ChooseMove(0.5, {Judged("e", 0.6, 1, true)}, 0).has_value());
 }
 
+TEST(StageReassignment, AMovedWorkerSettlesForItsHorizonWhileTheMembershipStands) {
+  // w moved at boundary 17, judged over 20 iterations; epoch 9 after it.
+  const std::map<std::string, MadeMove> made = {{"w", MadeMove{17, 20, 9}}};
+  StageMove back;
+  back.worker = "w";
+  back.from = 5;
+  back.to = 4;
+  // The same workers, three iterations on: the move back waits (it was the
+  // back-and-forth elastic_churn.py measured), up to the horizon's end.
+  EXPECT_TRUE(MoveMustSettle(back, made, 20, 9));
+  EXPECT_TRUE(MoveMustSettle(back, made, 36, 9));
+  EXPECT_FALSE(MoveMustSettle(back, made, 37, 9));
+  // A loss or a join since (a new epoch): judged again.
+  EXPECT_FALSE(MoveMustSettle(back, made, 20, 10));
+  // Another worker, or a move into an empty stage: never waits.
+  StageMove other = back;
+  other.worker = "v";
+  EXPECT_FALSE(MoveMustSettle(other, made, 20, 9));
+  StageMove fill = back;
+  fill.fills_empty_stage = true;
+  EXPECT_FALSE(MoveMustSettle(fill, made, 20, 9));
+  // A record from a later boundary than now (a restarted count) holds nothing.
+  EXPECT_FALSE(MoveMustSettle(back, made, 10, 9));
+}
+
 }  // namespace
 }  // namespace detour
