@@ -1754,7 +1754,7 @@ class JobRunner::Impl {
     for (const auto& [id, stage] : members_) {
       const int index = cost_->NodeIndex(id);
       if (index < 0) continue;
-      const double measured = host_->estimates().Compute(id, v1::TaskTiming::KIND_FORWARD);
+      const double measured = host_->estimates().Compute(id, stage, v1::TaskTiming::KIND_FORWARD);
       const double predicted = cost_->ForwardTime(index, stage);
       if (!(measured > 0) || !(predicted > 0)) continue;
       const double assumed = cluster_.nodes(index).speed();

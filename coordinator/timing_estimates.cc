@@ -29,7 +29,8 @@ void TimingEstimates::Add(const v1::TimingReport& report,
   const std::string stage_label = stage == stage_of.end() ? "?" : absl::StrCat(stage->second);
   absl::MutexLock lock(&mu_);
   for (const v1::TaskTiming& t : report.tasks()) {
-    auto [it, fresh] = compute_.try_emplace({report.node(), t.kind()}, t.duration_s());
+    auto [it, fresh] = compute_.try_emplace(
+        {report.node(), stage == stage_of.end() ? -1 : stage->second, t.kind()}, t.duration_s());
     if (!fresh) it->second = (1 - kAlpha) * it->second + kAlpha * t.duration_s();
     if (task_seconds_ != nullptr) {
       const std::string kind =
@@ -58,9 +59,10 @@ void TimingEstimates::Add(const v1::TimingReport& report,
   }
 }
 
-double TimingEstimates::Compute(const std::string& node, v1::TaskTiming::Kind kind) const {
+double TimingEstimates::Compute(const std::string& node, int stage,
+                                v1::TaskTiming::Kind kind) const {
   absl::MutexLock lock(&mu_);
-  auto it = compute_.find({node, kind});
+  auto it = compute_.find({node, stage, kind});
   return it == compute_.end() ? 0 : it->second;
 }
 

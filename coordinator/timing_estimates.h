@@ -7,6 +7,7 @@
 
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
@@ -27,8 +28,11 @@ class TimingEstimates {
   void Add(const v1::TimingReport& report, const std::map<std::string, std::string>& regions,
            const std::map<std::string, int>& stage_of);
 
-  // Mean seconds of `kind` tasks on `node`; 0 when never seen.
-  double Compute(const std::string& node, v1::TaskTiming::Kind kind) const;
+  // Mean seconds of `kind` tasks on `node` while it held `stage`; 0 when
+  // never seen. Per stage: stages differ in work (the embedding, the head),
+  // and a worker that moves between stages (stage reassignment) must not be
+  // judged on the new stage by the old one's times.
+  double Compute(const std::string& node, int stage, v1::TaskTiming::Kind kind) const;
   // Mean seconds of an activation-sized transfer (a forward activation or
   // its gradient; all-reduce payloads excluded) from `from` to `to`; 0 when
   // never seen. Latency and bandwidth are not separable from one transfer
@@ -37,7 +41,8 @@ class TimingEstimates {
 
  private:
   mutable absl::Mutex mu_;
-  std::map<std::pair<std::string, int>, double> compute_ ABSL_GUARDED_BY(mu_);
+  // (node, stage, kind) -> seconds; a node of no known stage is kept under -1.
+  std::map<std::tuple<std::string, int, int>, double> compute_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, double> transfer_ ABSL_GUARDED_BY(mu_);
   metrics::HistogramFamily* task_seconds_ = nullptr;
   metrics::HistogramFamily* transfer_seconds_ = nullptr;
