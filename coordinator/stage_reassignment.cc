@@ -79,7 +79,7 @@ std::optional<StageMove> ChooseMove(double current_iteration_s,
       net = std::numeric_limits<double>::infinity();
     } else {
       const double gain = current_iteration_s - m.predicted_iteration_s;
-      if (!(gain > 0)) continue;
+      if (!(gain >= kMinMoveGain * current_iteration_s) || !(gain > 0)) continue;
       net = gain * static_cast<double>(horizon) - m.cost_s;
     }
     if (!(net > 0)) continue;

@@ -63,10 +63,19 @@ double StageStateBytes(double parameters, double kfac_values);
 double MoveCostSeconds(double state_bytes, double latency_s, double bandwidth_bytes_per_s,
                        double pause_s);
 
+// The least gain a move is made for, as a fraction of the current predicted
+// iteration. Predictions come from measured speeds that drift between
+// re-plans; on benchmarks/runtime/elastic_churn.py's emulated cluster a
+// move predicted to gain 1-3% was followed by iterations 10-30% off the
+// prediction, and by a chain of further small moves. Below 5% a move is
+// more likely to follow that noise than a real imbalance.
+inline constexpr double kMinMoveGain = 0.05;
+
 // The move to make, or none. A move that fills an empty stage is made
 // whatever the prediction (the stage's layers would train on no route
 // otherwise): the one with the shortest predicted iteration among those.
-// Otherwise a move must repay its cost within `horizon` iterations,
+// Otherwise a move must shorten the predicted iteration by at least
+// kMinMoveGain of it and repay its cost within `horizon` iterations,
 // (current_iteration_s - predicted_iteration_s) x horizon > cost_s, and the
 // one with the largest net gain (that product minus the cost) is chosen. A
 // non-finite current time (the membership cannot train) makes any move with

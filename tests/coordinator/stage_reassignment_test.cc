@@ -107,6 +107,10 @@ TEST(StageReassignment, MovesOnlyWhenTheGainRepaysTheCostWithinTheHorizon) {
   EXPECT_FALSE(ChooseMove(0.5, {Judged("a", 0.1, 0)}, 0).has_value());
   EXPECT_FALSE(ChooseMove(0.5, {Judged("a", 0.6, 0)}, 1000).has_value());
   EXPECT_FALSE(ChooseMove(0.5, {Judged("a", 0.5, 0)}, 1000).has_value());
+  // A gain under kMinMoveGain (5%) of the iteration is noise, free or not.
+  EXPECT_FALSE(ChooseMove(0.5, {Judged("a", 0.49, 0)}, 1000).has_value());
+  EXPECT_FALSE(ChooseMove(0.5, {Judged("a", 0.48, 0)}, 1000).has_value());
+  EXPECT_TRUE(ChooseMove(0.5, {Judged("a", 0.47, 0)}, 1000).has_value());
   // The largest net gain wins: a saves 0.2 x 10 - 1.5 = 0.5, b 0.1 x 10 - 0 = 1.
   auto best = ChooseMove(0.5, {Judged("a", 0.3, 1.5), Judged("b", 0.4, 0)}, 10);
   ASSERT_TRUE(best.has_value());
