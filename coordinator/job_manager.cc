@@ -187,7 +187,10 @@ void JobManager::ScheduleLoop() {
       std::vector<v1::WorkerInfo> free;
       const std::vector<v1::WorkerInfo> registered = registry_->List(false);
       for (const v1::WorkerInfo& w : registered) {
-        if (w.state() == v1::WORKER_STATE_IDLE && !reserved_.count(w.worker_id())) {
+        // A worker whose session stream is not open (yet: it registers,
+        // then opens it) cannot take an assignment.
+        if (w.state() == v1::WORKER_STATE_IDLE && w.session_open() &&
+            !reserved_.count(w.worker_id())) {
           free.push_back(w);
         }
       }

@@ -8,11 +8,15 @@
 namespace detour {
 namespace {
 
-bool Holds(const std::vector<v1::WorkerInfo>& workers, const std::string& id) {
+const v1::WorkerInfo* Find(const std::vector<v1::WorkerInfo>& workers, const std::string& id) {
   for (const v1::WorkerInfo& w : workers) {
-    if (w.worker_id() == id) return true;
+    if (w.worker_id() == id) return &w;
   }
-  return false;
+  return nullptr;
+}
+
+bool Holds(const std::vector<v1::WorkerInfo>& workers, const std::string& id) {
+  return Find(workers, id) != nullptr;
 }
 
 // "2 data nodes + 3 stages × 2 replicas": where the count comes from.
@@ -52,12 +56,14 @@ std::string PendingReason(const v1::JobSpec& spec, const std::vector<v1::WorkerI
                         " registered, ", free.size(), " idle (the others hold other jobs)");
   }
   std::vector<std::string> unregistered;
+  std::vector<std::string> unconnected;
   std::vector<std::string> busy;
   for (const std::string& id : pinned) {
-    if (!Holds(registered, id)) {
+    const v1::WorkerInfo* w = Find(registered, id);
+    if (w == nullptr) {
       unregistered.push_back(id);
     } else if (!Holds(free, id)) {
-      busy.push_back(id);
+      (w->session_open() ? busy : unconnected).push_back(id);
     }
   }
   std::string text = "waiting for the pinned workers (pipeline.assignment):";
@@ -67,11 +73,17 @@ std::string PendingReason(const v1::JobSpec& spec, const std::vector<v1::WorkerI
                     " not registered, so it cannot start until ",
                     unregistered.size() == 1 ? "it registers" : "they register");
   }
-  if (!busy.empty()) {
-    absl::StrAppend(&text, unregistered.empty() ? " " : "; ", absl::StrJoin(busy, ", "),
-                    busy.size() == 1 ? " is" : " are", " busy with another job");
+  if (!unconnected.empty()) {
+    absl::StrAppend(&text, unregistered.empty() ? " " : "; ", absl::StrJoin(unconnected, ", "),
+                    unconnected.size() == 1 ? " is" : " are",
+                    " registered without an open session (connecting, or reconnecting)");
   }
-  if (unregistered.empty() && busy.empty()) {
+  if (!busy.empty()) {
+    absl::StrAppend(&text, unregistered.empty() && unconnected.empty() ? " " : "; ",
+                    absl::StrJoin(busy, ", "), busy.size() == 1 ? " is" : " are",
+                    " busy with another job");
+  }
+  if (unregistered.empty() && unconnected.empty() && busy.empty()) {
     absl::StrAppend(&text, " they are idle, but fewer than the ", needed, " the job needs");
   }
   return text;

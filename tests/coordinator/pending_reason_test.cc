@@ -22,6 +22,7 @@ std::vector<v1::WorkerInfo> Workers(std::vector<std::string> ids) {
   for (const std::string& id : ids) {
     out.emplace_back();
     out.back().set_worker_id(id);
+    out.back().set_session_open(true);
   }
   return out;
 }
@@ -59,6 +60,26 @@ TEST(PendingReason, PinnedWorkersMissingOrBusyAreNamed) {
   EXPECT_EQ(PendingReason(spec, Workers({"w1", "gpu9"}), Workers({})),
             "waiting for the pinned workers (pipeline.assignment): gpu9, w1 are busy with another "
             "job");
+}
+
+// A worker registers, then opens its session stream: in between it is not
+// free, and the message says why rather than calling it busy.
+TEST(PendingReason, APinnedWorkerWithoutASessionIsNamedAsSuch) {
+  v1::JobSpec spec = Spec(2, 1, 1);
+  spec.mutable_pipeline()->add_assignment()->add_nodes("d0");
+  spec.mutable_pipeline()->add_assignment()->add_nodes("s1");
+  std::vector<v1::WorkerInfo> registered = Workers({"d0", "s1"});
+  registered[1].set_session_open(false);
+  EXPECT_EQ(PendingReason(spec, registered, Workers({"d0"})),
+            "waiting for the pinned workers (pipeline.assignment): s1 is registered without an "
+            "open session (connecting, or reconnecting)");
+  registered.push_back(Workers({"w9"})[0]);
+  spec.mutable_pipeline()->mutable_assignment(0)->add_nodes("w9");
+  spec.mutable_pipeline()->mutable_assignment(0)->add_nodes("gpu9");
+  EXPECT_EQ(PendingReason(spec, registered, Workers({"d0"})),
+            "waiting for the pinned workers (pipeline.assignment): gpu9 is not registered, so it "
+            "cannot start until it registers; s1 is registered without an open session "
+            "(connecting, or reconnecting); w9 is busy with another job");
 }
 
 }  // namespace
