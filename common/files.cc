@@ -44,8 +44,8 @@ absl::StatusOr<std::string> ReadFileBounded(const std::string& path, uint64_t ma
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(path, ": ", st.st_size,
-                                                     " bytes, more than the limit ", max_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(path, ": ", st.st_size, " bytes, more than the limit ", max_bytes));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
@@ -150,8 +150,9 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   }
   if (s.ok()) {
     fs::rename(tmp, target, ec);
-    if (ec) s = absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ",
-                                                    ec.message()));
+    if (ec)
+      s = absl::UnavailableError(
+          absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ec.message()));
   }
   if (!s.ok()) {
     fs::remove(tmp, ec);
@@ -169,8 +170,8 @@ absl::Status EnsureWritableDirectory(const std::string& dir, const std::string& 
         absl::StrCat(what, ": cannot create directory ", dir, ": ", ec.message()));
   }
   if (::access(dir.c_str(), W_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": directory ", dir,
-                                                      " is not writable"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": directory ", dir, " is not writable"));
   }
   return absl::OkStatus();
 }

@@ -42,14 +42,14 @@ void FlagSet::String(const std::string& name, std::string* value, const std::str
 }
 
 void FlagSet::Int(const std::string& name, int64_t* value, const std::string& help) {
-  flags_.push_back({name, help, "int", absl::StrCat(*value), false, false,
-                    [value, name](const std::string& v) {
-                      if (!absl::SimpleAtoi(v, value)) {
-                        return absl::InvalidArgumentError(
-                            absl::StrCat("--", name, ": \"", v, "\" is not an integer"));
-                      }
-                      return absl::OkStatus();
-                    }});
+  flags_.push_back(
+      {name, help, "int", absl::StrCat(*value), false, false, [value, name](const std::string& v) {
+         if (!absl::SimpleAtoi(v, value)) {
+           return absl::InvalidArgumentError(
+               absl::StrCat("--", name, ": \"", v, "\" is not an integer"));
+         }
+         return absl::OkStatus();
+       }});
 }
 
 void FlagSet::Double(const std::string& name, double* value, const std::string& help) {
@@ -80,8 +80,7 @@ void FlagSet::Duration(const std::string& name, absl::Duration* value, const std
                       absl::Duration d;
                       if (!absl::ParseDuration(v, &d) || d < absl::ZeroDuration()) {
                         return absl::InvalidArgumentError(absl::StrCat(
-                            "--", name, ": \"", v,
-                            "\" is not a duration (e.g. 500ms, 10s, 2m)"));
+                            "--", name, ": \"", v, "\" is not a duration (e.g. 500ms, 10s, 2m)"));
                       }
                       *value = d;
                       return absl::OkStatus();
@@ -164,8 +163,7 @@ absl::StatusOr<std::vector<std::string>> FlagSet::Parse(const std::vector<std::s
       }
     }
     if (flag == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", body, Suggest(body)));
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", body, Suggest(body)));
     }
     if (!has_value) {
       if (flag->is_bool) {

@@ -51,9 +51,8 @@ class JsonParser {
 
   absl::StatusOr<JsonValue> Document() {
     if (s_.size() > limits_.max_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("JSON document is ", s_.size(),
-                                                     " bytes, more than the limit of ",
-                                                     limits_.max_bytes));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "JSON document is ", s_.size(), " bytes, more than the limit of ", limits_.max_bytes));
     }
     JsonValue v;
     if (!Value(&v, 0)) return Error();
@@ -102,18 +101,13 @@ class JsonParser {
           return Fail(absl::StrCat("nesting deeper than ", limits_.max_depth));
         }
         return c == '{' ? Object(v, depth + 1) : Array(v, depth + 1);
-      case '"':
-        v->kind_ = JsonValue::Kind::kString;
-        return String(&v->text_);
+      case '"': v->kind_ = JsonValue::Kind::kString; return String(&v->text_);
       case 't':
         v->kind_ = JsonValue::Kind::kBool;
         v->bool_ = true;
         return Literal("true");
-      case 'f':
-        v->kind_ = JsonValue::Kind::kBool;
-        return Literal("false");
-      case 'n':
-        return Literal("null");
+      case 'f': v->kind_ = JsonValue::Kind::kBool; return Literal("false");
+      case 'n': return Literal("null");
       default:
         if (c == '-' || (c >= '0' && c <= '9')) return Number(v);
         return Fail(absl::StrFormat("unexpected character 0x%02x", static_cast<unsigned char>(c)));
@@ -231,10 +225,14 @@ class JsonParser {
     for (int i = 0; i < 4; ++i) {
       const char c = s_[pos_++];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= c - '0';
-      else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
-      else return Fail("bad hex digit in \\u escape");
+      if (c >= '0' && c <= '9')
+        v |= c - '0';
+      else if (c >= 'a' && c <= 'f')
+        v |= c - 'a' + 10;
+      else if (c >= 'A' && c <= 'F')
+        v |= c - 'A' + 10;
+      else
+        return Fail("bad hex digit in \\u escape");
     }
     *out = v;
     return true;
@@ -294,10 +292,20 @@ class JsonParser {
     const auto b0 = static_cast<unsigned char>(s_[pos_]);
     int n = 0;
     uint32_t cp = 0, min = 0;
-    if (b0 >= 0xC2 && b0 <= 0xDF) { n = 1; cp = b0 & 0x1F; min = 0x80; }
-    else if (b0 >= 0xE0 && b0 <= 0xEF) { n = 2; cp = b0 & 0x0F; min = 0x800; }
-    else if (b0 >= 0xF0 && b0 <= 0xF4) { n = 3; cp = b0 & 0x07; min = 0x10000; }
-    else return Fail("invalid UTF-8");
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+      n = 1;
+      cp = b0 & 0x1F;
+      min = 0x80;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      n = 2;
+      cp = b0 & 0x0F;
+      min = 0x800;
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      n = 3;
+      cp = b0 & 0x07;
+      min = 0x10000;
+    } else
+      return Fail("invalid UTF-8");
     if (s_.size() - pos_ <= static_cast<size_t>(n)) return Fail("truncated UTF-8");
     for (int i = 1; i <= n; ++i) {
       const auto b = static_cast<unsigned char>(s_[pos_ + i]);

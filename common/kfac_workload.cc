@@ -170,8 +170,8 @@ std::vector<int> SplitIntoParts(const std::vector<int64_t>& weights, int num_par
   for (int part = 0; part < parts; ++part) {
     int64_t sum = clean[next++];
     const int runs_after = parts - part - 1;
-    while (next < n && (part == parts - 1 ||
-                        (sum + clean[next] <= lo && n - (next + 1) >= runs_after))) {
+    while (next < n &&
+           (part == parts - 1 || (sum + clean[next] <= lo && n - (next + 1) >= runs_after))) {
       sum += clean[next++];
     }
     bounds.push_back(next);
@@ -234,13 +234,10 @@ std::vector<int64_t> InversionUnitWeights(int64_t n) {
 
 ReplicaSync ReplicaSyncOf(const v1::KfacSpec& kfac) {
   switch (kfac.replica_sync()) {
-    case v1::KFAC_REPLICA_SYNC_FACTORS:
-      return ReplicaSync::kFactors;
+    case v1::KFAC_REPLICA_SYNC_FACTORS: return ReplicaSync::kFactors;
     case v1::KFAC_REPLICA_SYNC_PRECONDITIONED:
-    case v1::KFAC_REPLICA_SYNC_AUTO:
-      return ReplicaSync::kPreconditioned;
-    default:
-      return kfac.sync_factors() ? ReplicaSync::kFactors : ReplicaSync::kNone;
+    case v1::KFAC_REPLICA_SYNC_AUTO: return ReplicaSync::kPreconditioned;
+    default: return kfac.sync_factors() ? ReplicaSync::kFactors : ReplicaSync::kNone;
   }
 }
 

@@ -55,19 +55,24 @@ void SetLogComponent(absl::string_view component) {
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
 bool ParseLogLevel(absl::string_view text, LogLevel* level) {
-  if (text == "debug") *level = LogLevel::kDebug;
-  else if (text == "info") *level = LogLevel::kInfo;
-  else if (text == "warning" || text == "warn") *level = LogLevel::kWarning;
-  else if (text == "error") *level = LogLevel::kError;
-  else return false;
+  if (text == "debug")
+    *level = LogLevel::kDebug;
+  else if (text == "info")
+    *level = LogLevel::kInfo;
+  else if (text == "warning" || text == "warn")
+    *level = LogLevel::kWarning;
+  else if (text == "error")
+    *level = LogLevel::kError;
+  else
+    return false;
   return true;
 }
 
 void LogLine(LogLevel level, absl::string_view message) {
   if (static_cast<int>(level) < g_level.load()) return;
-  std::string line = absl::StrCat(
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
-      LevelName(level), " ", CurrentComponent(), ": ", message, "\n");
+  std::string line =
+      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()), " ",
+                   LevelName(level), " ", CurrentComponent(), ": ", message, "\n");
   // One write per line so concurrent lines do not interleave.
   size_t done = 0;
   while (done < line.size()) {

@@ -15,7 +15,8 @@ constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
                                    "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 
 std::string Escape(const std::string& text) {
-  return absl::StrReplaceAll(text, {{"&", "&amp;"}, {"<", "&lt;"}, {">", "&gt;"}, {"\"", "&quot;"}});
+  return absl::StrReplaceAll(text,
+                             {{"&", "&amp;"}, {"<", "&lt;"}, {">", "&gt;"}, {"\"", "&quot;"}});
 }
 
 // A "nice" tick step (1, 2 or 5 × 10^k) giving about `target` ticks.
@@ -53,8 +54,9 @@ std::string LinePlotSvg(const std::vector<PlotSeries>& series, const PlotOptions
       "<text x=\"%d\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">%s</text>\n",
       o.width, o.height, o.width / 2, Escape(o.title));
   if (!std::isfinite(x0)) {
-    return svg + absl::StrFormat("<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">no data</text>\n</svg>\n",
-                                 o.width / 2, o.height / 2);
+    return svg + absl::StrFormat(
+                     "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">no data</text>\n</svg>\n",
+                     o.width / 2, o.height / 2);
   }
   if (o.max_y_span > 0) y1 = std::min(y1, y0 + o.max_y_span);
   if (x1 == x0) x1 = x0 + 1;

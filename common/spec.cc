@@ -25,8 +25,8 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
 }
 
 // Sets a scalar proto field to `value` when it holds its zero value.
-#define DETOUR_DEFAULT(msg, field, value) \
-  do {                                    \
+#define DETOUR_DEFAULT(msg, field, value)               \
+  do {                                                  \
     if ((msg)->field() == 0) (msg)->set_##field(value); \
   } while (0)
 
@@ -35,11 +35,9 @@ absl::StatusOr<M> ParseJson(absl::string_view json, absl::string_view what) {
   M message;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
-  auto status = google::protobuf::util::JsonStringToMessage(
-      std::string(json), &message, options);
+  auto status = google::protobuf::util::JsonStringToMessage(std::string(json), &message, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", std::string(status.message())));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", std::string(status.message())));
   }
   return message;
 }
@@ -59,8 +57,8 @@ std::string Num(double v) { return absl::StrFormat("%g", v); }
 absl::StatusOr<v1::ModelShape> ModelPreset(absl::string_view name) {
   v1::ModelShape s;
   s.set_preset(std::string(name));
-  auto set = [&s](uint32_t layers, uint32_t d, uint32_t heads, uint32_t kv,
-                  uint32_t ffn, uint32_t ctx, uint32_t vocab) {
+  auto set = [&s](uint32_t layers, uint32_t d, uint32_t heads, uint32_t kv, uint32_t ffn,
+                  uint32_t ctx, uint32_t vocab) {
     s.set_num_layers(layers);
     s.set_d_model(d);
     s.set_num_heads(heads);
@@ -81,8 +79,8 @@ absl::StatusOr<v1::ModelShape> ModelPreset(absl::string_view name) {
     set(32, 4096, 32, 8, 14336, 8192, 128256);
     s.set_rope_theta(500000);
   } else {
-    return absl::NotFoundError(absl::StrCat(
-        "unknown model preset \"", name, "\" (known: tiny, small, 500m, 1.5b, 8b)"));
+    return absl::NotFoundError(
+        absl::StrCat("unknown model preset \"", name, "\" (known: tiny, small, 500m, 1.5b, 8b)"));
   }
   return s;
 }
@@ -177,8 +175,10 @@ void ApplyJobDefaults(JobSpec* spec) {
     } else if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_AUTO) {
       // Nothing to choose between: one replica per stage, or the momentum
       // rule (FACTORS is its only scheme).
-      if (!replicated) k->set_replica_sync(v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
-      else if (momentum) k->set_replica_sync(v1::KFAC_REPLICA_SYNC_FACTORS);
+      if (!replicated)
+        k->set_replica_sync(v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
+      else if (momentum)
+        k->set_replica_sync(v1::KFAC_REPLICA_SYNC_FACTORS);
     }
   }
   if (k->replica_sync() == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_sync_factors(true);
@@ -216,22 +216,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (m.d_model() == 0) return Invalid("model.d_model", "must be > 0 (or name a preset)");
   if (m.num_heads() == 0) return Invalid("model.num_heads", "must be > 0 (or name a preset)");
   if (m.d_model() % m.num_heads() != 0) {
-    return Invalid("model.num_heads", absl::StrCat(m.num_heads(), " does not divide d_model ",
-                                                   m.d_model()));
+    return Invalid("model.num_heads",
+                   absl::StrCat(m.num_heads(), " does not divide d_model ", m.d_model()));
   }
   if ((m.d_model() / m.num_heads()) % 2 != 0) {
-    return Invalid("model.num_heads",
-                   absl::StrCat("head size ", m.d_model() / m.num_heads(),
-                                " must be even for rotary embeddings"));
+    return Invalid("model.num_heads", absl::StrCat("head size ", m.d_model() / m.num_heads(),
+                                                   " must be even for rotary embeddings"));
   }
   if (m.num_kv_heads() == 0 || m.num_heads() % m.num_kv_heads() != 0) {
-    return Invalid("model.num_kv_heads", absl::StrCat(m.num_kv_heads(),
-                                                      " must divide num_heads ", m.num_heads()));
+    return Invalid("model.num_kv_heads",
+                   absl::StrCat(m.num_kv_heads(), " must divide num_heads ", m.num_heads()));
   }
   if (m.vocab_size() < 2) return Invalid("model.vocab_size", absl::StrCat(m.vocab_size(), " < 2"));
   using L = SpecLimits;
   for (auto [field, value, limit] :
-       {std::tuple<const char*, uint64_t, uint64_t>{"model.num_layers", m.num_layers(), L::kMaxLayers},
+       {std::tuple<const char*, uint64_t, uint64_t>{"model.num_layers", m.num_layers(),
+                                                    L::kMaxLayers},
         {"model.d_model", m.d_model(), L::kMaxDModel},
         {"model.num_heads", m.num_heads(), L::kMaxHeads},
         {"model.ffn_dim", m.ffn_dim(), L::kMaxFfnDim},
@@ -243,7 +243,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("model.rope_theta", Num(m.rope_theta()) + " is above 1e12");
   }
   if (!(m.norm_eps() < 1)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " is not < 1");
-  if (!(m.rope_theta() > 0)) return Invalid("model.rope_theta", Num(m.rope_theta()) + " must be > 0");
+  if (!(m.rope_theta() > 0))
+    return Invalid("model.rope_theta", Num(m.rope_theta()) + " must be > 0");
   if (!(m.norm_eps() > 0)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " must be > 0");
 
   const v1::PipelineSpec& p = spec.pipeline();
@@ -267,8 +268,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     if (value > limit) return Invalid(field, absl::StrCat(value, " exceeds the limit ", limit));
   }
   // Products of bounded counts fit in 64 bits.
-  const uint64_t workers =
-      uint64_t{p.data_nodes()} + (uint64_t{std::max(1u, p.num_stages())} - 1) * p.replicas_per_stage();
+  const uint64_t workers = uint64_t{p.data_nodes()} +
+                           (uint64_t{std::max(1u, p.num_stages())} - 1) * p.replicas_per_stage();
   if (workers > L::kMaxWorkers) {
     return Invalid("pipeline", absl::StrCat("needs ", workers,
                                             " workers (data_nodes + (num_stages-1) x "
@@ -279,11 +280,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (microbatches > L::kMaxMicrobatches) {
     return Invalid("pipeline.microbatches_per_data_node",
                    absl::StrCat(p.data_nodes(), " data nodes x ", p.microbatches_per_data_node(),
-                                " = ", microbatches, " microbatches per iteration, more than the "
-                                "limit ", L::kMaxMicrobatches));
+                                " = ", microbatches,
+                                " microbatches per iteration, more than the "
+                                "limit ",
+                                L::kMaxMicrobatches));
   }
-  const uint64_t elements =
-      uint64_t{p.samples_per_microbatch()} * m.context_length() * m.d_model();
+  const uint64_t elements = uint64_t{p.samples_per_microbatch()} * m.context_length() * m.d_model();
   if (elements > L::kMaxActivationElements) {
     return Invalid("pipeline.samples_per_microbatch",
                    absl::StrCat("a microbatch's activation of ", p.samples_per_microbatch(), " x ",
@@ -292,8 +294,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (p.num_stages() > m.num_layers()) {
     return Invalid("pipeline.num_stages",
-                   absl::StrCat(p.num_stages(), " stages exceed model.num_layers ",
-                                m.num_layers(), " (each stage needs at least one layer)"));
+                   absl::StrCat(p.num_stages(), " stages exceed model.num_layers ", m.num_layers(),
+                                " (each stage needs at least one layer)"));
   }
   if (!(p.skip_ratio() >= 0.0 && p.skip_ratio() < 1.0)) {
     return Invalid("pipeline.skip_ratio", Num(p.skip_ratio()) + " is outside [0, 1)");
@@ -305,12 +307,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (p.max_jump() == 0) return Invalid("pipeline.max_jump", "must be >= 1");
   // With P-1 hops of at most max_jump stages each, routes reach stage
   // max_jump·(P-1) at most; every stage must be reachable.
-  if (visited > 1 && uint64_t{p.max_jump()} * static_cast<uint64_t>(visited - 1) <
-                         p.num_stages() - 1) {
+  if (visited > 1 &&
+      uint64_t{p.max_jump()} * static_cast<uint64_t>(visited - 1) < p.num_stages() - 1) {
     return Invalid("pipeline.max_jump",
-                   absl::StrCat(p.max_jump(), " is too small: ", visited - 1,
-                                " hops of at most ", p.max_jump(), " stages cannot reach stage ",
-                                p.num_stages() - 1));
+                   absl::StrCat(p.max_jump(), " is too small: ", visited - 1, " hops of at most ",
+                                p.max_jump(), " stages cannot reach stage ", p.num_stages() - 1));
   }
   if (p.max_swaps() > 0 && p.max_swap_distance() == 0) {
     return Invalid("pipeline.max_swap_distance", "must be >= 1 when max_swaps > 0");
@@ -324,15 +325,14 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    absl::StrCat(p.plan_objective(), " is not an objective"));
   }
   if (!v1::Precision_IsValid(p.precision())) {
-    return Invalid("pipeline.precision",
-                   absl::StrCat(p.precision(), " is not a precision (PRECISION_FP32 or "
-                                               "PRECISION_BF16)"));
+    return Invalid("pipeline.precision", absl::StrCat(p.precision(),
+                                                      " is not a precision (PRECISION_FP32 or "
+                                                      "PRECISION_BF16)"));
   }
   if (p.assignment_size() > 0) {
     if (p.assignment_size() != static_cast<int>(p.num_stages())) {
-      return Invalid("pipeline.assignment",
-                     absl::StrCat(p.assignment_size(), " stage groups for ", p.num_stages(),
-                                  " stages"));
+      return Invalid("pipeline.assignment", absl::StrCat(p.assignment_size(), " stage groups for ",
+                                                         p.num_stages(), " stages"));
     }
     std::set<std::string> seen;
     for (int st = 0; st < p.assignment_size(); ++st) {
@@ -365,11 +365,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     const uint64_t visits = uint64_t{p.data_nodes()} * p.microbatches_per_data_node() *
                             static_cast<uint64_t>(visited - 1);
     if (visits < p.num_stages() - 1) {
-      return Invalid("pipeline.microbatches_per_data_node",
-                     absl::StrCat(p.microbatches_per_data_node(),
-                                  " microbatches per data node cannot visit all ",
-                                  p.num_stages() - 1, " non-zero stages at skip ratio ",
-                                  Num(p.skip_ratio())));
+      return Invalid(
+          "pipeline.microbatches_per_data_node",
+          absl::StrCat(p.microbatches_per_data_node(),
+                       " microbatches per data node cannot visit all ", p.num_stages() - 1,
+                       " non-zero stages at skip ratio ", Num(p.skip_ratio())));
     }
   }
 
@@ -377,8 +377,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(o.adamw().lr() > 0) || !std::isfinite(o.adamw().lr())) {
     return Invalid("optimizer.adamw.lr", Num(o.adamw().lr()) + " must be > 0");
   }
-  for (auto [name, v] : {std::pair<const char*, double>{"beta1", o.adamw().beta1()},
-                         {"beta2", o.adamw().beta2()}}) {
+  for (auto [name, v] :
+       {std::pair<const char*, double>{"beta1", o.adamw().beta1()}, {"beta2", o.adamw().beta2()}}) {
     if (!(v >= 0 && v < 1)) {
       return Invalid(absl::StrCat("optimizer.adamw.", name), Num(v) + " is outside [0, 1)");
     }
@@ -461,8 +461,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
 
   const v1::DataSpec& d = spec.data();
   if (d.path().size() > L::kMaxPathBytes) {
-    return Invalid("data.path", absl::StrCat(d.path().size(), " bytes, more than the limit ",
-                                             L::kMaxPathBytes));
+    return Invalid("data.path",
+                   absl::StrCat(d.path().size(), " bytes, more than the limit ", L::kMaxPathBytes));
   }
   if (spec.checkpoint().resume_from().size() > L::kMaxPathBytes) {
     return Invalid("checkpoint.resume_from",
@@ -471,9 +471,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   const std::string& init_from = spec.checkpoint().init_from();
   if (init_from.size() > L::kMaxPathBytes) {
-    return Invalid("checkpoint.init_from", absl::StrCat(init_from.size(),
-                                                        " bytes, more than the limit ",
-                                                        L::kMaxPathBytes));
+    return Invalid(
+        "checkpoint.init_from",
+        absl::StrCat(init_from.size(), " bytes, more than the limit ", L::kMaxPathBytes));
   }
   if (init_from.find('\0') != std::string::npos) {
     return Invalid("checkpoint.init_from", "contains a NUL byte");
@@ -494,14 +494,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   const v1::ElasticSpec& e = spec.elastic();
   if (e.pause_timeout_s() > L::kMaxPauseSeconds) {
-    return Invalid("elastic.pause_timeout_s", absl::StrCat(e.pause_timeout_s(),
-                                                           " exceeds the limit ",
-                                                           L::kMaxPauseSeconds));
+    return Invalid("elastic.pause_timeout_s",
+                   absl::StrCat(e.pause_timeout_s(), " exceeds the limit ", L::kMaxPauseSeconds));
   }
   if (e.reconnect_grace_ms() > L::kMaxReconnectGraceMs) {
-    return Invalid("elastic.reconnect_grace_ms",
-                   absl::StrCat(e.reconnect_grace_ms(), " exceeds the limit ",
-                                L::kMaxReconnectGraceMs));
+    return Invalid(
+        "elastic.reconnect_grace_ms",
+        absl::StrCat(e.reconnect_grace_ms(), " exceeds the limit ", L::kMaxReconnectGraceMs));
   }
   if (e.reassign_horizon_iterations() > L::kMaxReassignHorizon) {
     return Invalid("elastic.reassign_horizon_iterations",
@@ -524,12 +523,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("data.source", absl::StrCat(d.source(), " is not a DataSourceKind"));
   }
   if (d.tokenizer().size() > L::kMaxPathBytes) {
-    return Invalid("data.tokenizer", absl::StrCat(d.tokenizer().size(),
-                                                  " bytes, more than the limit ",
-                                                  L::kMaxPathBytes));
+    return Invalid(
+        "data.tokenizer",
+        absl::StrCat(d.tokenizer().size(), " bytes, more than the limit ", L::kMaxPathBytes));
   }
   if (!(d.validation_fraction() >= 0 && d.validation_fraction() <= 0.5)) {
-    return Invalid("data.validation_fraction", Num(d.validation_fraction()) + " is outside [0, 0.5]");
+    return Invalid("data.validation_fraction",
+                   Num(d.validation_fraction()) + " is outside [0, 0.5]");
   }
   if (spec.iterations() == 0) return Invalid("iterations", "must be > 0");
   if (spec.device() != "cpu" && spec.device() != "cuda") {
@@ -558,8 +558,8 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
                                          L::kMaxClusterNodes));
   }
   if (spec.links_size() > L::kMaxLinks) {
-    return Invalid("links", absl::StrCat(spec.links_size(), " links, more than the limit ",
-                                         L::kMaxLinks));
+    return Invalid("links",
+                   absl::StrCat(spec.links_size(), " links, more than the limit ", L::kMaxLinks));
   }
   if (spec.name().size() > L::kMaxIdBytes) {
     return Invalid("name", absl::StrCat(spec.name().size(), " bytes (limit ", L::kMaxIdBytes, ")"));
@@ -572,8 +572,8 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
     if (n.id().empty()) return Invalid(field + ".id", "is empty");
     if (n.id().size() > L::kMaxIdBytes || n.region().size() > L::kMaxIdBytes ||
         n.address().size() > L::kMaxIdBytes) {
-      return Invalid(field, absl::StrCat("id, region and address are limited to ", L::kMaxIdBytes,
-                                         " bytes"));
+      return Invalid(
+          field, absl::StrCat("id, region and address are limited to ", L::kMaxIdBytes, " bytes"));
     }
     if (n.memory_slots() > L::kMaxMemorySlots) {
       return Invalid(field + ".memory_slots",
@@ -582,7 +582,8 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
     if (!ids.insert(n.id()).second) {
       return Invalid(field + ".id", absl::StrCat("\"", n.id(), "\" is used twice"));
     }
-    if (n.region().empty()) return Invalid(field + ".region", absl::StrCat("node ", n.id(), " has no region"));
+    if (n.region().empty())
+      return Invalid(field + ".region", absl::StrCat("node ", n.id(), " has no region"));
     if (!(n.speed() > 0 && n.speed() <= 1e6)) {
       return Invalid(field + ".speed", Num(n.speed()) + " is outside (0, 1e6]");
     }
@@ -604,13 +605,13 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
     }
     if (!(l.bandwidth_gbytes_per_s() > 0 && l.bandwidth_gbytes_per_s() <= 1e6)) {
       return Invalid(field + ".bandwidth_gbytes_per_s",
-                     absl::StrCat(Num(l.bandwidth_gbytes_per_s()), " must be > 0 (",
-                                  l.region_a(), "-", l.region_b(), ")"));
+                     absl::StrCat(Num(l.bandwidth_gbytes_per_s()), " must be > 0 (", l.region_a(),
+                                  "-", l.region_b(), ")"));
     }
     auto key = std::minmax(l.region_a(), l.region_b());
     if (!pairs.insert({key.first, key.second}).second) {
-      return Invalid(field, absl::StrCat("region pair ", l.region_a(), "-", l.region_b(),
-                                         " is given twice"));
+      return Invalid(
+          field, absl::StrCat("region pair ", l.region_a(), "-", l.region_b(), " is given twice"));
     }
   }
   for (auto a = regions.begin(); a != regions.end(); ++a) {
@@ -645,8 +646,9 @@ absl::Status ValidateClusterSpec(const ClusterSpec& spec) {
     return Invalid("compute.loss_factor", Num(c.loss_factor()) + " is outside [0, 100]");
   }
   if (c.activation_bytes() > 16 || c.gradient_bytes() > 16) {
-    return Invalid(c.activation_bytes() > 16 ? "compute.activation_bytes" : "compute.gradient_bytes",
-                   "is more than 16 bytes per element");
+    return Invalid(
+        c.activation_bytes() > 16 ? "compute.activation_bytes" : "compute.gradient_bytes",
+        "is more than 16 bytes per element");
   }
   return absl::OkStatus();
 }

@@ -21,8 +21,8 @@ namespace detour {
 // INVALID_ARGUMENT naming the field. `what` names the source in messages.
 absl::StatusOr<v1::JobSpec> ParseJobSpecJson(absl::string_view json,
                                              absl::string_view what = "job spec");
-absl::StatusOr<v1::ClusterSpec> ParseClusterSpecJson(
-    absl::string_view json, absl::string_view what = "cluster spec");
+absl::StatusOr<v1::ClusterSpec> ParseClusterSpecJson(absl::string_view json,
+                                                     absl::string_view what = "cluster spec");
 
 // Upper bounds on every count and size in a spec, checked by the validators
 // before a spec is used, stored or allocated for (a spec arrives from any

@@ -9,8 +9,7 @@ namespace detour {
 absl::StatusOr<LayerSpan> StageLayers(int num_layers, int num_stages, int stage) {
   if (num_stages < 1 || num_stages > num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline.num_stages: ", num_stages,
-                                                   " must be in [1, num_layers=", num_layers,
-                                                   "]"));
+                                                   " must be in [1, num_layers=", num_layers, "]"));
   }
   if (stage < 0 || stage >= num_stages) {
     return absl::InvalidArgumentError(

@@ -13,17 +13,16 @@
 #define DETOUR_STATUS_CONCAT_(a, b) DETOUR_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the current function when `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                                  \
-  do {                                                         \
-    ::absl::Status detour_status_ = (expr);                    \
-    if (!detour_status_.ok()) return detour_status_;           \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status detour_status_ = (expr);          \
+    if (!detour_status_.ok()) return detour_status_; \
   } while (0)
 
 // `ASSIGN_OR_RETURN(auto x, MakeX());` — declares/assigns from a StatusOr or
 // returns its error.
-#define ASSIGN_OR_RETURN(lhs, expr)                                           \
-  DETOUR_ASSIGN_OR_RETURN_IMPL_(                                              \
-      DETOUR_STATUS_CONCAT_(detour_statusor_, __LINE__), lhs, expr)
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  DETOUR_ASSIGN_OR_RETURN_IMPL_(DETOUR_STATUS_CONCAT_(detour_statusor_, __LINE__), lhs, expr)
 #define DETOUR_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                  \
   if (!tmp.ok()) return std::move(tmp).status();      \

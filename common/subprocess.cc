@@ -25,8 +25,8 @@ ChildProcess::~ChildProcess() {
   }
 }
 
-absl::Status ChildProcess::Start(const std::vector<std::string>& argv,
-                                 const std::string& log_path, bool own_group) {
+absl::Status ChildProcess::Start(const std::vector<std::string>& argv, const std::string& log_path,
+                                 bool own_group) {
   return Spawn(argv, log_path, own_group, /*pipe_input=*/false, "");
 }
 
@@ -36,9 +36,8 @@ absl::Status ChildProcess::StartWithInput(const std::vector<std::string>& argv,
   return Spawn(argv, log_path, /*own_group=*/false, /*pipe_input=*/true, working_dir);
 }
 
-absl::Status ChildProcess::Spawn(const std::vector<std::string>& argv,
-                                 const std::string& log_path, bool own_group, bool pipe_input,
-                                 const std::string& working_dir) {
+absl::Status ChildProcess::Spawn(const std::vector<std::string>& argv, const std::string& log_path,
+                                 bool own_group, bool pipe_input, const std::string& working_dir) {
   log_path_ = log_path;
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -183,8 +182,8 @@ absl::StatusOr<std::string> WaitForReadyField(const std::string& path, const std
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError(absl::StrCat("no \"", key, "\" in ", path, " after ",
-                                                  absl::FormatDuration(timeout)));
+  return absl::DeadlineExceededError(
+      absl::StrCat("no \"", key, "\" in ", path, " after ", absl::FormatDuration(timeout)));
 }
 
 }  // namespace detour

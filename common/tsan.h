@@ -19,8 +19,10 @@ extern "C" void __tsan_acquire(void* addr);
 extern "C" void __tsan_release(void* addr);
 // What this thread did so far happens before a later DETOUR_HAPPENS_AFTER on
 // the same address.
-#define DETOUR_HAPPENS_BEFORE(addr) __tsan_release(const_cast<void*>(static_cast<const volatile void*>(addr)))
-#define DETOUR_HAPPENS_AFTER(addr) __tsan_acquire(const_cast<void*>(static_cast<const volatile void*>(addr)))
+#define DETOUR_HAPPENS_BEFORE(addr) \
+  __tsan_release(const_cast<void*>(static_cast<const volatile void*>(addr)))
+#define DETOUR_HAPPENS_AFTER(addr) \
+  __tsan_acquire(const_cast<void*>(static_cast<const volatile void*>(addr)))
 #else
 #define DETOUR_HAPPENS_BEFORE(addr) ((void)(addr))
 #define DETOUR_HAPPENS_AFTER(addr) ((void)(addr))

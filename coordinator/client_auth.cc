@@ -26,8 +26,7 @@ constexpr absl::string_view kBearer = "bearer ";
 const char* RoleName(ClientRole role) { return role == ClientRole::kSubmit ? "submit" : "read"; }
 
 bool ValidToken(absl::string_view token) {
-  return std::all_of(token.begin(), token.end(),
-                     [](char c) { return c > ' ' && c < 127; });
+  return std::all_of(token.begin(), token.end(), [](char c) { return c > ' ' && c < 127; });
 }
 
 }  // namespace
@@ -112,9 +111,9 @@ absl::StatusOr<std::vector<TokenEntry>> LoadTokensFile(const std::string& path) 
     return absl::NotFoundError(absl::StrCat("--auth_tokens: ", path, " does not exist"));
   }
   if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > kMaxTokensFileBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--auth_tokens: ", path, " is not a regular file of at most ", kMaxTokensFileBytes,
-        " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("--auth_tokens: ", path,
+                                                   " is not a regular file of at most ",
+                                                   kMaxTokensFileBytes, " bytes"));
   }
   auto text = ReadFileToString(path);
   if (!text.ok()) {
@@ -135,8 +134,8 @@ const TokenEntry* ClientAuthorizer::FindToken(absl::string_view token) const {
   return found;
 }
 
-absl::Status ClientAuthorizer::Check(const grpc::CallbackServerContext& context,
-                                     ClientRole needed, absl::string_view method) const {
+absl::Status ClientAuthorizer::Check(const grpc::CallbackServerContext& context, ClientRole needed,
+                                     absl::string_view method) const {
   if (mode_ == Mode::kOpen) return absl::OkStatus();
   std::optional<absl::string_view> authorization;
   const auto& metadata = context.client_metadata();
@@ -155,8 +154,8 @@ absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> author
     absl::string_view value = *authorization;
     if (value.size() > kBearer.size() + kMaxTokenBytes ||
         !absl::StartsWithIgnoreCase(value, kBearer)) {
-      return absl::UnauthenticatedError(absl::StrCat(
-          method, ": the authorization metadata is not \"Bearer <token>\""));
+      return absl::UnauthenticatedError(
+          absl::StrCat(method, ": the authorization metadata is not \"Bearer <token>\""));
     }
     const TokenEntry* entry = FindToken(value.substr(kBearer.size()));
     if (entry == nullptr) {
@@ -177,14 +176,14 @@ absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> author
     role = entry->role;
     who = absl::StrCat("certificate ", *peer_name);
   } else {
-    return absl::UnauthenticatedError(absl::StrCat(
-        method, " needs credentials: a bearer token (detourctl --token_file or DETOUR_TOKEN) "
-                "or a client certificate"));
+    return absl::UnauthenticatedError(
+        absl::StrCat(method,
+                     " needs credentials: a bearer token (detourctl --token_file or DETOUR_TOKEN) "
+                     "or a client certificate"));
   }
   if (static_cast<int>(role) < static_cast<int>(needed)) {
-    return absl::PermissionDeniedError(absl::StrCat(method, ": ", who, " has role ",
-                                                    RoleName(role), "; ", method, " needs ",
-                                                    RoleName(needed)));
+    return absl::PermissionDeniedError(absl::StrCat(method, ": ", who, " has role ", RoleName(role),
+                                                    "; ", method, " needs ", RoleName(needed)));
   }
   return absl::OkStatus();
 }

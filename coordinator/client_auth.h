@@ -30,8 +30,7 @@ struct TokenEntry {
 // without spaces and unique; roles `read` or `submit`; names 1..128 of
 // [A-Za-z0-9._-], unique. At most 1 MiB and 10000 entries. Errors name the
 // file and line.
-absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
-                                                    absl::string_view path);
+absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text, absl::string_view path);
 // Reads and parses the file.
 absl::StatusOr<std::vector<TokenEntry>> LoadTokensFile(const std::string& path);
 
@@ -39,8 +38,8 @@ class ClientAuthorizer {
  public:
   // How clients prove who they are.
   enum class Mode {
-    kOpen,    // --insecure without --auth_tokens: everyone may do everything
-    kTokens,  // --auth_tokens: a listed token, or a certificate whose CN is a listed NAME
+    kOpen,          // --insecure without --auth_tokens: everyone may do everything
+    kTokens,        // --auth_tokens: a listed token, or a certificate whose CN is a listed NAME
     kCertificates,  // TLS without --auth_tokens: any client certificate from the CA is `submit`
   };
   ClientAuthorizer(Mode mode, std::vector<TokenEntry> tokens);

@@ -88,7 +88,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
       }
       if (service_->require_worker_certificates_ && peer_name_ != *id) {
         LogWarning("refused a session for worker ", *id, " from ",
-                   peer_name_ ? absl::StrCat("certificate ", *peer_name_) : "a peer without a certificate");
+                   peer_name_ ? absl::StrCat("certificate ", *peer_name_)
+                              : "a peer without a certificate");
         Close(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                            absl::StrCat("the session of worker ", *id,
                                         " must come from a certificate naming it")));
@@ -118,8 +119,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
       LogInfo("session of worker ", worker_id_, " open");
     }
     if (incoming_.has_heartbeat()) {
-      auto id = service_->registry_->Heartbeat(incoming_.session_token(), incoming_.heartbeat(),
-                                               now);
+      auto id =
+          service_->registry_->Heartbeat(incoming_.session_token(), incoming_.heartbeat(), now);
       if (!id.ok()) {
         Close(ToGrpcStatus(id.status()));
         return false;
@@ -197,8 +198,8 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
   auto registered = registry_->Register(checked, absl::Now());
   if (!registered.ok()) return Reply(context, registered.status());
   *response = *std::move(registered);
-  LogInfo("worker ", response->worker_id(), " registered (region ", request->region(),
-          ", address ", request->address().empty() ? "-" : request->address(), ")");
+  LogInfo("worker ", response->worker_id(), " registered (region ", request->region(), ", address ",
+          request->address().empty() ? "-" : request->address(), ")");
   if (hooks_.on_register) {
     for (const v1::WorkerInfo& info : registry_->List(true)) {
       if (info.worker_id() == response->worker_id()) hooks_.on_register(info);

@@ -59,8 +59,7 @@ std::string Coordinator::metrics_target() const {
   return address.ToString();
 }
 
-absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
-    const CoordinatorOptions& options) {
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
   std::unique_ptr<Coordinator> coordinator(new Coordinator(options));
   RETURN_IF_ERROR(coordinator->Init());
   return coordinator;
@@ -87,17 +86,17 @@ absl::Status Coordinator::Init() {
   ASSIGN_OR_RETURN(auto* lost, m.AddCounter("detour_coordinator_workers_lost",
                                             "Workers marked lost after falling silent."));
   ASSIGN_OR_RETURN(workers_lost_, lost->WithLabels({}));
-  ASSIGN_OR_RETURN(auto* sessions, m.AddGauge("detour_coordinator_sessions",
-                                              "Open worker Session streams."));
+  ASSIGN_OR_RETURN(auto* sessions,
+                   m.AddGauge("detour_coordinator_sessions", "Open worker Session streams."));
   ASSIGN_OR_RETURN(sessions_, sessions->WithLabels({}));
   // Identity for joins (PromQL `* on(worker_id) group_left(region)`) and
   // state per worker; bounded by the registry (kMaxWorkers, lost workers
   // forgotten after 10 x --worker_silence).
-  ASSIGN_OR_RETURN(worker_info_,
-                   m.AddGauge("detour_coordinator_worker_info",
-                              "Always 1, one series per registered worker, with its identity.",
-                              {"worker_id", "region", "device", "version"},
-                              WorkerRegistry::kMaxWorkers));
+  ASSIGN_OR_RETURN(
+      worker_info_,
+      m.AddGauge("detour_coordinator_worker_info",
+                 "Always 1, one series per registered worker, with its identity.",
+                 {"worker_id", "region", "device", "version"}, WorkerRegistry::kMaxWorkers));
   ASSIGN_OR_RETURN(worker_state_,
                    m.AddGauge("detour_coordinator_worker_state",
                               "1 for the state each registered worker is in, 0 for the others.",
@@ -108,8 +107,8 @@ absl::Status Coordinator::Init() {
   for (const v1::Job& job : jobs_.List(v1::JOB_STATE_UNSPECIFIED)) {
     if (!JobStore::IsFinal(job.state())) job_metrics_->Observe(job, absl::Now());
   }
-  job_listener_ =
-      jobs_.AddListener("", [this](const v1::Job& job) { job_metrics_->Observe(job, absl::Now()); });
+  job_listener_ = jobs_.AddListener(
+      "", [this](const v1::Job& job) { job_metrics_->Observe(job, absl::Now()); });
   UpdateGauges();
 
   JobServiceImpl::Hooks job_hooks;
@@ -133,7 +132,8 @@ absl::Status Coordinator::Init() {
     manager_->OnWorkerMessage(worker, m);
   };
   control_service_ = std::make_unique<ControlServiceImpl>(
-      &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(), std::move(hooks));
+      &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(),
+      std::move(hooks));
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
   if (job_options.checkpoint_root.empty()) {

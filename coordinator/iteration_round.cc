@@ -9,7 +9,9 @@ namespace detour {
 
 IterationRound::IterationRound(uint64_t iteration, int total_microbatches,
                                std::map<std::string, int> members, uint64_t epoch)
-    : iteration_(iteration), total_(total_microbatches), members_(std::move(members)),
+    : iteration_(iteration),
+      total_(total_microbatches),
+      members_(std::move(members)),
       epoch_(epoch) {}
 
 void IterationRound::SetMembers(std::map<std::string, int> members, uint64_t epoch) {
@@ -47,9 +49,9 @@ absl::StatusOr<double> IterationRound::SquaredNorm() const {
     // A non-finite gradient is never stepped on: the parameters (and the
     // last checkpoint) stay as they were.
     if (!(sq >= 0) || !std::isfinite(sq)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the gradient of stage ", stage, " became non-finite at iteration ", iteration_,
-          " (squared norm ", sq, "); the step was not applied"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the gradient of stage ", stage, " became non-finite at iteration ",
+                       iteration_, " (squared norm ", sq, "); the step was not applied"));
     }
     squared += sq;
   }
@@ -77,12 +79,12 @@ absl::Status IterationRound::Check() const {
   std::map<int, std::pair<std::string, uint64_t>> checksum;
   std::map<uint32_t, int> completions;
   for (const auto& [id, r] : results_) {
-    auto [it, fresh] = checksum.emplace(static_cast<int>(r.stage()),
-                                        std::make_pair(id, r.parameter_checksum()));
+    auto [it, fresh] =
+        checksum.emplace(static_cast<int>(r.stage()), std::make_pair(id, r.parameter_checksum()));
     if (!fresh && it->second.second != r.parameter_checksum()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "replicas of stage ", r.stage(), " diverged at iteration ", iteration_, " (worker ", id,
-          " differs from ", it->second.first, ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("replicas of stage ", r.stage(), " diverged at iteration ", iteration_,
+                       " (worker ", id, " differs from ", it->second.first, ")"));
     }
     if (r.stage() == 0) {
       for (uint32_t mb : r.microbatches()) ++completions[mb];
@@ -90,9 +92,9 @@ absl::Status IterationRound::Check() const {
   }
   for (const auto& [mb, n] : completions) {
     if (mb >= static_cast<uint32_t>(total_)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "microbatch ", mb, " of iteration ", iteration_, " is not in the plan (", total_,
-          " microbatches)"));
+      return absl::FailedPreconditionError(absl::StrCat("microbatch ", mb, " of iteration ",
+                                                        iteration_, " is not in the plan (", total_,
+                                                        " microbatches)"));
     }
   }
   for (int mb = 0; mb < total_; ++mb) {
@@ -100,9 +102,9 @@ absl::Status IterationRound::Check() const {
     const int n = completions.count(id) ? completions.at(id) : 0;
     const bool dropped = dropped_.count(id) > 0;
     if (dropped ? n != 0 : n != 1) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("microbatch ", mb, " of iteration ", iteration_, " completed ", n,
-                       " times", dropped ? " although it was dropped" : ""));
+      return absl::FailedPreconditionError(absl::StrCat("microbatch ", mb, " of iteration ",
+                                                        iteration_, " completed ", n, " times",
+                                                        dropped ? " although it was dropped" : ""));
     }
   }
   return absl::OkStatus();

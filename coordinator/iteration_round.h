@@ -24,8 +24,8 @@ namespace detour {
 class IterationRound {
  public:
   // `members`: worker id -> stage, of the membership `epoch`.
-  IterationRound(uint64_t iteration, int total_microbatches,
-                 std::map<std::string, int> members, uint64_t epoch);
+  IterationRound(uint64_t iteration, int total_microbatches, std::map<std::string, int> members,
+                 uint64_t epoch);
 
   uint64_t iteration() const { return iteration_; }
   uint64_t epoch() const { return epoch_; }

@@ -46,14 +46,18 @@ void JobManager::Recover() {
     if (job.state() == v1::JOB_STATE_RUNNING && job.stages_size() > 0) {
       auto spec = NormalizeJobSpec(job.spec());
       if (!spec.ok() || spec->elastic().disabled()) {
-        jobs_->Update(job.id(), [&](v1::Job* j) {
-          j->set_state(v1::JOB_STATE_FAILED);
-          j->set_message(!spec.ok() ? absl::StrCat("stored spec is invalid: ",
-                                                   spec.status().message())
-                                    : "coordinator restarted while the job was running "
-                                      "(elastic.disabled); resume it from its checkpoint");
-          *j->mutable_end_time() = Now();
-        }).IgnoreError();
+        jobs_
+            ->Update(job.id(),
+                     [&](v1::Job* j) {
+                       j->set_state(v1::JOB_STATE_FAILED);
+                       j->set_message(
+                           !spec.ok()
+                               ? absl::StrCat("stored spec is invalid: ", spec.status().message())
+                               : "coordinator restarted while the job was running "
+                                 "(elastic.disabled); resume it from its checkpoint");
+                       *j->mutable_end_time() = Now();
+                     })
+            .IgnoreError();
         continue;
       }
       // Its workers keep their stages and reconnect: re-attach to them.
@@ -67,12 +71,16 @@ void JobManager::Recover() {
       runner->Start();
       runners_[job.id()] = std::move(runner);
     } else if (job.state() == v1::JOB_STATE_ASSIGNING || job.state() == v1::JOB_STATE_RUNNING) {
-      jobs_->Update(job.id(), [](v1::Job* j) {
-        j->set_state(v1::JOB_STATE_FAILED);
-        j->set_message("coordinator restarted while the job's stages were being assigned; "
-                       "resubmit it");
-        *j->mutable_end_time() = Now();
-      }).IgnoreError();
+      jobs_
+          ->Update(job.id(),
+                   [](v1::Job* j) {
+                     j->set_state(v1::JOB_STATE_FAILED);
+                     j->set_message(
+                         "coordinator restarted while the job's stages were being assigned; "
+                         "resubmit it");
+                     *j->mutable_end_time() = Now();
+                   })
+          .IgnoreError();
     } else if (job.state() == v1::JOB_STATE_PENDING) {
       // A stored spec is input like any other: one that no longer validates
       // (limits added since, a hand-edited file) fails its job instead of
@@ -87,11 +95,14 @@ void JobManager::Add(const std::string& job_id, const std::string& invalid_prefi
   if (!job.ok()) return;
   auto spec = NormalizeJobSpec(job->spec());
   if (!spec.ok()) {
-    jobs_->Update(job_id, [&](v1::Job* j) {
-      j->set_state(v1::JOB_STATE_FAILED);
-      j->set_message(absl::StrCat(invalid_prefix, spec.status().message()));
-      *j->mutable_end_time() = Now();
-    }).IgnoreError();
+    jobs_
+        ->Update(job_id,
+                 [&](v1::Job* j) {
+                   j->set_state(v1::JOB_STATE_FAILED);
+                   j->set_message(absl::StrCat(invalid_prefix, spec.status().message()));
+                   *j->mutable_end_time() = Now();
+                 })
+        .IgnoreError();
     return;
   }
   absl::MutexLock lock(&mu_);
@@ -121,8 +132,7 @@ void JobManager::Cancel(const std::string& job_id) {
   }
 }
 
-absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
-                                           const std::string& checkpoint,
+absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id, const std::string& checkpoint,
                                            uint32_t replicas_per_stage) {
   {
     absl::MutexLock lock(&mu_);
@@ -148,18 +158,18 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id,
   const uint32_t was = spec.pipeline().replicas_per_stage();
   if (replicas_per_stage > 0) spec.mutable_pipeline()->set_replicas_per_stage(replicas_per_stage);
   if (auto valid = NormalizeJobSpec(spec); !valid.ok()) {
-    return replicas_per_stage > 0 ? Annotate(valid.status(), absl::StrCat("replicas_per_stage ",
-                                                                           replicas_per_stage))
-                                  : valid.status();
+    return replicas_per_stage > 0
+               ? Annotate(valid.status(), absl::StrCat("replicas_per_stage ", replicas_per_stage))
+               : valid.status();
   }
   const bool changed = replicas_per_stage > 0 && replicas_per_stage != was;
   ASSIGN_OR_RETURN(v1::Job resumed, jobs_->Update(job_id, [&](v1::Job* j) {
     *j->mutable_spec() = spec;
     j->set_state(v1::JOB_STATE_PENDING);
-    j->set_message(absl::StrCat("resuming from ", dir,
-                                changed ? absl::StrCat(" with ", replicas_per_stage,
-                                                       " replicas per stage (was ", was, ")")
-                                        : ""));
+    j->set_message(absl::StrCat(
+        "resuming from ", dir,
+        changed ? absl::StrCat(" with ", replicas_per_stage, " replicas per stage (was ", was, ")")
+                : ""));
     j->clear_end_time();
     j->set_resumes(j->resumes() + 1);
   }));
@@ -216,9 +226,12 @@ void JobManager::ScheduleLoop() {
     // Store writes (fsync) outside the lock that routes worker messages.
     for (const auto& message : messages) {
       const std::string& why = message.second;
-      jobs_->Update(message.first, [&](v1::Job* j) {
-        if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
-      }).IgnoreError();
+      jobs_
+          ->Update(message.first,
+                   [&](v1::Job* j) {
+                     if (j->state() == v1::JOB_STATE_PENDING) j->set_message(why);
+                   })
+          .IgnoreError();
     }
   }
 }
@@ -278,8 +291,8 @@ std::vector<v1::WorkerInfo> JobManager::ReserveIdle(const std::string& job, size
   if (shutting_down_) return taken;
   for (const v1::WorkerInfo& w : registry_->List(false)) {
     if (taken.size() >= count) break;
-    if (w.state() != v1::WORKER_STATE_IDLE || !w.session_open() ||
-        reserved_.count(w.worker_id()) || exclude.count(w.worker_id())) {
+    if (w.state() != v1::WORKER_STATE_IDLE || !w.session_open() || reserved_.count(w.worker_id()) ||
+        exclude.count(w.worker_id())) {
       continue;
     }
     reserved_[w.worker_id()] = job;

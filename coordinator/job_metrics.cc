@@ -54,12 +54,12 @@ JobMetrics::JobMetrics(metrics::Registry* m, Options options) : options_(options
                          "When the job last completed an iteration (or started running), "
                          "seconds since the Unix epoch.",
                          {"job_id"}, jobs);
-  loss_ = gauge("detour_coordinator_job_loss",
-                "Mean training loss of the job's last iteration, nats per token.", {"job_id"},
-                jobs);
-  tokens_per_second_ = gauge("detour_coordinator_job_tokens_per_second",
-                             "Training tokens per second of the job's last iteration.",
-                             {"job_id"}, jobs);
+  loss_ =
+      gauge("detour_coordinator_job_loss",
+            "Mean training loss of the job's last iteration, nats per token.", {"job_id"}, jobs);
+  tokens_per_second_ =
+      gauge("detour_coordinator_job_tokens_per_second",
+            "Training tokens per second of the job's last iteration.", {"job_id"}, jobs);
   completed_ = gauge("detour_coordinator_job_iterations_completed",
                      "Iterations the job has completed (falls when it resumes from an older "
                      "checkpoint).",
@@ -119,13 +119,11 @@ void JobMetrics::Observe(const v1::Job& job, absl::Time now) {
 bool JobMetrics::Track(const std::string& job_id, Series* s) {
   s->states.assign(kStates, nullptr);
   for (size_t i = 0; i < kStates; ++i) {
-    auto g = state_->WithLabels(
-        {job_id, StateLabel(static_cast<v1::JobState>(i + kFirstState))});
+    auto g = state_->WithLabels({job_id, StateLabel(static_cast<v1::JobState>(i + kFirstState))});
     if (!g.ok()) {
       // Over the bound: no series for this job rather than half of them.
       for (size_t j = 0; j < i; ++j) {
-        (void)state_->Remove(
-            {job_id, StateLabel(static_cast<v1::JobState>(j + kFirstState))});
+        (void)state_->Remove({job_id, StateLabel(static_cast<v1::JobState>(j + kFirstState))});
       }
       return false;
     }
@@ -156,8 +154,8 @@ void JobMetrics::RecordProgress(const std::string& job_id, const v1::JobProgress
   if (s->completed != nullptr) s->completed->Set(static_cast<double>(p.iteration()));
   if (s->requested != nullptr) s->requested->Set(static_cast<double>(p.total_iterations()));
   if (s->progress != nullptr && p.total_iterations() > 0) {
-    s->progress->Set(std::min(1.0, static_cast<double>(p.iteration()) /
-                                       static_cast<double>(p.total_iterations())));
+    s->progress->Set(std::min(
+        1.0, static_cast<double>(p.iteration()) / static_cast<double>(p.total_iterations())));
   }
   if (s->eta != nullptr) s->eta->Set(p.eta_s());
   if (advanced) {
@@ -194,8 +192,8 @@ void JobMetrics::Untrack(const std::string& job_id) {
   for (size_t i = 0; i < kStates; ++i) {
     (void)state_->Remove({job_id, StateLabel(static_cast<v1::JobState>(i + kFirstState))});
   }
-  for (metrics::GaugeFamily* f : {last_progress_, loss_, tokens_per_second_, completed_,
-                                  requested_, progress_, eta_}) {
+  for (metrics::GaugeFamily* f :
+       {last_progress_, loss_, tokens_per_second_, completed_, requested_, progress_, eta_}) {
     if (f != nullptr) (void)f->Remove({job_id});
   }
   if (iteration_seconds_ != nullptr) (void)iteration_seconds_->Remove({job_id});

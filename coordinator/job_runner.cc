@@ -47,8 +47,8 @@ absl::Time FromProto(const google::protobuf::Timestamp& t) {
 absl::StatusOr<uint64_t> CheckpointIteration(const std::string& dir) {
   auto manifest = model::ReadManifest(dir);
   if (!manifest.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", dir, " is not complete (", manifest.status().message(), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", dir, " is not complete (", manifest.status().message(), ")"));
   }
   return manifest->iteration;
 }
@@ -70,8 +70,7 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   recoveries = counter("detour_coordinator_recoveries",
                        "Recoveries of running jobs from lost workers (re-planned around them).");
   lost = counter("detour_coordinator_job_workers_lost", "Workers that left a running job.");
-  joined = counter("detour_coordinator_job_workers_joined",
-                   "Workers that joined a running job.");
+  joined = counter("detour_coordinator_job_workers_joined", "Workers that joined a running job.");
   reassigned = counter("detour_coordinator_job_workers_reassigned",
                        "Workers moved from one stage of a running job to another (the planner "
                        "predicted a gain repaying the move).");
@@ -92,8 +91,8 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
       f.ok()) {
     microbatches = *f;
   }
-  if (auto f = m->AddGauge("detour_coordinator_job_members",
-                           "Workers taking part in running jobs.");
+  if (auto f =
+          m->AddGauge("detour_coordinator_job_members", "Workers taking part in running jobs.");
       f.ok()) {
     if (auto g = (*f)->WithLabels({}); g.ok()) members = *g;
   }
@@ -125,8 +124,8 @@ void RunnerMetrics::MembersChanged(int delta) {
 
 class JobRunner::Impl {
  public:
-  Impl(RunnerHost* host, std::string job_id, v1::JobSpec spec,
-       std::vector<v1::WorkerInfo> workers, JobRunner::StartMode start)
+  Impl(RunnerHost* host, std::string job_id, v1::JobSpec spec, std::vector<v1::WorkerInfo> workers,
+       JobRunner::StartMode start)
       : host_(host), job_id_(std::move(job_id)), spec_(std::move(spec)), start_mode_(start) {
     for (v1::WorkerInfo& w : workers) infos_[w.worker_id()] = std::move(w);
   }
@@ -136,7 +135,9 @@ class JobRunner::Impl {
     if (thread_.joinable()) thread_.join();
   }
 
-  void Start() { thread_ = std::thread([this] { Run(); }); }
+  void Start() {
+    thread_ = std::thread([this] { Run(); });
+  }
 
   void Post(const std::string& worker_id, const v1::WorkerMessage& message) {
     absl::MutexLock lock(&mu_);
@@ -194,9 +195,10 @@ class JobRunner::Impl {
     }
     SetState(v1::JOB_STATE_RUNNING, "training");
     host_->jobs()
-        .Update(job_id_, [](v1::Job* j) {
-          if (!j->has_start_time()) *j->mutable_start_time() = Now();
-        })
+        .Update(job_id_,
+                [](v1::Job* j) {
+                  if (!j->has_start_time()) *j->mutable_start_time() = Now();
+                })
         .IgnoreError();
     started_ = absl::Now();
     started_iteration_ = next_iteration_;
@@ -349,8 +351,7 @@ class JobRunner::Impl {
     if (p.scheduler() == v1::SCHEDULER_FULL || p.skip_ratio() <= 0 || p.full_model_every() > 0) {
       return absl::FailedPreconditionError("the job's routes cannot skip a stage");
     }
-    if (visited > stages || jump < 1 ||
-        (visited > 1 && jump * (visited - 1) < stages - 1)) {
+    if (visited > stages || jump < 1 || (visited > 1 && jump * (visited - 1) < stages - 1)) {
       return absl::FailedPreconditionError("too few stages are left to route around the gap");
     }
     v1::PipelineSpec out = p;
@@ -359,8 +360,8 @@ class JobRunner::Impl {
     out.set_max_jump(static_cast<uint32_t>(jump));
     const int swap = static_cast<int>(p.max_swap_distance()) - static_cast<int>(missing);
     out.set_max_swap_distance(static_cast<uint32_t>(std::max(1, swap)));
-    out.set_max_total_swap_distance(static_cast<uint32_t>(std::max(
-        1, static_cast<int>(p.max_total_swap_distance()) - static_cast<int>(missing))));
+    out.set_max_total_swap_distance(static_cast<uint32_t>(
+        std::max(1, static_cast<int>(p.max_total_swap_distance()) - static_cast<int>(missing))));
     if (swap < 1) out.set_max_swaps(0);
     out.set_scheduler(v1::SCHEDULER_SKIPPIPE);
     return out;
@@ -412,8 +413,10 @@ class JobRunner::Impl {
 
   // Plans over the stages that have workers (SkipSpec) with a cost model of
   // those stages' columns, then maps the routes back onto the real stages.
-  absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(
-      v1::JobSpec live, planner::PlannerOptions o, const std::vector<int>& empty, int count) {
+  absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(v1::JobSpec live,
+                                                                  planner::PlannerOptions o,
+                                                                  const std::vector<int>& empty,
+                                                                  int count) {
     ASSIGN_OR_RETURN(v1::PipelineSpec pipeline, SkipSpec(empty.size()));
     pipeline.set_data_nodes(live.pipeline().data_nodes());
     pipeline.set_microbatches_per_data_node(live.pipeline().microbatches_per_data_node());
@@ -440,9 +443,10 @@ class JobRunner::Impl {
     o.scheduler = v1::SCHEDULER_SKIPPIPE;
     o.initial_routes = nullptr;
     ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(cost, live, o));
-    p.plan.routes.erase(std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
-                                       [count](const sim::Route& r) { return r.microbatch >= count; }),
-                        p.plan.routes.end());
+    p.plan.routes.erase(
+        std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
+                       [count](const sim::Route& r) { return r.microbatch >= count; }),
+        p.plan.routes.end());
     for (sim::Route& r : p.plan.routes) {
       for (int& s : r.stages) s = kept.at(static_cast<size_t>(s));
     }
@@ -559,7 +563,8 @@ class JobRunner::Impl {
     std::string restore = spec_.checkpoint().resume_from();
     if (!restore.empty()) {
       auto done = CheckpointIteration(restore);
-      if (!done.ok()) return Failed(absl::StrCat("checkpoint.resume_from: ", done.status().message()));
+      if (!done.ok())
+        return Failed(absl::StrCat("checkpoint.resume_from: ", done.status().message()));
       if (*done >= spec_.iterations()) {
         return Failed(absl::StrCat("checkpoint.resume_from: ", restore, " was taken after ", *done,
                                    " iterations; the job has only ", spec_.iterations()));
@@ -586,8 +591,8 @@ class JobRunner::Impl {
     if (auto e = CreateBubblePlanner(); e) return e;
     if (!restore.empty()) {
       AddEvent(v1::JobHistoryEvent::KIND_RESUMED, next_iteration_, "",
-               absl::StrCat("resuming from checkpoint ", restore, " at iteration ",
-                            next_iteration_, " on ", members_.size(), " workers (",
+               absl::StrCat("resuming from checkpoint ", restore, " at iteration ", next_iteration_,
+                            " on ", members_.size(), " workers (",
                             spec_.pipeline().replicas_per_stage(), " per stage)"));
       // Progress restarts at the checkpoint: what came after it is redone.
       // The last iteration's loss, speed and ETA belong to the run that
@@ -649,9 +654,9 @@ class JobRunner::Impl {
   std::optional<JobEnd> ResolveReplicaSync() {
     v1::KfacSpec* k = spec_.mutable_optimizer()->mutable_kfac();
     if (!kfac() || k->replica_sync() != v1::KFAC_REPLICA_SYNC_AUTO) return std::nullopt;
-    auto choice = planner::ChooseReplicaSync(KfacWorkload(kfac::ReplicaSync::kFactors), *k,
-                                             first_plan_->plan,
-                                             planner::TimelineFromSimulation(first_plan_->result));
+    auto choice =
+        planner::ChooseReplicaSync(KfacWorkload(kfac::ReplicaSync::kFactors), *k, first_plan_->plan,
+                                   planner::TimelineFromSimulation(first_plan_->result));
     if (!choice.ok()) {
       return Failed(absl::StrCat("K-FAC replica sync choice: ", choice.status().message()));
     }
@@ -718,7 +723,8 @@ class JobRunner::Impl {
     std::map<std::string, v1::JobStatus> status;
     const absl::Time deadline = absl::Now() + options().assign_timeout;
     while (status.size() < members_.size() && absl::Now() < deadline) {
-      Event ev = Wait(deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
+      Event ev = Wait(
+          deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
       if (ev.end && StopRequested()) return ev.end;
       if (ev.end) break;  // timed out: the missing ones are lost
       for (auto& [worker, m] : ev.messages) {
@@ -746,11 +752,12 @@ class JobRunner::Impl {
       if (members_.count(id)) completed.insert(st.completed_iterations());
     }
     if (members_.empty() || completed.size() != 1) {
-      return Failed(absl::StrCat(
-          "coordinator restarted; ", members_.empty() ? "no worker of the job came back"
-                                                      : "the workers stopped at different "
-                                                        "iterations",
-          "; resume the job from its last checkpoint (detourctl resume ", job_id_, ")"));
+      return Failed(absl::StrCat("coordinator restarted; ",
+                                 members_.empty() ? "no worker of the job came back"
+                                                  : "the workers stopped at different "
+                                                    "iterations",
+                                 "; resume the job from its last checkpoint (detourctl resume ",
+                                 job_id_, ")"));
     }
     next_iteration_ = *completed.begin();
     if (absl::Status s = BuildCostModel(); !s.ok()) return Failed(s.message());
@@ -769,8 +776,10 @@ class JobRunner::Impl {
                absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
     }
     AddEvent(v1::JobHistoryEvent::KIND_REATTACHED, next_iteration_, "",
-             absl::StrCat("re-attached ", members_.size(), " workers after a coordinator "
-                          "restart; continuing at iteration ", next_iteration_));
+             absl::StrCat("re-attached ", members_.size(),
+                          " workers after a coordinator "
+                          "restart; continuing at iteration ",
+                          next_iteration_));
     if (std::string why = Infeasible(); !why.empty()) {
       if (auto e = Pause(next_iteration_, why); e) return e;
     }
@@ -831,7 +840,8 @@ class JobRunner::Impl {
       return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
     }
     if (plan.checkpoint()) {
-      if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
+      if (auto s =
+              CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
           s) {
         return End(*s);
       }
@@ -874,8 +884,8 @@ class JobRunner::Impl {
         ((policy.every_iterations() > 0 && (iteration + 1) % policy.every_iterations() == 0) ||
          iteration + 1 == spec_.iterations())) {
       plan->set_checkpoint(true);
-      plan->set_checkpoint_dir(absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root,
-                                               job_id_, iteration + 1));
+      plan->set_checkpoint_dir(
+          absl::StrFormat("%s/%s/iter-%06d", options().checkpoint_root, job_id_, iteration + 1));
     }
     if (bubbles_ != nullptr) {
       // A checkpoint closes the K-FAC refresh window: no refresh is in
@@ -906,8 +916,7 @@ class JobRunner::Impl {
     while (!round->ResultsComplete()) {
       Event ev = Wait(deadline, [&] {
         return absl::StrCat(
-            stepped ? "iteration results" : "gradient norms", " of iteration ", iteration,
-            " from ",
+            stepped ? "iteration results" : "gradient norms", " of iteration ", iteration, " from ",
             absl::StrJoin(stepped ? round->MissingResults() : round->MissingNorms(), ", "));
       });
       if (ev.end) return End(*ev.end);
@@ -947,9 +956,9 @@ class JobRunner::Impl {
 
   // Progress of the finished iteration into the job record (durably: a job
   // whose record cannot be written stops).
-  std::optional<JobEnd> RecordProgress(uint64_t iteration, double loss,
-                                       const IterationRound& round, const v1::IterationPlan& plan,
-                                       const Collected& collected, absl::Time begin) {
+  std::optional<JobEnd> RecordProgress(uint64_t iteration, double loss, const IterationRound& round,
+                                       const v1::IterationPlan& plan, const Collected& collected,
+                                       absl::Time begin) {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
     const double elapsed = absl::ToDoubleSeconds(absl::Now() - started_);
     // Measured busy fractions, mean over the workers that reported.
@@ -960,8 +969,8 @@ class JobRunner::Impl {
       if (!(t.iteration_time_s() > 0)) continue;
       const BusySeconds busy = SumBusy(t);
       utilization += busy.pipeline / t.iteration_time_s() / static_cast<double>(timings.size());
-      utilization_kfac += (busy.pipeline + busy.kfac) / t.iteration_time_s() /
-                          static_cast<double>(timings.size());
+      utilization_kfac +=
+          (busy.pipeline + busy.kfac) / t.iteration_time_s() / static_cast<double>(timings.size());
     }
     const uint64_t tokens = round.tokens();
     auto recorded = host_->jobs().Update(job_id_, [&](v1::Job* j) {
@@ -1046,8 +1055,8 @@ class JobRunner::Impl {
                                          bool stepped, IterationRound* round, int* rerun,
                                          absl::Time deadline) {
     if (!elastic()) {
-      return End(Failed(absl::StrCat("worker ", absl::StrJoin(lost, ", "), " lost (",
-                                     loss_reason_, ") during iteration ", iteration,
+      return End(Failed(absl::StrCat("worker ", absl::StrJoin(lost, ", "), " lost (", loss_reason_,
+                                     ") during iteration ", iteration,
                                      "; elastic training is disabled (elastic.disabled)")));
     }
     const absl::Time detected = absl::Now();
@@ -1134,9 +1143,9 @@ class JobRunner::Impl {
     a->set_iteration(iteration);
     a->set_epoch(epoch_);
     if (!again.empty()) {
-      auto planned = PlanLive(spec_.seed() + iteration * 7919 + epoch_,
-                              static_cast<int>(again.size()), nullptr, kRerunEvaluations,
-                              std::nullopt);
+      auto planned =
+          PlanLive(spec_.seed() + iteration * 7919 + epoch_, static_cast<int>(again.size()),
+                   nullptr, kRerunEvaluations, std::nullopt);
       if (!planned.ok()) {
         return End(Failed(absl::StrCat("re-planning around ", absl::StrJoin(lost, ", "), ": ",
                                        planned.status().message())));
@@ -1159,9 +1168,8 @@ class JobRunner::Impl {
     recovering_since_.reset();
     RecordStages();
     AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
-             absl::StrCat("iteration ", iteration, " epoch ", epoch_, ": re-planned ",
-                          again.size(), " microbatch(es) around ",
-                          absl::StrJoin(lost_this_iteration_, ", "),
+             absl::StrCat("iteration ", iteration, " epoch ", epoch_, ": re-planned ", again.size(),
+                          " microbatch(es) around ", absl::StrJoin(lost_this_iteration_, ", "),
                           again.empty() ? "" : absl::StrCat(" (", absl::StrJoin(again, ","), ")"),
                           dropped > 0 ? absl::StrCat(", dropped ", dropped) : "", " in ",
                           absl::FormatDuration(absl::Now() - detected)));
@@ -1190,7 +1198,8 @@ class JobRunner::Impl {
              absl::StrCat("worker ", id, " (stage ", stage, ") lost: ", why));
     if (assignment_.stage_nodes[stage].empty() && Infeasible().empty()) {
       AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
-               absl::StrCat("stage ", stage, " has no worker left: every route skips it until a "
+               absl::StrCat("stage ", stage,
+                            " has no worker left: every route skips it until a "
                             "worker joins (no checkpoints meanwhile)"));
     }
     straggler_replans_.erase(id);
@@ -1228,21 +1237,21 @@ class JobRunner::Impl {
       if (r == registry.end()) {
         why = "it is no longer registered";
       } else if (r->second.state() == v1::WORKER_STATE_LOST) {
-        why = absl::StrCat("no heartbeat for ",
-                           absl::FormatDuration(host_->registry().silence()));
+        why = absl::StrCat("no heartbeat for ", absl::FormatDuration(host_->registry().silence()));
       } else if (!r->second.session_open() &&
                  now - FromProto(r->second.session_change_time()) > grace) {
         why = absl::StrCat("its session closed ",
                            absl::FormatDuration(now - FromProto(r->second.session_change_time())),
                            " ago");
-      } else if (infos_.count(id) && !SameTime(r->second.registered_time(),
-                                               infos_.at(id).registered_time())) {
+      } else if (infos_.count(id) &&
+                 !SameTime(r->second.registered_time(), infos_.at(id).registered_time())) {
         // It registered anew: a restarted process, or one that reconnected.
         // One that still holds the job says so (JobStatus).
         Suspect(id, "it registered again without the job");
       }
       auto s = suspects_.find(id);
-      if (why.empty() && s != suspects_.end() && now - s->second.first > grace) why = s->second.second;
+      if (why.empty() && s != suspects_.end() && now - s->second.first > grace)
+        why = s->second.second;
       if (!why.empty()) gone.emplace_back(id, why);
     }
     for (const auto& [id, why] : gone) {
@@ -1309,9 +1318,8 @@ class JobRunner::Impl {
           OnJobStatus(worker, m.job_status());
         } else if (m.has_peer_unreachable() && m.peer_unreachable().job_id() == job_id_ &&
                    members_.count(worker)) {
-          Suspect(m.peer_unreachable().peer(),
-                  absl::StrCat(worker, " could not reach it (", m.peer_unreachable().message(),
-                               ")"));
+          Suspect(m.peer_unreachable().peer(), absl::StrCat(worker, " could not reach it (",
+                                                            m.peer_unreachable().message(), ")"));
         }
         ++it;
       }
@@ -1352,8 +1360,8 @@ class JobRunner::Impl {
     // The state first: whoever sees the event also sees the paused state.
     SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));
     AddEvent(v1::JobHistoryEvent::KIND_PAUSED, iteration, "",
-             absl::StrCat("paused at iteration ", iteration, ": ", why,
-                          "; waiting up to ", timeout_s, " s for workers to join"));
+             absl::StrCat("paused at iteration ", iteration, ": ", why, "; waiting up to ",
+                          timeout_s, " s for workers to join"));
     if (spec_.elastic().never_join()) {
       return Failed(absl::StrCat(why, " and elastic.never_join forbids replacements"));
     }
@@ -1362,14 +1370,15 @@ class JobRunner::Impl {
       if (auto e = Grow(); e) return e;
       if (auto e = Reassign(); e) return e;
       if (Infeasible().empty()) break;
-      Event ev = Wait(deadline, [&] { return absl::StrCat("workers to join (", why, ")"); },
-                      /*detect_loss=*/true, /*return_on_change=*/true);
+      Event ev = Wait(
+          deadline, [&] { return absl::StrCat("workers to join (", why, ")"); },
+          /*detect_loss=*/true, /*return_on_change=*/true);
       if (ev.end) return ev.end;
     }
     SetState(v1::JOB_STATE_RUNNING, "training");
-    AddEvent(v1::JobHistoryEvent::KIND_CONTINUED, iteration, "",
-             absl::StrCat("continuing at iteration ", iteration, " with ", members_.size(),
-                          " workers"));
+    AddEvent(
+        v1::JobHistoryEvent::KIND_CONTINUED, iteration, "",
+        absl::StrCat("continuing at iteration ", iteration, " with ", members_.size(), " workers"));
     return std::nullopt;
   }
 
@@ -1423,7 +1432,8 @@ class JobRunner::Impl {
     const auto had_info = infos_.find(id);
     const std::optional<v1::WorkerInfo> old_info =
         had_info != infos_.end() ? std::optional<v1::WorkerInfo>(had_info->second) : std::nullopt;
-    const bool had_node = std::find(node_order_.begin(), node_order_.end(), id) != node_order_.end();
+    const bool had_node =
+        std::find(node_order_.begin(), node_order_.end(), id) != node_order_.end();
     infos_[id] = w;
     if (!had_node) node_order_.push_back(id);
     if (BuildCostModel().ok()) {
@@ -1453,8 +1463,7 @@ class JobRunner::Impl {
   // receives a live replica's state (or the newest checkpoint's). With
   // `move`, `w` is a member moving from move->from (it already left it): it
   // drops that stage and takes the new one the same way.
-  std::optional<JobEnd> Join(const v1::WorkerInfo& w, int stage,
-                             const StageMove* move = nullptr) {
+  std::optional<JobEnd> Join(const v1::WorkerInfo& w, int stage, const StageMove* move = nullptr) {
     const std::string id = w.worker_id();
     infos_[id] = w;
     if (std::find(node_order_.begin(), node_order_.end(), id) == node_order_.end()) {
@@ -1538,12 +1547,12 @@ class JobRunner::Impl {
       return std::nullopt;
     }
     host_->runner_metrics().WorkerReassigned();
-    AddEvent(v1::JobHistoryEvent::KIND_REASSIGNED, next_iteration_, id,
-             absl::StrCat("worker ", id, " moved from stage ", move->from, " to stage ", stage,
-                          " at iteration ", next_iteration_, source, " in ",
-                          absl::FormatDuration(absl::Trunc(absl::Now() - begin,
-                                                           absl::Milliseconds(1))),
-                          " (", MoveReason(*move), ")"));
+    AddEvent(
+        v1::JobHistoryEvent::KIND_REASSIGNED, next_iteration_, id,
+        absl::StrCat("worker ", id, " moved from stage ", move->from, " to stage ", stage,
+                     " at iteration ", next_iteration_, source, " in ",
+                     absl::FormatDuration(absl::Trunc(absl::Now() - begin, absl::Milliseconds(1))),
+                     " (", MoveReason(*move), ")"));
     return std::nullopt;
   }
 
@@ -1627,8 +1636,8 @@ class JobRunner::Impl {
   // from its first replica, plus kMovePause; from a checkpoint the pause.
   double MoveCost(const StageMove& m) const {
     const sim::ModelCosts mc = sim::ComputeModelCosts(spec_.model());
-    const std::vector<int> layers = sim::LayersPerStage(
-        static_cast<int>(spec_.model().num_layers()), assignment_.num_stages());
+    const std::vector<int> layers =
+        sim::LayersPerStage(static_cast<int>(spec_.model().num_layers()), assignment_.num_stages());
     const int blocks = layers.at(static_cast<size_t>(m.to));
     const double params = blocks * mc.params_per_layer + (m.to == 0 ? mc.stage0_extra_params : 0);
     double kfac_values = 0;
@@ -1695,8 +1704,8 @@ class JobRunner::Impl {
           workload_flops_[cost_->node_id(n)] = flops;
           // The factors' bytes over the stage's (measured) links: never free.
           planner::KfacLayerCost c = planner::EstimateKfacLayerCost(block, tokens, flops);
-          c.sync_s = planner::StageSyncSeconds(*cost_, assignment_.stage_nodes[node.stage],
-                                               block, sync);
+          c.sync_s =
+              planner::StageSyncSeconds(*cost_, assignment_.stage_nodes[node.stage], block, sync);
           for (int l = layers->begin; l < layers->end; ++l) {
             node.layers.push_back(l);
             node.costs.push_back(c);
@@ -1762,9 +1771,8 @@ class JobRunner::Impl {
       ++changed;
       // What the node's registered speed predicts (the cost model's speed
       // may already be a measured one).
-      const double registered = infos_.count(id) && infos_.at(id).speed() > 0
-                                    ? infos_.at(id).speed()
-                                    : 1.0;
+      const double registered =
+          infos_.count(id) && infos_.at(id).speed() > 0 ? infos_.at(id).speed() : 1.0;
       samples.push_back({id, stage, measured, predicted * assumed / registered});
     }
     NoteStragglers(iteration, samples);
@@ -1774,8 +1782,8 @@ class JobRunner::Impl {
       return;
     }
     ++cost_version_;
-    LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ",
-             links, " links measured (iteration ", iteration, ")");
+    LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
+             " links measured (iteration ", iteration, ")");
   }
 
   // Workers slow at kStragglerReplans consecutive re-plans become
@@ -1857,9 +1865,9 @@ class JobRunner::Impl {
       // incomplete; the last one stands and the next one will be whole.
       AddEvent(v1::JobHistoryEvent::KIND_CHECKPOINT_SKIPPED, iterations_done, "",
                absl::StrCat(why, " (a writer was lost); skipped, ",
-                            last_checkpoint_.empty() ? "no earlier checkpoint"
-                                                     : absl::StrCat(last_checkpoint_,
-                                                                    " stays the newest")));
+                            last_checkpoint_.empty()
+                                ? "no earlier checkpoint"
+                                : absl::StrCat(last_checkpoint_, " stays the newest")));
       return std::nullopt;
     }
     const std::string writer = StageMembers(0).front();
@@ -1949,7 +1957,7 @@ class JobRunner::Impl {
   std::map<std::string, double> speeds_;         // measured relative speeds
   // Measured links (from, to) -> fitted bandwidth, bytes/s.
   std::map<std::pair<std::string, std::string>, double> link_bandwidth_;
-  std::map<std::string, int> members_;           // live: worker -> stage
+  std::map<std::string, int> members_;  // live: worker -> stage
   uint64_t epoch_ = 0;
   uint64_t next_iteration_ = 0;
   uint64_t started_iteration_ = 0;
@@ -1964,8 +1972,8 @@ class JobRunner::Impl {
   static constexpr int kReplanEvaluations = 2000;
   static constexpr int kRerunEvaluations = 300;
   std::unique_ptr<planner::BubblePlanner> bubbles_;  // K-FAC jobs only
-  std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
-  std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
+  std::map<std::string, double> kfac_flops_;         // node -> measured K-FAC FLOP/s
+  std::map<std::string, double> workload_flops_;     // node -> FLOP/s the planner's costs use
   std::map<std::string, std::string> region_of_;
   std::deque<std::string> checkpoints_;  // newest last
   std::string last_checkpoint_;

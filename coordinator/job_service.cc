@@ -63,8 +63,8 @@ class RefusedWatch : public grpc::ServerWriteReactor<v1::JobEvent> {
 v1::JobEvent EventFor(const v1::Job& job) {
   v1::JobEvent event;
   *event.mutable_job() = job;
-  *event.mutable_time() = google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
-      absl::ToUnixNanos(absl::Now()));
+  *event.mutable_time() =
+      google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
   return event;
 }
 
@@ -79,8 +79,8 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
     {
       absl::MutexLock lock(&service_->mu_);
       if (service_->closing_) {
-        Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                 "coordinator is shutting down")));
+        Apply(outbox_.RequestFinish(
+            grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down")));
         return;
       }
       service_->watches_[this] = true;
@@ -179,8 +179,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* co
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* context,
-                                              const v1::GetJobRequest* request,
-                                              v1::Job* response) {
+                                              const v1::GetJobRequest* request, v1::Job* response) {
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Get"); !a.ok()) {
     return Reply(context, a);
   }
@@ -205,21 +204,20 @@ grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* cont
   }
   const std::string& token = request->page_token();
   if (!token.empty() && !ValidPageToken(token)) {
-    return Reply(context, absl::InvalidArgumentError(absl::StrCat(
-                              "page_token: \"", absl::CHexEscape(token.substr(0, 64)),
-                              "\" is not a next_page_token of a previous List")));
+    return Reply(context, absl::InvalidArgumentError(
+                              absl::StrCat("page_token: \"", absl::CHexEscape(token.substr(0, 64)),
+                                           "\" is not a next_page_token of a previous List")));
   }
-  const uint32_t size = request->page_size() == 0
-                            ? kDefaultPageSize
-                            : std::min(request->page_size(), kMaxPageSize);
+  const uint32_t size =
+      request->page_size() == 0 ? kDefaultPageSize : std::min(request->page_size(), kMaxPageSize);
   JobStore::Page page = store_->ListPage(request->state(), token, size, kMaxPageBytes);
   for (v1::Job& job : page.jobs) *response->add_jobs() = std::move(job);
   if (page.more) response->set_next_page_token(response->jobs().rbegin()->id());
   return Reply(context, absl::OkStatus());
 }
 
-grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(
-    grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
+grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(grpc::CallbackServerContext* context,
+                                                              const v1::WatchJobRequest* request) {
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Watch"); !a.ok()) {
     return new RefusedWatch(a);
   }
@@ -253,9 +251,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* co
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
   }
   if (request->checkpoint().size() > SpecLimits::kMaxPathBytes) {
-    return Reply(context, absl::InvalidArgumentError(absl::StrCat(
-                              "checkpoint: ", request->checkpoint().size(),
-                              " bytes is longer than ", SpecLimits::kMaxPathBytes)));
+    return Reply(context, absl::InvalidArgumentError(
+                              absl::StrCat("checkpoint: ", request->checkpoint().size(),
+                                           " bytes is longer than ", SpecLimits::kMaxPathBytes)));
   }
   if (!hooks_.on_resume) return Reply(context, absl::UnimplementedError("resume is not served"));
   auto job =

@@ -24,8 +24,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
     std::function<void(const std::string& job_id)> on_cancelled;
     // Resume: the JobManager checks and re-queues the job
     // (replicas_per_stage 0 = the job's own).
-    std::function<absl::StatusOr<v1::Job>(const std::string& job_id,
-                                          const std::string& checkpoint,
+    std::function<absl::StatusOr<v1::Job>(const std::string& job_id, const std::string& checkpoint,
                                           uint32_t replicas_per_stage)>
         on_resume;
   };
@@ -35,8 +34,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   ~JobServiceImpl() override;
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
-                                   const v1::SubmitJobRequest* request,
-                                   v1::Job* response) override;
+                                   const v1::SubmitJobRequest* request, v1::Job* response) override;
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
                                 const v1::GetJobRequest* request, v1::Job* response) override;
   grpc::ServerUnaryReactor* List(grpc::CallbackServerContext* context,
@@ -45,12 +43,10 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   grpc::ServerWriteReactor<v1::JobEvent>* Watch(grpc::CallbackServerContext* context,
                                                 const v1::WatchJobRequest* request) override;
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
-                                   const v1::CancelJobRequest* request,
-                                   v1::Job* response) override;
+                                   const v1::CancelJobRequest* request, v1::Job* response) override;
 
   grpc::ServerUnaryReactor* Resume(grpc::CallbackServerContext* context,
-                                   const v1::ResumeJobRequest* request,
-                                   v1::Job* response) override;
+                                   const v1::ResumeJobRequest* request, v1::Job* response) override;
 
   // Ends every open Watch stream with UNAVAILABLE (coordinator draining).
   void CloseWatches();

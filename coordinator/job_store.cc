@@ -150,8 +150,8 @@ std::vector<v1::Job> JobStore::List(v1::JobState state) const {
   return out;
 }
 
-JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_id,
-                                  size_t max_jobs, size_t max_bytes) const {
+JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs,
+                                  size_t max_bytes) const {
   Page page;
   size_t bytes = 0;
   absl::MutexLock lock(&mu_);
@@ -213,8 +213,8 @@ absl::StatusOr<v1::Job> JobStore::Cancel(const std::string& id, absl::Time now) 
     auto current = Get(id);
     if (!current.ok()) return current.status();
     if (IsFinal(current->state())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", id, " already ended (", v1::JobState_Name(current->state()), ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", id, " already ended (", v1::JobState_Name(current->state()), ")"));
     }
   }
   bool already_final = false;

@@ -84,8 +84,7 @@ int main(int argc, char** argv) {
       "start (port in use, unwritable --data_dir), 2 for bad flags (also: no TLS flags\n"
       "and no --insecure, unusable certificate, key or --auth_tokens files).");
 
-  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator",
-                              "coordinator");
+  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator", "coordinator");
       code >= 0) {
     return code;
   }
@@ -95,8 +94,8 @@ int main(int argc, char** argv) {
   if (!address.ok()) return flags.Fail(address.status());
   options.listen = *address;
   if (worker_silence <= absl::ZeroDuration() || heartbeat_interval <= absl::ZeroDuration()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        "--worker_silence and --heartbeat_interval must be positive"));
+    return flags.Fail(
+        absl::InvalidArgumentError("--worker_silence and --heartbeat_interval must be positive"));
   }
   if (heartbeat_interval >= worker_silence) {
     return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
@@ -130,8 +129,8 @@ int main(int argc, char** argv) {
   options.jobs.iteration_timeout = iteration_timeout;
   options.jobs.assign_timeout = assign_timeout;
   if (replan_every < 0) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--replan_every: ", replan_every, " is negative")));
+    return flags.Fail(
+        absl::InvalidArgumentError(absl::StrCat("--replan_every: ", replan_every, " is negative")));
   }
   options.jobs.replan_every = static_cast<int>(replan_every);
   auto security = LoadDaemonSecurity(tls);
@@ -158,9 +157,10 @@ int main(int argc, char** argv) {
           options.tokens ? absl::StrCat(", ", options.tokens->size(), " client token(s)") : "");
   if (!common.ready_file.empty()) {
     absl::Status written = WriteFileAtomically(
-        common.ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
-                                    (*coordinator)->grpc_port(), (*coordinator)->metrics_port(),
-                                    static_cast<int>(getpid())));
+        common.ready_file,
+        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
+                        (*coordinator)->grpc_port(), (*coordinator)->metrics_port(),
+                        static_cast<int>(getpid())));
     if (!written.ok()) LogWarning("--ready_file: ", written.message());
   }
 

@@ -21,7 +21,8 @@ bool Holds(const std::vector<v1::WorkerInfo>& workers, const std::string& id) {
 
 // "2 data nodes + 3 stages × 2 replicas": where the count comes from.
 std::string NeededText(const v1::PipelineSpec& p) {
-  std::string text = absl::StrCat(p.data_nodes(), p.data_nodes() == 1 ? " data node" : " data nodes");
+  std::string text =
+      absl::StrCat(p.data_nodes(), p.data_nodes() == 1 ? " data node" : " data nodes");
   if (p.num_stages() > 1) {
     absl::StrAppend(&text, " + ", p.num_stages() - 1, p.num_stages() == 2 ? " stage" : " stages",
                     " × ", p.replicas_per_stage(),
@@ -47,10 +48,9 @@ std::string PendingReason(const v1::JobSpec& spec, const std::vector<v1::WorkerI
   }
   if (pinned.empty()) {
     if (registered.size() < needed) {
-      return absl::StrCat("waiting for workers: needs ", needed, " (",
-                          NeededText(spec.pipeline()), "), ", registered.size(),
-                          " registered; it cannot start until ", needed - registered.size(),
-                          " more register");
+      return absl::StrCat("waiting for workers: needs ", needed, " (", NeededText(spec.pipeline()),
+                          "), ", registered.size(), " registered; it cannot start until ",
+                          needed - registered.size(), " more register");
     }
     return absl::StrCat("waiting for idle workers: needs ", needed, ", ", registered.size(),
                         " registered, ", free.size(), " idle (the others hold other jobs)");

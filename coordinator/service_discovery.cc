@@ -34,12 +34,12 @@ std::string ServiceDiscoveryJson(const std::string& coordinator_target,
   }
   for (const v1::WorkerInfo& w : workers) {
     if (w.metrics_address().empty()) continue;
-    groups.push_back(Group(w.metrics_address(), {{"role", "worker"},
-                                                 {"__meta_detour_worker_id", w.worker_id()},
-                                                 {"__meta_detour_region", w.region()},
-                                                 {"__meta_detour_device", w.device()},
-                                                 {"__meta_detour_worker_state",
-                                                  StateName(w.state())}}));
+    groups.push_back(
+        Group(w.metrics_address(), {{"role", "worker"},
+                                    {"__meta_detour_worker_id", w.worker_id()},
+                                    {"__meta_detour_region", w.region()},
+                                    {"__meta_detour_device", w.device()},
+                                    {"__meta_detour_worker_state", StateName(w.state())}}));
   }
   std::string out = "[";
   for (size_t i = 0; i < groups.size(); ++i) absl::StrAppend(&out, i > 0 ? ",\n" : "\n", groups[i]);

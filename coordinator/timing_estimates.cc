@@ -13,10 +13,10 @@ TimingEstimates::TimingEstimates(metrics::Registry* metrics) {
       f.ok()) {
     task_seconds_ = *f;
   }
-  if (auto f = metrics->AddHistogram(
-          "detour_coordinator_transfer_seconds",
-          "Activation and gradient transfer durations reported by workers.",
-          metrics::DefaultLatencyBuckets(), {"direction", "peer_region"});
+  if (auto f =
+          metrics->AddHistogram("detour_coordinator_transfer_seconds",
+                                "Activation and gradient transfer durations reported by workers.",
+                                metrics::DefaultLatencyBuckets(), {"direction", "peer_region"});
       f.ok()) {
     transfer_seconds_ = *f;
   }
@@ -33,8 +33,7 @@ void TimingEstimates::Add(const v1::TimingReport& report,
         {report.node(), stage == stage_of.end() ? -1 : stage->second, t.kind()}, t.duration_s());
     if (!fresh) it->second = (1 - kAlpha) * it->second + kAlpha * t.duration_s();
     if (task_seconds_ != nullptr) {
-      const std::string kind =
-          absl::AsciiStrToLower(v1::TaskTiming::Kind_Name(t.kind()).substr(5));
+      const std::string kind = absl::AsciiStrToLower(v1::TaskTiming::Kind_Name(t.kind()).substr(5));
       if (auto h = task_seconds_->WithLabels({stage_label, kind}); h.ok()) {
         (*h)->Observe(t.duration_s());
       }
@@ -49,9 +48,11 @@ void TimingEstimates::Add(const v1::TimingReport& report,
     }
     if (transfer_seconds_ != nullptr) {
       auto region = regions.find(t.peer());
-      if (auto h = transfer_seconds_->WithLabels(
-              {t.allreduce() ? "allreduce" : t.forward() ? "forward" : "backward",
-               region == regions.end() ? "unknown" : region->second});
+      if (auto h =
+              transfer_seconds_->WithLabels({t.allreduce() ? "allreduce"
+                                             : t.forward() ? "forward"
+                                                           : "backward",
+                                             region == regions.end() ? "unknown" : region->second});
           h.ok()) {
         (*h)->Observe(t.duration_s());
       }

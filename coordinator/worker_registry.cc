@@ -39,8 +39,8 @@ void WorkerRegistry::Notify() const {
   if (listener_) listener_();
 }
 
-absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(
-    const v1::RegisterRequest& request, absl::Time now) {
+absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::RegisterRequest& request,
+                                                              absl::Time now) {
   auto response = RegisterLocked(request, now);
   if (response.ok()) Notify();
   return response;
@@ -69,8 +69,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
     if (!parsed.ok()) return parsed.status();
   }
   if (!request.data_address().empty()) {
-    auto parsed =
-        ParseHostPort(request.data_address(), "data_address", /*allow_port_zero=*/false);
+    auto parsed = ParseHostPort(request.data_address(), "data_address", /*allow_port_zero=*/false);
     if (!parsed.ok()) return parsed.status();
   }
   // They become label values of metrics and service-discovery labels.
@@ -82,8 +81,8 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
         {"metrics_address", &request.metrics_address()},
         {"data_address", &request.data_address()}}) {
     if (value->size() > kMaxFieldBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": ", value->size(),
-                                                     " bytes is longer than ", kMaxFieldBytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", value->size(), " bytes is longer than ", kMaxFieldBytes));
     }
   }
 
@@ -140,8 +139,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::RegisterLocked(
 }
 
 absl::StatusOr<std::string> WorkerRegistry::Heartbeat(const std::string& token,
-                                                      const v1::Heartbeat& beat,
-                                                      absl::Time now) {
+                                                      const v1::Heartbeat& beat, absl::Time now) {
   std::string id;
   bool changed = false;
   {

@@ -29,8 +29,7 @@ class WorkerRegistry {
   // taken again: the new registration replaces the stale one and its token.
   // RESOURCE_EXHAUSTED when kMaxWorkers are registered. INVALID_ARGUMENT
   // names a bad field.
-  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request,
-                                                absl::Time now);
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request, absl::Time now);
 
   // Records a heartbeat. UNAUTHENTICATED for an unknown or replaced token.
   // A lost worker that heartbeats again is alive again.

@@ -15,7 +15,7 @@ PACKAGES=(
   libcivetweb-dev civetweb
   prometheus
   curl iperf3
-  clang-14 libclang-rt-14-dev ccache
+  clang-14 libclang-rt-14-dev clang-format-14 ccache
   sentencepiece
   libssl-dev openssl
   python3-grpcio python3-grpc-tools python3-protobuf python3-numpy

@@ -21,10 +21,8 @@ bool IsPermanent(const absl::Status& s) {
     case absl::StatusCode::kPermissionDenied:
     case absl::StatusCode::kUnauthenticated:
     case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kUnimplemented:
-      return true;
-    default:
-      return false;
+    case absl::StatusCode::kUnimplemented: return true;
+    default: return false;
   }
 }
 
@@ -74,30 +72,29 @@ absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
         heartbeat_interval_ =
             absl::Milliseconds(std::max<uint32_t>(50, response.heartbeat_interval_ms()));
       }
-      LogInfo("registered with coordinator ", options_.coordinator, " as ",
-              response.worker_id(), " (heartbeat every ", response.heartbeat_interval_ms(),
-              " ms)");
+      LogInfo("registered with coordinator ", options_.coordinator, " as ", response.worker_id(),
+              " (heartbeat every ", response.heartbeat_interval_ms(), " ms)");
       if (hooks_.on_registered) hooks_.on_registered(response.worker_id());
       return absl::OkStatus();
     }
     if (IsPermanent(status)) {
-      return Annotate(status, absl::StrCat("coordinator ", options_.coordinator,
-                                           " refused the registration"));
+      return Annotate(
+          status, absl::StrCat("coordinator ", options_.coordinator, " refused the registration"));
     }
     // Retry until the deadline, the last wait cut short to end exactly there.
     absl::Duration wait = backoff;
     if (give_up != absl::InfiniteFuture()) {
       const absl::Duration left = give_up - absl::Now();
       if (left <= absl::ZeroDuration()) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "coordinator ", options_.coordinator, " unreachable; gave up after ", attempt,
-            " attempts (", status.message(), ")"));
+        return absl::DeadlineExceededError(absl::StrCat("coordinator ", options_.coordinator,
+                                                        " unreachable; gave up after ", attempt,
+                                                        " attempts (", status.message(), ")"));
       }
       wait = std::min(wait, left);
     }
     LogWarning("coordinator ", options_.coordinator, " unreachable (",
-               absl::StatusCodeToString(status.code()), ": ", status.message(),
-               "); attempt ", attempt, ", retrying in ", absl::FormatDuration(wait));
+               absl::StatusCodeToString(status.code()), ": ", status.message(), "); attempt ",
+               attempt, ", retrying in ", absl::FormatDuration(wait));
     if (stopping_.WaitForNotificationWithTimeout(wait)) {
       return absl::CancelledError("stopped while registering");
     }
@@ -182,9 +179,8 @@ absl::Status ControlClient::RunSession() {
   size_t dropped = 0;
   {
     absl::MutexLock lock(&mu_);
-    auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stop_requested_ || write_failed_;
-    };
+    auto wake = [this]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_requested_ || write_failed_; };
     while (true) {
       mu_.AwaitWithTimeout(absl::Condition(&wake), interval);
       if (write_failed_) {
@@ -194,10 +190,10 @@ absl::Status ControlClient::RunSession() {
       if (stop_requested_) break;
       const absl::Time now = absl::Now();
       if (write_started_ != absl::InfiniteFuture() && now - write_started_ > stall) {
-        why = absl::DeadlineExceededError(absl::StrCat(
-            "a write to the coordinator has been blocked for ",
-            absl::FormatDuration(now - write_started_), " (limit ", absl::FormatDuration(stall),
-            ")"));
+        why = absl::DeadlineExceededError(
+            absl::StrCat("a write to the coordinator has been blocked for ",
+                         absl::FormatDuration(now - write_started_), " (limit ",
+                         absl::FormatDuration(stall), ")"));
         cancel = true;
         break;
       }
@@ -292,10 +288,10 @@ absl::Status ControlClient::Send(v1::WorkerMessage message) {
   const size_t bytes = message.ByteSizeLong();
   if (outbox_.size() >= options_.max_outbox_messages ||
       outbox_bytes_ + bytes > options_.max_outbox_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the outbox to the coordinator is full (", outbox_.size(), " messages, ", outbox_bytes_,
-        " bytes; limits ", options_.max_outbox_messages, " and ", options_.max_outbox_bytes,
-        "): the session is stalled"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the outbox to the coordinator is full (", outbox_.size(), " messages, ",
+                     outbox_bytes_, " bytes; limits ", options_.max_outbox_messages, " and ",
+                     options_.max_outbox_bytes, "): the session is stalled"));
   }
   outbox_bytes_ += bytes;
   outbox_.push_back(std::move(message));

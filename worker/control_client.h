@@ -53,7 +53,7 @@ class ControlClient {
   };
   struct Hooks {
     std::function<void(const v1::CoordinatorMessage&)> on_message;  // on the reader thread
-    std::function<void()> on_heartbeat_sent;  // on the writer thread
+    std::function<void()> on_heartbeat_sent;                        // on the writer thread
     std::function<void(const std::string& worker_id)> on_registered;
     std::function<void(bool connected)> on_connection_change;
   };
@@ -107,7 +107,7 @@ class ControlClient {
   std::deque<v1::WorkerMessage> outbox_ ABSL_GUARDED_BY(mu_);
   size_t outbox_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool heartbeat_due_ ABSL_GUARDED_BY(mu_) = false;
-  bool writer_stop_ ABSL_GUARDED_BY(mu_) = false;   // flush, close, exit
+  bool writer_stop_ ABSL_GUARDED_BY(mu_) = false;  // flush, close, exit
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   // When the write in flight started; InfiniteFuture when none is.

@@ -129,12 +129,12 @@ int main(int argc, char** argv) {
     }
   }
   if (!(o.speed > 0)) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrFormat("--speed: %g must be > 0", o.speed)));
+    return flags.Fail(
+        absl::InvalidArgumentError(absl::StrFormat("--speed: %g must be > 0", o.speed)));
   }
   if (!(o.compute_slowdown >= 1) || !(o.compute_slowdown <= 100)) {
-    return flags.Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
+    return flags.Fail(absl::InvalidArgumentError(
+        absl::StrFormat("--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
   }
   if (!inject_fault.empty()) {
     using Kind = JobRuntimeOptions::FaultInjection::Kind;
@@ -144,9 +144,10 @@ int main(int argc, char** argv) {
                                                {"missing_microbatch", Kind::kMissingMicrobatch}};
     uint64_t iteration = 0;
     if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
-      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--inject_fault: \"", inject_fault, "\" is not KIND@ITERATION with KIND diverge, "
-          "duplicate_microbatch or missing_microbatch")));
+      return flags.Fail(
+          absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", inject_fault,
+                                                  "\" is not KIND@ITERATION with KIND diverge, "
+                                                  "duplicate_microbatch or missing_microbatch")));
     }
     o.fault.kind = kinds.at(parts[0]);
     o.fault.iteration = iteration;
@@ -174,8 +175,8 @@ int main(int argc, char** argv) {
   } else {
     int port = -1;
     if (!absl::SimpleAtoi(data_port, &port) || port < 0 || port > 65535) {
-      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--data_port: \"", data_port, "\" is not a port (0..65535) or \"off\"")));
+      return flags.Fail(absl::InvalidArgumentError(
+          absl::StrCat("--data_port: \"", data_port, "\" is not a port (0..65535) or \"off\"")));
     }
     o.data_port = port;
   }
@@ -200,9 +201,9 @@ int main(int argc, char** argv) {
   if (o.security.tls()) {
     // The coordinator accepts this worker only under its certificate's name.
     if (!o.worker_id.empty() && o.worker_id != o.security.name()) {
-      return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--worker_id: \"", o.worker_id, "\" differs from the name in --tls_cert (\"",
-          o.security.name(), "\"); with TLS the certificate names the worker")));
+      return flags.Fail(absl::InvalidArgumentError(
+          absl::StrCat("--worker_id: \"", o.worker_id, "\" differs from the name in --tls_cert (\"",
+                       o.security.name(), "\"); with TLS the certificate names the worker")));
     }
     o.worker_id = o.security.name();
   }
@@ -257,9 +258,8 @@ int main(int argc, char** argv) {
         common.ready_file,
         absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"data_port\": %d, "
                         "\"worker_id\": \"%s\", \"pid\": %d}\n",
-                        (*worker)->grpc_port(), (*worker)->metrics_port(),
-                        (*worker)->data_port(), (*worker)->worker_id(),
-                        static_cast<int>(getpid())));
+                        (*worker)->grpc_port(), (*worker)->metrics_port(), (*worker)->data_port(),
+                        (*worker)->worker_id(), static_cast<int>(getpid())));
     if (!written.ok()) LogWarning("--ready_file: ", written.message());
   }
   AwaitShutdownSignal(common.drain_timeout);

@@ -144,8 +144,9 @@ int Main(int argc, char** argv) {
   if (!rest.ok()) return flags.Fail(rest.status());
   if (workers < 1 || workers > 10000 || clients < 1 || clients > 2000 || jobs < 1 ||
       jobs > 100000 || seconds < 1 || seconds > 3600) {
-    std::fprintf(stderr, "coordinator_load: --workers 1..10000, --clients 1..2000, --jobs "
-                         "1..100000, --seconds 1..3600\n");
+    std::fprintf(stderr,
+                 "coordinator_load: --workers 1..10000, --clients 1..2000, --jobs "
+                 "1..100000, --seconds 1..3600\n");
     return 2;
   }
 
@@ -155,11 +156,11 @@ int Main(int argc, char** argv) {
   std::filesystem::create_directories(dir);
   ChildProcess coordinator;
   const std::string ready = dir + "/ready.json";
-  absl::Status started = coordinator.Start(
-      {bin, "--listen=127.0.0.1:0", "--insecure", "--metrics_port=-1",
-       absl::StrCat("--data_dir=", dir, "/data"),
-       absl::StrCat("--ready_file=", ready), "--log_level=warning"},
-      dir + "/coordinator.log");
+  absl::Status started =
+      coordinator.Start({bin, "--listen=127.0.0.1:0", "--insecure", "--metrics_port=-1",
+                         absl::StrCat("--data_dir=", dir, "/data"),
+                         absl::StrCat("--ready_file=", ready), "--log_level=warning"},
+                        dir + "/coordinator.log");
   auto port = started.ok() ? WaitForReadyField(ready, "grpc_port", absl::Seconds(30))
                            : absl::StatusOr<std::string>(started);
   if (!port.ok()) {
@@ -179,7 +180,8 @@ int Main(int argc, char** argv) {
   for (int i = 0; i < 8; ++i) {
     grpc::ChannelArguments args;
     args.SetInt("detour.load.channel", i);  // distinct connections
-    channels.push_back(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    channels.push_back(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
   std::vector<std::unique_ptr<v1::ControlService::Stub>> control;
   for (auto& c : channels) control.push_back(v1::ControlService::NewStub(c));
@@ -206,8 +208,8 @@ int Main(int argc, char** argv) {
     }
     interval_ms = response.heartbeat_interval_ms();
     live.fetch_add(1);
-    sessions.push_back(new FakeSession(control[w % control.size()].get(),
-                                       response.session_token(), &live));
+    sessions.push_back(
+        new FakeSession(control[w % control.size()].get(), response.session_token(), &live));
   }
   std::printf("registered %lld workers in %.1f s (heartbeat every %u ms)\n",
               static_cast<long long>(workers), absl::ToDoubleSeconds(absl::Now() - reg_start),
@@ -304,16 +306,17 @@ int Main(int argc, char** argv) {
   absl::MutexLock lock(&lat.mu);
   std::printf("load average while the clients started: %s; after: %s\n", load_during.c_str(),
               LoadAverage().c_str());
-  std::printf("%lld clients for %lld s against %d live sessions (%llu heartbeats written, "
-              "%d workers not lost)\n",
-              static_cast<long long>(clients), static_cast<long long>(seconds), alive,
-              static_cast<unsigned long long>(beats), listed_alive);
-  for (auto [name, v] : {std::pair<const char*, std::vector<double>*>{"Get", &lat.get_ms},
-                         {"List", &lat.list_ms}}) {
+  std::printf(
+      "%lld clients for %lld s against %d live sessions (%llu heartbeats written, "
+      "%d workers not lost)\n",
+      static_cast<long long>(clients), static_cast<long long>(seconds), alive,
+      static_cast<unsigned long long>(beats), listed_alive);
+  for (auto [name, v] :
+       {std::pair<const char*, std::vector<double>*>{"Get", &lat.get_ms}, {"List", &lat.list_ms}}) {
     const size_t n = v->size();
     std::printf("%-4s %8zu calls %8.0f/s  p50 %7.2f ms  p90 %7.2f ms  p99 %7.2f ms  max %7.2f ms\n",
-                name, n, n / static_cast<double>(seconds), Percentile(*v, 0.5),
-                Percentile(*v, 0.9), Percentile(*v, 0.99), Percentile(*v, 1.0));
+                name, n, n / static_cast<double>(seconds), Percentile(*v, 0.5), Percentile(*v, 0.9),
+                Percentile(*v, 0.99), Percentile(*v, 1.0));
   }
   std::printf("errors %llu\n", static_cast<unsigned long long>(lat.errors));
   std::printf("coordinator RSS %lld kB now, %lld kB peak\n", static_cast<long long>(rss),

@@ -50,8 +50,8 @@ double CpuSeconds() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-void BM_SplitOverhead(benchmark::State& state, const std::string& preset,
-                      int samples, int microbatches) {
+void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int samples,
+                      int microbatches) {
   at::set_num_threads(1);
   v1::JobSpec spec;
   spec.set_name("bench");
@@ -97,15 +97,17 @@ void BM_SplitOverhead(benchmark::State& state, const std::string& preset,
     for (int k = 0; k < 2; ++k) {
       const bool do_plain = (k == 0) == plain_first;
       const double a = CpuSeconds();
-      if (do_plain) run_plain(); else run_split();
+      if (do_plain)
+        run_plain();
+      else
+        run_split();
       (do_plain ? t_plain : t_split).push_back(CpuSeconds() - a);
     }
   }
   const double tokens = static_cast<double>(microbatches) * samples * ctx;
   state.counters["plain_tok_per_s"] = tokens / Median(t_plain);
   state.counters["split_tok_per_s"] = tokens / Median(t_split);
-  state.counters["split_overhead_pct"] =
-      100.0 * (Median(t_split) / Median(t_plain) - 1.0);
+  state.counters["split_overhead_pct"] = 100.0 * (Median(t_split) / Median(t_plain) - 1.0);
   // Per-round ratios are less sensitive to slow drifts than ratio of medians.
   std::vector<double> ratios;
   for (size_t i = 0; i < std::min(t_plain.size(), t_split.size()); ++i) {

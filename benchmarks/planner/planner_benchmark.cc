@@ -133,10 +133,15 @@ BENCHMARK(BM_Plan20)
 // 100 nodes, 10 stages: 10 data nodes, 10 replicas; microbatches per data
 // node varied (total = 10×).
 void BM_Plan100(benchmark::State& state) {
-  PlanBenchmark(state, 100, 10, 10, 10, static_cast<int>(state.range(0)),
-                v1::SCHEDULER_SKIPPIPE);
+  PlanBenchmark(state, 100, 10, 10, 10, static_cast<int>(state.range(0)), v1::SCHEDULER_SKIPPIPE);
 }
-BENCHMARK(BM_Plan100)->Arg(3)->Arg(6)->Arg(12)->Arg(24)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK(BM_Plan100)
+    ->Arg(3)
+    ->Arg(6)
+    ->Arg(12)
+    ->Arg(24)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
 
 // Nodes varied at 10 stages, 6 microbatches per data node.
 void BM_PlanNodes(benchmark::State& state) {
@@ -144,7 +149,13 @@ void BM_PlanNodes(benchmark::State& state) {
   const int replicas = nodes / 10;
   PlanBenchmark(state, nodes, 10, nodes - 9 * replicas, replicas, 6, v1::SCHEDULER_SKIPPIPE);
 }
-BENCHMARK(BM_PlanNodes)->Arg(50)->Arg(100)->Arg(200)->Arg(400)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK(BM_PlanNodes)
+    ->Arg(50)
+    ->Arg(100)
+    ->Arg(200)
+    ->Arg(400)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
 
 // 1000 nodes, 32 stages, 40 data nodes × 25 = 1000 microbatches.
 void BM_Plan1000(benchmark::State& state) {

@@ -213,7 +213,8 @@ class RawTcpAesGcmPeer {
       auto* out = reinterpret_cast<unsigned char*>(buffer.data());
       char ack = 1;
       for (size_t done = 0; done < n;) {
-        const size_t records = std::min<size_t>(kRecordsPerCall, (n - done + kRecord - 1) / kRecord);
+        const size_t records =
+            std::min<size_t>(kRecordsPerCall, (n - done + kRecord - 1) / kRecord);
         const size_t data = std::min<size_t>(records * kRecord, n - done);
         if (!ReadAll(fd, staging.data(), data + records * kTag)) return;
         size_t at = 0;
@@ -231,7 +232,8 @@ class RawTcpAesGcmPeer {
     }
   }
   CipherCtx send_ = NewCipher(true);
-  std::vector<unsigned char> staging_ = std::vector<unsigned char>(kRecordsPerCall * (kRecord + kTag));
+  std::vector<unsigned char> staging_ =
+      std::vector<unsigned char>(kRecordsPerCall * (kRecord + kTag));
   uint64_t seq_ = 0;
   LoopbackConnection connection_{Serve};  // last: its thread starts in the constructor
 };
@@ -311,8 +313,7 @@ struct DetourPeer {
       sender_options.direct_address = absl::StrCat("127.0.0.1:", direct_server->port());
       sender_options.peer_name = "bench";
     }
-    sender = std::make_unique<PeerSender>(absl::StrCat("127.0.0.1:", running.port),
-                                          sender_options);
+    sender = std::make_unique<PeerSender>(absl::StrCat("127.0.0.1:", running.port), sender_options);
   }
   ~DetourPeer() {
     sender.reset();
@@ -364,18 +365,54 @@ void BM_DetourTls(benchmark::State& state) { RunDetour(state, true); }
 void BM_DetourDirect(benchmark::State& state) { RunDetour(state, false, true); }
 void BM_DetourDirectTls(benchmark::State& state) { RunDetour(state, true, true); }
 
-BENCHMARK(BM_RawTcp)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_RawTcpAesGcm)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Detour)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(32 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DetourTls)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DetourDirect)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DetourDirectTls)->Arg(16)->Arg(1 << 20)->Arg(4 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RawTcp)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RawTcpAesGcm)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Detour)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(32 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourTls)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourDirect)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourDirectTls)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace detour

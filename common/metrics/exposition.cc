@@ -17,8 +17,8 @@ std::string FormatValue(double value) {
   // Its own choice between notations prefers "5e-04" to "0.0005", so pick
   // plain notation ourselves for the exponents people read easily.
   char buf[64];
-  std::to_chars_result scientific = std::to_chars(
-      buf, buf + sizeof(buf) - 1, value, std::chars_format::scientific);
+  std::to_chars_result scientific =
+      std::to_chars(buf, buf + sizeof(buf) - 1, value, std::chars_format::scientific);
   if (scientific.ec != std::errc()) return absl::StrCat(value);
   *scientific.ptr = '\0';
   const char* exponent = std::strchr(buf, 'e');
@@ -37,14 +37,9 @@ std::string EscapeHelp(absl::string_view help) {
   out.reserve(help.size());
   for (char c : help) {
     switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      default: out += c;
     }
   }
   return out;
@@ -55,17 +50,10 @@ std::string EscapeLabelValue(absl::string_view value) {
   out.reserve(value.size());
   for (char c : value) {
     switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
+      case '\\': out += "\\\\"; break;
+      case '"': out += "\\\""; break;
+      case '\n': out += "\\n"; break;
+      default: out += c;
     }
   }
   return out;
@@ -73,22 +61,20 @@ std::string EscapeLabelValue(absl::string_view value) {
 
 void AppendSample(std::string* out, absl::string_view name,
                   const std::vector<std::string>& label_names,
-                  const std::vector<std::string>& label_values,
-                  absl::string_view extra_name, absl::string_view extra_value,
-                  double value) {
+                  const std::vector<std::string>& label_values, absl::string_view extra_name,
+                  absl::string_view extra_value, double value) {
   absl::StrAppend(out, name);
   const bool has_labels = !label_names.empty() || !extra_name.empty();
   if (has_labels) {
     out->push_back('{');
     const char* separator = "";
     for (size_t i = 0; i < label_names.size() && i < label_values.size(); ++i) {
-      absl::StrAppend(out, separator, label_names[i], "=\"",
-                      EscapeLabelValue(label_values[i]), "\"");
+      absl::StrAppend(out, separator, label_names[i], "=\"", EscapeLabelValue(label_values[i]),
+                      "\"");
       separator = ",";
     }
     if (!extra_name.empty()) {
-      absl::StrAppend(out, separator, extra_name, "=\"",
-                      EscapeLabelValue(extra_value), "\"");
+      absl::StrAppend(out, separator, extra_name, "=\"", EscapeLabelValue(extra_value), "\"");
     }
     out->push_back('}');
   }

@@ -33,9 +33,8 @@ std::string EscapeLabelValue(absl::string_view value);
 // escaped here.
 void AppendSample(std::string* out, absl::string_view name,
                   const std::vector<std::string>& label_names,
-                  const std::vector<std::string>& label_values,
-                  absl::string_view extra_name, absl::string_view extra_value,
-                  double value);
+                  const std::vector<std::string>& label_values, absl::string_view extra_name,
+                  absl::string_view extra_value, double value);
 
 }  // namespace detour::metrics
 

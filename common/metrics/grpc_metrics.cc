@@ -31,13 +31,11 @@ class ServerMetricsInterceptor final : public grpc::experimental::Interceptor {
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(
-            InterceptionHookPoints::PRE_SEND_STATUS)) {
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       // Handlers often answer a cancelled call with some other code (the
       // default health service sends UNKNOWN); what happened is a cancel.
       const bool cancelled = context_ != nullptr && context_->IsCancelled();
-      Finish(cancelled ? grpc::StatusCode::CANCELLED
-                       : methods->GetSendStatus().error_code());
+      Finish(cancelled ? grpc::StatusCode::CANCELLED : methods->GetSendStatus().error_code());
     }
     methods->Proceed();
   }
@@ -46,8 +44,7 @@ class ServerMetricsInterceptor final : public grpc::experimental::Interceptor {
   void Finish(grpc::StatusCode code) {
     // Send and receive batches of a stream may be intercepted concurrently.
     if (recorded_.exchange(true)) return;
-    const std::chrono::duration<double> elapsed =
-        std::chrono::steady_clock::now() - start_;
+    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start_;
     factory_->Record(method_, code, elapsed.count());
   }
 
@@ -88,8 +85,7 @@ absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>>
 ServerMetricsInterceptorFactory::Create(Registry* registry, Options options) {
   absl::StatusOr<CounterFamily*> handled = registry->AddCounter(
       "detour_rpc_server_handled_total",
-      "RPCs completed on the server, by full method name and status code.",
-      {"method", "code"});
+      "RPCs completed on the server, by full method name and status code.", {"method", "code"});
   if (!handled.ok()) return handled.status();
   absl::StatusOr<HistogramFamily*> latency = registry->AddHistogram(
       "detour_rpc_server_handling_seconds",
@@ -98,28 +94,25 @@ ServerMetricsInterceptorFactory::Create(Registry* registry, Options options) {
       options.latency_buckets, {"method"});
   if (!latency.ok()) return latency.status();
   return std::unique_ptr<ServerMetricsInterceptorFactory>(
-      new ServerMetricsInterceptorFactory(*handled, *latency,
-                                          std::move(options)));
+      new ServerMetricsInterceptorFactory(*handled, *latency, std::move(options)));
 }
 
-ServerMetricsInterceptorFactory::ServerMetricsInterceptorFactory(
-    CounterFamily* handled, HistogramFamily* latency, Options options)
+ServerMetricsInterceptorFactory::ServerMetricsInterceptorFactory(CounterFamily* handled,
+                                                                 HistogramFamily* latency,
+                                                                 Options options)
     : handled_(handled),
       latency_(latency),
       allowed_(options.methods.begin(), options.methods.end()),
       max_methods_(options.max_methods) {}
 
-grpc::experimental::Interceptor*
-ServerMetricsInterceptorFactory::CreateServerInterceptor(
+grpc::experimental::Interceptor* ServerMetricsInterceptorFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
   return new ServerMetricsInterceptor(this, info);
 }
 
-std::string ServerMetricsInterceptorFactory::MethodLabel(
-    absl::string_view method) {
+std::string ServerMetricsInterceptorFactory::MethodLabel(absl::string_view method) {
   if (!allowed_.empty()) {
-    return allowed_.contains(method) ? std::string(method)
-                                     : std::string(kOtherMethod);
+    return allowed_.contains(method) ? std::string(method) : std::string(kOtherMethod);
   }
   absl::MutexLock lock(&mu_);
   if (seen_.contains(method)) return std::string(method);
@@ -128,20 +121,17 @@ std::string ServerMetricsInterceptorFactory::MethodLabel(
   return std::string(method);
 }
 
-void ServerMetricsInterceptorFactory::Record(const std::string& method,
-                                             grpc::StatusCode code,
+void ServerMetricsInterceptorFactory::Record(const std::string& method, grpc::StatusCode code,
                                              double seconds) {
   const std::string label = MethodLabel(method);
   // Both families have a bounded number of series by construction, so the
   // only possible error (RESOURCE_EXHAUSTED) means metrics are dropped, which
   // must not affect the RPC.
-  if (absl::StatusOr<Counter*> counter =
-          handled_->WithLabels({label, StatusCodeName(code)});
+  if (absl::StatusOr<Counter*> counter = handled_->WithLabels({label, StatusCodeName(code)});
       counter.ok()) {
     (*counter)->Increment();
   }
-  if (absl::StatusOr<Histogram*> histogram = latency_->WithLabels({label});
-      histogram.ok()) {
+  if (absl::StatusOr<Histogram*> histogram = latency_->WithLabels({label}); histogram.ok()) {
     (*histogram)->Observe(seconds);
   }
 }
@@ -149,19 +139,15 @@ void ServerMetricsInterceptorFactory::Record(const std::string& method,
 absl::StatusOr<std::vector<std::string>> MethodsOfServices(
     const std::vector<std::string>& service_names) {
   std::vector<std::string> methods;
-  const google::protobuf::DescriptorPool* pool =
-      google::protobuf::DescriptorPool::generated_pool();
+  const google::protobuf::DescriptorPool* pool = google::protobuf::DescriptorPool::generated_pool();
   for (const std::string& service_name : service_names) {
-    const google::protobuf::ServiceDescriptor* service =
-        pool->FindServiceByName(service_name);
+    const google::protobuf::ServiceDescriptor* service = pool->FindServiceByName(service_name);
     if (service == nullptr) {
       return absl::NotFoundError(absl::StrCat(
-          "service ", service_name,
-          " is not linked into this binary (no protobuf descriptor)"));
+          "service ", service_name, " is not linked into this binary (no protobuf descriptor)"));
     }
     for (int i = 0; i < service->method_count(); ++i) {
-      methods.push_back(
-          absl::StrCat("/", service->full_name(), "/", service->method(i)->name()));
+      methods.push_back(absl::StrCat("/", service->full_name(), "/", service->method(i)->name()));
     }
   }
   return methods;

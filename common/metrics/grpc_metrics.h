@@ -60,10 +60,10 @@ class ServerMetricsInterceptorFactory
 
   // Registers the two families in `registry`; their errors are returned (e.g.
   // ALREADY_EXISTS with other buckets).
-  static absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>>
-  Create(Registry* registry, Options options);
-  static absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>>
-  Create(Registry* registry) {
+  static absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>> Create(Registry* registry,
+                                                                                 Options options);
+  static absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>> Create(
+      Registry* registry) {
     return Create(registry, Options());
   }
 
@@ -71,12 +71,11 @@ class ServerMetricsInterceptorFactory
       grpc::experimental::ServerRpcInfo* info) override;
 
   // Records one finished call. Public for the interceptor; not for general use.
-  void Record(const std::string& method, grpc::StatusCode code,
-              double seconds);
+  void Record(const std::string& method, grpc::StatusCode code, double seconds);
 
  private:
-  ServerMetricsInterceptorFactory(CounterFamily* handled,
-                                  HistogramFamily* latency, Options options);
+  ServerMetricsInterceptorFactory(CounterFamily* handled, HistogramFamily* latency,
+                                  Options options);
   // The label for `method` under the bounding rules in Options.
   std::string MethodLabel(absl::string_view method);
 

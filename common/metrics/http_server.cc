@@ -33,9 +33,7 @@ int LogMessage(const mg_connection* /*connection*/, const char* message) {
   return 1;  // handled: civetweb must not print anything itself
 }
 
-int LogAccess(const mg_connection* /*connection*/, const char* /*message*/) {
-  return 1;
-}
+int LogAccess(const mg_connection* /*connection*/, const char* /*message*/) { return 1; }
 
 void InitCivetwebOnce() {
   // mg_init_library is not thread-safe and should run once per process.
@@ -46,8 +44,8 @@ void InitCivetwebOnce() {
   (void)initialized;
 }
 
-void SendText(mg_connection* connection, bool head_only,
-              absl::string_view content_type, absl::string_view body) {
+void SendText(mg_connection* connection, bool head_only, absl::string_view content_type,
+              absl::string_view body) {
   mg_send_http_ok(connection, std::string(content_type).c_str(),
                   static_cast<long long>(body.size()));
   if (!head_only) mg_write(connection, body.data(), body.size());
@@ -83,20 +81,17 @@ void PokeListener(const std::string& bind_address, int port) {
 
 }  // namespace
 
-MetricsHttpServer::MetricsHttpServer(Registry* registry)
-    : registry_(registry) {}
+MetricsHttpServer::MetricsHttpServer(Registry* registry) : registry_(registry) {}
 
 MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
-absl::Status MetricsHttpServer::Start(const std::string& bind_address,
-                                      int port) {
+absl::Status MetricsHttpServer::Start(const std::string& bind_address, int port) {
   if (context_ != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "metrics server already listening on port ", port_.load()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("metrics server already listening on port ", port_.load()));
   }
   if (port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics port ", port, " is outside 0..65535"));
+    return absl::InvalidArgumentError(absl::StrCat("metrics port ", port, " is outside 0..65535"));
   }
   unsigned char address_bytes[sizeof(in6_addr)];
   std::string listening_port;
@@ -104,20 +99,18 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
     listening_port = absl::StrCat(bind_address, ":", port);
   } else if (inet_pton(AF_INET6, bind_address.c_str(), address_bytes) == 1) {
     if (!mg_check_feature(MG_FEATURES_IPV6)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "metrics bind address ", bind_address,
-          " is IPv6, which this build of civetweb does not support"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics bind address ", bind_address,
+                       " is IPv6, which this build of civetweb does not support"));
     }
     listening_port = absl::StrCat("[", bind_address, "]:", port);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "metrics bind address \"", bind_address,
-        "\" is not an IPv4 or IPv6 address literal"));
+    return absl::InvalidArgumentError(absl::StrCat("metrics bind address \"", bind_address,
+                                                   "\" is not an IPv4 or IPv6 address literal"));
   }
 
   absl::StatusOr<CounterFamily*> scrapes = registry_->AddCounter(
-      "detour_metrics_scrapes",
-      "Scrapes of the /metrics endpoint served by this process.");
+      "detour_metrics_scrapes", "Scrapes of the /metrics endpoint served by this process.");
   if (!scrapes.ok()) return scrapes.status();
   absl::StatusOr<Counter*> scrapes_counter = (*scrapes)->WithLabels({});
   if (!scrapes_counter.ok()) return scrapes_counter.status();
@@ -132,9 +125,12 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
   // or idle clients used to block every scrape (2 threads, 10 s timeout: 30
   // idle connections made /metrics and /healthz time out). More threads and
   // a short read timeout bound how long slow clients can hold them.
-  const char* options[] = {"listening_ports", listening_port.c_str(),
-                           "num_threads", "32",
-                           "request_timeout_ms", "2000",
+  const char* options[] = {"listening_ports",
+                           listening_port.c_str(),
+                           "num_threads",
+                           "32",
+                           "request_timeout_ms",
+                           "2000",
                            nullptr};
   mg_init_data init = {};
   init.callbacks = &callbacks;
@@ -155,22 +151,20 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
     const std::string details = absl::StrJoin(log, "; ");
     if (absl::StrContains(details, "Address already in use") ||
         absl::StrContains(details, "in use")) {
-      return absl::UnavailableError(absl::StrCat(
-          "metrics port ", port, " on ", bind_address,
-          " is already in use"));
+      return absl::UnavailableError(
+          absl::StrCat("metrics port ", port, " on ", bind_address, " is already in use"));
     }
     return absl::UnavailableError(absl::StrCat(
-        "metrics server on ", listening_port, " failed to start: ",
-        error_text[0] != '\0' ? error_text : "unknown civetweb error",
+        "metrics server on ", listening_port,
+        " failed to start: ", error_text[0] != '\0' ? error_text : "unknown civetweb error",
         details.empty() ? "" : " (", details, details.empty() ? "" : ")"));
   }
 
   mg_server_port bound = {};
   if (mg_get_server_ports(context, 1, &bound) != 1 || bound.port <= 0) {
     mg_stop(context);
-    return absl::InternalError(absl::StrCat(
-        "metrics server on ", listening_port,
-        " started but did not report its port"));
+    return absl::InternalError(
+        absl::StrCat("metrics server on ", listening_port, " started but did not report its port"));
   }
   // What handlers may read is set before they can run: a handler that named
   // the port (service discovery) read it unordered with this write, and saw 0
@@ -182,8 +176,7 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address,
   // anything unknown gets a 404 from us rather than from civetweb. (civetweb
   // only takes handlers once started; a request in the instant before this
   // call gets civetweb's own 404, as there is no document root.)
-  mg_set_request_handler(context, "**", &MetricsHttpServer::HandleRequest,
-                         this);
+  mg_set_request_handler(context, "**", &MetricsHttpServer::HandleRequest, this);
   return absl::OkStatus();
 }
 
@@ -194,9 +187,9 @@ absl::Status MetricsHttpServer::AddHandler(const std::string& path,
         absl::StrCat("metrics server: cannot add ", path, " after it started"));
   }
   if (path.empty() || path[0] != '/' || path == "/metrics" || path == "/healthz") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "metrics server: handler path \"", path,
-        "\" must start with / and not be /metrics or /healthz"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics server: handler path \"", path,
+                     "\" must start with / and not be /metrics or /healthz"));
   }
   if (handler == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("metrics server: no handler for ", path));
@@ -236,8 +229,7 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
   const absl::string_view path =
       info != nullptr && info->local_uri != nullptr ? info->local_uri : "";
   const absl::string_view method =
-      info != nullptr && info->request_method != nullptr ? info->request_method
-                                                         : "";
+      info != nullptr && info->request_method != nullptr ? info->request_method : "";
   const auto handler = handlers_.find(path);
   if (path != "/metrics" && path != "/healthz" && handler == handlers_.end()) {
     mg_send_http_error(connection, 404, "%s", "not found\n");
@@ -266,8 +258,7 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
     return 200;
   }
   scrapes_->Increment();
-  SendText(connection, head_only, kExpositionContentType,
-           registry_->Serialize());
+  SendText(connection, head_only, kExpositionContentType, registry_->Serialize());
   return 200;
 }
 

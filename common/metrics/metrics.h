@@ -183,16 +183,14 @@ class Family final : public internal::FamilyBase {
   void AppendText(std::string* out) const override;
 
   // Use Registry::AddCounter/AddGauge/AddHistogram instead.
-  Family(std::string name, std::string help, MetricType type,
-         std::vector<std::string> label_names,
+  Family(std::string name, std::string help, MetricType type, std::vector<std::string> label_names,
          std::vector<double> bucket_bounds, size_t max_series);
 
  private:
   const std::vector<double> bucket_bounds_;
   const size_t max_series_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::vector<std::string>, std::unique_ptr<T>> children_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::vector<std::string>, std::unique_ptr<T>> children_ ABSL_GUARDED_BY(mu_);
 };
 
 using CounterFamily = Family<Counter>;
@@ -224,23 +222,20 @@ class Registry {
   // A counter family. "_total" is appended to `name` unless it already ends
   // in "_total"; the family's name() is the exposed name. A family without
   // labels gets its single child at once, so it is exposed as 0 from the start.
-  absl::StatusOr<CounterFamily*> AddCounter(
-      absl::string_view name, absl::string_view help,
-      std::vector<std::string> label_names = {},
-      size_t max_series = kDefaultMaxSeriesPerFamily);
+  absl::StatusOr<CounterFamily*> AddCounter(absl::string_view name, absl::string_view help,
+                                            std::vector<std::string> label_names = {},
+                                            size_t max_series = kDefaultMaxSeriesPerFamily);
 
-  absl::StatusOr<GaugeFamily*> AddGauge(
-      absl::string_view name, absl::string_view help,
-      std::vector<std::string> label_names = {},
-      size_t max_series = kDefaultMaxSeriesPerFamily);
+  absl::StatusOr<GaugeFamily*> AddGauge(absl::string_view name, absl::string_view help,
+                                        std::vector<std::string> label_names = {},
+                                        size_t max_series = kDefaultMaxSeriesPerFamily);
 
   // `bucket_bounds` are the finite upper bounds, strictly increasing; the
   // "+Inf" bucket is implicit. Empty bounds are allowed (only "+Inf").
-  absl::StatusOr<HistogramFamily*> AddHistogram(
-      absl::string_view name, absl::string_view help,
-      std::vector<double> bucket_bounds,
-      std::vector<std::string> label_names = {},
-      size_t max_series = kDefaultMaxSeriesPerFamily);
+  absl::StatusOr<HistogramFamily*> AddHistogram(absl::string_view name, absl::string_view help,
+                                                std::vector<double> bucket_bounds,
+                                                std::vector<std::string> label_names = {},
+                                                size_t max_series = kDefaultMaxSeriesPerFamily);
 
   // Unlabelled metrics whose value `fn` computes at scrape time (process
   // statistics, sizes of containers owned elsewhere). `fn` runs on the
@@ -250,8 +245,7 @@ class Registry {
   // exposed as NaN. The counter's name gets "_total" as in AddCounter.
   absl::Status AddCallbackGauge(absl::string_view name, absl::string_view help,
                                 std::function<double()> fn);
-  absl::Status AddCallbackCounter(absl::string_view name,
-                                  absl::string_view help,
+  absl::Status AddCallbackCounter(absl::string_view name, absl::string_view help,
                                   std::function<double()> fn);
   // Removes a callback metric by its exposed name, so its function may be
   // destroyed. NOT_FOUND if there is none; FAILED_PRECONDITION for a family
@@ -264,29 +258,24 @@ class Registry {
 
  private:
   // Validates names and reserves every sample name the family exposes.
-  absl::Status CheckNewFamily(const std::string& name, absl::string_view help,
-                              MetricType type,
+  absl::Status CheckNewFamily(const std::string& name, absl::string_view help, MetricType type,
                               const std::vector<std::string>& label_names) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void InsertFamily(std::unique_ptr<internal::FamilyBase> family)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   template <typename T>
-  absl::StatusOr<Family<T>*> AddFamily(absl::string_view name,
-                                       absl::string_view help, MetricType type,
-                                       std::vector<std::string> label_names,
-                                       std::vector<double> bucket_bounds,
-                                       size_t max_series);
-  absl::Status AddCallback(absl::string_view name, absl::string_view help,
-                           MetricType type, std::function<double()> fn);
+  absl::StatusOr<Family<T>*> AddFamily(absl::string_view name, absl::string_view help,
+                                       MetricType type, std::vector<std::string> label_names,
+                                       std::vector<double> bucket_bounds, size_t max_series);
+  absl::Status AddCallback(absl::string_view name, absl::string_view help, MetricType type,
+                           std::function<double()> fn);
 
   mutable absl::Mutex mu_;
   // Keyed by exposed family name, which is also the serialization order.
-  std::map<std::string, std::unique_ptr<internal::FamilyBase>> families_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<internal::FamilyBase>> families_ ABSL_GUARDED_BY(mu_);
   // Every sample name in use (e.g. "x_bucket", "x_sum") -> its family's name,
   // so that a gauge "x_sum" cannot shadow histogram "x".
-  absl::flat_hash_map<std::string, std::string> sample_names_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> sample_names_ ABSL_GUARDED_BY(mu_);
 };
 
 // Validation used by the registry; exposed for callers that build names.
@@ -296,12 +285,9 @@ absl::Status ValidateLabelName(absl::string_view name);
 absl::Status ValidateBucketBounds(const std::vector<double>& bounds);
 
 // `count` bounds: start, start*factor, ... (start > 0, factor > 1).
-absl::StatusOr<std::vector<double>> ExponentialBuckets(double start,
-                                                       double factor,
-                                                       int count);
+absl::StatusOr<std::vector<double>> ExponentialBuckets(double start, double factor, int count);
 // `count` bounds: start, start+width, ... (width > 0).
-absl::StatusOr<std::vector<double>> LinearBuckets(double start, double width,
-                                                  int count);
+absl::StatusOr<std::vector<double>> LinearBuckets(double start, double width, int count);
 // Bounds for request latencies in seconds, 0.5 ms to 60 s.
 std::vector<double> DefaultLatencyBuckets();
 

@@ -37,8 +37,7 @@ std::optional<std::vector<std::string>> ReadStatFields() {
   if (!stat) return std::nullopt;
   const size_t close = stat->rfind(')');
   if (close == std::string::npos) return std::nullopt;
-  return absl::StrSplit(absl::string_view(*stat).substr(close + 1), ' ',
-                        absl::SkipWhitespace());
+  return absl::StrSplit(absl::string_view(*stat).substr(close + 1), ' ', absl::SkipWhitespace());
 }
 
 // Field `number` (1-based, as numbered in proc(5)) of /proc/self/stat.
@@ -59,8 +58,7 @@ double ClockTicksPerSecond() {
 double CpuSeconds() {
   std::optional<std::vector<std::string>> fields = ReadStatFields();
   double utime, stime;
-  if (!fields || fields->size() < 13 ||
-      !absl::SimpleAtod((*fields)[14 - 3], &utime) ||
+  if (!fields || fields->size() < 13 || !absl::SimpleAtod((*fields)[14 - 3], &utime) ||
       !absl::SimpleAtod((*fields)[15 - 3], &stime)) {
     return kNaN;
   }
@@ -118,40 +116,35 @@ absl::Status RegisterProcessMetrics(Registry& registry) {
   };
   static const double start_time = StartTimeSeconds();  // never changes
   const Spec specs[] = {
-      {"process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-       true, &CpuSeconds},
-      {"process_resident_memory_bytes", "Resident memory size in bytes.", false,
-       &ResidentBytes},
+      {"process_cpu_seconds", "Total user and system CPU time spent in seconds.", true,
+       &CpuSeconds},
+      {"process_resident_memory_bytes", "Resident memory size in bytes.", false, &ResidentBytes},
       {"process_virtual_memory_bytes", "Virtual memory size in bytes.", false,
        [] { return StatField(23); }},
       {"process_open_fds", "Number of open file descriptors.", false, &OpenFds},
-      {"process_max_fds", "Maximum number of open file descriptors.", false,
-       &MaxFds},
-      {"process_start_time_seconds",
-       "Start time of the process since unix epoch in seconds.", false,
-       [] { return start_time; }},
+      {"process_max_fds", "Maximum number of open file descriptors.", false, &MaxFds},
+      {"process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+       false, [] { return start_time; }},
   };
   for (const Spec& spec : specs) {
-    absl::Status status =
-        spec.is_counter
-            ? registry.AddCallbackCounter(spec.name, spec.help, spec.fn)
-            : registry.AddCallbackGauge(spec.name, spec.help, spec.fn);
+    absl::Status status = spec.is_counter
+                              ? registry.AddCallbackCounter(spec.name, spec.help, spec.fn)
+                              : registry.AddCallbackGauge(spec.name, spec.help, spec.fn);
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
 }
 
 absl::Status RegisterBuildInfo(Registry& registry, absl::string_view component,
-                               absl::string_view version,
-                               absl::string_view revision) {
-  absl::StatusOr<GaugeFamily*> family = registry.AddGauge(
-      "detour_build_info",
-      "A metric with a constant value 1, labelled by the component, version "
-      "and source revision of this binary.",
-      {"component", "version", "revision"});
+                               absl::string_view version, absl::string_view revision) {
+  absl::StatusOr<GaugeFamily*> family =
+      registry.AddGauge("detour_build_info",
+                        "A metric with a constant value 1, labelled by the component, version "
+                        "and source revision of this binary.",
+                        {"component", "version", "revision"});
   if (!family.ok()) return family.status();
-  absl::StatusOr<Gauge*> gauge = (*family)->WithLabels(
-      {std::string(component), std::string(version), std::string(revision)});
+  absl::StatusOr<Gauge*> gauge =
+      (*family)->WithLabels({std::string(component), std::string(version), std::string(revision)});
   if (!gauge.ok()) return gauge.status();
   (*gauge)->Set(1);
   return absl::OkStatus();

@@ -24,8 +24,7 @@ absl::Status RegisterProcessMetrics(Registry& registry);
 // Registers the gauge detour_build_info{component,version,revision} 1, the
 // usual way to join a binary's version onto its other series.
 absl::Status RegisterBuildInfo(Registry& registry, absl::string_view component,
-                               absl::string_view version,
-                               absl::string_view revision);
+                               absl::string_view version, absl::string_view revision);
 
 }  // namespace detour::metrics
 

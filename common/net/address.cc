@@ -57,11 +57,11 @@ absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, boo
   const char* host = address.host.empty() ? nullptr : address.host.c_str();
   const int rc = ::getaddrinfo(host, port.c_str(), &hints, &result);
   if (rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": cannot resolve host \"",
-                                                   address.host, "\": ", gai_strerror(rc)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": cannot resolve host \"", address.host, "\": ", gai_strerror(rc)));
   }
-  absl::Status status = absl::UnavailableError(
-      absl::StrCat(what, ": no address to bind for ", address.ToString()));
+  absl::Status status =
+      absl::UnavailableError(absl::StrCat(what, ": no address to bind for ", address.ToString()));
   int bound = -1;
   for (addrinfo* ai = result; ai != nullptr && bound < 0; ai = ai->ai_next) {
     const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -73,9 +73,8 @@ absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, boo
       status = err == EADDRINUSE
                    ? absl::UnavailableError(absl::StrCat(what, ": ", address.ToString(),
                                                          " is already in use by another process"))
-                   : absl::UnavailableError(absl::StrCat(what, ": cannot bind ",
-                                                         address.ToString(), ": ",
-                                                         std::strerror(err)));
+                   : absl::UnavailableError(absl::StrCat(what, ": cannot bind ", address.ToString(),
+                                                         ": ", std::strerror(err)));
       ::close(fd);
       continue;
     }

@@ -12,7 +12,7 @@ namespace detour {
 
 void DaemonFlags::Register(FlagSet* flags, const std::string& ready_fields) {
   flags->Int("metrics_port", &metrics_port,
-              absl::StrCat("port for /metrics; 0 picks a free one, -1 disables", metrics_port_note));
+             absl::StrCat("port for /metrics; 0 picks a free one, -1 disables", metrics_port_note));
   flags->Duration("drain_timeout", &drain_timeout,
                   "on SIGTERM/SIGINT, how long in-flight work may take before being cut");
   flags->String("ready_file", &ready_file,
@@ -29,8 +29,8 @@ int DaemonFlags::Apply(const FlagSet& flags, const absl::StatusOr<std::vector<st
     return 0;
   }
   if (!args->empty()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", (*args)[0], "\"")));
+    return flags.Fail(
+        absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", (*args)[0], "\"")));
   }
   LogLevel level;
   if (!ParseLogLevel(log_level, &level)) {
@@ -48,8 +48,7 @@ int DaemonFlags::Apply(const FlagSet& flags, const absl::StatusOr<std::vector<st
 
 void AwaitShutdownSignal(absl::Duration drain_timeout) {
   int sig = 0;
-  while ((sig = WaitForShutdownSignal(absl::Hours(1))) == 0) {
-  }
+  while ((sig = WaitForShutdownSignal(absl::Hours(1))) == 0) {}
   LogInfo("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT", "; draining (up to ",
           absl::FormatDuration(drain_timeout), ")");
 }

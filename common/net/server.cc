@@ -9,8 +9,7 @@
 
 namespace detour {
 
-absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
-                                              absl::string_view what) {
+absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options, absl::string_view what) {
   // gRPC would otherwise log its own bind failure and return null.
   absl::Status free = CheckPortFree(options.listen, what);
   if (!free.ok()) return free;
@@ -19,8 +18,7 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen.ToString(), options.security.ServerCredentials(),
-                           &port);
+  builder.AddListeningPort(options.listen.ToString(), options.security.ServerCredentials(), &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
@@ -49,9 +47,8 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
   RunningServer running;
   running.server = builder.BuildAndStart();
   if (running.server == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat(what, ": cannot listen on ",
-                                               options.listen.ToString(),
-                                               " (address in use or not local)"));
+    return absl::UnavailableError(absl::StrCat(
+        what, ": cannot listen on ", options.listen.ToString(), " (address in use or not local)"));
   }
   running.port = port;
   SetServing(running.server.get(), true);
@@ -60,8 +57,7 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target,
                                            const TransportSecurity& security,
-                                           const std::string& server_name,
-                                           int max_message_bytes) {
+                                           const std::string& server_name, int max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);

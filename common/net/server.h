@@ -35,8 +35,7 @@ struct GrpcServerOptions {
   // grpc::ResourceQuota); reads slow down at the limit. 0 = gRPC's default.
   size_t memory_quota_bytes = 0;
   // Optional interceptor factories (e.g. RPC metrics); ownership moves in.
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
-      interceptors;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
 };
 
 struct RunningServer {
@@ -47,8 +46,7 @@ struct RunningServer {
 
 // Starts the server. UNAVAILABLE naming the address when it is in use or
 // cannot be bound. `what` names the listener in errors ("--listen").
-absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options,
-                                              absl::string_view what);
+absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options, absl::string_view what);
 
 // The least time MakeChannel's channels give one connection attempt (TCP,
 // TLS and HTTP/2 handshakes) before it counts as failed.

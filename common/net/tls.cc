@@ -70,8 +70,8 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
   }
   if (static_cast<uint64_t>(st.st_size) > kMaxPemBytes) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is ", st.st_size,
-                                                   " bytes, more than a PEM file of ",
-                                                   kMaxPemBytes, " bytes may be"));
+                                                   " bytes, more than a PEM file of ", kMaxPemBytes,
+                                                   " bytes may be"));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -129,8 +129,8 @@ absl::Status VerifyChain(const std::vector<Cert>& chain, const std::vector<Cert>
   if (X509_verify_cert(ctx.get()) != 1) {
     const int error = X509_STORE_CTX_get_error(ctx.get());
     ERR_clear_error();
-    return absl::InvalidArgumentError(absl::StrCat(what, " does not verify against ", ca_what,
-                                                   ": ", X509_verify_cert_error_string(error)));
+    return absl::InvalidArgumentError(absl::StrCat(what, " does not verify against ", ca_what, ": ",
+                                                   X509_verify_cert_error_string(error)));
   }
   return absl::OkStatus();
 }
@@ -168,20 +168,19 @@ absl::StatusOr<TransportSecurity> TransportSecurity::Load(const TlsFiles& files,
     ASSIGN_OR_RETURN(material->key_pem, ReadPemFile(files.key, "--tls_key"));
     const std::string cert_what = absl::StrCat("--tls_cert: ", files.cert);
     ASSIGN_OR_RETURN(std::vector<Cert> chain, ParseCertificates(material->cert_pem, cert_what));
-    Bio key_bio(BIO_new_mem_buf(material->key_pem.data(),
-                                static_cast<int>(material->key_pem.size())));
+    Bio key_bio(
+        BIO_new_mem_buf(material->key_pem.data(), static_cast<int>(material->key_pem.size())));
     std::unique_ptr<EVP_PKEY, KeyFree> key(
         PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
     if (key == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_key: ", files.key, " holds no unencrypted PEM private key (", OpenSslError(),
-          ")"));
+      return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", files.key,
+                                                     " holds no unencrypted PEM private key (",
+                                                     OpenSslError(), ")"));
     }
     if (X509_check_private_key(chain[0].get(), key.get()) != 1) {
       ERR_clear_error();
-      return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", files.key,
-                                                     " is not the key of the certificate in ",
-                                                     files.cert));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tls_key: ", files.key, " is not the key of the certificate in ", files.cert));
     }
     RETURN_IF_ERROR(VerifyChain(chain, roots, cert_what, absl::StrCat("--tls_ca ", files.ca)));
     material->name = CommonName(chain[0].get());
@@ -203,8 +202,7 @@ const std::string& TransportSecurity::name() const {
 
 std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() const {
   if (!tls()) return grpc::InsecureServerCredentials();
-  grpc::SslServerCredentialsOptions options(
-      GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
   options.pem_root_certs = material_->ca_pem;
   options.pem_key_cert_pairs.push_back({material_->key_pem, material_->cert_pem});
   return grpc::SslServerCredentials(options);
@@ -251,8 +249,8 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> TransportSecurity::NewSslContext(bool s
       return absl::InternalError(absl::StrCat("SSL_CTX_add1_chain_cert: ", OpenSslError()));
     }
   }
-  Bio key_bio(BIO_new_mem_buf(material_->key_pem.data(),
-                              static_cast<int>(material_->key_pem.size())));
+  Bio key_bio(
+      BIO_new_mem_buf(material_->key_pem.data(), static_cast<int>(material_->key_pem.size())));
   std::unique_ptr<EVP_PKEY, KeyFree> key(
       PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
   if (key == nullptr || SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 ||

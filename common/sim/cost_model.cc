@@ -30,8 +30,7 @@ ModelCosts ComputeModelCosts(const v1::ModelShape& shape) {
   // q and o are d×d, k and v are d×kv_dim, SwiGLU has three d×ffn matrices,
   // plus two RMSNorm weight vectors.
   c.params_per_layer = 2 * d * d + 2 * d * kv_dim + 3 * d * ffn + 2 * d;
-  c.forward_flops_per_token_per_layer =
-      2 * c.params_per_layer + 2.0 * shape.context_length() * d;
+  c.forward_flops_per_token_per_layer = 2 * c.params_per_layer + 2.0 * shape.context_length() * d;
   c.stage0_extra_params = 2.0 * shape.vocab_size() * d + d;
   return c;
 }
@@ -93,12 +92,12 @@ absl::StatusOr<CostModel> CostModel::FromTables(CostTables t) {
     for (size_t b = 0; b < n; ++b) {
       if (a == b) continue;
       if (!(t.bandwidth_bytes_per_s[a][b] > 0) || !std::isfinite(t.bandwidth_bytes_per_s[a][b])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "cost tables: bandwidth ", t.node_ids[a], " -> ", t.node_ids[b], " must be > 0"));
+        return absl::InvalidArgumentError(absl::StrCat("cost tables: bandwidth ", t.node_ids[a],
+                                                       " -> ", t.node_ids[b], " must be > 0"));
       }
       if (!(t.latency_s[a][b] >= 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "cost tables: latency ", t.node_ids[a], " -> ", t.node_ids[b], " must be >= 0"));
+        return absl::InvalidArgumentError(absl::StrCat("cost tables: latency ", t.node_ids[a],
+                                                       " -> ", t.node_ids[b], " must be >= 0"));
       }
     }
   }
@@ -112,15 +111,14 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
   const v1::ComputeModel& cm = cluster.compute();
   const double tflops = tflops_override > 0 ? tflops_override : cm.tflops();
   if (!(tflops > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("compute.tflops: %g must be > 0", tflops));
+    return absl::InvalidArgumentError(absl::StrFormat("compute.tflops: %g must be > 0", tflops));
   }
   const v1::PipelineSpec& p = job.pipeline();
   const int num_stages = static_cast<int>(p.num_stages());
   if (num_stages < 1 || static_cast<uint32_t>(num_stages) > job.model().num_layers()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "pipeline.num_stages: %d must be in [1, model.num_layers=%d]", num_stages,
-        job.model().num_layers()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pipeline.num_stages: %d must be in [1, model.num_layers=%d]", num_stages,
+                        job.model().num_layers()));
   }
 
   // Region links, both directions.
@@ -128,22 +126,22 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
   for (int i = 0; i < cluster.links_size(); ++i) {
     const v1::RegionLink& l = cluster.links(i);
     if (!(l.bandwidth_gbytes_per_s() > 0)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "links[%d].bandwidth_gbytes_per_s: %g (%s-%s) must be > 0", i,
-          l.bandwidth_gbytes_per_s(), l.region_a(), l.region_b()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("links[%d].bandwidth_gbytes_per_s: %g (%s-%s) must be > 0", i,
+                          l.bandwidth_gbytes_per_s(), l.region_a(), l.region_b()));
     }
     if (!(l.latency_ms() >= 0)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "links[%d].latency_ms: %g (%s-%s) must be >= 0", i, l.latency_ms(), l.region_a(),
-          l.region_b()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("links[%d].latency_ms: %g (%s-%s) must be >= 0", i, l.latency_ms(),
+                          l.region_a(), l.region_b()));
     }
     links[{l.region_a(), l.region_b()}] = &l;
     links[{l.region_b(), l.region_a()}] = &l;
   }
   if (!(cluster.intra_region_bandwidth_gbytes_per_s() > 0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "intra_region_bandwidth_gbytes_per_s: %g must be > 0",
-        cluster.intra_region_bandwidth_gbytes_per_s()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("intra_region_bandwidth_gbytes_per_s: %g must be > 0",
+                        cluster.intra_region_bandwidth_gbytes_per_s()));
   }
 
   const ModelCosts mc = ComputeModelCosts(job.model());
@@ -171,8 +169,8 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
                                                    : static_cast<int>(p.memory_slots()));
     std::vector<double> fwd(num_stages), bwd(num_stages);
     for (int s = 0; s < num_stages; ++s) {
-      fwd[s] = layers[s] * mc.forward_flops_per_token_per_layer * tokens /
-               (tflops * kTera * na.speed());
+      fwd[s] =
+          layers[s] * mc.forward_flops_per_token_per_layer * tokens / (tflops * kTera * na.speed());
       bwd[s] = fwd[s] * cm.backward_factor();
     }
     t.loss_s.push_back(fwd[0] * cm.loss_factor());
@@ -191,9 +189,9 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
       }
       auto it = links.find({na.region(), nb.region()});
       if (it == links.end()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "links: no link between regions %s (node %s) and %s (node %s)", na.region(),
-            na.id(), nb.region(), nb.id()));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("links: no link between regions %s (node %s) and %s (node %s)",
+                            na.region(), na.id(), nb.region(), nb.id()));
       }
       t.latency_s[a][b] = it->second->latency_ms() * kMs + overhead;
       t.bandwidth_bytes_per_s[a][b] = it->second->bandwidth_gbytes_per_s() * kGiga;

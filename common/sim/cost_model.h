@@ -46,8 +46,7 @@ class CostModel {
   // specs, then they are validated; errors name the field (e.g. a region
   // pair without a link, a zero bandwidth). `tflops_override` > 0 replaces
   // cluster.compute.tflops.
-  static absl::StatusOr<CostModel> Create(const v1::ClusterSpec& cluster,
-                                          const v1::JobSpec& job,
+  static absl::StatusOr<CostModel> Create(const v1::ClusterSpec& cluster, const v1::JobSpec& job,
                                           double tflops_override = 0);
 
   // Wraps hand-made tables (tests, synthetic studies). INVALID_ARGUMENT when

@@ -12,18 +12,12 @@ namespace detour::sim {
 
 const char* ActivityKindName(ActivityKind kind) {
   switch (kind) {
-    case ActivityKind::kForward:
-      return "forward";
-    case ActivityKind::kBackward:
-      return "backward";
-    case ActivityKind::kLoss:
-      return "loss";
-    case ActivityKind::kSendActivation:
-      return "send_activation";
-    case ActivityKind::kSendGradient:
-      return "send_gradient";
-    case ActivityKind::kAllReduce:
-      return "allreduce";
+    case ActivityKind::kForward: return "forward";
+    case ActivityKind::kBackward: return "backward";
+    case ActivityKind::kLoss: return "loss";
+    case ActivityKind::kSendActivation: return "send_activation";
+    case ActivityKind::kSendGradient: return "send_gradient";
+    case ActivityKind::kAllReduce: return "allreduce";
   }
   return "unknown";
 }
@@ -154,9 +148,9 @@ absl::Status Simulation::Check() {
   const int n = cost_.num_nodes();
   const auto& stages = plan_.assignment.stage_nodes;
   if (plan_.assignment.num_stages() != cost_.num_stages()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("assignment has %d stages, the cost model %d",
-                        plan_.assignment.num_stages(), cost_.num_stages()));
+    return absl::InvalidArgumentError(absl::StrFormat("assignment has %d stages, the cost model %d",
+                                                      plan_.assignment.num_stages(),
+                                                      cost_.num_stages()));
   }
   node_stage_.assign(n, -1);
   for (int s = 0; s < static_cast<int>(stages.size()); ++s) {
@@ -166,8 +160,9 @@ absl::Status Simulation::Check() {
             absl::StrFormat("assignment: stage %d names node index %d of %d", s, node, n));
       }
       if (node_stage_[node] != -1) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "assignment: node %s holds stages %d and %d", cost_.node_id(node), node_stage_[node], s));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("assignment: node %s holds stages %d and %d", cost_.node_id(node),
+                            node_stage_[node], s));
       }
       node_stage_[node] = s;
     }
@@ -191,15 +186,15 @@ absl::Status Simulation::Check() {
       }
       for (size_t j = 0; j < i; ++j) {
         if (route.nodes[j] == node) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "microbatch %d: node %s visited twice", route.microbatch, cost_.node_id(node)));
+          return absl::InvalidArgumentError(absl::StrFormat("microbatch %d: node %s visited twice",
+                                                            route.microbatch, cost_.node_id(node)));
         }
       }
     }
     if (route.stages[0] != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "microbatch %d: route starts on %s (stage %d), not on a data node", route.microbatch,
-          cost_.node_id(route.nodes[0]), route.stages[0]));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("microbatch %d: route starts on %s (stage %d), not on a data node",
+                          route.microbatch, cost_.node_id(route.nodes[0]), route.stages[0]));
     }
   }
   return absl::OkStatus();
@@ -210,8 +205,7 @@ void Simulation::Send(double t, int from, int to, int route, int pos, TaskKind k
   const double ser = cost_.SerializationTime(from, to);
   double start = t;
   switch (options_.contention) {
-    case Contention::kNone:
-      break;
+    case Contention::kNone: break;
     case Contention::kSenderUplink:
       start = std::max(t, uplink_free_[from]);
       uplink_free_[from] = start + ser;

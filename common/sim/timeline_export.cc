@@ -15,20 +15,11 @@ std::string XmlEscape(absl::string_view text) {
   std::string out;
   for (char c : text) {
     switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
     }
   }
   return out;
@@ -45,36 +36,24 @@ std::vector<int> RowOrder(const Plan& plan) {
 
 const char* Colour(ActivityKind kind) {
   switch (kind) {
-    case ActivityKind::kForward:
-      return "#4e79a7";
-    case ActivityKind::kBackward:
-      return "#f28e2b";
-    case ActivityKind::kLoss:
-      return "#e15759";
-    case ActivityKind::kSendActivation:
-      return "#59a14f";
-    case ActivityKind::kSendGradient:
-      return "#8cd17d";
-    case ActivityKind::kAllReduce:
-      return "#b07aa1";
+    case ActivityKind::kForward: return "#4e79a7";
+    case ActivityKind::kBackward: return "#f28e2b";
+    case ActivityKind::kLoss: return "#e15759";
+    case ActivityKind::kSendActivation: return "#59a14f";
+    case ActivityKind::kSendGradient: return "#8cd17d";
+    case ActivityKind::kAllReduce: return "#b07aa1";
   }
   return "#000000";
 }
 
 const char* Label(ActivityKind kind) {
   switch (kind) {
-    case ActivityKind::kForward:
-      return "forward";
-    case ActivityKind::kBackward:
-      return "backward";
-    case ActivityKind::kLoss:
-      return "loss + head";
-    case ActivityKind::kSendActivation:
-      return "send activation";
-    case ActivityKind::kSendGradient:
-      return "send gradient";
-    case ActivityKind::kAllReduce:
-      return "all-reduce";
+    case ActivityKind::kForward: return "forward";
+    case ActivityKind::kBackward: return "backward";
+    case ActivityKind::kLoss: return "loss + head";
+    case ActivityKind::kSendActivation: return "send activation";
+    case ActivityKind::kSendGradient: return "send gradient";
+    case ActivityKind::kAllReduce: return "all-reduce";
   }
   return "?";
 }
@@ -244,7 +223,8 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
   for (size_t i = 0; i < rows.size(); ++i) {
     const int node = rows[i];
     const int y = top + static_cast<int>(i) * row_h;
-    absl::StrAppendFormat(&svg, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s · stage %d</text>\n",
+    absl::StrAppendFormat(&svg,
+                          "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s · stage %d</text>\n",
                           left - 8, y + bar_h - 2, XmlEscape(cost.node_id(node)), stage[node]);
     // Idle first (background of the pipeline phase), then work on top.
     if (node < static_cast<int>(result.idle.size())) {
@@ -293,9 +273,9 @@ std::string TimelineSvg(const CostModel& cost, const Plan& plan, const SimResult
                           lx, legend_y, colour, lx + 18, legend_y + 12, text);
     lx += 40 + 7 * static_cast<int>(std::string(text).size());
   };
-  for (ActivityKind k : {ActivityKind::kForward, ActivityKind::kBackward, ActivityKind::kLoss,
-                         ActivityKind::kSendActivation, ActivityKind::kSendGradient,
-                         ActivityKind::kAllReduce}) {
+  for (ActivityKind k :
+       {ActivityKind::kForward, ActivityKind::kBackward, ActivityKind::kLoss,
+        ActivityKind::kSendActivation, ActivityKind::kSendGradient, ActivityKind::kAllReduce}) {
     legend(Colour(k), Label(k));
   }
   legend("#e6e6e6", "idle (bubble)");

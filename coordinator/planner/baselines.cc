@@ -14,8 +14,8 @@ namespace {
 
 absl::Status CheckShape(const sim::StageAssignment& assignment, const RouteRules& rules) {
   if (assignment.num_stages() != rules.num_stages) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "assignment has %d stages, the pipeline %d", assignment.num_stages(), rules.num_stages));
+    return absl::InvalidArgumentError(absl::StrFormat("assignment has %d stages, the pipeline %d",
+                                                      assignment.num_stages(), rules.num_stages));
   }
   for (int s = 0; s < rules.num_stages; ++s) {
     if (assignment.stage_nodes[s].empty()) {
@@ -28,8 +28,8 @@ absl::Status CheckShape(const sim::StageAssignment& assignment, const RouteRules
                         assignment.stage_nodes[0].size(), rules.data_nodes));
   }
   if (rules.visited_stages < 1 || rules.visited_stages > rules.num_stages) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "visited stages %d outside [1, %d]", rules.visited_stages, rules.num_stages));
+    return absl::InvalidArgumentError(absl::StrFormat("visited stages %d outside [1, %d]",
+                                                      rules.visited_stages, rules.num_stages));
   }
   return absl::OkStatus();
 }
@@ -80,10 +80,10 @@ absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignm
         }
       }
       if (!moved) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "cannot give every stage an equal share of visits under max_jump %d "
-            "(%d of %d stages per route); lower the skip ratio or raise max_jump",
-            rules.max_jump, rules.visited_stages, rules.num_stages));
+        return absl::FailedPreconditionError(
+            absl::StrFormat("cannot give every stage an equal share of visits under max_jump %d "
+                            "(%d of %d stages per route); lower the skip ratio or raise max_jump",
+                            rules.max_jump, rules.visited_stages, rules.num_stages));
       }
     }
   }

@@ -78,8 +78,7 @@ bool FitsSomeGap(const std::vector<std::pair<double, double>>& gaps, double read
 
 // Shares of an item's time per part (in order, summing to 1): the fewest
 // parts of `weights` (kfac::PartsForCap) that keep each within `cap_s`.
-std::vector<double> PartShares(const std::vector<int64_t>& weights, double seconds,
-                               double cap_s) {
+std::vector<double> PartShares(const std::vector<int64_t>& weights, double seconds, double cap_s) {
   const int parts = weights.empty() ? 1 : kfac::PartsForCap(weights, seconds, cap_s);
   if (parts <= 1) return {1.0};
   const std::vector<int> bounds = kfac::SplitIntoParts(weights, parts);
@@ -106,8 +105,7 @@ double InversionSeconds(const KfacLayerCost& c, const Inversion& inv) {
 // `b` is the part right after `a` of the same inversion.
 template <typename Inversion>
 bool NextPart(const Inversion& a, const Inversion& b) {
-  return a.kind == b.kind && a.layer == b.layer && a.module == b.module &&
-         a.part + 1 == b.part;
+  return a.kind == b.kind && a.layer == b.layer && a.module == b.module && a.part + 1 == b.part;
 }
 
 // Block dimensions beyond this are refused (the unit weights are n³).
@@ -131,8 +129,8 @@ KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape, double tokens_p
   return EstimateKfacLayerCost(kfac::BlockWorkload(shape), tokens_per_microbatch, flops_per_s);
 }
 
-KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block,
-                                    double tokens_per_microbatch, double flops_per_s) {
+KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block, double tokens_per_microbatch,
+                                    double flops_per_s) {
   const double speed = flops_per_s > 0 ? flops_per_s : 1.0;
   KfacLayerCost c;
   c.curvature_a_s = block.CurvatureAFlops(tokens_per_microbatch) / speed;
@@ -173,15 +171,9 @@ IterationTimeline TimelineFromSimulation(const sim::SimResult& result) {
       b.end_s = a.end_s;
       b.microbatch = a.microbatch;
       switch (a.kind) {
-        case sim::ActivityKind::kForward:
-          b.kind = BusyInterval::Kind::kForward;
-          break;
-        case sim::ActivityKind::kBackward:
-          b.kind = BusyInterval::Kind::kBackward;
-          break;
-        case sim::ActivityKind::kLoss:
-          b.kind = BusyInterval::Kind::kLoss;
-          break;
+        case sim::ActivityKind::kForward: b.kind = BusyInterval::Kind::kForward; break;
+        case sim::ActivityKind::kBackward: b.kind = BusyInterval::Kind::kBackward; break;
+        case sim::ActivityKind::kLoss: b.kind = BusyInterval::Kind::kLoss; break;
         default:
           // The all-reduce: the worker is in its collective, no bubble.
           b.kind = BusyInterval::Kind::kOther;
@@ -227,9 +219,7 @@ IterationTimeline TimelineFromReports(const std::vector<v1::TimingReport>& repor
           b.kind = BusyInterval::Kind::kLoss;
           b.microbatch = static_cast<int>(task.microbatch());
           break;
-        default:
-          b.kind = BusyInterval::Kind::kOther;
-          break;
+        default: b.kind = BusyInterval::Kind::kOther; break;
       }
       busy.push_back(b);
     }
@@ -260,13 +250,13 @@ struct BubblePlanner::State {
 
   // Per node and layer position, for one refresh in flight.
   struct NodeState {
-    std::vector<int> owed_a, owed_b;      // curvature microbatches still owed
-    std::vector<int> miss_a, miss_b;      // iterations without any fitting gap
-    std::vector<bool> synced;             // factors all-reduced (or no sync needed)
-    std::vector<double> curvature_end;    // when the layer's last curvature ended
-                                          // this iteration (0 when done earlier)
-    std::vector<bool> inverted;           // an inversion of the layer was placed
-                                          // in an earlier iteration
+    std::vector<int> owed_a, owed_b;    // curvature microbatches still owed
+    std::vector<int> miss_a, miss_b;    // iterations without any fitting gap
+    std::vector<bool> synced;           // factors all-reduced (or no sync needed)
+    std::vector<double> curvature_end;  // when the layer's last curvature ended
+                                        // this iteration (0 when done earlier)
+    std::vector<bool> inverted;         // an inversion of the layer was placed
+                                        // in an earlier iteration
     // Inversion parts still to run: (kind, layer position, module, part),
     // priority order, an item's parts consecutive and in order. `share`:
     // the part's fraction of the item's time (fixed when the refresh
@@ -318,9 +308,8 @@ struct BubblePlanner::State {
 
 void BubblePlanner::State::ComputeParts() {
   // Serial work is never split: nothing waits for it.
-  const double cap_s = kfac.placement() == v1::KFAC_PLACEMENT_SERIAL
-                           ? 0
-                           : kfac.max_granule_ms() * 1e-3;
+  const double cap_s =
+      kfac.placement() == v1::KFAC_PLACEMENT_SERIAL ? 0 : kfac.max_granule_ms() * 1e-3;
   parts.assign(workload.nodes.size(), {});
   for (size_t n = 0; n < workload.nodes.size(); ++n) {
     const KfacNodeWork& w = workload.nodes[n];
@@ -399,9 +388,9 @@ static absl::Status ValidateWorkload(const KfacWorkload& workload) {
   for (size_t n = 0; n < workload.nodes.size(); ++n) {
     const KfacNodeWork& w = workload.nodes[n];
     if (w.costs.size() != w.layers.size()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "bubble planner: node %d (%s) has %d layers but %d cost entries", n, w.node_id,
-          w.layers.size(), w.costs.size()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("bubble planner: node %d (%s) has %d layers but %d cost entries", n,
+                          w.node_id, w.layers.size(), w.costs.size()));
     }
     for (size_t l = 0; l < w.costs.size(); ++l) {
       const KfacLayerCost& c = w.costs[l];
@@ -411,24 +400,24 @@ static absl::Status ValidateWorkload(const KfacWorkload& workload) {
             "(KfacModules), got %d/%d",
             w.node_id, w.layers[l], kNumModules, c.invert_a_s.size(), c.invert_b_s.size()));
       }
-      bool bad = !(c.curvature_a_s >= 0) || !(c.curvature_b_s >= 0) ||
-                 !(c.precondition_s >= 0) || !(c.sync_s >= 0) ||
-                 !std::isfinite(c.curvature_a_s) || !std::isfinite(c.curvature_b_s) ||
-                 !std::isfinite(c.precondition_s) || !std::isfinite(c.sync_s);
+      bool bad = !(c.curvature_a_s >= 0) || !(c.curvature_b_s >= 0) || !(c.precondition_s >= 0) ||
+                 !(c.sync_s >= 0) || !std::isfinite(c.curvature_a_s) ||
+                 !std::isfinite(c.curvature_b_s) || !std::isfinite(c.precondition_s) ||
+                 !std::isfinite(c.sync_s);
       for (int m = 0; m < kNumModules; ++m) {
         bad = bad || !(c.invert_a_s[m] >= 0) || !(c.invert_b_s[m] >= 0) ||
               !std::isfinite(c.invert_a_s[m]) || !std::isfinite(c.invert_b_s[m]);
       }
       if (bad) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "bubble planner: node %s layer %d: durations must be finite and >= 0", w.node_id,
-            w.layers[l]));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("bubble planner: node %s layer %d: durations must be finite and >= 0",
+                            w.node_id, w.layers[l]));
       }
       for (int64_t d : {c.shape.d_model, c.shape.kv_dim, c.shape.ffn_dim}) {
         if (d < 0 || d > kMaxDimension) {
           return absl::InvalidArgumentError(absl::StrFormat(
-              "bubble planner: node %s layer %d: block dimension %d is outside [0, %d]",
-              w.node_id, w.layers[l], d, kMaxDimension));
+              "bubble planner: node %s layer %d: block dimension %d is outside [0, %d]", w.node_id,
+              w.layers[l], d, kMaxDimension));
         }
       }
     }
@@ -436,8 +425,7 @@ static absl::Status ValidateWorkload(const KfacWorkload& workload) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload,
-                                                    const v1::KfacSpec& kfac,
+absl::StatusOr<BubblePlanner> BubblePlanner::Create(KfacWorkload workload, const v1::KfacSpec& kfac,
                                                     BubblePlannerOptions options) {
   if (options.serial_after < 1) {
     return absl::InvalidArgumentError(
@@ -464,9 +452,9 @@ absl::Status BubblePlanner::UpdateCosts(const KfacWorkload& workload) {
   RETURN_IF_ERROR(ValidateWorkload(workload));
   const KfacWorkload& now = state_->workload;
   if (workload.nodes.size() != now.nodes.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "bubble planner: new costs for %d nodes, the job has %d", workload.nodes.size(),
-        now.nodes.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: new costs for %d nodes, the job has %d",
+                        workload.nodes.size(), now.nodes.size()));
   }
   for (size_t n = 0; n < now.nodes.size(); ++n) {
     const KfacNodeWork& a = now.nodes[n];
@@ -517,14 +505,13 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   State& st = *state_;
   const int num_nodes = static_cast<int>(st.workload.nodes.size());
   if (static_cast<int>(timeline.nodes.size()) != num_nodes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "bubble planner: timeline has %d nodes, the workload %d", timeline.nodes.size(),
-        num_nodes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("bubble planner: timeline has %d nodes, the workload %d",
+                        timeline.nodes.size(), num_nodes));
   }
   if (st.last_iteration && iteration <= *st.last_iteration) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "bubble planner: iteration %d planned after iteration %d", iteration,
-        *st.last_iteration));
+        "bubble planner: iteration %d planned after iteration %d", iteration, *st.last_iteration));
   }
   if (!(timeline.end_s >= 0) || !std::isfinite(timeline.end_s)) {
     return absl::InvalidArgumentError(
@@ -549,8 +536,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
   // in flight is activated at the end of a window.
   const uint64_t age = work ? iteration - *st.window_start + 1 : 0;
   // The iteration in which everything the oldest refresh still owes must finish.
-  const bool final_iteration =
-      work && (close_window || (fixed > 0 ? age >= fixed : !use_bubbles));
+  const bool final_iteration = work && (close_window || (fixed > 0 ? age >= fixed : !use_bubbles));
   // A checkpoint closes the window: nothing younger than the front survives it.
   // The next refresh takes the abandoned one's number: the workers may hold
   // layers it finalised and inverses it staged (rule 2'), which the next
@@ -631,8 +617,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
     bool last() const { return part == num_parts - 1; }
   };
   // curv[f][n]: refresh flight[f]'s candidates on node n.
-  std::vector<std::vector<std::vector<Curv>>> curv(
-      num_refreshes, std::vector<std::vector<Curv>>(num_nodes));
+  std::vector<std::vector<std::vector<Curv>>> curv(num_refreshes,
+                                                   std::vector<std::vector<Curv>>(num_nodes));
   std::vector<std::vector<std::pair<double, double>>> gaps(num_nodes);
   // Microbatches whose forward (backward) ran on the node this iteration.
   std::vector<int> forwards(num_nodes, 0), backwards(num_nodes, 0);
@@ -826,8 +812,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
               continue;
             }
             c.placed = true;
-            make_task(f, n, c.kind, c.layer, -1, c.mb, t, c.duration, false, c.part,
-                      c.num_parts);
+            make_task(f, n, c.kind, c.layer, -1, c.mb, t, c.duration, false, c.part, c.num_parts);
             t += c.duration * slack;
             c.end = t;
             if (c.last()) --left[f][c.layer];
@@ -857,8 +842,7 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
             t += d * slack;
             inv_end[f][n][i] = t;
             if (f == 0) {
-              first_inversion_end[n][inv.layer] =
-                  std::min(first_inversion_end[n][inv.layer], t);
+              first_inversion_end[n][inv.layer] = std::min(first_inversion_end[n][inv.layer], t);
             }
             placed = true;
             return;
@@ -932,8 +916,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
             any_candidate = true;
             // A microbatch fits when all its parts do, in order.
             if (c.part == 0) {
-              fits = fits ||
-                     FitsInOrder(gaps[n], std::max(c.ready, gate), PartNeeds(list, i, slack));
+              fits =
+                  fits || FitsInOrder(gaps[n], std::max(c.ready, gate), PartNeeds(list, i, slack));
             }
           }
           // The older refresh taking every microbatch of the node is no miss.
@@ -1073,8 +1057,8 @@ absl::StatusOr<IterationBubbles> BubblePlanner::PlanIteration(uint64_t iteration
         // Ready during this iteration's gaps? (Synced just now: from the
         // next; a later part: once its previous part ran.)
         const bool curvature_done = ns.owed_a[l] == 0 && ns.owed_b[l] == 0;
-        bool was_ready = curvature_done && ns.synced[l] && (f == 0 || front_done[n][l]) &&
-                         !synced_now[f][n][l];
+        bool was_ready =
+            curvature_done && ns.synced[l] && (f == 0 || front_done[n][l]) && !synced_now[f][n][l];
         double ready_at = ns.curvature_end[l];
         if (continues) {
           if (inv_placed[f][n][i - 1]) {

@@ -111,11 +111,9 @@ struct KfacLayerCost {
 // with `tokens_per_microbatch` tokens on a node doing `flops_per_s` (the cost
 // model's effective speed), documented in docs/KFAC.md. sync_s is left 0:
 // StageSyncSeconds prices it from the links.
-KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block,
-                                    double tokens_per_microbatch,
+KfacLayerCost EstimateKfacLayerCost(const kfac::BlockWorkload& block, double tokens_per_microbatch,
                                     double flops_per_s);
-KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape,
-                                    double tokens_per_microbatch,
+KfacLayerCost EstimateKfacLayerCost(const v1::ModelShape& shape, double tokens_per_microbatch,
                                     double flops_per_s);
 
 // KfacLayerCost.sync_s of one block for a stage held by `group` (cost-model
@@ -127,8 +125,8 @@ double StageSyncSeconds(const sim::CostModel& cost, const std::vector<int>& grou
 struct KfacNodeWork {
   std::string node_id;
   int stage = -1;
-  std::vector<int> layers;            // global block indices held
-  std::vector<KfacLayerCost> costs;   // indexed like layers
+  std::vector<int> layers;           // global block indices held
+  std::vector<KfacLayerCost> costs;  // indexed like layers
 };
 
 struct KfacWorkload {
@@ -205,8 +203,7 @@ class BubblePlanner {
   // its layers (or invert_* not sized like KfacModules()), negative or
   // non-finite durations or dimensions, negative slack or max_granule_ms,
   // serial_after < 1.
-  static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload,
-                                              const v1::KfacSpec& kfac,
+  static absl::StatusOr<BubblePlanner> Create(KfacWorkload workload, const v1::KfacSpec& kfac,
                                               BubblePlannerOptions options = {});
 
   // Places work into iteration `iteration`'s timeline. `plan` gives the
@@ -224,8 +221,7 @@ class BubblePlanner {
   // what it finalised and staged on the workers) and none joins. The planner's state after it is
   // then that of a new planner (refresh numbers and statistics aside), so a
   // job resumed from the checkpoint plans the same tasks as one that ran on.
-  absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration,
-                                                 const sim::Plan& plan,
+  absl::StatusOr<IterationBubbles> PlanIteration(uint64_t iteration, const sim::Plan& plan,
                                                  const IterationTimeline& timeline,
                                                  bool close_window = false);
 

@@ -20,8 +20,9 @@ class Clustering {
     pair_.assign(n, std::vector<double>(n, 0));
     for (int a = 0; a < n; ++a) {
       for (int b = 0; b < n; ++b) {
-        if (a != b) pair_[a][b] = cost.TransferTime(nodes_[a], nodes_[b]) +
-                                  cost.TransferTime(nodes_[b], nodes_[a]);
+        if (a != b)
+          pair_[a][b] =
+              cost.TransferTime(nodes_[a], nodes_[b]) + cost.TransferTime(nodes_[b], nodes_[a]);
       }
     }
     size_.assign(clusters, n / clusters);
@@ -70,7 +71,8 @@ class Clustering {
     // Greedy fill: cheapest (node, seed) pairs first, within capacity.
     std::vector<std::tuple<double, int, int>> pairs;
     for (int a = 0; a < n; ++a) {
-      for (int c = 0; c < k; ++c) pairs.push_back({a == seeds[c] ? -1.0 : pair_[a][seeds[c]], a, c});
+      for (int c = 0; c < k; ++c)
+        pairs.push_back({a == seeds[c] ? -1.0 : pair_[a][seeds[c]], a, c});
     }
     std::sort(pairs.begin(), pairs.end());
     cluster_of_.assign(n, -1);

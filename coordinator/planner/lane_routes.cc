@@ -88,7 +88,8 @@ class LaneBuilder {
           req.node_price.assign(cost_.num_nodes(), 0);
           for (int n = 0; n < cost_.num_nodes(); ++n) {
             req.node_allowed[n] = load[n] < caps_[n];
-            const bool mine = std::find(path.nodes.begin(), path.nodes.end(), n) != path.nodes.end();
+            const bool mine =
+                std::find(path.nodes.begin(), path.nodes.end(), n) != path.nodes.end();
             if (lanes_on[n] > 0 && !mine) req.node_price[n] = penalty * lanes_on[n];
           }
           std::optional<BuiltRoute> built = builder.Build(req);
@@ -233,9 +234,9 @@ absl::StatusOr<std::vector<std::vector<sim::Route>>> LaneRouteSets(
   std::vector<std::vector<sim::Route>> best;
   for (auto& [score, routes] : sets) best.push_back(std::move(routes));
   if (best.empty()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "no lane set fits the rules (%d of %d stages per route, max_jump %d)",
-        rules.visited_stages, rules.num_stages, rules.max_jump));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("no lane set fits the rules (%d of %d stages per route, max_jump %d)",
+                        rules.visited_stages, rules.num_stages, rules.max_jump));
   }
   return best;
 }

@@ -26,8 +26,8 @@ PathScheduler::PathScheduler(const sim::CostModel& cost, const sim::StageAssignm
       assignment_(assignment),
       rules_(rules),
       options_(options),
-      evaluator_(cost, EvaluatorOptions{options.objective, options.contention,
-                                        options.queue_policy, options.robust}) {}
+      evaluator_(cost, EvaluatorOptions{options.objective, options.contention, options.queue_policy,
+                                        options.robust}) {}
 
 double PathScheduler::Objective(const std::vector<sim::Route>& routes) {
   return evaluator_.Score(assignment_, routes);
@@ -44,8 +44,8 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
     if (!routes.ok()) return routes.status();
     if (absl::Status valid = ValidateRoutes(cost_, sim::Plan{assignment_, *routes}, rules_);
         !valid.ok()) {
-      return absl::InternalError(absl::StrCat("a starting route set breaks the rules: ",
-                                              valid.message()));
+      return absl::InternalError(
+          absl::StrCat("a starting route set breaks the rules: ", valid.message()));
     }
     const double v = Objective(*routes);
     *slot = v;
@@ -57,10 +57,10 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
   };
   // The timed start must exist (it fails only when the rules admit no route
   // set); the others are optional.
-  RETURN_IF_ERROR(consider(BuildRouteSet(cost_, assignment_, rules_, RouteBuilder::Mode::kTimed,
-                                         options_.seed, /*wave_memory_cap=*/false,
-                                         options_.max_candidates),
-                           &stats_.timed_start));
+  RETURN_IF_ERROR(
+      consider(BuildRouteSet(cost_, assignment_, rules_, RouteBuilder::Mode::kTimed, options_.seed,
+                             /*wave_memory_cap=*/false, options_.max_candidates),
+               &stats_.timed_start));
   // The baselines' routes start too, so the result is never worse than them
   // by the search's own measure.
   consider(SkipNoCollisionRoutes(cost_, assignment_, rules_), &stats_.static_start).IgnoreError();
@@ -90,15 +90,13 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
   for (const sim::Route& r : best) {
     for (size_t i = 1; i < r.stages.size(); ++i) ++stage_visits[r.stages[i]];
   }
-  ASSIGN_OR_RETURN(std::vector<int> caps,
-                   NodeVisitCaps(rules_, cost_, assignment_, stage_visits));
+  ASSIGN_OR_RETURN(std::vector<int> caps, NodeVisitCaps(rules_, cost_, assignment_, stage_visits));
 
-  const int events_per_sim = std::max<int>(
-      1, 6 * rules_.total_microbatches() * std::max(1, rules_.visited_stages));
-  const int budget =
-      options_.max_evaluations >= 0
-          ? options_.max_evaluations
-          : static_cast<int>(std::clamp(1.5e7 / events_per_sim, 300.0, 20000.0));
+  const int events_per_sim =
+      std::max<int>(1, 6 * rules_.total_microbatches() * std::max(1, rules_.visited_stages));
+  const int budget = options_.max_evaluations >= 0
+                         ? options_.max_evaluations
+                         : static_cast<int>(std::clamp(1.5e7 / events_per_sim, 300.0, 20000.0));
   const int first_evaluation = evaluator_.evaluations();
   std::vector<sim::Route> current = best;
   double current_value = best_value;
@@ -114,8 +112,8 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
       phase_budget = budget - (evaluator_.evaluations() - first_evaluation);
     }
     RouteMoves search(cost_, assignment_, rules_, current,
-                       phase == 1 ? lanes : Singletons(current.size()), caps,
-                       options_.seed ^ (0xA5A5A5A55A5A5A5Aull + phase));
+                      phase == 1 ? lanes : Singletons(current.size()), caps,
+                      options_.seed ^ (0xA5A5A5A55A5A5A5Aull + phase));
     // Late acceptance: a candidate is kept when it beats the current plan
     // or the plan of `history.size()` steps ago, which lets the search cross
     // plateaus and small ridges that stop a pure descent.
@@ -123,7 +121,8 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
     const int phase_start = evaluator_.evaluations();
     int step = 0;
     int attempts = 0;
-    while (evaluator_.evaluations() - phase_start < phase_budget && attempts < 20 * phase_budget + 100) {
+    while (evaluator_.evaluations() - phase_start < phase_budget &&
+           attempts < 20 * phase_budget + 100) {
       ++attempts;
       if (options_.time_budget_s > 0 && (attempts & 15) == 0 &&
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() >

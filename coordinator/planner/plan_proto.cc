@@ -19,24 +19,25 @@ absl::StatusOr<sim::Route> FromProtoRoute(const sim::CostModel& cost, const v1::
   sim::Route out;
   out.microbatch = static_cast<int>(route.microbatch());
   if (route.nodes_size() != route.stages_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("microbatch %d: %d nodes but %d stages", out.microbatch,
-                        route.nodes_size(), route.stages_size()));
+    return absl::InvalidArgumentError(absl::StrFormat("microbatch %d: %d nodes but %d stages",
+                                                      out.microbatch, route.nodes_size(),
+                                                      route.stages_size()));
   }
   if (route.nodes_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat("microbatch %d: empty route", out.microbatch));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("microbatch %d: empty route", out.microbatch));
   }
   if (!route.data_node().empty() && route.data_node() != route.nodes(0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "microbatch %d: data_node %s is not the first node %s", out.microbatch,
-        route.data_node(), route.nodes(0)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("microbatch %d: data_node %s is not the first node %s", out.microbatch,
+                        route.data_node(), route.nodes(0)));
   }
   for (int i = 0; i < route.nodes_size(); ++i) {
     const int n = cost.NodeIndex(route.nodes(i));
     if (n < 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "microbatch %d: unknown node \"%s\" (not in the cluster)", out.microbatch,
-          route.nodes(i)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("microbatch %d: unknown node \"%s\" (not in the cluster)", out.microbatch,
+                          route.nodes(i)));
     }
     out.nodes.push_back(n);
     out.stages.push_back(static_cast<int>(route.stages(i)));
@@ -51,8 +52,8 @@ absl::StatusOr<sim::StageAssignment> AssignmentFromRoutes(const sim::CostModel& 
     for (size_t i = 0; i < r.nodes.size(); ++i) {
       const int s = r.stages[i];
       if (s < 0 || s >= cost.num_stages()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "microbatch %d: stage %d outside [0, %d)", r.microbatch, s, cost.num_stages()));
+        return absl::InvalidArgumentError(absl::StrFormat("microbatch %d: stage %d outside [0, %d)",
+                                                          r.microbatch, s, cost.num_stages()));
       }
       int& known = stage[r.nodes[i]];
       if (known >= 0 && known != s) {

@@ -15,14 +15,10 @@ namespace detour::planner {
 
 std::string SchedulerName(v1::SchedulerKind kind) {
   switch (kind) {
-    case v1::SCHEDULER_FULL:
-      return "full";
-    case v1::SCHEDULER_RANDOM:
-      return "random";
-    case v1::SCHEDULER_SKIP_NO_COLLISION:
-      return "skip-no-collision";
-    default:
-      return "skippipe";
+    case v1::SCHEDULER_FULL: return "full";
+    case v1::SCHEDULER_RANDOM: return "random";
+    case v1::SCHEDULER_SKIP_NO_COLLISION: return "skip-no-collision";
+    default: return "skippipe";
   }
 }
 
@@ -31,8 +27,8 @@ absl::StatusOr<v1::SchedulerKind> ParseSchedulerName(absl::string_view name) {
                               v1::SCHEDULER_SKIP_NO_COLLISION}) {
     if (name == SchedulerName(k) || name == v1::SchedulerKind_Name(k)) return k;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown scheduler \"", name, "\" (skippipe, full, random, skip-no-collision)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown scheduler \"", name, "\" (skippipe, full, random, skip-no-collision)"));
 }
 
 Objective ObjectiveOf(const v1::PipelineSpec& pipeline) {
@@ -54,8 +50,8 @@ absl::StatusOr<sim::StageAssignment> PinnedAssignment(const sim::CostModel& cost
     for (const std::string& id : pipeline.assignment(s).nodes()) {
       const int n = cost.NodeIndex(id);
       if (n < 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "pipeline.assignment[", s, "]: node \"", id, "\" is not in the cluster"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("pipeline.assignment[", s, "]: node \"", id, "\" is not in the cluster"));
       }
       nodes.push_back(n);
     }
@@ -93,8 +89,8 @@ absl::StatusOr<PlannedIteration> PlanIteration(const sim::CostModel& cost, const
                       : v1::SCHEDULER_SKIPPIPE;
   const RouteRules rules = RulesFor(job.pipeline(), out.scheduler);
   if (cost.num_stages() != rules.num_stages) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cost model has %d stages, the job %d", cost.num_stages(), rules.num_stages));
+    return absl::InvalidArgumentError(absl::StrFormat("cost model has %d stages, the job %d",
+                                                      cost.num_stages(), rules.num_stages));
   }
   std::vector<sim::Route> quick_routes;
   if (options.assignment) {
@@ -110,9 +106,9 @@ absl::StatusOr<PlannedIteration> PlanIteration(const sim::CostModel& cost, const
     // judged on the assignment alone.
     ao.plan_evaluations = options.assignment_evaluations;
     ao.time_budget_s = options.time_budget_s > 0 ? 0.6 * options.time_budget_s : 0;
-    ao.evaluator = EvaluatorOptions{
-        options.objective ? *options.objective : ObjectiveOf(job.pipeline()),
-        options.sim.contention, QueuePolicyOf(job.pipeline()), options.robust};
+    ao.evaluator =
+        EvaluatorOptions{options.objective ? *options.objective : ObjectiveOf(job.pipeline()),
+                         options.sim.contention, QueuePolicyOf(job.pipeline()), options.robust};
     ASSIGN_OR_RETURN(out.plan.assignment,
                      AssignStages(cost, RulesFromPipeline(job.pipeline()),
                                   static_cast<int>(job.pipeline().replicas_per_stage()), ao,
@@ -138,9 +134,9 @@ absl::StatusOr<PlannedIteration> PlanIteration(const sim::CostModel& cost, const
       po.max_evaluations = options.max_evaluations;
       po.time_budget_s =
           options.time_budget_s > 0
-              ? std::max(0.05, options.time_budget_s -
-                                   std::chrono::duration<double>(
-                                       std::chrono::steady_clock::now() - start).count())
+              ? std::max(0.05, options.time_budget_s - std::chrono::duration<double>(
+                                                           std::chrono::steady_clock::now() - start)
+                                                           .count())
               : 0;
       po.contention = options.sim.contention;
       po.queue_policy = QueuePolicyOf(job.pipeline());

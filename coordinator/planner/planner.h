@@ -64,7 +64,7 @@ struct PlannedIteration {
   double other_policy_iteration_s = 0;
   // Wall time of assignment + route search (not the final simulation).
   double planning_time_s = 0;
-  PathSchedulerStats search;  // skippipe only
+  PathSchedulerStats search;          // skippipe only
   AssignmentStats assignment_search;  // when the assignment was searched
 };
 

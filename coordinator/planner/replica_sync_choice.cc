@@ -9,14 +9,13 @@
 namespace detour::planner {
 
 absl::StatusOr<ReplicaSyncChoice> ChooseReplicaSync(const KfacWorkload& workload,
-                                                    const v1::KfacSpec& kfac,
-                                                    const sim::Plan& plan,
+                                                    const v1::KfacSpec& kfac, const sim::Plan& plan,
                                                     const IterationTimeline& timeline,
                                                     int refreshes, int max_iterations) {
   if (refreshes < 1 || max_iterations < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "replica sync choice: refreshes (%d) and max_iterations (%d) must be >= 1", refreshes,
-        max_iterations));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("replica sync choice: refreshes (%d) and max_iterations (%d) must be >= 1",
+                        refreshes, max_iterations));
   }
   v1::KfacSpec factors_spec = kfac;
   factors_spec.set_replica_sync(v1::KFAC_REPLICA_SYNC_FACTORS);
@@ -48,7 +47,8 @@ absl::StatusOr<ReplicaSyncChoice> ChooseReplicaSync(const KfacWorkload& workload
   choice.preconditioned_s = preconditioned_sum / choice.iterations;
   const double above =
       choice.preconditioned_s > 0 ? choice.factors_s / choice.preconditioned_s - 1 : 0;
-  const bool take_factors = choice.factors_s <= choice.preconditioned_s * (1 + kAutoFactorsTolerance);
+  const bool take_factors =
+      choice.factors_s <= choice.preconditioned_s * (1 + kAutoFactorsTolerance);
   choice.sync = take_factors ? kfac::ReplicaSync::kFactors : kfac::ReplicaSync::kPreconditioned;
   choice.reason = absl::StrFormat(
       "K-FAC replica sync %s: with the factor all-reduce the modelled iteration is %.4g s, "

@@ -49,8 +49,7 @@ struct ReplicaSyncChoice {
 // for what BubblePlanner::Create or PlanIteration refuse, refreshes or
 // max_iterations < 1.
 absl::StatusOr<ReplicaSyncChoice> ChooseReplicaSync(const KfacWorkload& workload,
-                                                    const v1::KfacSpec& kfac,
-                                                    const sim::Plan& plan,
+                                                    const v1::KfacSpec& kfac, const sim::Plan& plan,
                                                     const IterationTimeline& timeline,
                                                     int refreshes = 3, int max_iterations = 64);
 

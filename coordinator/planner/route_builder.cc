@@ -61,8 +61,9 @@ void QuotaPacer::Take(const std::vector<int>& stages) {
 
 double Calendar::EarliestFit(double t, double duration) const {
   // First busy interval ending after t.
-  auto it = std::upper_bound(busy_.begin(), busy_.end(), t,
-                             [](double v, const std::pair<double, double>& b) { return v < b.second; });
+  auto it =
+      std::upper_bound(busy_.begin(), busy_.end(), t,
+                       [](double v, const std::pair<double, double>& b) { return v < b.second; });
   double start = t;
   for (; it != busy_.end(); ++it) {
     if (it->first >= start + duration) break;
@@ -106,9 +107,7 @@ void RouteBuilder::Candidates(int stage, const RouteRequest& request, std::vecto
       case Mode::kTimed:
         key = calendars_[n].busy_s() + cost_.TransferTime(d, n) + cost_.ForwardTime(n, stage);
         break;
-      case Mode::kRandom:
-        key = rng_.UniformReal();
-        break;
+      case Mode::kRandom: key = rng_.UniformReal(); break;
     }
     keyed.push_back({key, n});
   }
@@ -122,8 +121,7 @@ namespace {
 // Places a whole route into the calendars (forward, loss, backward in the
 // reverse order) and returns its end and the reservations it would make.
 double TimedSchedule(const sim::CostModel& cost, const std::vector<Calendar>& cal,
-                     const std::vector<int>& nodes, const std::vector<int>& stages,
-                     double release,
+                     const std::vector<int>& nodes, const std::vector<int>& stages, double release,
                      std::vector<std::pair<int, std::pair<double, double>>>* reservations) {
   const int d = nodes[0];
   const int len = static_cast<int>(nodes.size());
@@ -197,12 +195,10 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
   value.assign(offset[num_stages], kInf);
   finish.assign(offset[num_stages], 0);
   parent.assign(offset[num_stages], -1);
-  auto price = [&](int stage) {
-    return req.stage_price.empty() ? 0.0 : req.stage_price[stage];
-  };
+  auto price = [&](int stage) { return req.stage_price.empty() ? 0.0 : req.stage_price[stage]; };
   auto node_of = [&](int idx, int* stage) {
-    const int s = static_cast<int>(std::upper_bound(offset.begin(), offset.end(), idx) -
-                                   offset.begin()) - 1;
+    const int s =
+        static_cast<int>(std::upper_bound(offset.begin(), offset.end(), idx) - offset.begin()) - 1;
     *stage = s;
     return cand[s][(idx - offset[s]) / width];
   };
@@ -239,9 +235,7 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
                 nv += nf - finish[idx];
                 break;
               }
-              case Mode::kRandom:
-                nv += rng_.UniformReal();
-                break;
+              case Mode::kRandom: nv += rng_.UniformReal(); break;
             }
             const int idx2 = offset[s2] + j2 * width + c + 1;
             if (nv < value[idx2]) {
@@ -280,9 +274,7 @@ std::optional<BuiltRoute> RouteBuilder::Build(const RouteRequest& req) {
           score = TimedSchedule(cost_, calendars_, nodes, stages, req.release_s, nullptr) +
                   value[idx] - finish[idx];
           break;
-        case Mode::kRandom:
-          score = value[idx] + rng_.UniformReal();
-          break;
+        case Mode::kRandom: score = value[idx] + rng_.UniformReal(); break;
       }
       if (score < best_score) {
         best_score = score;

@@ -26,8 +26,8 @@ int PositionOfStage(const sim::Route& r, int stage) {
 }  // namespace
 
 RouteMoves::RouteMoves(const sim::CostModel& cost, const sim::StageAssignment& assignment,
-                     const RouteRules& rules, std::vector<sim::Route>& routes,
-                     std::vector<std::vector<int>> units, std::vector<int> caps, uint64_t seed)
+                       const RouteRules& rules, std::vector<sim::Route>& routes,
+                       std::vector<std::vector<int>> units, std::vector<int> caps, uint64_t seed)
     : assignment_(assignment),
       rules_(rules),
       routes_(routes),

@@ -76,8 +76,9 @@ std::string CheckStageOrder(const RouteRules& rules, const std::vector<int>& sta
                              rules.max_swaps);
     }
     if (dist > rules.max_swap_distance) {
-      return absl::StrFormat("swap from frontier %d back to stage %d goes %d back (> max_swap_distance %d)",
-                             frontier, v, dist, rules.max_swap_distance);
+      return absl::StrFormat(
+          "swap from frontier %d back to stage %d goes %d back (> max_swap_distance %d)", frontier,
+          v, dist, rules.max_swap_distance);
     }
     if (total > rules.max_total_swap_distance) {
       return absl::StrFormat("total swap distance %d > max_total_swap_distance %d", total,

@@ -38,8 +38,8 @@ std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Pla
     if (stage_nodes[s].empty()) v.Add(-1, absl::StrFormat("stage %d has no node", s));
     for (int node : stage_nodes[s]) {
       if (node < 0 || node >= n) {
-        v.Add(-1, absl::StrFormat("stage %d lists node index %d, the cluster has %d nodes", s,
-                                  node, n));
+        v.Add(-1, absl::StrFormat("stage %d lists node index %d, the cluster has %d nodes", s, node,
+                                  n));
         continue;
       }
       if (node_stage[node] >= 0) {
@@ -54,9 +54,9 @@ std::vector<Violation> FindViolations(const sim::CostModel& cost, const sim::Pla
   // The microbatch set: ids 0..T-1 once each, M per data node.
   const int total = rules.total_microbatches();
   if (static_cast<int>(plan.routes.size()) != total) {
-    v.Add(-1, absl::StrFormat("%d routes for %d microbatches (%d data nodes × %d)",
-                              plan.routes.size(), total, rules.data_nodes,
-                              rules.microbatches_per_data_node));
+    v.Add(-1,
+          absl::StrFormat("%d routes for %d microbatches (%d data nodes × %d)", plan.routes.size(),
+                          total, rules.data_nodes, rules.microbatches_per_data_node));
   }
   std::vector<int> seen(std::max(total, 0), 0);
   std::vector<int> per_data_node(n, 0);

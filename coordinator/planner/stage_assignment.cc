@@ -414,10 +414,10 @@ absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
     return absl::InvalidArgumentError("pipeline needs at least one data node and one replica");
   }
   if (needed > n) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "cluster has %d nodes; the pipeline needs data_nodes + (num_stages-1) × "
-        "replicas_per_stage = %d + %d × %d = %d",
-        n, rules.data_nodes, rules.num_stages - 1, replicas, needed));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("cluster has %d nodes; the pipeline needs data_nodes + (num_stages-1) × "
+                        "replicas_per_stage = %d + %d × %d = %d",
+                        n, rules.data_nodes, rules.num_stages - 1, replicas, needed));
   }
   if (cost.num_stages() != rules.num_stages) {
     return absl::InvalidArgumentError("cost model and pipeline disagree on the stage count");

@@ -63,8 +63,7 @@ struct AssignmentStats {
 // given, receives the quick plan of the result (a warm start for the route
 // search; empty when only the proxy ran).
 absl::StatusOr<sim::StageAssignment> AssignStages(const sim::CostModel& cost,
-                                                  const RouteRules& rules,
-                                                  int replicas_per_stage,
+                                                  const RouteRules& rules, int replicas_per_stage,
                                                   const AssignmentOptions& options = {},
                                                   AssignmentStats* stats = nullptr,
                                                   std::vector<sim::Route>* quick_routes = nullptr);

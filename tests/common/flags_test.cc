@@ -27,8 +27,8 @@ struct Fixture {
 
 TEST(FlagSet, ParsesAllForms) {
   Fixture f;
-  auto rest = f.flags.Parse({"--listen=0.0.0.0:1", "--port", "80", "-speed=2.5", "--json",
-                             "pos", "--silence=1500ms", "--", "--not-a-flag"});
+  auto rest = f.flags.Parse({"--listen=0.0.0.0:1", "--port", "80", "-speed=2.5", "--json", "pos",
+                             "--silence=1500ms", "--", "--not-a-flag"});
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(f.listen, "0.0.0.0:1");
   EXPECT_EQ(f.port, 80);

@@ -8,7 +8,8 @@ namespace detour {
 namespace {
 
 TEST(JsonTest, ParsesEveryKind) {
-  auto v = ParseJson(R"( {"a": [1, -2.5e3, true, false, null], "s": "x\u00e9\ud83d\ude00\n", "o": {}} )");
+  auto v = ParseJson(
+      R"( {"a": [1, -2.5e3, true, false, null], "s": "x\u00e9\ud83d\ude00\n", "o": {}} )");
   ASSERT_TRUE(v.ok()) << v.status();
   ASSERT_TRUE(v->is_object());
   const JsonValue* a = v->Find("a");
@@ -46,10 +47,29 @@ TEST(JsonTest, IntegersAreExact) {
 
 TEST(JsonTest, RefusesMalformedInputWithThePosition) {
   const char* bad[] = {
-      "",          "{",           "[1,]",        "{\"a\":1,}",     "{\"a\" 1}",  "[01]",
-      "[1.]",      "[-]",         "[1e]",        "\"abc",          "\"\\x\"",    "\"\x01\"",
-      "[tru]",     "{} {}",       "{\"a\":1,\"a\":2}", "\"\\ud800\"", "\"\\udc00\"",
-      "\"\xc0\xaf\"", "\"\xed\xa0\x80\"", "\"\xff\"", "[1e999]",   "{1:2}",      "nul",
+      "",
+      "{",
+      "[1,]",
+      "{\"a\":1,}",
+      "{\"a\" 1}",
+      "[01]",
+      "[1.]",
+      "[-]",
+      "[1e]",
+      "\"abc",
+      "\"\\x\"",
+      "\"\x01\"",
+      "[tru]",
+      "{} {}",
+      "{\"a\":1,\"a\":2}",
+      "\"\\ud800\"",
+      "\"\\udc00\"",
+      "\"\xc0\xaf\"",
+      "\"\xed\xa0\x80\"",
+      "\"\xff\"",
+      "[1e999]",
+      "{1:2}",
+      "nul",
   };
   for (const char* text : bad) {
     auto v = ParseJson(text);

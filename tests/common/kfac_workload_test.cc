@@ -193,7 +193,7 @@ TEST(KfacGranules, InversionUnits) {
   const BlockWorkload b(s);
   double w = 0;
   for (int64_t v : InversionUnitWeights(4096)) w += v;
-  EXPECT_DOUBLE_EQ(b.InvertBFlops(4), w / 3);       // gate: 4096 wide
+  EXPECT_DOUBLE_EQ(b.InvertBFlops(4), w / 3);                 // gate: 4096 wide
   EXPECT_DOUBLE_EQ(b.InvertAFlops(0), 1024.0 * 1024 * 1024);  // unblocked
   EXPECT_EQ(b.CurvatureItemWeights(true),
             (std::vector<int64_t>{1 << 20, 1 << 20, 1 << 20, 1 << 24}));

@@ -72,8 +72,8 @@ TEST(JobSpec, ExplicitFieldsOverridePreset) {
 }
 
 TEST(JobSpec, UnknownFieldIsNamed) {
-  absl::Status s = JobStatus(Replace(kGoodJob, R"("iterations": 10)",
-                                     R"("iterations": 10, "iteratons": 5)"));
+  absl::Status s =
+      JobStatus(Replace(kGoodJob, R"("iterations": 10)", R"("iterations": 10, "iteratons": 5)"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("iteratons"));
 }
@@ -92,8 +92,8 @@ TEST(JobSpec, NegativeCountIsNamed) {
 
 TEST(JobSpec, SkipRatioOutsideRange) {
   for (const char* bad : {"1.0", "1.2", "-0.1"}) {
-    absl::Status s = JobStatus(Replace(kGoodJob, R"("skip_ratio": 0.25)",
-                                       std::string(R"("skip_ratio": )") + bad));
+    absl::Status s = JobStatus(
+        Replace(kGoodJob, R"("skip_ratio": 0.25)", std::string(R"("skip_ratio": )") + bad));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(s.message(), HasSubstr("pipeline.skip_ratio")) << bad;
     EXPECT_THAT(s.message(), HasSubstr("outside [0, 1)")) << bad;
@@ -139,8 +139,8 @@ TEST(JobSpec, PrecisionDefaultsToFp32AndTakesBf16) {
   auto normal = NormalizeJobSpec(*plain);
   ASSERT_TRUE(normal.ok()) << normal.status();
   EXPECT_EQ(normal->pipeline().precision(), v1::PRECISION_FP32);
-  auto bf16 = ParseJobSpecJson(
-      Replace(kGoodJob, R"("skip_ratio": 0.25)", R"("skip_ratio": 0.25, "precision": "PRECISION_BF16")"));
+  auto bf16 = ParseJobSpecJson(Replace(kGoodJob, R"("skip_ratio": 0.25)",
+                                       R"("skip_ratio": 0.25, "precision": "PRECISION_BF16")"));
   ASSERT_TRUE(bf16.ok()) << bf16.status();
   normal = NormalizeJobSpec(*bf16);
   ASSERT_TRUE(normal.ok()) << normal.status();
@@ -151,8 +151,8 @@ TEST(JobSpec, InitFromIsBoundedAndExclusiveWithResume) {
   const std::string with = Replace(kGoodJob, R"("iterations": 10)",
                                    R"("iterations": 10, "checkpoint": {"init_from": "/m/hf"})");
   EXPECT_TRUE(JobStatus(with).ok()) << JobStatus(with);
-  absl::Status both = JobStatus(Replace(with, R"("init_from": "/m/hf")",
-                                        R"("init_from": "/m/hf", "resume_from": "/c/1")"));
+  absl::Status both = JobStatus(
+      Replace(with, R"("init_from": "/m/hf")", R"("init_from": "/m/hf", "resume_from": "/c/1")"));
   EXPECT_EQ(both.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(both.message(), HasSubstr("checkpoint.init_from: is exclusive with "
                                         "checkpoint.resume_from"));
@@ -178,8 +178,7 @@ TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
       {R"("microbatches_per_data_node": 4)", R"("microbatches_per_data_node": 4294967295)",
        "pipeline.microbatches_per_data_node: 4294967295 exceeds the limit 4096"},
       {R"("num_stages": 4, "data_nodes": 2, "replicas_per_stage": 2)",
-       R"("num_stages": 24, "data_nodes": 2, "replicas_per_stage": 4096)",
-       "needs 94210 workers"},
+       R"("num_stages": 24, "data_nodes": 2, "replicas_per_stage": 4096)", "needs 94210 workers"},
       {R"("preset": "tiny")", R"("preset": "tiny", "num_layers": 100000)",
        "model.num_layers: 100000 exceeds the limit 1024"},
       {R"("preset": "tiny")",
@@ -194,8 +193,7 @@ TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
        "optimizer.grad_clip_norm: nan must be a finite number"},
       {R"("iterations": 10)", R"("iterations": 10, "optimizer": {"adamw": {"lr": 1e9}})",
        "optimizer.adamw.lr"},
-      {R"("iterations": 10)",
-       R"("iterations": 10, "optimizer": {"kfac": {"damping": "Infinity"}})",
+      {R"("iterations": 10)", R"("iterations": 10, "optimizer": {"kfac": {"damping": "Infinity"}})",
        "optimizer.kfac.damping"},
       {R"("iterations": 10)",
        "\"iterations\": 10, \"data\": {\"source\": \"DATA_SOURCE_TEXT\", \"path\": \"" + long_path +
@@ -210,9 +208,9 @@ TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.message)) << c.to.substr(0, 200);
   }
   // Each count within its limit, their product not.
-  absl::Status many = JobStatus(Replace(
-      Replace(kGoodJob, R"("data_nodes": 2)", R"("data_nodes": 100)"),
-      R"("microbatches_per_data_node": 4)", R"("microbatches_per_data_node": 1000)"));
+  absl::Status many = JobStatus(
+      Replace(Replace(kGoodJob, R"("data_nodes": 2)", R"("data_nodes": 100)"),
+              R"("microbatches_per_data_node": 4)", R"("microbatches_per_data_node": 1000)"));
   EXPECT_THAT(std::string(many.message()),
               HasSubstr("100 data nodes x 1000 = 100000 microbatches per iteration"));
 }
@@ -287,21 +285,21 @@ TEST(JobSpec, KfacDefaultsAndSync) {
       kfac, "\"OPTIMIZER_KFAC\"", "\"OPTIMIZER_KFAC\", \"kfac\": {\"sync_factors\": true}")));
   ASSERT_TRUE(factors.ok()) << factors.status();
   EXPECT_EQ(factors->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
-  auto by_name = NormalizeJobSpec(*ParseJobSpecJson(Replace(
-      kfac, "\"OPTIMIZER_KFAC\"",
-      "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_FACTORS\"}")));
+  auto by_name = NormalizeJobSpec(*ParseJobSpecJson(
+      Replace(kfac, "\"OPTIMIZER_KFAC\"",
+              "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_FACTORS\"}")));
   ASSERT_TRUE(by_name.ok()) << by_name.status();
   EXPECT_TRUE(by_name->optimizer().kfac().sync_factors());
-  auto momentum = NormalizeJobSpec(*ParseJobSpecJson(Replace(
-      kfac, "\"OPTIMIZER_KFAC\"",
-      "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\"}")));
+  auto momentum = NormalizeJobSpec(*ParseJobSpecJson(
+      Replace(kfac, "\"OPTIMIZER_KFAC\"",
+              "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\"}")));
   ASSERT_TRUE(momentum.ok()) << momentum.status();
   EXPECT_EQ(momentum->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
   // AUTO with the momentum rule leaves nothing to choose: FACTORS.
-  auto auto_momentum = NormalizeJobSpec(*ParseJobSpecJson(Replace(
-      kfac, "\"OPTIMIZER_KFAC\"",
-      "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\", "
-      "\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
+  auto auto_momentum = NormalizeJobSpec(*ParseJobSpecJson(
+      Replace(kfac, "\"OPTIMIZER_KFAC\"",
+              "\"OPTIMIZER_KFAC\", \"kfac\": {\"update\": \"KFAC_UPDATE_MOMENTUM\", "
+              "\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
   ASSERT_TRUE(auto_momentum.ok()) << auto_momentum.status();
   EXPECT_EQ(auto_momentum->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_FACTORS);
   // Contradictions are refused by name.
@@ -325,9 +323,9 @@ TEST(JobSpec, KfacDefaultsAndSync) {
   EXPECT_FALSE(one->optimizer().kfac().sync_factors());
   EXPECT_EQ(one->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
   // ... also when AUTO is asked for.
-  auto one_auto = NormalizeJobSpec(*ParseJobSpecJson(Replace(
-      single, "\"OPTIMIZER_KFAC\"",
-      "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
+  auto one_auto = NormalizeJobSpec(*ParseJobSpecJson(
+      Replace(single, "\"OPTIMIZER_KFAC\"",
+              "\"OPTIMIZER_KFAC\", \"kfac\": {\"replica_sync\": \"KFAC_REPLICA_SYNC_AUTO\"}")));
   ASSERT_TRUE(one_auto.ok()) << one_auto.status();
   EXPECT_EQ(one_auto->optimizer().kfac().replica_sync(), v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
   auto adamw = NormalizeJobSpec(*ParseJobSpecJson(kGoodJob));
@@ -344,9 +342,9 @@ TEST(JobSpec, ElasticDefaultsAndBounds) {
   EXPECT_EQ(spec->elastic().reassign_horizon_iterations(), 20u);
   EXPECT_FALSE(spec->elastic().reassign_disabled());
   auto with = [](const std::string& elastic) {
-    return NormalizeJobSpec(*ParseJobSpecJson(Replace(
-        kGoodJob, "\"iterations\": 10", absl::StrCat("\"iterations\": 10, \"elastic\": {",
-                                                     elastic, "}"))));
+    return NormalizeJobSpec(*ParseJobSpecJson(
+        Replace(kGoodJob, "\"iterations\": 10",
+                absl::StrCat("\"iterations\": 10, \"elastic\": {", elastic, "}"))));
   };
   EXPECT_THAT(with("\"pause_timeout_s\": 4000000000").status().message(),
               HasSubstr("elastic.pause_timeout_s: 4000000000 exceeds the limit"));
@@ -365,7 +363,8 @@ TEST(JobSpec, KfacBadValuesAreNamed) {
   auto with = [](const std::string& kfac) {
     return Replace(kGoodJob, "\"iterations\": 10",
                    "\"iterations\": 10, \"optimizer\": {\"kind\": \"OPTIMIZER_KFAC\", "
-                   "\"kfac\": " + kfac + "}");
+                   "\"kfac\": " +
+                       kfac + "}");
   };
   EXPECT_THAT(JobStatus(with(R"({"damping": -1})")).message(), HasSubstr("optimizer.kfac.damping"));
   EXPECT_THAT(JobStatus(with(R"({"momentum": 1.5})")).message(),
@@ -383,8 +382,7 @@ TEST(JobSpec, KfacBadValuesAreNamed) {
   EXPECT_EQ(defaulted->optimizer().kfac().max_granule_ms(), 5);
   for (const char* bad : {R"({"max_granule_ms": 0.001})", R"({"max_granule_ms": -3})",
                           R"({"max_granule_ms": 60001})"}) {
-    EXPECT_THAT(JobStatus(with(bad)).message(),
-                HasSubstr("optimizer.kfac.max_granule_ms: "))
+    EXPECT_THAT(JobStatus(with(bad)).message(), HasSubstr("optimizer.kfac.max_granule_ms: "))
         << bad;
   }
   EXPECT_TRUE(JobStatus(with(R"({"max_granule_ms": 0.01})")).ok());
@@ -432,8 +430,8 @@ TEST(ClusterSpec, DefaultsApply) {
 }
 
 TEST(ClusterSpec, MissingRegionPairIsNamed) {
-  absl::Status s = ClusterStatus(Replace(kGoodCluster, R"("region": "Tokyo", "speed": 2)",
-                                         R"("region": "Seoul")"));
+  absl::Status s = ClusterStatus(
+      Replace(kGoodCluster, R"("region": "Tokyo", "speed": 2)", R"("region": "Seoul")"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("missing region pair"));
   EXPECT_THAT(s.message(), HasSubstr("Seoul"));

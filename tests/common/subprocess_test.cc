@@ -60,7 +60,8 @@ TEST_F(SubprocessTest, WorkingDirectory) {
   ASSERT_EQ(pwd.Wait(absl::Seconds(30)), std::optional<int>(0));
   EXPECT_EQ(fs::path(pwd.Log().substr(0, pwd.Log().size() - 1)), fs::canonical(dir_ / "work"));
   ChildProcess nowhere;
-  ASSERT_TRUE(nowhere.StartWithInput({"/bin/pwd"}, Log("no.log"), (dir_ / "missing").string()).ok());
+  ASSERT_TRUE(
+      nowhere.StartWithInput({"/bin/pwd"}, Log("no.log"), (dir_ / "missing").string()).ok());
   EXPECT_EQ(nowhere.Wait(absl::Seconds(30)), std::optional<int>(127));
 }
 

@@ -46,7 +46,9 @@ TEST(ParseTokensTest, MistakesNameTheLine) {
        "line 2: this token is listed on an earlier line too"},
       {"reader-token-0123456789 read a\nsubmit-token-0123456789 submit a\n",
        "line 2: name a is listed twice"},
-      {"reader-token-01234\x01" "6789 read\n", "non-printable"},
+      {"reader-token-01234\x01"
+       "6789 read\n",
+       "non-printable"},
       {std::string(2 << 20, '#'), "more than 1048576"},
   };
   for (const Case& c : cases) {
@@ -89,17 +91,18 @@ TEST(ClientAuthorizerTest, TokensAndCertificatesGetTheirRoles) {
   EXPECT_EQ(check("Bearer wrong-wrong-wrong-wrong", std::string("ci-bot"), ClientRole::kRead),
             StatusCode::kUnauthenticated);
   // The message says who and what was missing.
-  absl::Status s = auth.Authorize("Bearer reader-token-0123456789", none, ClientRole::kSubmit,
-                                  "Cancel");
-  EXPECT_THAT(std::string(s.message()), HasSubstr("token alice has role read; Cancel needs submit"));
+  absl::Status s =
+      auth.Authorize("Bearer reader-token-0123456789", none, ClientRole::kSubmit, "Cancel");
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("token alice has role read; Cancel needs submit"));
 }
 
 TEST(ClientAuthorizerTest, ModesWithoutATokensFile) {
   ClientAuthorizer open(ClientAuthorizer::Mode::kOpen, {});
   EXPECT_TRUE(open.Authorize(std::nullopt, std::nullopt, ClientRole::kSubmit, "Submit").ok());
   ClientAuthorizer certs(ClientAuthorizer::Mode::kCertificates, {});
-  EXPECT_TRUE(certs.Authorize(std::nullopt, std::string("anyone"), ClientRole::kSubmit, "Submit")
-                  .ok());
+  EXPECT_TRUE(
+      certs.Authorize(std::nullopt, std::string("anyone"), ClientRole::kSubmit, "Submit").ok());
   EXPECT_EQ(certs.Authorize(std::nullopt, std::nullopt, ClientRole::kRead, "List").code(),
             absl::StatusCode::kUnauthenticated);
 }

@@ -44,8 +44,8 @@ TEST(IterationRound, StepsOnOneNormPerStageOfTheCurrentEpoch) {
   IterationRound r = Round();
   EXPECT_TRUE(r.AddNorm("d0", Norm(0, 1)));
   EXPECT_TRUE(r.AddNorm("d1", Norm(0, 1)));
-  EXPECT_FALSE(r.AddNorm("x", Norm(1, 4)));          // not a member
-  EXPECT_FALSE(r.AddNorm("a", Norm(1, 4, 3)));       // another epoch
+  EXPECT_FALSE(r.AddNorm("x", Norm(1, 4)));     // not a member
+  EXPECT_FALSE(r.AddNorm("a", Norm(1, 4, 3)));  // another epoch
   EXPECT_TRUE(r.AddNorm("a", Norm(1, 4)));
   EXPECT_FALSE(r.NormsComplete());
   EXPECT_THAT(r.MissingNorms(), ElementsAre("b"));

@@ -40,13 +40,18 @@ TEST(JobMetricsTest, PendingJobsHaveNoSeriesRunningOnesHaveAll) {
   jobs.Observe(MakeJob("job-1", v1::JOB_STATE_ASSIGNING), kT0);
   jobs.Observe(MakeJob("job-1", v1::JOB_STATE_RUNNING), kT0 + absl::Seconds(1));
   std::string text = registry.Serialize();
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"running\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"assigning\"} 0\n"));
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"pending\"} 0\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"running\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"assigning\"} 0\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"pending\"} 0\n"));
   // Running without progress: stamped with the start, no loss yet (0 would
   // read as a perfect model).
-  EXPECT_THAT(text, HasSubstr(
-      "detour_coordinator_job_last_progress_timestamp_seconds{job_id=\"job-1\"} 1700000001\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr(
+          "detour_coordinator_job_last_progress_timestamp_seconds{job_id=\"job-1\"} 1700000001\n"));
   EXPECT_THAT(text, Not(HasSubstr("detour_coordinator_job_loss")));
 
   jobs.Observe(MakeJob("job-1", v1::JOB_STATE_RUNNING, 4), kT0 + absl::Seconds(3));
@@ -55,15 +60,21 @@ TEST(JobMetricsTest, PendingJobsHaveNoSeriesRunningOnesHaveAll) {
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_loss{job_id=\"job-1\"} 5.1\n"));
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_tokens_per_second{job_id=\"job-1\"} 1000\n"));
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_iterations_completed{job_id=\"job-1\"} 4\n"));
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_iterations_requested{job_id=\"job-1\"} 10\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_iterations_requested{job_id=\"job-1\"} 10\n"));
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_progress_ratio{job_id=\"job-1\"} 0.4\n"));
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_eta_seconds{job_id=\"job-1\"} 2.5\n"));
   // One observation per completed-iteration change, not per job update.
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_iteration_seconds_count{job_id=\"job-1\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr(
-      "detour_coordinator_job_iteration_seconds_bucket{job_id=\"job-1\",le=\"0.4\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr(
-      "detour_coordinator_job_last_progress_timestamp_seconds{job_id=\"job-1\"} 1700000003\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_iteration_seconds_count{job_id=\"job-1\"} 1\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr(
+          "detour_coordinator_job_iteration_seconds_bucket{job_id=\"job-1\",le=\"0.4\"} 1\n"));
+  EXPECT_THAT(
+      text,
+      HasSubstr(
+          "detour_coordinator_job_last_progress_timestamp_seconds{job_id=\"job-1\"} 1700000003\n"));
 }
 
 TEST(JobMetricsTest, EndedJobsKeepSeriesForTheRetentionOnly) {
@@ -107,10 +118,12 @@ TEST(JobMetricsTest, ResumedJobIsLiveAgainAndItsHistogramRestartsCleanly) {
   EXPECT_EQ(jobs.tracked(), 1u);  // not ended any more
   jobs.Observe(MakeJob("job-1", v1::JOB_STATE_RUNNING, 5), kT0 + absl::Hours(2));
   const std::string text = registry.Serialize();
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"running\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_state{job_id=\"job-1\",state=\"running\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("detour_coordinator_job_iterations_completed{job_id=\"job-1\"} 5\n"));
   // First seen at 6 (nothing to time), back to 4, then one iteration: 1.
-  EXPECT_THAT(text, HasSubstr("detour_coordinator_job_iteration_seconds_count{job_id=\"job-1\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("detour_coordinator_job_iteration_seconds_count{job_id=\"job-1\"} 1\n"));
 }
 
 TEST(JobMetricsTest, NullRegistryRecordsNothing) {

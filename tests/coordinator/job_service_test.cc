@@ -41,8 +41,8 @@ class JobServiceTest : public ::testing::Test {
     running_ = std::move(*running);
     address_ = absl::StrCat("127.0.0.1:", running_.port);
     // A client with gRPC's default 4 MiB receive limit, as any client may be.
-    stub_ = v1::JobService::NewStub(
-        grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    stub_ =
+        v1::JobService::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
   void TearDown() override { running_.server->Shutdown(); }
 
@@ -143,8 +143,9 @@ TEST_F(JobServiceTest, ListPagesNewestFirstWithoutRepeats) {
 
 TEST_F(JobServiceTest, ListRefusesATokenItDidNotHandOut) {
   CreateJobs(3, Spec("t"));
-  for (const std::string& token : std::vector<std::string>{"nonsense", "job-", "job-12x", "job-000001; DROP",
-                                  std::string(100, '9'), std::string("job-\0001", 6)}) {
+  for (const std::string& token :
+       std::vector<std::string>{"nonsense", "job-", "job-12x", "job-000001; DROP",
+                                std::string(100, '9'), std::string("job-\0001", 6)}) {
     v1::ListJobsRequest request;
     request.set_page_token(token);
     v1::ListJobsResponse response;

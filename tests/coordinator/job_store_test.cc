@@ -183,8 +183,7 @@ TEST(JobStore, ReadersDoNotWaitForASlowDisk) {
   ASSERT_TRUE(store.Create(Spec("b"), absl::Now(), "stored").ok());
   block = true;
   std::thread updater([&] {
-    EXPECT_TRUE(store.Update("job-000001", [](v1::Job* job) { job->set_message("updated"); })
-                    .ok());
+    EXPECT_TRUE(store.Update("job-000001", [](v1::Job* job) { job->set_message("updated"); }).ok());
   });
   ASSERT_TRUE(writing.WaitForNotificationWithTimeout(absl::Seconds(60)));
   absl::Notification read;

@@ -36,7 +36,8 @@ TEST(PendingReason, CountsWhatTheJobNeeds) {
 // The README's first run: two workers, a job that needs eight. The message
 // says so instead of "pending" forever.
 TEST(PendingReason, TooFewRegisteredIsFlagged) {
-  const std::string why = PendingReason(Spec(4, 2, 2), Workers({"w1", "w2"}), Workers({"w1", "w2"}));
+  const std::string why =
+      PendingReason(Spec(4, 2, 2), Workers({"w1", "w2"}), Workers({"w1", "w2"}));
   EXPECT_EQ(why,
             "waiting for workers: needs 8 (2 data nodes + 3 stages × 2 replicas), 2 registered; "
             "it cannot start until 6 more register");

@@ -18,10 +18,10 @@ v1::WorkerInfo Worker(const std::string& id, const std::string& metrics, v1::Wor
 }
 
 TEST(ServiceDiscoveryTest, ListsTheCoordinatorThenWorkersWithMetrics) {
-  const std::string json = ServiceDiscoveryJson(
-      "10.0.0.1:9470", {Worker("w1", "10.0.0.2:9471", v1::WORKER_STATE_BUSY),
-                        Worker("w2", "", v1::WORKER_STATE_IDLE),
-                        Worker("w3", "[::1]:9471", v1::WORKER_STATE_LOST)});
+  const std::string json =
+      ServiceDiscoveryJson("10.0.0.1:9470", {Worker("w1", "10.0.0.2:9471", v1::WORKER_STATE_BUSY),
+                                             Worker("w2", "", v1::WORKER_STATE_IDLE),
+                                             Worker("w3", "[::1]:9471", v1::WORKER_STATE_LOST)});
   auto parsed = ParseJson(json);
   ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << json;
   ASSERT_TRUE(parsed->is_array());

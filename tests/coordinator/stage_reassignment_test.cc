@@ -128,8 +128,8 @@ TEST(StageReassignment, InfeasibleMembershipOrEmptyStageMovesAnyway) {
   EXPECT_EQ(best->worker, "b");
   // Filling an empty stage beats a better prediction elsewhere, and needs
   // no gain.
-  best = ChooseMove(0.5, {Judged("a", 0.1, 0), Judged("e1", 0.8, 3, true), Judged("e2", 0.6, 9, true)},
-                    1);
+  best = ChooseMove(
+      0.5, {Judged("a", 0.1, 0), Judged("e1", 0.8, 3, true), Judged("e2", 0.6, 9, true)}, 1);
   ASSERT_TRUE(best.has_value());
   EXPECT_EQ(best->worker, "e2");
   EXPECT_FALSE(ChooseMove(0.5, {Judged("e", 0.6, 1, true)}, 0).has_value());

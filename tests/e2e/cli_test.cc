@@ -70,8 +70,9 @@ class CliTest : public E2eTest {
     std::ofstream(path) << absl::StrCat(
         R"({"name": ")", name, R"(", "model": {"num_layers": 4, "d_model": 32,
         "num_heads": 2, "ffn_dim": 64, "context_length": 16},
-        "pipeline": {"num_stages": )", stages, R"(, "data_nodes": 2, "replicas_per_stage": )",
-        replicas, R"(, "microbatches_per_data_node": 2, "samples_per_microbatch": 2},
+        "pipeline": {"num_stages": )",
+        stages, R"(, "data_nodes": 2, "replicas_per_stage": )", replicas,
+        R"(, "microbatches_per_data_node": 2, "samples_per_microbatch": 2},
         "iterations": 1000000})");
     return path;
   }
@@ -150,24 +151,29 @@ TEST_F(CliTest, WatchSaysWhyAJobWaitsAndWritesJsonLines) {
   const std::string why =
       "waiting for workers: needs 8 (2 data nodes + 3 stages × 2 replicas), 2 registered; it "
       "cannot start until 6 more register";
-  ASSERT_TRUE(Eventually([&] { return GetJob(c.grpc_port, id).message() == why; },
-                         absl::Seconds(10)))
+  ASSERT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, id).message() == why; }, absl::Seconds(10)))
       << GetJob(c.grpc_port, id).message();
 
   ChildProcess text;
-  ASSERT_TRUE(text.Start({Bin(kCtl), "--insecure", address, "watch", id}, dir_ + "/watch.log").ok());
+  ASSERT_TRUE(
+      text.Start({Bin(kCtl), "--insecure", address, "watch", id}, dir_ + "/watch.log").ok());
   ChildProcess json;
-  ASSERT_TRUE(json.Start({Bin(kCtl), "watch", id, "--json", "--insecure", address}, dir_ + "/watch.jsonl").ok());
-  ASSERT_TRUE(Eventually([&] { return text.Log().find('\n') != std::string::npos &&
-                                      json.Log().find('\n') != std::string::npos; },
-                         absl::Seconds(10)));
+  ASSERT_TRUE(
+      json.Start({Bin(kCtl), "watch", id, "--json", "--insecure", address}, dir_ + "/watch.jsonl")
+          .ok());
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return text.Log().find('\n') != std::string::npos &&
+               json.Log().find('\n') != std::string::npos;
+      },
+      absl::Seconds(10)));
   EXPECT_THAT(text.Log(), HasSubstr(absl::StrCat(id, " pending  0/1000000  (", why, ")")));
   ASSERT_EQ(Run({Bin(kCtl), address, "cancel", id}, &out), 0) << out;
   EXPECT_EQ(text.Wait(absl::Seconds(10)), 1);  // the job did not succeed
   EXPECT_EQ(json.Wait(absl::Seconds(10)), 1);
   EXPECT_THAT(text.Log(), HasSubstr(absl::StrCat(id, " ended: cancelled")));
-  const std::vector<std::string> lines =
-      absl::StrSplit(json.Log(), '\n', absl::SkipEmpty());
+  const std::vector<std::string> lines = absl::StrSplit(json.Log(), '\n', absl::SkipEmpty());
   ASSERT_GE(lines.size(), 2u) << json.Log();
   v1::JobEvent last;
   for (const std::string& line : lines) {
@@ -241,7 +247,9 @@ TEST_F(CliTest, TwoWorkersOnOneHostDoNotCollide) {
   auto start = [&](const std::string& name, std::vector<std::string> extra) {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
-    std::vector<std::string> argv = {Bin(kWorker), "--insecure", absl::StrCat("--listen=127.0.0.1:", base),
+    std::vector<std::string> argv = {Bin(kWorker),
+                                     "--insecure",
+                                     absl::StrCat("--listen=127.0.0.1:", base),
                                      "--metrics_bind=127.0.0.1",
                                      absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port),
                                      absl::StrCat("--data_dir=", dir_, "/", name),

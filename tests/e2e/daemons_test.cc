@@ -103,9 +103,10 @@ TEST_F(DaemonsTest, MetricsScrapePassesPromtool) {
   EXPECT_THAT(*response, HasSubstr("detour_coordinator_workers{state=\"idle\"} 1"));
   EXPECT_THAT(*response, HasSubstr("detour_coordinator_registrations_total 1"));
   EXPECT_THAT(*response, HasSubstr("detour_build_info{component=\"coordinator\""));
-  EXPECT_THAT(*response, HasSubstr(
-      "detour_rpc_server_handled_total{method=\"/detour.v1.ControlService/ListWorkers\","
-      "code=\"OK\"}"));
+  EXPECT_THAT(
+      *response,
+      HasSubstr("detour_rpc_server_handled_total{method=\"/detour.v1.ControlService/ListWorkers\","
+                "code=\"OK\"}"));
   EXPECT_THAT(*response, HasSubstr("process_resident_memory_bytes"));
 
   const std::string body = response->substr(response->find("\r\n\r\n") + 4);
@@ -193,8 +194,7 @@ std::string ReflectionListServices(std::shared_ptr<grpc::Channel> channel) {
   call->Finish(&status, reinterpret_cast<void*>(5));
   cq.Next(&tag, &ok);
   cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
+  while (cq.Next(&tag, &ok)) {}
   return text;
 }
 
@@ -219,8 +219,8 @@ TEST_F(DaemonsTest, LauncherStopsEverythingOnCtrlC) {
   const std::string out = dir_ + "/launcher";
   ChildProcess launcher;
   ASSERT_TRUE(launcher
-                  .Start({Bin("tools/detour_local/detour-local"), "--job=" + job,
-                          "--out=" + out, "--bin_dir=" + BuildDir()},
+                  .Start({Bin("tools/detour_local/detour-local"), "--job=" + job, "--out=" + out,
+                          "--bin_dir=" + BuildDir()},
                          dir_ + "/launcher.log")
                   .ok());
   ASSERT_TRUE(Eventually([&] { return launcher.Log().find("RUNNING") != std::string::npos; },
@@ -246,8 +246,8 @@ TEST_F(DaemonsTest, LauncherNeverEmptiesADirectoryItDidNotWrite) {
   std::filesystem::create_directories(mine);
   std::ofstream(mine + "/thesis.tex") << "years of work";
   std::string out;
-  EXPECT_EQ(Run({Bin("tools/detour_local/detour-local"), "--job=/nonexistent.json",
-                 "--out=" + mine, "--bin_dir=" + BuildDir()},
+  EXPECT_EQ(Run({Bin("tools/detour_local/detour-local"), "--job=/nonexistent.json", "--out=" + mine,
+                 "--bin_dir=" + BuildDir()},
                 &out),
             2)
       << out;
@@ -261,7 +261,8 @@ TEST_F(DaemonsTest, LauncherNeverEmptiesADirectoryItDidNotWrite) {
                  "--bin_dir=" + BuildDir()},
                 &out),
             2);
-  EXPECT_THAT(out, HasSubstr("--out " + mine + " exists, is not empty and was not written by "
+  EXPECT_THAT(out, HasSubstr("--out " + mine +
+                             " exists, is not empty and was not written by "
                              "detour-local"));
   EXPECT_TRUE(std::filesystem::exists(mine + "/thesis.tex"));
 }
@@ -269,8 +270,8 @@ TEST_F(DaemonsTest, LauncherNeverEmptiesADirectoryItDidNotWrite) {
 TEST_F(DaemonsTest, BusyPortsAreClearErrors) {
   auto [fd, port] = OccupyPort();
   std::string out;
-  EXPECT_EQ(Run({Bin(kCoordinator), absl::StrCat("--listen=127.0.0.1:", port),
-                 "--metrics_port=-1", absl::StrCat("--data_dir=", dir_, "/c")},
+  EXPECT_EQ(Run({Bin(kCoordinator), absl::StrCat("--listen=127.0.0.1:", port), "--metrics_port=-1",
+                 absl::StrCat("--data_dir=", dir_, "/c")},
                 &out),
             1);
   EXPECT_THAT(out, HasSubstr(absl::StrCat("127.0.0.1:", port, " is already in use")));
@@ -389,9 +390,9 @@ TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
   spec.mutable_elastic()->set_disabled(true);
   spec.set_iterations(1000000);
   const v1::Job long_job = Submit(port, spec);
-  ASSERT_TRUE(Eventually([&] { return GetJob(port, long_job.id()).state() ==
-                                      v1::JOB_STATE_RUNNING; },
-                         absl::Seconds(60)));
+  ASSERT_TRUE(
+      Eventually([&] { return GetJob(port, long_job.id()).state() == v1::JOB_STATE_RUNNING; },
+                 absl::Seconds(60)));
   c.process->Signal(SIGKILL);
   c.process->Wait(absl::Seconds(10));
   Daemon c2 = StartCoordinator({absl::StrCat("--listen=127.0.0.1:", port)}, "c2");
@@ -400,9 +401,8 @@ TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
   spec.set_name("next");
   spec.set_iterations(2);
   const v1::Job next = Submit(port, spec);
-  EXPECT_TRUE(Eventually(
-      [&] { return GetJob(port, next.id()).state() == v1::JOB_STATE_SUCCEEDED; },
-      absl::Seconds(60)))
+  EXPECT_TRUE(Eventually([&] { return GetJob(port, next.id()).state() == v1::JOB_STATE_SUCCEEDED; },
+                         absl::Seconds(60)))
       << GetJob(port, next.id()).DebugString() << c2.process->Log();
   EXPECT_THAT(c2.process->Log(), HasSubstr("which this coordinator does not run"));
 }

@@ -257,9 +257,9 @@ TEST_F(ElasticTest, StalledWorkerIsRoutedAroundAndMayComeBack) {
   Daemon* stalled = ById(workers, victim);
   stalled->process->Signal(SIGSTOP);
   // --worker_silence is 1.5 s in these tests.
-  EXPECT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
-      absl::Seconds(20)))
+  EXPECT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+                 absl::Seconds(20)))
       << c.process->Log();
   stalled->process->Signal(SIGCONT);
   const v1::Job job = run.AwaitEnd(absl::Seconds(120));
@@ -288,14 +288,14 @@ TEST_F(ElasticTest, TwoStallsComeBackAndRefillTwoShortStages) {
   const std::vector<std::string> victims = {NodeOf(before, 1, 0), NodeOf(before, 2, 0)};
   ASSERT_FALSE(victims[0].empty() || victims[1].empty());
   for (const std::string& id : victims) ById(workers, id)->process->Signal(SIGSTOP);
-  ASSERT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 2; },
-      absl::Seconds(30)))
+  ASSERT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 2; },
+                 absl::Seconds(30)))
       << History(run.Get()) << c.process->Log();
   for (const std::string& id : victims) ById(workers, id)->process->Signal(SIGCONT);
-  ASSERT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_JOINED) >= 2; },
-      absl::Seconds(90)))
+  ASSERT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_JOINED) >= 2; },
+                 absl::Seconds(90)))
       << History(run.Get()) << c.process->Log();
   EXPECT_FALSE(c.process->Wait(absl::Milliseconds(100)).has_value()) << c.process->Log();
   // Training goes on with both back (the coordinator checks replicas and
@@ -311,10 +311,10 @@ TEST_F(ElasticTest, TwoStallsComeBackAndRefillTwoShortStages) {
   EXPECT_EQ(job.stages(1).nodes_size(), 2);
   EXPECT_EQ(job.stages(2).nodes_size(), 2);
   std::string out;
-  EXPECT_EQ(RunCtl({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "cancel",
-                    run.id()},
-                   &out),
-            0)
+  EXPECT_EQ(
+      RunCtl({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "cancel", run.id()},
+             &out),
+      0)
       << out;
   EXPECT_EQ(run.AwaitEnd(absl::Seconds(60)).state(), v1::JOB_STATE_CANCELLED);
 }
@@ -335,10 +335,10 @@ TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   const v1::Job before = run.Get();
   ASSERT_FALSE(before.last_checkpoint().empty());
   ASSERT_GT(before.stages_size(), 2) << before.DebugString();
-  for (const std::string& id : before.stages(2).nodes()) ById(workers, id)->process->Signal(SIGKILL);
-  EXPECT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_PAUSED) >= 1; },
-      absl::Seconds(30)))
+  for (const std::string& id : before.stages(2).nodes())
+    ById(workers, id)->process->Signal(SIGKILL);
+  EXPECT_TRUE(Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_PAUSED) >= 1; },
+                         absl::Seconds(30)))
       << History(run.Get()) << c.process->Log();
   EXPECT_THAT(run.Get().message(), HasSubstr("paused"));
   Daemon fresh = StartWorker(c.grpc_port, "late", WorkerFlags());
@@ -363,7 +363,8 @@ TEST_F(ElasticTest, StageLosingAllReplicasTakesASpareReplica) {
   ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
   const v1::Job before = run.Get();
   ASSERT_FALSE(before.last_checkpoint().empty());
-  for (const std::string& id : before.stages(2).nodes()) ById(workers, id)->process->Signal(SIGKILL);
+  for (const std::string& id : before.stages(2).nodes())
+    ById(workers, id)->process->Signal(SIGKILL);
   const v1::Job job = run.AwaitEnd(absl::Seconds(120));
   ExpectHealthyEnd(job, c);
   ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_REASSIGNED), 1) << History(job);
@@ -391,8 +392,7 @@ void PinFiveWorkers(v1::JobSpec* spec) {
 }
 
 // Starts w0..w4; `slow` runs every compute task `factor` times slower.
-std::vector<Daemon> StartFive(ElasticTest* test, int port, const std::string& slow,
-                              double factor) {
+std::vector<Daemon> StartFive(ElasticTest* test, int port, const std::string& slow, double factor) {
   std::vector<Daemon> workers;
   for (int i = 0; i < 5; ++i) {
     const std::string name = absl::StrCat("w", i);
@@ -450,7 +450,8 @@ TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
   const auto& visits = job.progress().planned_visits();
   ASSERT_TRUE(visits.count("w1") && visits.count("w2")) << job.DebugString();
   EXPECT_EQ(visits.at("w1") + visits.at("w2"), 8u);
-  EXPECT_LT(2 * visits.at("w2"), visits.at("w1")) << job.progress().DebugString() << c.process->Log();
+  EXPECT_LT(2 * visits.at("w2"), visits.at("w1"))
+      << job.progress().DebugString() << c.process->Log();
   EXPECT_EQ(visits.at("w0"), 8u);
   // What ran: over the whole job (the first iterations split evenly), w2
   // ran fewer forwards than w1.
@@ -526,9 +527,9 @@ void ElasticTest::RunSkipThenRefill(const v1::JobSpec& spec) {
   const std::string victim = NodeOf(run.Get(), 2, 0);
   ASSERT_FALSE(victim.empty());
   ById(workers, victim)->process->Signal(SIGKILL);
-  ASSERT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
-      absl::Seconds(20)));
+  ASSERT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+                 absl::Seconds(20)));
   const uint64_t lost_at = run.Get().progress().iteration();
   // It keeps training with stage 2 empty.
   ASSERT_TRUE(run.ReachIteration(lost_at + 3, absl::Seconds(60)))
@@ -560,13 +561,13 @@ TEST_F(ElasticTest, JoiningWorkerGetsTheReplicaStateAndTakesPart) {
   const std::string victim = NodeOf(run.Get(), 1, 0);
   ASSERT_FALSE(victim.empty());
   ById(workers, victim)->process->Signal(SIGKILL);
-  ASSERT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
-      absl::Seconds(20)));
+  ASSERT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_LOST) >= 1; },
+                 absl::Seconds(20)));
   Daemon fresh = StartWorker(c.grpc_port, "joiner", WorkerFlags());
-  ASSERT_TRUE(Eventually(
-      [&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_JOINED) >= 1; },
-      absl::Seconds(60)))
+  ASSERT_TRUE(
+      Eventually([&] { return Count(run.Get(), v1::JobHistoryEvent::KIND_WORKER_JOINED) >= 1; },
+                 absl::Seconds(60)))
       << History(run.Get()) << c.process->Log();
   const uint64_t joined_at = run.Get().progress().iteration();
   const v1::Job job = run.AwaitEnd(absl::Seconds(120));
@@ -634,9 +635,9 @@ std::vector<std::string> StageChecksums(const std::string& dir) {
 // after the checkpoint halfway and `detourctl resume` on other workers;
 // returns the final checkpoint's stage checksums.
 std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::JobSpec& spec,
-                                                 bool interrupt, int port,
-                                                 std::vector<Daemon>& workers,
-                                                 const std::string& ctl, const Daemon& c) {
+                                                bool interrupt, int port,
+                                                std::vector<Daemon>& workers,
+                                                const std::string& ctl, const Daemon& c) {
   ElasticRun run(test, port, spec);
   if (interrupt) {
     const uint64_t half = spec.checkpoint().every_iterations();
@@ -651,15 +652,14 @@ std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::Job
         << "the run got past the next checkpoint before the kill";
     workers.push_back(test->AddWorker(port, absl::StrCat("spare", workers.size())));
     std::string out;
-    EXPECT_EQ(test->RunCtl({ctl, absl::StrCat("--coordinator=127.0.0.1:", port), "resume",
-                            run.id()},
-                           &out),
+    EXPECT_EQ(test->RunCtl(
+                  {ctl, absl::StrCat("--coordinator=127.0.0.1:", port), "resume", run.id()}, &out),
               0)
         << out;
   }
   const v1::Job job = run.AwaitEnd(absl::Seconds(180));
-  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << History(job)
-                                                  << c.process->Log();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED)
+      << job.message() << History(job) << c.process->Log();
   if (interrupt) {
     EXPECT_EQ(job.resumes(), 1u);
     EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_RESUMED), 1) << History(job);
@@ -816,8 +816,7 @@ TEST_F(ElasticTest, ResumeOnOtherReplicaCounts) {
     ASSERT_LT(cancelled.progress().iteration(), 24u) << "the job ended before the cancel";
     ASSERT_EQ(cancelled.stages(1).nodes_size(), saved);
     const std::string checkpoint =
-        (std::filesystem::path(cancelled.last_checkpoint()).parent_path() / "iter-000004")
-            .string();
+        (std::filesystem::path(cancelled.last_checkpoint()).parent_path() / "iter-000004").string();
     ASSERT_TRUE(std::filesystem::exists(checkpoint + "/manifest.json")) << checkpoint;
     ASSERT_TRUE(first.count(5)) << "no loss logged for iteration 4";
     EXPECT_NE(RunCtl({ctl, at, "resume", run.id(), "--replicas_per_stage=-1"}, &out), 0);

@@ -108,11 +108,10 @@ TEST_F(HfInteropTest, DistributedJobStartsFromAnExportedModel) {
     EXPECT_NEAR(distributed[it], imported[it], 1e-4 * std::max(1.0, imported[it]))
         << "iteration " << it;
   }
-  std::cout << "first loss: distributed " << distributed[0] << ", in-process import "
-            << imported[0] << ", the job's own seed " << seeded[0] << "\n";
+  std::cout << "first loss: distributed " << distributed[0] << ", in-process import " << imported[0]
+            << ", the job's own seed " << seeded[0] << "\n";
   // The job's own seed would have given another first loss.
-  EXPECT_LT(distributed[0], seeded[0] - 0.5)
-      << distributed[0] << " vs seeded " << seeded[0];
+  EXPECT_LT(distributed[0], seeded[0] - 0.5) << distributed[0] << " vs seeded " << seeded[0];
 }
 
 // A job started from an import and cancelled resumes from its own
@@ -125,8 +124,9 @@ TEST_F(HfInteropTest, AnImportedJobResumesFromItsOwnCheckpoint) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
-  ASSERT_TRUE(Eventually([&] { return !GetJob(c.grpc_port, submitted.id()).last_checkpoint().empty(); },
-                         absl::Seconds(60)));
+  ASSERT_TRUE(
+      Eventually([&] { return !GetJob(c.grpc_port, submitted.id()).last_checkpoint().empty(); },
+                 absl::Seconds(60)));
   const std::string at = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
   std::string out;
   ASSERT_EQ(Run({Bin(kCtl), at, "cancel", submitted.id()}, &out), 0) << out;

@@ -148,10 +148,13 @@ class E2eTest : public ::testing::Test {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
     std::remove(ready.c_str());
-    std::vector<std::string> argv = {Bin(kCoordinator), "--listen=127.0.0.1:0",
-                                     "--metrics_port=0", "--metrics_bind=127.0.0.1",
+    std::vector<std::string> argv = {Bin(kCoordinator),
+                                     "--listen=127.0.0.1:0",
+                                     "--metrics_port=0",
+                                     "--metrics_bind=127.0.0.1",
                                      absl::StrCat("--data_dir=", dir_, "/coordinator"),
-                                     "--worker_silence=1500ms", "--heartbeat_interval=200ms",
+                                     "--worker_silence=1500ms",
+                                     "--heartbeat_interval=200ms",
                                      absl::StrCat("--ready_file=", ready)};
     AddSecurityFlags("coordinator", &argv);
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -172,11 +175,14 @@ class E2eTest : public ::testing::Test {
                      std::vector<std::string> extra = {}) {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
-    std::vector<std::string> argv = {Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=0",
+    std::vector<std::string> argv = {Bin(kWorker),
+                                     "--listen=127.0.0.1:0",
+                                     "--metrics_port=0",
                                      "--metrics_bind=127.0.0.1",
                                      absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
                                      absl::StrCat("--data_dir=", dir_, "/", name),
-                                     "--region=Oregon", absl::StrCat("--ready_file=", ready)};
+                                     "--region=Oregon",
+                                     absl::StrCat("--ready_file=", ready)};
     // With TLS the certificate names the worker: --worker_id when given, else `name`.
     std::string cert_name = name;
     for (const std::string& flag : extra) {
@@ -263,8 +269,7 @@ class E2eTest : public ::testing::Test {
   }
 
   grpc::health::v1::HealthCheckResponse::ServingStatus Health(int port) {
-    auto stub =
-        grpc::health::v1::Health::NewStub(Channel(port));
+    auto stub = grpc::health::v1::Health::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     grpc::health::v1::HealthCheckRequest request;
@@ -301,7 +306,7 @@ class E2eTest : public ::testing::Test {
   // Follows a job until it ends; returns the loss of every iteration (from
   // the progress events) and the final job in `final_job`.
   std::vector<double> WatchLosses(int port, const std::string& id, v1::Job* final_job,
-                                         absl::Duration timeout) {
+                                  absl::Duration timeout) {
     auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));

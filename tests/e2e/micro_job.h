@@ -11,8 +11,7 @@
 
 namespace detour::testing {
 
-inline v1::JobSpec MicroJob(int stages, int data_nodes, int replicas, double skip,
-                            int iterations) {
+inline v1::JobSpec MicroJob(int stages, int data_nodes, int replicas, double skip, int iterations) {
   v1::JobSpec spec;
   spec.set_name("e2e");
   v1::ModelShape* m = spec.mutable_model();

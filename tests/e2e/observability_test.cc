@@ -167,8 +167,8 @@ class ObservabilityTest : public E2eTest {
 
   // Polls until every expression returns data; returns those that did not,
   // with the reason.
-  std::map<std::string, std::string> ExpressionsWithoutData(
-      const std::vector<std::string>& exprs, absl::Duration timeout) {
+  std::map<std::string, std::string> ExpressionsWithoutData(const std::vector<std::string>& exprs,
+                                                            absl::Duration timeout) {
     std::map<std::string, std::string> missing;
     for (const std::string& e : exprs) missing[e] = "not queried";
     const absl::Time deadline = absl::Now() + timeout;
@@ -238,13 +238,13 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
   const int port = occupied.second;
   prometheus_port_ = port;
   ChildProcess prometheus;
-  ASSERT_TRUE(prometheus
-                  .Start({kPrometheus, "--config.file=" + config_path,
-                          "--storage.tsdb.path=" + dir_ + "/tsdb",
-                          absl::StrCat("--web.listen-address=127.0.0.1:", port),
-                          "--log.level=warn"},
-                         dir_ + "/prometheus.log")
-                  .ok());
+  ASSERT_TRUE(
+      prometheus
+          .Start(
+              {kPrometheus, "--config.file=" + config_path, "--storage.tsdb.path=" + dir_ + "/tsdb",
+               absl::StrCat("--web.listen-address=127.0.0.1:", port), "--log.level=warn"},
+              dir_ + "/prometheus.log")
+          .ok());
   ASSERT_TRUE(Eventually([&] { return Get(port, "/-/ready").ok(); }, absl::Seconds(20)))
       << prometheus.Log();
 
@@ -256,19 +256,22 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
   ASSERT_TRUE(Eventually(
       [&] {
         std::string error;
-        return Query("count(up{role=\"worker\"} == 1) == 3 and count(up{role=\"coordinator\"} == 1) == 1",
-                     &error)
+        return Query(
+                   "count(up{role=\"worker\"} == 1) == 3 and count(up{role=\"coordinator\"} == 1) "
+                   "== 1",
+                   &error)
                    .size() == 1;
       },
       absl::Seconds(20)))
-      << Get(port, "/api/v1/targets").value_or("") << "\n" << prometheus.Log();
+      << Get(port, "/api/v1/targets").value_or("") << "\n"
+      << prometheus.Log();
 
   // Rules: all loaded and evaluated without error.
   const std::string rules_file = ReadFile(SourceDir() + "/deploy/prometheus/detour.rules.yml");
   const std::regex rule_line(R"(\n\s*- (record|alert):)");
-  const int rules_in_file = static_cast<int>(std::distance(
-      std::sregex_iterator(rules_file.begin(), rules_file.end(), rule_line),
-      std::sregex_iterator()));
+  const int rules_in_file = static_cast<int>(
+      std::distance(std::sregex_iterator(rules_file.begin(), rules_file.end(), rule_line),
+                    std::sregex_iterator()));
   std::vector<std::string> recorded, alert_inputs;
   ASSERT_TRUE(Eventually(
       [&] {
@@ -295,7 +298,8 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
         return healthy == rules_in_file;
       },
       absl::Seconds(20)))
-      << Get(port, "/api/v1/rules").value_or("") << "\n" << prometheus.Log();
+      << Get(port, "/api/v1/rules").value_or("") << "\n"
+      << prometheus.Log();
   // "Returns data": a recording rule's series exist. Alerts are normally
   // empty in a healthy cluster; for them "returns data" means every series
   // they read exists (checked here) and they evaluated without error (their
@@ -330,11 +334,11 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
                   &error)
                 .size(),
             1u);
-  EXPECT_EQ(Query(absl::StrCat("detour_coordinator_job_progress_ratio{job_id=\"", job.id(),
-                               "\"} > 0"),
-                  &error)
-                .size(),
-            1u);
+  EXPECT_EQ(
+      Query(absl::StrCat("detour_coordinator_job_progress_ratio{job_id=\"", job.id(), "\"} > 0"),
+            &error)
+          .size(),
+      1u);
   // Two stage boundaries, activations one way and gradients the other.
   EXPECT_GE(Query("detour_worker_link_sent_bytes_total > 0", &error).size(), 4u) << error;
 
@@ -346,12 +350,14 @@ TEST_F(ObservabilityTest, PrometheusFindsTheClusterAndEveryPanelAndRuleHasData) 
         [&] {
           const std::string text = Scrape(w.metrics_port);
           return absl::StrContains(text, "detour_worker_busy_fraction{work=\"pipeline\"} 0\n") &&
-                 absl::StrContains(text, "detour_worker_busy_fraction{work=\"pipeline_and_kfac\"} 0\n") &&
+                 absl::StrContains(text,
+                                   "detour_worker_busy_fraction{work=\"pipeline_and_kfac\"} 0\n") &&
                  absl::StrContains(text, "job_id=\"\",stage=\"\"} 1\n") &&
                  !absl::StrContains(text, "detour_worker_link_sent_bytes_total{");
         },
         absl::Seconds(10)))
-        << w.id << ":\n" << Scrape(w.metrics_port);
+        << w.id << ":\n"
+        << Scrape(w.metrics_port);
   }
   EXPECT_TRUE(Eventually(
       [&] {
@@ -384,9 +390,9 @@ TEST_F(ObservabilityTest, MetricsMdMatchesTheScrapes) {
   add("coordinator-running", c.metrics_port);
   for (const Daemon& w : workers) add(w.id + "-running", w.metrics_port);
   CancelJob(c.grpc_port, job.id());
-  ASSERT_TRUE(Eventually(
-      [&] { return GetJob(c.grpc_port, job.id()).state() == v1::JOB_STATE_CANCELLED; },
-      absl::Seconds(10)));
+  ASSERT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, job.id()).state() == v1::JOB_STATE_CANCELLED; },
+                 absl::Seconds(10)));
   add("coordinator-idle", c.metrics_port);
   add(workers[0].id + "-idle", workers[0].metrics_port);
 
@@ -422,9 +428,8 @@ TEST_F(ObservabilityTest, MetricsMdMatchesTheScrapes) {
   EXPECT_THAT(*sd, HasSubstr("{\"targets\":[\"metrics.example:9999\"],\"labels\":{\"role\":"
                              "\"worker\",\"__meta_detour_worker_id\":\"proxied\""));
   std::string refused;
-  EXPECT_EQ(Run({Bin(kWorker), "--metrics_advertise=nowhere", "--coordinator=127.0.0.1:1"},
-                &refused),
-            2);
+  EXPECT_EQ(
+      Run({Bin(kWorker), "--metrics_advertise=nowhere", "--coordinator=127.0.0.1:1"}, &refused), 2);
   EXPECT_THAT(refused, HasSubstr("--metrics_advertise"));
 
   // And every scrape is valid exposition text.

@@ -55,8 +55,8 @@ class TlsTest : public E2eTest {
   // certificate "reader") and kSubmitToken (submit).
   Daemon StartCoordinatorWithTokens() {
     const std::string tokens = WriteFile(
-        "tokens", absl::StrCat("# test tokens\n", kReadToken, " read reader\n", kSubmitToken,
-                               " submit\n"));
+        "tokens",
+        absl::StrCat("# test tokens\n", kReadToken, " read reader\n", kSubmitToken, " submit\n"));
     return StartCoordinator({"--auth_tokens=" + tokens});
   }
 
@@ -108,8 +108,7 @@ grpc::StatusCode WatchCode(v1::JobService::Stub* stub, const std::string& id) {
   request.set_job_id(id);
   auto reader = stub->Watch(&context, request);
   v1::JobEvent event;
-  while (reader->Read(&event)) {
-  }
+  while (reader->Read(&event)) {}
   return reader->Finish().error_code();
 }
 
@@ -221,13 +220,13 @@ TEST_F(TlsTest, WorkerWithACertificateFromAnotherCaCannotRegister) {
     std::ofstream(both) << a.rdbuf() << b.rdbuf();
   }
   std::string out;
-  EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
-                 absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port),
-                 absl::StrCat("--data_dir=", dir_, "/w0"), "--connect_timeout=3s",
-                 "--tls_cert=" + other + "/w0.crt", "--tls_key=" + other + "/w0.key",
-                 "--tls_ca=" + both},
-                &out, absl::Seconds(30), false),
-            1)
+  EXPECT_EQ(
+      Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+           absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port),
+           absl::StrCat("--data_dir=", dir_, "/w0"), "--connect_timeout=3s",
+           "--tls_cert=" + other + "/w0.crt", "--tls_key=" + other + "/w0.key", "--tls_ca=" + both},
+          &out, absl::Seconds(30), false),
+      1)
       << out;
   EXPECT_THAT(out, HasSubstr("unreachable"));
   EXPECT_EQ(ListWorkers(c.grpc_port, true).workers_size(), 0);
@@ -294,8 +293,8 @@ absl::Status SendFrame(const std::string& address, const TransportSecurity& secu
   h.set_hop(1);
   for (int64_t d : {2, 16, 32}) h.add_shape(d);
   h.set_dtype(v1::DTYPE_FP32);
-  auto data = std::make_shared<std::vector<float>>(2 * 16 * 32,
-                                                   std::numeric_limits<float>::quiet_NaN());
+  auto data =
+      std::make_shared<std::vector<float>>(2 * 16 * 32, std::numeric_limits<float>::quiet_NaN());
   TensorView view;
   view.data = data->data();
   view.bytes = data->size() * sizeof(float);
@@ -359,12 +358,11 @@ TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("is not a member of job " + job.id()));
   s = SendFrame(address, Client("outsider"), job.id(), workers[0].id, direct, target.id);
   EXPECT_FALSE(s.ok());
-  s = SendFrame(address, TransportSecurity::Insecure(), job.id(), workers[0].id, direct,
-                target.id);
+  s = SendFrame(address, TransportSecurity::Insecure(), job.id(), workers[0].id, direct, target.id);
   EXPECT_FALSE(s.ok());
-  EXPECT_TRUE(Eventually(
-      [&] { return UnauthorizedFrames(target.metrics_port) >= before_direct + 3; },
-      absl::Seconds(5)))
+  EXPECT_TRUE(
+      Eventually([&] { return UnauthorizedFrames(target.metrics_port) >= before_direct + 3; },
+                 absl::Seconds(5)))
       << UnauthorizedFrames(target.metrics_port) << " vs " << before_direct;
   // The job's own tensors travel there: its workers connected.
   auto scrape = HttpGet(target.metrics_port, "/metrics");
@@ -374,9 +372,9 @@ TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
 
   // The job was not disturbed.
   const uint64_t at = GetJob(c.grpc_port, job.id()).progress().iteration();
-  EXPECT_TRUE(Eventually(
-      [&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= at + 2; },
-      absl::Seconds(60)));
+  EXPECT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= at + 2; },
+                 absl::Seconds(60)));
   EXPECT_EQ(GetJob(c.grpc_port, job.id()).state(), v1::JOB_STATE_RUNNING);
 }
 
@@ -387,9 +385,8 @@ TEST_F(TlsTest, InsecureStillWorksWhenAskedFor) {
   Daemon w = StartWorker(c.grpc_port, "w1");
   ASSERT_GT(w.grpc_port, 0);
   std::string out;
-  ASSERT_EQ(Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "workers"},
-                &out),
-            0)
+  ASSERT_EQ(
+      Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "workers"}, &out), 0)
       << out;
   EXPECT_THAT(out, HasSubstr("idle"));
   // No client authentication in plaintext without --auth_tokens.

@@ -46,7 +46,6 @@ class TrainingTest : public E2eTest {
   }
 };
 
-
 // `base` with K-FAC on and its K-FAC settings changed by `configure`.
 v1::JobSpec KfacJob(v1::JobSpec base, const std::function<void(v1::KfacSpec*)>& configure) {
   base.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
@@ -64,9 +63,7 @@ class FollowTest : public E2eTest {
   void Follow(const v1::JobSpec& spec);
 };
 
-TEST_F(FollowTest, FullPipelineFollowsTheInProcessEngine) {
-  Follow(MicroJob(3, 1, 1, 0.0, 4));
-}
+TEST_F(FollowTest, FullPipelineFollowsTheInProcessEngine) { Follow(MicroJob(3, 1, 1, 0.0, 4)); }
 
 // bf16 mixed precision in a distributed job: the workers compute in bf16
 // exactly as the in-process engine does, and the checkpoint holds the
@@ -225,7 +222,9 @@ TEST_F(TrainingTest, PinnedAssignmentWaitsForItsWorkers) {
       [&] {
         const v1::Job j = GetJob(c.grpc_port, submitted.id());
         return j.state() == v1::JOB_STATE_PENDING &&
-               j.message().find("pinned workers (pipeline.assignment): no-such-worker is not registered") != std::string::npos;
+               j.message().find(
+                   "pinned workers (pipeline.assignment): no-such-worker is not registered") !=
+                   std::string::npos;
       },
       absl::Seconds(10)))
       << GetJob(c.grpc_port, submitted.id()).DebugString();
@@ -244,11 +243,10 @@ void KfacReplicasTest::KeepsReplicasIdentical(v1::KfacReplicaSync sync, int iter
   // granules (a cap far below any item's time) the inverses must still be
   // bit-identical (docs/KFAC.md "Granules"). PRECONDITIONED and AUTO: the
   // default cap.
-  const v1::JobSpec spec =
-      KfacJob(MicroJob(3, 2, 2, 0.0, iterations), [&](v1::KfacSpec* k) {
-        if (sync != v1::KFAC_REPLICA_SYNC_AUTO) k->set_replica_sync(sync);
-        if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_max_granule_ms(0.01);
-      });
+  const v1::JobSpec spec = KfacJob(MicroJob(3, 2, 2, 0.0, iterations), [&](v1::KfacSpec* k) {
+    if (sync != v1::KFAC_REPLICA_SYNC_AUTO) k->set_replica_sync(sync);
+    if (sync == v1::KFAC_REPLICA_SYNC_FACTORS) k->set_max_granule_ms(0.01);
+  });
   // AUTO is the default for replicated stages.
   ASSERT_EQ(spec.optimizer().kfac().replica_sync(), sync);
   ASSERT_EQ(spec.optimizer().kfac().sync_factors(), sync == v1::KFAC_REPLICA_SYNC_FACTORS);
@@ -359,9 +357,9 @@ TEST_F(TrainingTest, CancelStopsTheJobWithinSeconds) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
-  ASSERT_TRUE(Eventually(
-      [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 2; },
-      absl::Seconds(60)));
+  ASSERT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 2; },
+                 absl::Seconds(60)));
   std::string out;
   ASSERT_EQ(Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "cancel",
                  submitted.id()},
@@ -394,9 +392,9 @@ TEST_F(TrainingTest, KilledWorkerFailsTheJobNamingIt) {
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 3, WorkerFlags());
   const v1::Job submitted = Submit(c.grpc_port, spec);
-  ASSERT_TRUE(Eventually(
-      [&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 1; },
-      absl::Seconds(60)));
+  ASSERT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, submitted.id()).progress().iteration() >= 1; },
+                 absl::Seconds(60)));
   workers[1].process->Signal(SIGKILL);
   v1::Job job;
   EXPECT_TRUE(Eventually(
@@ -461,8 +459,7 @@ TEST_F(TrainingTest, DuplicatedOrMissingMicrobatchFailsTheJob) {
     Daemon stage = StartWorker(c.grpc_port, "s1", WorkerFlags());
     spec.mutable_pipeline()->add_assignment()->add_nodes(data.id);
     spec.mutable_pipeline()->add_assignment()->add_nodes(stage.id);
-    const v1::Job job =
-        AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
+    const v1::Job job = AwaitFailureOrSuccess(c.grpc_port, Submit(c.grpc_port, spec).id());
     EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
     EXPECT_THAT(job.message(), HasSubstr(f.expect));
   }
@@ -510,10 +507,10 @@ TEST_F(TrainingTest, PreparedSubwordDatasetTrainsAndAShortVocabularyFails) {
   // validation split by default and refuses text tokenised otherwise.
   ASSERT_FALSE(job.last_checkpoint().empty());
   std::string out;
-  EXPECT_EQ(Run({Bin("tools/detour_eval/detour-eval"), "--checkpoint", job.last_checkpoint(),
-                 "--json"},
-                &out, absl::Seconds(60)),
-            0)
+  EXPECT_EQ(
+      Run({Bin("tools/detour_eval/detour-eval"), "--checkpoint", job.last_checkpoint(), "--json"},
+          &out, absl::Seconds(60)),
+      0)
       << out;
   EXPECT_THAT(out, HasSubstr("the checkpoint's data: shards"));
   EXPECT_THAT(out, HasSubstr("\"perplexity\""));

@@ -16,8 +16,7 @@ void Check(bool ok) {
   if (!ok) std::abort();
 }
 
-bool Same(const detour::model::CheckpointManifest& a,
-          const detour::model::CheckpointManifest& b) {
+bool Same(const detour::model::CheckpointManifest& a, const detour::model::CheckpointManifest& b) {
   if (a.iteration != b.iteration || a.num_stages != b.num_stages ||
       a.replicas_per_stage != b.replicas_per_stage || a.seed != b.seed ||
       a.rng_state != b.rng_state || a.model.DebugString() != b.model.DebugString() ||
@@ -28,8 +27,8 @@ bool Same(const detour::model::CheckpointManifest& a,
   for (size_t i = 0; i < a.stages.size(); ++i) {
     const auto& x = a.stages[i];
     const auto& y = b.stages[i];
-    if (x.stage != y.stage || x.file != y.file || !(x.layers == y.layers) ||
-        x.bytes != y.bytes || x.checksum != y.checksum) {
+    if (x.stage != y.stage || x.file != y.file || !(x.layers == y.layers) || x.bytes != y.bytes ||
+        x.checksum != y.checksum) {
       return false;
     }
   }

@@ -51,8 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     ::shutdown(fds[1], SHUT_WR);
     char sink[4096];
-    while (::recv(fds[1], sink, sizeof(sink), 0) > 0) {
-    }
+    while (::recv(fds[1], sink, sizeof(sink), 0) > 0) {}
     ::close(fds[1]);
   });
   DiscardingSink sink;

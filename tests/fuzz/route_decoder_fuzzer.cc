@@ -41,8 +41,10 @@ const Fixture& GetFixture() {
     p->set_skip_ratio(0.33);
     p->set_max_swaps(1);
     auto spec = *detour::NormalizeJobSpec(job);
-    auto* fixture = new Fixture{*detour::sim::CostModel::Create(*detour::NormalizeClusterSpec(c), spec),
-                                detour::planner::RulesFromPipeline(spec.pipeline()), {}};
+    auto* fixture =
+        new Fixture{*detour::sim::CostModel::Create(*detour::NormalizeClusterSpec(c), spec),
+                    detour::planner::RulesFromPipeline(spec.pipeline()),
+                    {}};
     fixture->assignment.stage_nodes = {{0, 1}, {2, 3}, {4, 5}};
     return fixture;
   }();

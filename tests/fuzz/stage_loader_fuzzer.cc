@@ -43,8 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string dir = [] {
     at::set_num_threads(1);
     const std::string d =
-        (fs::temp_directory_path() / ("detour-fuzz-stage-" + std::to_string(::getpid())))
-            .string();
+        (fs::temp_directory_path() / ("detour-fuzz-stage-" + std::to_string(::getpid()))).string();
     fs::create_directories(d);
     return d;
   }();

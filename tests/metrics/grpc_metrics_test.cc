@@ -37,9 +37,7 @@ class MetricsGrpcTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ServerMetricsInterceptorFactory>> factory =
         ServerMetricsInterceptorFactory::Create(&registry_, std::move(options));
     ASSERT_TRUE(factory.ok()) << factory.status();
-    std::vector<std::unique_ptr<
-        grpc::experimental::ServerInterceptorFactoryInterface>>
-        creators;
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back(*std::move(factory));
     grpc::ServerBuilder builder;
     // Answers every unknown method with UNIMPLEMENTED, as a generic service
@@ -55,15 +53,13 @@ class MetricsGrpcTest : public ::testing::Test {
 
   void TearDown() override {
     if (server_ != nullptr) {
-      server_->Shutdown(std::chrono::system_clock::now() +
-                        std::chrono::seconds(2));
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     }
   }
 
   grpc::Status Check(const std::string& service) {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(5));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     HealthCheckRequest request;
     request.set_service(service);
     HealthCheckResponse response;
@@ -74,8 +70,7 @@ class MetricsGrpcTest : public ::testing::Test {
   grpc::Status CallGeneric(const std::string& method) {
     grpc::GenericStub stub(channel_);
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(5));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     grpc::Slice empty("");
     grpc::ByteBuffer request(&empty, 1);
     grpc::ByteBuffer response;
@@ -88,8 +83,7 @@ class MetricsGrpcTest : public ::testing::Test {
   // Waits until the exposition contains `text` (records of cancelled streams
   // land asynchronously).
   bool WaitForText(const std::string& text) {
-    const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (std::chrono::steady_clock::now() < deadline) {
       if (absl::StrContains(registry_.Serialize(), text)) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -114,30 +108,24 @@ TEST_F(MetricsGrpcTest, CountsUnaryCallsByMethodAndCode) {
   // seen its reply only after the metrics were updated.
   const std::string text = registry_.Serialize();
   EXPECT_THAT(text, HasSubstr("# TYPE detour_rpc_server_handled_total counter\n"));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat(
-                        "detour_rpc_server_handled_total{method=\"", kCheck,
-                        "\",code=\"NOT_FOUND\"} 1\n"
-                        "detour_rpc_server_handled_total{method=\"",
-                        kCheck, "\",code=\"OK\"} 2\n")));
-  EXPECT_THAT(text,
-              HasSubstr("# TYPE detour_rpc_server_handling_seconds histogram\n"));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat(
-                        "detour_rpc_server_handling_seconds_bucket{method=\"",
-                        kCheck, "\",le=\"+Inf\"} 3\n")));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat(
-                        "detour_rpc_server_handling_seconds_count{method=\"",
-                        kCheck, "\"} 3\n")));
-  EXPECT_THAT(text, HasSubstr(absl::StrCat(
-                        "detour_rpc_server_handling_seconds_bucket{method=\"",
-                        kCheck, "\",le=\"60\"} 3\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("detour_rpc_server_handled_total{method=\"", kCheck,
+                                           "\",code=\"NOT_FOUND\"} 1\n"
+                                           "detour_rpc_server_handled_total{method=\"",
+                                           kCheck, "\",code=\"OK\"} 2\n")));
+  EXPECT_THAT(text, HasSubstr("# TYPE detour_rpc_server_handling_seconds histogram\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("detour_rpc_server_handling_seconds_bucket{method=\"",
+                                           kCheck, "\",le=\"+Inf\"} 3\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("detour_rpc_server_handling_seconds_count{method=\"",
+                                           kCheck, "\"} 3\n")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("detour_rpc_server_handling_seconds_bucket{method=\"",
+                                           kCheck, "\",le=\"60\"} 3\n")));
 }
 
 TEST_F(MetricsGrpcTest, CancelledStreamIsCountedOnceAtItsEnd) {
   StartServer({});
   grpc::ClientContext context;
   HealthCheckRequest request;
-  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader =
-      stub_->Watch(&context, request);
+  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader = stub_->Watch(&context, request);
   HealthCheckResponse response;
   ASSERT_TRUE(reader->Read(&response));
   EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
@@ -145,33 +133,30 @@ TEST_F(MetricsGrpcTest, CancelledStreamIsCountedOnceAtItsEnd) {
   EXPECT_THAT(registry_.Serialize(), Not(HasSubstr("Health/Watch")));
   context.TryCancel();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(WaitForText(
-      "detour_rpc_server_handled_total{method=\"/grpc.health.v1.Health/"
-      "Watch\",code=\"CANCELLED\"} 1\n"))
+  EXPECT_TRUE(
+      WaitForText("detour_rpc_server_handled_total{method=\"/grpc.health.v1.Health/"
+                  "Watch\",code=\"CANCELLED\"} 1\n"))
       << registry_.Serialize();
-  EXPECT_THAT(registry_.Serialize(),
-              HasSubstr("detour_rpc_server_handling_seconds_count{method=\"/"
-                        "grpc.health.v1.Health/Watch\"} 1\n"));
+  EXPECT_THAT(registry_.Serialize(), HasSubstr("detour_rpc_server_handling_seconds_count{method=\"/"
+                                               "grpc.health.v1.Health/Watch\"} 1\n"));
 }
 
 TEST_F(MetricsGrpcTest, MethodsOutsideTheAllowListAreLabelledOther) {
-  absl::StatusOr<std::vector<std::string>> methods =
-      MethodsOfServices({"grpc.health.v1.Health"});
+  absl::StatusOr<std::vector<std::string>> methods = MethodsOfServices({"grpc.health.v1.Health"});
   ASSERT_TRUE(methods.ok()) << methods.status();
-  EXPECT_EQ(*methods, (std::vector<std::string>{
-                          "/grpc.health.v1.Health/Check",
-                          "/grpc.health.v1.Health/Watch"}));
+  EXPECT_EQ(*methods, (std::vector<std::string>{"/grpc.health.v1.Health/Check",
+                                                "/grpc.health.v1.Health/Watch"}));
   ServerMetricsInterceptorFactory::Options options;
   options.methods = {"/grpc.health.v1.Health/Watch"};  // Check not allowed
   StartServer(options);
   ASSERT_TRUE(Check("").ok());
-  ASSERT_EQ(CallGeneric("/made.up.Service/Anything").error_code(),
-            grpc::StatusCode::UNIMPLEMENTED);
+  ASSERT_EQ(CallGeneric("/made.up.Service/Anything").error_code(), grpc::StatusCode::UNIMPLEMENTED);
   const std::string text = registry_.Serialize();
   EXPECT_THAT(text, HasSubstr("detour_rpc_server_handled_total{method=\"other\","
                               "code=\"OK\"} 1\n"));
-  EXPECT_TRUE(WaitForText("detour_rpc_server_handled_total{method=\"other\","
-                          "code=\"UNIMPLEMENTED\"} 1\n"))
+  EXPECT_TRUE(
+      WaitForText("detour_rpc_server_handled_total{method=\"other\","
+                  "code=\"UNIMPLEMENTED\"} 1\n"))
       << registry_.Serialize();
   EXPECT_THAT(registry_.Serialize(), Not(HasSubstr(kCheck)));
   EXPECT_THAT(registry_.Serialize(), Not(HasSubstr("made.up")));
@@ -195,19 +180,15 @@ TEST_F(MetricsGrpcTest, DistinctMethodLabelsAreCapped) {
 
 TEST(MetricsGrpcHelpersTest, StatusCodeNames) {
   EXPECT_EQ(StatusCodeName(grpc::StatusCode::OK), "OK");
-  EXPECT_EQ(StatusCodeName(grpc::StatusCode::DEADLINE_EXCEEDED),
-            "DEADLINE_EXCEEDED");
-  EXPECT_EQ(StatusCodeName(grpc::StatusCode::UNAUTHENTICATED),
-            "UNAUTHENTICATED");
+  EXPECT_EQ(StatusCodeName(grpc::StatusCode::DEADLINE_EXCEEDED), "DEADLINE_EXCEEDED");
+  EXPECT_EQ(StatusCodeName(grpc::StatusCode::UNAUTHENTICATED), "UNAUTHENTICATED");
   // An unassigned code within the enum's range (values beyond it, like 99,
   // are undefined behaviour for grpc::StatusCode; UBSan catches them).
-  EXPECT_EQ(StatusCodeName(static_cast<grpc::StatusCode>(20)),
-            "UNKNOWN_CODE_20");
+  EXPECT_EQ(StatusCodeName(static_cast<grpc::StatusCode>(20)), "UNKNOWN_CODE_20");
 }
 
 TEST(MetricsGrpcHelpersTest, UnknownServiceIsNotFound) {
-  EXPECT_EQ(MethodsOfServices({"no.such.Service"}).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(MethodsOfServices({"no.such.Service"}).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(MetricsGrpcHelpersTest, ConflictingFamilyIsReported) {

@@ -32,8 +32,7 @@ struct HttpResponse {
 };
 
 // A minimal HTTP/1.0 client: one request per connection, read to EOF.
-HttpResponse HttpRequest(int port, const std::string& method,
-                         const std::string& path) {
+HttpResponse HttpRequest(int port, const std::string& method, const std::string& path) {
   HttpResponse response;
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return response;
@@ -50,8 +49,7 @@ HttpResponse HttpRequest(int port, const std::string& method,
   }
   const std::string request =
       absl::StrCat(method, " ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (send(fd, request.data(), request.size(), 0) !=
-      static_cast<ssize_t>(request.size())) {
+  if (send(fd, request.data(), request.size(), 0) != static_cast<ssize_t>(request.size())) {
     close(fd);
     return response;
   }
@@ -64,28 +62,23 @@ HttpResponse HttpRequest(int port, const std::string& method,
   const size_t header_end = raw.find("\r\n\r\n");
   if (header_end == std::string::npos) return response;
   response.body = raw.substr(header_end + 4);
-  std::vector<std::string> lines =
-      absl::StrSplit(raw.substr(0, header_end), "\r\n");
+  std::vector<std::string> lines = absl::StrSplit(raw.substr(0, header_end), "\r\n");
   // "HTTP/1.1 200 OK"
   std::vector<std::string> status_line = absl::StrSplit(lines[0], ' ');
-  if (status_line.size() < 2 ||
-      !absl::SimpleAtoi(status_line[1], &response.status)) {
+  if (status_line.size() < 2 || !absl::SimpleAtoi(status_line[1], &response.status)) {
     response.status = -1;
   }
   for (size_t i = 1; i < lines.size(); ++i) {
     const size_t colon = lines[i].find(':');
     if (colon == std::string::npos) continue;
     if (absl::AsciiStrToLower(lines[i].substr(0, colon)) == "content-type") {
-      response.content_type =
-          std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
+      response.content_type = std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
     }
   }
   return response;
 }
 
-HttpResponse HttpGet(int port, const std::string& path) {
-  return HttpRequest(port, "GET", path);
-}
+HttpResponse HttpGet(int port, const std::string& path) { return HttpRequest(port, "GET", path); }
 
 TEST(MetricsHttpServerTest, ServesMetricsOnEphemeralPort) {
   Registry registry;
@@ -104,8 +97,7 @@ TEST(MetricsHttpServerTest, ServesMetricsOnEphemeralPort) {
   EXPECT_EQ(response.content_type, kExpositionContentType);
   // The scrape counts itself before rendering, and nothing has changed since.
   EXPECT_EQ(response.body, registry.Serialize());
-  EXPECT_THAT(response.body,
-              HasSubstr("detour_demo_total{kind=\"a\\\"b\"} 1\n"));
+  EXPECT_THAT(response.body, HasSubstr("detour_demo_total{kind=\"a\\\"b\"} 1\n"));
   EXPECT_THAT(response.body, HasSubstr("detour_metrics_scrapes_total 1\n"));
 
   const HttpResponse second = HttpGet(server.port(), "/metrics?x=1");
@@ -122,8 +114,7 @@ TEST(MetricsHttpServerTest, HealthzAndUnknownPaths) {
   EXPECT_EQ(health.status, 200);
   EXPECT_EQ(health.body, "ok");
 
-  for (const char* path : {"/", "/metricsx", "/metrics/extra", "/index.html",
-                           "/../etc/passwd"}) {
+  for (const char* path : {"/", "/metricsx", "/metrics/extra", "/index.html", "/../etc/passwd"}) {
     EXPECT_EQ(HttpGet(server.port(), path).status, 404) << path;
   }
   EXPECT_EQ(HttpRequest(server.port(), "POST", "/metrics").status, 405);
@@ -132,8 +123,7 @@ TEST(MetricsHttpServerTest, HealthzAndUnknownPaths) {
   EXPECT_EQ(head.body, "");
   // HEAD renders the registry (for Content-Length), so it counts as a
   // scrape; the 404s and the 405 do not.
-  EXPECT_THAT(registry.Serialize(),
-              HasSubstr("detour_metrics_scrapes_total 1\n"));
+  EXPECT_THAT(registry.Serialize(), HasSubstr("detour_metrics_scrapes_total 1\n"));
 }
 
 TEST(MetricsHttpServerTest, ServesAddedHandlersOnly) {
@@ -141,10 +131,11 @@ TEST(MetricsHttpServerTest, ServesAddedHandlersOnly) {
   MetricsHttpServer server(&registry);
   int calls = 0;
   ASSERT_TRUE(server
-                  .AddHandler("/sd", [&calls] {
-                    ++calls;
-                    return MetricsHttpServer::Response{"application/json", "[]"};
-                  })
+                  .AddHandler("/sd",
+                              [&calls] {
+                                ++calls;
+                                return MetricsHttpServer::Response{"application/json", "[]"};
+                              })
                   .ok());
   EXPECT_EQ(server.AddHandler("/sd", [] { return MetricsHttpServer::Response{}; }).code(),
             absl::StatusCode::kAlreadyExists);
@@ -176,12 +167,14 @@ TEST(MetricsHttpServerTest, ServesAddedHandlersOnly) {
 TEST(MetricsHttpServerTest, AHandlerSeesTheBoundPort) {
   Registry registry;
   MetricsHttpServer server(&registry);
-  ASSERT_TRUE(server
-                  .AddHandler("/port", [&server] {
-                    return MetricsHttpServer::Response{"text/plain",
-                                                       std::to_string(server.port())};
-                  })
-                  .ok());
+  ASSERT_TRUE(
+      server
+          .AddHandler(
+              "/port",
+              [&server] {
+                return MetricsHttpServer::Response{"text/plain", std::to_string(server.port())};
+              })
+          .ok());
   ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
   for (int i = 0; i < 3; ++i) {
     const HttpResponse r = HttpGet(server.port(), "/port");
@@ -224,12 +217,10 @@ TEST(MetricsHttpServerTest, BusyPortGivesClearErrorAndNoNoise) {
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   address.sin_port = 0;
-  ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
-            0);
+  ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
   ASSERT_EQ(listen(holder, 1), 0);
   socklen_t length = sizeof(address);
-  ASSERT_EQ(getsockname(holder, reinterpret_cast<sockaddr*>(&address), &length),
-            0);
+  ASSERT_EQ(getsockname(holder, reinterpret_cast<sockaddr*>(&address), &length), 0);
   const int busy_port = ntohs(address.sin_port);
 
   Registry registry;
@@ -242,8 +233,8 @@ TEST(MetricsHttpServerTest, BusyPortGivesClearErrorAndNoNoise) {
   close(holder);
 
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(status.message(), absl::StrCat("metrics port ", busy_port,
-                                           " on 127.0.0.1 is already in use"));
+  EXPECT_EQ(status.message(),
+            absl::StrCat("metrics port ", busy_port, " on 127.0.0.1 is already in use"));
   EXPECT_EQ(out, "");
   EXPECT_EQ(err, "");
   EXPECT_EQ(server.port(), 0);
@@ -254,17 +245,12 @@ TEST(MetricsHttpServerTest, BusyPortGivesClearErrorAndNoNoise) {
 TEST(MetricsHttpServerTest, RejectsBadArgumentsAndDoubleStart) {
   Registry registry;
   MetricsHttpServer server(&registry);
-  EXPECT_EQ(server.Start("localhost:80", 0).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.Start("not an address", 0).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.Start("127.0.0.1", 70000).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.Start("127.0.0.1", -1).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("localhost:80", 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("not an address", 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("127.0.0.1", 70000).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.Start("127.0.0.1", -1).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(server.Start("127.0.0.1", 0).ok());
-  EXPECT_EQ(server.Start("127.0.0.1", 0).code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(server.Start("127.0.0.1", 0).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(MetricsHttpServerTest, Ipv6IsServedOrClearlyRefused) {

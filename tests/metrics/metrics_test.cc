@@ -27,9 +27,8 @@ T Must(absl::StatusOr<T> value) {
 
 TEST(MetricsRegistryTest, CounterTextIsExactAndSortedByLabelValues) {
   Registry registry;
-  CounterFamily* requests = Must(
-      registry.AddCounter("detour_requests", "Requests served.",
-                          {"method", "code"}));
+  CounterFamily* requests =
+      Must(registry.AddCounter("detour_requests", "Requests served.", {"method", "code"}));
   // Created out of order: the text is sorted by label values.
   ASSERT_TRUE(Must(requests->WithLabels({"POST", "500"}))->IncrementBy(2.5).ok());
   Counter* get_ok = Must(requests->WithLabels({"GET", "200"}));
@@ -48,8 +47,7 @@ TEST(MetricsRegistryTest, CounterTextIsExactAndSortedByLabelValues) {
 
 TEST(MetricsRegistryTest, CounterNameAlreadyEndingInTotalIsKept) {
   Registry registry;
-  CounterFamily* family =
-      Must(registry.AddCounter("detour_bytes_sent_total", "Bytes sent."));
+  CounterFamily* family = Must(registry.AddCounter("detour_bytes_sent_total", "Bytes sent."));
   EXPECT_EQ(family->name(), "detour_bytes_sent_total");
   ASSERT_TRUE(Must(family->WithLabels({}))->IncrementBy(1024).ok());
   EXPECT_EQ(registry.Serialize(),
@@ -60,15 +58,13 @@ TEST(MetricsRegistryTest, CounterNameAlreadyEndingInTotalIsKept) {
 
 TEST(MetricsRegistryTest, GaugeTextIsExact) {
   Registry registry;
-  Gauge* depth = Must(Must(registry.AddGauge("detour_queue_depth",
-                                             "Frames waiting."))
-                          ->WithLabels({}));
+  Gauge* depth =
+      Must(Must(registry.AddGauge("detour_queue_depth", "Frames waiting."))->WithLabels({}));
   depth->Set(10);
   depth->Increment();
   depth->Decrement(12.5);
-  GaugeFamily* temps = Must(
-      registry.AddGauge("detour_gpu_temperature_celsius", "GPU temperature.",
-                        {"gpu"}));
+  GaugeFamily* temps =
+      Must(registry.AddGauge("detour_gpu_temperature_celsius", "GPU temperature.", {"gpu"}));
   Must(temps->WithLabels({"1"}))->Set(-std::numeric_limits<double>::infinity());
   Must(temps->WithLabels({"0"}))->Set(std::numeric_limits<double>::infinity());
   Must(temps->WithLabels({"2"}))->Set(std::numeric_limits<double>::quiet_NaN());
@@ -86,8 +82,8 @@ TEST(MetricsRegistryTest, GaugeTextIsExact) {
 
 TEST(MetricsRegistryTest, HistogramBucketsAreCumulativeWithInf) {
   Registry registry;
-  HistogramFamily* family = Must(registry.AddHistogram(
-      "detour_step_seconds", "Step time.", {0.125, 1, 10}, {"stage"}));
+  HistogramFamily* family =
+      Must(registry.AddHistogram("detour_step_seconds", "Step time.", {0.125, 1, 10}, {"stage"}));
   Histogram* stage0 = Must(family->WithLabels({"0"}));
   stage0->Observe(0.0625);
   stage0->Observe(0.125);  // on the bound: counts in le="0.125"
@@ -194,19 +190,16 @@ TEST(MetricsRegistryTest, RejectsInvalidMetricNames) {
 TEST(MetricsRegistryTest, RejectsInvalidLabelNames) {
   Registry registry;
   for (const char* label : {"", "__reserved", "1a", "a-b", "a:b"}) {
-    absl::StatusOr<CounterFamily*> family =
-        registry.AddCounter("c", "help", {label});
+    absl::StatusOr<CounterFamily*> family = registry.AddCounter("c", "help", {label});
     ASSERT_FALSE(family.ok()) << label;
     EXPECT_EQ(family.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(family.status().message(), HasSubstr("label name")) << label;
   }
-  absl::StatusOr<CounterFamily*> duplicate =
-      registry.AddCounter("c", "help", {"a", "a"});
+  absl::StatusOr<CounterFamily*> duplicate = registry.AddCounter("c", "help", {"a", "a"});
   ASSERT_FALSE(duplicate.ok());
   EXPECT_THAT(duplicate.status().message(), HasSubstr("appears twice"));
 
-  absl::StatusOr<HistogramFamily*> le =
-      registry.AddHistogram("h", "help", {1}, {"le"});
+  absl::StatusOr<HistogramFamily*> le = registry.AddHistogram("h", "help", {1}, {"le"});
   ASSERT_FALSE(le.ok());
   EXPECT_EQ(le.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(le.status().message(), HasSubstr("\"le\" is reserved"));
@@ -240,10 +233,9 @@ TEST(MetricsRegistryTest, RejectsBadBuckets) {
   Registry registry;
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (const std::vector<double>& bounds : std::vector<std::vector<double>>{
-           {1, 1}, {2, 1}, {1, inf}, {nan}, {-inf, 0}}) {
-    absl::StatusOr<HistogramFamily*> family =
-        registry.AddHistogram("h", "help", bounds);
+  for (const std::vector<double>& bounds :
+       std::vector<std::vector<double>>{{1, 1}, {2, 1}, {1, inf}, {nan}, {-inf, 0}}) {
+    absl::StatusOr<HistogramFamily*> family = registry.AddHistogram("h", "help", bounds);
     ASSERT_FALSE(family.ok());
     EXPECT_EQ(family.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(family.status().message(), HasSubstr("histogram h"));
@@ -267,8 +259,7 @@ TEST(MetricsRegistryTest, RejectsConflictingRegistrations) {
             "metric x_total is already registered as a counter; cannot "
             "register it as a gauge");
 
-  absl::StatusOr<CounterFamily*> other_labels =
-      registry.AddCounter("x", "help", {"b"});
+  absl::StatusOr<CounterFamily*> other_labels = registry.AddCounter("x", "help", {"b"});
   ASSERT_FALSE(other_labels.ok());
   EXPECT_EQ(other_labels.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(other_labels.status().message(), HasSubstr("labels (a)"));
@@ -289,8 +280,7 @@ TEST(MetricsRegistryTest, RejectsConflictingRegistrations) {
 
 TEST(MetricsRegistryTest, CounterRejectsNegativeAndNaNIncrements) {
   Registry registry;
-  Counter* counter =
-      Must(Must(registry.AddCounter("c", "help"))->WithLabels({}));
+  Counter* counter = Must(Must(registry.AddCounter("c", "help"))->WithLabels({}));
   ASSERT_TRUE(counter->IncrementBy(2).ok());
   absl::Status negative = counter->IncrementBy(-1);
   EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
@@ -318,8 +308,7 @@ TEST(MetricsRegistryTest, RemovedSeriesLeaveTheExpositionAndFreeTheirSlot) {
   EXPECT_EQ(family->size(), 2u);
   ASSERT_TRUE(family->Remove({"a"}).ok());
   EXPECT_EQ(family->size(), 1u);
-  EXPECT_EQ(registry.Serialize(),
-            "# HELP g help\n# TYPE g gauge\ng{job_id=\"b\"} 2\n");
+  EXPECT_EQ(registry.Serialize(), "# HELP g help\n# TYPE g gauge\ng{job_id=\"b\"} 2\n");
   // The slot is free again for a new value, and "a" comes back at 0.
   EXPECT_TRUE(family->WithLabels({"c"}).ok());
   EXPECT_FALSE(family->WithLabels({"a"}).ok());  // limit 2: b and c
@@ -340,14 +329,11 @@ TEST(MetricsRegistryTest, RemovedSeriesLeaveTheExpositionAndFreeTheirSlot) {
 TEST(MetricsRegistryTest, CallbackMetricsAreEvaluatedAtScrape) {
   Registry registry;
   double queued = 3;
-  ASSERT_TRUE(registry
-                  .AddCallbackGauge("detour_outbox_frames", "Frames queued.",
-                                    [&queued] { return queued; })
-                  .ok());
-  ASSERT_TRUE(registry
-                  .AddCallbackCounter("detour_ticks", "Ticks.",
-                                      [] { return 7.0; })
-                  .ok());
+  ASSERT_TRUE(
+      registry
+          .AddCallbackGauge("detour_outbox_frames", "Frames queued.", [&queued] { return queued; })
+          .ok());
+  ASSERT_TRUE(registry.AddCallbackCounter("detour_ticks", "Ticks.", [] { return 7.0; }).ok());
   EXPECT_EQ(registry.Serialize(),
             "# HELP detour_outbox_frames Frames queued.\n"
             "# TYPE detour_outbox_frames gauge\n"
@@ -358,9 +344,7 @@ TEST(MetricsRegistryTest, CallbackMetricsAreEvaluatedAtScrape) {
   queued = 5;
   EXPECT_THAT(registry.Serialize(), HasSubstr("detour_outbox_frames 5\n"));
 
-  EXPECT_EQ(registry.AddCallbackGauge("detour_outbox_frames", "x", [] {
-                      return 1.0;
-                    }).code(),
+  EXPECT_EQ(registry.AddCallbackGauge("detour_outbox_frames", "x", [] { return 1.0; }).code(),
             absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(registry.AddGauge("detour_outbox_frames", "x").status().code(),
             absl::StatusCode::kAlreadyExists);
@@ -368,20 +352,17 @@ TEST(MetricsRegistryTest, CallbackMetricsAreEvaluatedAtScrape) {
             absl::StatusCode::kInvalidArgument);
 
   ASSERT_TRUE(registry.RemoveCallback("detour_outbox_frames").ok());
-  EXPECT_EQ(registry.RemoveCallback("detour_outbox_frames").code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.RemoveCallback("detour_outbox_frames").code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(absl::StrContains(registry.Serialize(), "outbox"));
   Must(registry.AddGauge("plain", "x"));
-  EXPECT_EQ(registry.RemoveCallback("plain").code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.RemoveCallback("plain").code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(MetricsRegistryTest, ConcurrentUpdatesSumExactly) {
   Registry registry;
   CounterFamily* counters = Must(registry.AddCounter("c", "help", {"k"}));
   GaugeFamily* gauges = Must(registry.AddGauge("g", "help", {"k"}));
-  HistogramFamily* histograms =
-      Must(registry.AddHistogram("h", "help", {0.5, 1.5}, {"k"}));
+  HistogramFamily* histograms = Must(registry.AddHistogram("h", "help", {0.5, 1.5}, {"k"}));
   constexpr int kThreads = 8;
   constexpr int kIterations = 50000;
   std::vector<std::thread> threads;
@@ -408,12 +389,10 @@ TEST(MetricsRegistryTest, ConcurrentUpdatesSumExactly) {
   constexpr double kTotal = static_cast<double>(kThreads) * kIterations;
   EXPECT_EQ(Must(counters->WithLabels({"shared"}))->Value(), kTotal);
   EXPECT_EQ(Must(gauges->WithLabels({"shared"}))->Value(), kTotal);
-  Histogram::Snapshot snapshot =
-      Must(histograms->WithLabels({"shared"}))->GetSnapshot();
+  Histogram::Snapshot snapshot = Must(histograms->WithLabels({"shared"}))->GetSnapshot();
   EXPECT_EQ(snapshot.count, kThreads * kIterations);
   EXPECT_EQ(snapshot.cumulative_counts,
-            (std::vector<uint64_t>{kThreads * kIterations / 2,
-                                   kThreads * kIterations,
+            (std::vector<uint64_t>{kThreads * kIterations / 2, kThreads * kIterations,
                                    kThreads * kIterations}));
   EXPECT_EQ(snapshot.sum, kTotal / 2);
   EXPECT_EQ(Must(counters->WithLabels({"thread0"}))->Value(), kIterations / 10000);

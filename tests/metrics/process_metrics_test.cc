@@ -21,8 +21,7 @@ double SampleValue(const std::string& text, absl::string_view name) {
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     std::vector<absl::string_view> parts = absl::StrSplit(line, ' ');
     double value;
-    if (parts.size() == 2 && parts[0] == name &&
-        absl::SimpleAtod(parts[1], &value)) {
+    if (parts.size() == 2 && parts[0] == name && absl::SimpleAtod(parts[1], &value)) {
       return value;
     }
   }
@@ -45,11 +44,9 @@ TEST(MetricsProcessTest, ExposesPlausibleProcessMetrics) {
   EXPECT_GT(resident, 1 << 20);
   EXPECT_GE(SampleValue(text, "process_virtual_memory_bytes"), resident);
   EXPECT_GE(SampleValue(text, "process_open_fds"), 3);  // stdin/out/err
-  EXPECT_GE(SampleValue(text, "process_max_fds"),
-            SampleValue(text, "process_open_fds"));
-  const double now = std::chrono::duration<double>(
-                         std::chrono::system_clock::now().time_since_epoch())
-                         .count();
+  EXPECT_GE(SampleValue(text, "process_max_fds"), SampleValue(text, "process_open_fds"));
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const double start = SampleValue(text, "process_start_time_seconds");
   EXPECT_LE(start, now + 1);
   EXPECT_GT(start, now - 600);  // this test binary started moments ago
@@ -58,8 +55,7 @@ TEST(MetricsProcessTest, ExposesPlausibleProcessMetrics) {
 TEST(MetricsProcessTest, SecondRegistrationIsRefused) {
   Registry registry;
   ASSERT_TRUE(RegisterProcessMetrics(registry).ok());
-  EXPECT_EQ(RegisterProcessMetrics(registry).code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(RegisterProcessMetrics(registry).code(), absl::StatusCode::kAlreadyExists);
 }
 
 TEST(MetricsProcessTest, BuildInfoIsAConstantGauge) {
@@ -67,9 +63,8 @@ TEST(MetricsProcessTest, BuildInfoIsAConstantGauge) {
   ASSERT_TRUE(RegisterBuildInfo(registry, "coordinator", "0.1.0", "c948df0").ok());
   const std::string text = registry.Serialize();
   EXPECT_THAT(text, HasSubstr("# TYPE detour_build_info gauge\n"));
-  EXPECT_THAT(text,
-              HasSubstr("detour_build_info{component=\"coordinator\","
-                        "version=\"0.1.0\",revision=\"c948df0\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("detour_build_info{component=\"coordinator\","
+                              "version=\"0.1.0\",revision=\"c948df0\"} 1\n"));
 }
 
 }  // namespace

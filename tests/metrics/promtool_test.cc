@@ -36,8 +36,7 @@ CheckResult RunPromtool(const std::string& text) {
   }
   close(fd);
   std::ofstream(path) << text;
-  const std::string command =
-      absl::StrCat(kPromtool, " check metrics < ", path, " 2>&1");
+  const std::string command = absl::StrCat(kPromtool, " check metrics < ", path, " 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) {
     result.output = "popen failed";
@@ -74,17 +73,15 @@ TEST(MetricsPromtoolTest, RichRegistryPassesPromtool) {
                                 .value();
   requests->WithLabels({"GET", "200"}).value()->Increment();
   ASSERT_TRUE(requests->WithLabels({"POST", "500"}).value()->IncrementBy(3.5).ok());
-  GaugeFamily* paths =
-      registry.AddGauge("detour_path_bytes", "Bytes per path.", {"path"}).value();
+  GaugeFamily* paths = registry.AddGauge("detour_path_bytes", "Bytes per path.", {"path"}).value();
   paths->WithLabels({"C:\\tmp \"quoted\"\nnewline"}).value()->Set(1e20);
   paths->WithLabels({"unicode \xe2\x9c\x93"}).value()->Set(-0.25);
   paths->WithLabels({"inf"}).value()->Set(std::numeric_limits<double>::infinity());
   paths->WithLabels({"nan"}).value()->Set(std::numeric_limits<double>::quiet_NaN());
-  HistogramFamily* latency =
-      registry
-          .AddHistogram("detour_rpc_latency_seconds", "RPC latency.",
-                        DefaultLatencyBuckets(), {"method", "stage"})
-          .value();
+  HistogramFamily* latency = registry
+                                 .AddHistogram("detour_rpc_latency_seconds", "RPC latency.",
+                                               DefaultLatencyBuckets(), {"method", "stage"})
+                                 .value();
   Histogram* h = latency->WithLabels({"/detour.v1.JobService/Get", "0"}).value();
   for (double v : {0.0001, 0.003, 0.2, 7.0, 120.0}) h->Observe(v);
   latency->WithLabels({"/detour.v1.JobService/List", "1"}).value();
@@ -98,17 +95,15 @@ TEST(MetricsPromtoolTest, RichRegistryPassesPromtool) {
 
   const std::string text = registry.Serialize();
   const CheckResult result = RunPromtool(text);
-  EXPECT_EQ(result.exit_code, 0) << "promtool says:\n"
-                                 << result.output << "\nfor input:\n"
-                                 << text;
+  EXPECT_EQ(result.exit_code, 0) << "promtool says:\n" << result.output << "\nfor input:\n" << text;
   EXPECT_EQ(result.output, "") << "promtool lint findings for:\n" << text;
 }
 
 // The check above is only meaningful if promtool rejects broken input.
 TEST(MetricsPromtoolTest, PromtoolRejectsBrokenText) {
   if (!PromtoolInstalled()) return;
-  const CheckResult result = RunPromtool(
-      "# TYPE broken_total counter\nbroken_total{label=\"unterminated} 1\n");
+  const CheckResult result =
+      RunPromtool("# TYPE broken_total counter\nbroken_total{label=\"unterminated} 1\n");
   EXPECT_NE(result.exit_code, 0) << result.output;
 }
 

@@ -162,9 +162,8 @@ TEST_F(CheckpointConvertTest, AFailingReaderLeavesNothingAndNamesTheFile) {
   auto m = ConvertV1Checkpoint(old_, new_, options);
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_TRUE(absl::StrContains(m.status().message(),
-                                (fs::path(old_) / "stage-1.pt").string() +
-                                    ": the reader crashed (signal 11)"))
+  EXPECT_TRUE(absl::StrContains(m.status().message(), (fs::path(old_) / "stage-1.pt").string() +
+                                                          ": the reader crashed (signal 11)"))
       << m.status();
   EXPECT_TRUE(NothingLeftBehind());
 }

@@ -86,8 +86,7 @@ TEST(CheckpointManifestTest, RefusesOutOfRangeFieldsByName) {
       {"\"bytes\": 120000", "\"bytes\": 1e30", "stages[1].bytes"},
       {"\"seed\": \"18446744073709551615\"", "\"seed\": \"18446744073709551616\"", "seed"},
       {"\"source\": \"shards\"", "\"source\": \"ftp\"", "data.source"},
-      {"\"validation_fraction\": 0.05", "\"validation_fraction\": 0.9",
-       "data.validation_fraction"},
+      {"\"validation_fraction\": 0.05", "\"validation_fraction\": 0.9", "data.validation_fraction"},
       {"\"path\": \"/srv/data/corpus.ds\"", "\"path\": 7", "data.path"},
   };
   for (const Case& c : cases) {
@@ -97,15 +96,13 @@ TEST(CheckpointManifestTest, RefusesOutOfRangeFieldsByName) {
     auto m = ParseManifest(bad, "dir/manifest.json");
     ASSERT_FALSE(m.ok());
     EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
-    EXPECT_NE(m.status().message().find("dir/manifest.json: "), std::string::npos)
-        << m.status();
+    EXPECT_NE(m.status().message().find("dir/manifest.json: "), std::string::npos) << m.status();
     EXPECT_NE(m.status().message().find(c.field), std::string::npos) << m.status();
   }
   // More stage entries than stages.
   CheckpointManifest three = Example();
   three.stages.push_back(three.stages[1]);
-  EXPECT_EQ(ParseManifest(ManifestJson(three), "m").status().code(),
-            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseManifest(ManifestJson(three), "m").status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(ParseManifest(std::string(2 << 20, ' '), "m").status().code(),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(ParseManifest(absl::StrReplaceAll(good, {{"detour-checkpoint-v2", "v9"}}), "m")

@@ -28,8 +28,8 @@ class CheckpointTest : public ::testing::Test {
   void SetUp() override {
     at::set_num_threads(1);
     // One directory per process: ctest runs tests of this binary in parallel.
-    root_ = fs::path(::testing::TempDir()) /
-            ("detour_checkpoint_test." + std::to_string(::getpid()));
+    root_ =
+        fs::path(::testing::TempDir()) / ("detour_checkpoint_test." + std::to_string(::getpid()));
     fs::remove_all(root_);
     fs::create_directories(root_);
     tokens_ = SplitText(GenerateCorpus(3, 20000), 0.0)->train;
@@ -241,14 +241,12 @@ TEST_F(CheckpointTest, CorruptStageFileBehindAMatchingManifestIsAnError) {
     ASSERT_TRUE(WriteManifest(dir, m).ok());
     auto s = LoadCheckpoint(dir, **b);
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
-    EXPECT_NE(s.status().message().find("is not a step count"), std::string::npos)
-        << s.status();
+    EXPECT_NE(s.status().message().find("is not a step count"), std::string::npos) << s.status();
   }
   for (const auto& [name, t] : Snapshot(**b)) EXPECT_TRUE(at::equal(before.at(name), t)) << name;
   // A v1 checkpoint (LibTorch archives) is refused by name, not read.
-  std::ofstream(fs::path(dir) / "manifest.json", std::ios::trunc)
-      << absl::StrReplaceAll(ManifestJson(*manifest), {{"detour-checkpoint-v2",
-                                                        "detour-checkpoint-v1"}});
+  std::ofstream(fs::path(dir) / "manifest.json", std::ios::trunc) << absl::StrReplaceAll(
+      ManifestJson(*manifest), {{"detour-checkpoint-v2", "detour-checkpoint-v1"}});
   auto old = LoadCheckpoint(dir, **b);
   EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(old.status().message().find("detour-checkpoint-v1"), std::string::npos);

@@ -40,8 +40,7 @@ class EngineTest : public ::testing::Test {
 std::vector<int> LayerOrder(const v1::JobSpec& spec, const v1::Route& route) {
   std::vector<int> order;
   for (uint32_t s : route.stages()) {
-    auto r = StageLayerRange(spec.model().num_layers(),
-                             spec.pipeline().num_stages(), s);
+    auto r = StageLayerRange(spec.model().num_layers(), spec.pipeline().num_stages(), s);
     for (int l = r->begin; l < r->end; ++l) order.push_back(l);
   }
   return order;
@@ -50,10 +49,10 @@ std::vector<int> LayerOrder(const v1::JobSpec& spec, const v1::Route& route) {
 // Reference gradients: for each microbatch, the monolithic model with the
 // route's layer order; per-parameter sums, normalised per layer by the number
 // of microbatches that used it (VISITS) or by the total (TOTAL).
-std::map<std::string, at::Tensor> ReferenceGradients(
-    const v1::JobSpec& spec, Transformer& model,
-    const std::vector<v1::Route>& routes, const std::vector<Microbatch>& mbs,
-    bool visits_mode, double* mean_loss) {
+std::map<std::string, at::Tensor> ReferenceGradients(const v1::JobSpec& spec, Transformer& model,
+                                                     const std::vector<v1::Route>& routes,
+                                                     const std::vector<Microbatch>& mbs,
+                                                     bool visits_mode, double* mean_loss) {
   std::map<std::string, at::Tensor> sum;
   std::map<std::string, int> count;
   double loss_sum = 0;
@@ -77,8 +76,7 @@ std::map<std::string, at::Tensor> ReferenceGradients(
   return sum;
 }
 
-void ExpectGradientsMatch(PipelineEngine& engine,
-                          const std::map<std::string, at::Tensor>& ref) {
+void ExpectGradientsMatch(PipelineEngine& engine, const std::map<std::string, at::Tensor>& ref) {
   size_t seen = 0;
   for (int s = 0; s < engine.num_stages(); ++s) {
     for (const auto& [name, p] : engine.stage(s).Parameters()) {
@@ -196,8 +194,8 @@ TEST_F(EngineTest, GradientNormalizationModes) {
                                    MakeRoute(2, {0, 3}), MakeRoute(3, {0, 2})};
   for (bool visits_mode : {true, false}) {
     v1::JobSpec spec = SmallSpec();
-    spec.mutable_pipeline()->set_grad_normalization(
-        visits_mode ? v1::GRAD_NORM_VISITS : v1::GRAD_NORM_TOTAL);
+    spec.mutable_pipeline()->set_grad_normalization(visits_mode ? v1::GRAD_NORM_VISITS
+                                                                : v1::GRAD_NORM_TOTAL);
     auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
     ASSERT_TRUE(engine.ok());
     auto config = ModelConfigFromShape(spec.model());

@@ -43,7 +43,10 @@ TEST(PerplexityTest, MatchesTheMonolithicModel) {
     for (int t = 0; t < 17; ++t) data[i][t] = s[t];
   }
   c10::NoGradGuard no_grad;
-  struct Case { std::vector<int> route; std::vector<int> layers; };
+  struct Case {
+    std::vector<int> route;
+    std::vector<int> layers;
+  };
   for (const Case& c : std::vector<Case>{{{}, {}}, {{0, 2}, {0, 2}}, {{0, 3, 1}, {0, 3, 1}}}) {
     EvalOptions options;
     options.route = c.route;
@@ -52,8 +55,8 @@ TEST(PerplexityTest, MatchesTheMonolithicModel) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->samples, n);
     EXPECT_EQ(r->tokens, n * 16);
-    const double ref = model->Loss(data.narrow(1, 0, 16), data.narrow(1, 1, 16), c.layers)
-                           .item<double>();
+    const double ref =
+        model->Loss(data.narrow(1, 0, 16), data.narrow(1, 1, 16), c.layers).item<double>();
     EXPECT_NEAR(r->mean_nll, ref, 1e-5);
     EXPECT_NEAR(r->perplexity, std::exp(ref), 1e-3);
   }

@@ -69,7 +69,8 @@ class HfExportTest : public ::testing::Test {
       const bool stage1 = params_[p].ours.rfind("layers.2.", 0) == 0;
       stages[stage1].push_back({params_[p].ours, StageDType::kFloat32, params_[p].shape, data_[p]});
       if (p == 1) {
-        stages[0].push_back({params_[p].ours + ".adam_m", StageDType::kFloat32, params_[p].shape, data_[p]});
+        stages[0].push_back(
+            {params_[p].ours + ".adam_m", StageDType::kFloat32, params_[p].shape, data_[p]});
       }
     }
     for (int s = 0; s < 2; ++s) {
@@ -166,7 +167,8 @@ TEST_F(HfExportTest, NamesWhatIsWrongWithTheCheckpoint) {
   auto s = ExportHfCheckpoint((root_ / "ckpt").string(), (root_ / "hf").string(), {});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("lacks parameter layers.1.w_up (model.layers.1.mlp.up_proj.weight)"),
-            std::string::npos) << s;
+            std::string::npos)
+      << s;
   EXPECT_FALSE(fs::exists(root_ / "hf" / "model.safetensors"));
 
   EXPECT_EQ(ExportHfCheckpoint((root_ / "nothing").string(), (root_ / "hf").string(), {}).code(),
@@ -220,7 +222,8 @@ TEST_F(HfExportTest, ShipsASentencePieceTokenizer) {
   ASSERT_TRUE(WriteFileAtomically(sp, SentencePieceBytes(41, 1, 2)).ok());
   o.overwrite = true;
   auto s = ExportHfCheckpoint((root_ / "ckpt").string(), out, o);
-  EXPECT_NE(s.message().find("41 pieces, more than the model's vocab_size 40"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("41 pieces, more than the model's vocab_size 40"), std::string::npos)
+      << s;
 }
 
 // Without --tokenizer the export ships the tokenizer the checkpoint records;
@@ -298,7 +301,9 @@ TEST(HfLlamaConfigTest, ReadsAForeignConfigWithDefaults) {
   other.ffn_dim = 64;
   auto s = CheckHfConfigMatches(*hf, other, "c.json");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("intermediate_size 32 vs the job's model.ffn_dim 64"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("intermediate_size 32 vs the job's model.ffn_dim 64"),
+            std::string::npos)
+      << s;
   other = SmallConfig();
   other.norm_eps = 1e-5;
   EXPECT_NE(CheckHfConfigMatches(*hf, other, "c.json").message().find("rms_norm_eps"),
@@ -320,7 +325,8 @@ TEST(HfLlamaConfigTest, RefusesModelsWeWouldComputeDifferently) {
   const Case cases[] = {
       {R"("model_type": "mistral")", "model_type is \"mistral\""},
       {R"("model_type": "llama", "hidden_act": "gelu")", "hidden_act"},
-      {R"("model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0})", "rope_scaling"},
+      {R"("model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0})",
+       "rope_scaling"},
       {R"("model_type": "llama", "attention_bias": true)", "attention_bias"},
       {R"("model_type": "llama", "head_dim": 8)", "head_dim"},
       {R"("model_type": "llama", "num_key_value_heads": 3)", "num_kv_heads"},
@@ -335,7 +341,9 @@ TEST(HfLlamaConfigTest, RefusesModelsWeWouldComputeDifferently) {
   EXPECT_NE(ParseHfLlamaConfig("{" + base + "}", "c.json").status().message().find("model_type"),
             std::string::npos);
   EXPECT_NE(ParseHfLlamaConfig(R"({"model_type": "llama", "hidden_size": 16})", "c.json")
-                .status().message().find("num_hidden_layers is missing"),
+                .status()
+                .message()
+                .find("num_hidden_layers is missing"),
             std::string::npos);
   EXPECT_FALSE(ParseHfLlamaConfig("{\"model_type\": \"llama\",", "c.json").ok());
 }

@@ -173,7 +173,8 @@ TEST_F(HfImportTest, TiedCheckpointsInitialiseTheHeadFromTheEmbedding) {
   absl::Status s;
   Imported(dir, &s);
   EXPECT_NE(s.message().find("no tensor lm_head.weight"), std::string::npos) << s;
-  ReplaceInFile(dir + "/config.json", "\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true");
+  ReplaceInFile(dir + "/config.json", "\"tie_word_embeddings\": false",
+                "\"tie_word_embeddings\": true");
   auto imported = Imported(dir, &s);
   ASSERT_TRUE(s.ok()) << s;
   auto p = testing::ToMap(imported->stage(0).Parameters());
@@ -190,7 +191,9 @@ TEST_F(HfImportTest, RefusesMismatchesNamingTheTensorOrField) {
   ASSERT_TRUE(engine.ok());
   s = InitStageFromHf(dir, &(*engine)->stage(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("intermediate_size 64 vs the job's model.ffn_dim 96"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("intermediate_size 64 vs the job's model.ffn_dim 96"),
+            std::string::npos)
+      << s;
 
   // A tensor of the wrong shape (config.json still says the right one).
   Rewrite(dir, [](std::vector<SafetensorsTensor>* t) {
@@ -203,14 +206,17 @@ TEST_F(HfImportTest, RefusesMismatchesNamingTheTensorOrField) {
   auto imported = Imported(dir, &s);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("model.layers.3.mlp.down_proj.weight is [64, 32] but the job's model "
-                             "needs [32, 64]"), std::string::npos) << s;
+                             "needs [32, 64]"),
+            std::string::npos)
+      << s;
   // Nothing changed on a refused import.
   auto before = testing::ToMap(imported->stage(3).Parameters());
   v1::JobSpec other = spec_;
   other.set_seed(99);
   auto fresh = PipelineEngine::Create(other, c10::Device(c10::kCPU));
   EXPECT_EQ(MaxAbsDiff(before.at("layers.3.wq"),
-                       testing::ToMap((*fresh)->stage(3).Parameters()).at("layers.3.wq")), 0.0);
+                       testing::ToMap((*fresh)->stage(3).Parameters()).at("layers.3.wq")),
+            0.0);
 
   // A bias our model does not have.
   const std::string dir2 = Export(SafetensorsDType::kF32, "bias");
@@ -220,7 +226,8 @@ TEST_F(HfImportTest, RefusesMismatchesNamingTheTensorOrField) {
   });
   Imported(dir2, &s);
   EXPECT_NE(s.message().find("model.layers.0.self_attn.q_proj.bias is not a parameter"),
-            std::string::npos) << s;
+            std::string::npos)
+      << s;
 
   // No weights at all; a missing directory.
   fs::remove(dir2 + "/model.safetensors");
@@ -258,9 +265,10 @@ TEST_F(HfImportTest, ReadsShardedCheckpointsAndF16) {
   ASSERT_TRUE(WriteSafetensorsFile(dir + "/model-00002-of-00002.safetensors", b, {}).ok());
   f->reset();
   fs::remove(dir + "/model.safetensors");
-  ASSERT_TRUE(WriteFileAtomically(dir + "/model.safetensors.index.json",
-                                  "{\"metadata\": {}, \"weight_map\": {" +
-                                      absl::StrJoin(map, ", ") + "}}").ok());
+  ASSERT_TRUE(
+      WriteFileAtomically(dir + "/model.safetensors.index.json",
+                          "{\"metadata\": {}, \"weight_map\": {" + absl::StrJoin(map, ", ") + "}}")
+          .ok());
   absl::Status s;
   auto imported = Imported(dir, &s);
   ASSERT_TRUE(s.ok()) << s;
@@ -269,7 +277,8 @@ TEST_F(HfImportTest, ReadsShardedCheckpointsAndF16) {
   EXPECT_LT(diff, 1e-2);
   // A weight map pointing outside the directory.
   ASSERT_TRUE(WriteFileAtomically(dir + "/model.safetensors.index.json",
-                                  "{\"weight_map\": {\"x\": \"../evil.safetensors\"}}").ok());
+                                  "{\"weight_map\": {\"x\": \"../evil.safetensors\"}}")
+                  .ok());
   Imported(dir, &s);
   EXPECT_NE(s.message().find("does not name a file in the directory"), std::string::npos) << s;
 }
@@ -296,9 +305,10 @@ TEST_F(HfImportTest, NumpyReferenceForwardMatchesOurLogits) {
     absl::StrAppend(&tokens_text, i ? " " : "", tokens_.view({-1})[i].item<int64_t>());
   }
   ASSERT_TRUE(WriteFileAtomically(dir + "/test_tokens.txt", tokens_text).ok());
-  ASSERT_TRUE(WriteFileAtomically(
-      dir + "/test_logits.f32",
-      std::string(static_cast<const char*>(logits.data_ptr()), logits.nbytes())).ok());
+  ASSERT_TRUE(
+      WriteFileAtomically(dir + "/test_logits.f32",
+                          std::string(static_cast<const char*>(logits.data_ptr()), logits.nbytes()))
+          .ok());
   const std::string script = detour::testing::SourceDir() + "/tests/model/hf_numpy_reference.py";
   const std::string cmd = absl::StrCat(python, " ", script, " ", dir, " 2 16 2>&1");
   FILE* pipe = ::popen(cmd.c_str(), "r");

@@ -139,8 +139,8 @@ TEST_F(KfacMathTest, PreconditionedGradientEqualsDenseSolve) {
   ASSERT_TRUE(a_inv.ok() && b_inv.ok());
   auto delta = KfacPreconditionedGradient(grad, *a_inv, *b_inv);
   ASSERT_TRUE(delta.ok()) << delta.status();
-  at::Tensor dense = at::kron(b + at::eye(3, F64()) * d.damping_b,
-                              a + at::eye(4, F64()) * d.damping_a);
+  at::Tensor dense =
+      at::kron(b + at::eye(3, F64()) * d.damping_b, a + at::eye(4, F64()) * d.damping_a);
   at::Tensor ref = at::linalg_solve(dense, grad.reshape({12, 1})).reshape({3, 4});
   EXPECT_LT(MaxAbsDiff(*delta, ref), 1e-10);
   EXPECT_FALSE(KfacPreconditionedGradient(grad.t(), *a_inv, *b_inv).ok());
@@ -173,8 +173,8 @@ TEST_F(KfacMathTest, NaturalGradientStepSolvesLinearRegression) {
   // Mean gradient on the data.
   at::Tensor wl = w.clone().requires_grad_(true);
   torch::autograd::backward({mean_loss(wl, t_data)});
-  KfacDamping d = PiDamping(f->a.trace().item<double>(), f_in,
-                            f->b.trace().item<double>(), f_out, 1e-8);
+  KfacDamping d =
+      PiDamping(f->a.trace().item<double>(), f_in, f->b.trace().item<double>(), f_out, 1e-8);
   auto a_inv = DampedInverse(f->a, d.damping_a);
   auto b_inv = DampedInverse(f->b, d.damping_b);
   ASSERT_TRUE(a_inv.ok() && b_inv.ok());
@@ -316,9 +316,8 @@ TEST_F(KfacStageTest, InversionOrderDoesNotChangePi) {
     ASSERT_TRUE(d1.ok() && d2.ok());
     at::Tensor a = first->FactorA(2, m);
     at::Tensor b = first->FactorB(2, m);
-    KfacDamping want = PiDamping(a.trace().item<double>(), a.size(0),
-                                 b.trace().item<double>(), b.size(0),
-                                 spec_.optimizer().kfac().damping());
+    KfacDamping want = PiDamping(a.trace().item<double>(), a.size(0), b.trace().item<double>(),
+                                 b.size(0), spec_.optimizer().kfac().damping());
     EXPECT_NEAR(d1->pi, want.pi, 1e-6 * want.pi) << m;
     EXPECT_NEAR(d2->pi, want.pi, 1e-6 * want.pi) << m;
     EXPECT_NE(d1->pi, 1.0) << m;
@@ -395,7 +394,8 @@ TEST_F(KfacStageTest, PreconditionUpdatesProjections) {
   ASSERT_TRUE(adam.Step(lr).ok());
   std::map<std::string, at::Tensor> after = testing::ToMap(stage_->Parameters());
   const std::string q = "layers.2.wq";
-  at::Tensor want = at::matmul(at::matmul(kfac->InverseB(2, "q"), grads[q]), kfac->InverseA(2, "q"));
+  at::Tensor want =
+      at::matmul(at::matmul(kfac->InverseB(2, "q"), grads[q]), kfac->InverseA(2, "q"));
   EXPECT_LT(MaxAbsDiff(after[q].grad(), want), 1e-6);
   EXPECT_LT(MaxAbsDiff(after[q].detach(), before[q] - want * 1e-2), 1e-7);
   EXPECT_GT(MaxAbsDiff(want, grads[q]), 1e-3);  // really preconditioned
@@ -447,18 +447,20 @@ TEST_F(KfacStageTest, GraftingTakesAdamWsStepLength) {
     const at::Tensor& g = grads[q];
     const int layer = q[7] - '0';
     const std::string module = std::string(q).find("down") != std::string::npos ? "down" : "q";
-    at::Tensor dir = at::matmul(at::matmul(kfac->InverseB(layer, module), g),
-                                kfac->InverseA(layer, module));
+    at::Tensor dir =
+        at::matmul(at::matmul(kfac->InverseB(layer, module), g), kfac->InverseA(layer, module));
     at::Tensor adam_update = g / (g.abs() + 1e-8);
     at::Tensor step = (before[q] - after[q].detach()) / lr;
     EXPECT_NEAR(step.norm().item<double>(), adam_update.norm().item<double>(),
-                1e-3 * adam_update.norm().item<double>()) << q;
+                1e-3 * adam_update.norm().item<double>())
+        << q;
     const double cosine =
         (step * dir).sum().item<double>() / (step.norm() * dir.norm()).item<double>();
     EXPECT_GT(cosine, 1 - 1e-4) << q;
     EXPECT_NEAR(kfac->last_graft_scale(layer, module),
                 adam_update.norm().item<double>() / dir.norm().item<double>(),
-                1e-3 * kfac->last_graft_scale(layer, module)) << q;
+                1e-3 * kfac->last_graft_scale(layer, module))
+        << q;
     EXPECT_GT(MaxAbsDiff(step / step.norm(), adam_update / adam_update.norm()), 1e-2)
         << q;  // a different direction from AdamW's
   }
@@ -690,7 +692,8 @@ class KfacReplicaTest : public ::testing::Test {
       auto k = Kfac::Create(stages_[r].get(), spec_.optimizer());
       ASSERT_TRUE(k.ok()) << k.status();
       kfacs_.push_back(std::move(*k));
-      adams_.push_back(std::make_unique<AdamW>(stages_[r]->Parameters(), spec_.optimizer().adamw()));
+      adams_.push_back(
+          std::make_unique<AdamW>(stages_[r]->Parameters(), spec_.optimizer().adamw()));
       adams_[r]->set_precondition_hook(kfacs_[r].get());
     }
   }
@@ -830,8 +833,7 @@ TEST_F(KfacReplicaTest, ALayerIsReadyOnlyWhenEveryReplicaHoldsInverses) {
   // The momentum rule cannot run on preconditioned gradients.
   v1::OptimizerSpec o = spec_.optimizer();
   o.mutable_kfac()->set_update(v1::KFAC_UPDATE_MOMENTUM);
-  EXPECT_EQ(Kfac::Create(stages_[0].get(), o).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Kfac::Create(stages_[0].get(), o).status().code(), absl::StatusCode::kInvalidArgument);
   // AUTO is the coordinator's to resolve: a worker never guesses a scheme
   // its replicas might guess differently.
   v1::OptimizerSpec unresolved = spec_.optimizer();

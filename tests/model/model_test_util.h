@@ -38,8 +38,7 @@ inline v1::JobSpec SmallSpec(uint64_t seed = 7) {
   return spec;
 }
 
-inline std::map<std::string, at::Tensor> ToMap(
-    const std::vector<NamedTensor>& v) {
+inline std::map<std::string, at::Tensor> ToMap(const std::vector<NamedTensor>& v) {
   return std::map<std::string, at::Tensor>(v.begin(), v.end());
 }
 

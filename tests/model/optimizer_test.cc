@@ -74,8 +74,8 @@ TEST(AdamWTest, MatchesTheFormula) {
 
 class ScaleHook : public PreconditionHook {
  public:
-  absl::Status Precondition(int layer, const std::vector<NamedTensor>& params,
-                            double lr, std::set<std::string>* self_updated) override {
+  absl::Status Precondition(int layer, const std::vector<NamedTensor>& params, double lr,
+                            std::set<std::string>* self_updated) override {
     layers.push_back(layer);
     for (const auto& [name, p] : params) {
       if (name.find("wk") != std::string::npos) {

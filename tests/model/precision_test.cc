@@ -90,8 +90,8 @@ TEST_F(PrecisionTest, Bf16StageComputesInBf16AndKeepsFloat32Gradients) {
     auto half = Stage::FromJobSpec(Spec(v1::PRECISION_BF16), index, at::Device(at::kCPU));
     ASSERT_TRUE(full.ok() && half.ok()) << full.status() << half.status();
     at::manual_seed(5);
-    const at::Tensor in = index == 0 ? at::randint(0, 256, {2, 16}, at::kLong)
-                                     : at::randn({2, 16, 32});
+    const at::Tensor in =
+        index == 0 ? at::randint(0, 256, {2, 16}, at::kLong) : at::randn({2, 16, 32});
     const at::Tensor targets = at::randint(0, 256, {2, 16}, at::kLong);
     auto a = (*full)->Forward(0, in);
     auto b = (*half)->Forward(0, in);

@@ -22,10 +22,18 @@ v1::PipelineSpec Pipeline(int stages, double skip, int swaps) {
 
 // Property test over seeds and shapes: the constraints of skippipe.md §2.
 TEST(GenerateRoutesTest, HonoursTheConvergenceGuidelines) {
-  struct Case { int stages; double skip; int swaps; };
-  for (const Case& c : std::vector<Case>{{4, 0.0, 0}, {4, 0.25, 0}, {4, 0.25, 1},
-                                         {6, 1.0 / 3, 0}, {6, 1.0 / 3, 2},
-                                         {8, 0.25, 2}, {8, 0.5, 1}}) {
+  struct Case {
+    int stages;
+    double skip;
+    int swaps;
+  };
+  for (const Case& c : std::vector<Case>{{4, 0.0, 0},
+                                         {4, 0.25, 0},
+                                         {4, 0.25, 1},
+                                         {6, 1.0 / 3, 0},
+                                         {6, 1.0 / 3, 2},
+                                         {8, 0.25, 2},
+                                         {8, 0.5, 1}}) {
     const v1::PipelineSpec p = Pipeline(c.stages, c.skip, c.swaps);
     const int visited = VisitedStages(p);
     int swaps_seen = 0;

@@ -34,8 +34,8 @@ std::string Floats(std::vector<float> v) {
 TEST(SafetensorsTest, RoundTripsTensorsAndMetadata) {
   const std::string a = Floats({1, 2, 3, 4, 5, 6});
   const std::string b(2 * 2, '\x7f');  // BF16 [2]
-  const std::string c;                  // F32 [0, 3]
-  const std::string d = Floats({42});   // scalar
+  const std::string c;                 // F32 [0, 3]
+  const std::string d = Floats({42});  // scalar
   std::vector<SafetensorsTensor> in = {{"w.a", SafetensorsDType::kF32, {2, 3}, a},
                                        {"b", SafetensorsDType::kBF16, {2}, b},
                                        {"empty", SafetensorsDType::kF32, {0, 3}, c},
@@ -113,26 +113,38 @@ TEST(SafetensorsTest, RefusesMalformedFilesNamingTheProblem) {
       {"header past end", Le64(100) + "{}", "past the end"},
       {"not an object", File("[1]", ""), "does not start with '{'"},
       {"bad json", File("{\"a\":", ""), "JSON byte"},
-      {"duplicate", File("{" + entry("a", "F32", "[1]", 0, 4) + "," + entry("a", "F32", "[1]", 4, 8) + "}", eight),
+      {"duplicate",
+       File("{" + entry("a", "F32", "[1]", 0, 4) + "," + entry("a", "F32", "[1]", 4, 8) + "}",
+            eight),
        "duplicate key \"a\""},
-      {"unknown dtype", File("{" + entry("w", "F8_E4M3", "[1]", 0, 1) + "}", "x"), "tensor \"w\": unknown dtype"},
-      {"negative dim", File("{" + entry("w", "F32", "[-1]", 0, 4) + "}", "xxxx"), "shape[0] is not a non-negative"},
+      {"unknown dtype", File("{" + entry("w", "F8_E4M3", "[1]", 0, 1) + "}", "x"),
+       "tensor \"w\": unknown dtype"},
+      {"negative dim", File("{" + entry("w", "F32", "[-1]", 0, 4) + "}", "xxxx"),
+       "shape[0] is not a non-negative"},
       {"fraction dim", File("{" + entry("w", "F32", "[1.5]", 0, 4) + "}", "xxxx"), "shape[0]"},
-      {"overflow", File("{" + entry("w", "F64", "[4294967296,4294967296,4294967296]", 0, 8) + "}", eight),
+      {"overflow",
+       File("{" + entry("w", "F64", "[4294967296,4294967296,4294967296]", 0, 8) + "}", eight),
        "needs more bytes than the buffer"},
-      {"size mismatch", File("{" + entry("w", "F32", "[3]", 0, 8) + "}", eight + "1234"), "holds 8 bytes but F32 [3] needs 12"},
+      {"size mismatch", File("{" + entry("w", "F32", "[3]", 0, 8) + "}", eight + "1234"),
+       "holds 8 bytes but F32 [3] needs 12"},
       {"past buffer", File("{" + entry("w", "U8", "[16]", 0, 16) + "}", eight), "needs more bytes"},
-      {"offsets past buffer", File("{" + entry("w", "U8", "[0]", 9, 9) + "}", eight), "reach past the byte buffer"},
+      {"offsets past buffer", File("{" + entry("w", "U8", "[0]", 9, 9) + "}", eight),
+       "reach past the byte buffer"},
       {"reversed", File("{" + entry("w", "U8", "[0]", 4, 2) + "}", eight), "reversed"},
-      {"overlap", File("{" + entry("a", "F32", "[2]", 0, 8) + "," + entry("b", "F32", "[1]", 4, 8) + "}", eight),
+      {"overlap",
+       File("{" + entry("a", "F32", "[2]", 0, 8) + "," + entry("b", "F32", "[1]", 4, 8) + "}",
+            eight),
        "(overlap)"},
       {"gap", File("{" + entry("a", "F32", "[1]", 4, 8) + "}", eight), "(gap)"},
       {"trailing", File("{" + entry("a", "F32", "[1]", 0, 4) + "}", eight), "trailing bytes"},
-      {"unknown field", File("{\"w\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0],\"x\":1}}", ""),
+      {"unknown field",
+       File("{\"w\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0],\"x\":1}}", ""),
        "unknown field \"x\""},
       {"no offsets", File("{\"w\":{\"dtype\":\"U8\",\"shape\":[0]}}", ""), "data_offsets"},
-      {"metadata not string", File("{\"__metadata__\":{\"k\":1}}", ""), "__metadata__ \"k\" is not a string"},
-      {"too many dims", File("{" + entry("w", "U8", "[1,1,1,1,1,1,1,1,1]", 0, 1) + "}", "x"), "dimensions"},
+      {"metadata not string", File("{\"__metadata__\":{\"k\":1}}", ""),
+       "__metadata__ \"k\" is not a string"},
+      {"too many dims", File("{" + entry("w", "U8", "[1,1,1,1,1,1,1,1,1]", 0, 1) + "}", "x"),
+       "dimensions"},
       {"empty name", File("{" + entry("", "U8", "[1]", 0, 1) + "}", "x"), "empty name"},
   };
   for (const BadCase& c : cases) {
@@ -148,8 +160,10 @@ TEST(SafetensorsTest, RefusesMalformedFilesNamingTheProblem) {
 TEST(SafetensorsTest, EncodeRefusesInconsistentTensors) {
   const std::string four(4, '\0');
   EXPECT_FALSE(EncodeSafetensors({{"a", SafetensorsDType::kF32, {2}, four}}, {}).ok());
-  EXPECT_FALSE(EncodeSafetensors({{"a", SafetensorsDType::kF32, {1}, four},
-                                  {"a", SafetensorsDType::kF32, {1}, four}}, {}).ok());
+  EXPECT_FALSE(
+      EncodeSafetensors(
+          {{"a", SafetensorsDType::kF32, {1}, four}, {"a", SafetensorsDType::kF32, {1}, four}}, {})
+          .ok());
   EXPECT_FALSE(EncodeSafetensors({{"", SafetensorsDType::kF32, {1}, four}}, {}).ok());
   EXPECT_FALSE(EncodeSafetensors({{"__metadata__", SafetensorsDType::kF32, {1}, four}}, {}).ok());
   EXPECT_FALSE(EncodeSafetensors({{"a", SafetensorsDType::kF32, {-1}, ""}}, {}).ok());

@@ -80,8 +80,7 @@ TEST_F(StageTest, StagesHoldTheMonolithicParameters) {
   // A different seed gives different weights.
   auto other = Stage::FromJobSpec(SmallSpec(8), 1, at::Device(at::kCPU));
   ASSERT_TRUE(other.ok());
-  EXPECT_FALSE(at::equal((*other)->Parameters()[1].second,
-                         ref[(*other)->Parameters()[1].first]));
+  EXPECT_FALSE(at::equal((*other)->Parameters()[1].second, ref[(*other)->Parameters()[1].first]));
 }
 
 TEST_F(StageTest, MemorySlotsAndMicrobatchBookkeeping) {
@@ -91,14 +90,12 @@ TEST_F(StageTest, MemorySlotsAndMicrobatchBookkeeping) {
   ASSERT_TRUE(stage.ok());
   at::Tensor h = at::randn({2, 16, 32});
   ASSERT_TRUE((*stage)->Forward(0, h).ok());
-  EXPECT_EQ((*stage)->Forward(0, h).status().code(),
-            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ((*stage)->Forward(0, h).status().code(), absl::StatusCode::kAlreadyExists);
   ASSERT_TRUE((*stage)->Forward(1, h).ok());
   auto third = (*stage)->Forward(2, h);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(third.status().message().find("stage 2"), std::string::npos);
-  EXPECT_EQ((*stage)->Backward(7, h).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ((*stage)->Backward(7, h).status().code(), absl::StatusCode::kNotFound);
   auto g = (*stage)->Backward(0, at::ones({2, 16, 32}));
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->sizes(), h.sizes());
@@ -122,8 +119,8 @@ TEST_F(StageTest, RecomputedActivationsGiveIdenticalGradients) {
     auto again = Stage::FromJobSpec(spec, index, at::Device(at::kCPU));
     ASSERT_TRUE(plain.ok() && again.ok());
     at::manual_seed(3);
-    const at::Tensor in = index == 0 ? at::randint(0, 256, {2, 16}, at::kLong)
-                                     : at::randn({2, 16, 32});
+    const at::Tensor in =
+        index == 0 ? at::randint(0, 256, {2, 16}, at::kLong) : at::randn({2, 16, 32});
     const at::Tensor grad = at::randn({2, 16, 32});
     for (Stage* st : {plain->get(), again->get()}) {
       for (uint32_t mb : {0u, 1u}) ASSERT_TRUE(st->Forward(mb, in).ok());
@@ -178,8 +175,7 @@ TEST_F(StageTest, BadInputsAreStatusesWithContext) {
   ASSERT_TRUE(s2.ok() && s0.ok());
   auto bad = (*s2)->Forward(0, at::randn({4, 16, 48}));
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("stage 2 forward mb 0: shape [4,16,48]"),
-            std::string::npos)
+  EXPECT_NE(bad.status().message().find("stage 2 forward mb 0: shape [4,16,48]"), std::string::npos)
       << bad.status();
   EXPECT_NE(bad.status().message().find("32]"), std::string::npos);
   // Too long for the context.
@@ -191,8 +187,8 @@ TEST_F(StageTest, BadInputsAreStatusesWithContext) {
   EXPECT_NE(oob.status().message().find("stage 0 forward mb 1"), std::string::npos);
   EXPECT_EQ((*s0)->in_flight(), 0);
   // Loss only on stage 0; wrong gradient shape refused.
-  EXPECT_EQ((*s2)->LossAndBackward(0, at::randn({1, 8, 32}),
-                                   at::zeros({1, 8}, at::kLong))
+  EXPECT_EQ((*s2)
+                ->LossAndBackward(0, at::randn({1, 8, 32}), at::zeros({1, 8}, at::kLong))
                 .status()
                 .code(),
             absl::StatusCode::kFailedPrecondition);

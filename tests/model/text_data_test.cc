@@ -51,8 +51,8 @@ TEST(Utf8Test, AcceptsValidRejectsInvalid) {
 }
 
 TEST(ReadTextSourceTest, FileAndDirectory) {
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       ("detour_text_source." + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("detour_text_source." + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "sub");
   std::ofstream(dir / "b.txt") << "second";
@@ -64,8 +64,7 @@ TEST(ReadTextSourceTest, FileAndDirectory) {
   auto one = ReadTextSource((dir / "b.txt").string());
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(*one, "second");
-  EXPECT_EQ(ReadTextSource((dir / "none").string()).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ReadTextSource((dir / "none").string()).status().code(), absl::StatusCode::kNotFound);
   std::ofstream(dir / "sub" / "bad.txt") << "x\xff";
   auto bad = ReadTextSource(dir.string());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
@@ -81,10 +80,11 @@ TEST(ReadTextSourceTest, RefusesDevicesAndOversizedSourcesWithoutReadingThem) {
   auto zero = ReadTextSource("/dev/zero");
   EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(zero.status().message().find("/dev/zero"), std::string::npos) << zero.status();
-  EXPECT_NE(zero.status().message().find("neither a regular file nor a directory"), std::string::npos);
+  EXPECT_NE(zero.status().message().find("neither a regular file nor a directory"),
+            std::string::npos);
 
-  const fs::path dir = fs::path(::testing::TempDir()) /
-                       ("detour_text_cap." + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("detour_text_cap." + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "many");
   const fs::path big = dir / "big.txt";
@@ -93,8 +93,7 @@ TEST(ReadTextSourceTest, RefusesDevicesAndOversizedSourcesWithoutReadingThem) {
   auto huge = ReadTextSource(big.string());
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(huge.status().message().find(big.string()), std::string::npos) << huge.status();
-  EXPECT_NE(huge.status().message().find("limit of 268435456 bytes (256 MiB)"),
-            std::string::npos)
+  EXPECT_NE(huge.status().message().find("limit of 268435456 bytes (256 MiB)"), std::string::npos)
       << huge.status();
 
   // A directory counts all its files together (two halves of the cap plus
@@ -163,8 +162,8 @@ TEST(SampleSharderTest, CoversTheCorpusWithoutOverlap) {
       // One epoch = global positions [0, samples): position g is node g % D,
       // shard offset g / D.
       for (int64_t g = 0; g < samples; ++g) {
-        const int64_t s = sharder.SampleAt(static_cast<int>(g % nodes),
-                                           static_cast<uint64_t>(g / nodes));
+        const int64_t s =
+            sharder.SampleAt(static_cast<int>(g % nodes), static_cast<uint64_t>(g / nodes));
         ASSERT_GE(s, 0);
         ASSERT_LT(s, samples);
         ++hits[s];

@@ -26,21 +26,22 @@ std::string Slurp(const fs::path& p) { return *ReadFileToString(p.string()); }
 class ShardsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / absl::StrCat("detour_shards_", ::getpid(), "_",
-                                                    ::testing::UnitTest::GetInstance()
-                                                        ->current_test_info()
-                                                        ->name());
+    dir_ = fs::temp_directory_path() /
+           absl::StrCat("detour_shards_", ::getpid(), "_",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "in" / "sub");
     // Paragraphs of generated text, a nested file and a JSONL file.
-    ASSERT_TRUE(WriteFileAtomically((dir_ / "in" / "a.txt").string(),
-                                    GenerateCorpus(1, 30000)).ok());
+    ASSERT_TRUE(
+        WriteFileAtomically((dir_ / "in" / "a.txt").string(), GenerateCorpus(1, 30000)).ok());
     ASSERT_TRUE(WriteFileAtomically((dir_ / "in" / "sub" / "b.txt").string(),
-                                    "first paragraph\nstill first\n\n\nsecond ünï\n").ok());
+                                    "first paragraph\nstill first\n\n\nsecond ünï\n")
+                    .ok());
     ASSERT_TRUE(WriteFileAtomically((dir_ / "in" / "c.jsonl").string(),
                                     "{\"text\": \"a json doc\\nwith two lines\", \"id\": 1}\n"
                                     "\n"
-                                    "{\"text\": \"another\"}\n").ok());
+                                    "{\"text\": \"another\"}\n")
+                    .ok());
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -88,8 +89,8 @@ TEST_F(ShardsTest, PreparedDocumentsReadBackExactlyAndDeterministically) {
   EXPECT_EQ(docs.count("another"), 1u);
   // The same inputs give byte-identical files.
   ASSERT_TRUE(PrepareDataset(Options("again")).ok());
-  for (const char* f : {"train.tokens", "train.index", "validation.tokens", "validation.index",
-                        "manifest.json"}) {
+  for (const char* f :
+       {"train.tokens", "train.index", "validation.tokens", "validation.index", "manifest.json"}) {
     std::string a = Slurp(dir_ / "ds" / f), b = Slurp(dir_ / "again" / f);
     if (std::string(f) == "manifest.json") {
       // Source paths differ only in the output name: not at all here.
@@ -161,8 +162,8 @@ TEST_F(ShardsTest, SentencePieceDatasetsCarryTheirTokenizer) {
 // scratch byte dataset (one document per line), were read back into a lines
 // file without their line ends and empty lines, and spm_train read the file.
 std::string TrainThroughAScratchFile(const SentencePieceTraining& t,
-                                     const std::vector<std::string>& inputs,
-                                     const fs::path& dir, int64_t* lines) {
+                                     const std::vector<std::string>& inputs, const fs::path& dir,
+                                     int64_t* lines) {
   PrepareOptions scan;
   scan.inputs = inputs;
   scan.output = (dir / "scan").string();
@@ -210,7 +211,9 @@ TEST_F(ShardsTest, StreamedTokenizerTrainingEqualsTheScratchFileRoute) {
   const fs::path in = dir_ / "tok";
   fs::create_directories(in);
   std::string text = GenerateCorpus(4, 150000);
-  text += "\n\nÜnïcödé wörds — “quotes”, 日本語, emoji 🙂,\ttabs and   runs   of spaces\r\n";
+  text +=
+      "\n\nÜnïcödé wörds — “quotes”, 日本語, emoji 🙂,\ttabs and   runs   of "
+      "spaces\r\n";
   ASSERT_TRUE(WriteFileAtomically((in / "a.txt").string(), text).ok());
   ASSERT_TRUE(WriteFileAtomically((in / "b.jsonl").string(),
                                   "{\"text\": \"a json line\"}\n\n{\"text\": \"x 12345\"}\n")
@@ -261,8 +264,9 @@ TEST_F(ShardsTest, StreamedTokenizerTrainingEqualsTheScratchFileRoute) {
     expected += l.empty() ? 0 : 1;
   }
   EXPECT_EQ(corpus.lines, expected);
-  ASSERT_TRUE(WriteFileAtomically((dir_ / "bad.jsonl").string(),
-                                  "{\"text\": \"ok\"}\n{\"text\": 3}\n").ok());
+  ASSERT_TRUE(
+      WriteFileAtomically((dir_ / "bad.jsonl").string(), "{\"text\": \"ok\"}\n{\"text\": 3}\n")
+          .ok());
   auto bad = TrainTokenizerOnInputs(t, {(dir_ / "bad.jsonl").string()}, "text", scratch);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("bad.jsonl:2"), std::string::npos) << bad.status();
@@ -270,10 +274,9 @@ TEST_F(ShardsTest, StreamedTokenizerTrainingEqualsTheScratchFileRoute) {
   ASSERT_TRUE(WriteFileAtomically((dir_ / "empty.txt").string(), "\n\n").ok());
   auto empty = TrainTokenizerOnInputs(t, {(dir_ / "empty.txt").string()}, "text", scratch);
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition) << empty.status();
-  EXPECT_EQ(TrainTokenizerOnInputs(t, {(dir_ / "missing").string()}, "text", scratch)
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      TrainTokenizerOnInputs(t, {(dir_ / "missing").string()}, "text", scratch).status().code(),
+      absl::StatusCode::kNotFound);
 }
 
 TEST_F(ShardsTest, BadInputsAreNamed) {
@@ -282,13 +285,15 @@ TEST_F(ShardsTest, BadInputsAreNamed) {
   EXPECT_EQ(PrepareDataset(o).status().code(), absl::StatusCode::kNotFound);
   o.inputs = {"/dev/null"};
   EXPECT_EQ(PrepareDataset(o).status().code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(WriteFileAtomically((dir_ / "bad.jsonl").string(),
-                                  "{\"text\": \"ok\"}\n{\"text\": 3}\n").ok());
+  ASSERT_TRUE(
+      WriteFileAtomically((dir_ / "bad.jsonl").string(), "{\"text\": \"ok\"}\n{\"text\": 3}\n")
+          .ok());
   o.inputs = {(dir_ / "bad.jsonl").string()};
   auto bad = PrepareDataset(o);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("bad.jsonl:2"), std::string::npos) << bad.status();
-  ASSERT_TRUE(WriteFileAtomically((dir_ / "bad2.jsonl").string(), "{\"text\": \"ok\"}\n[1,\n").ok());
+  ASSERT_TRUE(
+      WriteFileAtomically((dir_ / "bad2.jsonl").string(), "{\"text\": \"ok\"}\n[1,\n").ok());
   o.inputs = {(dir_ / "bad2.jsonl").string()};
   bad = PrepareDataset(o);
   EXPECT_NE(bad.status().message().find("bad2.jsonl:2"), std::string::npos) << bad.status();

@@ -39,7 +39,9 @@ class TokenizerTest : public ::testing::TestWithParam<std::string> {
   std::string Train(int vocab) {
     const std::string input = (dir_ / "train.txt").string();
     std::string text = GenerateCorpus(7, 200000);
-    text += "Ünïcödé wörds — “quotes”, 日本語のテキスト, emoji 🙂 and tabs\tinside.\n";
+    text +=
+        "Ünïcödé wörds — “quotes”, 日本語のテキスト, emoji 🙂 and "
+        "tabs\tinside.\n";
     EXPECT_TRUE(WriteFileAtomically(input, text).ok());
     SentencePieceTraining t;
     t.model_type = GetParam();
@@ -96,7 +98,9 @@ TEST_P(TokenizerTest, EncodesLikeTheReferenceImplementationAndRoundTrips) {
     if (!l.empty()) lines.push_back(l);
   }
   lines.push_back("  two  leading spaces, trailing  ");
-  lines.push_back("Ünïcödé wörds — “quotes”, 日本語, Ωμέγα, ☃ and 🙂🙂 with 12345 digits");
+  lines.push_back(
+      "Ünïcödé wörds — “quotes”, 日本語, Ωμέγα, ☃ and 🙂🙂 with 12345 "
+      "digits");
   lines.push_back("x");
   const auto want = Reference(model, lines);
   ASSERT_EQ(want.size(), lines.size());

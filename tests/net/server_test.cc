@@ -45,7 +45,8 @@ TEST(GrpcServer, StreamsBeyondTheConnectionLimitWait) {
   options.memory_quota_bytes = 64 << 20;
   auto server = StartGrpcServer(std::move(options), "test");
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = Health::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", server->port), TransportSecurity::Insecure()));
+  auto stub = Health::NewStub(
+      MakeChannel(absl::StrCat("127.0.0.1:", server->port), TransportSecurity::Insecure()));
   HealthCheckResponse response;
   auto first = StartWatch(stub.get(), absl::Seconds(30));
   auto second = StartWatch(stub.get(), absl::Seconds(30));

@@ -97,8 +97,8 @@ TEST(BubblePlannerTest, EstimateFollowsFlopFormulas) {
   EXPECT_DOUBLE_EQ(c.invert_b_s[4], 512 / 2.0);
   // 2(fo² fi + fo fi²) per projection.
   auto pre = [](double fi, double fo) { return 2 * (fo * fo * fi + fo * fi * fi); };
-  EXPECT_DOUBLE_EQ(c.precondition_s, (2 * pre(4, 4) + 2 * pre(4, 2) + 2 * pre(4, 8) + pre(8, 4)) /
-                                         2.0);
+  EXPECT_DOUBLE_EQ(c.precondition_s,
+                   (2 * pre(4, 4) + 2 * pre(4, 2) + 2 * pre(4, 8) + pre(8, 4)) / 2.0);
   EXPECT_EQ(c.sync_s, 0);
   EXPECT_EQ(KfacModules().size(), 7u);
   EXPECT_EQ(KfacModules()[4], "gate");
@@ -143,7 +143,7 @@ TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
   auto p = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(p.ok());
   std::vector<std::map<uint64_t, std::vector<double>>> inversions;  // refresh -> starts
-  std::vector<std::pair<int, double>> next_curvature;  // (kind, start) of refresh 1
+  std::vector<std::pair<int, double>> next_curvature;               // (kind, start) of refresh 1
   for (uint64_t i = 0; i < 3; ++i) {
     auto it = p->PlanIteration(i, o.plan, o.timeline);
     ASSERT_TRUE(it.ok());
@@ -163,9 +163,9 @@ TEST(BubblePlannerTest, WorkNeedingThreeIterationsGivesIntervalThree) {
   EXPECT_EQ(inversions[0], (Starts{{0, {4, 5.5, 7, 8.5, 10}}}));
   EXPECT_EQ(inversions[1], (Starts{{0, {4, 5.5, 7, 8.5, 10}}}));
   EXPECT_EQ(inversions[2], (Starts{{0, {2, 3.5, 5, 6.5}}, {1, {8, 9.5}}}));
-  EXPECT_EQ(next_curvature, (std::vector<std::pair<int, double>>{
-                                {v1::BubbleTask::KIND_CURVATURE_A, 2},
-                                {v1::BubbleTask::KIND_CURVATURE_B, 3}}));
+  EXPECT_EQ(next_curvature,
+            (std::vector<std::pair<int, double>>{{v1::BubbleTask::KIND_CURVATURE_A, 2},
+                                                 {v1::BubbleTask::KIND_CURVATURE_B, 3}}));
   EXPECT_EQ(p->refresh_intervals(), (std::vector<int>{3}));
   // Refresh 1 goes on inverting; refresh 2 collects its curvature first.
   auto it = p->PlanIteration(3, o.plan, o.timeline);
@@ -313,8 +313,10 @@ TEST(BubblePlannerTest, CurvatureWaitsForItsMicrobatch) {
   IterationTimeline tl;
   tl.end_s = 30;
   tl.nodes.resize(1);
-  tl.nodes[0].busy = {{0, 1, BK::kForward, 0},  {5, 6, BK::kForward, 1},
-                      {10, 11, BK::kBackward, 0}, {20, 21, BK::kBackward, 1}};
+  tl.nodes[0].busy = {{0, 1, BK::kForward, 0},
+                      {5, 6, BK::kForward, 1},
+                      {10, 11, BK::kBackward, 0},
+                      {20, 21, BK::kBackward, 1}};
   auto p = BubblePlanner::Create(w, Spec(0, 0, 2));
   ASSERT_TRUE(p.ok());
   auto it = p->PlanIteration(0, plan, tl);
@@ -521,12 +523,10 @@ TEST(BubblePlannerTest, Errors) {
   EXPECT_NE(p.status().message().find("n0"), std::string::npos) << p.status();
   bad = o.workload;
   bad.nodes[0].costs[0].invert_b_s.pop_back();
-  EXPECT_EQ(BubblePlanner::Create(bad, Spec()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BubblePlanner::Create(bad, Spec()).status().code(), absl::StatusCode::kInvalidArgument);
   bad = o.workload;
   bad.nodes[0].costs[0].curvature_a_s = -1;
-  EXPECT_EQ(BubblePlanner::Create(bad, Spec()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BubblePlanner::Create(bad, Spec()).status().code(), absl::StatusCode::kInvalidArgument);
 
   auto q = BubblePlanner::Create(o.workload, Spec());
   ASSERT_TRUE(q.ok());
@@ -579,8 +579,8 @@ std::vector<std::tuple<int, std::string, uint32_t, std::string, uint32_t, double
     const IterationBubbles& it) {
   std::vector<std::tuple<int, std::string, uint32_t, std::string, uint32_t, double, bool>> out;
   for (const v1::BubbleTask& t : it.tasks) {
-    out.emplace_back(t.kind(), t.node(), t.layer(), t.module(), t.microbatch(),
-                     t.planned_start_s(), t.serial());
+    out.emplace_back(t.kind(), t.node(), t.layer(), t.module(), t.microbatch(), t.planned_start_s(),
+                     t.serial());
   }
   return out;
 }
@@ -658,7 +658,9 @@ TEST(BubblePlannerTest, SetWorkloadFollowsMembership) {
     tl.nodes.resize(nodes);
     // Busy with microbatches 0 and 1 (only those routed through a node count).
     for (auto& n : tl.nodes) {
-      n.busy = {{0, 1, BK::kForward, 0}, {1, 2, BK::kForward, 1}, {2, 3, BK::kBackward, 0},
+      n.busy = {{0, 1, BK::kForward, 0},
+                {1, 2, BK::kForward, 1},
+                {2, 3, BK::kBackward, 0},
                 {3, 4, BK::kBackward, 1}};
     }
     return tl;
@@ -923,21 +925,21 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         }
         // Under the cap, unless the item is split as finely as it can be.
         const KfacLayerCost& lc =
-            c.workload.nodes[node].costs[std::find(c.workload.nodes[node].layers.begin(),
-                                                   c.workload.nodes[node].layers.end(),
-                                                   static_cast<int>(t.layer())) -
-                                         c.workload.nodes[node].layers.begin()];
+            c.workload.nodes[node]
+                .costs[std::find(c.workload.nodes[node].layers.begin(),
+                                 c.workload.nodes[node].layers.end(), static_cast<int>(t.layer())) -
+                       c.workload.nodes[node].layers.begin()];
         if (!t.serial() && c.kfac.max_granule_ms() > 0 && lc.shape.d_model > 0 &&
             t.kind() != v1::BubbleTask::KIND_SYNC_FACTORS) {
           const kfac::BlockWorkload block(lc.shape);
           const int m = kfac::ModuleIndex(t.module());
           const size_t units =
-              t.kind() == v1::BubbleTask::KIND_CURVATURE_A   ? 4
-              : t.kind() == v1::BubbleTask::KIND_CURVATURE_B ? 7
-              : kfac::InversionUnitWeights(t.kind() == v1::BubbleTask::KIND_INVERT_A
-                                               ? block.f_in(m)
-                                               : block.f_out(m))
-                    .size();
+              t.kind() == v1::BubbleTask::KIND_CURVATURE_A ? 4
+              : t.kind() == v1::BubbleTask::KIND_CURVATURE_B
+                  ? 7
+                  : kfac::InversionUnitWeights(
+                        t.kind() == v1::BubbleTask::KIND_INVERT_A ? block.f_in(m) : block.f_out(m))
+                        .size();
           if (t.num_parts() < units) {
             EXPECT_LE(d, c.kfac.max_granule_ms() * 1e-3 * (1 + 1e-9))
                 << BubbleTaskName(t) << " exceeds the cap";
@@ -949,8 +951,8 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         // At most two refreshes in flight: the oldest not activated, and the
         // next one (not with serial placement).
         EXPECT_GE(t.refresh(), expected_refresh);
-        EXPECT_LE(t.refresh(), expected_refresh +
-                                   (c.kfac.placement() == v1::KFAC_PLACEMENT_SERIAL ? 0 : 1));
+        EXPECT_LE(t.refresh(),
+                  expected_refresh + (c.kfac.placement() == v1::KFAC_PLACEMENT_SERIAL ? 0 : 1));
         // Rule 2 (fixed interval): inversions of q only after q-1's
         // activation iteration. Rule 2' (adaptive): after q-1's inversions
         // of the layer on the node (checked at the end).
@@ -979,8 +981,8 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
         // Dependencies on the node's own pipeline work.
         if (t.kind() == v1::BubbleTask::KIND_CURVATURE_A ||
             t.kind() == v1::BubbleTask::KIND_CURVATURE_B) {
-          const BK want = t.kind() == v1::BubbleTask::KIND_CURVATURE_A ? BK::kForward
-                                                                       : BK::kBackward;
+          const BK want =
+              t.kind() == v1::BubbleTask::KIND_CURVATURE_A ? BK::kForward : BK::kBackward;
           double after = -1;
           for (const BusyInterval& b : tl.nodes[node].busy) {
             if (b.kind == want && b.microbatch == static_cast<int>(t.microbatch())) {
@@ -1016,8 +1018,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
             tr.last_inversion = std::max(tr.last_inversion, end);
             if (t.part() + 1 == t.num_parts()) ++tr.inversions;
             break;
-          default:
-            ADD_FAILURE() << "unexpected kind " << t.kind();
+          default: ADD_FAILURE() << "unexpected kind " << t.kind();
         }
       }
       // Rule 1, per task: curvature of q on (node, layer) only after q-1's
@@ -1056,8 +1057,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
               EXPECT_FALSE(o.refresh() + 1 == t.refresh() && o.layer() == t.layer() &&
                            !o.serial() && o.kind() >= v1::BubbleTask::KIND_INVERT_A &&
                            index[o.node()] == m)
-                  << "bubble inversion of the previous refresh while syncing layer "
-                  << t.layer();
+                  << "bubble inversion of the previous refresh while syncing layer " << t.layer();
             }
           }
         }
@@ -1096,8 +1096,7 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
       EXPECT_LE(tr.curv_b, static_cast<int>(c.kfac.curvature_microbatches()));
       EXPECT_EQ(tr.syncs, needs_sync ? 1 : 0);
       if (tr.curv_a + tr.curv_b > 0) {
-        EXPECT_TRUE(before(tr.last_curvature, tr.first_inversion))
-            << "inversion before curvature";
+        EXPECT_TRUE(before(tr.last_curvature, tr.first_inversion)) << "inversion before curvature";
       }
       if (needs_sync) {
         EXPECT_TRUE(before(tr.sync, tr.first_inversion)) << "inversion before sync";

@@ -109,7 +109,7 @@ TEST(DetourSimCliTest, PlanJsonRoundTripsThroughSimulate) {
   const std::string trace = Temp("plan_trace.json");
   const std::string svg = Temp("plan.svg");
   SimRun plan = Sim(absl::StrCat("plan ", Example(), " --json --trace ", trace, " --svg ", svg),
-                 /*merge_stderr=*/false);
+                    /*merge_stderr=*/false);
   ASSERT_EQ(plan.code, 0) << plan.out;
   google::protobuf::Struct report = ParseObject(plan.out);
   const auto& f = report.fields();
@@ -139,7 +139,7 @@ TEST(DetourSimCliTest, PlanJsonRoundTripsThroughSimulate) {
   const std::string routes_file = Temp("routes.json");
   Write(routes_file, plan.out);
   SimRun sim = Sim(absl::StrCat("simulate ", Example(), " --routes ", routes_file, " --json"),
-                /*merge_stderr=*/false);
+                   /*merge_stderr=*/false);
   ASSERT_EQ(sim.code, 0) << sim.out;
   google::protobuf::Struct again = ParseObject(sim.out);
   EXPECT_DOUBLE_EQ(again.fields().at("pipeline_time_s").number_value(),
@@ -160,8 +160,8 @@ TEST(DetourSimCliTest, PlanJsonRoundTripsThroughSimulate) {
   // A violated constraint: the full pipeline's routes under skip rules.
   SimRun full = Sim(absl::StrCat("plan ", Example(), " --scheduler full --json"), false);
   ASSERT_EQ(full.code, 0);
-  Write(routes_file,
-        absl::StrReplaceAll(full.out, {{"\"scheduler\": \"full\"", "\"scheduler\": \"skippipe\""}}));
+  Write(routes_file, absl::StrReplaceAll(
+                         full.out, {{"\"scheduler\": \"full\"", "\"scheduler\": \"skippipe\""}}));
   SimRun broken = Sim(absl::StrCat("simulate ", Example(), " --routes ", routes_file));
   EXPECT_EQ(broken.code, 1);
   EXPECT_NE(broken.out.find("visits 6 stages, the skip ratio asks for 4"), std::string::npos)
@@ -264,7 +264,6 @@ TEST(DetourSimCliTest, BadClustersAreRefused) {
   EXPECT_NE(r.out.find("needs"), std::string::npos) << r.out;
 }
 
-
 TEST(DetourSimCliTest, KfacSyntheticRaisesUtilisation) {
   for (const char* schedule : {"1f1b", "gpipe"}) {
     SimRun r = Sim(absl::StrCat("kfac --schedule ", schedule,
@@ -284,9 +283,11 @@ TEST(DetourSimCliTest, KfacSyntheticRaisesUtilisation) {
   }
   // Text output and the SVG with K-FAC colours.
   const std::string svg = Temp("kfac.svg");
-  SimRun t = Sim(absl::StrCat("kfac --schedule 1f1b --stages 4 --microbatches 4 --forward-ms 1 "
-                              "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 8 "
-                              "--svg ", svg));
+  SimRun t =
+      Sim(absl::StrCat("kfac --schedule 1f1b --stages 4 --microbatches 4 --forward-ms 1 "
+                       "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 8 "
+                       "--svg ",
+                       svg));
   ASSERT_EQ(t.code, 0) << t.out;
   EXPECT_NE(t.out.find("mean refresh interval"), std::string::npos) << t.out;
   const std::string picture = Read(svg);
@@ -302,9 +303,10 @@ TEST(DetourSimCliTest, KfacSyntheticRaisesUtilisation) {
 // pipefisher.md states "≈ 68%" (rounded to a percent), hence the ±0.5
 // point tolerance against it; the slot formula itself holds to rounding.
 TEST(DetourSimCliTest, KfacChimera) {
-  SimRun r = Sim("kfac --schedule chimera --stages 8 --microbatches 8 --profile bert-large-bs32 "
-                 "--no-sync --json",
-                 /*merge_stderr=*/false);
+  SimRun r =
+      Sim("kfac --schedule chimera --stages 8 --microbatches 8 --profile bert-large-bs32 "
+          "--no-sync --json",
+          /*merge_stderr=*/false);
   ASSERT_EQ(r.code, 0) << r.out;
   google::protobuf::Struct report = ParseObject(r.out);
   const auto& f = report.fields();
@@ -320,9 +322,10 @@ TEST(DetourSimCliTest, KfacChimera) {
 
   // D = N = 4, forward 1 ms, backward 2 ms, one block per stage: the
   // iteration takes 4·1 + 6·2 = 16 ms, each device computes 4·(1+2) = 12 ms.
-  SimRun unit = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
-                    "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 --json",
-                    /*merge_stderr=*/false);
+  SimRun unit =
+      Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+          "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 --json",
+          /*merge_stderr=*/false);
   ASSERT_EQ(unit.code, 0) << unit.out;
   google::protobuf::Struct u = ParseObject(unit.out);
   EXPECT_NEAR(u.fields().at("pipeline_time_s").number_value(), 0.016, 1e-12);
@@ -337,18 +340,20 @@ TEST(DetourSimCliTest, KfacChimera) {
               choice.at("preconditioned_iteration_s").number_value(), 1e-12);
   EXPECT_NE(choice.at("reason").string_value().find("K-FAC replica sync FACTORS"),
             std::string::npos);
-  SimRun pre = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
-                   "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
-                   "--replica-sync preconditioned --json",
-                   /*merge_stderr=*/false);
+  SimRun pre =
+      Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+          "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
+          "--replica-sync preconditioned --json",
+          /*merge_stderr=*/false);
   ASSERT_EQ(pre.code, 0) << pre.out;
   google::protobuf::Struct p = ParseObject(pre.out);
   EXPECT_EQ(p.fields().at("replica_sync").string_value(), "preconditioned");
   EXPECT_EQ(p.fields().at("replica_sync_choice").kind_case(), google::protobuf::Value::kNullValue);
-  SimRun factors = Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
-                       "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
-                       "--replica-sync factors --json",
-                       /*merge_stderr=*/false);
+  SimRun factors =
+      Sim("kfac --schedule chimera --stages 4 --microbatches 4 --forward-ms 1 "
+          "--backward-ms 2 --curvature-ms 1 --inversion-ms 5 --blocks 4 "
+          "--replica-sync factors --json",
+          /*merge_stderr=*/false);
   ASSERT_EQ(factors.code, 0) << factors.out;
   google::protobuf::Struct fs = ParseObject(factors.out);
   EXPECT_TRUE(fs.fields().at("sync_factors").bool_value());
@@ -362,8 +367,8 @@ TEST(DetourSimCliTest, KfacChimera) {
 // includes the start-up iteration, see docs/BENCHMARKS.md).
 TEST(DetourSimCliTest, KfacGranulesMeetTheTargets) {
   auto run = [](const std::string& args) {
-    SimRun r = Sim(absl::StrCat("kfac --stages 8 --microbatches 8 --profile bert-large-bs32 ",
-                                args, " --json"),
+    SimRun r = Sim(absl::StrCat("kfac --stages 8 --microbatches 8 --profile bert-large-bs32 ", args,
+                                " --json"),
                    /*merge_stderr=*/false);
     EXPECT_EQ(r.code, 0) << r.out;
     return ParseObject(r.out);
@@ -405,8 +410,7 @@ TEST(DetourSimCliTest, KfacReplicaSyncOnThePlannedExample) {
   // geo20's stages have 3 replicas: the factor all-reduce is priced from the
   // links and lengthens the iteration; preconditioned replicas pay nothing.
   auto run = [](const std::string& sync) {
-    SimRun r = Sim(absl::StrCat("kfac ", Example(), " --tflops 5 --replica-sync ", sync,
-                                " --json"),
+    SimRun r = Sim(absl::StrCat("kfac ", Example(), " --tflops 5 --replica-sync ", sync, " --json"),
                    /*merge_stderr=*/false);
     EXPECT_EQ(r.code, 0) << r.out;
     return ParseObject(r.out);
@@ -449,8 +453,7 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
             "even --stages and --microbatches"},
            {"kfac --schedule chimera --stages 2 --microbatches 3 --profile bert-base-bs8",
             "even --stages and --microbatches"},
-           {"kfac --schedule 1f1b --stages 0 --microbatches 2 --profile bert-base-bs8",
-            "--stages"},
+           {"kfac --schedule 1f1b --stages 0 --microbatches 2 --profile bert-base-bs8", "--stages"},
            {"kfac --schedule 1f1b --microbatches 2 --profile bert-base-bs8", "--stages"},
            {"kfac --schedule 1f1b --stages 2 --microbatches 2 --profile gpt-huge", "--profile"},
            {"kfac --schedule 1f1b --stages 2 --microbatches 2 --forward-ms 1", "--backward-ms"},
@@ -484,8 +487,9 @@ TEST(DetourSimCliTest, KfacUsageErrors) {
   }
   SimRun unknown = Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile gpt-huge");
   EXPECT_NE(unknown.out.find("unknown profile"), std::string::npos) << unknown.out;
-  SimRun typo = Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
-                    "--slak 0.1");
+  SimRun typo =
+      Sim("kfac --schedule 1f1b --stages 2 --microbatches 2 --profile bert-base-bs8 "
+          "--slak 0.1");
   EXPECT_EQ(typo.code, 2);
   EXPECT_NE(typo.out.find("did you mean --slack?"), std::string::npos) << typo.out;
   SimRun help = Sim("kfac --help");

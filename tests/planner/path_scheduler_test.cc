@@ -72,9 +72,9 @@ TEST(PathSchedulerPropertyTest, RandomClustersGiveValidDeterministicRoutes) {
       if (kind == v1::SCHEDULER_SKIPPIPE) {
         // Never worse than the baselines on the same assignment, by the
         // search's own measure.
-        PlanEvaluator evaluator(*cost, EvaluatorOptions{ObjectiveOf(job->pipeline()),
-                                                        o.sim.contention,
-                                                        QueuePolicyOf(job->pipeline()), true});
+        PlanEvaluator evaluator(*cost,
+                                EvaluatorOptions{ObjectiveOf(job->pipeline()), o.sim.contention,
+                                                 QueuePolicyOf(job->pipeline()), true});
         const double mine = evaluator.Score(a->plan.assignment, a->plan.routes);
         for (v1::SchedulerKind base : {v1::SCHEDULER_RANDOM, v1::SCHEDULER_SKIP_NO_COLLISION}) {
           PlannerOptions bo = o;
@@ -145,15 +145,9 @@ Comparison Compare(const testing::Example& e, double skip_ratio) {
         c.full = t;
         c.full_iteration = it->result.iteration_time_s;
         break;
-      case v1::SCHEDULER_RANDOM:
-        c.random = t;
-        break;
-      case v1::SCHEDULER_SKIP_NO_COLLISION:
-        c.snc = t;
-        break;
-      default:
-        c.skippipe = t;
-        c.skippipe_iteration = it->result.iteration_time_s;
+      case v1::SCHEDULER_RANDOM: c.random = t; break;
+      case v1::SCHEDULER_SKIP_NO_COLLISION: c.snc = t; break;
+      default: c.skippipe = t; c.skippipe_iteration = it->result.iteration_time_s;
     }
   }
   return c;
@@ -164,8 +158,8 @@ TEST(PathSchedulerTest, ShippedExampleOrderingAndQuality) {
   testing::Example e = testing::LoadExample();
   Comparison c = Compare(e, 0.33);
   std::cout << "geo20 skip 0.33 pipeline_s: full " << c.full << " random " << c.random
-            << " skip-no-collision " << c.snc << " skippipe " << c.skippipe
-            << " (ratio " << c.skippipe / c.full << ")\n";
+            << " skip-no-collision " << c.snc << " skippipe " << c.skippipe << " (ratio "
+            << c.skippipe / c.full << ")\n";
   EXPECT_LT(c.skippipe, c.snc);
   EXPECT_LE(c.snc, c.random);
   EXPECT_LE(c.skippipe, 0.50 * c.full);

@@ -48,8 +48,8 @@ TEST_F(PlannerTest, KeepsAGivenAssignmentAndIsDeterministic) {
   EXPECT_EQ(a->result.iteration_time_s, b->result.iteration_time_s);
 
   sim::StageAssignment mine;
-  mine.stage_nodes = {{0, 1, 2, 3, 4}, {5, 6, 7}, {8, 9, 10}, {11, 12, 13}, {14, 15, 16},
-                      {17, 18, 19}};
+  mine.stage_nodes = {{0, 1, 2, 3, 4}, {5, 6, 7},    {8, 9, 10},
+                      {11, 12, 13},    {14, 15, 16}, {17, 18, 19}};
   o.assignment = mine;
   auto c = PlanIteration(*cost_, e_.job, o);
   ASSERT_TRUE(c.ok()) << c.status();
@@ -66,8 +66,7 @@ TEST_F(PlannerTest, InconsistentAssignmentIsRefused) {
   sim::StageAssignment bad;
   bad.stage_nodes = {{0}, {1}};
   o.assignment = bad;
-  EXPECT_EQ(PlanIteration(*cost_, e_.job, o).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanIteration(*cost_, e_.job, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(SchedulerNameTest, ParsesNamesAndEnumNames) {

@@ -13,8 +13,8 @@ TEST(CalendarTest, FindsFirstGapThatFits) {
   c.Reserve(2, 2);  // [2, 4)
   c.Reserve(5, 1);  // [5, 6)
   EXPECT_DOUBLE_EQ(c.EarliestFit(0, 2), 0);
-  EXPECT_DOUBLE_EQ(c.EarliestFit(1, 2), 6);   // [1,3) overlaps; [4,5) too short.
-  EXPECT_DOUBLE_EQ(c.EarliestFit(3, 1), 4);   // [4,5) fits.
+  EXPECT_DOUBLE_EQ(c.EarliestFit(1, 2), 6);  // [1,3) overlaps; [4,5) too short.
+  EXPECT_DOUBLE_EQ(c.EarliestFit(3, 1), 4);  // [4,5) fits.
   EXPECT_DOUBLE_EQ(c.EarliestFit(4.5, 1), 6);
   EXPECT_DOUBLE_EQ(c.busy_s(), 3);
 }
@@ -75,8 +75,8 @@ TEST_F(RouteBuilderTest, TimedAvoidsReservedNodes) {
   for (const auto& [n2, i2] : second->reservations) {
     for (const auto& [n1, i1] : first->reservations) {
       if (n1 != n2) continue;
-      const bool overlap = i2.first < i1.first + i1.second - 1e-9 &&
-                           i1.first < i2.first + i2.second - 1e-9;
+      const bool overlap =
+          i2.first < i1.first + i1.second - 1e-9 && i1.first < i2.first + i2.second - 1e-9;
       EXPECT_FALSE(overlap) << "node " << n1 << " at " << i2.first;
     }
   }

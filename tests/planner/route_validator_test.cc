@@ -141,7 +141,8 @@ TEST_F(RouteValidatorTest, NodeVisitCapIsEnforced) {
   plan_.routes = {R(0, {0, 2, 3}, {0, 1, 2}), R(1, {1, 2, 4}, {0, 1, 3})};
   absl::Status s = ValidateRoutes(cost_, plan_, rules_);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("pipeline.max_visits_per_node: 1 visits per node"));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("pipeline.max_visits_per_node: 1 visits per node"));
   // Derived caps (memory slots × rounds) allow the same plan.
   rules_.max_visits_per_node = 0;
   EXPECT_TRUE(ValidateRoutes(cost_, plan_, rules_).ok());

@@ -67,8 +67,7 @@ TEST(BubbleSchedule, RefusesTasksItCannotRun) {
            {Task(v1::BubbleTask::KIND_CURVATURE_A, 2, "", 9, 0), "no route"},
            {Task(v1::BubbleTask::KIND_INVERT_A, 2, "w9", 0, 0), "names no projection"},
            {Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0, 3, 3), "part 3 of 3"},
-           {Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0, 0, 17),
-            "17 parts for an item of 16"},
+           {Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0, 0, 17), "17 parts for an item of 16"},
            {Task(v1::BubbleTask::KIND_CURVATURE_A, 2, "", 0, 0, 0, 5), "5 parts for an item of 4"},
            {Task(v1::BubbleTask::KIND_CURVATURE_B, 2, "", 0, 0, 0, 8), "8 parts for an item of 7"},
        }) {
@@ -81,12 +80,12 @@ TEST(BubbleSchedule, RefusesTasksItCannotRun) {
   // A job without K-FAC takes none; another node's tasks are not ours.
   BubbleSchedule none(false, 2, 4, Shape());
   std::vector<uint32_t> capture;
-  EXPECT_FALSE(none.Take(Plan({Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0)}), "a", false,
-                         &capture)
-                   .ok());
-  EXPECT_TRUE(none.Take(Plan({Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0)}), "b", false,
-                        &capture)
-                  .ok());
+  EXPECT_FALSE(
+      none.Take(Plan({Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0)}), "a", false, &capture)
+          .ok());
+  EXPECT_TRUE(
+      none.Take(Plan({Task(v1::BubbleTask::KIND_INVERT_A, 2, "q", 0, 0)}), "b", false, &capture)
+          .ok());
   // The finest split and plans from before parts (num_parts 0) are fine.
   BubbleSchedule ok(true, 2, 4, Shape());
   EXPECT_TRUE(ok.Take(Plan({Task(v1::BubbleTask::KIND_INVERT_B, 2, "q", 0, 0, 15, 16),

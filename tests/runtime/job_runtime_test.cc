@@ -40,8 +40,7 @@ class FakeNetwork {
       peers_.clear();
       for (const PeerEndpoint& p : peers) peers_.insert(p.worker_id);
     }
-    void Send(const std::string& to, v1::FrameHeader header, TensorView data,
-              Done done) override {
+    void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) override {
       {
         absl::MutexLock lock(&mu_);
         if (!peers_.count(to)) {
@@ -225,9 +224,9 @@ class JobRuntimeTest : public ::testing::Test {
   void AssignAll() {
     const std::vector<std::string> all = {"d0", "d1", "r0", "r1"};
     for (const auto& [id, s] : kStage) {
-      runtime_[id]->OnCoordinatorMessage(
-          Assignment(id, s, all, s == 0 ? std::vector<std::string>{"d0", "d1"}
-                                        : std::vector<std::string>{"r0", "r1"}));
+      runtime_[id]->OnCoordinatorMessage(Assignment(
+          id, s, all,
+          s == 0 ? std::vector<std::string>{"d0", "d1"} : std::vector<std::string>{"r0", "r1"}));
     }
     for (const auto& [id, s] : kStage) {
       ASSERT_TRUE(net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_stage_ready(); }));
@@ -397,7 +396,8 @@ TEST_F(JobRuntimeTest, FramesFromNonMembersAreRefused) {
   h.set_sender("stranger");
   auto refused = runtime_["r0"]->Allocate(h);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("not a member of job job"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("not a member of job job"));
   h.set_sender("d0");
   EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
   h.set_sender("stranger");

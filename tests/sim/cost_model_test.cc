@@ -60,8 +60,7 @@ TEST(CostModelTest, ModelArithmeticFor15B) {
   EXPECT_DOUBLE_EQ(c.stage0_extra_params, 2.0 * 32000 * 2048 + 2048);
   // Grouped-query attention shrinks k and v.
   shape.set_num_kv_heads(4);
-  EXPECT_DOUBLE_EQ(ComputeModelCosts(shape).params_per_layer,
-                   params - 2.0 * 2048 * 2048 * 3 / 4);
+  EXPECT_DOUBLE_EQ(ComputeModelCosts(shape).params_per_layer, params - 2.0 * 2048 * 2048 * 3 / 4);
 }
 
 TEST(CostModelTest, LayersSplitEvenlyWithRemainderAtTheEnd) {

@@ -22,8 +22,8 @@ inline CostTables UniformTables(int num_nodes, int num_stages, double f, double 
   t.loss_s.assign(num_nodes, l);
   t.latency_s.assign(num_nodes, std::vector<double>(num_nodes, latency));
   t.activation_bytes = serialization > 0 ? 1e6 : 0;
-  t.bandwidth_bytes_per_s.assign(num_nodes,
-                                 std::vector<double>(num_nodes, serialization > 0 ? 1e6 / serialization : 1e9));
+  t.bandwidth_bytes_per_s.assign(
+      num_nodes, std::vector<double>(num_nodes, serialization > 0 ? 1e6 / serialization : 1e9));
   t.stage_gradient_bytes.assign(num_stages, 0);
   return t;
 }

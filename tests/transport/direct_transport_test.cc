@@ -188,8 +188,8 @@ TEST_P(DirectTransportTest, ChunkedTensorsArriveIntact) {
   std::vector<std::shared_ptr<std::vector<char>>> sent;
   for (uint32_t i = 0; i < 4; ++i) {
     sent.push_back(Pattern(sizes[i], static_cast<int>(i)));
-    ASSERT_TRUE(SendAndWait(sender, Header(i, static_cast<int64_t>(sizes[i] / 4)), View(sent[i]))
-                    .ok());
+    ASSERT_TRUE(
+        SendAndWait(sender, Header(i, static_cast<int64_t>(sizes[i] / 4)), View(sent[i])).ok());
   }
   auto got = sink_.received();
   ASSERT_EQ(got.size(), 4u);
@@ -336,7 +336,8 @@ TEST_F(DirectFramingTest, OversizedAndMalformedFramingEndsTheConnection) {
   {
     char prefix[kDirectFramePrefixBytes];
     EncodeDirectFramePrefix(5, 0, prefix);
-    cases.push_back({"unparseable header", std::string(prefix, sizeof(prefix)) + "\xff\xff\xff\xff\xff"});
+    cases.push_back(
+        {"unparseable header", std::string(prefix, sizeof(prefix)) + "\xff\xff\xff\xff\xff"});
   }
   {
     // A valid header announcing 2^60 data bytes: refused by the header
@@ -358,7 +359,8 @@ TEST_F(DirectFramingTest, OversizedAndMalformedFramingEndsTheConnection) {
     ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
     EXPECT_TRUE(ClosedByServer(fd));
     ::close(fd);
-    EXPECT_TRUE(Eventually([&] { return activations_->stats().malformed == malformed_before + 1; }));
+    EXPECT_TRUE(
+        Eventually([&] { return activations_->stats().malformed == malformed_before + 1; }));
   }
   EXPECT_TRUE(sink_.received().empty());
   EXPECT_TRUE(Eventually([&] { return server_->stats().open == 0; }));

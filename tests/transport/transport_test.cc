@@ -92,9 +92,8 @@ TEST_F(TransportTest, ChunkedTensorsArriveIntact) {
   const size_t sizes[] = {4 * 8, 4 * 1000, 4 * 2500000};
   for (uint32_t mb = 0; mb < 3; ++mb) {
     auto bytes = Pattern(sizes[mb], mb);
-    ASSERT_TRUE(SendAndWait(sender, Header(mb, {static_cast<int64_t>(sizes[mb] / 4)}),
-                            View(bytes))
-                    .ok());
+    ASSERT_TRUE(
+        SendAndWait(sender, Header(mb, {static_cast<int64_t>(sizes[mb] / 4)}), View(bytes)).ok());
     auto got = sink_.received();
     ASSERT_EQ(got.size(), mb + 1);
     EXPECT_EQ(got.back().first.microbatch(), mb);
@@ -121,7 +120,8 @@ TEST_F(TransportTest, ManyConcurrentTransfersOnOneStream) {
     });
   }
   absl::MutexLock lock(&mu);
-  ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(+[](int* d) { return *d == 16; }, &done),
+  ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(
+                                      +[](int* d) { return *d == 16; }, &done),
                                   absl::Seconds(30)));
   EXPECT_EQ(ok, 16);
   auto got = sink_.received();
@@ -174,8 +174,7 @@ std::vector<v1::FrameAck> SendRaw(const std::string& address,
   call->Finish(&status, reinterpret_cast<void*>(5));
   cq.Next(&tag, &ok);
   cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
+  while (cq.Next(&tag, &ok)) {}
   return acks;
 }
 
@@ -406,8 +405,7 @@ class FloodStream {
     cq_.Shutdown();
     void* tag;
     bool ok;
-    while (cq_.Next(&tag, &ok)) {
-    }
+    while (cq_.Next(&tag, &ok)) {}
   }
 
  private:

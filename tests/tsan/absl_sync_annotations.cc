@@ -43,8 +43,8 @@ F Real(const char* symbol) {
 }
 
 // The library's function behind one of ours, looked up once.
-#define DETOUR_REAL(type, symbol)                     \
-  static const auto real = Real<type>(symbol);       \
+#define DETOUR_REAL(type, symbol)              \
+  static const auto real = Real<type>(symbol); \
   (void)0
 
 void* Key(const void* p) { return const_cast<void*>(p); }
@@ -93,7 +93,8 @@ void Mutex::ReaderUnlock() {
 }
 
 void Mutex::LockWhen(const Condition& cond) {
-  DETOUR_REAL(void (*)(Mutex*, const Condition&), "_ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE");
+  DETOUR_REAL(void (*)(Mutex*, const Condition&),
+              "_ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE");
   real(this, cond);
   __tsan_acquire(this);
 }

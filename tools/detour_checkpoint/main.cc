@@ -100,9 +100,8 @@ absl::Status ConvertInChild(const std::string& self, const std::string& v1_path,
                             absl::Duration timeout) {
   const std::string log = out_path + ".log";
   ChildProcess child;
-  absl::Status started = child.Start({self, "read-v1-stage", v1_path, out_path,
-                                      absl::StrCat(entry.bytes), entry.checksum},
-                                     log);
+  absl::Status started = child.Start(
+      {self, "read-v1-stage", v1_path, out_path, absl::StrCat(entry.bytes), entry.checksum}, log);
   if (!started.ok()) return started;
   std::optional<int> code = child.Wait(timeout);
   if (!code.has_value()) {
@@ -153,8 +152,8 @@ int CmdConvert(const std::vector<std::string>& args) {
   auto rest = flags.Parse(args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 2) {
-    return Usage(absl::StrCat("convert needs OLD_DIR and NEW_DIR, got ", rest->size(),
-                              " arguments"));
+    return Usage(
+        absl::StrCat("convert needs OLD_DIR and NEW_DIR, got ", rest->size(), " arguments"));
   }
   if (stage_timeout <= absl::ZeroDuration()) return Usage("--stage_timeout must be positive");
   auto self = SelfPath();
@@ -187,9 +186,9 @@ int CmdVerify(const std::vector<std::string>& args) {
   if (rest->size() != 1) return Usage("verify needs exactly one DIR");
   auto manifest = model::VerifyCheckpoint((*rest)[0]);
   if (!manifest.ok()) return Error(manifest.status());
-  std::cout << (*rest)[0] << ": ok (" << manifest->format << ", iteration "
-            << manifest->iteration << ", " << manifest->num_stages << " stages, "
-            << manifest->stages.size() << " stage files)\n";
+  std::cout << (*rest)[0] << ": ok (" << manifest->format << ", iteration " << manifest->iteration
+            << ", " << manifest->num_stages << " stages, " << manifest->stages.size()
+            << " stage files)\n";
   return kExitOk;
 }
 
@@ -219,8 +218,7 @@ int CmdReadV1Stage(const std::vector<std::string>& args) {
   auto converted = model::ConvertV1StageFile(*bytes, v1_path.string());
   if (!converted.ok()) {
     std::cerr << converted.status().message() << "\n";
-    return converted.status().code() == absl::StatusCode::kDataLoss ? kChildCorrupt
-                                                                     : kChildFailed;
+    return converted.status().code() == absl::StatusCode::kDataLoss ? kChildCorrupt : kChildFailed;
   }
   absl::Status written = WriteFileAtomically(args[1], *converted);
   if (!written.ok()) {

@@ -46,9 +46,9 @@ class Progress {
   void Show(const model::PrepareProgress& p) {
     if (quiet_) return;
     const double pct = p.bytes_total > 0 ? 100.0 * p.bytes_done / p.bytes_total : 100.0;
-    const std::string line = absl::StrFormat(
-        "prepare: %5.1f%%  %.1f / %.1f MB read, %d documents, %d tokens", pct,
-        p.bytes_done / 1e6, p.bytes_total / 1e6, p.documents, p.tokens);
+    const std::string line =
+        absl::StrFormat("prepare: %5.1f%%  %.1f / %.1f MB read, %d documents, %d tokens", pct,
+                        p.bytes_done / 1e6, p.bytes_total / 1e6, p.documents, p.tokens);
     if (tty_) {
       std::fprintf(stderr, "\r%s", line.c_str());
     } else if (pct >= next_) {
@@ -86,8 +86,9 @@ int Tokenizer(int argc, char** argv) {
   flags.String("output", &output, "the .model file to write (required)");
   flags.String("type", &type, "bpe or unigram");
   flags.Int("vocab_size", &vocab, "pieces in the vocabulary (>= 260)");
-  flags.Double("character_coverage", &coverage, "share of characters covered by pieces; "
-                                                "the rest are spelled as bytes");
+  flags.Double("character_coverage", &coverage,
+               "share of characters covered by pieces; "
+               "the rest are spelled as bytes");
   flags.Int("threads", &threads, "training threads");
   flags.Int("max_lines", &max_lines, "train on at most this many lines of the inputs");
   flags.String("jsonl_field", &field, "the text field of .jsonl lines");
@@ -95,8 +96,8 @@ int Tokenizer(int argc, char** argv) {
   auto args = flags.Parse(argc, argv);
   if (!args.ok()) return flags.Fail(args.status());
   if (output.empty() || args->empty()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        output.empty() ? "--output FILE.model is required" : "no INPUT given"));
+    return flags.Fail(absl::InvalidArgumentError(output.empty() ? "--output FILE.model is required"
+                                                                : "no INPUT given"));
   }
   // The training lines: the inputs read as `prepare` reads them, one line
   // at a time, streamed into spm_train (nothing staged on disk).
@@ -126,8 +127,8 @@ int Tokenizer(int argc, char** argv) {
     return 1;
   }
   std::printf("wrote %s: %s, %d pieces, %s (trained on %lld lines, %.1f MB of text)\n",
-              output.c_str(), type.c_str(), (*check)->vocab_size(),
-              (*check)->checksum().c_str(), static_cast<long long>(corpus.lines), bytes / 1e6);
+              output.c_str(), type.c_str(), (*check)->vocab_size(), (*check)->checksum().c_str(),
+              static_cast<long long>(corpus.lines), bytes / 1e6);
   return 0;
 }
 
@@ -158,8 +159,8 @@ int Prepare(int argc, char** argv) {
   o.text_documents = ParseDocuments(documents, &bad);
   if (!bad.ok()) return flags.Fail(bad);
   if (o.output.empty() || args->empty()) {
-    return flags.Fail(absl::InvalidArgumentError(
-        o.output.empty() ? "--output DIR is required" : "no INPUT given"));
+    return flags.Fail(absl::InvalidArgumentError(o.output.empty() ? "--output DIR is required"
+                                                                  : "no INPUT given"));
   }
   if (seed < 0) return flags.Fail(absl::InvalidArgumentError("--split_seed must be >= 0"));
   o.split_seed = static_cast<uint64_t>(seed);
@@ -172,13 +173,14 @@ int Prepare(int argc, char** argv) {
     std::fprintf(stderr, "detour-data prepare: %s\n", m.status().ToString().c_str());
     return 1;
   }
-  std::printf("wrote %s: %llu train tokens in %llu documents, %llu validation tokens in %llu "
-              "documents, %s tokenizer (vocabulary %u), %u-byte tokens\n",
-              o.output.c_str(), static_cast<unsigned long long>(m->train().tokens()),
-              static_cast<unsigned long long>(m->train().documents()),
-              static_cast<unsigned long long>(m->validation().tokens()),
-              static_cast<unsigned long long>(m->validation().documents()),
-              m->tokenizer_kind().c_str(), m->vocab_size(), m->token_bytes());
+  std::printf(
+      "wrote %s: %llu train tokens in %llu documents, %llu validation tokens in %llu "
+      "documents, %s tokenizer (vocabulary %u), %u-byte tokens\n",
+      o.output.c_str(), static_cast<unsigned long long>(m->train().tokens()),
+      static_cast<unsigned long long>(m->train().documents()),
+      static_cast<unsigned long long>(m->validation().tokens()),
+      static_cast<unsigned long long>(m->validation().documents()), m->tokenizer_kind().c_str(),
+      m->vocab_size(), m->token_bytes());
   return 0;
 }
 
@@ -198,17 +200,18 @@ int Inspect(int argc, char** argv) {
     return 1;
   }
   const auto& m = ds->manifest;
-  std::printf("%s: %s\n  tokenizer %s (%s), vocabulary %u, %u-byte tokens, eos %d\n"
-              "  train %llu tokens / %llu documents, validation %llu / %llu (fraction %g, "
-              "seed %llu)\n  %d sources, %.1f MB of text%s\n",
-              (*args)[0].c_str(), m.format().c_str(), m.tokenizer_kind().c_str(),
-              m.tokenizer_checksum().c_str(), m.vocab_size(), m.token_bytes(), m.eos_id(),
-              static_cast<unsigned long long>(m.train().tokens()),
-              static_cast<unsigned long long>(m.train().documents()),
-              static_cast<unsigned long long>(m.validation().tokens()),
-              static_cast<unsigned long long>(m.validation().documents()),
-              m.validation_fraction(), static_cast<unsigned long long>(m.split_seed()),
-              m.sources_size(), m.text_bytes() / 1e6, verify ? "; verified" : "");
+  std::printf(
+      "%s: %s\n  tokenizer %s (%s), vocabulary %u, %u-byte tokens, eos %d\n"
+      "  train %llu tokens / %llu documents, validation %llu / %llu (fraction %g, "
+      "seed %llu)\n  %d sources, %.1f MB of text%s\n",
+      (*args)[0].c_str(), m.format().c_str(), m.tokenizer_kind().c_str(),
+      m.tokenizer_checksum().c_str(), m.vocab_size(), m.token_bytes(), m.eos_id(),
+      static_cast<unsigned long long>(m.train().tokens()),
+      static_cast<unsigned long long>(m.train().documents()),
+      static_cast<unsigned long long>(m.validation().tokens()),
+      static_cast<unsigned long long>(m.validation().documents()), m.validation_fraction(),
+      static_cast<unsigned long long>(m.split_seed()), m.sources_size(), m.text_bytes() / 1e6,
+      verify ? "; verified" : "");
   if (show > 0) {
     auto tok = model::Tokenizer::Load(
         m.tokenizer_file().empty() ? "" : absl::StrCat((*args)[0], "/", m.tokenizer_file()));

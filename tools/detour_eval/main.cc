@@ -97,17 +97,28 @@ bool Parse(int argc, char** argv, Args* a, std::string* error) {
     }
     const std::string v = inline_value.has_value() ? *inline_value : argv[++i];
     bool ok = true;
-    if (flag == "--checkpoint") a->checkpoint = v;
-    else if (flag == "--preset") a->preset = v;
-    else if (flag == "--stages") a->stages = v;
-    else if (flag == "--data") a->data = v;
-    else if (flag == "--tokenizer") a->tokenizer = v;
-    else if (flag == "--device") a->device = v;
-    else if (flag == "--split") ok = absl::SimpleAtoi(v, &a->split) && a->split > 0;
-    else if (flag == "--max-samples") ok = absl::SimpleAtoi(v, &a->max_samples) && a->max_samples >= 0;
-    else if (flag == "--batch") ok = absl::SimpleAtoi(v, &a->batch) && a->batch > 0;
-    else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
-    else if (flag == "--seed") ok = absl::SimpleAtoi(v, &a->seed);
+    if (flag == "--checkpoint")
+      a->checkpoint = v;
+    else if (flag == "--preset")
+      a->preset = v;
+    else if (flag == "--stages")
+      a->stages = v;
+    else if (flag == "--data")
+      a->data = v;
+    else if (flag == "--tokenizer")
+      a->tokenizer = v;
+    else if (flag == "--device")
+      a->device = v;
+    else if (flag == "--split")
+      ok = absl::SimpleAtoi(v, &a->split) && a->split > 0;
+    else if (flag == "--max-samples")
+      ok = absl::SimpleAtoi(v, &a->max_samples) && a->max_samples >= 0;
+    else if (flag == "--batch")
+      ok = absl::SimpleAtoi(v, &a->batch) && a->batch > 0;
+    else if (flag == "--threads")
+      ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
+    else if (flag == "--seed")
+      ok = absl::SimpleAtoi(v, &a->seed);
     else if (flag == "--validation-fraction")
       ok = absl::SimpleAtod(v, &a->fraction) && a->fraction > 0 && a->fraction <= 0.5;
     else {
@@ -164,8 +175,9 @@ absl::Status Main(const Args& args) {
                      ? ""
                      : absl::StrCat(", tokenizer ", manifest.data.tokenizer).c_str());
   } else if (!args.checkpoint.empty()) {
-    std::fprintf(stderr, "detour-eval: the checkpoint records no data source (written by an "
-                         "older detour); evaluating on the embedded corpus — give --data\n");
+    std::fprintf(stderr,
+                 "detour-eval: the checkpoint records no data source (written by an "
+                 "older detour); evaluating on the embedded corpus — give --data\n");
   }
   if (!args.tokenizer.empty() && args.data.empty()) {
     return absl::InvalidArgumentError("--tokenizer applies to --data only");
@@ -185,10 +197,10 @@ absl::Status Main(const Args& args) {
   ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(spec.data()));
   if (!manifest.data.tokenizer_checksum.empty() &&
       manifest.data.tokenizer_checksum != data.tokenizer_checksum) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the checkpoint was trained on ids of tokenizer ", manifest.data.tokenizer_checksum,
-        " but the data is tokenised with ", data.tokenizer_checksum,
-        " (give the checkpoint's tokenizer, or its data)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint was trained on ids of tokenizer ",
+                     manifest.data.tokenizer_checksum, " but the data is tokenised with ",
+                     data.tokenizer_checksum, " (give the checkpoint's tokenizer, or its data)"));
   }
   RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(spec.model().vocab_size())));
   model::EvalOptions options;
@@ -211,11 +223,12 @@ absl::Status Main(const Args& args) {
     for (int s = 0; s < engine->num_stages(); ++s) route.push_back(s);
   }
   if (args.json) {
-    std::printf("{\"perplexity\": %.6f, \"mean_nll\": %.6f, \"tokens\": %lld, "
-                "\"samples\": %lld, \"stages\": [%s], \"num_stages\": %d}\n",
-                result.perplexity, result.mean_nll, static_cast<long long>(result.tokens),
-                static_cast<long long>(result.samples), absl::StrJoin(route, ", ").c_str(),
-                engine->num_stages());
+    std::printf(
+        "{\"perplexity\": %.6f, \"mean_nll\": %.6f, \"tokens\": %lld, "
+        "\"samples\": %lld, \"stages\": [%s], \"num_stages\": %d}\n",
+        result.perplexity, result.mean_nll, static_cast<long long>(result.tokens),
+        static_cast<long long>(result.samples), absl::StrJoin(route, ", ").c_str(),
+        engine->num_stages());
   } else {
     std::printf("perplexity %.4f (%.4f nats/token) over %lld tokens, stages {%s} of %d\n",
                 result.perplexity, result.mean_nll, static_cast<long long>(result.tokens),

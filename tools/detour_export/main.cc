@@ -64,13 +64,15 @@ int main(int argc, char** argv) {
   } else if (d == "bf16" || d == "bfloat16") {
     options.dtype = detour::model::SafetensorsDType::kBF16;
   } else {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--dtype: \"", dtype, "\" is not f32 or bf16")));
+    return flags.Fail(
+        absl::InvalidArgumentError(absl::StrCat("--dtype: \"", dtype, "\" is not f32 or bf16")));
   }
   options.tokenizer_model = tokenizer;
   options.overwrite = overwrite;
   if (!quiet) {
-    options.progress = [](absl::string_view line) { std::cerr << "detour-export: " << line << "\n"; };
+    options.progress = [](absl::string_view line) {
+      std::cerr << "detour-export: " << line << "\n";
+    };
   }
   const absl::Status s = detour::model::ExportHfCheckpoint((*args)[0], (*args)[1], options);
   if (!s.ok()) {

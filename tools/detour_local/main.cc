@@ -105,12 +105,13 @@ class Launcher {
     }
     if (args_.iterations > 0) spec->set_iterations(args_.iterations);
     const v1::PipelineSpec& p = spec->pipeline();
-    const int needed = static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
+    const int needed =
+        static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
     const int workers = args_.workers > 0 ? static_cast<int>(args_.workers) : needed;
     if (workers < needed) {
       std::cerr << "detour-local: --workers " << workers << " is fewer than the " << needed
-                << " the job needs (" << p.data_nodes() << " data nodes + "
-                << p.num_stages() - 1 << " stages x " << p.replicas_per_stage() << " replicas)\n";
+                << " the job needs (" << p.data_nodes() << " data nodes + " << p.num_stages() - 1
+                << " stages x " << p.replicas_per_stage() << " replicas)\n";
       return 2;
     }
     std::vector<std::string> regions;
@@ -152,10 +153,14 @@ class Launcher {
     std::cout << "detour-local: coordinator + " << workers << " workers on loopback (logs in "
               << args_.out << "/)\n";
     std::vector<std::string> cargv = {
-        DaemonPath(bin, "coordinator", "detour-coordinator"), "--listen=127.0.0.1:0", "--metrics_port=0",
-        "--metrics_bind=127.0.0.1", absl::StrCat("--data_dir=", args_.out, "/coordinator"),
+        DaemonPath(bin, "coordinator", "detour-coordinator"),
+        "--listen=127.0.0.1:0",
+        "--metrics_port=0",
+        "--metrics_bind=127.0.0.1",
+        absl::StrCat("--data_dir=", args_.out, "/coordinator"),
         absl::StrCat("--ready_file=", args_.out, "/coordinator.ready"),
-        "--heartbeat_interval=500ms", "--worker_silence=5s"};
+        "--heartbeat_interval=500ms",
+        "--worker_silence=5s"};
     AddSecurityFlags("coordinator", &cargv);
     if (!certs_.empty()) cargv.push_back(absl::StrCat("--auth_tokens=", certs_, "/tokens"));
     if (!args_.cluster.empty()) cargv.push_back(absl::StrCat("--cluster=", args_.cluster));
@@ -169,19 +174,25 @@ class Launcher {
         WaitForReadyField(args_.out + "/coordinator.ready", "metrics_port", absl::Seconds(1));
     if (!port.ok()) {
       std::cerr << "detour-local: the coordinator did not start; see " << args_.out
-                << "/coordinator.log:\n" << coordinator_.Log();
+                << "/coordinator.log:\n"
+                << coordinator_.Log();
       return 1;
     }
     address_ = absl::StrCat("127.0.0.1:", *port);
-    std::cout << "  coordinator  gRPC " << address_ << ", metrics http://127.0.0.1:"
-              << (metrics_port.ok() ? *metrics_port : "?") << "/metrics\n";
+    std::cout << "  coordinator  gRPC " << address_
+              << ", metrics http://127.0.0.1:" << (metrics_port.ok() ? *metrics_port : "?")
+              << "/metrics\n";
     for (int i = 0; i < workers; ++i) {
       const std::string region = regions.empty() ? "local" : regions[i % regions.size()];
       auto w = std::make_unique<ChildProcess>();
       std::vector<std::string> wargv = {
-          DaemonPath(bin, "worker", "detour-worker"), "--listen=127.0.0.1:0", "--metrics_port=-1",
-          absl::StrCat("--coordinator=", address_), absl::StrCat("--worker_id=w", i + 1),
-          absl::StrCat("--region=", region), absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
+          DaemonPath(bin, "worker", "detour-worker"),
+          "--listen=127.0.0.1:0",
+          "--metrics_port=-1",
+          absl::StrCat("--coordinator=", address_),
+          absl::StrCat("--worker_id=w", i + 1),
+          absl::StrCat("--region=", region),
+          absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
           absl::StrCat("--torch_threads=", args_.torch_threads),
           absl::StrCat("--ready_file=", args_.out, "/w", i + 1, ".ready")};
       AddSecurityFlags(absl::StrCat("w", i + 1), &wargv);
@@ -204,8 +215,7 @@ class Launcher {
     if (!certs_.empty()) {
       std::cout << "  TLS          throwaway CA and certificates in " << certs_
                 << "/; try\n               detourctl --coordinator=" << address_
-                << " --tls_ca=" << certs_ << "/ca.crt --token_file=" << certs_
-                << "/token list\n";
+                << " --tls_ca=" << certs_ << "/ca.crt --token_file=" << certs_ << "/token list\n";
     } else {
       std::cout << "  plaintext    --insecure: no TLS, no authentication\n";
     }
@@ -256,8 +266,8 @@ class Launcher {
     }
     ASSIGN_OR_RETURN(std::string token, RandomToken());
     RETURN_IF_ERROR(WriteFileAtomically(certs_ + "/token", token + "\n"));
-    RETURN_IF_ERROR(WriteFileAtomically(certs_ + "/tokens",
-                                        absl::StrCat(token, " submit detour-local\n")));
+    RETURN_IF_ERROR(
+        WriteFileAtomically(certs_ + "/tokens", absl::StrCat(token, " submit detour-local\n")));
     std::error_code ec;
     for (const char* name : {"/token", "/tokens"}) {
       fs::permissions(certs_ + name, fs::perms::owner_read | fs::perms::owner_write,
@@ -301,16 +311,17 @@ class Launcher {
         return 1;
       }
     }
-    std::cout << "  job          " << job.id() << " (" << spec.name() << "): "
-              << spec.model().preset() << " model, " << spec.pipeline().num_stages()
-              << " stages, skip " << spec.pipeline().skip_ratio() << ", "
-              << spec.iterations() << " iterations\n\n";
+    std::cout << "  job          " << job.id() << " (" << spec.name()
+              << "): " << spec.model().preset() << " model, " << spec.pipeline().num_stages()
+              << " stages, skip " << spec.pipeline().skip_ratio() << ", " << spec.iterations()
+              << " iterations\n\n";
     const bool tty = ::isatty(STDOUT_FILENO);
     std::string csv =
         "iteration,loss,iteration_time_s,tokens_per_s,predicted_iteration_time_s,"
-        "coordinator_overhead_s,utilization,utilization_with_kfac,kfac_refreshes,elapsed_s,kfac_max_delay_s\n";
-    PlotSeries curve{absl::StrCat(spec.name(), " (", spec.pipeline().num_stages(),
-                                  " stages, skip ", spec.pipeline().skip_ratio(), ")"),
+        "coordinator_overhead_s,utilization,utilization_with_kfac,kfac_refreshes,elapsed_s,kfac_"
+        "max_delay_s\n";
+    PlotSeries curve{absl::StrCat(spec.name(), " (", spec.pipeline().num_stages(), " stages, skip ",
+                                  spec.pipeline().skip_ratio(), ")"),
                      {}};
     grpc::ClientContext context;
     Authorize(&context);
@@ -334,18 +345,16 @@ class Launcher {
       if (pr.iteration() > shown) {
         shown = pr.iteration();
         absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f,%.4f,%.5f,%.4f,%.4f,%d,%.3f,%.4f\n",
-                              pr.iteration(), pr.loss(), pr.iteration_time_s(),
-                              pr.tokens_per_s(), pr.predicted_iteration_time_s(),
-                              pr.coordinator_overhead_s(), pr.utilization(),
-                              pr.utilization_with_kfac(), pr.kfac_refreshes(),
-                              absl::ToDoubleSeconds(absl::Now() - start),
-                              pr.kfac_max_delay_s());
+                              pr.iteration(), pr.loss(), pr.iteration_time_s(), pr.tokens_per_s(),
+                              pr.predicted_iteration_time_s(), pr.coordinator_overhead_s(),
+                              pr.utilization(), pr.utilization_with_kfac(), pr.kfac_refreshes(),
+                              absl::ToDoubleSeconds(absl::Now() - start), pr.kfac_max_delay_s());
         curve.points.emplace_back(static_cast<double>(pr.iteration()), pr.loss());
       }
-      const std::string line = absl::StrFormat(
-          "%-9s iteration %d/%d  loss %.4f  %.0f tok/s  eta %s  (%.0fs)",
-          state, pr.iteration(), pr.total_iterations(), pr.loss(), pr.tokens_per_s(),
-          FormatEta(pr.eta_s()), absl::ToDoubleSeconds(absl::Now() - start));
+      const std::string line =
+          absl::StrFormat("%-9s iteration %d/%d  loss %.4f  %.0f tok/s  eta %s  (%.0fs)", state,
+                          pr.iteration(), pr.total_iterations(), pr.loss(), pr.tokens_per_s(),
+                          FormatEta(pr.eta_s()), absl::ToDoubleSeconds(absl::Now() - start));
       if (tty) {
         std::cout << "\r\033[K" << line << std::flush;
       } else if (state != last_state || (pr.iteration() != last_printed &&
@@ -379,8 +388,7 @@ class Launcher {
     if (!curve.points.empty()) {
       std::cout << absl::StrFormat("loss %.4f -> %.4f over %d iterations in %.0f s\n",
                                    curve.points.front().second, curve.points.back().second,
-                                   curve.points.size(),
-                                   absl::ToDoubleSeconds(absl::Now() - start));
+                                   curve.points.size(), absl::ToDoubleSeconds(absl::Now() - start));
     }
     std::cout << "loss curve: " << args_.out << "/loss.csv, " << args_.out << "/loss.svg\n";
     if (!job.last_checkpoint().empty()) {
@@ -394,8 +402,8 @@ class Launcher {
     PlotOptions options;
     options.title = "detour-local: training loss";
     const std::string svg = LinePlotSvg({curve}, options);
-    for (const auto& [name, content] : {std::pair<std::string, std::string>{"loss.csv", csv},
-                                        {"loss.svg", svg}}) {
+    for (const auto& [name, content] :
+         {std::pair<std::string, std::string>{"loss.csv", csv}, {"loss.svg", svg}}) {
       if (absl::Status s = WriteFileAtomically(args_.out + "/" + name, content); !s.ok()) {
         std::cerr << "detour-local: " << s.message() << "\n";
       }

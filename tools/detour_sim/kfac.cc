@@ -113,10 +113,8 @@ struct KfacArgs {
 absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& args) {
   KfacArgs a;
   int64_t stages = 0, microbatches = 0, blocks = 0, iterations = 0, refreshes = a.refreshes,
-          curvature_microbatches = a.curvature_microbatches,
-          refresh_interval = a.refresh_interval;
-  double forward_ms = 0, backward_ms = 0, curvature_ms = 0, inversion_ms = 0,
-         precondition_ms = 0;
+          curvature_microbatches = a.curvature_microbatches, refresh_interval = a.refresh_interval;
+  double forward_ms = 0, backward_ms = 0, curvature_ms = 0, inversion_ms = 0, precondition_ms = 0;
   std::string seed, placement = "bubbles", replica_sync;
   bool sync = false, no_sync = false;
   flags.String("schedule", &a.schedule, "synthetic pipeline: gpipe, 1f1b or chimera");
@@ -174,8 +172,8 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
   RETURN_IF_ERROR(count("blocks", blocks, 1, &a.blocks));
   RETURN_IF_ERROR(count("iterations", iterations, 1, &a.iterations));
   RETURN_IF_ERROR(count("refreshes", refreshes, 1, &a.refreshes));
-  RETURN_IF_ERROR(count("curvature-microbatches", curvature_microbatches, 1,
-                        &a.curvature_microbatches));
+  RETURN_IF_ERROR(
+      count("curvature-microbatches", curvature_microbatches, 1, &a.curvature_microbatches));
   RETURN_IF_ERROR(count("refresh-interval", refresh_interval, 0, &a.refresh_interval));
   for (const auto& [name, v, out] :
        std::vector<std::tuple<const char*, double, std::optional<double>*>>{
@@ -203,7 +201,8 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
     return UsageError(absl::StrCat("--tflops: needs a positive number, got ", a.tflops));
   }
   if (flags.WasSet("seed")) {
-    if (!absl::SimpleAtoi(seed, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", seed));
+    if (!absl::SimpleAtoi(seed, &a.seed))
+      return UsageError(absl::StrCat("--seed: bad number ", seed));
     a.has_seed = true;
   }
   if (!(a.max_granule_ms == 0 || (a.max_granule_ms >= 0.01 && a.max_granule_ms <= 60000))) {
@@ -262,8 +261,7 @@ absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& a
           a.stages, a.microbatches));
     }
     if (a.profile.empty()) {
-      for (const auto& [flag, v] :
-           std::vector<std::pair<const char*, std::optional<double>>>{
+      for (const auto& [flag, v] : std::vector<std::pair<const char*, std::optional<double>>>{
                {"--forward-ms", a.forward_ms},
                {"--backward-ms", a.backward_ms},
                {"--curvature-ms", a.curvature_ms},
@@ -360,8 +358,7 @@ std::vector<std::vector<Op>> ChimeraOrders(int D, int N) {
           const std::tuple<int, int, int, int> key{1, index, s, pipe};
           if (!best || key < best_key) best = Op{true, mb, s}, best_key = key;
         }
-        if (b_slot[mb][s] < 0 &&
-            done_before(s == D - 1 ? f_slot[mb][s] : b_slot[mb][s + 1], t)) {
+        if (b_slot[mb][s] < 0 && done_before(s == D - 1 ? f_slot[mb][s] : b_slot[mb][s + 1], t)) {
           const std::tuple<int, int, int, int> key{0, index, -s, pipe};
           if (!best || key < best_key) best = Op{false, mb, s}, best_key = key;
         }
@@ -490,18 +487,23 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
     if (end > at) r.idle[d].push_back({at, end});
   }
 
-  Scenario sc{absl::StrFormat(
-                  "synthetic %s: %d stages, %d microbatches%s, %d blocks (%s; ms per block: "
-                  "forward %.2f, backward %.2f, curvature %.2f, inversion %.2f, precondition "
-                  "%.2f)",
-                  a.schedule, D, N,
-                  chimera ? absl::StrFormat(" (%d down, %d up; device d holds stages d and "
-                                            "%d-d, 2 replicas per stage)",
-                                            N / 2, N / 2, D - 1)
-                          : "",
-                  p.blocks, a.profile.empty() ? "explicit" : a.profile, p.forward_ms,
-                  p.backward_ms, p.curvature_ms, p.inversion_ms, p.precondition_ms),
-              std::move(cost), {}, std::move(r), {}, {}, chimera};
+  Scenario sc{
+      absl::StrFormat("synthetic %s: %d stages, %d microbatches%s, %d blocks (%s; ms per block: "
+                      "forward %.2f, backward %.2f, curvature %.2f, inversion %.2f, precondition "
+                      "%.2f)",
+                      a.schedule, D, N,
+                      chimera ? absl::StrFormat(" (%d down, %d up; device d holds stages d and "
+                                                "%d-d, 2 replicas per stage)",
+                                                N / 2, N / 2, D - 1)
+                              : "",
+                      p.blocks, a.profile.empty() ? "explicit" : a.profile, p.forward_ms,
+                      p.backward_ms, p.curvature_ms, p.inversion_ms, p.precondition_ms),
+      std::move(cost),
+      {},
+      std::move(r),
+      {},
+      {},
+      chimera};
   // One timeline row per device, labelled with its down-pipeline stage.
   for (int d = 0; d < D; ++d) sc.plan.assignment.stage_nodes.push_back({d});
   for (int m = 0; m < N; ++m) {
@@ -580,24 +582,19 @@ absl::StatusOr<Scenario> Real(const KfacArgs& a) {
   sc.description = absl::StrFormat(
       "cluster %s, job %s: scheduler %s, %d stages, %d data nodes x %d microbatches, %d "
       "replicas, %s model (%d blocks), %.0f tokens per microbatch, %.0f TFLOP/s per speed unit",
-      cluster.name(), job.name(), planner::SchedulerName(it.scheduler), num_stages,
-      p.data_nodes(), p.microbatches_per_data_node(), p.replicas_per_stage(),
+      cluster.name(), job.name(), planner::SchedulerName(it.scheduler), num_stages, p.data_nodes(),
+      p.microbatches_per_data_node(), p.replicas_per_stage(),
       shape.preset().empty() ? "explicit" : shape.preset(), shape.num_layers(), tokens, tflops);
   return sc;
 }
 
 const char* TaskColour(v1::BubbleTask::Kind k) {
   switch (k) {
-    case v1::BubbleTask::KIND_CURVATURE_A:
-      return "#b07aa1";
-    case v1::BubbleTask::KIND_CURVATURE_B:
-      return "#d4a6c8";
-    case v1::BubbleTask::KIND_SYNC_FACTORS:
-      return "#9c755f";
-    case v1::BubbleTask::KIND_INVERT_A:
-      return "#76b7b2";
-    default:
-      return "#2f8f89";
+    case v1::BubbleTask::KIND_CURVATURE_A: return "#b07aa1";
+    case v1::BubbleTask::KIND_CURVATURE_B: return "#d4a6c8";
+    case v1::BubbleTask::KIND_SYNC_FACTORS: return "#9c755f";
+    case v1::BubbleTask::KIND_INVERT_A: return "#76b7b2";
+    default: return "#2f8f89";
   }
 }
 
@@ -614,22 +611,20 @@ absl::Status Run(const KfacArgs& a) {
   // auto: the job's choice (KFAC_REPLICA_SYNC_AUTO) on this plan.
   std::optional<planner::ReplicaSyncChoice> choice;
   if (sc.replicated && !a.sync) {
-    ASSIGN_OR_RETURN(choice, planner::ChooseReplicaSync(sc.workload, k, sc.plan, timeline,
-                                                        a.refreshes));
+    ASSIGN_OR_RETURN(choice,
+                     planner::ChooseReplicaSync(sc.workload, k, sc.plan, timeline, a.refreshes));
   }
-  const kfac::ReplicaSync sync =
-      choice ? choice->sync : a.sync.value_or(kfac::ReplicaSync::kNone);
+  const kfac::ReplicaSync sync = choice ? choice->sync : a.sync.value_or(kfac::ReplicaSync::kNone);
   k.set_sync_factors(sync == kfac::ReplicaSync::kFactors);
   k.set_replica_sync(sync == kfac::ReplicaSync::kFactors ? v1::KFAC_REPLICA_SYNC_FACTORS
                      : sync == kfac::ReplicaSync::kPreconditioned
                          ? v1::KFAC_REPLICA_SYNC_PRECONDITIONED
                          : v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
-  const char* sync_name = sync == kfac::ReplicaSync::kFactors           ? "factors"
+  const char* sync_name = sync == kfac::ReplicaSync::kFactors          ? "factors"
                           : sync == kfac::ReplicaSync::kPreconditioned ? "preconditioned"
-                                                                        : "none";
+                                                                       : "none";
 
-  ASSIGN_OR_RETURN(planner::BubblePlanner bp,
-                   planner::BubblePlanner::Create(sc.workload, k));
+  ASSIGN_OR_RETURN(planner::BubblePlanner bp, planner::BubblePlanner::Create(sc.workload, k));
   const int max_iterations = a.iterations > 0 ? a.iterations : 1000;
   std::vector<planner::IterationBubbles> its;
   int holders = 0;
@@ -696,9 +691,9 @@ absl::Status Run(const KfacArgs& a) {
       }
     }
     sim::SvgOptions o;
-    o.title = absl::StrFormat("K-FAC in the bubbles, iteration %d (utilisation %.1f%% -> %.1f%%)",
-                              pick, 100 * its[pick].utilization_before,
-                              100 * its[pick].utilization_after);
+    o.title =
+        absl::StrFormat("K-FAC in the bubbles, iteration %d (utilisation %.1f%% -> %.1f%%)", pick,
+                        100 * its[pick].utilization_before, 100 * its[pick].utilization_after);
     o.max_time_s = its[pick].iteration_time_s;
     std::map<std::string, int> index;
     for (size_t n = 0; n < sc.workload.nodes.size(); ++n) {
@@ -838,9 +833,8 @@ absl::Status Run(const KfacArgs& a) {
     double serial = 0;
     for (double v : b.serial_s) serial = std::max(serial, v);
     std::cout << absl::StrFormat(
-        "%9d %12.3f %12.3f %9.1f%% %9.1f%% %10.3f %6d %8s\n", i, timeline.end_s,
-        b.iteration_time_s, 100 * b.utilization_before, 100 * b.utilization_after, serial,
-        b.tasks.size(),
+        "%9d %12.3f %12.3f %9.1f%% %9.1f%% %10.3f %6d %8s\n", i, timeline.end_s, b.iteration_time_s,
+        100 * b.utilization_before, 100 * b.utilization_after, serial, b.tasks.size(),
         b.activate_refresh ? absl::StrCat("r", *b.activate_refresh) : std::string("-"));
   }
   std::cout << absl::StrFormat(

@@ -185,9 +185,9 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
                  "wall-clock cap on planning in seconds, 0 = none (a cap that cuts the search "
                  "short makes results depend on the machine)");
     flags.String("assignment", &a.assignment,
-                  "pin the node-to-stage assignment: stage groups separated by ';', nodes by "
-                  "',' (node ids or indices into the cluster's nodes), data nodes first, e.g. "
-                  "\"0,3,4;15,8,14;...\" (default: the job's pipeline.assignment, else searched)");
+                 "pin the node-to-stage assignment: stage groups separated by ';', nodes by "
+                 "',' (node ids or indices into the cluster's nodes), data nodes first, e.g. "
+                 "\"0,3,4;15,8,14;...\" (default: the job's pipeline.assignment, else searched)");
     flags.String("objective", &a.objective,
                  "iteration or pipeline: what the search minimises (default: the job's "
                  "pipeline.plan_objective)");
@@ -213,7 +213,8 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
   }
   if (!rest->empty()) return UsageError(absl::StrCat("unexpected argument \"", (*rest)[0], "\""));
   if (flags.WasSet("seed")) {
-    if (!absl::SimpleAtoi(seed, &a.seed)) return UsageError(absl::StrCat("--seed: bad number ", seed));
+    if (!absl::SimpleAtoi(seed, &a.seed))
+      return UsageError(absl::StrCat("--seed: bad number ", seed));
     a.has_seed = true;
   }
   if (flags.WasSet("tflops") && !(a.tflops > 0)) {
@@ -227,8 +228,8 @@ absl::StatusOr<Args> ParseArgs(const std::string& command, const std::vector<std
     a.assignment_evaluations = static_cast<int>(assignment_evaluations);
   }
   if (!(a.time_budget_s >= 0 && a.time_budget_s <= 86400)) {
-    return UsageError(absl::StrCat("--time-budget: needs seconds in [0, 86400], got ",
-                                   a.time_budget_s));
+    return UsageError(
+        absl::StrCat("--time-budget: needs seconds in [0, 86400], got ", a.time_budget_s));
   }
   if (!a.objective.empty() && a.objective != "iteration" && a.objective != "pipeline") {
     return UsageError(absl::StrCat("--objective: iteration or pipeline, got ", a.objective));
@@ -283,7 +284,8 @@ absl::Status ApplyAssignment(const std::string& text, const v1::ClusterSpec& clu
       bool known = false;
       for (const auto& n : cluster.nodes()) known = known || n.id() == item;
       if (!known) {
-        return UsageError(absl::StrCat("--assignment: \"", item, "\" is not a node of the cluster"));
+        return UsageError(
+            absl::StrCat("--assignment: \"", item, "\" is not a node of the cluster"));
       }
       stage->add_nodes(item);
     }
@@ -368,7 +370,7 @@ void WriteReport(sim::JsonWriter& w, const Context& c, const PlannedIteration& i
   w.EndObject();
   w.Key("objective");
   w.String(c.job.pipeline().plan_objective() == v1::PLAN_OBJECTIVE_PIPELINE ? "pipeline"
-                                                                             : "iteration");
+                                                                            : "iteration");
   if (it.assignment_search.proxy_trials > 0) {
     w.Key("assignment_search");
     w.BeginObject();
@@ -466,14 +468,16 @@ std::string Describe(const Context& c) {
 
 std::string TextReport(const Context& c, const PlannedIteration& it) {
   std::string out = Describe(c) + "\n";
-  absl::StrAppendFormat(&out, "scheduler %s: pipeline %.3f s, iteration %.3f s (with all-reduce), "
+  absl::StrAppendFormat(&out,
+                        "scheduler %s: pipeline %.3f s, iteration %.3f s (with all-reduce), "
                         "utilisation %.1f%%, planned in %.3f s\n",
                         planner::SchedulerName(it.scheduler), it.result.pipeline_time_s,
                         it.result.iteration_time_s, 100 * it.result.utilization,
                         it.planning_time_s);
   const sim::QueuePolicy policy = planner::QueuePolicyOf(c.job.pipeline());
   absl::StrAppendFormat(
-      &out, "queue policy %s (the workers'): %d collisions, tasks waited %.3f s in all; under "
+      &out,
+      "queue policy %s (the workers'): %d collisions, tasks waited %.3f s in all; under "
       "%s: pipeline %.3f s, iteration %.3f s\n",
       sim::QueuePolicyName(policy), it.result.collisions, it.result.queue_wait_s,
       sim::QueuePolicyName(policy == sim::QueuePolicy::kArrival ? sim::QueuePolicy::kBackwardFirst
@@ -481,7 +485,8 @@ std::string TextReport(const Context& c, const PlannedIteration& it) {
       it.other_policy_pipeline_s, it.other_policy_iteration_s);
   if (it.assignment_search.proxy_trials > 0) {
     absl::StrAppendFormat(
-        &out, "assignment search: %d partitions judged by their plan (score %.3f -> %.3f, %d "
+        &out,
+        "assignment search: %d partitions judged by their plan (score %.3f -> %.3f, %d "
         "refined), %d proxy trials\n",
         it.assignment_search.plan_evaluations, it.assignment_search.proxy_plan_score,
         it.assignment_search.final_plan_score, it.assignment_search.refined,
@@ -504,11 +509,11 @@ std::string TextReport(const Context& c, const PlannedIteration& it) {
 
 absl::Status ExportTimelines(const Args& a, const Context& c, const PlannedIteration& it,
                              const std::string& trace, const std::string& svg, double max_t) {
-  const std::string title =
-      absl::StrFormat("%s on %s — %s", planner::SchedulerName(it.scheduler), c.cluster.name(),
-                      c.job.name());
+  const std::string title = absl::StrFormat("%s on %s — %s", planner::SchedulerName(it.scheduler),
+                                            c.cluster.name(), c.job.name());
   if (!trace.empty()) {
-    RETURN_IF_ERROR(WriteFileAtomically(trace, sim::ChromeTraceJson(c.cost, it.plan, it.result, title)));
+    RETURN_IF_ERROR(
+        WriteFileAtomically(trace, sim::ChromeTraceJson(c.cost, it.plan, it.result, title)));
   }
   if (!svg.empty()) {
     sim::SvgOptions o;
@@ -551,7 +556,8 @@ absl::Status ReadRoutes(const std::string& path, const sim::CostModel& cost, sim
     return absl::InvalidArgumentError(absl::StrCat(path, ": expected an object with \"routes\""));
   }
   const auto& fields = root.struct_value().fields();
-  if (auto it = fields.find("scheduler"); it != fields.end()) *scheduler = it->second.string_value();
+  if (auto it = fields.find("scheduler"); it != fields.end())
+    *scheduler = it->second.string_value();
   auto routes_it = fields.find("routes");
   if (routes_it == fields.end() || !routes_it->second.has_list_value()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": \"routes\" must be a list"));
@@ -595,8 +601,8 @@ absl::Status ReadRoutes(const std::string& path, const sim::CostModel& cost, sim
       for (const auto& v : group.list_value().values()) {
         const int n = cost.NodeIndex(v.string_value());
         if (n < 0) {
-          return absl::InvalidArgumentError(absl::StrCat(path, ": stages: unknown node \"",
-                                                         v.string_value(), "\""));
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": stages: unknown node \"", v.string_value(), "\""));
         }
         ids.push_back(n);
       }
@@ -700,10 +706,11 @@ absl::Status Compare(const Args& a) {
         r.result.iteration_time_s, r.result.iteration_time_s / full.result.iteration_time_s,
         100 * r.result.utilization, r.planning_time_s);
   }
-  std::cout << "\npipeline_s: simulated time until the last backward finishes (SkipPipe's metric).\n"
-               "iteration_s: plus each stage's ring all-reduce of its gradients.\n"
-               "vs full: ratio to the full pipeline on the same nodes (lower is better).\n"
-               "utilisation: share of node-time spent computing over the iteration.\n";
+  std::cout
+      << "\npipeline_s: simulated time until the last backward finishes (SkipPipe's metric).\n"
+         "iteration_s: plus each stage's ring all-reduce of its gradients.\n"
+         "vs full: ratio to the full pipeline on the same nodes (lower is better).\n"
+         "utilisation: share of node-time spent computing over the iteration.\n";
   return absl::OkStatus();
 }
 

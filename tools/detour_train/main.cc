@@ -38,7 +38,8 @@ namespace {
 namespace fs = std::filesystem;
 using model::PipelineEngine;
 
-constexpr char kUsage[] = R"(detour-train: in-process convergence experiments for detour's model core.
+constexpr char kUsage[] =
+    R"(detour-train: in-process convergence experiments for detour's model core.
 
 Usage:
   detour-train [--job J.json] [--preset tiny] [--iterations N] [--runs SPEC]
@@ -102,16 +103,17 @@ struct Run {
   int stages = 4;
   double skip = 0;
   int swaps = 0;
-  std::string optimizer;  // "" = --optimizer / the job's
-  std::string precision;  // "" = --precision / the job's
+  std::string optimizer;                // "" = --optimizer / the job's
+  std::string precision;                // "" = --precision / the job's
   std::vector<v1::Route> fixed_routes;  // --plan: used every iteration
 };
 
 struct Args {
   std::string job, preset = "tiny", out = "detour-train-out", device = "cpu";
   std::vector<std::string> plans;
-  std::string runs = "full:4:0:0,skip25:4:0.25:0,skip25-swap:4:0.25:1,"
-                     "skip33:6:0.3333:0,skip33-swap:6:0.3333:1";
+  std::string runs =
+      "full:4:0:0,skip25:4:0.25:0,skip25-swap:4:0.25:1,"
+      "skip33:6:0.3333:0,skip33-swap:6:0.3333:1";
   int64_t iterations = 300, microbatches = 0, samples = 0, warmup = -1;
   int64_t eval_every = 50, eval_samples = 64, threads = 1;
   double lr = 0;
@@ -150,31 +152,57 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     }
     const std::string v = inline_value.has_value() ? *inline_value : argv[++i];
     bool ok = true;
-    if (flag == "--job") a->job = v;
-    else if (flag == "--preset") a->preset = v;
-    else if (flag == "--out") a->out = v;
-    else if (flag == "--device") a->device = v;
-    else if (flag == "--runs") a->runs = v;
-    else if (flag == "--plan") a->plans.push_back(v);
-    else if (flag == "--iterations") ok = absl::SimpleAtoi(v, &a->iterations) && a->iterations > 0;
-    else if (flag == "--microbatches") ok = absl::SimpleAtoi(v, &a->microbatches) && a->microbatches > 0;
-    else if (flag == "--samples") ok = absl::SimpleAtoi(v, &a->samples) && a->samples > 0;
-    else if (flag == "--warmup") ok = absl::SimpleAtoi(v, &a->warmup) && a->warmup >= 0;
-    else if (flag == "--eval-every") ok = absl::SimpleAtoi(v, &a->eval_every) && a->eval_every > 0;
-    else if (flag == "--eval-samples") ok = absl::SimpleAtoi(v, &a->eval_samples) && a->eval_samples > 0;
-    else if (flag == "--threads") ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
-    else if (flag == "--lr") ok = absl::SimpleAtod(v, &a->lr) && a->lr > 0;
-    else if (flag == "--optimizer") ok = (a->optimizer = v) == "adamw" || v == "kfac";
-    else if (flag == "--precision") ok = (a->precision = v) == "fp32" || v == "bf16";
-    else if (flag == "--kfac-lr") ok = absl::SimpleAtod(v, &a->kfac_lr) && a->kfac_lr > 0;
-    else if (flag == "--kfac-damping") ok = absl::SimpleAtod(v, &a->kfac_damping) && a->kfac_damping > 0;
-    else if (flag == "--kfac-momentum") ok = absl::SimpleAtod(v, &a->kfac_momentum) && a->kfac_momentum >= 0 && a->kfac_momentum < 1;
-    else if (flag == "--kfac-kl-clip") ok = absl::SimpleAtod(v, &a->kfac_kl_clip) && a->kfac_kl_clip != 0;
-    else if (flag == "--kfac-refresh") ok = absl::SimpleAtoi(v, &a->kfac_refresh) && a->kfac_refresh >= 0;
-    else if (flag == "--kfac-update") ok = (a->kfac_update = v) == "graft" || v == "momentum";
-    else if (flag == "--kfac-factor-decay") ok = absl::SimpleAtod(v, &a->kfac_factor_decay) && a->kfac_factor_decay > 0 && a->kfac_factor_decay <= 1;
-    else if (flag == "--kfac-curvature") ok = absl::SimpleAtoi(v, &a->kfac_curvature) && a->kfac_curvature > 0;
-    else if (flag == "--seed") ok = a->has_seed = absl::SimpleAtoi(v, &a->seed);
+    if (flag == "--job")
+      a->job = v;
+    else if (flag == "--preset")
+      a->preset = v;
+    else if (flag == "--out")
+      a->out = v;
+    else if (flag == "--device")
+      a->device = v;
+    else if (flag == "--runs")
+      a->runs = v;
+    else if (flag == "--plan")
+      a->plans.push_back(v);
+    else if (flag == "--iterations")
+      ok = absl::SimpleAtoi(v, &a->iterations) && a->iterations > 0;
+    else if (flag == "--microbatches")
+      ok = absl::SimpleAtoi(v, &a->microbatches) && a->microbatches > 0;
+    else if (flag == "--samples")
+      ok = absl::SimpleAtoi(v, &a->samples) && a->samples > 0;
+    else if (flag == "--warmup")
+      ok = absl::SimpleAtoi(v, &a->warmup) && a->warmup >= 0;
+    else if (flag == "--eval-every")
+      ok = absl::SimpleAtoi(v, &a->eval_every) && a->eval_every > 0;
+    else if (flag == "--eval-samples")
+      ok = absl::SimpleAtoi(v, &a->eval_samples) && a->eval_samples > 0;
+    else if (flag == "--threads")
+      ok = absl::SimpleAtoi(v, &a->threads) && a->threads > 0;
+    else if (flag == "--lr")
+      ok = absl::SimpleAtod(v, &a->lr) && a->lr > 0;
+    else if (flag == "--optimizer")
+      ok = (a->optimizer = v) == "adamw" || v == "kfac";
+    else if (flag == "--precision")
+      ok = (a->precision = v) == "fp32" || v == "bf16";
+    else if (flag == "--kfac-lr")
+      ok = absl::SimpleAtod(v, &a->kfac_lr) && a->kfac_lr > 0;
+    else if (flag == "--kfac-damping")
+      ok = absl::SimpleAtod(v, &a->kfac_damping) && a->kfac_damping > 0;
+    else if (flag == "--kfac-momentum")
+      ok = absl::SimpleAtod(v, &a->kfac_momentum) && a->kfac_momentum >= 0 && a->kfac_momentum < 1;
+    else if (flag == "--kfac-kl-clip")
+      ok = absl::SimpleAtod(v, &a->kfac_kl_clip) && a->kfac_kl_clip != 0;
+    else if (flag == "--kfac-refresh")
+      ok = absl::SimpleAtoi(v, &a->kfac_refresh) && a->kfac_refresh >= 0;
+    else if (flag == "--kfac-update")
+      ok = (a->kfac_update = v) == "graft" || v == "momentum";
+    else if (flag == "--kfac-factor-decay")
+      ok = absl::SimpleAtod(v, &a->kfac_factor_decay) && a->kfac_factor_decay > 0 &&
+           a->kfac_factor_decay <= 1;
+    else if (flag == "--kfac-curvature")
+      ok = absl::SimpleAtoi(v, &a->kfac_curvature) && a->kfac_curvature > 0;
+    else if (flag == "--seed")
+      ok = a->has_seed = absl::SimpleAtoi(v, &a->seed);
     else {
       *error = absl::StrCat("unknown flag ", flag);
       return false;
@@ -201,11 +229,10 @@ absl::StatusOr<std::vector<Run>> ParseRuns(const std::string& text) {
       f.pop_back();
     }
     if (f.size() != 4 || f[0].empty() || !absl::SimpleAtoi(f[1], &r.stages) ||
-        !absl::SimpleAtod(f[2], &r.skip) || !absl::SimpleAtoi(f[3], &r.swaps) ||
-        r.stages < 1 || r.skip < 0 || r.skip >= 1 || r.swaps < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--runs: \"", item,
-                       "\" is not NAME:STAGES:SKIP:SWAPS[:adamw|kfac][:fp32|bf16]"));
+        !absl::SimpleAtod(f[2], &r.skip) || !absl::SimpleAtoi(f[3], &r.swaps) || r.stages < 1 ||
+        r.skip < 0 || r.skip >= 1 || r.swaps < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--runs: \"", item, "\" is not NAME:STAGES:SKIP:SWAPS[:adamw|kfac][:fp32|bf16]"));
     }
     r.name = f[0];
     runs.push_back(r);
@@ -242,8 +269,7 @@ std::string Svg(const std::vector<Curve>& curves, int64_t iterations) {
   }
   PlotOptions options;
   options.title = absl::StrFormat(
-      "training loss (10-iteration moving average), dots: validation; %d iterations",
-      iterations);
+      "training loss (10-iteration moving average), dots: validation; %d iterations", iterations);
   options.max_y_span = 4.0;  // the first iterations would squash the rest
   options.width = 900;
   return LinePlotSvg(series, options);
@@ -260,8 +286,8 @@ absl::Status WriteFile(const fs::path& path, const std::string& text) {
 absl::Status Main(const Args& args) {
   at::set_num_threads(static_cast<int>(args.threads));
   if (args.device != "cpu" && !(args.device.rfind("cuda", 0) == 0 && at::hasCUDA())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--device ", args.device, ": this LibTorch build has no such device"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", args.device, ": this LibTorch build has no such device"));
   }
   const c10::Device device(args.device);
   v1::JobSpec base;
@@ -307,7 +333,8 @@ absl::Status Main(const Args& args) {
       return absl::InvalidArgumentError(absl::StrCat("--plan: \"", plan, "\" is not NAME:FILE"));
     }
     std::ifstream in(plan.substr(colon + 1));
-    if (!in) return absl::NotFoundError(absl::StrCat("--plan: cannot open ", plan.substr(colon + 1)));
+    if (!in)
+      return absl::NotFoundError(absl::StrCat("--plan: cannot open ", plan.substr(colon + 1)));
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     Run r;
     r.name = plan.substr(0, colon);
@@ -325,17 +352,17 @@ absl::Status Main(const Args& args) {
   if (runs.empty()) return absl::InvalidArgumentError("no run: give --runs or --plan");
   ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(base.data()));
   RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(base.model().vocab_size())));
-  const int total_mbs = static_cast<int>(base.pipeline().data_nodes() *
-                                         base.pipeline().microbatches_per_data_node());
+  const int total_mbs =
+      static_cast<int>(base.pipeline().data_nodes() * base.pipeline().microbatches_per_data_node());
   std::error_code ec;
   fs::create_directories(args.out, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", args.out));
-  std::printf("model %s, %d microbatches x %u samples x %u tokens, %lld iterations, "
-              "train %zu / validation %zu tokens\n",
-              base.model().preset().c_str(), total_mbs,
-              base.pipeline().samples_per_microbatch(), base.model().context_length(),
-              static_cast<long long>(args.iterations), data.train.size(),
-              data.validation.size());
+  std::printf(
+      "model %s, %d microbatches x %u samples x %u tokens, %lld iterations, "
+      "train %zu / validation %zu tokens\n",
+      base.model().preset().c_str(), total_mbs, base.pipeline().samples_per_microbatch(),
+      base.model().context_length(), static_cast<long long>(args.iterations), data.train.size(),
+      data.validation.size());
 
   std::vector<Curve> curves;
   // seconds: since the run started; train_seconds: the same without the
@@ -350,8 +377,8 @@ absl::Status Main(const Args& args) {
     if (run.optimizer == "adamw") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
     if (run.precision == "fp32") spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
     if (run.precision == "bf16") spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
-    const int run_mbs = run.fixed_routes.empty() ? total_mbs
-                                                 : static_cast<int>(run.fixed_routes.size());
+    const int run_mbs =
+        run.fixed_routes.empty() ? total_mbs : static_cast<int>(run.fixed_routes.size());
     if (!run.fixed_routes.empty()) {
       // One data stream of as many microbatches as the plan has routes; the
       // in-process engine needs no node identities.
@@ -374,11 +401,9 @@ absl::Status Main(const Args& args) {
     for (int64_t it = 0; it < args.iterations; ++it) {
       std::vector<v1::Route> routes = run.fixed_routes;
       if (routes.empty()) {
-        ASSIGN_OR_RETURN(routes,
-                         model::GenerateRoutes(spec.pipeline(), run_mbs, spec.seed(), it));
+        ASSIGN_OR_RETURN(routes, model::GenerateRoutes(spec.pipeline(), run_mbs, spec.seed(), it));
       }
-      ASSIGN_OR_RETURN(auto mbs,
-                       model::IterationMicrobatches(spec, data.train, it, device));
+      ASSIGN_OR_RETURN(auto mbs, model::IterationMicrobatches(spec, data.train, it, device));
       ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
       curve.train.push_back(stats.loss);
       std::string val;
@@ -395,16 +420,16 @@ absl::Status Main(const Args& args) {
         std::fflush(stdout);
       }
       evaluating += absl::Now() - trained;
-      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f,%.2f\n", run.name, it,
-                            stats.loss, val, stats.learning_rate, stats.grad_norm,
+      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f,%.2f\n", run.name, it, stats.loss,
+                            val, stats.learning_rate, stats.grad_norm,
                             absl::ToDoubleSeconds(absl::Now() - start),
                             absl::ToDoubleSeconds(absl::Now() - start - evaluating));
     }
     curve.seconds = absl::ToDoubleSeconds(absl::Now() - start - evaluating);
     const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", run.name);
     fs::remove_all(ckpt, ec);
-    RETURN_IF_ERROR(model::SaveCheckpoint(ckpt.string(), *engine,
-                                          static_cast<uint64_t>(args.iterations), ""));
+    RETURN_IF_ERROR(
+        model::SaveCheckpoint(ckpt.string(), *engine, static_cast<uint64_t>(args.iterations), ""));
     curves.push_back(std::move(curve));
   }
   RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.csv", csv));
@@ -423,11 +448,11 @@ absl::Status Main(const Args& args) {
   for (int l = 0; l < layers; ++l) all.push_back(l);
   const std::vector<int> every_other = model::SpreadRoute(layers, 0.5);
   std::vector<int> first_half(all.begin(), all.begin() + (layers + 1) / 2);
-  std::string table = absl::StrCat(
-      "| run | stages | visited | train s | final train loss | ppl all ", layers,
-      " layers | ppl half, layers {", absl::StrJoin(every_other, ","),
-      "} | ratio | ppl half, layers {", absl::StrJoin(first_half, ","),
-      "} | ratio |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::string table =
+      absl::StrCat("| run | stages | visited | train s | final train loss | ppl all ", layers,
+                   " layers | ppl half, layers {", absl::StrJoin(every_other, ","),
+                   "} | ratio | ppl half, layers {", absl::StrJoin(first_half, ","),
+                   "} | ratio |\n|---|---|---|---|---|---|---|---|---|---|\n");
   std::string results_csv =
       "run,stages,visited,train_seconds,final_train_loss,final_val_loss,ppl_all,"
       "ppl_every_other,ppl_first_half\n";
@@ -448,7 +473,8 @@ absl::Status Main(const Args& args) {
     double tail = 0;
     const size_t n = std::min<size_t>(10, c.train.size());
     for (size_t i = c.train.size() - n; i < c.train.size(); ++i) tail += c.train[i] / n;
-    absl::StrAppendFormat(&table, "| %s | %d | %d | %.0f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.2fx |\n",
+    absl::StrAppendFormat(&table,
+                          "| %s | %d | %d | %.0f | %.3f | %.3f | %.3f | %.2fx | %.3f | %.2fx |\n",
                           c.name, c.stages, c.visited, c.seconds, tail, ppl[0], ppl[1],
                           ppl[1] / ppl[0], ppl[2], ppl[2] / ppl[0]);
     absl::StrAppendFormat(&results_csv, "%s,%d,%d,%.2f,%.5f,%.5f,%.5f,%.5f,%.5f\n", c.name,
@@ -457,8 +483,8 @@ absl::Status Main(const Args& args) {
   }
   RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "results.md", table));
   RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "results.csv", results_csv));
-  std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,results.csv,ckpt-*}\n",
-              table.c_str(), args.out.c_str());
+  std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,results.csv,ckpt-*}\n", table.c_str(),
+              args.out.c_str());
   return absl::OkStatus();
 }
 

@@ -160,7 +160,8 @@ void PrepareCall(const Globals& g, grpc::ClientContext* context) {
 // The token in a --token_file: the file's only word, at most 512 characters.
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   auto text = ReadFileToString(path);
-  if (!text.ok()) return absl::NotFoundError(absl::StrCat("--token_file: ", text.status().message()));
+  if (!text.ok())
+    return absl::NotFoundError(absl::StrCat("--token_file: ", text.status().message()));
   const absl::string_view token = absl::StripAsciiWhitespace(*text);
   if (token.empty() || token.size() > 512 ||
       std::any_of(token.begin(), token.end(), [](char c) { return c <= ' ' || c >= 127; })) {
@@ -172,8 +173,8 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 std::string Ago(const google::protobuf::Timestamp& t) {
   if (t.seconds() == 0 && t.nanos() == 0) return "-";
-  const absl::Time when = absl::FromUnixNanos(
-      google::protobuf::util::TimeUtil::TimestampToNanoseconds(t));
+  const absl::Time when =
+      absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(t));
   const double s = absl::ToDoubleSeconds(absl::Now() - when);
   if (s < 1) return "now";
   if (s < 120) return absl::StrFormat("%.0fs ago", s);
@@ -232,8 +233,9 @@ std::string EventKindName(v1::JobHistoryEvent::Kind k) {
 std::string EventLine(const v1::JobHistoryEvent& e) {
   const absl::Time t =
       absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(e.time()));
-  return absl::StrFormat("%s  it %-5d %-22s %s", absl::FormatTime("%H:%M:%S", t, absl::UTCTimeZone()),
-                         e.iteration(), EventKindName(e.kind()), e.message());
+  return absl::StrFormat("%s  it %-5d %-22s %s",
+                         absl::FormatTime("%H:%M:%S", t, absl::UTCTimeZone()), e.iteration(),
+                         EventKindName(e.kind()), e.message());
 }
 
 void PrintJob(const Globals& g, const v1::Job& job) {
@@ -247,8 +249,8 @@ void PrintJob(const Globals& g, const v1::Job& job) {
             << "message:   " << job.message() << "\n"
             << "created:   " << Ago(job.create_time()) << "\n"
             << "progress:  " << ProgressText(job) << "\n"
-            << "model:     " << (job.spec().model().preset().empty() ? "custom"
-                                                                     : job.spec().model().preset())
+            << "model:     "
+            << (job.spec().model().preset().empty() ? "custom" : job.spec().model().preset())
             << ", " << job.spec().model().num_layers() << " layers, d_model "
             << job.spec().model().d_model() << "\n"
             << "pipeline:  " << job.spec().pipeline().num_stages() << " stages, "
@@ -276,8 +278,7 @@ void PrintJob(const Globals& g, const v1::Job& job) {
   // The newest few events; `detourctl events` shows them all.
   const int first = std::max(0, job.history_size() - 5);
   for (int i = first; i < job.history_size(); ++i) {
-    std::cout << (i == first ? "events:    " : "           ") << EventLine(job.history(i))
-              << "\n";
+    std::cout << (i == first ? "events:    " : "           ") << EventLine(job.history(i)) << "\n";
   }
 }
 
@@ -346,7 +347,7 @@ int CmdHealth(Globals g, const std::vector<std::string>& args) {
     std::cout << target << ": " << name << "\n";
   }
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk
-                                                                              : kExitNotServing;
+                                                                             : kExitNotServing;
 }
 
 int Watch(const Globals& g, const std::string& job_id);
@@ -354,7 +355,8 @@ int Watch(const Globals& g, const std::string& job_id);
 // One progress line: state and progress, and while the job waits (pending,
 // assigning, paused) why.
 std::string WatchLine(const v1::Job& job) {
-  std::string line = absl::StrCat(job.id(), " ", JobStateName(job.state()), "  ", ProgressText(job));
+  std::string line =
+      absl::StrCat(job.id(), " ", JobStateName(job.state()), "  ", ProgressText(job));
   const bool waiting = job.state() == v1::JOB_STATE_PENDING ||
                        job.state() == v1::JOB_STATE_ASSIGNING ||
                        absl::StartsWith(job.message(), "paused");
@@ -365,7 +367,8 @@ std::string WatchLine(const v1::Job& job) {
 int CmdSubmit(Globals g, const std::vector<std::string>& args) {
   bool watch = false;
   FlagSet flags("detourctl submit", "Submit a job from a JSON spec file.");
-  flags.Positional("SPEC.json", "the job spec: the JSON form of detour.v1.JobSpec (see examples/jobs)");
+  flags.Positional("SPEC.json",
+                   "the job spec: the JSON form of detour.v1.JobSpec (see examples/jobs)");
   flags.Bool("watch", &watch, "follow the job until it ends");
   auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
@@ -388,8 +391,8 @@ int CmdSubmit(Globals g, const std::vector<std::string>& args) {
   if (g.json && !watch) {
     std::cout << ToJson(job);
   } else if (!g.json) {
-    std::cout << "submitted " << job.id() << " (" << job.spec().name() << "): "
-              << JobStateName(job.state()) << " — " << job.message() << "\n";
+    std::cout << "submitted " << job.id() << " (" << job.spec().name()
+              << "): " << JobStateName(job.state()) << " — " << job.message() << "\n";
   }
   return watch ? Watch(g, job.id()) : kExitOk;
 }
@@ -576,8 +579,8 @@ int CmdList(Globals g, const std::vector<std::string>& args) {
   }
   std::vector<std::vector<std::string>> rows = {{"ID", "NAME", "STATE", "CREATED", "PROGRESS"}};
   for (const v1::Job& job : response.jobs()) {
-    rows.push_back({job.id(), job.spec().name(), JobStateName(job.state()),
-                    Ago(job.create_time()), ProgressText(job)});
+    rows.push_back({job.id(), job.spec().name(), JobStateName(job.state()), Ago(job.create_time()),
+                    ProgressText(job)});
   }
   PrintTable(rows);
   return kExitOk;
@@ -603,8 +606,9 @@ int Watch(const Globals& g, const std::string& job_id) {
   if (tty) std::cout << "\n";
   grpc::Status status = reader->Finish();
   if (!status.ok()) return RpcFailed(g, status, "watch");
-  if (!g.json) std::cout << last.id() << " ended: " << JobStateName(last.state()) << " — "
-                         << last.message() << "\n";
+  if (!g.json)
+    std::cout << last.id() << " ended: " << JobStateName(last.state()) << " — " << last.message()
+              << "\n";
   return last.state() == v1::JOB_STATE_SUCCEEDED ? kExitOk : kExitError;
 }
 
@@ -624,8 +628,9 @@ int Main(int argc, char** argv) {
   Globals g;
   const char* env = std::getenv("DETOUR_COORDINATOR");
   g.coordinator = env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
-  FlagSet flags("detourctl", "Command-line client for the detour coordinator. Flags go before\n"
-                             "or after the command; `detourctl COMMAND --help` describes one.");
+  FlagSet flags("detourctl",
+                "Command-line client for the detour coordinator. Flags go before\n"
+                "or after the command; `detourctl COMMAND --help` describes one.");
   flags.Positional("COMMAND [command flags] [args]", "one of the commands below");
   AddGlobalFlags(&flags, &g);
   bool version = false;
@@ -637,7 +642,9 @@ int Main(int argc, char** argv) {
     std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
     return kExitOk;
   }
-  if (args->empty()) return Usage("missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
+  if (args->empty())
+    return Usage(
+        "missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
   const std::string command = (*args)[0];
   const std::vector<std::string> rest(args->begin() + 1, args->end());
   if (command == "workers") return CmdWorkers(g, rest);

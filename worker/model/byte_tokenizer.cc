@@ -13,8 +13,7 @@ std::vector<int32_t> ByteTokenizer::Encode(absl::string_view text) {
   return tokens;
 }
 
-absl::StatusOr<std::string> ByteTokenizer::Decode(
-    absl::Span<const int32_t> tokens) {
+absl::StatusOr<std::string> ByteTokenizer::Decode(absl::Span<const int32_t> tokens) {
   std::string text(tokens.size(), '\0');
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= kVocabSize) {

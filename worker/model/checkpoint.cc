@@ -42,8 +42,8 @@ absl::StatusOr<StageDType> StageDTypeOf(at::ScalarType type, const std::string& 
     case at::kLong: return StageDType::kInt64;
     case at::kInt: return StageDType::kInt32;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", name, ": dtype ", c10::toString(type), " has no stage-file code"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", name, ": dtype ", c10::toString(type), " has no stage-file code"));
   }
 }
 
@@ -59,9 +59,7 @@ at::ScalarType ScalarTypeOf(StageDType dtype) {
   return at::kFloat;  // unreachable: DecodeStageFile admits only the codes above
 }
 
-std::string TempName(const std::string& path) {
-  return absl::StrCat(path, ".tmp.", ::getpid());
-}
+std::string TempName(const std::string& path) { return absl::StrCat(path, ".tmp.", ::getpid()); }
 
 // Writes `bytes` to `path` durably (common/files.h): `path` is either the old
 // file or the complete new one, also after a crash.
@@ -70,16 +68,15 @@ absl::Status WriteAtomically(const std::string& path, const std::string& bytes) 
 }
 
 bool SameShape(const ModelConfig& a, const ModelConfig& b) {
-  return a.num_layers == b.num_layers && a.d_model == b.d_model &&
-         a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads &&
-         a.ffn_dim == b.ffn_dim && a.vocab_size == b.vocab_size &&
-         a.context_length == b.context_length && a.rope_theta == b.rope_theta &&
-         a.norm_eps == b.norm_eps;
+  return a.num_layers == b.num_layers && a.d_model == b.d_model && a.num_heads == b.num_heads &&
+         a.num_kv_heads == b.num_kv_heads && a.ffn_dim == b.ffn_dim &&
+         a.vocab_size == b.vocab_size && a.context_length == b.context_length &&
+         a.rope_theta == b.rope_theta && a.norm_eps == b.norm_eps;
 }
 
 // Reads one stage file (size and checksum checked) into its tensor table.
-absl::StatusOr<std::map<std::string, at::Tensor>> ReadStageFile(
-    const std::string& dir, const StageFileEntry& entry) {
+absl::StatusOr<std::map<std::string, at::Tensor>> ReadStageFile(const std::string& dir,
+                                                                const StageFileEntry& entry) {
   ASSIGN_OR_RETURN(std::string bytes, ReadStageFileBytes(dir, entry));
   return ParseStageFile(bytes, (fs::path(dir) / entry.file).string());
 }
@@ -91,39 +88,40 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageFile(const std::stri
   // Our own bounded container (stage_file.h): LibTorch only allocates
   // tensors of shapes already checked against the bytes present.
   ASSIGN_OR_RETURN(std::vector<StageTensorRecord> records, DecodeStageFile(bytes, what));
-  return GuardTorch(absl::StrCat("reading ", what),
-                    [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
-    std::map<std::string, at::Tensor> out;
-    for (const StageTensorRecord& r : records) {
-      at::Tensor t = at::empty(r.shape, at::TensorOptions().dtype(ScalarTypeOf(r.dtype)));
-      if (static_cast<size_t>(t.nbytes()) != r.data.size()) {
-        return absl::DataLossError(absl::StrCat(what, ": tensor ", r.name, " has ",
-                                                r.data.size(), " bytes for ", t.nbytes()));
-      }
-      if (!r.data.empty()) std::memcpy(t.data_ptr(), r.data.data(), r.data.size());
-      out.emplace(r.name, std::move(t));
-    }
-    return out;
-  });
+  return GuardTorch(
+      absl::StrCat("reading ", what), [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+        std::map<std::string, at::Tensor> out;
+        for (const StageTensorRecord& r : records) {
+          at::Tensor t = at::empty(r.shape, at::TensorOptions().dtype(ScalarTypeOf(r.dtype)));
+          if (static_cast<size_t>(t.nbytes()) != r.data.size()) {
+            return absl::DataLossError(absl::StrCat(what, ": tensor ", r.name, " has ",
+                                                    r.data.size(), " bytes for ", t.nbytes()));
+          }
+          if (!r.data.empty()) std::memcpy(t.data_ptr(), r.data.data(), r.data.size());
+          out.emplace(r.name, std::move(t));
+        }
+        return out;
+      });
 }
 
 absl::StatusOr<std::string> SerializeStageState(const Stage& stage, const AdamW& optimizer,
                                                 const Kfac* kfac) {
   return GuardTorch(absl::StrCat("stage ", stage.index(), " state"),
                     [&]() -> absl::StatusOr<std::string> {
-    // CPU, contiguous copies; the records point into them.
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& [name, p] : stage.Parameters()) {
-      tensors.emplace_back(name, p.detach().to(at::kCPU).contiguous());
-    }
-    for (const auto& [name, t] : optimizer.State()) {
-      tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous());
-    }
-    if (kfac != nullptr) {
-      for (auto& [name, t] : kfac->State()) tensors.emplace_back(name, t.contiguous());
-    }
-    return EncodeStageTensors(tensors);
-  });
+                      // CPU, contiguous copies; the records point into them.
+                      std::vector<std::pair<std::string, at::Tensor>> tensors;
+                      for (const auto& [name, p] : stage.Parameters()) {
+                        tensors.emplace_back(name, p.detach().to(at::kCPU).contiguous());
+                      }
+                      for (const auto& [name, t] : optimizer.State()) {
+                        tensors.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+                      }
+                      if (kfac != nullptr) {
+                        for (auto& [name, t] : kfac->State())
+                          tensors.emplace_back(name, t.contiguous());
+                      }
+                      return EncodeStageTensors(tensors);
+                    });
 }
 
 absl::StatusOr<std::string> EncodeStageTensors(
@@ -138,9 +136,9 @@ absl::StatusOr<std::string> EncodeStageTensors(
             absl::StrCat("tensor ", name, " is not a dense contiguous CPU tensor"));
       }
       if (name.empty() || name.size() > StageFileLimits::kMaxNameBytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor name \"", absl::CEscape(name.substr(0, 64)), "\" is empty or longer than ",
-            StageFileLimits::kMaxNameBytes, " bytes"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor name \"", absl::CEscape(name.substr(0, 64)),
+                         "\" is empty or longer than ", StageFileLimits::kMaxNameBytes, " bytes"));
       }
       if (t.dim() > static_cast<int64_t>(StageFileLimits::kMaxDims)) {
         return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has ", t.dim(),
@@ -159,8 +157,8 @@ absl::StatusOr<std::string> EncodeStageTensors(
       records.push_back(std::move(r));
     }
     if (records.size() > StageFileLimits::kMaxTensors) {
-      return absl::InvalidArgumentError(absl::StrCat(records.size(), " tensors, more than ",
-                                                     StageFileLimits::kMaxTensors));
+      return absl::InvalidArgumentError(
+          absl::StrCat(records.size(), " tensors, more than ", StageFileLimits::kMaxTensors));
     }
     return EncodeStageFile(records);
   });
@@ -171,8 +169,7 @@ absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir, const Stag
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
-    return absl::InternalError(
-        absl::StrCat("cannot create ", dir, ": ", ec.message()));
+    return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   }
   StageFileEntry entry;
   entry.stage = stage.index();
@@ -185,8 +182,8 @@ absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir, const Stag
   return entry;
 }
 
-absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
-                             const std::string& ctx, Stage* stage, AdamW* optimizer, Kfac* kfac) {
+absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table, const std::string& ctx,
+                             Stage* stage, AdamW* optimizer, Kfac* kfac) {
   // Check everything before touching anything.
   const auto params = stage->Parameters();
   for (const auto& [name, p] : params) {
@@ -194,11 +191,10 @@ absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
     if (it == table.end()) {
       return absl::InvalidArgumentError(absl::StrCat(ctx, ": checkpoint lacks parameter ", name));
     }
-    if (!it->second.sizes().equals(p.sizes()) ||
-        it->second.scalar_type() != p.scalar_type()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx, ": parameter ", name, " has shape ", ShapeString(it->second.sizes()),
-          " vs expected ", ShapeString(p.sizes())));
+    if (!it->second.sizes().equals(p.sizes()) || it->second.scalar_type() != p.scalar_type()) {
+      return absl::InvalidArgumentError(absl::StrCat(ctx, ": parameter ", name, " has shape ",
+                                                     ShapeString(it->second.sizes()),
+                                                     " vs expected ", ShapeString(p.sizes())));
     }
   }
   if (optimizer != nullptr) {
@@ -208,9 +204,8 @@ absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
     absl::Status s = scratch.LoadState(table);
     if (!s.ok()) return Annotate(s, ctx);
   }
-  const bool has_kfac = std::any_of(table.begin(), table.end(), [](const auto& e) {
-    return e.first.rfind("kfac.", 0) == 0;
-  });
+  const bool has_kfac = std::any_of(table.begin(), table.end(),
+                                    [](const auto& e) { return e.first.rfind("kfac.", 0) == 0; });
   return GuardTorch(ctx, [&]() -> absl::Status {
     // K-FAC first: it checks every entry before changing anything, so a
     // mismatch leaves parameters and optimiser untouched too. A checkpoint
@@ -229,14 +224,13 @@ absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
   });
 }
 
-absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest,
-                       Stage* stage, AdamW* optimizer, Kfac* kfac) {
-  const std::string ctx = absl::StrCat("loading stage ", stage->index(),
-                                       " from checkpoint ", dir);
+absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest, Stage* stage,
+                       AdamW* optimizer, Kfac* kfac) {
+  const std::string ctx = absl::StrCat("loading stage ", stage->index(), " from checkpoint ", dir);
   if (!SameShape(manifest.model, stage->config())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        ctx, ": model shape {", manifest.model.DebugString(),
-        "} differs from this job's {", stage->config().DebugString(), "}"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(ctx, ": model shape {", manifest.model.DebugString(),
+                     "} differs from this job's {", stage->config().DebugString(), "}"));
   }
   // Files holding our layers, plus stage 0's file for embedding and head.
   const LayerRange mine = stage->layers();
@@ -252,8 +246,8 @@ absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifes
   return ApplyStageState(table, ctx, stage, optimizer, kfac);
 }
 
-absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
-                            uint64_t iteration, const std::string& rng_state) {
+absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine, uint64_t iteration,
+                            const std::string& rng_state) {
   std::error_code ec;
   if (fs::exists(dir, ec)) {
     return absl::AlreadyExistsError(
@@ -265,8 +259,7 @@ absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
   manifest.iteration = iteration;
   manifest.model = engine.stage(0).config();
   manifest.num_stages = engine.num_stages();
-  manifest.replicas_per_stage =
-      static_cast<int>(engine.spec().pipeline().replicas_per_stage());
+  manifest.replicas_per_stage = static_cast<int>(engine.spec().pipeline().replicas_per_stage());
   manifest.seed = engine.spec().seed();
   manifest.rng_state = rng_state;
   manifest.data = ProvenanceOf(engine.spec().data());
@@ -282,8 +275,7 @@ absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
   if (s.ok()) {
     fs::rename(tmp, dir, ec);
     if (ec) {
-      s = absl::InternalError(
-          absl::StrCat("cannot rename ", tmp, " to ", dir, ": ", ec.message()));
+      s = absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", dir, ": ", ec.message()));
     } else {
       s = SyncDirectory(fs::path(dir).has_parent_path() ? fs::path(dir).parent_path().string()
                                                         : std::string("."));
@@ -293,8 +285,7 @@ absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
   return s;
 }
 
-absl::StatusOr<CheckpointManifest> LoadCheckpoint(const std::string& dir,
-                                                  PipelineEngine& engine) {
+absl::StatusOr<CheckpointManifest> LoadCheckpoint(const std::string& dir, PipelineEngine& engine) {
   ASSIGN_OR_RETURN(CheckpointManifest manifest, ReadManifest(dir));
   // Validate every stage against scratch copies first so a failure in stage
   // k does not leave stages < k loaded.

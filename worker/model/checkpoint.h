@@ -57,16 +57,13 @@ absl::StatusOr<std::string> EncodeStageTensors(
 // (may be null; without "kfac.*" entries K-FAC keeps its state). Checks
 // every entry's presence and shape first (INVALID_ARGUMENT naming it, `ctx`
 // first): nothing changes unless everything checks out.
-absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table,
-                             const std::string& ctx, Stage* stage, AdamW* optimizer,
-                             Kfac* kfac);
+absl::Status ApplyStageState(const std::map<std::string, at::Tensor>& table, const std::string& ctx,
+                             Stage* stage, AdamW* optimizer, Kfac* kfac);
 
 // Worker side: writes `dir`/stage-<k>.bin atomically (temp file + rename;
 // creates `dir` if needed) and returns its manifest entry.
-absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir,
-                                              const Stage& stage,
-                                              const AdamW& optimizer,
-                                              const Kfac* kfac = nullptr);
+absl::StatusOr<StageFileEntry> WriteStageFile(const std::string& dir, const Stage& stage,
+                                              const AdamW& optimizer, const Kfac* kfac = nullptr);
 
 // The manifest (WriteManifest, ReadManifest: the coordinator side) is
 // checkpoint_manifest.h's.
@@ -80,16 +77,15 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ParseStageFile(const std::stri
 // Loads the entries `stage` and `optimizer` need from the checkpoint in
 // `dir`. Checks the model shape against the manifest and the checksum of
 // every file it reads. Nothing changes unless everything checks out.
-absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest,
-                       Stage* stage, AdamW* optimizer, Kfac* kfac = nullptr);
+absl::Status LoadStage(const std::string& dir, const CheckpointManifest& manifest, Stage* stage,
+                       AdamW* optimizer, Kfac* kfac = nullptr);
 
 // In-process convenience: every stage of `engine` plus the manifest, as one
 // atomically created directory. ALREADY_EXISTS if `dir` exists.
-absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine,
-                            uint64_t iteration, const std::string& rng_state);
+absl::Status SaveCheckpoint(const std::string& dir, PipelineEngine& engine, uint64_t iteration,
+                            const std::string& rng_state);
 // Loads every stage of `engine`; returns the manifest (iteration, RNG state).
-absl::StatusOr<CheckpointManifest> LoadCheckpoint(const std::string& dir,
-                                                  PipelineEngine& engine);
+absl::StatusOr<CheckpointManifest> LoadCheckpoint(const std::string& dir, PipelineEngine& engine);
 
 }  // namespace detour::model
 

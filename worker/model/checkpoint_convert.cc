@@ -71,13 +71,13 @@ absl::StatusOr<StageFileEntry> CheckConverted(const std::string& dir, const Stag
   const std::string path = (fs::path(dir) / file).string();
   auto bytes = ReadFileBounded(path, ManifestLimits::kMaxStageFileBytes);
   if (!bytes.ok()) {
-    return absl::DataLossError(absl::StrCat("converting ", v1.file, ": the converted file ",
-                                            path, " is unreadable: ", bytes.status().message()));
+    return absl::DataLossError(absl::StrCat("converting ", v1.file, ": the converted file ", path,
+                                            " is unreadable: ", bytes.status().message()));
   }
   auto records = DecodeStageFile(*bytes, path);
   if (!records.ok()) {
-    return absl::DataLossError(absl::StrCat("converting ", v1.file, ": ",
-                                            records.status().message()));
+    return absl::DataLossError(
+        absl::StrCat("converting ", v1.file, ": ", records.status().message()));
   }
   if (records->empty()) {
     return absl::DataLossError(absl::StrCat(v1.file, " holds no tensors"));
@@ -112,8 +112,9 @@ absl::StatusOr<CheckpointManifest> ConvertV1Checkpoint(const std::string& old_di
   }
   if (fs::exists(fs::symlink_status(target, ec))) {
     return absl::AlreadyExistsError(
-        absl::StrCat(target.string(), " exists; the converter writes a new checkpoint and "
-                                      "never replaces anything"));
+        absl::StrCat(target.string(),
+                     " exists; the converter writes a new checkpoint and "
+                     "never replaces anything"));
   }
   ASSIGN_OR_RETURN(CheckpointManifest v1, ReadV1Manifest(old_dir));
   RETURN_IF_ERROR(CheckDistinct(v1, old_dir));
@@ -128,8 +129,8 @@ absl::StatusOr<CheckpointManifest> ConvertV1Checkpoint(const std::string& old_di
   const std::string tmp = absl::StrCat(target.string(), ".tmp.", ::getpid());
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec) {
-    return absl::UnavailableError(absl::StrCat("cannot create ", tmp, ": ",
-                                               ec ? ec.message() : "it exists"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot create ", tmp, ": ", ec ? ec.message() : "it exists"));
   }
   ScratchDir scratch(tmp);
 

@@ -58,8 +58,8 @@ class FieldReader {
   }
 
   // A finite JSON number in (lo, hi].
-  absl::Status Real(const Fields& f, const char* key, absl::string_view what, double lo,
-                    double hi, double* out) const {
+  absl::Status Real(const Fields& f, const char* key, absl::string_view what, double lo, double hi,
+                    double* out) const {
     auto it = f.find(key);
     if (it == f.end() || !it->second.has_number_value()) return Missing(what);
     const double v = it->second.number_value();
@@ -77,8 +77,8 @@ class FieldReader {
       return Missing(what);
     }
     if (it->second.string_value().size() > max_bytes) {
-      return Bad(what, absl::StrCat("is ", it->second.string_value().size(),
-                                    " bytes, more than ", max_bytes));
+      return Bad(what, absl::StrCat("is ", it->second.string_value().size(), " bytes, more than ",
+                                    max_bytes));
     }
     *out = it->second.string_value();
     return absl::OkStatus();
@@ -124,8 +124,7 @@ absl::Status ParseStage(const FieldReader& r, const google::protobuf::Value& sv,
   const Fields& sf = sv.struct_value().fields();
   double st = 0, a = 0, b = 0, bytes = 0;
   RETURN_IF_ERROR(r.Integer(sf, "stage", what + ".stage", 0, m.num_stages - 1, &st));
-  RETURN_IF_ERROR(
-      r.Integer(sf, "layer_begin", what + ".layer_begin", 0, m.model.num_layers, &a));
+  RETURN_IF_ERROR(r.Integer(sf, "layer_begin", what + ".layer_begin", 0, m.model.num_layers, &a));
   RETURN_IF_ERROR(r.Integer(sf, "layer_end", what + ".layer_end", a, m.model.num_layers, &b));
   RETURN_IF_ERROR(r.Integer(sf, "bytes", what + ".bytes", 0,
                             static_cast<double>(ManifestLimits::kMaxStageFileBytes), &bytes));
@@ -140,8 +139,9 @@ absl::Status ParseStage(const FieldReader& r, const google::protobuf::Value& sv,
     return r.Bad(what + ".file", absl::StrCat("\"", absl::CEscape(e->file),
                                               "\" is not a file name inside the checkpoint"));
   }
-  const absl::string_view hex = absl::string_view(e->checksum).substr(
-      std::min(e->checksum.size(), sizeof(kChecksumPrefix) - 1));
+  const absl::string_view hex =
+      absl::string_view(e->checksum)
+          .substr(std::min(e->checksum.size(), sizeof(kChecksumPrefix) - 1));
   if (!absl::StartsWith(e->checksum, kChecksumPrefix) || hex.size() != 16 ||
       !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
     return r.Bad(what + ".checksum",
@@ -171,24 +171,21 @@ std::string ManifestJson(const CheckpointManifest& m) {
   const ModelConfig& c = m.model;
   return absl::StrCat(
       "{\n  \"format\": ", Quote(m.format), ",\n  \"iteration\": ", m.iteration,
-      ",\n  \"num_stages\": ", m.num_stages,
-      ",\n  \"replicas_per_stage\": ", m.replicas_per_stage,
-      ",\n  \"seed\": ", Quote(absl::StrCat(m.seed)),
-      ",\n  \"rng_state\": ", Quote(m.rng_state),
+      ",\n  \"num_stages\": ", m.num_stages, ",\n  \"replicas_per_stage\": ", m.replicas_per_stage,
+      ",\n  \"seed\": ", Quote(absl::StrCat(m.seed)), ",\n  \"rng_state\": ", Quote(m.rng_state),
       ",\n  \"model\": {\"num_layers\": ", c.num_layers, ", \"d_model\": ", c.d_model,
       ", \"num_heads\": ", c.num_heads, ", \"num_kv_heads\": ", c.num_kv_heads,
       ", \"ffn_dim\": ", c.ffn_dim, ", \"vocab_size\": ", c.vocab_size,
       ", \"context_length\": ", c.context_length,
       ", \"rope_theta\": ", absl::StrFormat("%.17g", c.rope_theta),
-      ", \"norm_eps\": ", absl::StrFormat("%.17g", c.norm_eps),
-      "},\n",
-      m.data.known()
-          ? absl::StrCat("  \"data\": {\"source\": ", Quote(m.data.source), ", \"path\": ",
-                         Quote(m.data.path), ", \"tokenizer\": ", Quote(m.data.tokenizer),
-                         ", \"tokenizer_checksum\": ", Quote(m.data.tokenizer_checksum),
-                         ", \"validation_fraction\": ",
-                         absl::StrFormat("%.17g", m.data.validation_fraction), "},\n")
-          : std::string(),
+      ", \"norm_eps\": ", absl::StrFormat("%.17g", c.norm_eps), "},\n",
+      m.data.known() ? absl::StrCat("  \"data\": {\"source\": ", Quote(m.data.source),
+                                    ", \"path\": ", Quote(m.data.path),
+                                    ", \"tokenizer\": ", Quote(m.data.tokenizer),
+                                    ", \"tokenizer_checksum\": ", Quote(m.data.tokenizer_checksum),
+                                    ", \"validation_fraction\": ",
+                                    absl::StrFormat("%.17g", m.data.validation_fraction), "},\n")
+                     : std::string(),
       "  \"stages\": [\n", absl::StrJoin(stages, ",\n"), "\n  ]\n}\n");
 }
 
@@ -196,8 +193,7 @@ namespace {
 
 // Parses a manifest of `format`: v1 and v2 have the same fields and rules;
 // only the stage files' contents differ.
-absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
-                                                   const std::string& path,
+absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json, const std::string& path,
                                                    absl::string_view format) {
   const FieldReader r(path);
   if (json.size() > ManifestLimits::kMaxManifestBytes) {
@@ -214,7 +210,8 @@ absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
   RETURN_IF_ERROR(r.String(f, "format", "format", 64, &m.format));
   if (m.format == kFormatV1 && format != kFormatV1) {
     return absl::FailedPreconditionError(absl::StrCat(
-        path, ": a detour-checkpoint-v1 checkpoint (LibTorch archive stage files), which this "
+        path,
+        ": a detour-checkpoint-v1 checkpoint (LibTorch archive stage files), which this "
         "version no longer reads: LibTorch's archive reader crashes on corrupt files; convert "
         "it with `detour-checkpoint convert OLD NEW`"));
   }
@@ -235,8 +232,8 @@ absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
   RETURN_IF_ERROR(r.Integer(f, "num_stages", "num_stages", 1, m.model.num_layers, &v));
   m.num_stages = static_cast<int>(v);
   if (f.count("replicas_per_stage")) {
-    RETURN_IF_ERROR(r.Integer(f, "replicas_per_stage", "replicas_per_stage", 1,
-                              SpecLimits::kMaxReplicas, &v));
+    RETURN_IF_ERROR(
+        r.Integer(f, "replicas_per_stage", "replicas_per_stage", 1, SpecLimits::kMaxReplicas, &v));
     m.replicas_per_stage = static_cast<int>(v);
   }
   std::string seed;
@@ -258,8 +255,8 @@ absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
     RETURN_IF_ERROR(r.String(df, "path", "data.path", SpecLimits::kMaxPathBytes, &d.path));
     RETURN_IF_ERROR(
         r.String(df, "tokenizer", "data.tokenizer", SpecLimits::kMaxPathBytes, &d.tokenizer));
-    RETURN_IF_ERROR(r.String(df, "tokenizer_checksum", "data.tokenizer_checksum", 64,
-                             &d.tokenizer_checksum));
+    RETURN_IF_ERROR(
+        r.String(df, "tokenizer_checksum", "data.tokenizer_checksum", 64, &d.tokenizer_checksum));
     double fraction = 0;
     auto vf = df.find("validation_fraction");
     if (vf == df.end() || !vf->second.has_number_value()) {
@@ -276,8 +273,8 @@ absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
   const auto& list = stages->second.list_value().values();
   // One file per stage at most (replicas of a stage write the same entries).
   if (list.size() > m.num_stages) {
-    return r.Bad("stages", absl::StrCat("has ", list.size(), " entries for ", m.num_stages,
-                                        " stages"));
+    return r.Bad("stages",
+                 absl::StrCat("has ", list.size(), " entries for ", m.num_stages, " stages"));
   }
   for (int i = 0; i < list.size(); ++i) {
     StageFileEntry e;
@@ -289,8 +286,7 @@ absl::StatusOr<CheckpointManifest> ParseManifestOf(absl::string_view json,
 
 }  // namespace
 
-absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
-                                                 const std::string& path) {
+absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json, const std::string& path) {
   return ParseManifestOf(json, path, kFormat);
 }
 
@@ -346,10 +342,9 @@ absl::StatusOr<std::string> ReadStageFileBytes(const std::string& dir,
   }
   ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
   if (bytes.size() != entry.bytes || Checksum(bytes) != entry.checksum) {
-    return absl::DataLossError(absl::StrCat(
-        "checkpoint file ", path, " is corrupt: ", bytes.size(), " bytes, ",
-        Checksum(bytes), " vs manifest ", entry.bytes, " bytes, ",
-        entry.checksum));
+    return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is corrupt: ", bytes.size(),
+                                            " bytes, ", Checksum(bytes), " vs manifest ",
+                                            entry.bytes, " bytes, ", entry.checksum));
   }
   return bytes;
 }

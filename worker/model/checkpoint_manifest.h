@@ -18,10 +18,10 @@ namespace detour::model {
 
 struct StageFileEntry {
   int stage = 0;
-  std::string file;       // relative to the checkpoint directory
-  LayerRange layers;      // global layers held (stage 0 also holds embedding/head)
+  std::string file;   // relative to the checkpoint directory
+  LayerRange layers;  // global layers held (stage 0 also holds embedding/head)
   uint64_t bytes = 0;
-  std::string checksum;   // "fnv1a64:<16 hex digits>"
+  std::string checksum;  // "fnv1a64:<16 hex digits>"
 };
 
 // Where a checkpoint's training data came from, so evaluation can use the
@@ -88,13 +88,11 @@ std::string ManifestJson(const CheckpointManifest& manifest);
 // leave the directory, checksums not in the format above),
 // FAILED_PRECONDITION for another format (v1 checkpoints held LibTorch
 // archives, which are no longer read).
-absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json,
-                                                 const std::string& path);
+absl::StatusOr<CheckpointManifest> ParseManifest(absl::string_view json, const std::string& path);
 
 // The same rules for a detour-checkpoint-v1 manifest (the converter's
 // input, checkpoint_convert.h); FAILED_PRECONDITION for any other format.
-absl::StatusOr<CheckpointManifest> ParseV1Manifest(absl::string_view json,
-                                                   const std::string& path);
+absl::StatusOr<CheckpointManifest> ParseV1Manifest(absl::string_view json, const std::string& path);
 
 // Writes `dir`/manifest.json atomically and durably (common/files.h).
 absl::Status WriteManifest(const std::string& dir, const CheckpointManifest& manifest);

@@ -12,9 +12,10 @@
 
 namespace detour::model {
 
-absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
-    const v1::JobSpec& spec, const TokenSequence& tokens,
-    uint64_t iteration, const c10::Device& device) {
+absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(const v1::JobSpec& spec,
+                                                              const TokenSequence& tokens,
+                                                              uint64_t iteration,
+                                                              const c10::Device& device) {
   v1::JobSpec s = spec;
   ApplyJobDefaults(&s);
   const int ctx = static_cast<int>(s.model().context_length());
@@ -24,12 +25,10 @@ absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
   const int64_t num_samples = NumSamples(static_cast<int64_t>(tokens.size()), ctx);
   if (num_samples <= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "training text of ", tokens.size(), " tokens holds no sample of ",
-        ctx + 1, " tokens"));
+        "training text of ", tokens.size(), " tokens holds no sample of ", ctx + 1, " tokens"));
   }
   SampleSharder sharder(num_samples, nodes, s.seed());
-  return GuardTorch("building microbatches",
-                    [&]() -> absl::StatusOr<std::vector<Microbatch>> {
+  return GuardTorch("building microbatches", [&]() -> absl::StatusOr<std::vector<Microbatch>> {
     std::vector<Microbatch> out;
     const uint64_t base = SampleSharder::IterationOffset(iteration, per_node * spm);
     for (int node = 0; node < nodes; ++node) {
@@ -50,22 +49,22 @@ absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
   });
 }
 
-absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(
-    const v1::JobSpec& spec, c10::Device device) {
+absl::StatusOr<std::unique_ptr<PipelineEngine>> PipelineEngine::Create(const v1::JobSpec& spec,
+                                                                       c10::Device device) {
   std::unique_ptr<PipelineEngine> engine(new PipelineEngine());
   engine->spec_ = spec;
   ApplyJobDefaults(&engine->spec_);
   const int s_count = static_cast<int>(engine->spec_.pipeline().num_stages());
   for (int i = 0; i < s_count; ++i) {
     ASSIGN_OR_RETURN(auto stage, Stage::FromJobSpec(engine->spec_, i, device));
-    engine->optimizers_.push_back(std::make_unique<AdamW>(
-        stage->Parameters(), engine->spec_.optimizer().adamw()));
+    engine->optimizers_.push_back(
+        std::make_unique<AdamW>(stage->Parameters(), engine->spec_.optimizer().adamw()));
     engine->stages_.push_back(std::move(stage));
   }
   if (engine->spec_.optimizer().kind() == v1::OPTIMIZER_KFAC) {
     for (int i = 0; i < s_count; ++i) {
-      ASSIGN_OR_RETURN(auto kfac, Kfac::Create(engine->stages_[i].get(),
-                                               engine->spec_.optimizer()));
+      ASSIGN_OR_RETURN(auto kfac,
+                       Kfac::Create(engine->stages_[i].get(), engine->spec_.optimizer()));
       engine->optimizers_[i]->set_precondition_hook(kfac.get());
       engine->kfacs_.push_back(std::move(kfac));
     }
@@ -81,8 +80,7 @@ uint32_t PipelineEngine::kfac_refresh_interval() const {
 
 void PipelineEngine::CaptureForIteration(uint64_t iteration, int num_microbatches) {
   if (kfacs_.empty() || iteration % kfac_refresh_interval() != 0) return;
-  const uint32_t per_node = std::max<uint32_t>(
-      1, spec_.pipeline().microbatches_per_data_node());
+  const uint32_t per_node = std::max<uint32_t>(1, spec_.pipeline().microbatches_per_data_node());
   const uint32_t curvature = spec_.optimizer().kfac().curvature_microbatches();
   for (int m = 0; m < num_microbatches; ++m) {
     if (static_cast<uint32_t>(m) % per_node >= curvature) continue;
@@ -97,9 +95,8 @@ std::vector<Stage*> PipelineEngine::stages() {
   return out;
 }
 
-absl::StatusOr<double> PipelineEngine::Accumulate(
-    const std::vector<v1::Route>& routes,
-    const std::vector<Microbatch>& microbatches) {
+absl::StatusOr<double> PipelineEngine::Accumulate(const std::vector<v1::Route>& routes,
+                                                  const std::vector<Microbatch>& microbatches) {
   if (normalized_) {
     return absl::FailedPreconditionError(
         "gradients are already normalised for a step; call Step first");
@@ -109,9 +106,8 @@ absl::StatusOr<double> PipelineEngine::Accumulate(
     RETURN_IF_ERROR(CheckRoute(route, num_stages()));
     const uint32_t mb = route.microbatch();
     if (mb >= microbatches.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "route names microbatch ", mb, " but only ", microbatches.size(),
-          " were given"));
+      return absl::InvalidArgumentError(absl::StrCat("route names microbatch ", mb, " but only ",
+                                                     microbatches.size(), " were given"));
     }
     auto fail = [&](const absl::Status& s) {
       for (auto& st : stages_) st->Drop(mb);
@@ -140,16 +136,14 @@ absl::Status PipelineEngine::NormalizeGradients(int total_microbatches) {
   if (normalized_) return absl::OkStatus();
   normalized_ = true;
   for (auto& stage : stages_) {
-    const double scale = GradNormalizationScale(
-        spec_.pipeline().grad_normalization(), stage->visits(),
-        total_microbatches);
+    const double scale = GradNormalizationScale(spec_.pipeline().grad_normalization(),
+                                                stage->visits(), total_microbatches);
     if (scale != 1.0 && scale != 0.0) RETURN_IF_ERROR(stage->ScaleGradients(scale));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
-                                                    int total_microbatches) {
+absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration, int total_microbatches) {
   IterationStats stats;
   for (auto& stage : stages_) stats.visits.push_back(stage->visits());
   if (kfac_captured_) {
@@ -177,8 +171,7 @@ absl::StatusOr<IterationStats> PipelineEngine::Step(uint64_t iteration,
   }
   stats.grad_norm = std::sqrt(squared);
   const double clip = GlobalClipScale(squared, spec_.optimizer().grad_clip_norm());
-  stats.learning_rate =
-      ScheduledLearningRate(spec_.optimizer(), iteration, spec_.iterations());
+  stats.learning_rate = ScheduledLearningRate(spec_.optimizer(), iteration, spec_.iterations());
   for (int i = 0; i < num_stages(); ++i) {
     RETURN_IF_ERROR(optimizers_[i]->Step(stats.learning_rate, clip));
     if (i < static_cast<int>(kfacs_.size())) (void)kfacs_[i]->CommitAgreement();
@@ -193,8 +186,7 @@ absl::StatusOr<IterationStats> PipelineEngine::RunIteration(
     const std::vector<Microbatch>& microbatches) {
   CaptureForIteration(iteration, static_cast<int>(microbatches.size()));
   ASSIGN_OR_RETURN(double loss, Accumulate(routes, microbatches));
-  ASSIGN_OR_RETURN(IterationStats stats,
-                   Step(iteration, static_cast<int>(routes.size())));
+  ASSIGN_OR_RETURN(IterationStats stats, Step(iteration, static_cast<int>(routes.size())));
   stats.loss = loss;
   return stats;
 }

@@ -34,8 +34,8 @@ struct Microbatch {
 };
 
 struct IterationStats {
-  double loss = 0;          // mean over microbatches of their mean token loss
-  double grad_norm = 0;     // global norm after normalisation, before clipping
+  double loss = 0;       // mean over microbatches of their mean token loss
+  double grad_norm = 0;  // global norm after normalisation, before clipping
   double learning_rate = 0;
   std::vector<int> visits;  // microbatches per stage
 };
@@ -45,9 +45,10 @@ struct IterationStats {
 // (SampleSharder) [i·n + j·spm, i·n + (j+1)·spm) where n = per-node samples
 // per iteration, j = m mod microbatches_per_data_node, spm =
 // samples_per_microbatch. FAILED_PRECONDITION if `tokens` holds no sample.
-absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(
-    const v1::JobSpec& spec, const TokenSequence& tokens,
-    uint64_t iteration, const c10::Device& device);
+absl::StatusOr<std::vector<Microbatch>> IterationMicrobatches(const v1::JobSpec& spec,
+                                                              const TokenSequence& tokens,
+                                                              uint64_t iteration,
+                                                              const c10::Device& device);
 
 class PipelineEngine {
  public:
@@ -59,8 +60,8 @@ class PipelineEngine {
   // every 10 iterations here, the engine has no bubble planner), and Step
   // runs Kfac::RefreshSerially before the optimiser step of that iteration,
   // so the new inverses precondition that very step.
-  static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(
-      const v1::JobSpec& spec, c10::Device device);
+  static absl::StatusOr<std::unique_ptr<PipelineEngine>> Create(const v1::JobSpec& spec,
+                                                                c10::Device device);
 
   // Forward along each route, loss, backward along the reversed route, one
   // microbatch after the other; gradients accumulate. Route i uses
@@ -75,9 +76,9 @@ class PipelineEngine {
   absl::StatusOr<IterationStats> Step(uint64_t iteration, int total_microbatches);
 
   // Accumulate + Step (with K-FAC: captures for a refresh iteration first).
-  absl::StatusOr<IterationStats> RunIteration(
-      uint64_t iteration, const std::vector<v1::Route>& routes,
-      const std::vector<Microbatch>& microbatches);
+  absl::StatusOr<IterationStats> RunIteration(uint64_t iteration,
+                                              const std::vector<v1::Route>& routes,
+                                              const std::vector<Microbatch>& microbatches);
 
   // Only normalises gradients (no step): what tests compare with. Step then
   // skips its own normalisation; Accumulate refuses to add to normalised

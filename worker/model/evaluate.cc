@@ -26,8 +26,7 @@ std::vector<int> SpreadRoute(int num_stages, double fraction) {
 }
 
 absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
-                                      const TokenSequence& tokens,
-                                      const EvalOptions& options) {
+                                      const TokenSequence& tokens, const EvalOptions& options) {
   std::vector<int> route = options.route;
   if (route.empty()) {
     for (size_t s = 0; s < stages.size(); ++s) route.push_back(static_cast<int>(s));
@@ -37,8 +36,7 @@ absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
   }
   std::vector<bool> seen(stages.size(), false);
   for (int s : route) {
-    if (s < 0 || s >= static_cast<int>(stages.size()) || stages[s] == nullptr ||
-        seen[s]) {
+    if (s < 0 || s >= static_cast<int>(stages.size()) || stages[s] == nullptr || seen[s]) {
       return absl::InvalidArgumentError(
           absl::StrCat("evaluation route: stage ", s, " is unknown or repeated"));
     }
@@ -47,29 +45,27 @@ absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
   const int ctx = stages[0]->config().context_length;
   const int64_t available = NumSamples(static_cast<int64_t>(tokens.size()), ctx);
   if (available <= 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "evaluation text of ", tokens.size(), " tokens is shorter than one sample"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("evaluation text of ", tokens.size(), " tokens is shorter than one sample"));
   }
-  const int64_t n = options.max_samples > 0 && options.max_samples < available
-                        ? options.max_samples
-                        : available;
+  const int64_t n =
+      options.max_samples > 0 && options.max_samples < available ? options.max_samples : available;
   const int batch = options.batch_size > 0 ? options.batch_size : 8;
   EvalResult result;
   double nll = 0;
   for (int64_t start = 0; start < n; start += batch) {
     const int64_t b = std::min<int64_t>(batch, n - start);
-    ASSIGN_OR_RETURN(
-        at::Tensor data,
-        GuardTorch("evaluation batch", [&]() -> absl::StatusOr<at::Tensor> {
-          at::Tensor t = at::empty({b, ctx + 1}, at::TensorOptions().dtype(at::kLong));
-          auto acc = t.accessor<int64_t, 2>();
-          for (int64_t k = 0; k < b; ++k) {
-            // Evenly spread over the available samples.
-            const int64_t sample = (start + k) * available / n;
-            CopySample(tokens, sample, ctx, &acc[k][0]);
-          }
-          return t;
-        }));
+    ASSIGN_OR_RETURN(at::Tensor data,
+                     GuardTorch("evaluation batch", [&]() -> absl::StatusOr<at::Tensor> {
+                       at::Tensor t = at::empty({b, ctx + 1}, at::TensorOptions().dtype(at::kLong));
+                       auto acc = t.accessor<int64_t, 2>();
+                       for (int64_t k = 0; k < b; ++k) {
+                         // Evenly spread over the available samples.
+                         const int64_t sample = (start + k) * available / n;
+                         CopySample(tokens, sample, ctx, &acc[k][0]);
+                       }
+                       return t;
+                     }));
     at::Tensor x = data.narrow(1, 0, ctx).contiguous();
     const at::Tensor targets = data.narrow(1, 1, ctx).contiguous();
     for (int s : route) {

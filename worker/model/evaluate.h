@@ -15,8 +15,8 @@
 namespace detour::model {
 
 struct EvalResult {
-  double mean_nll = 0;     // nats per token
-  double perplexity = 0;   // exp(mean_nll)
+  double mean_nll = 0;    // nats per token
+  double perplexity = 0;  // exp(mean_nll)
   int64_t tokens = 0;
   int64_t samples = 0;
 };
@@ -35,8 +35,7 @@ struct EvalOptions {
 // null). INVALID_ARGUMENT for a bad route, FAILED_PRECONDITION for text
 // shorter than one sample.
 absl::StatusOr<EvalResult> Perplexity(const std::vector<Stage*>& stages,
-                                      const TokenSequence& tokens,
-                                      const EvalOptions& options);
+                                      const TokenSequence& tokens, const EvalOptions& options);
 
 // A route visiting round(fraction·S) stages (at least stage 0), in order:
 // stage 0 plus non-zero stages spread evenly over 1..S-1. With fraction 0.5

@@ -108,9 +108,8 @@ absl::StatusOr<std::string> ReadTokenizer(const std::string& path) {
   const uintmax_t size = fs::file_size(path, ec);
   if (ec) return absl::NotFoundError(absl::StrCat("--tokenizer ", path, ": ", ec.message()));
   if (size > kMaxTokenizerBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("--tokenizer ", path, " is ", size,
-                                                   " bytes, more than the limit of ",
-                                                   kMaxTokenizerBytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tokenizer ", path, " is ", size, " bytes, more than the limit of ", kMaxTokenizerBytes));
   }
   return ReadFileToString(path);
 }
@@ -119,7 +118,9 @@ std::string TokenizerConfigJson(int context_length) {
   return absl::StrCat(
       "{\n"
       "  \"tokenizer_class\": \"LlamaTokenizer\",\n"
-      "  \"model_max_length\": ", context_length, ",\n"
+      "  \"model_max_length\": ",
+      context_length,
+      ",\n"
       "  \"add_bos_token\": true,\n"
       "  \"add_eos_token\": false\n"
       "}\n");
@@ -130,8 +131,7 @@ std::string TokenizerConfigJson(int context_length) {
 absl::StatusOr<SentencePieceInfo> InspectSentencePieceModel(absl::string_view bytes,
                                                             const std::string& what) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " is not a SentencePiece model: ", why));
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not a SentencePiece model: ", why));
   };
   SentencePieceInfo info;
   WireReader r(bytes);
@@ -173,8 +173,8 @@ uint16_t Float32ToBFloat16(float f) {
 absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::string& out_dir,
                                 const HfExportOptions& o) {
   if (o.dtype != SafetensorsDType::kF32 && o.dtype != SafetensorsDType::kBF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "export dtype ", SafetensorsDTypeName(o.dtype), " is not supported (F32 or BF16)"));
+    return absl::InvalidArgumentError(absl::StrCat("export dtype ", SafetensorsDTypeName(o.dtype),
+                                                   " is not supported (F32 or BF16)"));
   }
   const fs::path out(out_dir);
   if (!o.overwrite) {
@@ -207,10 +207,10 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
   if (tokenizer_path.empty() && !recorded_path.empty()) {
     std::error_code ec;
     if (!fs::exists(recorded_path, ec)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the checkpoint was trained with the tokenizer ", recorded_path, " (",
-          recorded_checksum.empty() ? "checksum unknown" : recorded_checksum,
-          "), which is not there; pass --tokenizer with that SentencePiece model"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the checkpoint was trained with the tokenizer ", recorded_path, " (",
+                       recorded_checksum.empty() ? "checksum unknown" : recorded_checksum,
+                       "), which is not there; pass --tokenizer with that SentencePiece model"));
     }
     tokenizer_path = recorded_path;
   }
@@ -224,10 +224,10 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
                        "SentencePiece model; export it without --tokenizer"));
     }
     if (!recorded_checksum.empty() && Checksum(tokenizer) != recorded_checksum) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "tokenizer ", tokenizer_path, " (", Checksum(tokenizer),
-          ") is not the one the checkpoint was trained with (", recorded_checksum,
-          (recorded_path.empty() ? "" : absl::StrCat(", ", recorded_path)), ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("tokenizer ", tokenizer_path, " (", Checksum(tokenizer),
+                       ") is not the one the checkpoint was trained with (", recorded_checksum,
+                       (recorded_path.empty() ? "" : absl::StrCat(", ", recorded_path)), ")"));
     }
   }
 
@@ -248,15 +248,15 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
   for (const HfParameter& p : params) {
     auto it = ckpt.params.find(p.ours);
     if (it == ckpt.params.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoint ", checkpoint_dir, " lacks parameter ", p.ours, " (", p.hf, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint ", checkpoint_dir,
+                                                     " lacks parameter ", p.ours, " (", p.hf, ")"));
     }
     const StageTensorRecord& r = it->second;
     if (r.shape != p.shape || r.dtype != StageDType::kFloat32) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoint ", checkpoint_dir, ": parameter ", p.ours, " is [",
-          absl::StrJoin(r.shape, ", "), "] of dtype code ", static_cast<int>(r.dtype),
-          "; expected float32 [", absl::StrJoin(p.shape, ", "), "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint ", checkpoint_dir, ": parameter ", p.ours, " is [",
+                       absl::StrJoin(r.shape, ", "), "] of dtype code ", static_cast<int>(r.dtype),
+                       "; expected float32 [", absl::StrJoin(p.shape, ", "), "]"));
     }
     SafetensorsTensor t;
     t.name = p.hf;
@@ -280,7 +280,8 @@ absl::Status ExportHfCheckpoint(const std::string& checkpoint_dir, const std::st
 
   std::error_code ec;
   fs::create_directories(out, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
+  if (ec)
+    return absl::UnavailableError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
   const std::map<std::string, std::string> metadata = {
       {"format", "pt"},  // transformers refuses safetensors files without it
       {"detour_iteration", absl::StrCat(ckpt.manifest.iteration)}};

@@ -31,7 +31,8 @@ constexpr size_t kMaxShards = 4096;
 absl::StatusOr<std::string> ReadBounded(const fs::path& path, uint64_t limit) {
   std::error_code ec;
   const uintmax_t size = fs::file_size(path, ec);
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot open ", path.string(), ": ", ec.message()));
+  if (ec)
+    return absl::NotFoundError(absl::StrCat("cannot open ", path.string(), ": ", ec.message()));
   if (size > limit) {
     return absl::InvalidArgumentError(
         absl::StrCat(path.string(), " is ", size, " bytes, more than the limit of ", limit));
@@ -72,9 +73,9 @@ absl::StatusOr<std::vector<std::unique_ptr<SafetensorsFile>>> OpenWeights(const 
     if (!file.is_string() || name.empty() || name.size() > 255 || name == "." ||
         name.find('/') != std::string::npos || name.find("..") != std::string::npos ||
         name.find('\0') != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          index.string(), ": weight_map \"", absl::CEscape(map->keys()[i].substr(0, 200)),
-          "\" does not name a file in the directory"));
+      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": weight_map \"",
+                                                     absl::CEscape(map->keys()[i].substr(0, 200)),
+                                                     "\" does not name a file in the directory"));
     }
     shards.insert(name);
     if (shards.size() > kMaxShards) {
@@ -117,10 +118,10 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadHfParameters(
     for (const SafetensorsTensor& t : f->contents().tensors) {
       if (IsIgnoredHfTensor(t.name)) continue;
       if (!expected.count(t.name)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            f->path(), ": tensor ", absl::CEscape(t.name),
-            " is not a parameter of a LLaMA model of this job's shape {", config.DebugString(),
-            "} (biases, more layers or another architecture?)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(f->path(), ": tensor ", absl::CEscape(t.name),
+                         " is not a parameter of a LLaMA model of this job's shape {",
+                         config.DebugString(), "} (biases, more layers or another architecture?)"));
       }
       if (!found.emplace(t.name, &t).second) {
         return absl::InvalidArgumentError(
@@ -143,40 +144,40 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadHfParameters(
       it = found.find(source);
     }
     if (it == found.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          dir_name, ": no tensor ", source, " (for our ", ours, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir_name, ": no tensor ", source, " (for our ", ours, ")"));
     }
     const SafetensorsTensor& t = *it->second;
     if (t.dtype != SafetensorsDType::kF32 && t.dtype != SafetensorsDType::kBF16 &&
         t.dtype != SafetensorsDType::kF16 && t.dtype != SafetensorsDType::kF64) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          dir_name, ": tensor ", source, " is ", SafetensorsDTypeName(t.dtype),
-          "; only F32, BF16, F16 and F64 are imported"));
+      return absl::InvalidArgumentError(absl::StrCat(dir_name, ": tensor ", source, " is ",
+                                                     SafetensorsDTypeName(t.dtype),
+                                                     "; only F32, BF16, F16 and F64 are imported"));
     }
     if (t.shape != want->second.shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          dir_name, ": tensor ", source, " is [", absl::StrJoin(t.shape, ", "),
-          "] but the job's model needs [", absl::StrJoin(want->second.shape, ", "), "] for ",
-          ours));
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir_name, ": tensor ", source, " is [", absl::StrJoin(t.shape, ", "),
+                       "] but the job's model needs [", absl::StrJoin(want->second.shape, ", "),
+                       "] for ", ours));
     }
     sources[ours] = &t;
   }
-  return GuardTorch(absl::StrCat("importing ", dir_name),
-                    [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
-    std::map<std::string, at::Tensor> out;
-    for (const auto& [ours, t] : sources) {
-      // A copy: the mapping's bytes need not be aligned for the dtype.
-      at::Tensor raw = at::empty(t->shape, at::TensorOptions().dtype(TorchType(t->dtype)));
-      if (!t->data.empty()) std::memcpy(raw.data_ptr(), t->data.data(), t->data.size());
-      out.emplace(ours, raw.scalar_type() == at::kFloat ? raw : raw.to(at::kFloat));
-    }
-    return out;
-  });
+  return GuardTorch(
+      absl::StrCat("importing ", dir_name),
+      [&]() -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+        std::map<std::string, at::Tensor> out;
+        for (const auto& [ours, t] : sources) {
+          // A copy: the mapping's bytes need not be aligned for the dtype.
+          at::Tensor raw = at::empty(t->shape, at::TensorOptions().dtype(TorchType(t->dtype)));
+          if (!t->data.empty()) std::memcpy(raw.data_ptr(), t->data.data(), t->data.size());
+          out.emplace(ours, raw.scalar_type() == at::kFloat ? raw : raw.to(at::kFloat));
+        }
+        return out;
+      });
 }
 
 absl::Status InitStageFromHf(const std::string& dir, Stage* stage) {
-  const std::string ctx =
-      absl::StrCat("stage ", stage->index(), ": checkpoint.init_from ", dir);
+  const std::string ctx = absl::StrCat("stage ", stage->index(), ": checkpoint.init_from ", dir);
   const std::vector<NamedTensor> params = stage->Parameters();
   std::vector<std::string> names;
   for (const auto& [name, p] : params) names.push_back(name);

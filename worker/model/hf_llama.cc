@@ -58,8 +58,9 @@ class ConfigReader {
     }
     int64_t x = 0;
     if (!v->AsInt64(&x) || x <= 0 || x > max) {
-      return Bad(field, absl::StrCat(v->is_number() ? v->string_value() : JsonValue::KindName(v->kind()),
-                                     " is not an integer in [1, ", max, "]"));
+      return Bad(field,
+                 absl::StrCat(v->is_number() ? v->string_value() : JsonValue::KindName(v->kind()),
+                              " is not an integer in [1, ", max, "]"));
     }
     *out = x;
     return absl::OkStatus();
@@ -95,8 +96,9 @@ class ConfigReader {
     }
     if (!v->is_string() || v->string_value() != expected) {
       return Bad(field, absl::StrCat("is ",
-                                     v->is_string() ? absl::StrCat("\"", v->string_value().substr(0, 64), "\"")
-                                                    : JsonValue::KindName(v->kind()),
+                                     v->is_string()
+                                         ? absl::StrCat("\"", v->string_value().substr(0, 64), "\"")
+                                         : JsonValue::KindName(v->kind()),
                                      ", but only \"", expected, "\" is supported"));
     }
     return absl::OkStatus();
@@ -107,7 +109,9 @@ class ConfigReader {
   const std::string& what_;
 };
 
-bool Close(double a, double b) { return std::abs(a - b) <= 1e-12 * std::max(std::abs(a), std::abs(b)); }
+bool Close(double a, double b) {
+  return std::abs(a - b) <= 1e-12 * std::max(std::abs(a), std::abs(b));
+}
 
 }  // namespace
 
@@ -120,7 +124,7 @@ std::vector<HfParameter> HfLlamaParameters(const ModelConfig& c) {
   out.push_back({"embed.weight", "model.embed_tokens.weight", {v, d}});
   for (int i = 0; i < c.num_layers; ++i) {
     const std::vector<std::vector<int64_t>> shapes = {{d}, {d, d}, {kv, d}, {kv, d}, {d, d},
-                                                      {d}, {f, d}, {f, d}, {d, f}};
+                                                      {d}, {f, d}, {f, d},  {d, f}};
     for (size_t k = 0; k < std::size(kBlock); ++k) {
       out.push_back({absl::StrCat("layers.", i, ".", kBlock[k].ours),
                      absl::StrCat("model.layers.", i, ".", kBlock[k].hf), shapes[k]});
@@ -159,25 +163,46 @@ std::string HfLlamaConfigJson(const ModelConfig& c, const HfConfigExtras& e) {
       "{\n"
       "  \"architectures\": [\"LlamaForCausalLM\"],\n"
       "  \"model_type\": \"llama\",\n"
-      "  \"hidden_size\": ", c.d_model, ",\n"
-      "  \"intermediate_size\": ", c.ffn_dim, ",\n"
-      "  \"num_hidden_layers\": ", c.num_layers, ",\n"
-      "  \"num_attention_heads\": ", c.num_heads, ",\n"
-      "  \"num_key_value_heads\": ", c.num_kv_heads, ",\n"
-      "  \"head_dim\": ", c.head_dim(), ",\n"
-      "  \"vocab_size\": ", c.vocab_size, ",\n"
-      "  \"max_position_embeddings\": ", c.context_length, ",\n"
-      "  \"rms_norm_eps\": ", Num(c.norm_eps), ",\n"
-      "  \"rope_theta\": ", Num(c.rope_theta), ",\n"
+      "  \"hidden_size\": ",
+      c.d_model,
+      ",\n"
+      "  \"intermediate_size\": ",
+      c.ffn_dim,
+      ",\n"
+      "  \"num_hidden_layers\": ",
+      c.num_layers,
+      ",\n"
+      "  \"num_attention_heads\": ",
+      c.num_heads,
+      ",\n"
+      "  \"num_key_value_heads\": ",
+      c.num_kv_heads,
+      ",\n"
+      "  \"head_dim\": ",
+      c.head_dim(),
+      ",\n"
+      "  \"vocab_size\": ",
+      c.vocab_size,
+      ",\n"
+      "  \"max_position_embeddings\": ",
+      c.context_length,
+      ",\n"
+      "  \"rms_norm_eps\": ",
+      Num(c.norm_eps),
+      ",\n"
+      "  \"rope_theta\": ",
+      Num(c.rope_theta),
+      ",\n"
       "  \"rope_scaling\": null,\n"
       "  \"hidden_act\": \"silu\",\n"
       "  \"attention_bias\": false,\n"
       "  \"mlp_bias\": false,\n"
       "  \"tie_word_embeddings\": false,\n",
-      ids,
-      "  \"torch_dtype\": ", JsonQuote(e.torch_dtype), ",\n"
-      "  \"detour\": {\"format\": \"detour-hf-v1\", \"tokenizer\": ", JsonQuote(e.tokenizer),
-      ", \"iteration\": ", e.iteration, "}\n"
+      ids, "  \"torch_dtype\": ", JsonQuote(e.torch_dtype),
+      ",\n"
+      "  \"detour\": {\"format\": \"detour-hf-v1\", \"tokenizer\": ",
+      JsonQuote(e.tokenizer), ", \"iteration\": ", e.iteration,
+      "}\n"
       "}\n");
 }
 
@@ -188,7 +213,8 @@ absl::StatusOr<HfLlamaConfig> ParseHfLlamaConfig(absl::string_view json, const s
   limits.max_values = 1 << 16;
   auto root = ParseJson(json, limits);
   if (!root.ok()) return Annotate(root.status(), what);
-  if (!root->is_object()) return absl::InvalidArgumentError(absl::StrCat(what, " is not a JSON object"));
+  if (!root->is_object())
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not a JSON object"));
   const ConfigReader r(*root, what);
   using L = SpecLimits;
   RETURN_IF_ERROR(r.Expect("model_type", "llama", /*required=*/true));
@@ -224,13 +250,14 @@ absl::StatusOr<HfLlamaConfig> ParseHfLlamaConfig(absl::string_view json, const s
   RETURN_IF_ERROR(r.Real("rope_theta", 0, 1e12, 10000.0, &c.rope_theta));
   RETURN_IF_ERROR(r.Bool("tie_word_embeddings", false, &out.tie_word_embeddings));
   if (c.d_model % c.num_heads != 0) {
-    return r.Bad("num_attention_heads", absl::StrCat(c.num_heads, " does not divide hidden_size ", c.d_model));
+    return r.Bad("num_attention_heads",
+                 absl::StrCat(c.num_heads, " does not divide hidden_size ", c.d_model));
   }
   if (const JsonValue* hd = root->Find("head_dim"); hd != nullptr && !hd->is_null()) {
     int64_t h = 0;
     if (!hd->AsInt64(&h) || h != c.head_dim()) {
-      return r.Bad("head_dim", absl::StrCat("is not hidden_size / num_attention_heads = ", c.head_dim(),
-                                            "; other head sizes are not supported"));
+      return r.Bad("head_dim", absl::StrCat("is not hidden_size / num_attention_heads = ",
+                                            c.head_dim(), "; other head sizes are not supported"));
     }
   }
   auto checked = ModelConfigFromShape(ShapeFromConfig(c));
@@ -258,15 +285,15 @@ absl::Status CheckHfConfigMatches(const HfLlamaConfig& hf, const ModelConfig& jo
   };
   for (const Pair& p : ints) {
     if (!Close(p.hf_value, p.job_value)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, ": ", p.hf_field, " ", Num(p.hf_value), " vs the job's model.",
-                       p.job_field, " ", Num(p.job_value)));
+      return absl::FailedPreconditionError(absl::StrCat(what, ": ", p.hf_field, " ",
+                                                        Num(p.hf_value), " vs the job's model.",
+                                                        p.job_field, " ", Num(p.job_value)));
     }
   }
   if (job.context_length > c.context_length) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": max_position_embeddings ", c.context_length, " is shorter than the job's model.context_length ",
-        job.context_length));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": max_position_embeddings ", c.context_length,
+                     " is shorter than the job's model.context_length ", job.context_length));
   }
   return absl::OkStatus();
 }

@@ -58,7 +58,7 @@ struct HfConfigExtras {
   std::string tokenizer = "byte";
   int64_t bos_token_id = -1;  // -1: unknown, not written
   int64_t eos_token_id = -1;
-  uint64_t iteration = 0;     // of the exported checkpoint (recorded under "detour")
+  uint64_t iteration = 0;  // of the exported checkpoint (recorded under "detour")
 };
 
 // config.json for LlamaForCausalLM with our shape (max_position_embeddings

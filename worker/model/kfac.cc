@@ -40,8 +40,7 @@ int ModuleIndex(const std::string& module) { return kfac::ModuleIndex(module); }
 std::pair<int, int> ProjectionOf(const std::string& name) {
   std::vector<std::string> parts = absl::StrSplit(name, '.');
   int layer = -1;
-  if (parts.size() != 3 || parts[0] != "layers" ||
-      !absl::SimpleAtoi(parts[1], &layer)) {
+  if (parts.size() != 3 || parts[0] != "layers" || !absl::SimpleAtoi(parts[1], &layer)) {
     return {-1, -1};
   }
   for (int m = 0; m < kNumModules; ++m) {
@@ -64,9 +63,8 @@ kfac::BlockShape KfacBlockShape(const ModelConfig& c) {
 
 absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
                                                  const at::Tensor& grad_out) {
-  if (!input.defined() || !grad_out.defined() || input.dim() != 2 ||
-      grad_out.dim() != 2 || input.size(0) != grad_out.size(0) ||
-      input.size(0) == 0) {
+  if (!input.defined() || !grad_out.defined() || input.dim() != 2 || grad_out.dim() != 2 ||
+      input.size(0) != grad_out.size(0) || input.size(0) == 0) {
     return absl::InvalidArgumentError(
         "K-FAC factors: need input [N, f_in] and grad_out [N, f_out], N > 0");
   }
@@ -80,14 +78,13 @@ absl::StatusOr<KfacFactors> KfacFactorsForLinear(const at::Tensor& input,
   });
 }
 
-KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
-                      int64_t dim_b, double damping) {
+KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b, int64_t dim_b,
+                      double damping) {
   KfacDamping d;
   const double root = std::sqrt(damping);
   double pi = 0;
   if (dim_a > 0 && dim_b > 0) {
-    pi = std::sqrt((trace_a / static_cast<double>(dim_a)) /
-                   (trace_b / static_cast<double>(dim_b)));
+    pi = std::sqrt((trace_a / static_cast<double>(dim_a)) / (trace_b / static_cast<double>(dim_b)));
   }
   if (!std::isfinite(pi) || pi <= 0) {
     d.pi = 1;
@@ -100,17 +97,16 @@ KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
   return d;
 }
 
-absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
-                                         double damping, double* used_damping) {
+absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor, double damping,
+                                         double* used_damping) {
   return BlockedDampedInverse(factor, damping, used_damping);
 }
 
 absl::StatusOr<at::Tensor> KfacPreconditionedGradient(const at::Tensor& grad,
                                                       const at::Tensor& a_inv,
                                                       const at::Tensor& b_inv) {
-  if (!grad.defined() || !a_inv.defined() || !b_inv.defined() ||
-      grad.dim() != 2 || a_inv.size(0) != grad.size(1) ||
-      b_inv.size(0) != grad.size(0)) {
+  if (!grad.defined() || !a_inv.defined() || !b_inv.defined() || grad.dim() != 2 ||
+      a_inv.size(0) != grad.size(1) || b_inv.size(0) != grad.size(0)) {
     return absl::InvalidArgumentError(
         "K-FAC precondition: need grad [f_out, f_in], A⁻¹ [f_in, f_in], "
         "B⁻¹ [f_out, f_out]");
@@ -131,9 +127,8 @@ Kfac::Kfac(Stage* stage, const v1::OptimizerSpec& spec)
       kl_clip_(spec.kfac().kl_clip()),
       adamw_lr_(spec.adamw().lr()),
       weight_decay_(spec.adamw().weight_decay()),
-      update_(spec.kfac().update() == v1::KFAC_UPDATE_UNSPECIFIED
-                  ? v1::KFAC_UPDATE_GRAFT_ADAMW
-                  : spec.kfac().update()),
+      update_(spec.kfac().update() == v1::KFAC_UPDATE_UNSPECIFIED ? v1::KFAC_UPDATE_GRAFT_ADAMW
+                                                                  : spec.kfac().update()),
       beta1_(spec.adamw().beta1() > 0 ? spec.adamw().beta1() : 0.9),
       beta2_(spec.adamw().beta2() > 0 ? spec.adamw().beta2() : 0.95),
       eps_(spec.adamw().eps() > 0 ? spec.adamw().eps() : 1e-8),
@@ -141,8 +136,7 @@ Kfac::Kfac(Stage* stage, const v1::OptimizerSpec& spec)
 
 Kfac::~Kfac() { DropAllCaptures(); }
 
-absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
-    Stage* stage, const v1::OptimizerSpec& spec) {
+absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(Stage* stage, const v1::OptimizerSpec& spec) {
   if (stage == nullptr) return absl::InvalidArgumentError("K-FAC: null stage");
   const v1::KfacSpec& k = spec.kfac();
   if (!(k.damping() > 0) || !std::isfinite(k.damping())) {
@@ -150,16 +144,16 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
         absl::StrCat("optimizer.kfac.damping: ", k.damping(), " must be > 0"));
   }
   if (!(k.factor_decay() > 0 && k.factor_decay() <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer.kfac.factor_decay: ", k.factor_decay(), " is outside (0, 1]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer.kfac.factor_decay: ", k.factor_decay(), " is outside (0, 1]"));
   }
   if (!(k.lr() > 0) || !(spec.adamw().lr() > 0)) {
     return absl::InvalidArgumentError(
         "optimizer.kfac.lr and optimizer.adamw.lr must be > 0 (apply defaults)");
   }
   if (!(k.momentum() >= 0 && k.momentum() < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer.kfac.momentum: ", k.momentum(), " is outside [0, 1)"));
   }
   if (k.replica_sync() == v1::KFAC_REPLICA_SYNC_AUTO) {
     return absl::InvalidArgumentError(
@@ -172,8 +166,8 @@ absl::StatusOr<std::unique_ptr<Kfac>> Kfac::Create(
         "optimizer.kfac.replica_sync: KFAC_REPLICA_SYNC_PRECONDITIONED needs update "
         "KFAC_UPDATE_GRAFT_ADAMW (the momentum rule's KL clipping needs the raw gradient)");
   }
-  if (!(spec.adamw().beta1() >= 0 && spec.adamw().beta1() < 1 &&
-        spec.adamw().beta2() >= 0 && spec.adamw().beta2() < 1)) {
+  if (!(spec.adamw().beta1() >= 0 && spec.adamw().beta1() < 1 && spec.adamw().beta2() >= 0 &&
+        spec.adamw().beta2() < 1)) {
     return absl::InvalidArgumentError(
         "optimizer.adamw.beta1/beta2 must be in [0, 1) (K-FAC grafting)");
   }
@@ -224,22 +218,20 @@ void Kfac::DropAllCaptures() {
 absl::StatusOr<Kfac::LayerState*> Kfac::Layer(int layer, const std::string& what) {
   auto it = layers_.find(layer);
   if (it == layers_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "K-FAC ", what, ": layer ", layer, " is not held by stage ",
-        stage_->index(), " (layers [", stage_->layers().begin, ", ",
-        stage_->layers().end, "))"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("K-FAC ", what, ": layer ", layer, " is not held by stage ", stage_->index(),
+                     " (layers [", stage_->layers().begin, ", ", stage_->layers().end, "))"));
   }
   return &it->second;
 }
 
-absl::StatusOr<LayerCapture*> Kfac::Record(int layer, uint32_t mb,
-                                           const std::string& what) {
+absl::StatusOr<LayerCapture*> Kfac::Record(int layer, uint32_t mb, const std::string& what) {
   RETURN_IF_ERROR(Layer(layer, what).status());
   auto it = captures_.find(mb);
   if (it == captures_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "K-FAC ", what, " layer ", layer, " mb ", mb,
-        ": microbatch was not captured (call Capture before its forward)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("K-FAC ", what, " layer ", layer, " mb ", mb,
+                     ": microbatch was not captured (call Capture before its forward)"));
   }
   return it->second[layer - begin_].get();
 }
@@ -255,10 +247,9 @@ absl::Status Kfac::CurvatureB(int layer, uint32_t mb, int part, int num_parts) {
 absl::Status Kfac::Curvature(int layer, uint32_t mb, bool is_a, int part, int num_parts) {
   const char* what = is_a ? "curvature A" : "curvature B";
   ASSIGN_OR_RETURN(LayerCapture * rec, Record(layer, mb, what));
-  const std::string ctx = absl::StrCat("K-FAC ", what, " layer ", layer, " mb ", mb,
-                                       num_parts > 1 ? absl::StrCat(" part ", part + 1, "/",
-                                                                    num_parts)
-                                                     : "");
+  const std::string ctx =
+      absl::StrCat("K-FAC ", what, " layer ", layer, " mb ", mb,
+                   num_parts > 1 ? absl::StrCat(" part ", part + 1, "/", num_parts) : "");
   const std::vector<int64_t>& items = is_a ? curvature_a_items_ : curvature_b_items_;
   if (num_parts < 1 || num_parts > static_cast<int>(items.size()) || part < 0 ||
       part >= num_parts) {
@@ -372,27 +363,27 @@ absl::Status Kfac::Finalize(int layer, LayerState* st) {
   });
 }
 
-absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int part,
-                          int num_parts, int64_t refresh) {
+absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int part, int num_parts,
+                          int64_t refresh) {
   if (refresh < 0) refresh = last_activated_ + 1;
   const std::string what = is_a ? "invert A" : "invert B";
   ASSIGN_OR_RETURN(LayerState * st, Layer(layer, what));
   const int m = ModuleIndex(module);
   if (m < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "K-FAC ", what, " layer ", layer, ": unknown projection \"", module,
-        "\" (q, k, v, o, gate, up, down)"));
+    return absl::InvalidArgumentError(absl::StrCat("K-FAC ", what, " layer ", layer,
+                                                   ": unknown projection \"", module,
+                                                   "\" (q, k, v, o, gate, up, down)"));
   }
-  const std::string ctx = absl::StrCat(
-      "K-FAC ", what, " layer ", layer, " ", module,
-      num_parts > 1 ? absl::StrCat(" part ", part + 1, "/", num_parts) : "");
+  const std::string ctx =
+      absl::StrCat("K-FAC ", what, " layer ", layer, " ", module,
+                   num_parts > 1 ? absl::StrCat(" part ", part + 1, "/", num_parts) : "");
   const int64_t n = is_a ? st->a_sum[InputOf(m)].size(0) : st->b_sum[m].size(0);
   const std::vector<int64_t> units = kfac::InversionUnitWeights(n);
   if (num_parts < 1 || num_parts > static_cast<int>(units.size()) || part < 0 ||
       part >= num_parts) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "K-FAC ", what, " layer ", layer, " ", module, ": part ", part, " of ", num_parts,
-        " (a ", n, "-wide inversion has ", units.size(), " units)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("K-FAC ", what, " layer ", layer, " ", module, ": part ", part, " of ",
+                     num_parts, " (a ", n, "-wide inversion has ", units.size(), " units)"));
   }
   Projection& p = st->proj[m];
   std::shared_ptr<DampedInverseWork>& work = is_a ? p.a_work : p.b_work;
@@ -406,11 +397,11 @@ absl::Status Kfac::Invert(int layer, const std::string& module, bool is_a, int p
     }
     const at::Tensor& factor = is_a ? st->a[InputOf(m)] : st->b[m];
     if (!factor.defined()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          ctx, ": no ", is_a ? "activation" : "gradient", " curvature yet"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(ctx, ": no ", is_a ? "activation" : "gradient", " curvature yet"));
     }
-    auto started = DampedInverseWork::Start(
-        factor, is_a ? p.damping.damping_a : p.damping.damping_b);
+    auto started =
+        DampedInverseWork::Start(factor, is_a ? p.damping.damping_a : p.damping.damping_b);
     if (!started.ok()) {
       return absl::Status(started.status().code(),
                           absl::StrCat(ctx, ": ", started.status().message()));
@@ -447,8 +438,7 @@ namespace {
 // lower refresh first (so State() writes them the same way whatever the
 // history).
 void CanonicalSlots(std::array<at::Tensor, 2>* staged, std::array<int64_t, 2>* tag) {
-  const bool swap = (*staged)[1].defined() &&
-                    (!(*staged)[0].defined() || (*tag)[1] < (*tag)[0]);
+  const bool swap = (*staged)[1].defined() && (!(*staged)[0].defined() || (*tag)[1] < (*tag)[0]);
   if (swap) {
     std::swap((*staged)[0], (*staged)[1]);
     std::swap((*tag)[0], (*tag)[1]);
@@ -585,9 +575,9 @@ at::Tensor Kfac::ReadyVotes() const {
 
 absl::Status Kfac::AgreeReady(const at::Tensor& votes, int members) {
   if (!votes.defined() || votes.numel() != static_cast<int64_t>(layers_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "K-FAC replica votes: ", votes.defined() ? votes.numel() : 0, " values for ",
-        layers_.size(), " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("K-FAC replica votes: ", votes.defined() ? votes.numel() : 0, " values for ",
+                     layers_.size(), " layers"));
   }
   const at::Tensor v = votes.to(at::kCPU).to(at::kFloat).contiguous();
   const float* data = v.data_ptr<float>();
@@ -617,9 +607,9 @@ absl::Status Kfac::PreconditionFlat(const std::vector<NamedTensor>& params,
     for (const auto& [name, p] : params) {
       const int64_t n = p.numel();
       if (offset + n > flat->numel()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "K-FAC precondition: the flat gradient has ", flat->numel(), " values, fewer than ",
-            "the parameters need"));
+        return absl::InvalidArgumentError(absl::StrCat("K-FAC precondition: the flat gradient has ",
+                                                       flat->numel(), " values, fewer than ",
+                                                       "the parameters need"));
       }
       const auto [layer, m] = ProjectionOf(name);
       if (m >= 0 && steps_layer(layer)) {
@@ -687,8 +677,8 @@ absl::Status Kfac::BeginStep(double lr) {
   });
 }
 
-absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& params,
-                                double lr, std::set<std::string>* self_updated) {
+absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& params, double lr,
+                                std::set<std::string>* self_updated) {
   if (!steps_layer(layer)) return absl::OkStatus();  // AdamW's
   if (update_ == v1::KFAC_UPDATE_GRAFT_ADAMW) {
     step_lr_ = kfac_lr_ * lr / adamw_lr_;
@@ -696,15 +686,13 @@ absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& param
   }
   // Without BeginStep (a caller other than AdamW::Step), compute the step now.
   for (const auto& [name, p] : params) {
-    if (ProjectionOf(name).second >= 0 && p.grad().defined() &&
-        step_updates_.count(name) == 0) {
+    if (ProjectionOf(name).second >= 0 && p.grad().defined() && step_updates_.count(name) == 0) {
       RETURN_IF_ERROR(BeginStep(lr));
       break;
     }
   }
   LayerState& st = layers_.at(layer);
-  return GuardTorch(absl::StrCat("K-FAC precondition layer ", layer),
-                    [&]() -> absl::Status {
+  return GuardTorch(absl::StrCat("K-FAC precondition layer ", layer), [&]() -> absl::Status {
     c10::NoGradGuard no_grad;
     for (const auto& [name, p] : params) {
       const auto [l, m] = ProjectionOf(name);
@@ -731,8 +719,7 @@ absl::Status Kfac::Precondition(int layer, const std::vector<NamedTensor>& param
 absl::Status Kfac::GraftStep(int layer, const std::vector<NamedTensor>& params,
                              std::set<std::string>* self_updated) {
   LayerState& st = layers_.at(layer);
-  return GuardTorch(absl::StrCat("K-FAC grafted step layer ", layer),
-                    [&]() -> absl::Status {
+  return GuardTorch(absl::StrCat("K-FAC grafted step layer ", layer), [&]() -> absl::Status {
     c10::NoGradGuard no_grad;
     for (const auto& [name, p] : params) {
       const auto [l, m] = ProjectionOf(name);
@@ -908,12 +895,11 @@ std::vector<NamedTensor> Kfac::State() const {
         if (!staged.defined()) return -1;
         return tag == kAnyRefresh ? 1 : std::max<int64_t>(1, tag - last_activated_);
       };
-      out.emplace_back(p + "staged_refresh",
-                       at::tensor({relative(pr.a_staged[0], pr.a_tag[0]),
-                                   relative(pr.a_staged[1], pr.a_tag[1]),
-                                   relative(pr.b_staged[0], pr.b_tag[0]),
-                                   relative(pr.b_staged[1], pr.b_tag[1])},
-                                  at::TensorOptions().dtype(at::kLong)));
+      out.emplace_back(
+          p + "staged_refresh",
+          at::tensor({relative(pr.a_staged[0], pr.a_tag[0]), relative(pr.a_staged[1], pr.a_tag[1]),
+                      relative(pr.b_staged[0], pr.b_tag[0]), relative(pr.b_staged[1], pr.b_tag[1])},
+                     at::TensorOptions().dtype(at::kLong)));
     }
     out.emplace_back(absl::StrCat("kfac.", layer, ".replicas_ready"),
                      at::tensor({static_cast<int64_t>(st.replicas_ready)},
@@ -945,18 +931,17 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
           const bool required = piece.name.find("_sum.") != std::string::npos ||
                                 piece.name.find("_count") != std::string::npos;
           if (pass == 0 && required) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("K-FAC state lacks ", piece.name));
+            return absl::InvalidArgumentError(absl::StrCat("K-FAC state lacks ", piece.name));
           }
           if (pass == 1) *piece.tensor = at::Tensor();
           continue;
         }
         if (pass == 0) {
           if (it->second.sizes().vec() != piece.shape || it->second.scalar_type() != piece.dtype) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "K-FAC state ", piece.name, " has shape ", shape_of(it->second), " ",
-                c10::toString(it->second.scalar_type()), ", expected [",
-                absl::StrJoin(piece.shape, ","), "] float"));
+            return absl::InvalidArgumentError(
+                absl::StrCat("K-FAC state ", piece.name, " has shape ", shape_of(it->second), " ",
+                             c10::toString(it->second.scalar_type()), ", expected [",
+                             absl::StrJoin(piece.shape, ","), "] float"));
           }
         } else {
           *piece.tensor = it->second.to(stage_->device()).clone();
@@ -983,15 +968,15 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
             return absl::InvalidArgumentError(
                 absl::StrCat("K-FAC state ", p, "staged_refresh is malformed"));
           }
-          for (const auto& [name, is_a] : {std::make_pair("a_inv_new", true),
-                                           std::make_pair("b_inv_new", false)}) {
+          for (const auto& [name, is_a] :
+               {std::make_pair("a_inv_new", true), std::make_pair("b_inv_new", false)}) {
             auto legacy = table.find(p + name);
             const auto want = (is_a ? st.a_sum[InputOf(m)] : st.b_sum[m]).sizes().vec();
             if (legacy != table.end() && (legacy->second.sizes().vec() != want ||
                                           legacy->second.scalar_type() != at::kFloat)) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "K-FAC state ", p, name, " has shape ", shape_of(legacy->second), ", expected [",
-                  absl::StrJoin(want, ","), "] float"));
+              return absl::InvalidArgumentError(
+                  absl::StrCat("K-FAC state ", p, name, " has shape ", shape_of(legacy->second),
+                               ", expected [", absl::StrJoin(want, ","), "] float"));
             }
           }
           continue;
@@ -1019,8 +1004,8 @@ absl::Status Kfac::LoadState(const std::map<std::string, at::Tensor>& table) {
           pr.a_tag[slot] = absolute(pr.a_staged[slot], slot);
           pr.b_tag[slot] = absolute(pr.b_staged[slot], 2 + slot);
         }
-        for (const auto& [name, is_a] : {std::make_pair("a_inv_new", true),
-                                         std::make_pair("b_inv_new", false)}) {
+        for (const auto& [name, is_a] :
+             {std::make_pair("a_inv_new", true), std::make_pair("b_inv_new", false)}) {
           auto legacy = table.find(p + name);
           if (legacy == table.end()) continue;
           (is_a ? pr.a_staged : pr.b_staged)[0] = legacy->second.to(stage_->device()).clone();

@@ -48,8 +48,8 @@
 
 namespace detour::model {
 
-struct LayerCapture;       // transformer.h
-class DampedInverseWork;   // kfac_inverse.h
+struct LayerCapture;      // transformer.h
+class DampedInverseWork;  // kfac_inverse.h
 
 // Projections of a block: "q","k","v","o","gate","up","down".
 const std::vector<std::string>& KfacModules();
@@ -74,16 +74,14 @@ struct KfacDamping {
   double damping_b = 0;
 };
 // π-corrected damping from the traces and dimensions of A and B (see above).
-KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b,
-                      int64_t dim_b, double damping);
+KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b, int64_t dim_b, double damping);
 
 // (F + damping·I)⁻¹ by Cholesky with the fallbacks above, in F's dtype:
 // every unit of DampedInverseWork (kfac_inverse.h) in one go — potrf and
 // potri up to kfac::kUnblockedInversion wide, blocked beyond.
 // `used_damping` (optional) receives the damping that succeeded.
 // FAILED_PRECONDITION for a non-finite F, INTERNAL if every retry fails.
-absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor,
-                                         double damping,
+absl::StatusOr<at::Tensor> DampedInverse(const at::Tensor& factor, double damping,
                                          double* used_damping = nullptr);
 
 // B⁻¹ · grad · A⁻¹ for grad [f_out, f_in].
@@ -110,8 +108,7 @@ class Kfac : public PreconditionHook {
   // spec.kfac() (damping, factor_decay, lr, momentum, kl_clip) and
   // spec.adamw() (peak lr for the schedule ratio, weight_decay).
   // INVALID_ARGUMENT for a null stage or out-of-range settings.
-  static absl::StatusOr<std::unique_ptr<Kfac>> Create(
-      Stage* stage, const v1::OptimizerSpec& spec);
+  static absl::StatusOr<std::unique_ptr<Kfac>> Create(Stage* stage, const v1::OptimizerSpec& spec);
   ~Kfac() override;
 
   // Call BEFORE stage->Forward(mb, ...): keeps the block inputs of mb during
@@ -224,8 +221,7 @@ class Kfac : public PreconditionHook {
   // AdamW's on ĝ. Every input is the reduced sum, so the replicas step
   // identically. Layers not ready are left to AdamW.
   absl::Status BeginStep(double lr) override;
-  absl::Status Precondition(int layer, const std::vector<NamedTensor>& params,
-                            double lr,
+  absl::Status Precondition(int layer, const std::vector<NamedTensor>& params, double lr,
                             std::set<std::string>* self_updated) override;
 
   // --- Replicas preconditioning their own gradients -------------------------
@@ -301,8 +297,8 @@ class Kfac : public PreconditionHook {
     std::shared_ptr<DampedInverseWork> a_work, b_work;
     int64_t a_work_refresh = kNoRefresh, b_work_refresh = kNoRefresh;
     KfacDamping damping;
-    at::Tensor momentum;              // KFAC_UPDATE_MOMENTUM
-    at::Tensor adam_m, adam_v;        // KFAC_UPDATE_GRAFT_ADAMW
+    at::Tensor momentum;        // KFAC_UPDATE_MOMENTUM
+    at::Tensor adam_m, adam_v;  // KFAC_UPDATE_GRAFT_ADAMW
     int64_t adam_step = 0;
     double graft_scale = 0;
   };
@@ -322,8 +318,7 @@ class Kfac : public PreconditionHook {
 
   Kfac(Stage* stage, const v1::OptimizerSpec& spec);
   absl::StatusOr<LayerState*> Layer(int layer, const std::string& what);
-  absl::StatusOr<LayerCapture*> Record(int layer, uint32_t mb,
-                                       const std::string& what);
+  absl::StatusOr<LayerCapture*> Record(int layer, uint32_t mb, const std::string& what);
   absl::Status Finalize(int layer, LayerState* st);
   absl::Status Invert(int layer, const std::string& module, bool is_a, int part, int num_parts,
                       int64_t refresh);
@@ -337,7 +332,7 @@ class Kfac : public PreconditionHook {
   bool steps_layer(int layer) const;
 
   Stage* stage_;
-  int begin_ = 0;  // first global layer held
+  int begin_ = 0;                                               // first global layer held
   std::vector<int64_t> curvature_a_items_, curvature_b_items_;  // kfac::BlockWorkload
   double damping_, factor_decay_, kfac_lr_, momentum_, kl_clip_;
   double adamw_lr_, weight_decay_;

@@ -17,14 +17,12 @@ int64_t ModelConfig::LayerParameters() const {
 
 int64_t ModelConfig::TotalParameters() const {
   // Embedding, LM head (untied), final norm.
-  return num_layers * LayerParameters() +
-         2 * static_cast<int64_t>(vocab_size) * d_model + d_model;
+  return num_layers * LayerParameters() + 2 * static_cast<int64_t>(vocab_size) * d_model + d_model;
 }
 
 std::string ModelConfig::DebugString() const {
-  return absl::StrCat("layers=", num_layers, " d_model=", d_model,
-                      " heads=", num_heads, " kv_heads=", num_kv_heads,
-                      " ffn=", ffn_dim, " vocab=", vocab_size,
+  return absl::StrCat("layers=", num_layers, " d_model=", d_model, " heads=", num_heads,
+                      " kv_heads=", num_kv_heads, " ffn=", ffn_dim, " vocab=", vocab_size,
                       " context=", context_length);
 }
 
@@ -50,8 +48,7 @@ absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
   c.num_layers = static_cast<int>(s.num_layers());
   c.d_model = static_cast<int>(s.d_model());
   c.num_heads = static_cast<int>(s.num_heads());
-  c.num_kv_heads =
-      s.num_kv_heads() ? static_cast<int>(s.num_kv_heads()) : c.num_heads;
+  c.num_kv_heads = s.num_kv_heads() ? static_cast<int>(s.num_kv_heads()) : c.num_heads;
   if (s.ffn_dim()) {
     c.ffn_dim = static_cast<int>(s.ffn_dim());
   } else {
@@ -59,14 +56,12 @@ absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
     c.ffn_dim = (raw + 63) / 64 * 64;
   }
   c.vocab_size = s.vocab_size() ? static_cast<int>(s.vocab_size()) : 256;
-  c.context_length =
-      s.context_length() ? static_cast<int>(s.context_length()) : 128;
+  c.context_length = s.context_length() ? static_cast<int>(s.context_length()) : 128;
   c.rope_theta = s.rope_theta() != 0 ? s.rope_theta() : 10000.0;
   c.norm_eps = s.norm_eps() != 0 ? s.norm_eps() : 1e-5;
 
   auto bad = [](absl::string_view field, int64_t v, absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.", field, ": ", v, " ", why));
+    return absl::InvalidArgumentError(absl::StrCat("model.", field, ": ", v, " ", why));
   };
   if (c.num_layers <= 0) return bad("num_layers", c.num_layers, "must be > 0");
   if (c.d_model <= 0) return bad("d_model", c.d_model, "must be > 0");
@@ -78,8 +73,7 @@ absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
                "gives an odd head dimension (rotary embeddings need even)");
   }
   if (c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0) {
-    return bad("num_kv_heads", c.num_kv_heads,
-               "must be > 0 and divide num_heads");
+    return bad("num_kv_heads", c.num_kv_heads, "must be > 0 and divide num_heads");
   }
   if (c.ffn_dim <= 0) return bad("ffn_dim", c.ffn_dim, "must be > 0");
   if (c.vocab_size <= 0) return bad("vocab_size", c.vocab_size, "must be > 0");
@@ -103,8 +97,7 @@ v1::ModelShape ShapeFromConfig(const ModelConfig& c) {
   return s;
 }
 
-absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
-                                           int stage) {
+absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages, int stage) {
   // One rule for the whole system: the coordinator assigns with the same one.
   ASSIGN_OR_RETURN(LayerSpan span, StageLayers(num_layers, num_stages, stage));
   LayerRange r;

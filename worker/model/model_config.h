@@ -46,9 +46,7 @@ struct LayerRange {
   int begin = 0;
   int end = 0;
   int size() const { return end - begin; }
-  bool operator==(const LayerRange& o) const {
-    return begin == o.begin && end == o.end;
-  }
+  bool operator==(const LayerRange& o) const { return begin == o.begin && end == o.end; }
 };
 
 // Layers held by `stage` of `num_stages` for a model of `num_layers` blocks.
@@ -57,8 +55,7 @@ struct LayerRange {
 // ranges last, since stage 0 also carries the embedding, LM head and loss.
 // INVALID_ARGUMENT unless 1 <= num_stages <= num_layers and
 // 0 <= stage < num_stages.
-absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages,
-                                           int stage);
+absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages, int stage);
 
 }  // namespace detour::model
 

@@ -32,13 +32,11 @@ double ScheduledLearningRate(const v1::OptimizerSpec& spec, uint64_t iteration,
   const double floor_ratio = spec.min_lr_ratio() > 0 ? spec.min_lr_ratio() : 0.1;
   const uint64_t warmup = spec.warmup_iterations();
   if (iteration < warmup) {
-    return peak * static_cast<double>(iteration + 1) /
-           static_cast<double>(warmup);
+    return peak * static_cast<double>(iteration + 1) / static_cast<double>(warmup);
   }
   if (spec.constant_lr()) return peak;
-  const double span = total_iterations > warmup + 1
-                          ? static_cast<double>(total_iterations - warmup - 1)
-                          : 1.0;
+  const double span =
+      total_iterations > warmup + 1 ? static_cast<double>(total_iterations - warmup - 1) : 1.0;
   double progress = static_cast<double>(iteration - warmup) / span;
   if (progress > 1.0) progress = 1.0;
   const double floor = peak * floor_ratio;
@@ -70,8 +68,7 @@ absl::Status AdamW::Step(double lr, double grad_scale) {
     if (hook_ != nullptr) {
       absl::Status begin = hook_->BeginStep(lr);
       if (!begin.ok()) {
-        return absl::Status(begin.code(), absl::StrCat("precondition hook: ",
-                                                       begin.message()));
+        return absl::Status(begin.code(), absl::StrCat("precondition hook: ", begin.message()));
       }
       std::map<int, std::vector<NamedTensor>> by_layer;
       for (const auto& np : params_) {
@@ -83,8 +80,8 @@ absl::Status AdamW::Step(double lr, double grad_scale) {
       for (const auto& [layer, group] : by_layer) {
         absl::Status s = hook_->Precondition(layer, group, lr, &self_updated);
         if (!s.ok()) {
-          return absl::Status(s.code(), absl::StrCat("precondition hook, layer ",
-                                                     layer, ": ", s.message()));
+          return absl::Status(s.code(),
+                              absl::StrCat("precondition hook, layer ", layer, ": ", s.message()));
         }
       }
     }
@@ -121,10 +118,8 @@ std::vector<NamedTensor> AdamW::State() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
     const Moments& mo = moments_[i];
-    out.emplace_back(name + ".adam_m",
-                     mo.m.defined() ? mo.m : at::zeros_like(p));
-    out.emplace_back(name + ".adam_v",
-                     mo.v.defined() ? mo.v : at::zeros_like(p));
+    out.emplace_back(name + ".adam_m", mo.m.defined() ? mo.m : at::zeros_like(p));
+    out.emplace_back(name + ".adam_v", mo.v.defined() ? mo.v : at::zeros_like(p));
     out.emplace_back(name + ".adam_step",
                      at::scalar_tensor(mo.step, at::TensorOptions().dtype(at::kLong)));
   }
@@ -137,14 +132,12 @@ absl::Status AdamW::LoadState(const std::map<std::string, at::Tensor>& state) {
       for (const char* suffix : {".adam_m", ".adam_v"}) {
         auto it = state.find(name + suffix);
         if (it == state.end()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("optimizer state lacks ", name, suffix));
+          return absl::InvalidArgumentError(absl::StrCat("optimizer state lacks ", name, suffix));
         }
         if (!it->second.sizes().equals(p.sizes())) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "optimizer state ", name, suffix, ": shape ",
-              ShapeString(it->second.sizes()), " vs parameter ",
-              ShapeString(p.sizes())));
+              "optimizer state ", name, suffix, ": shape ", ShapeString(it->second.sizes()),
+              " vs parameter ", ShapeString(p.sizes())));
         }
       }
       auto it = state.find(name + ".adam_step");
@@ -156,8 +149,8 @@ absl::Status AdamW::LoadState(const std::map<std::string, at::Tensor>& state) {
       // the bias corrections into nonsense.
       const double step = it->second.item<double>();
       if (!(step >= 0 && step <= 9.007199254740992e15 && step == std::floor(step))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "optimizer state ", name, ".adam_step: ", step, " is not a step count"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer state ", name, ".adam_step: ", step, " is not a step count"));
       }
     }
     c10::NoGradGuard no_grad;

@@ -60,9 +60,7 @@ class PreconditionHook {
     (void)lr;
     return absl::OkStatus();
   }
-  virtual absl::Status Precondition(int layer,
-                                    const std::vector<NamedTensor>& params,
-                                    double lr,
+  virtual absl::Status Precondition(int layer, const std::vector<NamedTensor>& params, double lr,
                                     std::set<std::string>* self_updated) = 0;
 };
 

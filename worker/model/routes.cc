@@ -15,25 +15,21 @@ namespace detour::model {
 absl::Status CheckRoute(const v1::Route& route, int num_stages) {
   const std::string ctx = absl::StrCat("route of microbatch ", route.microbatch());
   if (route.stages_size() == 0 || route.stages(0) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ctx, ": must start at stage 0"));
+    return absl::InvalidArgumentError(absl::StrCat(ctx, ": must start at stage 0"));
   }
   if (route.nodes_size() != 0 && route.nodes_size() != route.stages_size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(ctx, ": ", route.nodes_size(), " nodes vs ",
-                     route.stages_size(), " stages"));
+        absl::StrCat(ctx, ": ", route.nodes_size(), " nodes vs ", route.stages_size(), " stages"));
   }
   std::vector<bool> seen(num_stages, false);
   for (int i = 1; i < route.stages_size(); ++i) {
     const uint32_t s = route.stages(i);
     if (s == 0 || s >= static_cast<uint32_t>(num_stages)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(ctx, ": stage ", s, " at hop ", i,
-                       " is outside [1, ", num_stages, ")"));
+          absl::StrCat(ctx, ": stage ", s, " at hop ", i, " is outside [1, ", num_stages, ")"));
     }
     if (seen[s]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(ctx, ": stage ", s, " visited twice"));
+      return absl::InvalidArgumentError(absl::StrCat(ctx, ": stage ", s, " visited twice"));
     }
     seen[s] = true;
   }
@@ -51,13 +47,12 @@ v1::Route MakeRoute(uint32_t mb, const std::vector<int>& stages) {
   return r;
 }
 
-absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(
-    const v1::PipelineSpec& pipeline, int num_microbatches, uint64_t seed,
-    uint64_t iteration) {
+absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(const v1::PipelineSpec& pipeline,
+                                                      int num_microbatches, uint64_t seed,
+                                                      uint64_t iteration) {
   const int s_count = static_cast<int>(pipeline.num_stages());
   const int others = std::max(0, VisitedStages(pipeline) - 1);
-  const int max_jump =
-      pipeline.max_jump() > 0 ? static_cast<int>(pipeline.max_jump()) : 3;
+  const int max_jump = pipeline.max_jump() > 0 ? static_cast<int>(pipeline.max_jump()) : 3;
   const int max_total = pipeline.max_total_swap_distance() > 0
                             ? static_cast<int>(pipeline.max_total_swap_distance())
                             : 2;
@@ -67,8 +62,7 @@ absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(
                            ? static_cast<int>(pipeline.microbatches_per_data_node())
                            : num_microbatches;
   if (s_count < 1 || others > s_count - 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pipeline.num_stages: ", s_count, " too small"));
+    return absl::InvalidArgumentError(absl::StrCat("pipeline.num_stages: ", s_count, " too small"));
   }
   // Every ascending subset of size `others` of {1..S-1} whose jumps fit.
   std::vector<std::vector<int>> subsets;
@@ -92,8 +86,8 @@ absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(
     if (ok) subsets.push_back(std::move(set));
   }
   if (subsets.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "no route of ", others, " non-zero stages fits max_jump ", max_jump));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no route of ", others, " non-zero stages fits max_jump ", max_jump));
   }
   // Greedy level filling: each microbatch takes the feasible subset with the
   // least squared visit counts (random tie-break). Jump limits can make the
@@ -141,8 +135,7 @@ absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(
       if (SplitMix64(&rng) % 2 == 0) continue;
       std::vector<size_t> candidates;
       for (size_t i = 0; i + 1 < order.size(); ++i) {
-        const int frontier =
-            i == 0 ? 0 : *std::max_element(order.begin(), order.begin() + i);
+        const int frontier = i == 0 ? 0 : *std::max_element(order.begin(), order.begin() + i);
         if (order[i + 1] == order[i] + 1 && order[i + 1] - frontier <= max_jump) {
           const bool touched = (i > 0 && order[i - 1] > order[i]) ||
                                (i + 2 < order.size() && order[i + 1] > order[i + 2]);
@@ -175,8 +168,7 @@ absl::StatusOr<std::vector<v1::Route>> ParseRoutesJson(absl::string_view json) {
   }
   auto status = google::protobuf::util::JsonStringToMessage(text, &plan, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("routes JSON: ", status.ToString()));
+    return absl::InvalidArgumentError(absl::StrCat("routes JSON: ", status.ToString()));
   }
   return std::vector<v1::Route>(plan.routes().begin(), plan.routes().end());
 }

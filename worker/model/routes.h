@@ -31,9 +31,9 @@ absl::Status CheckRoute(const v1::Route& route, int num_stages);
 // m / microbatches_per_data_node, named "d<k>"; stage s>0 node "s<s>".
 // Deterministic in (pipeline, seed, iteration). INVALID_ARGUMENT when no
 // route satisfies the jump limit.
-absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(
-    const v1::PipelineSpec& pipeline, int num_microbatches, uint64_t seed,
-    uint64_t iteration);
+absl::StatusOr<std::vector<v1::Route>> GenerateRoutes(const v1::PipelineSpec& pipeline,
+                                                      int num_microbatches, uint64_t seed,
+                                                      uint64_t iteration);
 
 // A route through the given stages (stage 0 first) for microbatch `mb`.
 v1::Route MakeRoute(uint32_t mb, const std::vector<int>& stages);

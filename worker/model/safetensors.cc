@@ -63,8 +63,7 @@ absl::Status ParseEntry(const std::string& what, const std::string& name, const 
                         uint64_t buffer_bytes, SafetensorsTensor* t, uint64_t* begin,
                         uint64_t* end) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": tensor \"", Shown(name), "\": ", why));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": tensor \"", Shown(name), "\": ", why));
   };
   if (name.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": a tensor has an empty name"));
@@ -73,7 +72,8 @@ absl::Status ParseEntry(const std::string& what, const std::string& name, const 
     return bad(absl::StrCat("name is ", name.size(), " bytes, more than ",
                             SafetensorsLimits::kMaxNameBytes));
   }
-  if (!v.is_object()) return bad(absl::StrCat("is ", JsonValue::KindName(v.kind()), ", not an object"));
+  if (!v.is_object())
+    return bad(absl::StrCat("is ", JsonValue::KindName(v.kind()), ", not an object"));
   for (const std::string& key : v.keys()) {
     if (key != "dtype" && key != "shape" && key != "data_offsets") {
       return bad(absl::StrCat("unknown field \"", Shown(key), "\""));
@@ -121,14 +121,15 @@ absl::Status ParseEntry(const std::string& what, const std::string& name, const 
       !offsets->items()[0].AsUint64(begin) || !offsets->items()[1].AsUint64(end)) {
     return bad("data_offsets is not [begin, end] with non-negative integers");
   }
-  if (*begin > *end) return bad(absl::StrCat("data_offsets [", *begin, ", ", *end, "] is reversed"));
+  if (*begin > *end)
+    return bad(absl::StrCat("data_offsets [", *begin, ", ", *end, "] is reversed"));
   if (*end > buffer_bytes) {
     return bad(absl::StrCat("data_offsets [", *begin, ", ", *end,
                             "] reach past the byte buffer of ", buffer_bytes, " bytes"));
   }
   if (*end - *begin != bytes) {
-    return bad(absl::StrCat("holds ", *end - *begin, " bytes but ", Info(t->dtype).name,
-                            " [", absl::StrJoin(t->shape, ", "), "] needs ", bytes));
+    return bad(absl::StrCat("holds ", *end - *begin, " bytes but ", Info(t->dtype).name, " [",
+                            absl::StrJoin(t->shape, ", "), "] needs ", bytes));
   }
   return absl::OkStatus();
 }
@@ -139,20 +140,20 @@ absl::Status ParseMetadata(const std::string& what, const JsonValue& v,
     return absl::InvalidArgumentError(absl::StrCat(what, ": __metadata__ is not an object"));
   }
   if (v.keys().size() > SafetensorsLimits::kMaxMetadataEntries) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": __metadata__ has ", v.keys().size(), " entries, more than ",
-                     SafetensorsLimits::kMaxMetadataEntries));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": __metadata__ has ", v.keys().size(),
+                                                   " entries, more than ",
+                                                   SafetensorsLimits::kMaxMetadataEntries));
   }
   for (size_t i = 0; i < v.keys().size(); ++i) {
     const JsonValue& item = v.items()[i];
     if (!item.is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": __metadata__ \"", Shown(v.keys()[i]), "\" is not a string"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": __metadata__ \"", Shown(v.keys()[i]), "\" is not a string"));
     }
     if (item.string_value().size() > SafetensorsLimits::kMaxMetadataBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": __metadata__ \"", Shown(v.keys()[i]), "\" is longer than ",
-          SafetensorsLimits::kMaxMetadataBytes, " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": __metadata__ \"", Shown(v.keys()[i]), "\" is longer than ",
+                       SafetensorsLimits::kMaxMetadataBytes, " bytes"));
     }
     (*out)[v.keys()[i]] = item.string_value();
   }
@@ -265,9 +266,8 @@ absl::StatusOr<SafetensorsContents> ParseSafetensors(absl::string_view bytes,
   return out;
 }
 
-absl::StatusOr<std::string> EncodeSafetensors(
-    const std::vector<SafetensorsTensor>& tensors,
-    const std::map<std::string, std::string>& metadata) {
+absl::StatusOr<std::string> EncodeSafetensors(const std::vector<SafetensorsTensor>& tensors,
+                                              const std::map<std::string, std::string>& metadata) {
   std::set<absl::string_view> names;
   std::vector<std::string> entries;
   if (!metadata.empty()) {
@@ -295,10 +295,9 @@ absl::StatusOr<std::string> EncodeSafetensors(
     if (bytes != t.data.size()) {
       return bad(absl::StrCat("has ", t.data.size(), " bytes of data for ", bytes));
     }
-    entries.push_back(absl::StrCat(JsonQuote(t.name), ":{\"dtype\":\"",
-                                   SafetensorsDTypeName(t.dtype), "\",\"shape\":[",
-                                   absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", offset,
-                                   ",", offset + bytes, "]}"));
+    entries.push_back(absl::StrCat(
+        JsonQuote(t.name), ":{\"dtype\":\"", SafetensorsDTypeName(t.dtype), "\",\"shape\":[",
+        absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", offset, ",", offset + bytes, "]}"));
     offset += bytes;
   }
   std::string header = absl::StrCat("{", absl::StrJoin(entries, ","), "}");

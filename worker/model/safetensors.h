@@ -34,7 +34,19 @@
 namespace detour::model {
 
 enum class SafetensorsDType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kF64,
+  kI64,
+  kU64
 };
 
 // "F32", "BF16", ... as the format spells them.
@@ -87,9 +99,8 @@ absl::StatusOr<SafetensorsContents> ParseSafetensors(absl::string_view bytes,
 // a multiple of 8, as the reference implementation does. INVALID_ARGUMENT
 // for an empty, too long or duplicate name, the name "__metadata__", a
 // negative dimension, or data whose size is not dtype × shape.
-absl::StatusOr<std::string> EncodeSafetensors(
-    const std::vector<SafetensorsTensor>& tensors,
-    const std::map<std::string, std::string>& metadata);
+absl::StatusOr<std::string> EncodeSafetensors(const std::vector<SafetensorsTensor>& tensors,
+                                              const std::map<std::string, std::string>& metadata);
 
 // EncodeSafetensors, written to `path` crash-safely (common/files.h:
 // temporary file, fsync, rename, fsync of the directory).

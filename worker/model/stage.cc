@@ -45,27 +45,23 @@ struct Stage::Impl {
 
   absl::Status CheckTokens(const at::Tensor& t, absl::string_view name,
                            const std::string& ctx) const {
-    if (!t.defined() || t.dim() != 2 || t.scalar_type() != at::kLong ||
-        t.size(1) < 1 || t.size(1) > config.context_length) {
+    if (!t.defined() || t.dim() != 2 || t.scalar_type() != at::kLong || t.size(1) < 1 ||
+        t.size(1) > config.context_length) {
       return absl::InvalidArgumentError(absl::StrCat(
-          ctx, ": ", name, " ",
-          t.defined() ? ShapeString(t.sizes()) : std::string("undefined"), " ",
-          t.defined() ? std::string(c10::toString(t.scalar_type())) : "",
+          ctx, ": ", name, " ", t.defined() ? ShapeString(t.sizes()) : std::string("undefined"),
+          " ", t.defined() ? std::string(c10::toString(t.scalar_type())) : "",
           " vs expected int64 [B, T<=", config.context_length, "]"));
     }
     return absl::OkStatus();
   }
 
   absl::Status CheckHidden(const at::Tensor& t, const std::string& ctx) const {
-    if (!t.defined() || t.dim() != 3 || t.scalar_type() != at::kFloat ||
-        t.size(1) < 1 || t.size(1) > config.context_length ||
-        t.size(2) != config.d_model) {
+    if (!t.defined() || t.dim() != 3 || t.scalar_type() != at::kFloat || t.size(1) < 1 ||
+        t.size(1) > config.context_length || t.size(2) != config.d_model) {
       return absl::InvalidArgumentError(absl::StrCat(
-          ctx, ": shape ",
-          t.defined() ? ShapeString(t.sizes()) : std::string("undefined"), " ",
+          ctx, ": shape ", t.defined() ? ShapeString(t.sizes()) : std::string("undefined"), " ",
           t.defined() ? std::string(c10::toString(t.scalar_type())) : "",
-          " vs expected float [B, T<=", config.context_length, ", ",
-          config.d_model, "]"));
+          " vs expected float [B, T<=", config.context_length, ", ", config.d_model, "]"));
     }
     return absl::OkStatus();
   }
@@ -97,8 +93,8 @@ namespace {
 absl::Status CheckComputeDtype(at::ScalarType dtype, c10::Device device) {
   if (dtype == at::kFloat) return absl::OkStatus();
   if (dtype != at::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute dtype ", c10::toString(dtype), ": only float32 and bfloat16 are supported"));
+    return absl::InvalidArgumentError(absl::StrCat("compute dtype ", c10::toString(dtype),
+                                                   ": only float32 and bfloat16 are supported"));
   }
   absl::Status probe = GuardTorch("bfloat16 probe", [&]() -> absl::Status {
     c10::AutoGradMode grad(true);
@@ -112,9 +108,9 @@ absl::Status CheckComputeDtype(at::ScalarType dtype, c10::Device device) {
     return absl::OkStatus();
   });
   if (!probe.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "pipeline.precision PRECISION_BF16: device ", device.str(),
-        " cannot compute in bfloat16 (", probe.message(), "); use PRECISION_FP32"));
+    return absl::FailedPreconditionError(absl::StrCat("pipeline.precision PRECISION_BF16: device ",
+                                                      device.str(), " cannot compute in bfloat16 (",
+                                                      probe.message(), "); use PRECISION_FP32"));
   }
   return absl::OkStatus();
 }
@@ -128,44 +124,42 @@ at::ScalarType ComputeDtype(v1::Precision precision) {
 Stage::Stage(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Stage::~Stage() = default;
 
-absl::StatusOr<std::unique_ptr<Stage>> Stage::Create(
-    const ModelConfig& config, int stage, int num_stages,
-    const StageOptions& options) {
+absl::StatusOr<std::unique_ptr<Stage>> Stage::Create(const ModelConfig& config, int stage,
+                                                     int num_stages, const StageOptions& options) {
   auto range = StageLayerRange(config.num_layers, num_stages, stage);
   if (!range.ok()) return range.status();
   if (options.memory_slots < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pipeline.memory_slots: ", options.memory_slots, " must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline.memory_slots: ", options.memory_slots, " must be >= 1"));
   }
   RETURN_IF_ERROR(CheckComputeDtype(options.compute_dtype, options.device));
-  return GuardTorch(
-      absl::StrCat("stage ", stage, " construction"),
-      [&]() -> absl::StatusOr<std::unique_ptr<Stage>> {
-        auto impl = std::make_unique<Impl>();
-        impl->config = config;
-        impl->index = stage;
-        impl->num_stages = num_stages;
-        impl->range = *range;
-        impl->options = options;
-        impl->rope = RotaryTables::Make(config, options.device);
-        if (stage == 0) {
-          impl->embed = Embedding(config, options.seed);
-          impl->embed->to(options.device);
-          impl->head = LmHead(config, options.seed);
-          impl->head->to(options.device);
-          impl->head->set_compute_dtype(options.compute_dtype);
-        }
-        for (int i = range->begin; i < range->end; ++i) {
-          impl->layers.push_back(DecoderLayer(config, i, options.seed));
-          impl->layers.back()->to(options.device);
-          impl->layers.back()->set_compute_dtype(options.compute_dtype);
-        }
-        return std::unique_ptr<Stage>(new Stage(std::move(impl)));
-      });
+  return GuardTorch(absl::StrCat("stage ", stage, " construction"),
+                    [&]() -> absl::StatusOr<std::unique_ptr<Stage>> {
+                      auto impl = std::make_unique<Impl>();
+                      impl->config = config;
+                      impl->index = stage;
+                      impl->num_stages = num_stages;
+                      impl->range = *range;
+                      impl->options = options;
+                      impl->rope = RotaryTables::Make(config, options.device);
+                      if (stage == 0) {
+                        impl->embed = Embedding(config, options.seed);
+                        impl->embed->to(options.device);
+                        impl->head = LmHead(config, options.seed);
+                        impl->head->to(options.device);
+                        impl->head->set_compute_dtype(options.compute_dtype);
+                      }
+                      for (int i = range->begin; i < range->end; ++i) {
+                        impl->layers.push_back(DecoderLayer(config, i, options.seed));
+                        impl->layers.back()->to(options.device);
+                        impl->layers.back()->set_compute_dtype(options.compute_dtype);
+                      }
+                      return std::unique_ptr<Stage>(new Stage(std::move(impl)));
+                    });
 }
 
-absl::StatusOr<std::unique_ptr<Stage>> Stage::FromJobSpec(
-    const v1::JobSpec& spec, int stage, c10::Device device) {
+absl::StatusOr<std::unique_ptr<Stage>> Stage::FromJobSpec(const v1::JobSpec& spec, int stage,
+                                                          c10::Device device) {
   v1::JobSpec s = spec;
   ApplyJobDefaults(&s);
   auto config = ModelConfigFromShape(s.model());
@@ -176,8 +170,7 @@ absl::StatusOr<std::unique_ptr<Stage>> Stage::FromJobSpec(
   options.compute_dtype = ComputeDtype(s.pipeline().precision());
   options.device = device;
   options.seed = s.seed();
-  return Create(*config, stage, static_cast<int>(s.pipeline().num_stages()),
-                options);
+  return Create(*config, stage, static_cast<int>(s.pipeline().num_stages()), options);
 }
 
 int Stage::index() const { return impl_->index; }
@@ -190,13 +183,12 @@ absl::StatusOr<at::Tensor> Stage::Forward(uint32_t mb, const at::Tensor& input) 
   Impl& s = *impl_;
   const std::string ctx = s.Context("forward", mb);
   if (s.slots.count(mb) != 0) {
-    return absl::AlreadyExistsError(
-        absl::StrCat(ctx, ": microbatch already in flight"));
+    return absl::AlreadyExistsError(absl::StrCat(ctx, ": microbatch already in flight"));
   }
   if (static_cast<int>(s.slots.size()) >= s.options.memory_slots) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        ctx, ": all ", s.options.memory_slots,
-        " memory slots hold microbatches awaiting backward"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(ctx, ": all ", s.options.memory_slots,
+                     " memory slots hold microbatches awaiting backward"));
   }
   if (s.index == 0) {
     RETURN_IF_ERROR(s.CheckTokens(input, "tokens", ctx));
@@ -235,8 +227,8 @@ absl::StatusOr<at::Tensor> Stage::Forward(uint32_t mb, const at::Tensor& input) 
       slot.recompute = true;
       slot.saved_input = input.to(s.options.device).detach();
       slot.input = at::Tensor();
-      at::Tensor y = s.RunLayers(s.index == 0 ? s.embed->forward(slot.saved_input)
-                                              : slot.saved_input);
+      at::Tensor y =
+          s.RunLayers(s.index == 0 ? s.embed->forward(slot.saved_input) : slot.saved_input);
       slot.output_sizes = y.sizes().vec();
       s.slots.emplace(mb, std::move(slot));
       return y;
@@ -250,21 +242,17 @@ absl::StatusOr<at::Tensor> Stage::Forward(uint32_t mb, const at::Tensor& input) 
   });
 }
 
-absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb,
-                                           const at::Tensor& grad_output) {
+absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb, const at::Tensor& grad_output) {
   Impl& s = *impl_;
   const std::string ctx = s.Context("backward", mb);
   auto it = s.slots.find(mb);
   if (it == s.slots.end()) {
-    return absl::NotFoundError(
-        absl::StrCat(ctx, ": microbatch has no forward in flight"));
+    return absl::NotFoundError(absl::StrCat(ctx, ": microbatch has no forward in flight"));
   }
-  if (!grad_output.defined() ||
-      !grad_output.sizes().equals(it->second.output_sizes)) {
+  if (!grad_output.defined() || !grad_output.sizes().equals(it->second.output_sizes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         ctx, ": gradient shape ",
-        grad_output.defined() ? ShapeString(grad_output.sizes())
-                              : std::string("undefined"),
+        grad_output.defined() ? ShapeString(grad_output.sizes()) : std::string("undefined"),
         " vs expected ", ShapeString(it->second.output_sizes)));
   }
   auto result = GuardTorch(ctx, [&]() -> absl::StatusOr<at::Tensor> {
@@ -281,8 +269,7 @@ absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb,
       slot.output = s.RunLayers(x);
     }
     torch::autograd::backward({slot.output},
-                              {grad_output.to(s.options.device)
-                                   .to(slot.output.scalar_type())});
+                              {grad_output.to(s.options.device).to(slot.output.scalar_type())});
     at::Tensor grad_in;
     if (slot.input.defined()) grad_in = slot.input.grad();
     return grad_in;
@@ -293,21 +280,18 @@ absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb,
   return result;
 }
 
-absl::StatusOr<LossOutput> Stage::LossAndBackward(uint32_t mb,
-                                                  const at::Tensor& hidden,
+absl::StatusOr<LossOutput> Stage::LossAndBackward(uint32_t mb, const at::Tensor& hidden,
                                                   const at::Tensor& targets) {
   Impl& s = *impl_;
   const std::string ctx = s.Context("loss", mb);
   if (s.index != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(ctx, ": only stage 0 holds the LM head"));
+    return absl::FailedPreconditionError(absl::StrCat(ctx, ": only stage 0 holds the LM head"));
   }
   RETURN_IF_ERROR(s.CheckHidden(hidden, ctx));
   RETURN_IF_ERROR(s.CheckTokens(targets, "targets", ctx));
   if (targets.size(0) != hidden.size(0) || targets.size(1) != hidden.size(1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ctx, ": targets ", ShapeString(targets.sizes()),
-                     " vs hidden ", ShapeString(hidden.sizes())));
+    return absl::InvalidArgumentError(absl::StrCat(ctx, ": targets ", ShapeString(targets.sizes()),
+                                                   " vs hidden ", ShapeString(hidden.sizes())));
   }
   return GuardTorch(ctx, [&]() -> absl::StatusOr<LossOutput> {
     c10::AutoGradMode grad(true);
@@ -338,22 +322,21 @@ absl::StatusOr<at::Tensor> Stage::Infer(const at::Tensor& input) {
   });
 }
 
-absl::StatusOr<std::pair<double, int64_t>> Stage::InferLoss(
-    const at::Tensor& hidden, const at::Tensor& targets) {
+absl::StatusOr<std::pair<double, int64_t>> Stage::InferLoss(const at::Tensor& hidden,
+                                                            const at::Tensor& targets) {
   Impl& s = *impl_;
   const std::string ctx = absl::StrCat("stage ", s.index, " inference loss");
   if (s.index != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(ctx, ": only stage 0 holds the LM head"));
+    return absl::FailedPreconditionError(absl::StrCat(ctx, ": only stage 0 holds the LM head"));
   }
   RETURN_IF_ERROR(s.CheckHidden(hidden, ctx));
   RETURN_IF_ERROR(s.CheckTokens(targets, "targets", ctx));
   return GuardTorch(ctx, [&]() -> absl::StatusOr<std::pair<double, int64_t>> {
     c10::NoGradGuard no_grad;
     at::Tensor logits = s.head->forward(hidden.to(s.options.device));
-    at::Tensor nll = at::cross_entropy_loss(
-        logits.reshape({-1, logits.size(-1)}),
-        targets.to(s.options.device).reshape({-1}), {}, at::Reduction::Sum);
+    at::Tensor nll =
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                               targets.to(s.options.device).reshape({-1}), {}, at::Reduction::Sum);
     return std::make_pair(nll.item<double>(), targets.numel());
   });
 }
@@ -362,9 +345,7 @@ void Stage::Drop(uint32_t mb) { impl_->slots.erase(mb); }
 void Stage::DropAll() { impl_->slots.clear(); }
 int Stage::in_flight() const { return static_cast<int>(impl_->slots.size()); }
 
-std::vector<NamedTensor> Stage::Parameters() const {
-  return impl_->Parameters();
-}
+std::vector<NamedTensor> Stage::Parameters() const { return impl_->Parameters(); }
 
 int Stage::visits() const { return impl_->visits; }
 
@@ -387,27 +368,25 @@ absl::Status Stage::ScaleGradients(double factor) {
 }
 
 absl::StatusOr<double> Stage::SquaredGradNorm(const std::set<std::string>* exclude) const {
-  return GuardTorch(
-      absl::StrCat("stage ", impl_->index, " gradient norm"),
-      [&]() -> absl::StatusOr<double> {
-        c10::NoGradGuard no_grad;
-        double total = 0;
-        for (auto& [name, p] : impl_->Parameters()) {
-          if (exclude != nullptr && exclude->count(name)) continue;
-          if (p.grad().defined()) {
-            total += p.grad().to(at::kDouble).pow(2).sum().item<double>();
-          }
-        }
-        return total;
-      });
+  return GuardTorch(absl::StrCat("stage ", impl_->index, " gradient norm"),
+                    [&]() -> absl::StatusOr<double> {
+                      c10::NoGradGuard no_grad;
+                      double total = 0;
+                      for (auto& [name, p] : impl_->Parameters()) {
+                        if (exclude != nullptr && exclude->count(name)) continue;
+                        if (p.grad().defined()) {
+                          total += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+                        }
+                      }
+                      return total;
+                    });
 }
 
-absl::Status Stage::SetCapture(
-    uint32_t mb, std::vector<std::shared_ptr<LayerCapture>> records) {
+absl::Status Stage::SetCapture(uint32_t mb, std::vector<std::shared_ptr<LayerCapture>> records) {
   if (records.size() != impl_->layers.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "stage ", impl_->index, " capture mb ", mb, ": ", records.size(),
-        " records for ", impl_->layers.size(), " blocks"));
+    return absl::InvalidArgumentError(absl::StrCat("stage ", impl_->index, " capture mb ", mb, ": ",
+                                                   records.size(), " records for ",
+                                                   impl_->layers.size(), " blocks"));
   }
   impl_->captures[mb] = std::move(records);
   return absl::OkStatus();
@@ -415,8 +394,7 @@ absl::Status Stage::SetCapture(
 
 void Stage::ClearCapture(uint32_t mb) { impl_->captures.erase(mb); }
 
-double GradNormalizationScale(v1::GradNormalization mode, int visits,
-                              int total_microbatches) {
+double GradNormalizationScale(v1::GradNormalization mode, int visits, int total_microbatches) {
   if (visits <= 0) return 0.0;
   if (mode == v1::GRAD_NORM_TOTAL) {
     return total_microbatches > 0 ? 1.0 / total_microbatches : 0.0;

@@ -70,9 +70,9 @@ at::ScalarType ComputeDtype(v1::Precision precision);
 
 // Result of the loss on stage 0.
 struct LossOutput {
-  double loss = 0;          // mean token cross-entropy of the microbatch
-  int64_t tokens = 0;       // tokens the mean is over
-  at::Tensor grad_hidden;   // d loss / d hidden, to send back along the route
+  double loss = 0;         // mean token cross-entropy of the microbatch
+  int64_t tokens = 0;      // tokens the mean is over
+  at::Tensor grad_hidden;  // d loss / d hidden, to send back along the route
 };
 
 class Stage {
@@ -81,13 +81,12 @@ class Stage {
   // INVALID_ARGUMENT for a bad index or stage count or a compute dtype other
   // than float32 and bfloat16; FAILED_PRECONDITION, naming the device, when
   // the device cannot run bfloat16 products and their backward.
-  static absl::StatusOr<std::unique_ptr<Stage>> Create(
-      const ModelConfig& config, int stage, int num_stages,
-      const StageOptions& options);
+  static absl::StatusOr<std::unique_ptr<Stage>> Create(const ModelConfig& config, int stage,
+                                                       int num_stages, const StageOptions& options);
   // Same, from a JobSpec (defaults applied here; model shape, num_stages,
   // memory_slots and seed are read from it). `device` overrides spec.device.
-  static absl::StatusOr<std::unique_ptr<Stage>> FromJobSpec(
-      const v1::JobSpec& spec, int stage, c10::Device device);
+  static absl::StatusOr<std::unique_ptr<Stage>> FromJobSpec(const v1::JobSpec& spec, int stage,
+                                                            c10::Device device);
 
   ~Stage();
   Stage(const Stage&) = delete;
@@ -148,8 +147,7 @@ class Stage {
   // transformer.h), then forgets them; the records' owner keeps them. Replaces
   // an earlier capture of `mb` whose forward has not run. INVALID_ARGUMENT
   // when the record count differs from the stage's block count.
-  absl::Status SetCapture(uint32_t mb,
-                          std::vector<std::shared_ptr<LayerCapture>> records);
+  absl::Status SetCapture(uint32_t mb, std::vector<std::shared_ptr<LayerCapture>> records);
   // Forgets a capture set for `mb` whose forward has not run (no-op if none).
   void ClearCapture(uint32_t mb);
 
@@ -164,8 +162,7 @@ class Stage {
 // microbatches that reached the stage), 1/total for GRAD_NORM_TOTAL. 0 visits
 // gives 0 (nothing to scale). With replicas, pass the visits summed over the
 // replicas of the stage after the gradient all-reduce (sum).
-double GradNormalizationScale(v1::GradNormalization mode, int visits,
-                              int total_microbatches);
+double GradNormalizationScale(v1::GradNormalization mode, int visits, int total_microbatches);
 
 }  // namespace detour::model
 

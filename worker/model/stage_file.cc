@@ -62,7 +62,8 @@ size_t StageDTypeBytes(uint8_t dtype) {
 
 std::string EncodeStageFile(const std::vector<StageTensorRecord>& records) {
   size_t total = kMagic.size() + 4;
-  for (const auto& r : records) total += 4 + r.name.size() + 2 + 8 * r.shape.size() + 8 + r.data.size();
+  for (const auto& r : records)
+    total += 4 + r.name.size() + 2 + 8 * r.shape.size() + 8 + r.data.size();
   std::string out;
   out.reserve(total);
   out.append(kMagic.data(), kMagic.size());

@@ -22,8 +22,14 @@
 
 namespace detour::model {
 
-enum class StageDType : uint8_t { kFloat32 = 1, kFloat64 = 2, kFloat16 = 3, kBFloat16 = 4,
-                                  kInt64 = 5, kInt32 = 6 };
+enum class StageDType : uint8_t {
+  kFloat32 = 1,
+  kFloat64 = 2,
+  kFloat16 = 3,
+  kBFloat16 = 4,
+  kInt64 = 5,
+  kInt32 = 6
+};
 
 // Bytes per element of a known dtype; 0 for anything else.
 size_t StageDTypeBytes(uint8_t dtype);

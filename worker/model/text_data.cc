@@ -47,12 +47,10 @@ absl::Status CheckUtf8(absl::string_view text) {
       len = 4;
       cp = c & 0x07;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid UTF-8 lead byte at offset ", i));
+      return absl::InvalidArgumentError(absl::StrCat("invalid UTF-8 lead byte at offset ", i));
     }
     if (i + len > n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("truncated UTF-8 sequence at offset ", i));
+      return absl::InvalidArgumentError(absl::StrCat("truncated UTF-8 sequence at offset ", i));
     }
     for (int k = 1; k < len; ++k) {
       if ((p[i + k] & 0xC0) != 0x80) {
@@ -61,12 +59,10 @@ absl::Status CheckUtf8(absl::string_view text) {
       }
       cp = (cp << 6) | (p[i + k] & 0x3F);
     }
-    const bool overlong = (len == 2 && cp < 0x80) ||
-                          (len == 3 && cp < 0x800) ||
-                          (len == 4 && cp < 0x10000);
+    const bool overlong =
+        (len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000);
     if (overlong || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid UTF-8 code point at offset ", i));
+      return absl::InvalidArgumentError(absl::StrCat("invalid UTF-8 code point at offset ", i));
     }
     i += len;
   }
@@ -75,14 +71,11 @@ absl::Status CheckUtf8(absl::string_view text) {
 
 namespace {
 
-std::string MiB(uint64_t bytes) {
-  return absl::StrCat(bytes, " bytes (", bytes >> 20, " MiB)");
-}
+std::string MiB(uint64_t bytes) { return absl::StrCat(bytes, " bytes (", bytes >> 20, " MiB)"); }
 
 absl::Status TooMuchText(const std::string& path, const std::string& held, uint64_t max_bytes) {
-  return absl::ResourceExhaustedError(absl::StrCat("data path ", path, " holds ", held,
-                                                   " of text, more than the limit of ",
-                                                   MiB(max_bytes)));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "data path ", path, " holds ", held, " of text, more than the limit of ", MiB(max_bytes)));
 }
 
 // Appends the file's bytes to `text`, reading at most until `text` holds
@@ -136,8 +129,8 @@ absl::StatusOr<std::string> ReadTextSource(const std::string& path, uint64_t max
       std::error_code size_ec;
       if (!it->is_regular_file(size_ec)) continue;  // devices, FIFOs, sockets: skipped
       if (files.size() >= kMaxTextSourceFiles) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "data path ", path, " holds more than ", kMaxTextSourceFiles, " files"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("data path ", path, " holds more than ", kMaxTextSourceFiles, " files"));
       }
       const uintmax_t size = it->file_size(size_ec);
       if (size_ec) {
@@ -160,9 +153,10 @@ absl::StatusOr<std::string> ReadTextSource(const std::string& path, uint64_t max
     if (total > max_bytes) return TooMuchText(path, MiB(total), max_bytes);
     files.push_back(path);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data path ", path, " is neither a regular file nor a directory (a device, FIFO or "
-        "socket is never read)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data path ", path,
+                     " is neither a regular file nor a directory (a device, FIFO or "
+                     "socket is never read)"));
   }
   std::string text;
   text.reserve(total);
@@ -171,22 +165,18 @@ absl::StatusOr<std::string> ReadTextSource(const std::string& path, uint64_t max
     RETURN_IF_ERROR(AppendFile(f, path, max_bytes, &text));
   }
   if (text.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("data path ", path, " holds no text"));
+    return absl::FailedPreconditionError(absl::StrCat("data path ", path, " holds no text"));
   }
   return text;
 }
 
-absl::StatusOr<TextDataset> SplitText(absl::string_view text,
-                                      double validation_fraction) {
+absl::StatusOr<TextDataset> SplitText(absl::string_view text, double validation_fraction) {
   if (!(validation_fraction >= 0.0 && validation_fraction <= 0.5)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("data.validation_fraction: ", validation_fraction,
-                     " is outside [0, 0.5]"));
+        absl::StrCat("data.validation_fraction: ", validation_fraction, " is outside [0, 0.5]"));
   }
-  size_t cut = text.size() - static_cast<size_t>(
-                                 static_cast<double>(text.size()) *
-                                 validation_fraction);
+  size_t cut =
+      text.size() - static_cast<size_t>(static_cast<double>(text.size()) * validation_fraction);
   if (cut < text.size()) {
     const size_t nl = text.find('\n', cut);
     if (nl != absl::string_view::npos && nl + 1 < text.size()) cut = nl + 1;
@@ -198,15 +188,13 @@ absl::StatusOr<TextDataset> SplitText(absl::string_view text,
 }
 
 absl::StatusOr<TextDataset> LoadDataset(const v1::DataSpec& data) {
-  const double fraction =
-      data.validation_fraction() > 0 ? data.validation_fraction() : 0.05;
+  const double fraction = data.validation_fraction() > 0 ? data.validation_fraction() : 0.05;
   if (data.source() == v1::DATA_SOURCE_SHARDS) return LoadShardDataset(data);
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::Load(data.tokenizer()));
   std::string text;
   if (data.source() == v1::DATA_SOURCE_TEXT) {
     if (data.path().empty()) {
-      return absl::InvalidArgumentError(
-          "data.path: required when data.source is DATA_SOURCE_TEXT");
+      return absl::InvalidArgumentError("data.path: required when data.source is DATA_SOURCE_TEXT");
     }
     ASSIGN_OR_RETURN(text, ReadTextSource(data.path()));
   }
@@ -253,10 +241,10 @@ std::vector<int32_t> TokenSequence::Slice(int64_t begin, int64_t n) const {
 
 absl::Status CheckVocabulary(const TextDataset& data, int model_vocab_size) {
   if (data.vocab_size > model_vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model.vocab_size ", model_vocab_size, " is smaller than the tokenizer's vocabulary of ",
-        data.vocab_size, " (", data.tokenizer_checksum, "); set model.vocab_size >= ",
-        data.vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.vocab_size ", model_vocab_size,
+                     " is smaller than the tokenizer's vocabulary of ", data.vocab_size, " (",
+                     data.tokenizer_checksum, "); set model.vocab_size >= ", data.vocab_size));
   }
   return absl::OkStatus();
 }
@@ -271,14 +259,12 @@ int64_t NumSamples(int64_t num_tokens, int context_length) {
   return (num_tokens - 1) / context_length;
 }
 
-absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens,
-                                       int64_t index, int context_length) {
-  return tokens.subspan(static_cast<size_t>(index) * context_length,
-                        context_length + 1);
+absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens, int64_t index,
+                                       int context_length) {
+  return tokens.subspan(static_cast<size_t>(index) * context_length, context_length + 1);
 }
 
-SampleSharder::SampleSharder(int64_t num_samples, int num_data_nodes,
-                             uint64_t seed)
+SampleSharder::SampleSharder(int64_t num_samples, int num_data_nodes, uint64_t seed)
     : num_samples_(num_samples),
       num_data_nodes_(num_data_nodes < 1 ? 1 : num_data_nodes),
       seed_(seed) {
@@ -309,8 +295,7 @@ int64_t SampleSharder::Permute(uint64_t epoch, int64_t position) const {
 int64_t SampleSharder::SampleAt(int data_node, uint64_t shard_offset) const {
   if (num_samples_ <= 0) return 0;
   const uint64_t global =
-      shard_offset * static_cast<uint64_t>(num_data_nodes_) +
-      static_cast<uint64_t>(data_node);
+      shard_offset * static_cast<uint64_t>(num_data_nodes_) + static_cast<uint64_t>(data_node);
   const uint64_t n = static_cast<uint64_t>(num_samples_);
   return Permute(global / n, static_cast<int64_t>(global % n));
 }

@@ -54,8 +54,8 @@ class TokenSequence {
   // Takes the tokens into shared storage (implicit: a vector is a sequence).
   TokenSequence(std::vector<int32_t> tokens);  // NOLINT(google-explicit-constructor)
   // `count` ids of `token_bytes` (2 or 4) each at `data`, kept valid by `owner`.
-  static TokenSequence View(std::shared_ptr<const void> owner, const uint8_t* data,
-                            int64_t count, int token_bytes);
+  static TokenSequence View(std::shared_ptr<const void> owner, const uint8_t* data, int64_t count,
+                            int token_bytes);
 
   int64_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
@@ -97,8 +97,7 @@ struct TextDataset {
 // Holds out the last `validation_fraction` of the text (cut at the next line
 // start so no line is split) for validation. INVALID_ARGUMENT for a fraction
 // outside [0, 0.5].
-absl::StatusOr<TextDataset> SplitText(absl::string_view text,
-                                      double validation_fraction);
+absl::StatusOr<TextDataset> SplitText(absl::string_view text, double validation_fraction);
 
 // The data a DataSpec names, split: the embedded corpus or a text
 // file/directory (tokenised with data.tokenizer, the byte tokenizer by
@@ -114,8 +113,8 @@ int64_t NumSamples(int64_t num_tokens, int context_length);
 
 // Sample `index` as a view of context_length+1 tokens. Requires
 // index < NumSamples(tokens.size(), context_length).
-absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens,
-                                       int64_t index, int context_length);
+absl::Span<const int32_t> SampleTokens(absl::Span<const int32_t> tokens, int64_t index,
+                                       int context_length);
 // The same from a TokenSequence, written to out[0..context_length].
 void CopySample(const TokenSequence& tokens, int64_t index, int context_length, int64_t* out);
 

@@ -56,10 +56,12 @@ class OutFile {
   }
   absl::Status Close() {
     RETURN_IF_ERROR(Flush());
-    if (::fsync(fd_) != 0) return absl::UnavailableError(absl::StrCat("fsync ", path_, ": ", Errno()));
+    if (::fsync(fd_) != 0)
+      return absl::UnavailableError(absl::StrCat("fsync ", path_, ": ", Errno()));
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) return absl::UnavailableError(absl::StrCat("close ", path_, ": ", Errno()));
+    if (::close(fd) != 0)
+      return absl::UnavailableError(absl::StrCat("close ", path_, ": ", Errno()));
     return absl::OkStatus();
   }
   std::string checksum() const { return fnv_.Hex(); }
@@ -136,14 +138,15 @@ absl::Status ListInputs(const std::vector<std::string>& inputs, std::vector<std:
   for (const std::string& in : inputs) {
     std::error_code ec;
     const fs::file_status st = fs::status(in, ec);
-    if (ec || !fs::exists(st)) return absl::NotFoundError(absl::StrCat(in, ": no such file or directory"));
+    if (ec || !fs::exists(st))
+      return absl::NotFoundError(absl::StrCat(in, ": no such file or directory"));
     std::vector<std::string> found;
     if (fs::is_directory(st)) {
       for (fs::recursive_directory_iterator it(in, ec), end; !ec && it != end; it.increment(ec)) {
         if (it->is_regular_file(ec)) found.push_back(it->path().string());
         if (found.size() + files->size() > DatasetLimits::kMaxSources) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              in, ": more than ", DatasetLimits::kMaxSources, " files"));
+          return absl::ResourceExhaustedError(
+              absl::StrCat(in, ": more than ", DatasetLimits::kMaxSources, " files"));
         }
       }
       if (ec) return absl::UnavailableError(absl::StrCat("cannot list ", in, ": ", ec.message()));
@@ -160,9 +163,8 @@ absl::Status ListInputs(const std::vector<std::string>& inputs, std::vector<std:
     }
   }
   if (*total > DatasetLimits::kMaxInputBytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("inputs hold ", *total,
-                                                     " bytes, more than the limit ",
-                                                     DatasetLimits::kMaxInputBytes));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "inputs hold ", *total, " bytes, more than the limit ", DatasetLimits::kMaxInputBytes));
   }
   if (files->empty()) return absl::FailedPreconditionError("no input files");
   return absl::OkStatus();
@@ -319,8 +321,8 @@ absl::StatusOr<bool> DocumentReader::Next(std::string* text, std::string* where)
       auto it = obj.fields().find(jsonl_field_);
       if (it == obj.fields().end() ||
           it->second.kind_case() != google::protobuf::Value::kStringValue) {
-        return fail(absl::InvalidArgumentError(absl::StrCat(
-            file, ":", reader_->line(), ": no string field \"", jsonl_field_, "\"")));
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat(file, ":", reader_->line(), ": no string field \"", jsonl_field_, "\"")));
       }
       std::string value = it->second.string_value();
       out = Emit(&value, absl::StrCat(file, ":", reader_->line()), text, where);
@@ -365,7 +367,8 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   const std::string partial = out + ".partial";
   fs::remove_all(partial, ec);
   fs::create_directories(partial, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", partial, ": ", ec.message()));
+  if (ec)
+    return absl::UnavailableError(absl::StrCat("cannot create ", partial, ": ", ec.message()));
 
   const int width = tokenizer->vocab_size() <= 65536 ? 2 : 4;
   SplitWriter train, validation;
@@ -409,8 +412,8 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
     } else {
       ids.push_back('\n');  // the byte tokenizer: a blank line between documents
     }
-    SplitWriter& w = InValidation(o.split_seed, doc_index++, o.validation_fraction) ? validation
-                                                                                     : train;
+    SplitWriter& w =
+        InValidation(o.split_seed, doc_index++, o.validation_fraction) ? validation : train;
     RETURN_IF_ERROR(w.Add(ids));
     progress.tokens += ids.size();
     ++progress.documents;
@@ -434,17 +437,18 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
     return absl::FailedPreconditionError("the inputs hold no text");
   }
   if (o.validation_fraction > 0 && validation.documents == 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "none of the ", train.documents, " documents fell into the validation split of ",
-        o.validation_fraction, "; use more documents (--documents paragraphs or lines) or a "
-        "larger fraction"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("none of the ", train.documents,
+                     " documents fell into the validation split of ", o.validation_fraction,
+                     "; use more documents (--documents paragraphs or lines) or a "
+                     "larger fraction"));
   }
   train.Describe("train", m.mutable_train());
   validation.Describe("validation", m.mutable_validation());
   if (tokenizer->kind() != "byte") {
     m.set_tokenizer_file(kTokenizerFile);
-    RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(partial, "/", kTokenizerFile),
-                                        tokenizer->serialized()));
+    RETURN_IF_ERROR(
+        WriteFileAtomically(absl::StrCat(partial, "/", kTokenizerFile), tokenizer->serialized()));
   }
   std::string json;
   google::protobuf::util::JsonPrintOptions jo;
@@ -458,7 +462,9 @@ absl::StatusOr<v1::DatasetManifest> PrepareDataset(const PrepareOptions& o) {
   RETURN_IF_ERROR(SyncDirectory(partial));
   if (fs::exists(out, ec)) fs::remove_all(out, ec);
   fs::rename(partial, out, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("cannot rename ", partial, " to ", out, ": ", ec.message()));
+  if (ec)
+    return absl::UnavailableError(
+        absl::StrCat("cannot rename ", partial, " to ", out, ": ", ec.message()));
   const fs::path parent = fs::path(out).parent_path();
   RETURN_IF_ERROR(SyncDirectory(parent.empty() ? "." : parent.string()));
   return m;
@@ -536,15 +542,15 @@ absl::StatusOr<MappedSplit> OpenSplit(const std::string& dir, const std::string&
   MappedSplit out;
   ASSIGN_OR_RETURN(out.tokens, MappedFile::Open(absl::StrCat(dir, "/", s.tokens_file())));
   if (out.tokens->size() != s.tokens() * m.token_bytes()) {
-    return Bad(out.tokens->path(), absl::StrCat(out.tokens->size(), " bytes, the manifest says ",
-                                                s.tokens(), " tokens of ", m.token_bytes(),
-                                                " bytes (truncated or replaced?)"));
+    return Bad(out.tokens->path(),
+               absl::StrCat(out.tokens->size(), " bytes, the manifest says ", s.tokens(),
+                            " tokens of ", m.token_bytes(), " bytes (truncated or replaced?)"));
   }
   ASSIGN_OR_RETURN(auto index, MappedFile::Open(absl::StrCat(dir, "/", s.index_file())));
   if (index->size() != (s.documents() + 1) * 8) {
-    return Bad(index->path(), absl::StrCat(index->size(), " bytes, the manifest says ",
-                                           s.documents(), " documents (",
-                                           (s.documents() + 1) * 8, " bytes)"));
+    return Bad(index->path(),
+               absl::StrCat(index->size(), " bytes, the manifest says ", s.documents(),
+                            " documents (", (s.documents() + 1) * 8, " bytes)"));
   }
   out.documents.resize(s.documents() + 1);
   if (index->size() > 0) std::memcpy(out.documents.data(), index->data(), index->size());
@@ -564,22 +570,20 @@ absl::StatusOr<MappedSplit> OpenSplit(const std::string& dir, const std::string&
                                              s.index_checksum()));
     }
     Fnv1a64 ft;
-    ft.Add(absl::string_view(reinterpret_cast<const char*>(out.tokens->data()),
-                             out.tokens->size()));
+    ft.Add(
+        absl::string_view(reinterpret_cast<const char*>(out.tokens->data()), out.tokens->size()));
     if (ft.Hex() != s.tokens_checksum()) {
-      return Bad(out.tokens->path(), absl::StrCat("checksum ", ft.Hex(),
-                                                  " is not the manifest's ",
+      return Bad(out.tokens->path(), absl::StrCat("checksum ", ft.Hex(), " is not the manifest's ",
                                                   s.tokens_checksum()));
     }
-    const TokenSequence seq = TokenSequence::View(out.tokens, out.tokens->data(),
-                                                  static_cast<int64_t>(s.tokens()),
-                                                  static_cast<int>(m.token_bytes()));
+    const TokenSequence seq =
+        TokenSequence::View(out.tokens, out.tokens->data(), static_cast<int64_t>(s.tokens()),
+                            static_cast<int>(m.token_bytes()));
     for (int64_t i = 0; i < seq.size(); ++i) {
       if (static_cast<uint32_t>(seq[i]) >= m.vocab_size()) {
-        return Bad(out.tokens->path(), absl::StrCat("token ", i, " is id ",
-                                                    static_cast<uint32_t>(seq[i]),
-                                                    ", outside the vocabulary of ",
-                                                    m.vocab_size()));
+        return Bad(out.tokens->path(),
+                   absl::StrCat("token ", i, " is id ", static_cast<uint32_t>(seq[i]),
+                                ", outside the vocabulary of ", m.vocab_size()));
       }
     }
   }
@@ -589,7 +593,7 @@ absl::StatusOr<MappedSplit> OpenSplit(const std::string& dir, const std::string&
 }  // namespace
 
 absl::StatusOr<v1::DatasetManifest> ParseDatasetManifest(const std::string& dir,
-                                                          std::string* checksum) {
+                                                         std::string* checksum) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return absl::NotFoundError(absl::StrCat("dataset ", dir, ": no such directory"));
@@ -647,8 +651,8 @@ absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verif
   ASSIGN_OR_RETURN(ds.manifest, ParseDatasetManifest(dir, &ds.manifest_checksum));
   v1::DatasetManifest& m = ds.manifest;
   if (m.format() != kDatasetFormat) {
-    return absl::FailedPreconditionError(absl::StrCat(mpath, ": format \"", m.format(),
-                                                      "\", this build reads ", kDatasetFormat));
+    return absl::FailedPreconditionError(
+        absl::StrCat(mpath, ": format \"", m.format(), "\", this build reads ", kDatasetFormat));
   }
   if (m.token_bytes() != 2 && m.token_bytes() != 4) {
     return Bad(mpath, absl::StrCat("token_bytes ", m.token_bytes(), " is not 2 or 4"));
@@ -686,8 +690,7 @@ absl::StatusOr<ShardDataset> OpenShardDataset(const std::string& dir, bool verif
                                    "\" is not byte or sentencepiece"));
   }
   ASSIGN_OR_RETURN(MappedSplit train, OpenSplit(dir, "train", m, m.train(), verify));
-  ASSIGN_OR_RETURN(MappedSplit validation,
-                   OpenSplit(dir, "validation", m, m.validation(), verify));
+  ASSIGN_OR_RETURN(MappedSplit validation, OpenSplit(dir, "validation", m, m.validation(), verify));
   const int width = static_cast<int>(m.token_bytes());
   ds.train = TokenSequence::View(train.tokens, train.tokens->data(),
                                  static_cast<int64_t>(m.train().tokens()), width);
@@ -706,10 +709,10 @@ absl::StatusOr<TextDataset> LoadShardDataset(const v1::DataSpec& data) {
   if (!data.tokenizer().empty()) {
     ASSIGN_OR_RETURN(auto tok, Tokenizer::Load(data.tokenizer()));
     if (tok->checksum() != ds.manifest.tokenizer_checksum()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "data.tokenizer ", data.tokenizer(), " (", tok->checksum(),
-          ") is not the tokenizer dataset ", data.path(), " was prepared with (",
-          ds.manifest.tokenizer_checksum(), ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("data.tokenizer ", data.tokenizer(), " (", tok->checksum(),
+                       ") is not the tokenizer dataset ", data.path(), " was prepared with (",
+                       ds.manifest.tokenizer_checksum(), ")"));
     }
   }
   if (data.validation_fraction() > 0 &&

@@ -118,8 +118,8 @@ struct PrepareOptions {
   // Files ending in .jsonl hold one JSON object per line with the text in
   // `jsonl_field`; every other file is UTF-8 text.
   std::vector<std::string> inputs;
-  std::string output;          // the dataset directory; must not exist unless `force`
-  std::string tokenizer_path;  // "" = byte tokenizer, else a SentencePiece .model
+  std::string output;                 // the dataset directory; must not exist unless `force`
+  std::string tokenizer_path;         // "" = byte tokenizer, else a SentencePiece .model
   double validation_fraction = 0.05;  // in [0, 0.5]
   uint64_t split_seed = 0;
   std::string jsonl_field = "text";

@@ -113,13 +113,15 @@ struct SentencePieceModel {
   }
 
   // Ids of one symbol that may not be a piece: itself, its bytes, or unk.
-  void Emit(const std::string& s, size_t begin, size_t len, int id, std::vector<int32_t>* out) const {
+  void Emit(const std::string& s, size_t begin, size_t len, int id,
+            std::vector<int32_t>* out) const {
     if (id >= 0) {
       out->push_back(id);
       return;
     }
     if (byte_fallback) {
-      for (size_t k = 0; k < len; ++k) out->push_back(byte_ids[static_cast<unsigned char>(s[begin + k])]);
+      for (size_t k = 0; k < len; ++k)
+        out->push_back(byte_ids[static_cast<unsigned char>(s[begin + k])]);
       return;
     }
     // Consecutive unknowns become one, as SentencePiece does.
@@ -136,8 +138,8 @@ struct SentencePieceModel {
     for (auto [b, l] : Symbols(s)) {
       const int id = Lookup(s, b, l);
       const bool frozen = id >= 0 && types[id] == Piece::USER_DEFINED;
-      syms.push_back({b, l, static_cast<int>(syms.size()) - 1, static_cast<int>(syms.size()) + 1,
-                      frozen});
+      syms.push_back(
+          {b, l, static_cast<int>(syms.size()) - 1, static_cast<int>(syms.size()) + 1, frozen});
     }
     if (syms.empty()) return;
     syms.back().next = -1;
@@ -159,7 +161,8 @@ struct SentencePieceModel {
       if (id < 0 || types[id] != Piece::NORMAL) return;
       agenda.push({scores[id], l, r, len});
     };
-    for (size_t i = 0; i + 1 < syms.size(); ++i) consider(static_cast<int>(i), static_cast<int>(i) + 1);
+    for (size_t i = 0; i + 1 < syms.size(); ++i)
+      consider(static_cast<int>(i), static_cast<int>(i) + 1);
     while (!agenda.empty()) {
       const Pair p = agenda.top();
       agenda.pop();
@@ -240,8 +243,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(std::str
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", why));
   };
   if (serialized.size() > kMaxTokenizerFileBytes) {
-    return bad(absl::StrCat(serialized.size(), " bytes, more than the limit ",
-                            kMaxTokenizerFileBytes));
+    return bad(
+        absl::StrCat(serialized.size(), " bytes, more than the limit ", kMaxTokenizerFileBytes));
   }
   spm::ModelProto proto;
   if (!proto.ParseFromString(serialized)) return bad("not a SentencePiece model (unparsable)");
@@ -299,11 +302,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(std::str
         m->byte_ids[v] = i;
         break;
       }
-      case Piece::UNKNOWN:
-        m->unk_id = i;
-        break;
-      default:
-        break;
+      case Piece::UNKNOWN: m->unk_id = i; break;
+      default: break;
     }
   }
   if (m->min_score == std::numeric_limits<float>::max()) m->min_score = 0;
@@ -311,7 +311,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(std::str
             [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
   if (m->byte_fallback) {
     for (int b = 0; b < 256; ++b) {
-      if (m->byte_ids[b] < 0) return bad(absl::StrFormat("byte fallback without piece <0x%02X>", b));
+      if (m->byte_ids[b] < 0)
+        return bad(absl::StrFormat("byte fallback without piece <0x%02X>", b));
     }
   } else if (m->unk_id < 0) {
     return bad("no unknown piece and no byte fallback");
@@ -370,23 +371,22 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int32_t> ids) con
   std::string text;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= vocab_size_) {
-      return absl::InvalidArgumentError(absl::StrCat("token ", i, ": id ", ids[i],
-                                                     " is outside [0, ", vocab_size_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", i, ": id ", ids[i], " is outside [0, ", vocab_size_, ")"));
     }
     const int id = ids[i];
     switch (model_->types[id]) {
-      case Piece::CONTROL:
-        break;
+      case Piece::CONTROL: break;
       case Piece::BYTE: {
         unsigned v = 0;
-        if (absl::SimpleHexAtoi(model_->pieces[id].substr(3, 2), &v)) text.push_back(static_cast<char>(v));
+        if (absl::SimpleHexAtoi(model_->pieces[id].substr(3, 2), &v))
+          text.push_back(static_cast<char>(v));
         break;
       }
       case Piece::UNKNOWN:
         text += " \xE2\x81\x87 ";  // " ⁇ ", as SentencePiece decodes unknowns
         break;
-      default:
-        text += model_->pieces[id];
+      default: text += model_->pieces[id];
     }
   }
   if (model_->escape_whitespaces) {
@@ -419,18 +419,18 @@ absl::Status CheckTraining(const SentencePieceTraining& options) {
                                                    kMaxVocabSize, "]"));
   }
   if (!(options.character_coverage > 0 && options.character_coverage <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("character coverage ",
-                                                   options.character_coverage,
-                                                   " is outside (0, 1]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("character coverage ", options.character_coverage, " is outside (0, 1]"));
   }
   if (options.num_threads < 1 || options.num_threads > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("threads ", options.num_threads, " is outside [1, 1024]"));
   }
   if (::access(options.spm_train.c_str(), X_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        options.spm_train, " is missing: install Debian's `sentencepiece` package "
-                           "(tools/install_deps.sh)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(options.spm_train,
+                     " is missing: install Debian's `sentencepiece` package "
+                     "(tools/install_deps.sh)"));
   }
   return absl::OkStatus();
 }
@@ -487,8 +487,8 @@ absl::StatusOr<std::string> TrainSentencePiece(const SentencePieceTraining& opti
   if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   const std::string prefix = dir + "/m";
   ChildProcess child;
-  const absl::Status started = child.Start(SpmTrainArgs(options, input, prefix),
-                                           dir + "/spm_train.log");
+  const absl::Status started =
+      child.Start(SpmTrainArgs(options, input, prefix), dir + "/spm_train.log");
   absl::StatusOr<std::string> result =
       started.ok() ? FinishSpmTrain(&child, prefix + ".model") : started;
   std::filesystem::remove_all(dir, ec);

@@ -71,7 +71,7 @@ struct SentencePieceTraining {
   int vocab_size = 8000;           // in [kMinTrainedVocab, kMaxVocabSize]
   double character_coverage = 0.9995;
   int num_threads = 1;
-  int64_t max_sentences = 2000000;  // lines used for training at most
+  int64_t max_sentences = 2000000;               // lines used for training at most
   std::string spm_train = "/usr/bin/spm_train";  // Debian package `sentencepiece`
 };
 inline constexpr int kMinTrainedVocab = 260;  // 256 byte pieces + specials

@@ -20,8 +20,7 @@
 namespace detour::model {
 
 // Maps a caught LibTorch exception to a Status prefixed with `context`.
-inline absl::Status TorchErrorToStatus(absl::string_view context,
-                                       const c10::Error& e) {
+inline absl::Status TorchErrorToStatus(absl::string_view context, const c10::Error& e) {
   std::string msg = e.what_without_backtrace();
   // LibTorch appends a multi-line "Exception raised from ..." trail.
   const size_t trail = msg.find("\nException raised from");
@@ -47,8 +46,7 @@ auto GuardTorch(absl::string_view context, Fn&& fn) -> decltype(fn()) {
   } catch (const c10::Error& e) {
     return TorchErrorToStatus(context, e);
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(context, ": out of host memory"));
+    return absl::ResourceExhaustedError(absl::StrCat(context, ": out of host memory"));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(context, ": ", e.what()));
   }

@@ -24,24 +24,20 @@ uint64_t Fnv1a64(const std::string& s) {
 
 }  // namespace
 
-at::Tensor InitNormal(uint64_t seed, const std::string& name,
-                      at::IntArrayRef sizes, double std) {
+at::Tensor InitNormal(uint64_t seed, const std::string& name, at::IntArrayRef sizes, double std) {
   uint64_t state = seed ^ Fnv1a64(name);
   const uint64_t derived = SplitMix64(&state);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(derived);
   return at::normal(0.0, std, sizes, gen, at::TensorOptions().dtype(at::kFloat));
 }
 
-RotaryTables RotaryTables::Make(const ModelConfig& config,
-                                const at::Device& device) {
+RotaryTables RotaryTables::Make(const ModelConfig& config, const at::Device& device) {
   const int half = config.head_dim() / 2;
   // Computed in double on the CPU so every device sees the same angles.
-  at::Tensor inv_freq = at::pow(
-      config.rope_theta,
-      -at::arange(0, half, at::TensorOptions().dtype(at::kDouble)) * 2.0 /
-          config.head_dim());
-  at::Tensor pos = at::arange(0, config.context_length,
-                              at::TensorOptions().dtype(at::kDouble));
+  at::Tensor inv_freq =
+      at::pow(config.rope_theta, -at::arange(0, half, at::TensorOptions().dtype(at::kDouble)) *
+                                     2.0 / config.head_dim());
+  at::Tensor pos = at::arange(0, config.context_length, at::TensorOptions().dtype(at::kDouble));
   at::Tensor angles = at::outer(pos, inv_freq);
   RotaryTables t;
   t.cos = at::cos(angles).to(at::kFloat).to(device);
@@ -76,12 +72,10 @@ at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTables& rope) {
   return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& config, int global_index,
-                                   uint64_t seed)
+DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& config, int global_index, uint64_t seed)
     : config_(config), global_index_(global_index) {
   const int64_t d = config.d_model;
-  const int64_t kv = static_cast<int64_t>(config.num_kv_heads) *
-                     config.head_dim();
+  const int64_t kv = static_cast<int64_t>(config.num_kv_heads) * config.head_dim();
   const int64_t f = config.ffn_dim;
   const double out_std = kInitStd / std::sqrt(2.0 * config.num_layers);
   const std::string p = absl::StrCat("layers.", global_index, ".");
@@ -92,16 +86,12 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& config, int global_index,
   wv_ = register_parameter("wv", InitNormal(seed, p + "wv", {kv, d}, kInitStd));
   wo_ = register_parameter("wo", InitNormal(seed, p + "wo", {d, d}, out_std));
   mlp_norm_ = register_parameter("mlp_norm", ones.clone());
-  w_gate_ = register_parameter("w_gate",
-                               InitNormal(seed, p + "w_gate", {f, d}, kInitStd));
-  w_up_ = register_parameter("w_up",
-                             InitNormal(seed, p + "w_up", {f, d}, kInitStd));
-  w_down_ = register_parameter("w_down",
-                               InitNormal(seed, p + "w_down", {d, f}, out_std));
+  w_gate_ = register_parameter("w_gate", InitNormal(seed, p + "w_gate", {f, d}, kInitStd));
+  w_up_ = register_parameter("w_up", InitNormal(seed, p + "w_up", {f, d}, kInitStd));
+  w_down_ = register_parameter("w_down", InitNormal(seed, p + "w_down", {d, f}, out_std));
 }
 
-at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
-                                     const RotaryTables& rope) {
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const RotaryTables& rope) {
   const int64_t b = x.size(0);
   const int64_t t = x.size(1);
   const int64_t h = config_.num_heads;
@@ -115,8 +105,7 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
   auto lowered = [&](const at::Tensor& t) { return low ? t.to(compute_) : t; };
   // y = a·Wᵀ (W in the compute dtype); with a capture, keeps a and hooks
   // y's gradient.
-  auto project = [&](const at::Tensor& a, const at::Tensor& master, int input,
-                     int module) {
+  auto project = [&](const at::Tensor& a, const at::Tensor& master, int input, int module) {
     const at::Tensor w = low ? casts_[module].Of(master, compute_) : master;
     at::Tensor y = at::linear(a, w);
     if (cap != nullptr) {
@@ -131,12 +120,9 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
   };
 
   at::Tensor a = lowered(RmsNorm(x, attn_norm_, config_.norm_eps));
-  at::Tensor q = project(a, wq_, LayerCapture::kAttnIn, 0)
-                     .view({b, t, h, hd}).transpose(1, 2);
-  at::Tensor k = project(a, wk_, LayerCapture::kAttnIn, 1)
-                     .view({b, t, kvh, hd}).transpose(1, 2);
-  at::Tensor v = project(a, wv_, LayerCapture::kAttnIn, 2)
-                     .view({b, t, kvh, hd}).transpose(1, 2);
+  at::Tensor q = project(a, wq_, LayerCapture::kAttnIn, 0).view({b, t, h, hd}).transpose(1, 2);
+  at::Tensor k = project(a, wk_, LayerCapture::kAttnIn, 1).view({b, t, kvh, hd}).transpose(1, 2);
+  at::Tensor v = project(a, wv_, LayerCapture::kAttnIn, 2).view({b, t, kvh, hd}).transpose(1, 2);
   // The float32 tables promote a bf16 q, k: the rotation runs in float32.
   q = lowered(ApplyRotary(q, rope));
   k = lowered(ApplyRotary(k, rope));
@@ -144,8 +130,7 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
     k = k.repeat_interleave(h / kvh, /*dim=*/1);
     v = v.repeat_interleave(h / kvh, /*dim=*/1);
   }
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(
-                                                               static_cast<double>(hd));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
   at::Tensor mask = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   // With bf16 scores LibTorch's softmax kernel accumulates in float32 and
@@ -166,17 +151,20 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x,
 
 std::vector<NamedTensor> DecoderLayerImpl::GlobalParameters() const {
   const std::string p = absl::StrCat("layers.", global_index_, ".");
-  return {{p + "attn_norm", attn_norm_}, {p + "wq", wq_},
-          {p + "wk", wk_},               {p + "wv", wv_},
-          {p + "wo", wo_},               {p + "mlp_norm", mlp_norm_},
-          {p + "w_gate", w_gate_},       {p + "w_up", w_up_},
+  return {{p + "attn_norm", attn_norm_},
+          {p + "wq", wq_},
+          {p + "wk", wk_},
+          {p + "wv", wv_},
+          {p + "wo", wo_},
+          {p + "mlp_norm", mlp_norm_},
+          {p + "w_gate", w_gate_},
+          {p + "w_up", w_up_},
           {p + "w_down", w_down_}};
 }
 
 EmbeddingImpl::EmbeddingImpl(const ModelConfig& config, uint64_t seed) {
   weight_ = register_parameter(
-      "weight", InitNormal(seed, "embed.weight",
-                           {config.vocab_size, config.d_model}, kInitStd));
+      "weight", InitNormal(seed, "embed.weight", {config.vocab_size, config.d_model}, kInitStd));
 }
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& tokens) {
@@ -187,13 +175,11 @@ std::vector<NamedTensor> EmbeddingImpl::GlobalParameters() const {
   return {{"embed.weight", weight_}};
 }
 
-LmHeadImpl::LmHeadImpl(const ModelConfig& config, uint64_t seed)
-    : eps_(config.norm_eps) {
-  norm_ = register_parameter(
-      "norm", at::ones({config.d_model}, at::TensorOptions().dtype(at::kFloat)));
+LmHeadImpl::LmHeadImpl(const ModelConfig& config, uint64_t seed) : eps_(config.norm_eps) {
+  norm_ =
+      register_parameter("norm", at::ones({config.d_model}, at::TensorOptions().dtype(at::kFloat)));
   head_ = register_parameter(
-      "head", InitNormal(seed, "head.weight",
-                         {config.vocab_size, config.d_model}, kInitStd));
+      "head", InitNormal(seed, "head.weight", {config.vocab_size, config.d_model}, kInitStd));
 }
 
 at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) {
@@ -202,31 +188,26 @@ at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) {
       .to(at::kFloat);
 }
 
-at::Tensor LmHeadImpl::Loss(const at::Tensor& hidden,
-                            const at::Tensor& targets) {
+at::Tensor LmHeadImpl::Loss(const at::Tensor& hidden, const at::Tensor& targets) {
   at::Tensor logits = forward(hidden);
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
-                                targets.reshape({-1}));
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
 }
 
 std::vector<NamedTensor> LmHeadImpl::GlobalParameters() const {
   return {{"norm.weight", norm_}, {"head.weight", head_}};
 }
 
-TransformerImpl::TransformerImpl(const ModelConfig& config, uint64_t seed,
-                                 const at::Device& device)
+TransformerImpl::TransformerImpl(const ModelConfig& config, uint64_t seed, const at::Device& device)
     : config_(config), rope_(RotaryTables::Make(config, device)) {
   embed_ = register_module("embed", Embedding(config, seed));
   for (int i = 0; i < config.num_layers; ++i) {
-    layers_.push_back(register_module(absl::StrCat("layer", i),
-                                      DecoderLayer(config, i, seed)));
+    layers_.push_back(register_module(absl::StrCat("layer", i), DecoderLayer(config, i, seed)));
   }
   head_ = register_module("head", LmHead(config, seed));
   to(device);
 }
 
-at::Tensor TransformerImpl::Loss(const at::Tensor& tokens,
-                                 const at::Tensor& targets,
+at::Tensor TransformerImpl::Loss(const at::Tensor& tokens, const at::Tensor& targets,
                                  const std::vector<int>& layer_order) {
   at::Tensor x = embed_->forward(tokens);
   if (layer_order.empty()) {

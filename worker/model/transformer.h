@@ -67,8 +67,7 @@ at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTables& rope);
 
 // Deterministic N(0, std²) tensor for a parameter, from (seed, name); drawn on
 // the CPU so every device gets the same numbers.
-at::Tensor InitNormal(uint64_t seed, const std::string& name,
-                      at::IntArrayRef sizes, double std);
+at::Tensor InitNormal(uint64_t seed, const std::string& name, at::IntArrayRef sizes, double std);
 
 // What one block's forward records for K-FAC (kfac.h) while a capture is set:
 // the inputs of its projections (detached, [B, T, f_in]) at forward time and,
@@ -105,9 +104,7 @@ class DecoderLayerImpl : public torch::nn::Module {
 
   // While set (non-null), forward() fills `capture` (see LayerCapture); the
   // Stage sets it around the forward of a captured microbatch only.
-  void set_capture(std::shared_ptr<LayerCapture> capture) {
-    capture_ = std::move(capture);
-  }
+  void set_capture(std::shared_ptr<LayerCapture> capture) { capture_ = std::move(capture); }
 
   // Arithmetic of forward(): at::kFloat (the default: everything float32)
   // or at::kBFloat16 (mixed precision as PipelineSpec.precision BF16
@@ -168,8 +165,7 @@ TORCH_MODULE(LmHead);
 // match, and the baseline of the split-overhead benchmark.
 class TransformerImpl : public torch::nn::Module {
  public:
-  TransformerImpl(const ModelConfig& config, uint64_t seed,
-                  const at::Device& device);
+  TransformerImpl(const ModelConfig& config, uint64_t seed, const at::Device& device);
   // Mean token loss with the blocks applied in `layer_order` (global indices;
   // empty = all in order). Layers may be skipped or permuted.
   at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets,

@@ -68,8 +68,7 @@ absl::Status BubbleSchedule::Take(const v1::IterationPlan& plan, const std::stri
                                                : block_.f_out(module))
                     .size();
         break;
-      default:
-        units = parts;
+      default: units = parts;
     }
     if (block_.shape().d_model > 0 && parts > units) {
       return absl::InvalidArgumentError(absl::StrCat("K-FAC task ", Name(t), ": ", parts,
@@ -90,10 +89,8 @@ absl::Status BubbleSchedule::Take(const v1::IterationPlan& plan, const std::stri
         if (replicated) sync_layers_.push_back(static_cast<int>(t.layer()));
         continue;
       case v1::BubbleTask::KIND_INVERT_A:
-      case v1::BubbleTask::KIND_INVERT_B:
-        break;
-      case v1::BubbleTask::KIND_PRECONDITION:
-        continue;  // part of every K-FAC step
+      case v1::BubbleTask::KIND_INVERT_B: break;
+      case v1::BubbleTask::KIND_PRECONDITION: continue;  // part of every K-FAC step
       default:
         return absl::InvalidArgumentError(
             absl::StrCat("unknown K-FAC task kind ", static_cast<int>(t.kind())));
@@ -192,7 +189,8 @@ void BubbleSchedule::Inverted(const v1::BubbleTask& t) {
 }
 
 void BubbleSchedule::DropMicrobatch(uint32_t mb) {
-  tasks_.remove_if([mb](const v1::BubbleTask& t) { return IsCurvature(t) && t.microbatch() == mb; });
+  tasks_.remove_if(
+      [mb](const v1::BubbleTask& t) { return IsCurvature(t) && t.microbatch() == mb; });
 }
 
 }  // namespace detour

@@ -195,14 +195,15 @@ absl::Status IterationTracker::Amend(uint64_t epoch, const std::vector<v1::Route
     }
     for (const std::string& n : r.nodes()) {
       if (lost_.count(n)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "amended route for microbatch ", r.microbatch(), " crosses lost worker ", n));
+        return absl::InvalidArgumentError(absl::StrCat("amended route for microbatch ",
+                                                       r.microbatch(), " crosses lost worker ", n));
       }
     }
     if (it->second.backward || it->second.loss) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "microbatch ", r.microbatch(), " cannot run again: its backward ran here already "
-          "(its gradient would count twice)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("microbatch ", r.microbatch(),
+                       " cannot run again: its backward ran here already "
+                       "(its gradient would count twice)"));
     }
   }
   for (const v1::Route& r : routes) SetRoute(mbs_[r.microbatch()], r);

@@ -111,7 +111,7 @@ class IterationTracker {
     double loss_value = 0;
     uint64_t tokens = 0;
     std::set<std::string> applied;  // "direction/hop" tensors taken
-    int position = -1;  // this node's position on the route, -1 = none
+    int position = -1;              // this node's position on the route, -1 = none
   };
   void SetRoute(Mb& m, const v1::Route& route);
   // This node's work on `m` is finished.

@@ -191,13 +191,13 @@ class JobRuntime::Impl {
       // than this worker knows may come from a worker that joined in it,
       // before this worker has the plan that names it.
       if (!accept_members_.count(h.sender()) && h.epoch() <= accept_epoch_) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "worker \"", absl::CHexEscape(h.sender()), "\" is not a member of job ", h.job_id()));
+        return absl::PermissionDeniedError(absl::StrCat("worker \"", absl::CHexEscape(h.sender()),
+                                                        "\" is not a member of job ", h.job_id()));
       }
       if (h.iteration() < accept_iteration_ || h.iteration() > accept_iteration_ + 1) {
         metrics_.LateFrame();
-        return absl::FailedPreconditionError(absl::StrCat(
-            "iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
       }
       // Epochs move by one per loss or join; a tensor far ahead is a forgery.
       if (h.epoch() > accept_epoch_ + kMaxEpochsAhead) {
@@ -215,8 +215,8 @@ class JobRuntime::Impl {
         }
       } else if (h.direction() == v1::DIRECTION_STATE) {
         if (accept_state_from_.empty() || h.sender() != accept_state_from_) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "this worker expects no stage state from ", h.sender()));
+          return absl::FailedPreconditionError(
+              absl::StrCat("this worker expects no stage state from ", h.sender()));
         }
         if (shape.size() != 1 || h.dtype() != v1::DTYPE_BYTES || shape[0] <= 0 ||
             static_cast<uint64_t>(shape[0]) > accept_state_bytes_) {
@@ -240,29 +240,31 @@ class JobRuntime::Impl {
       const uint64_t held = received_bytes_->load();
       if (held + bytes > accept_held_bytes_) {
         metrics_.UnexpectedFrame();
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "this worker holds ", held, " bytes of received tensors; ", bytes,
-            " more would pass its bound of ", accept_held_bytes_));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("this worker holds ", held, " bytes of received tensors; ", bytes,
+                         " more would pass its bound of ", accept_held_bytes_));
       }
     }
-    return model::GuardTorch("allocating a received tensor", [&]() -> absl::StatusOr<MutableBuffer> {
-      // The count drops when the tensor's memory is freed, wherever that is.
-      std::shared_ptr<std::atomic<uint64_t>> held = received_bytes_;
-      held->fetch_add(bytes);
-      auto* memory = new uint8_t[std::max<uint64_t>(1, bytes)];
-      auto tensor = std::make_shared<at::Tensor>(at::from_blob(
-          memory, shape,
-          [held, bytes](void* p) {
-            delete[] static_cast<uint8_t*>(p);
-            held->fetch_sub(bytes);
-          },
-          at::TensorOptions().dtype(TorchType(h.dtype()))));
-      MutableBuffer b;
-      b.data = tensor->data_ptr();
-      b.bytes = tensor->nbytes();
-      b.keepalive = tensor;
-      return b;
-    });
+    return model::GuardTorch("allocating a received tensor",
+                             [&]() -> absl::StatusOr<MutableBuffer> {
+                               // The count drops when the tensor's memory is freed, wherever that
+                               // is.
+                               std::shared_ptr<std::atomic<uint64_t>> held = received_bytes_;
+                               held->fetch_add(bytes);
+                               auto* memory = new uint8_t[std::max<uint64_t>(1, bytes)];
+                               auto tensor = std::make_shared<at::Tensor>(at::from_blob(
+                                   memory, shape,
+                                   [held, bytes](void* p) {
+                                     delete[] static_cast<uint8_t*>(p);
+                                     held->fetch_sub(bytes);
+                                   },
+                                   at::TensorOptions().dtype(TorchType(h.dtype()))));
+                               MutableBuffer b;
+                               b.data = tensor->data_ptr();
+                               b.bytes = tensor->nbytes();
+                               b.keepalive = tensor;
+                               return b;
+                             });
   }
 
   void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) {
@@ -406,15 +408,17 @@ class JobRuntime::Impl {
     group_.assign(a.replica_group().begin(), a.replica_group().end());
     std::string why;
     if (!reducer_.Restart(epoch_, group_, me_, &why)) return absl::InvalidArgumentError(why);
-    const c10::Device device = options_.device == "cuda" ? c10::Device(c10::kCUDA)
-                                                         : c10::Device(c10::kCPU);
+    const c10::Device device =
+        options_.device == "cuda" ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
     device_ = device;
     // Non-data nodes take whatever the plan routes to them: the planner
     // bounds their activation memory; refusing work here could deadlock the
     // pipeline. Data nodes bound their own starts by memory_slots.
     v1::JobSpec stage_spec = spec;
-    const uint32_t total = spec.pipeline().data_nodes() * spec.pipeline().microbatches_per_data_node();
-    stage_spec.mutable_pipeline()->set_memory_slots(std::max(spec.pipeline().memory_slots(), total));
+    const uint32_t total =
+        spec.pipeline().data_nodes() * spec.pipeline().microbatches_per_data_node();
+    stage_spec.mutable_pipeline()->set_memory_slots(
+        std::max(spec.pipeline().memory_slots(), total));
     ASSIGN_OR_RETURN(stage_, model::Stage::FromJobSpec(stage_spec, stage_index_, device));
     optimizer_ = std::make_unique<model::AdamW>(stage_->Parameters(), spec.optimizer().adamw());
     flat_numel_ = 0;
@@ -429,7 +433,7 @@ class JobRuntime::Impl {
       }
     }
     bubbles_ = std::make_unique<BubbleSchedule>(kfac_ != nullptr, layers.begin, layers.end,
-                                                 model::KfacBlockShape(stage_->config()));
+                                                model::KfacBlockShape(stage_->config()));
     if (!a.restore_from().empty()) {
       ASSIGN_OR_RETURN(model::CheckpointManifest manifest, model::ReadManifest(a.restore_from()));
       RETURN_IF_ERROR(model::LoadStage(a.restore_from(), manifest, stage_.get(), optimizer_.get(),
@@ -449,8 +453,8 @@ class JobRuntime::Impl {
     config.region = options_.region;
     config.emulate_network = a.emulate_network();
     config.security = options_.security;
-    transport_ = options_.transport ? options_.transport(config)
-                                    : GrpcPeerTransport::Factory()(config);
+    transport_ =
+        options_.transport ? options_.transport(config) : GrpcPeerTransport::Factory()(config);
     SetPeers(a.peers());
     state_from_ = a.state_from();
     {
@@ -472,9 +476,9 @@ class JobRuntime::Impl {
       // What an honest iteration can have in flight here at once: a forward
       // and a backward per microbatch (and again for re-runs) and the
       // replicas' all-reduce inputs, or one stage state.
-      const uint64_t activation =
-          4 * static_cast<uint64_t>(spec.pipeline().samples_per_microbatch()) *
-          spec.model().context_length() * spec.model().d_model();
+      const uint64_t activation = 4 *
+                                  static_cast<uint64_t>(spec.pipeline().samples_per_microbatch()) *
+                                  spec.model().context_length() * spec.model().d_model();
       const uint64_t reduce = 4 * static_cast<uint64_t>(flat_numel_ + factor_numel_);
       accept_held_bytes_ = 4 * uint64_t{total} * activation +
                            (2 * a.replica_group_size() + 2) * reduce + accept_state_bytes_;
@@ -525,8 +529,8 @@ class JobRuntime::Impl {
       return;
     }
     if (!state_from_.empty()) {
-      return Fail(absl::FailedPreconditionError(absl::StrCat(
-          "a plan arrived before the stage state from ", state_from_)));
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("a plan arrived before the stage state from ", state_from_)));
     }
     replay_.clear();
     std::vector<std::string> group = GroupOf(plan.replica_groups(), stage_index_);
@@ -569,9 +573,8 @@ class JobRuntime::Impl {
     }
     // The data node's microbatches queue up as forwards that need a slot:
     // the queue starts each when the policy picks it and a slot is free.
-    const int slots = options_.memory_slots > 0
-                          ? options_.memory_slots
-                          : static_cast<int>(spec_.pipeline().memory_slots());
+    const int slots = options_.memory_slots > 0 ? options_.memory_slots
+                                                : static_cast<int>(spec_.pipeline().memory_slots());
     {
       absl::MutexLock lock(&queue_mu_);
       queue_.BeginIteration(plan.iteration(), it.tracker->RouteStages(), slots,
@@ -843,10 +846,10 @@ class JobRuntime::Impl {
         for (size_t r = 0; r < inputs.size(); ++r) {
           const at::Tensor& part = inputs[r]->payload;
           if (part.numel() != numel) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "all-reduce from ", reducer_.members()[r], " has ", part.numel(),
-                " values, expected ", numel, " (gradients + K-FAC factors of layers ",
-                absl::StrJoin(bubbles_->sync_layers(), ","), ")"));
+            return absl::InvalidArgumentError(
+                absl::StrCat("all-reduce from ", reducer_.members()[r], " has ", part.numel(),
+                             " values, expected ", numel, " (gradients + K-FAC factors of layers ",
+                             absl::StrJoin(bubbles_->sync_layers(), ","), ")"));
           }
           sum = sum.defined() ? sum + part : part.clone();
         }
@@ -862,9 +865,8 @@ class JobRuntime::Impl {
       it.reduced = true;
     }
     Record(v1::TaskTiming::KIND_ALLREDUCE, 0, start);
-    const double scale = model::GradNormalizationScale(spec_.pipeline().grad_normalization(),
-                                                       total_visits,
-                                                       it.tracker->live_microbatches());
+    const double scale = model::GradNormalizationScale(
+        spec_.pipeline().grad_normalization(), total_visits, it.tracker->live_microbatches());
     if (scale != 1.0 && scale != 0.0) {
       absl::Status s = stage_->ScaleGradients(scale);
       if (!s.ok()) return Fail(s);
@@ -910,9 +912,8 @@ class JobRuntime::Impl {
     if (it.reduced) {
       // Put the local gradient (and factors) back: the sum included workers
       // that are gone, and re-runs may add to it.
-      absl::Status s = Unflatten(
-          it.raw_local.defined() ? it.raw_local : reducer_.local()->payload,
-          it.tracker->visits() > 0);
+      absl::Status s = Unflatten(it.raw_local.defined() ? it.raw_local : reducer_.local()->payload,
+                                 it.tracker->visits() > 0);
       if (!s.ok()) return Fail(s);
       if (it.tracker->visits() == 0) stage_->ZeroGrad();
     } else if (it.scaled != 1.0) {
@@ -1098,17 +1099,19 @@ class JobRuntime::Impl {
                " active from iteration ", it.plan.iteration());
     }
     const absl::Time start = absl::Now();
-    const double lr = model::ScheduledLearningRate(spec_.optimizer(), it.plan.iteration(),
-                                                   spec_.iterations());
-    const double clip = model::GlobalClipScale(step.squared_norm(),
-                                               spec_.optimizer().grad_clip_norm());
+    const double lr =
+        model::ScheduledLearningRate(spec_.optimizer(), it.plan.iteration(), spec_.iterations());
+    const double clip =
+        model::GlobalClipScale(step.squared_norm(), spec_.optimizer().grad_clip_norm());
     absl::Status stepped = optimizer_->Step(lr, clip);
     if (!stepped.ok()) return Fail(stepped);
     const bool fault_now = options_.fault.kind != JobRuntimeOptions::FaultInjection::Kind::kNone &&
                            it.plan.iteration() == options_.fault.iteration;
     if (fault_now && options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDiverge) {
-      LogWarning("job ", job_id_, ": --inject_fault: nudging a parameter after the step of "
-                 "iteration ", it.plan.iteration());
+      LogWarning("job ", job_id_,
+                 ": --inject_fault: nudging a parameter after the step of "
+                 "iteration ",
+                 it.plan.iteration());
       torch::NoGradGuard no_grad;
       std::vector<model::NamedTensor> params = stage_->Parameters();
       if (!params.empty()) params.front().second.add_(1e-3);
@@ -1117,8 +1120,8 @@ class JobRuntime::Impl {
       const std::vector<int> ready = kfac_->CommitAgreement();
       if (!ready.empty()) {
         LogInfo("job ", job_id_, ": K-FAC: every replica of stage ", stage_index_,
-                " preconditions layer(s) ", absl::StrJoin(ready, ","), " with its own factors from iteration ",
-                it.plan.iteration() + 1);
+                " preconditions layer(s) ", absl::StrJoin(ready, ","),
+                " with its own factors from iteration ", it.plan.iteration() + 1);
       }
     }
     stage_->ZeroGrad();
@@ -1142,8 +1145,8 @@ class JobRuntime::Impl {
     for (uint32_t mb : it.tracker->Completed()) r->add_microbatches(mb);
     if (fault_now && r->microbatches_size() > 0) {
       if (options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDuplicateMicrobatch) {
-        LogWarning("job ", job_id_, ": --inject_fault: reporting microbatch ",
-                   r->microbatches(0), " twice");
+        LogWarning("job ", job_id_, ": --inject_fault: reporting microbatch ", r->microbatches(0),
+                   " twice");
         r->add_microbatches(r->microbatches(0));
       } else if (options_.fault.kind ==
                  JobRuntimeOptions::FaultInjection::Kind::kMissingMicrobatch) {
@@ -1272,7 +1275,10 @@ class JobRuntime::Impl {
       return false;
     }
     Record(v1::TaskTiming::KIND_BUBBLE, t.microbatch(), start);
-    metrics_.KfacTask(t, t.serial() ? "serial" : at_step_end ? "overdue" : "bubble",
+    metrics_.KfacTask(t,
+                      t.serial()    ? "serial"
+                      : at_step_end ? "overdue"
+                                    : "bubble",
                       absl::ToDoubleSeconds(end - start));
     return true;
   }
@@ -1281,8 +1287,7 @@ class JobRuntime::Impl {
   // is left. `factors_final`: the step arrived, so synced factors are final
   // and their layers may be inverted (before it, a membership change could
   // still redo the all-reduce). False when the job failed.
-  bool DrainBubbles(const std::function<bool(const v1::BubbleTask&)>& wanted,
-                    bool factors_final) {
+  bool DrainBubbles(const std::function<bool(const v1::BubbleTask&)>& wanted, bool factors_final) {
     while (true) {
       const v1::BubbleTask* next = nullptr;
       switch (bubbles_->NextToDrain(*it_->tracker, factors_final, wanted, &next)) {
@@ -1349,8 +1354,7 @@ class JobRuntime::Impl {
     if (job != job_id_) return;
     if (!status.ok()) {
       if (it_ == nullptr || it_->plan.iteration() != iteration) return;
-      if (status.code() == absl::StatusCode::kCancelled &&
-          it_->tracker->lost().count(to)) {
+      if (status.code() == absl::StatusCode::kCancelled && it_->tracker->lost().count(to)) {
         return;  // the sender to a lost worker was closed
       }
       if (spec_.elastic().disabled() || status.code() == absl::StatusCode::kNotFound ||
@@ -1499,8 +1503,8 @@ class JobRuntime::Impl {
   std::string job_id_;
   v1::JobSpec spec_;
   int stage_index_ = 0;
-  uint64_t epoch_ = 0;      // membership epoch known here
-  uint64_t completed_ = 0;  // iterations whose step ran here
+  uint64_t epoch_ = 0;              // membership epoch known here
+  uint64_t completed_ = 0;          // iterations whose step ran here
   std::vector<std::string> group_;  // this stage's replicas, rank order
   ReplicaReducer<at::Tensor> reducer_;
   c10::Device device_ = c10::Device(c10::kCPU);
@@ -1518,7 +1522,7 @@ class JobRuntime::Impl {
   v1::DType wire_ = v1::DTYPE_FP32;
   std::unique_ptr<PeerTransport> transport_;
   std::map<std::string, PeerEndpoint> peers_;  // the transport's peers
-  std::string state_from_;  // joining: the replica whose state we wait for
+  std::string state_from_;                     // joining: the replica whose state we wait for
   std::unique_ptr<Iteration> it_;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>> early_;
   std::vector<v1::WorkerMessage> replay_;
@@ -1544,7 +1548,9 @@ void JobRuntime::Deliver(const v1::FrameHeader& header, MutableBuffer buffer) {
 }
 
 void JobRuntime::Stop() { impl_->Stop(); }
-void JobRuntime::OnRegistered(const std::string& worker_id) { impl_->metrics().SetWorkerId(worker_id); }
+void JobRuntime::OnRegistered(const std::string& worker_id) {
+  impl_->metrics().SetWorkerId(worker_id);
+}
 void JobRuntime::Tick(absl::Time now) { impl_->metrics().IdleCheck(now); }
 
 }  // namespace detour

@@ -45,8 +45,7 @@ class PeerTransport {
   virtual void SetPeers(const std::vector<PeerEndpoint>& peers) = 0;
   // Sends a tensor; NOT_FOUND through `done` for a peer not in the set.
   // `data` must stay unmodified until `done` runs.
-  virtual void Send(const std::string& to, v1::FrameHeader header, TensorView data,
-                    Done done) = 0;
+  virtual void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) = 0;
   // Fails what is pending (CANCELLED) and closes every stream. Idempotent.
   virtual void Close() = 0;
 };

@@ -20,9 +20,9 @@ RuntimeMetrics::RuntimeMetrics(metrics::Registry* m, std::string region, std::st
   // kMaxLinkPeers + "other", with room for a job's series while the
   // previous job's are being removed.
   const size_t links = 2 * (kMaxLinkPeers + 1);
-  if (auto f = m->AddCounter("detour_worker_link_sent_bytes",
-                             "Tensor bytes sent to each peer and acknowledged by it.", {"peer"},
-                             links);
+  if (auto f =
+          m->AddCounter("detour_worker_link_sent_bytes",
+                        "Tensor bytes sent to each peer and acknowledged by it.", {"peer"}, links);
       f.ok()) {
     link_bytes_ = *f;
   }
@@ -34,8 +34,7 @@ RuntimeMetrics::RuntimeMetrics(metrics::Registry* m, std::string region, std::st
     link_seconds_ = *f;
   }
   if (auto f = m->AddCounter("detour_worker_link_transfers",
-                             "Tensors sent to each peer and acknowledged by it.", {"peer"},
-                             links);
+                             "Tensors sent to each peer and acknowledged by it.", {"peer"}, links);
       f.ok()) {
     link_transfers_ = *f;
   }

@@ -48,8 +48,8 @@ class WorkQueue {
   // by microbatch id; empty for microbatches without one), the node's
   // activation slots and the policy. Slots held in the previous iteration
   // are forgotten.
-  void BeginIteration(uint64_t iteration, std::map<uint32_t, std::vector<int>> stages,
-                      int slots, sim::QueuePolicy policy);
+  void BeginIteration(uint64_t iteration, std::map<uint32_t, std::vector<int>> stages, int slots,
+                      sim::QueuePolicy policy);
   // A microbatch of the current iteration got a new route (re-run around a
   // lost worker) planned in `epoch`.
   void SetRoute(uint32_t microbatch, std::vector<int> stages, uint64_t epoch);

@@ -102,8 +102,9 @@ TensorAssembler::Verdict TensorAssembler::Begin(const v1::FrameHeader& h, size_t
     // that opens more is refused (it cannot make us book-keep without end).
     if (assemblies_.size() >= kMaxPartialTensors) {
       s.Count(&s.rejected_, s.rejected_metric_);
-      acks->push_back(AckFor(h, false, absl::StrCat("more than ", kMaxPartialTensors,
-                                                    " tensors half-received on this stream")));
+      acks->push_back(AckFor(
+          h, false,
+          absl::StrCat("more than ", kMaxPartialTensors, " tensors half-received on this stream")));
       return Verdict::kDrop;
     }
     // Within the server's limits (all streams together) before the sink
@@ -197,15 +198,14 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
                           std::optional<std::string> peer_name)
       : server_(server), assembler_(server, peer_name) {
     if (!right_method) {
-      Apply(outbox_.RequestFinish(
-          grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
+      Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
     }
     if (server_->options_.require_peer_certificates && !peer_name.has_value()) {
       server_->CountUnauthorizedStream();
-      Apply(outbox_.RequestFinish(grpc::Status(
-          grpc::StatusCode::UNAUTHENTICATED,
-          "activation streams need a worker certificate from the cluster CA")));
+      Apply(outbox_.RequestFinish(
+          grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                       "activation streams need a worker certificate from the cluster CA")));
       return;
     }
     NextRead();
@@ -279,8 +279,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
         frame->CopyTo(dest);
         assembler_.Finish(&acks_);
         break;
-      case TensorAssembler::Verdict::kDrop:
-        break;
+      case TensorAssembler::Verdict::kDrop: break;
       case TensorAssembler::Verdict::kEndStream:
         Apply(outbox_.RequestFinish(ToGrpcStatus(end)));
         return false;
@@ -327,10 +326,10 @@ ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions opt
       counter("detour_activation_chunks_duplicate", "Chunks received twice and dropped.");
   dropped_metric_ =
       counter("detour_activation_chunks_dropped", "Chunks of rejected tensors, dropped.");
-  unauthorized_metric_ = counter(
-      "detour_activation_frames_unauthorized",
-      "Streams and frames refused for their sender: no worker certificate, a sender name "
-      "the certificate does not carry, or not a member of the job (PERMISSION_DENIED).");
+  unauthorized_metric_ =
+      counter("detour_activation_frames_unauthorized",
+              "Streams and frames refused for their sender: no worker certificate, a sender name "
+              "the certificate does not carry, or not a member of the job (PERMISSION_DENIED).");
 }
 
 grpc::ServerGenericBidiReactor* ActivationServer::CreateReactor(
@@ -344,8 +343,7 @@ void ActivationServer::CountUnauthorizedStream() {
   LogWarning("activation stream: refused a peer without a worker certificate");
 }
 
-void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric,
-                             uint64_t n) {
+void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric, uint64_t n) {
   counter->fetch_add(n, std::memory_order_relaxed);
   if (metric != nullptr) (void)metric->IncrementBy(static_cast<double>(n));
 }
@@ -355,8 +353,7 @@ namespace {
 template <typename T>
 void RaisePeak(std::atomic<T>* peak, T value) {
   T seen = peak->load(std::memory_order_relaxed);
-  while (value > seen && !peak->compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
-  }
+  while (value > seen && !peak->compare_exchange_weak(seen, value, std::memory_order_relaxed)) {}
 }
 
 }  // namespace

@@ -107,8 +107,8 @@ class TensorAssembler {
     std::vector<bool> seen;
     uint32_t received = 0;
     bool rejected = false;
-    uint64_t reserved = 0;     // sink bytes counted against the server's limit
-    int64_t bookkeeping = 0;   // what this entry costs the transport
+    uint64_t reserved = 0;    // sink bytes counted against the server's limit
+    int64_t bookkeeping = 0;  // what this entry costs the transport
   };
   using Assemblies = std::map<std::string, Assembly>;
 
@@ -136,13 +136,13 @@ class ActivationServer final : public grpc::CallbackGenericService {
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override;
 
   struct Stats {
-    uint64_t frames = 0;           // frames read
-    uint64_t tensors = 0;          // tensors delivered
-    uint64_t bytes = 0;            // data bytes accepted
-    uint64_t malformed = 0;        // undecodable or invalid frames
-    uint64_t rejected = 0;         // tensors the sink refused
-    uint64_t duplicates = 0;       // chunks received twice
-    uint64_t dropped = 0;          // chunks of rejected tensors
+    uint64_t frames = 0;      // frames read
+    uint64_t tensors = 0;     // tensors delivered
+    uint64_t bytes = 0;       // data bytes accepted
+    uint64_t malformed = 0;   // undecodable or invalid frames
+    uint64_t rejected = 0;    // tensors the sink refused
+    uint64_t duplicates = 0;  // chunks received twice
+    uint64_t dropped = 0;     // chunks of rejected tensors
     // Streams and frames refused for who sent them: no certificate, a sender
     // the certificate does not name, or not a member of the job.
     uint64_t unauthorized = 0;

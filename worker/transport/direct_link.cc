@@ -76,8 +76,8 @@ absl::Status WaitFor(int fd, int wake_a, int wake_b, short events, absl::Time de
       return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
     }
     pollfd fds[3] = {{fd, events, 0}, {wake_a, POLLIN, 0}, {wake_b, POLLIN, 0}};
-    const int timeout_ms = static_cast<int>(std::min<int64_t>(
-        absl::ToInt64Milliseconds(left) + 1, int64_t{1} << 30));
+    const int timeout_ms =
+        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, int64_t{1} << 30));
     const int n = ::poll(fds, 3, timeout_ms);  // negative descriptors are ignored
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -130,9 +130,8 @@ absl::Status DecodeDirectAckPrefix(const char in[8], uint32_t* ack_bytes) {
   *ack_bytes = GetU32(in);
   if (GetU32(in + 4) != 0) return absl::InvalidArgumentError("ack prefix: reserved bytes set");
   if (*ack_bytes > kMaxDirectMessageBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("ack prefix: an ack of ", *ack_bytes,
-                                                   " bytes (at most ", kMaxDirectMessageBytes,
-                                                   ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ack prefix: an ack of ", *ack_bytes, " bytes (at most ", kMaxDirectMessageBytes, ")"));
   }
   return absl::OkStatus();
 }
@@ -164,9 +163,9 @@ absl::Status DirectLink::Handshake(bool client, absl::Time deadline) {
     const short event = RetryEvent(SSL_get_error(ssl_, rc));
     if (event == 0) {
       const long verify = SSL_get_verify_result(ssl_);
-      return absl::UnauthenticatedError(absl::StrCat(
-          "failed: ",
-          verify != X509_V_OK ? X509_verify_cert_error_string(verify) : OpenSslErrors()));
+      return absl::UnauthenticatedError(
+          absl::StrCat("failed: ", verify != X509_V_OK ? X509_verify_cert_error_string(verify)
+                                                       : OpenSslErrors()));
     }
     absl::Status waited = Wait(event, deadline, "TLS handshake");
     if (!waited.ok()) {
@@ -285,8 +284,8 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::strin
     }
     link->peer_name_ = VerifiedPeerName(ssl);
     if (!link->peer_name_.has_value()) {
-      return absl::UnauthenticatedError(absl::StrCat(
-          "direct transport: ", address, " presented no verified worker certificate"));
+      return absl::UnauthenticatedError(
+          absl::StrCat("direct transport: ", address, " presented no verified worker certificate"));
     }
   }
   link->SetIoTimeout(std::max(absl::Seconds(1), deadline - absl::Now()));
@@ -329,9 +328,9 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
     return absl::Status(s.code(), absl::StrCat("reading the preface: ", s.message()));
   }
   if (std::memcmp(preface, kDirectPreface, sizeof(preface)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "not a detour direct-transport client (preface \"",
-        absl::CHexEscape(absl::string_view(preface, sizeof(preface))), "\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a detour direct-transport client (preface \"",
+                     absl::CHexEscape(absl::string_view(preface, sizeof(preface))), "\")"));
   }
   link->SetIoTimeout(absl::Seconds(60));
   return link;
@@ -383,9 +382,9 @@ absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
         return waited;
       }
       return waited.code() == absl::StatusCode::kDeadlineExceeded
-                 ? absl::DeadlineExceededError(absl::StrCat(
-                       "read: no progress for ", absl::FormatDuration(io_timeout_), " (", done,
-                       " of ", n, " bytes)"))
+                 ? absl::DeadlineExceededError(absl::StrCat("read: no progress for ",
+                                                            absl::FormatDuration(io_timeout_), " (",
+                                                            done, " of ", n, " bytes)"))
                  : waited;
     }
   }

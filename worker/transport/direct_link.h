@@ -50,8 +50,7 @@ class DirectLink {
   // Takes an accepted socket (owns it from here on, also on error). With TLS,
   // handshakes within `timeout`; the client must present a certificate from
   // the CA, whose name becomes peer_name(). Then reads and checks the preface.
-  static absl::StatusOr<std::unique_ptr<DirectLink>> Accept(int fd,
-                                                            std::shared_ptr<ssl_ctx_st> ctx,
+  static absl::StatusOr<std::unique_ptr<DirectLink>> Accept(int fd, std::shared_ptr<ssl_ctx_st> ctx,
                                                             absl::Duration timeout,
                                                             int wake_fd = -1);
   ~DirectLink();

@@ -193,8 +193,8 @@ void DirectServer::Serve(uint64_t id, int fd) {
   finished_.push_back(id);
 }
 
-absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
-                              uint64_t max_tensor, const std::function<bool()>& stopping) {
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler, uint64_t max_tensor,
+                              const std::function<bool()>& stopping) {
   std::string header_bytes;
   std::string ack_bytes;
   std::vector<v1::FrameAck> acks;
@@ -260,8 +260,7 @@ absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
         }
         break;
       }
-      case TensorAssembler::Verdict::kEndStream:
-        return end;
+      case TensorAssembler::Verdict::kEndStream: return end;
     }
     if (absl::Status s = send_acks(); !s.ok()) return s;
   }

@@ -71,8 +71,8 @@ class DirectServer {
   Stats stats() const;
 
  private:
-  DirectServer(ActivationServer* activations, DirectServerOptions options, int listen_fd,
-               int port, std::shared_ptr<ssl_ctx_st> ctx);
+  DirectServer(ActivationServer* activations, DirectServerOptions options, int listen_fd, int port,
+               std::shared_ptr<ssl_ctx_st> ctx);
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
 

@@ -117,8 +117,8 @@ size_t DTypeSize(v1::DType dtype) {
   }
 }
 
-grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& view,
-                             size_t offset, size_t bytes) {
+grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& view, size_t offset,
+                             size_t bytes) {
   std::string prefix;
   const std::string serialized = header.SerializeAsString();
   prefix.push_back(static_cast<char>(kHeaderTag));
@@ -189,8 +189,8 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
   // The header is kept while a tensor is half received: its strings and
   // rank are bounded like a spec's ids (the decoder allows 1 MiB headers).
   if (h.job_id().size() > kMaxFrameIdBytes || h.sender().size() > kMaxFrameIdBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("frame header: job_id or sender longer than ",
-                                                   kMaxFrameIdBytes, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame header: job_id or sender longer than ", kMaxFrameIdBytes, " bytes"));
   }
   if (h.shape_size() > static_cast<int>(kMaxFrameDims)) {
     return absl::InvalidArgumentError(absl::StrCat("frame header: ", h.shape_size(),
@@ -198,8 +198,9 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
   }
   if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
       h.direction() != v1::DIRECTION_ALLREDUCE && h.direction() != v1::DIRECTION_STATE) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "frame header: direction ", h.direction(), " is not FORWARD, BACKWARD, ALLREDUCE or STATE"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame header: direction ", h.direction(),
+                     " is not FORWARD, BACKWARD, ALLREDUCE or STATE"));
   }
   const size_t element = DTypeSize(h.dtype());
   if (element == 0) {
@@ -208,17 +209,16 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
   uint64_t elements = 1;
   for (int64_t d : h.shape()) {
     if (d < 0 || (d > 0 && elements > std::numeric_limits<uint64_t>::max() / d)) {
-      return absl::InvalidArgumentError(absl::StrCat("frame header: bad shape [",
-                                                     absl::StrJoin(h.shape(), ","), "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("frame header: bad shape [", absl::StrJoin(h.shape(), ","), "]"));
     }
     elements *= static_cast<uint64_t>(d);
   }
   if (elements > std::numeric_limits<uint64_t>::max() / element ||
       elements * element != h.total_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "frame header: shape [", absl::StrJoin(h.shape(), ","), "] of ",
-        v1::DType_Name(h.dtype()), " needs ", elements * element, " bytes, total_bytes says ",
-        h.total_bytes()));
+        "frame header: shape [", absl::StrJoin(h.shape(), ","), "] of ", v1::DType_Name(h.dtype()),
+        " needs ", elements * element, " bytes, total_bytes says ", h.total_bytes()));
   }
   if (h.total_bytes() > max_tensor_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("frame header: tensor of ", h.total_bytes(),
@@ -226,8 +226,8 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                                      max_tensor_bytes));
   }
   if (h.num_chunks() == 0 || h.chunk_index() >= h.num_chunks()) {
-    return absl::InvalidArgumentError(absl::StrCat("frame header: chunk ", h.chunk_index(),
-                                                   " of ", h.num_chunks()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("frame header: chunk ", h.chunk_index(), " of ", h.num_chunks()));
   }
   // Every chunk but the last carries at least kMinChunkBytes, so a tensor
   // has at most this many: a header cannot make the receiver book-keep more

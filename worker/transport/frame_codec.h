@@ -25,7 +25,6 @@ inline constexpr uint64_t kMinChunkBytes = 4096;
 inline constexpr size_t kMaxFrameIdBytes = 256;
 inline constexpr size_t kMaxFrameDims = 8;
 
-
 // Bytes per element; 0 for DTYPE_UNSPECIFIED or unknown values.
 size_t DTypeSize(v1::DType dtype);
 
@@ -39,8 +38,8 @@ struct TensorView {
 // Builds one frame: `header` (chunk fields already set) plus `bytes` bytes of
 // `view` starting at `offset`. The data slice references view.data; the
 // returned buffer holds a reference to view.keepalive until gRPC is done.
-grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& view,
-                             size_t offset, size_t bytes);
+grpc::ByteBuffer EncodeFrame(const v1::FrameHeader& header, const TensorView& view, size_t offset,
+                             size_t bytes);
 
 // A received frame: the parsed header and the data bytes as slices of the
 // received buffer (no copy yet).

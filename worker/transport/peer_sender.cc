@@ -24,8 +24,8 @@ constexpr char kMethod[] = "/detour.v1.ActivationService/Stream";
 // A tensor in flight: one per (job, iteration, epoch, microbatch,
 // direction) and peer — a microbatch re-run on a new route (newer epoch) may
 // go to the same peer while the old route's tensor is still pending.
-std::string AckKey(const std::string& job, uint64_t iteration, uint64_t epoch,
-                   uint32_t microbatch, int direction) {
+std::string AckKey(const std::string& job, uint64_t iteration, uint64_t epoch, uint32_t microbatch,
+                   int direction) {
   return absl::StrCat(job, "/", iteration, "/", epoch, "/", microbatch, "/", direction);
 }
 
@@ -70,8 +70,9 @@ class PeerSender::GrpcStream : public Stream,
     if (closing) {
       StartWritesDone();
       absl::MutexLock lock(&owner_->mu_);
-      ended = owner_->mu_.AwaitWithTimeout(
-          absl::Condition(+[](bool* e) { return *e; }, &owner_->read_ended_), absl::Seconds(2));
+      ended = owner_->mu_.AwaitWithTimeout(absl::Condition(
+                                               +[](bool* e) { return *e; }, &owner_->read_ended_),
+                                           absl::Seconds(2));
     }
     // A broken stream, or one whose peer did not end it: cancelled, so its
     // OnDone is certain to come (Close() waits for it).
@@ -136,8 +137,8 @@ class PeerSender::DirectStream : public Stream {
     const char* data = static_cast<const char*>(chunk->data.data) + chunk->offset;
     absl::Status written = link_->Write(header_.data(), header_.size(), data, chunk->bytes);
     if (!written.ok()) {
-      owner_->OnStreamError(absl::UnavailableError(absl::StrCat(
-          "direct transport to ", owner_->peer_, ": ", written.message())));
+      owner_->OnStreamError(absl::UnavailableError(
+          absl::StrCat("direct transport to ", owner_->peer_, ": ", written.message())));
     }
     owner_->OnWriteDone(written.ok());
   }
@@ -146,8 +147,9 @@ class PeerSender::DirectStream : public Stream {
     if (closing) {
       link_->CloseWrite();
       absl::MutexLock lock(&owner_->mu_);
-      owner_->mu_.AwaitWithTimeout(
-          absl::Condition(+[](bool* e) { return *e; }, &owner_->read_ended_), absl::Seconds(2));
+      owner_->mu_.AwaitWithTimeout(absl::Condition(
+                                       +[](bool* e) { return *e; }, &owner_->read_ended_),
+                                   absl::Seconds(2));
     }
     link_->Shutdown();
     reader_.join();
@@ -233,18 +235,17 @@ void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
       data.bytes == 0 ? 1 : static_cast<uint32_t>((data.bytes + chunk - 1) / chunk);
   header.set_total_bytes(data.bytes);
   header.set_num_chunks(chunks);
-  const std::string key =
-      AckKey(header.job_id(), header.iteration(), header.epoch(), header.microbatch(),
-             header.direction());
+  const std::string key = AckKey(header.job_id(), header.iteration(), header.epoch(),
+                                 header.microbatch(), header.direction());
   absl::MutexLock lock(&mu_);
   if (closing_) {
     done(absl::CancelledError("sender closed"), 0);
     return;
   }
   if (pending_.count(key)) {
-    done(absl::AlreadyExistsError(absl::StrCat("tensor ", key, " is already being sent to ",
-                                                peer_)),
-         0);
+    done(
+        absl::AlreadyExistsError(absl::StrCat("tensor ", key, " is already being sent to ", peer_)),
+        0);
     return;
   }
   const absl::Time now = absl::Now();
@@ -310,10 +311,10 @@ void PeerSender::WriterLoop() {
     const absl::Time now = absl::Now();
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (now > it->second.deadline) {
-        it->second.done(absl::DeadlineExceededError(absl::StrCat(
-                            "no acknowledgement from ", peer_, " within ",
-                            absl::FormatDuration(options_.ack_timeout))),
-                        0);
+        it->second.done(
+            absl::DeadlineExceededError(absl::StrCat("no acknowledgement from ", peer_, " within ",
+                                                     absl::FormatDuration(options_.ack_timeout))),
+            0);
         it = pending_.erase(it);
       } else {
         ++it;
@@ -330,8 +331,7 @@ void PeerSender::WriterLoop() {
       if (stream_broken_) {
         stream_broken_ = false;
         FailAll(absl::UnavailableError(
-            broken_reason_.empty() ? absl::StrCat("stream to ", peer_, " broke")
-                                   : broken_reason_));
+            broken_reason_.empty() ? absl::StrCat("stream to ", peer_, " broke") : broken_reason_));
         broken_reason_.clear();
       }
       if (old != nullptr) {
@@ -415,8 +415,8 @@ void PeerSender::OnReadEnded() {
 }
 
 void PeerSender::OnAck(const v1::FrameAck& ack) {
-  const std::string key = AckKey(ack.job_id(), ack.iteration(), ack.epoch(), ack.microbatch(),
-                                 ack.direction());
+  const std::string key =
+      AckKey(ack.job_id(), ack.iteration(), ack.epoch(), ack.microbatch(), ack.direction());
   Pending p;
   {
     absl::MutexLock lock(&mu_);
@@ -425,8 +425,9 @@ void PeerSender::OnAck(const v1::FrameAck& ack) {
     p = std::move(it->second);
     pending_.erase(it);
   }
-  const double seconds =
-      p.first_write == absl::InfiniteFuture() ? 0 : absl::ToDoubleSeconds(absl::Now() - p.first_write);
+  const double seconds = p.first_write == absl::InfiniteFuture()
+                             ? 0
+                             : absl::ToDoubleSeconds(absl::Now() - p.first_write);
   if (ack.ok()) {
     p.done(absl::OkStatus(), seconds);
   } else {
@@ -459,7 +460,8 @@ void PeerSender::Close() {
   // OnDone for each; returning earlier would leave them pointing at a
   // destroyed sender.
   absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(+[](int* n) { return *n == 0; }, &live_streams_));
+  mu_.Await(absl::Condition(
+      +[](int* n) { return *n == 0; }, &live_streams_));
 }
 
 }  // namespace detour

@@ -31,9 +31,7 @@ namespace detour {
 struct LinkEmulation {
   absl::Duration latency = absl::ZeroDuration();
   double bandwidth_bytes_per_s = 0;
-  bool enabled() const {
-    return latency > absl::ZeroDuration() || bandwidth_bytes_per_s > 0;
-  }
+  bool enabled() const { return latency > absl::ZeroDuration() || bandwidth_bytes_per_s > 0; }
 };
 
 struct PeerSenderOptions {
@@ -134,7 +132,7 @@ class PeerSender {
   absl::Time link_free_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::shared_ptr<ssl_ctx_st> ssl_ctx_;  // direct TLS connections
   absl::Status ssl_ctx_status_;
-  int wake_pipe_[2] = {-1, -1};          // Close() wakes a direct connect
+  int wake_pipe_[2] = {-1, -1};  // Close() wakes a direct connect
   std::thread writer_;
 };
 
