@@ -28,6 +28,12 @@ CTEST_FLAGS ?=
 
 FUZZ_SECONDS ?= 300
 
+# ccache hits across clones in other folders (CI builds a fresh clone): paths
+# under the tree are hashed relative to it, and the working directory is left
+# out of the hash of builds with debug line tables (the sanitized builds).
+export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
+
 .PHONY: all deps configure build test demo bench fuzz checks checks-full clean
 
 all: build
