@@ -1,5 +1,7 @@
 #include "common/kfac_workload.h"
 
+#include "common/spec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -40,8 +42,7 @@ BlockShape BlockShapeOf(const v1::ModelShape& shape) {
   const int64_t heads = std::max<int64_t>(1, shape.num_heads());
   const int64_t kv_heads = shape.num_kv_heads() > 0 ? shape.num_kv_heads() : heads;
   b.kv_dim = b.d_model * kv_heads / heads;
-  b.ffn_dim = shape.ffn_dim();
-  if (b.ffn_dim <= 0) b.ffn_dim = ((8 * b.d_model + 2) / 3 + 63) / 64 * 64;
+  b.ffn_dim = shape.ffn_dim() > 0 ? shape.ffn_dim() : DefaultFfnDim(b.d_model);
   return b;
 }
 

@@ -91,26 +91,48 @@ int VisitedStages(const v1::PipelineSpec& pipeline) {
   return p < 1 ? 1 : p;
 }
 
-void ApplyJobDefaults(JobSpec* spec) {
-  v1::ModelShape* m = spec->mutable_model();
-  if (!m->preset().empty()) {
-    auto preset = ModelPreset(m->preset());
-    if (preset.ok()) {
-      // Explicit fields win over the preset's.
-      v1::ModelShape merged = *preset;
-      merged.MergeFrom(*m);
-      *m = merged;
-    }
-  }
+int64_t DefaultFfnDim(int64_t d_model) {
+  const int64_t raw = (8 * d_model + 2) / 3;
+  return (raw + 63) / 64 * 64;
+}
+
+void FillModelShapeDefaults(v1::ModelShape* m) {
   DETOUR_DEFAULT(m, num_kv_heads, m->num_heads());
   if (m->ffn_dim() == 0 && m->d_model() > 0) {
-    const uint32_t raw = (8 * m->d_model() + 2) / 3;
-    m->set_ffn_dim((raw + 63) / 64 * 64);
+    // Past uint32 the width stays 0, which validation refuses.
+    const int64_t ffn = DefaultFfnDim(m->d_model());
+    if (ffn <= UINT32_MAX) m->set_ffn_dim(static_cast<uint32_t>(ffn));
   }
   DETOUR_DEFAULT(m, vocab_size, 256u);
   DETOUR_DEFAULT(m, context_length, 128u);
   DETOUR_DEFAULT(m, rope_theta, 10000.0);
   DETOUR_DEFAULT(m, norm_eps, 1e-5);
+}
+
+absl::StatusOr<v1::ModelShape> ResolveModelShape(const v1::ModelShape& shape) {
+  v1::ModelShape m = shape;
+  if (!m.preset().empty()) {
+    auto preset = ModelPreset(m.preset());
+    if (!preset.ok()) return preset.status();
+    // Explicit (non-zero) fields win over the preset's.
+    v1::ModelShape merged = *preset;
+    merged.MergeFrom(m);
+    m = merged;
+  }
+  FillModelShapeDefaults(&m);
+  return m;
+}
+
+void ApplyJobDefaults(JobSpec* spec) {
+  v1::ModelShape* m = spec->mutable_model();
+  // An unknown preset is left for ValidateJobSpec to name; the other
+  // defaults are filled all the same.
+  auto resolved = ResolveModelShape(*m);
+  if (resolved.ok()) {
+    *m = *resolved;
+  } else {
+    FillModelShapeDefaults(m);
+  }
 
   v1::PipelineSpec* p = spec->mutable_pipeline();
   DETOUR_DEFAULT(p, num_stages, 4u);

@@ -80,6 +80,19 @@ absl::StatusOr<v1::ClusterSpec> NormalizeClusterSpec(v1::ClusterSpec spec);
 // NOT_FOUND for an unknown name.
 absl::StatusOr<v1::ModelShape> ModelPreset(absl::string_view name);
 
+// The one home of the model shape's defaults (the job defaults, the worker's
+// ModelConfig and the K-FAC workload all take them from here):
+// The feed-forward width of a shape without ffn_dim: 8/3 of d_model rounded
+// up to a multiple of 64.
+int64_t DefaultFfnDim(int64_t d_model);
+// Fills every zero field of `shape` with the default its proto comment names
+// (kv heads = heads, the ffn width above, vocabulary 256, context 128, rope
+// theta 10000, norm eps 1e-5). Leaves the preset alone.
+void FillModelShapeDefaults(v1::ModelShape* shape);
+// The preset expanded (explicit non-zero fields win), then the defaults
+// filled. NOT_FOUND for an unknown preset. Does not validate.
+absl::StatusOr<v1::ModelShape> ResolveModelShape(const v1::ModelShape& shape);
+
 // Stages visited per microbatch, P = max(1, round(S·(1-k))), stage 0 included.
 int VisitedStages(const v1::PipelineSpec& pipeline);
 

@@ -26,7 +26,7 @@
 #include "coordinator/planner/replica_sync_choice.h"
 #include "coordinator/stage_reassignment.h"
 #include "coordinator/stragglers.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {

@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "common/sim/cost_model.h"
 #include "common/sim/plan.h"
-#include "coordinator/planner/route_builder.h"
 #include "coordinator/planner/route_rules.h"
+#include "coordinator/planner/route_sets.h"
 
 namespace detour::planner {
 
@@ -34,35 +34,6 @@ absl::StatusOr<std::vector<sim::Route>> RandomSkipRoutes(const sim::CostModel& c
 
 absl::StatusOr<std::vector<sim::Route>> SkipNoCollisionRoutes(
     const sim::CostModel& cost, const sim::StageAssignment& assignment, const RouteRules& rules);
-
-// Time-blind price of a route: compute on every node plus each hop's
-// transfer both ways (activation forward, gradient back), plus the loss.
-double StaticRouteCost(const sim::CostModel& cost, const sim::Route& route);
-
-// Builds every microbatch's route one at a time with `mode`, keeping visit
-// quotas feasible and (if `wave_memory_cap`) at most memory_slots
-// microbatches of one wave per node. kTimed processes microbatches in order
-// of their estimated release (a data node's slot frees when its earlier
-// microbatch ends); the others in wave order. FAILED_PRECONDITION when the
-// rules admit no route (e.g. max_jump too small for the skip ratio).
-absl::StatusOr<std::vector<sim::Route>> BuildRouteSet(const sim::CostModel& cost,
-                                                      const sim::StageAssignment& assignment,
-                                                      const RouteRules& rules,
-                                                      RouteBuilder::Mode mode, uint64_t seed,
-                                                      bool wave_memory_cap, int max_candidates = 8);
-
-// Moves visits from over-visited stages (quota[s] < 0) to under-visited ones
-// (quota[s] > 0) by replacing a stage in some route (onto the replica with
-// the fewest visits), keeping its order valid. FAILED_PRECONDITION when the
-// jump limit leaves no such move.
-absl::Status RebalanceVisits(const sim::CostModel& cost, const sim::StageAssignment& assignment,
-                             const RouteRules& rules, std::vector<int>& quota,
-                             std::vector<sim::Route>& routes);
-
-// Capacity of each stage (sum over replicas of 1 / (forward + backward)),
-// used to hand out the visit remainder. Entry 0 is the data nodes'.
-std::vector<double> StageCapacities(const sim::CostModel& cost,
-                                    const sim::StageAssignment& assignment);
 
 }  // namespace detour::planner
 

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status.h"
-#include "coordinator/planner/baselines.h"
+#include "coordinator/planner/route_sets.h"
 #include "coordinator/planner/route_builder.h"
 #include "coordinator/planner/route_moves.h"
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "coordinator/planner/baselines.h"
+#include "coordinator/planner/route_sets.h"
 #include "coordinator/planner/lane_routes.h"
 #include "coordinator/planner/route_builder.h"
 #include "coordinator/planner/route_moves.h"

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "coordinator/planner/baselines.h"
+#include "coordinator/planner/route_sets.h"
 #include "coordinator/planner/lane_clusters.h"
 #include "coordinator/planner/lane_routes.h"
 #include "coordinator/planner/path_scheduler.h"

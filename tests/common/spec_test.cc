@@ -465,5 +465,30 @@ TEST(ToJson, RoundTrips) {
   EXPECT_EQ(back->SerializeAsString(), spec->SerializeAsString());
 }
 
+TEST(ModelShapeDefaultsTest, OneHomeForPresetsAndDefaults) {
+  v1::ModelShape s;
+  s.set_preset("tiny");
+  s.set_d_model(256);  // explicit fields win over the preset's
+  auto r = ResolveModelShape(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->d_model(), 256u);
+  EXPECT_EQ(r->num_layers(), 8u);
+  EXPECT_EQ(r->ffn_dim(), 384u);  // the preset's, not the default for 256
+  v1::ModelShape bare;
+  bare.set_d_model(100);
+  bare.set_num_heads(4);
+  r = ResolveModelShape(bare);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->ffn_dim(), static_cast<uint32_t>(DefaultFfnDim(100)));
+  EXPECT_EQ(DefaultFfnDim(100), 320);  // 8/3·100 = 267, up to a multiple of 64
+  EXPECT_EQ(r->num_kv_heads(), 4u);
+  EXPECT_EQ(r->vocab_size(), 256u);
+  EXPECT_EQ(r->context_length(), 128u);
+  EXPECT_EQ(r->rope_theta(), 10000.0);
+  EXPECT_EQ(r->norm_eps(), 1e-5);
+  s.set_preset("huge");
+  EXPECT_EQ(ResolveModelShape(s).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace detour

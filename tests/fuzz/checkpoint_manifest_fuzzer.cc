@@ -1,4 +1,4 @@
-// Fuzzes the checkpoint manifest parser (worker/model/checkpoint_manifest.h):
+// Fuzzes the checkpoint manifest parser (common/checkpoint_manifest.h):
 // arbitrary bytes as manifest.json. Nothing may crash or trip UBSan (numbers
 // are doubles in JSON: NaN, huge or fractional counts must be refused, not
 // cast); an accepted manifest must be in range and survive a round trip
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 
 namespace {
 

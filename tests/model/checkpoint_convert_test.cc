@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/stage_file.h"
 
 namespace detour::model {

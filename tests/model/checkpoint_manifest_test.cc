@@ -1,6 +1,6 @@
 // The checkpoint manifest: round trip, and every malformed or out-of-range
 // field refused by name (DATA_LOSS) instead of being cast into the model.
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 
 #include <string>
 

@@ -31,7 +31,7 @@
 #include "model_test_util.h"
 #include "tests/test_paths.h"
 #include "worker/model/checkpoint.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/corpus.h"
 #include "worker/model/engine.h"
 #include "worker/model/routes.h"

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "common/files.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/hf_llama.h"
 #include "worker/model/safetensors.h"
 #include "worker/model/stage_file.h"

@@ -28,7 +28,7 @@
 #include "common/subprocess.h"
 #include "common/version.h"
 #include "worker/model/checkpoint_convert.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/checkpoint_v1.h"
 
 namespace detour {

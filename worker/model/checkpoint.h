@@ -32,8 +32,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include <ATen/core/Tensor.h>
-#include "worker/model/checkpoint_manifest.h"
-#include "worker/model/model_config.h"
+#include "common/checkpoint_manifest.h"
+#include "common/model_config.h"
 #include "worker/model/optimizer.h"
 #include "worker/model/stage.h"
 

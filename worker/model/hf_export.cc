@@ -12,7 +12,7 @@
 #include "common/files.h"
 #include "common/json.h"
 #include "common/status.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/hf_llama.h"
 #include "worker/model/stage_file.h"
 

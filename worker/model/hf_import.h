@@ -23,7 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "worker/model/model_config.h"
+#include "common/model_config.h"
 #include "worker/model/stage.h"
 
 namespace detour::model {

@@ -29,7 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "worker/model/model_config.h"
+#include "common/model_config.h"
 
 namespace detour::model {
 

@@ -24,7 +24,6 @@ namespace {
 // (the planner prices exactly this list).
 constexpr int kNumModules = kfac::kNumProjections;
 constexpr int kNumInputs = kfac::kNumInputs;
-constexpr double kMinDamping = 1e-7;  // as DampedInverseWork's floor
 static_assert(static_cast<int>(LayerCapture::kAttnIn) == kfac::kAttnIn &&
                   static_cast<int>(LayerCapture::kAttnOut) == kfac::kAttnOut &&
                   static_cast<int>(LayerCapture::kMlpIn) == kfac::kMlpIn &&
@@ -88,12 +87,12 @@ KfacDamping PiDamping(double trace_a, int64_t dim_a, double trace_b, int64_t dim
   }
   if (!std::isfinite(pi) || pi <= 0) {
     d.pi = 1;
-    d.damping_a = d.damping_b = std::max(root, kMinDamping);
+    d.damping_a = d.damping_b = std::max(root, kMinKfacDamping);
     return d;
   }
   d.pi = pi;
-  d.damping_a = std::max(root * pi, kMinDamping);
-  d.damping_b = std::max(root / pi, kMinDamping);
+  d.damping_a = std::max(root * pi, kMinKfacDamping);
+  d.damping_b = std::max(root / pi, kMinKfacDamping);
   return d;
 }
 

@@ -14,7 +14,6 @@
 namespace detour::model {
 namespace {
 
-constexpr double kMinDamping = 1e-7;
 // Damping levels tried: λ, 10λ, ... (each in F's dtype, then fp64).
 constexpr int kDampingLevels = 5;
 
@@ -27,8 +26,8 @@ DampedInverseWork::DampedInverseWork(const at::Tensor& factor, double damping)
       n_(factor.size(0)),
       blocks_(kfac::InversionBlocks(factor.size(0))),
       weights_(kfac::InversionUnitWeights(factor.size(0))),
-      base_damping_(std::max(damping, kMinDamping)),
-      damping_(std::max(damping, kMinDamping)) {}
+      base_damping_(std::max(damping, kMinKfacDamping)),
+      damping_(std::max(damping, kMinKfacDamping)) {}
 
 absl::StatusOr<std::unique_ptr<DampedInverseWork>> DampedInverseWork::Start(
     const at::Tensor& factor, double damping) {

@@ -30,6 +30,11 @@
 
 namespace detour::model {
 
+// The smallest damping any K-FAC inverse uses: a requested or pi-split
+// damping below it is raised to it (kfac.cc's PiDamping too), so a factor
+// with a zero eigenvalue still inverts.
+constexpr double kMinKfacDamping = 1e-7;
+
 class DampedInverseWork {
  public:
   // INVALID_ARGUMENT for an undefined or non-square F, FAILED_PRECONDITION

@@ -37,7 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "detour/v1/spec.pb.h"
-#include "worker/model/model_config.h"
+#include "common/model_config.h"
 
 namespace detour::model {
 

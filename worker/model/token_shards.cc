@@ -21,7 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "common/files.h"
 #include "common/status.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 #include "worker/model/tokenizer.h"
 
 namespace detour::model {

@@ -20,7 +20,7 @@
 #include "common/subprocess.h"
 #include "detour/spm/model.pb.h"
 #include "worker/model/byte_tokenizer.h"
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 
 namespace detour::model {
 

@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "worker/model/text_data.h"
 
 namespace detour::model {
@@ -13,19 +14,10 @@ namespace {
 
 constexpr double kInitStd = 0.02;
 
-uint64_t Fnv1a64(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
-
 }  // namespace
 
 at::Tensor InitNormal(uint64_t seed, const std::string& name, at::IntArrayRef sizes, double std) {
-  uint64_t state = seed ^ Fnv1a64(name);
+  uint64_t state = seed ^ Fnv1a64Of(name);
   const uint64_t derived = SplitMix64(&state);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(derived);
   return at::normal(0.0, std, sizes, gen, at::TensorOptions().dtype(at::kFloat));

@@ -23,7 +23,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include "worker/model/model_config.h"
+#include "common/model_config.h"
 
 namespace detour::model {
 

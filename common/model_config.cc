@@ -1,4 +1,4 @@
-#include "worker/model/model_config.h"
+#include "common/model_config.h"
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -27,38 +27,20 @@ std::string ModelConfig::DebugString() const {
 }
 
 absl::StatusOr<ModelConfig> ModelConfigFromShape(const v1::ModelShape& shape) {
-  v1::ModelShape s = shape;
-  if (!s.preset().empty()) {
-    auto preset = ModelPreset(s.preset());
-    if (!preset.ok()) return preset.status();
-    v1::ModelShape merged = *preset;
-    // Explicit (non-zero) fields override the preset's.
-    if (s.num_layers()) merged.set_num_layers(s.num_layers());
-    if (s.d_model()) merged.set_d_model(s.d_model());
-    if (s.num_heads()) merged.set_num_heads(s.num_heads());
-    if (s.num_kv_heads()) merged.set_num_kv_heads(s.num_kv_heads());
-    if (s.ffn_dim()) merged.set_ffn_dim(s.ffn_dim());
-    if (s.vocab_size()) merged.set_vocab_size(s.vocab_size());
-    if (s.context_length()) merged.set_context_length(s.context_length());
-    if (s.rope_theta() != 0) merged.set_rope_theta(s.rope_theta());
-    if (s.norm_eps() != 0) merged.set_norm_eps(s.norm_eps());
-    s = merged;
-  }
+  auto resolved = ResolveModelShape(shape);
+  if (!resolved.ok()) return resolved.status();
+  const v1::ModelShape& s = *resolved;
   ModelConfig c;
   c.num_layers = static_cast<int>(s.num_layers());
   c.d_model = static_cast<int>(s.d_model());
   c.num_heads = static_cast<int>(s.num_heads());
-  c.num_kv_heads = s.num_kv_heads() ? static_cast<int>(s.num_kv_heads()) : c.num_heads;
-  if (s.ffn_dim()) {
-    c.ffn_dim = static_cast<int>(s.ffn_dim());
-  } else {
-    const int raw = (8 * c.d_model + 2) / 3;
-    c.ffn_dim = (raw + 63) / 64 * 64;
-  }
-  c.vocab_size = s.vocab_size() ? static_cast<int>(s.vocab_size()) : 256;
-  c.context_length = s.context_length() ? static_cast<int>(s.context_length()) : 128;
-  c.rope_theta = s.rope_theta() != 0 ? s.rope_theta() : 10000.0;
-  c.norm_eps = s.norm_eps() != 0 ? s.norm_eps() : 1e-5;
+  c.num_kv_heads = static_cast<int>(s.num_kv_heads());
+  // The default width of a zero d_model is 0, refused below.
+  c.ffn_dim = static_cast<int>(s.ffn_dim());
+  c.vocab_size = static_cast<int>(s.vocab_size());
+  c.context_length = static_cast<int>(s.context_length());
+  c.rope_theta = s.rope_theta();
+  c.norm_eps = s.norm_eps();
 
   auto bad = [](absl::string_view field, int64_t v, absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat("model.", field, ": ", v, " ", why));

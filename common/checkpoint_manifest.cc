@@ -1,4 +1,4 @@
-#include "worker/model/checkpoint_manifest.h"
+#include "common/checkpoint_manifest.h"
 
 #include <algorithm>
 #include <cmath>
@@ -151,8 +151,6 @@ absl::Status ParseStage(const FieldReader& r, const google::protobuf::Value& sv,
 }
 
 }  // namespace
-
-std::string Fnv1a64::Hex() const { return absl::StrFormat("%s%016x", kChecksumPrefix, h_); }
 
 std::string Checksum(absl::string_view bytes) {
   Fnv1a64 f;

@@ -4,8 +4,8 @@
 // layer split assigns each stage a run of consecutive transformer blocks; it is
 // a pure function so the coordinator, the simulator and every worker agree on
 // it without talking. Everything here is thread-safe (no shared state).
-#ifndef DETOUR_WORKER_MODEL_MODEL_CONFIG_H_
-#define DETOUR_WORKER_MODEL_MODEL_CONFIG_H_
+#ifndef DETOUR_COMMON_MODEL_CONFIG_H_
+#define DETOUR_COMMON_MODEL_CONFIG_H_
 
 #include <cstdint>
 #include <string>
@@ -59,4 +59,4 @@ absl::StatusOr<LayerRange> StageLayerRange(int num_layers, int num_stages, int s
 
 }  // namespace detour::model
 
-#endif  // DETOUR_WORKER_MODEL_MODEL_CONFIG_H_
+#endif  // DETOUR_COMMON_MODEL_CONFIG_H_

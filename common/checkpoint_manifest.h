@@ -2,8 +2,8 @@
 // each stage file's layer range, size and checksum. Writing, reading and
 // validation need no LibTorch (checkpoint.h reads and writes the stage files),
 // so the parser is fuzzed in every build. Thread-safe (no shared state).
-#ifndef DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
-#define DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
+#ifndef DETOUR_COMMON_CHECKPOINT_MANIFEST_H_
+#define DETOUR_COMMON_CHECKPOINT_MANIFEST_H_
 
 #include <cstdint>
 #include <string>
@@ -12,7 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "worker/model/model_config.h"
+#include "common/hash.h"
+#include "common/model_config.h"
 
 namespace detour::model {
 
@@ -63,20 +64,7 @@ struct ManifestLimits {
 std::string Checksum(absl::string_view bytes);
 
 // The same checksum over data fed in pieces (files too large to hold):
-// Fnv1a64 f; f.Add(a); f.Add(b); f.Hex() == Checksum(a + b).
-class Fnv1a64 {
- public:
-  void Add(absl::string_view bytes) {
-    for (unsigned char c : bytes) {
-      h_ ^= c;
-      h_ *= 0x100000001b3ULL;
-    }
-  }
-  std::string Hex() const;
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ULL;
-};
+// Fnv1a64 f; f.Add(a); f.Add(b); f.Hex() == Checksum(a + b) (common/hash.h).
 
 // The JSON text of a manifest.
 std::string ManifestJson(const CheckpointManifest& manifest);
@@ -108,4 +96,4 @@ absl::StatusOr<std::string> ReadStageFileBytes(const std::string& dir, const Sta
 
 }  // namespace detour::model
 
-#endif  // DETOUR_WORKER_MODEL_CHECKPOINT_MANIFEST_H_
+#endif  // DETOUR_COMMON_CHECKPOINT_MANIFEST_H_
