@@ -38,8 +38,10 @@ struct SpecLimits {
   static constexpr uint64_t kMaxActivationElements = uint64_t{1} << 31;
   static constexpr uint32_t kMaxDataNodes = 4096;
   static constexpr uint32_t kMaxReplicas = 4096;
-  // Workers a job needs: data_nodes + (num_stages - 1) × replicas_per_stage.
-  static constexpr uint64_t kMaxWorkers = 65536;
+  // Workers a coordinator registers at once (lost ones included until
+  // forgotten), and so the most a job can need: data_nodes + (num_stages - 1)
+  // × replicas_per_stage.
+  static constexpr uint64_t kMaxWorkers = 10000;
   static constexpr uint32_t kMaxMicrobatchesPerDataNode = 4096;
   static constexpr uint64_t kMaxMicrobatches = 1u << 16;
   static constexpr uint32_t kMaxSamplesPerMicrobatch = 4096;

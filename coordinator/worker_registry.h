@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/spec.h"
 #include "detour/v1/control_service.pb.h"
 
 namespace detour {
@@ -58,8 +59,9 @@ class WorkerRegistry {
   // returns the ids newly lost by this call.
   std::vector<std::string> MarkSilentWorkersLost(absl::Time now);
 
-  // Most workers registered at once (lost ones included until forgotten).
-  static constexpr size_t kMaxWorkers = 10000;
+  // Most workers registered at once (lost ones included until forgotten):
+  // the spec's limit, so every job that validates can be run.
+  static constexpr size_t kMaxWorkers = SpecLimits::kMaxWorkers;
   // Longest region, device, version and address accepted.
   static constexpr size_t kMaxFieldBytes = 256;
 
