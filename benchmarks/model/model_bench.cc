@@ -14,6 +14,11 @@
 //   measured with mallinfo2 at two reduced context lengths and, where it
 //   fits in memory, at the preset's full context; the full-context value is
 //   extrapolated with m(T) = a·T + b·T² (attention scores grow with T²).
+// BM_ParameterChecksum/<preset>: the parameter checksum a worker sends after
+//   every step (worker/runtime/job_runtime.cc), as a fraction of the step's
+//   forward+backward over the same parameters (4 stages, full routes): the
+//   byte-wise FNV-1a over a CPU copy it replaced and FastHash64 in place
+//   (common/hash.h), paired round by round.
 #include <chrono>
 #include <malloc.h>
 
@@ -29,6 +34,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "common/hash.h"
 #include "common/spec.h"
 #include "worker/model/engine.h"
 #include "worker/model/routes.h"
@@ -114,6 +120,96 @@ void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int sa
     ratios.push_back(t_split[i] / t_plain[i]);
   }
   state.counters["split_overhead_pct_paired"] = 100.0 * (Median(ratios) - 1.0);
+}
+
+// The checksum the runtime used before FastHash64: FNV-1a one byte at a time
+// over a CPU copy of every parameter. Kept here as the baseline.
+uint64_t ByteFnvOverCopies(const std::vector<NamedTensor>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& [name, t] : params) {
+    at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0, n = c.nbytes(); i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+uint64_t FastInPlace(const std::vector<NamedTensor>& params) {
+  FastHash64 h;
+  for (const auto& [name, t] : params) {
+    at::Tensor c = t.detach();
+    if (!c.device().is_cpu() || !c.is_contiguous()) c = c.to(at::kCPU).contiguous();
+    h.Add(c.data_ptr(), c.nbytes());
+  }
+  return h.value();
+}
+
+void BM_ParameterChecksum(benchmark::State& state, const std::string& preset, int samples,
+                          int microbatches) {
+  at::set_num_threads(1);
+  v1::JobSpec spec;
+  spec.set_name("bench");
+  spec.set_iterations(1);
+  spec.mutable_model()->set_preset(preset);
+  spec.mutable_pipeline()->set_num_stages(4);
+  spec.mutable_pipeline()->set_samples_per_microbatch(samples);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(microbatches);
+  ApplyJobDefaults(&spec);
+  auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
+  auto config = ModelConfigFromShape(spec.model());
+  if (!engine.ok() || !config.ok()) {
+    state.SkipWithError("cannot build the model");
+    return;
+  }
+  const int ctx = config->context_length;
+  std::vector<Microbatch> mbs;
+  for (int m = 0; m < microbatches; ++m) {
+    at::Tensor t = at::randint(0, config->vocab_size, {samples, ctx + 1}, at::kLong);
+    mbs.push_back({t.narrow(1, 0, ctx).contiguous(), t.narrow(1, 1, ctx).contiguous()});
+  }
+  std::vector<v1::Route> routes;
+  for (int m = 0; m < microbatches; ++m) routes.push_back(MakeRoute(m, {0, 1, 2, 3}));
+  std::vector<NamedTensor> params;
+  for (int s = 0; s < 4; ++s) {
+    for (const NamedTensor& p : (*engine)->stage(s).Parameters()) params.push_back(p);
+  }
+  double bytes = 0;
+  for (const auto& [n, t] : params) bytes += static_cast<double>(t.nbytes());
+  auto step = [&] {
+    auto loss = (*engine)->Accumulate(routes, mbs);
+    if (!loss.ok()) std::abort();
+    for (int s = 0; s < 4; ++s) (*engine)->stage(s).ZeroGrad();
+  };
+  step();  // warm-up
+  std::vector<double> t_step, t_old, t_new;
+  uint64_t sink = 0;
+  for (auto _ : state) {
+    double a = CpuSeconds();
+    step();
+    t_step.push_back(CpuSeconds() - a);
+    a = CpuSeconds();
+    sink ^= ByteFnvOverCopies(params);
+    t_old.push_back(CpuSeconds() - a);
+    a = CpuSeconds();
+    sink ^= FastInPlace(params);
+    t_new.push_back(CpuSeconds() - a);
+  }
+  benchmark::DoNotOptimize(sink);
+  std::vector<double> old_frac, new_frac;
+  for (size_t i = 0; i < t_step.size(); ++i) {
+    old_frac.push_back(t_old[i] / t_step[i]);
+    new_frac.push_back(t_new[i] / t_step[i]);
+  }
+  state.counters["param_mib"] = bytes / (1 << 20);
+  state.counters["step_s"] = Median(t_step);
+  state.counters["old_ms"] = 1e3 * Median(t_old);
+  state.counters["new_ms"] = 1e3 * Median(t_new);
+  state.counters["old_pct_of_step"] = 100.0 * Median(old_frac);
+  state.counters["new_pct_of_step"] = 100.0 * Median(new_frac);
+  state.counters["new_gb_per_s"] = bytes / Median(t_new) / 1e9;
 }
 
 int64_t HeapInUse() {
@@ -334,6 +430,12 @@ void BM_Precision(benchmark::State& state, const std::string& preset, int sample
 
 BENCHMARK_CAPTURE(BM_SplitOverhead, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SplitOverhead, small, "small", 1, 2)->Iterations(3)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_ParameterChecksum, tiny, "tiny", 2, 4)
+    ->Iterations(7)
+    ->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_ParameterChecksum, small, "small", 1, 2)
+    ->Iterations(5)
+    ->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Precision, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);

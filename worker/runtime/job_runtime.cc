@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/status.h"
@@ -55,18 +56,18 @@ v1::DType WireDType(const std::string& name) {
   return v1::DTYPE_FP32;
 }
 
-// FNV-1a over the parameters' bytes: equal across replicas iff identical.
+// The parameters' bytes, hashed where they lie (a copy only for a tensor off
+// the CPU or not contiguous): equal across replicas iff identical, up to
+// FastHash64's collisions. Runs after every step, so it must stay a small
+// fraction of one (docs/BENCHMARKS.md §"Parameter checksum").
 uint64_t Checksum(const std::vector<model::NamedTensor>& params) {
-  uint64_t h = 1469598103934665603ull;
+  FastHash64 h;
   for (const auto& [name, t] : params) {
-    at::Tensor c = t.detach().to(at::kCPU).contiguous();
-    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-    for (size_t i = 0, n = c.nbytes(); i < n; ++i) {
-      h ^= p[i];
-      h *= 1099511628211ull;
-    }
+    at::Tensor c = t.detach();
+    if (!c.device().is_cpu() || !c.is_contiguous()) c = c.to(at::kCPU).contiguous();
+    h.Add(c.data_ptr(), c.nbytes());
   }
-  return h;
+  return h.value();
 }
 
 std::vector<std::string> GroupOf(const google::protobuf::RepeatedPtrField<v1::ReplicaGroup>& groups,
