@@ -8,16 +8,17 @@
 #   make bench   build and run the benchmarks
 #   make fuzz    build the libFuzzer targets with clang and run each for
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
-#   make checks  checked builds (tools/checks.sh; CI runs them after `make test`):
-#                clang -Wthread-safety -Werror over the tree, ASan+UBSan over
-#                the LibTorch-free suite with short fuzz runs, TSan over the
-#                transport, net, work queue, control client and log tests
-#   make checks-full  the wider checked builds CI runs after `make checks`:
-#                ASan+UBSan+LSan over the whole suite with LibTorch and every
-#                e2e test, every fuzz target, TSan over the runtime and the
-#                e2e tests with a TSan coordinator (tools/checks.sh asan-full
-#                tsan-full; about 30 min on 2 cores from a cold ccache;
-#                docs/DEVELOPMENT.md)
+#   make checks-full  the checked builds CI runs after `make test`
+#                (tools/checks.sh notorch asan-full tsan-full): the
+#                LibTorch-free build with warnings as errors and its unit
+#                tests; ASan+UBSan+LSan with the thread-safety analysis over the
+#                whole suite with LibTorch and every e2e test, every fuzz
+#                target; TSan over the transport, net, runtime and the e2e
+#                tests with a TSan coordinator (docs/DEVELOPMENT.md)
+#   make checks  quicker checked builds for development, covered by
+#                checks-full (tools/checks.sh: thread-safety analysis,
+#                ASan+UBSan and TSan over the LibTorch-free suite)
+#   make format  lay the C++ out as .clang-format says (CI checks it)
 #   make clean   remove the build directory
 
 BUILD_DIR ?= build
@@ -34,7 +35,7 @@ FUZZ_SECONDS ?= 300
 export CCACHE_BASEDIR ?= $(CURDIR)
 export CCACHE_NOHASHDIR ?= 1
 
-.PHONY: all deps configure build test demo bench fuzz checks checks-full clean
+.PHONY: all deps configure build test demo bench fuzz checks checks-full format clean
 
 all: build
 
@@ -67,7 +68,10 @@ checks: deps
 	tools/checks.sh
 
 checks-full: deps
-	tools/checks.sh asan-full tsan-full
+	tools/checks.sh notorch asan-full tsan-full
+
+format: deps
+	tools/format.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

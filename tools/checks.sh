@@ -1,36 +1,40 @@
 #!/usr/bin/env bash
-# The checked builds (issue 12), all with clang from Debian, each in its own
-# build directory. What runs under which sanitizer, and why, is in
+# The checked builds, all with clang from Debian, each in its own build
+# directory. What runs under which sanitizer, and why, is in
 # docs/DEVELOPMENT.md §"Checked builds and fuzzing".
 #
-# Default steps (`make checks`; CI runs them after `make test`, then the
-# full steps; CI has 90 minutes for all):
-#   tsa   (build-tsa) the whole tree, LibTorch code included, with
-#         -Wthread-safety -Werror=thread-safety (every ABSL_GUARDED_BY /
-#         EXCLUSIVE_LOCKS_REQUIRED checked);
-#   asan  (build-asan) AddressSanitizer + UBSan over the LibTorch-free suite
-#         (common, coordinator, planner, simulator, transport, net, metrics,
-#         work queue, model core, control client, fuzz corpus replays), then
-#         every LibTorch-free fuzz target for FUZZ_SECONDS on its corpus;
-#   tsan  (build-tsan) ThreadSanitizer over the transport, net, work-queue,
-#         control-client and log tests, abseil's
-#         synchronisation made visible (tests/tsan/absl_sync_annotations.cc),
-#         narrow suppressions for the uninstrumented libraries
-#         (tests/tsan/tsan.supp) and a canary race that must be reported.
-#
-# Full steps (`make checks-full`, in CI after `make checks`; about 30 min on
-# 2 cores from a cold ccache, docs/DEVELOPMENT.md):
+# Full steps (`make checks-full`; CI runs them after `make test`):
+#   notorch    (build-notorch) the LibTorch-free configuration with warnings
+#         as errors and the thread-safety analysis, and its unit tests: the
+#         coordinator, common/ and the tools must build without LibTorch;
 #   asan-full  (build-asan-full) the whole tree, LibTorch code included, with
-#         the thread-safety analysis and ASan + UBSan + LSan on our code;
-#         the whole suite under ctest, e2e tests with sanitized daemons
-#         included, failing on any report from any process (log_path), then
-#         every fuzz target, stage_loader included;
-#   tsan-full  (build-tsan-full) TSan over the default tests plus the
-#         runtime's (LibTorch with one intra-op thread), then the e2e subset
-#         labelled `sanitized` (build-asan-full's tests and workers) against a
-#         TSan coordinator. Needs asan-full first.
+#         warnings as errors, the thread-safety analysis and ASan + UBSan +
+#         LSan on our code; the whole suite under ctest, e2e tests with
+#         sanitized daemons included, failing on any report from any process
+#         (log_path), then every fuzz target, stage_loader included;
+#   tsan-full  (build-tsan-full) TSan over the transport, net, work-queue,
+#         control-client, log and runtime tests (LibTorch with one intra-op
+#         thread), then the e2e subset labelled `sanitized` (build-asan-full's
+#         tests and workers) against a TSan coordinator. Needs asan-full first.
 #
-#   tools/checks.sh [tsa|asan|tsan|asan-full|tsan-full ...]  (default: tsa asan tsan)
+# Quicker steps for development (`make checks`, not run by CI: the full steps
+# cover them):
+#   tsa   (build-tsa) the whole tree with -Wthread-safety -Werror=thread-safety;
+#   asan  (build-asan) ASan + UBSan over the LibTorch-free suite, then the
+#         LibTorch-free fuzz targets for FUZZ_SECONDS;
+#   tsan  (build-tsan) TSan over the transport, net, work-queue, control-client
+#         and log tests, abseil's synchronisation made visible
+#         (tests/tsan/absl_sync_annotations.cc), narrow suppressions for the
+#         uninstrumented libraries (tests/tsan/tsan.supp) and a canary race
+#         that must be reported.
+#
+# A sanitized test that fails once gets one retry; the run ends by naming every
+# test that needed one, and fails when a test needed one in this run and in
+# the previous recorded run too, unless tests/flaky_tests.txt names it with
+# its cause (the record: $DETOUR_CHECKS_RECORD, by default
+# ~/.local/state/detour/checks-retried.txt).
+#
+#   tools/checks.sh [notorch|tsa|asan|tsan|asan-full|tsan-full ...]  (default: tsa asan tsan)
 #   FUZZ_SECONDS=20 by default; JOBS=$(nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,17 +94,56 @@ check_logs() {
 # it too (check_logs reads every process's log). Failed attempts stay in the
 # output and are listed by retried().
 RETRY=(--repeat until-pass:2)
+RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}
+RETRIED_NOW=$(mktemp)
+trap 'rm -f "$RETRIED_NOW"' EXIT
 
-# retried LOG WHAT: names the tests whose first attempt failed. (grep finds
-# nothing on a clean run: its status must not end the script under set -e.)
+# retried LOG WHAT: names the tests whose first attempt failed and adds them
+# to this run's list. (grep finds nothing on a clean run: its status must not
+# end the script under set -e.)
 retried() {
   local names
   names=$(grep -E '^[0-9]+/[0-9]+ Test +#[0-9]+: .*\*\*\*(Failed|Timeout|Exception)' "$1" |
             sed -E 's/^[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .*/\1/' | sort -u) || true
   if [[ -n "$names" ]]; then
     echo "checks: $2: failed once and passed on the retry: $(echo $names)"
+    echo "$names" >> "$RETRIED_NOW"
   fi
+  RAN_RETRY_STEP=1
   return 0
+}
+
+# retry_summary: the end of a run that ran sanitized ctest steps. Names every
+# test that needed a retry; fails when one also needed it in the previous
+# recorded run and tests/flaky_tests.txt does not name it; records this run.
+retry_summary() {
+  local now previous repeat known t
+  [[ -n ${RAN_RETRY_STEP:-} ]] || return 0
+  now=$(sort -u "$RETRIED_NOW")
+  previous=$( [[ -f "$RECORD" ]] && sort -u "$RECORD" || true)
+  mkdir -p "$(dirname "$RECORD")"
+  printf '%s\n' "$now" | sed '/^$/d' > "$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD"
+  if [[ -z "$now" ]]; then
+    echo "checks: no test needed a retry"
+    return 0
+  fi
+  echo "checks: tests that needed a retry in this run: $(echo $now)"
+  repeat=$(comm -12 <(printf '%s\n' "$now") <(printf '%s\n' "$previous") | sed '/^$/d')
+  [[ -z "$repeat" ]] && return 0
+  known=$(sed -E 's/#.*//; s/[[:space:]].*//; /^$/d' "$ROOT/tests/flaky_tests.txt" | sort -u)
+  local bad=()
+  for t in $repeat; do
+    if grep -qxF "$t" <<<"$known"; then
+      echo "checks: $t needed a retry in the previous recorded run too; known flaky (tests/flaky_tests.txt)"
+    else
+      bad+=("$t")
+    fi
+  done
+  if [[ ${#bad[@]} -gt 0 ]]; then
+    echo "checks: needed a retry in this run and in the previous recorded run ($RECORD): ${bad[*]}" >&2
+    echo "checks: fix the cause, or name the test in tests/flaky_tests.txt with its cause" >&2
+    return 1
+  fi
 }
 
 timed() {  # timed LABEL CMD...: runs CMD; prints wall and CPU time and the load
@@ -147,6 +190,14 @@ tsan_run() {  # tsan_run BUILD_DIR TEST...: each test binary, halting on a repor
 
 for step in "${steps[@]}"; do
   case $step in
+    notorch)
+      echo "== checks (full): LibTorch-free build, warnings as errors, thread-safety analysis, unit tests (build-notorch)"
+      configure build-notorch -DCMAKE_BUILD_TYPE=Debug -DDETOUR_WITH_TORCH=OFF -DDETOUR_WERROR=ON \
+        -DCMAKE_CXX_FLAGS_DEBUG="-O0" -DCMAKE_CXX_FLAGS="$TSA_FLAGS"
+      timed "build-notorch" cmake --build build-notorch -j"$JOBS"
+      (cd build-notorch && timed "unit tests without LibTorch" env DETOUR_SOURCE_DIR="$ROOT" \
+        DETOUR_BUILD_DIR="$ROOT/build-notorch" ctest --output-on-failure --no-tests=error -j"$JOBS" -L unit)
+      ;;
     tsa)
       echo "== checks: clang -Wthread-safety -Werror=thread-safety (build-tsa)"
       configure build-tsa -DCMAKE_BUILD_TYPE=Debug -DDETOUR_BUILD_TESTS=OFF \
@@ -178,7 +229,7 @@ for step in "${steps[@]}"; do
       ;;
     asan-full)
       echo "== checks (full): thread-safety analysis, ASan+UBSan+LSan over the whole suite and e2e, every fuzz target (build-asan-full)"
-      configure build-asan-full "${OPT_FLAGS[@]}" -DDETOUR_FUZZ=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
+      configure build-asan-full "${OPT_FLAGS[@]}" -DDETOUR_FUZZ=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 -DDETOUR_WERROR=ON \
         -DCMAKE_CXX_FLAGS="$TSA_FLAGS $ASAN_CXX_FLAGS" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
       timed "build-asan-full" cmake --build build-asan-full -j"$JOBS"
@@ -211,7 +262,7 @@ for step in "${steps[@]}"; do
       # DETOUR_TSAN links the annotations into the daemons too. Full debug
       # info (not OPT_FLAGS' line tables): tests/tsan/tsan.supp matches
       # qualified names of inlined frames, which line tables lack.
-      configure build-tsan-full -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 \
+      configure build-tsan-full -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 -DDETOUR_WERROR=ON \
         -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread"
       full_tests=("${TSAN_TESTS[@]}" "${TSAN_FULL_TESTS[@]}")
@@ -239,7 +290,8 @@ for step in "${steps[@]}"; do
       retried build-tsan-full/ctest-e2e.log "TSan (e2e)"
       check_logs "$logs" "TSan (e2e)"
       ;;
-    *) echo "checks: unknown step $step (tsa, asan, tsan, asan-full, tsan-full)" >&2; exit 2 ;;
+    *) echo "checks: unknown step $step (notorch, tsa, asan, tsan, asan-full, tsan-full)" >&2; exit 2 ;;
   esac
 done
+retry_summary
 echo "checks: all passed"
