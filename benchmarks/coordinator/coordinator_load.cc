@@ -1,4 +1,4 @@
-// Coordinator under load (issue 12): starts a real detour-coordinator as a
+// Coordinator under load: starts a real detour-coordinator as a
 // process, registers N workers that each keep a real Session stream with
 // heartbeats (light in-process callback clients, one timer for all), stores
 // pending jobs, then runs C concurrent client threads doing Get and List

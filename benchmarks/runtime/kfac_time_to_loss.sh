@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # K-FAC against AdamW in wall time, on real worker processes over an emulated
-# geo cluster (issue 13's target: K-FAC reaches AdamW's final validation loss
+# geo cluster (the target: K-FAC reaches AdamW's final validation loss
 # in <= 0.8x AdamW's wall time, on real text, two seeds).
 #
 # Setup (both optimisers, same seed, data and initial weights): tiny model

@@ -27,7 +27,7 @@
 namespace detour::planner {
 
 // FACTORS is chosen when its modelled iteration is at most this fraction
-// above PRECONDITIONED's: issue 13's budget for all of K-FAC's overhead.
+// above PRECONDITIONED's: the whole budget for K-FAC's overhead.
 inline constexpr double kAutoFactorsTolerance = 0.05;
 
 struct ReplicaSyncChoice {

@@ -163,7 +163,7 @@ TEST(JobSpec, InitFromIsBoundedAndExclusiveWithResume) {
 }
 
 // Every count, size and float a client sends is bounded before it is used
-// or stored (issue 12: a Submit with data_nodes 2^32-1 took the coordinator
+// or stored (a Submit with data_nodes 2^32-1 took the coordinator
 // down and, stored, crash-looped it; NaN hyperparameters were trained on).
 TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
   struct Case {
@@ -215,7 +215,7 @@ TEST(JobSpec, CountsSizesAndFloatsAreBounded) {
               HasSubstr("100 data nodes x 1000 = 100000 microbatches per iteration"));
 }
 
-// Regression (issue 12): fields each within their limits, or fields this
+// Regression: fields each within their limits, or fields this
 // version does not know (kept by protobuf when a Submit carries them), made
 // specs of many MB that were stored and then sent in every List.
 TEST(JobSpec, TotalSerializedSizeIsBounded) {

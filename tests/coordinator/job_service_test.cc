@@ -88,7 +88,7 @@ class JobServiceTest : public ::testing::Test {
   std::unique_ptr<v1::JobService::Stub> stub_;
 };
 
-// Regression (issue 12): List answered every job in one message; after two
+// Regression: List answered every job in one message; after two
 // jobs with 50 MB specs every List failed with RESOURCE_EXHAUSTED for good.
 TEST_F(JobServiceTest, ListPagesNewestFirstWithoutRepeats) {
   CreateJobs(250, Spec("paged"));

@@ -64,7 +64,7 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
 // A job file that cannot be read, or holds another job's id, is kept aside
 // under a new name (never deleted, never overwritten by the next Submit, never
 // hiding the real job), and numbering continues after it.
-// An ended job shows no ETA, however it ended (issue 15: a failed job kept
+// An ended job shows no ETA, however it ended (a failed job kept
 // its last "eta 120s").
 TEST(JobStore, AnEndedJobHasNoEta) {
   const std::string dir = testing::MakeTempDir("jobstore");
@@ -117,7 +117,7 @@ TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/jobs/job-000002.json"));
 }
 
-// Issue 12: with the data dir full the job trained on while the API showed
+// Regression: with the data dir full the job trained on while the API showed
 // RUNNING for ever and nothing was logged. A write the disk refuses is an
 // error the caller sees, and the change still shows (in memory).
 TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
@@ -161,7 +161,7 @@ TEST(JobStore, UnwritableDirectoryIsAnError) {
   EXPECT_EQ(store.Load().status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
-// Readers never wait for the disk (issue 12: JobStore::Update wrote the
+// Readers never wait for the disk (JobStore::Update wrote the
 // record under the lock Get and List take, so one slow fsync stalled every
 // API call). A writer that blocks until told holds an Update on the disk;
 // meanwhile Get, List, ListPage and CountByState answer, showing the state

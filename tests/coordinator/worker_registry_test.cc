@@ -52,7 +52,7 @@ TEST(WorkerRegistry, LiveIdCannotBeTakenButLostOneCan) {
   EXPECT_EQ(registry.Count(v1::WORKER_STATE_IDLE), 1);
 }
 
-// Issue 12: a worker restarted within the silence window (even after a clean
+// Regression: a worker restarted within the silence window (even after a clean
 // stop) was refused with ALREADY_EXISTS and exited. Once its session ended,
 // its id may register again and the stale token stops working.
 TEST(WorkerRegistry, RestartedWorkerReplacesItsEndedSession) {
@@ -74,7 +74,7 @@ TEST(WorkerRegistry, RestartedWorkerReplacesItsEndedSession) {
             absl::StatusCode::kAlreadyExists);
 }
 
-// Issue 12: 5200 fake registrations stayed forever. Lost workers are
+// Regression: 5200 fake registrations stayed forever. Lost workers are
 // forgotten after 10 x the silence, and the registry is bounded.
 TEST(WorkerRegistry, LostWorkersArePrunedAndTheRegistryIsBounded) {
   WorkerRegistry registry(absl::Seconds(1), absl::Seconds(1));

@@ -1,4 +1,4 @@
-// End-to-end, everyday use (issue 15 part 4): every program takes `--name
+// End-to-end, everyday use: every program takes `--name
 // value` as well as `--name=value`, subcommand help names its positional
 // arguments, `detourctl watch --json` writes JSON Lines and says why a job
 // waits, SIGTERM/SIGINT stop the daemons in every state (a worker still

@@ -239,7 +239,7 @@ TEST_F(DaemonsTest, LauncherStopsEverythingOnCtrlC) {
   EXPECT_TRUE(std::ifstream(out + "/loss.csv").good());
 }
 
-// Issue 12: `detour-local --out DIR` deleted an existing DIR's contents. A
+// Regression: `detour-local --out DIR` deleted an existing DIR's contents. A
 // directory it did not write is refused untouched; its own output is reused.
 TEST_F(DaemonsTest, LauncherNeverEmptiesADirectoryItDidNotWrite) {
   const std::string mine = dir_ + "/precious";
@@ -349,7 +349,7 @@ TEST_F(DaemonsTest, WorkerRegistersAgainAfterCoordinatorRestart) {
       << w.process->Log();
 }
 
-// Issue 12: a worker restarted within the silence window (here 60 s), even
+// Regression: a worker restarted within the silence window (here 60 s), even
 // after a clean SIGTERM, was refused with ALREADY_EXISTS and exited. Its
 // session ended, so its id registers again at once.
 TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
@@ -367,7 +367,7 @@ TEST_F(DaemonsTest, RestartedWorkerRegistersAgainUnderItsId) {
   EXPECT_EQ(listed.workers(0).address(), absl::StrCat("127.0.0.1:", again.grpc_port));
 }
 
-// Issue 12: after kill -9 and a restart of the coordinator, every worker
+// Regression: after kill -9 and a restart of the coordinator, every worker
 // stayed BUSY with the dead job and new jobs stayed PENDING until the workers
 // were restarted by hand. Now a worker reporting a job the coordinator does
 // not run is told to drop it, and the next job runs. (An elastic job is
@@ -416,7 +416,7 @@ int ThreadCount(pid_t pid) {
   return -1;
 }
 
-// Issue 12: 2000 pending jobs meant 2015 threads and 42% CPU while idle (one
+// Regression: 2000 pending jobs meant 2015 threads and 42% CPU while idle (one
 // polling thread per job), and SIGTERM marked every pending job FAILED,
 // taking minutes. Now pending jobs wait in one queue, a drain keeps them
 // PENDING for the next start, and finishes within its timeout.

@@ -1,4 +1,4 @@
-// Elastic training end to end (issue 11): real coordinator and worker
+// Elastic training end to end: real coordinator and worker
 // processes; workers are killed (SIGKILL), stalled (SIGSTOP/SIGCONT) or
 // started mid-job, the coordinator is killed and restarted, and jobs resume
 // from checkpoints. The coordinator checks every iteration that replicas

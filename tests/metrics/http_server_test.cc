@@ -185,7 +185,7 @@ TEST(MetricsHttpServerTest, AHandlerSeesTheBoundPort) {
   EXPECT_EQ(server.port(), 0);
 }
 
-// Issue 12: 30 slow connections made /metrics and /healthz time out. With 40
+// Regression: 30 slow connections made /metrics and /healthz time out. With 40
 // connections that send nothing, a scrape is still answered within seconds.
 TEST(MetricsHttpServerTest, IdleConnectionsDoNotBlockScrapes) {
   Registry registry;

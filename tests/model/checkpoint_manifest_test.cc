@@ -61,7 +61,7 @@ TEST(CheckpointManifestTest, RoundTrips) {
   EXPECT_FALSE(back_old->data.known());
 }
 
-// Regression (issue 12): numbers were cast from JSON doubles unchecked
+// Regression: numbers were cast from JSON doubles unchecked
 // (1e300 stages, 2^31 layers: undefined behaviour, then allocations sized
 // by them), and stage entries were not checked against the model.
 TEST(CheckpointManifestTest, RefusesOutOfRangeFieldsByName) {

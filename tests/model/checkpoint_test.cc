@@ -170,7 +170,7 @@ TEST_F(CheckpointTest, CorruptOrMismatchedIsRefusedAndNothingChanges) {
             absl::StatusCode::kNotFound);
 }
 
-// Regression (issue 12, found by fuzzing): a stage file that passes the
+// Regression (found by fuzzing): a stage file that passes the
 // manifest's size and checksum (rewritten with it, as a faulty writer or a
 // hand edit would) but is truncated or corrupt inside reached LibTorch's
 // archive importer, which segfaulted in its TorchScript unpickler. Stage

@@ -72,7 +72,7 @@ TEST(ReadTextSourceTest, FileAndDirectory) {
   fs::remove_all(dir);
 }
 
-// Regression (issue 12): data.path=/dev/zero drove a data worker past 3 GB.
+// Regression: data.path=/dev/zero drove a data worker past 3 GB.
 // Non-regular files are refused by name and sizes are checked before
 // anything is read: a sparse file just over the cap is refused without
 // allocating it (it would need 256 MiB, twice over, to be read).

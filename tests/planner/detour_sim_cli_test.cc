@@ -360,7 +360,7 @@ TEST(DetourSimCliTest, KfacChimera) {
   EXPECT_EQ(fs.fields().at("replica_sync").string_value(), "factors");
 }
 
-// Granules (docs/KFAC.md): issue 13's targets on the BERT-Large P100
+// Granules (docs/KFAC.md): the K-FAC targets on the BERT-Large P100
 // profile. 1F1B: no task placed in a gap is longer than 20 ms (whole items:
 // a 4096-wide inversion, 40 ms). Chimera 8 x 8: >= 97.6% utilisation over
 // 30 iterations (PipeFisher's figure; the default run of 3 refreshes

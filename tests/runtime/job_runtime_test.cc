@@ -381,7 +381,7 @@ TEST_F(JobRuntimeTest, StateFromAnyoneElseIsRefused) {
 }
 
 // Only the job's workers may send: a plausible tensor from anyone else is
-// refused with PERMISSION_DENIED before memory is taken (issue 15: forged
+// refused with PERMISSION_DENIED before memory is taken (forged
 // NaN frames from an outsider were accepted). A frame of a newer epoch may
 // come from a worker that joined in it.
 TEST_F(JobRuntimeTest, FramesFromNonMembersAreRefused) {

@@ -229,7 +229,7 @@ TEST_F(TransportTest, MalformedOversizedAndDuplicateFramesAreDroppedAndCounted) 
   EXPECT_TRUE(got[0].second == *big);
 }
 
-// Issue 12: a 50-byte frame announcing 2^32-1 chunks made the receiver
+// Regression: a 50-byte frame announcing 2^32-1 chunks made the receiver
 // reserve ~512 MiB of chunk book-keeping, even for a job it does not hold;
 // now a header may announce no more chunks than its bytes justify, and a
 // stream holds a bounded number of half-received tensors.
@@ -303,7 +303,7 @@ TEST_F(TransportTest, CloseFailsPendingAndIsIdempotent) {
   sender.reset();
 }
 
-// Regression (issue 12): a sender's stream reactor told the sender it was
+// Regression: a sender's stream reactor told the sender it was
 // done before it released its ClientContext, so Close() could return (and the
 // sender, the test, even the process end) while a gRPC thread still held the
 // call and the last reference to the channel: a use after release that once
@@ -436,7 +436,7 @@ class FloodStream {
   bool closed_ = false;
 };
 
-// Issue 12, item 5: a worker under a flood of frames keeps its transport's
+// Regression: a worker under a flood of frames keeps its transport's
 // memory under the documented bound. Two streams send 150 first chunks each
 // of 1 MiB tensors of its own job announcing the most chunks allowed (256),
 // four more 150 first chunks each of tensors for a job it does not hold, and

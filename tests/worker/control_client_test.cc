@@ -160,7 +160,7 @@ TEST_F(ControlClientTest, DeliversJobMessagesInOrderWithHeartbeats) {
   EXPECT_TRUE(Eventually([&] { return fake_->HeartbeatsOn(1) >= 3; }));
 }
 
-// Regression (issue 12): Send wrote on the session under the mutex the
+// Regression: Send wrote on the session under the mutex the
 // heartbeat also needed, so a job message blocked on a stalled stream
 // blocked its caller (the job runtime) and stopped every heartbeat: the
 // worker went silent and never recovered. Now Send only queues; the

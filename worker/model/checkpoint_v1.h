@@ -4,7 +4,7 @@
 // (stage_file.h). Only the converter uses this (checkpoint_convert.h).
 //
 // LibTorch's archive reader runs the TorchScript unpickler, which crashes the
-// process on some corrupt inputs (found by fuzzing, issue 12): call this only
+// process on some corrupt inputs (found by fuzzing): call this only
 // in a process that may die. detour-checkpoint runs it in a child process per
 // stage file and reports which file crashed it. Thread-compatible.
 #ifndef DETOUR_WORKER_MODEL_CHECKPOINT_V1_H_

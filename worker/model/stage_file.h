@@ -1,7 +1,7 @@
 // The container format of checkpoint stage files ("DTRSTG01"): a table of
 // named tensors as raw little-endian bytes, so that reading a stage file is
 // our own bounded parser and never LibTorch's archive importer (which runs
-// the TorchScript unpickler and crashes on corrupt input; issue 12).
+// the TorchScript unpickler and crashes on corrupt input).
 //
 //   "DTRSTG01"  u32 count
 //   count × { u32 name_bytes, name, u8 dtype, u8 ndim, i64 dims[ndim],
