@@ -776,7 +776,9 @@ TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
   // iteration 8 is the coordinator's progress reset at the resume: iteration
   // set back to the checkpoint's and no loss yet (not the loss of the last
   // iteration the cancelled run finished).
-  if (after.count(8) != 0) EXPECT_EQ(after.at(8), 0.0) << "a stale loss after the resume";
+  if (after.count(8) != 0) {
+    EXPECT_EQ(after.at(8), 0.0) << "a stale loss after the resume";
+  }
   for (const auto& [it, loss] : after) {
     if (it > 8) resumed[it] = loss;
   }

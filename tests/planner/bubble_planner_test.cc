@@ -401,8 +401,12 @@ TEST(BubblePlannerTest, LeadingBubbleTakesThePreviousRefreshsInversions) {
     for (const auto& t : it->tasks) {
       ++per_refresh[t.refresh()];
       EXPECT_FALSE(t.serial());
-      if (t.refresh() == i - 1) EXPECT_LT(t.planned_start_s(), 2.5);
-      if (t.refresh() == i) EXPECT_GE(t.planned_start_s(), 5);
+      if (t.refresh() == i - 1) {
+        EXPECT_LT(t.planned_start_s(), 2.5);
+      }
+      if (t.refresh() == i) {
+        EXPECT_GE(t.planned_start_s(), 5);
+      }
     }
     EXPECT_EQ(per_refresh, (std::map<uint64_t, int>{{i - 1, 5}, {i, 11}})) << i;
     EXPECT_DOUBLE_EQ(it->bubble_s[0], 8);
@@ -1124,7 +1128,9 @@ TEST(BubblePlannerTest, PropertiesOverRandomTimelines) {
           EXPECT_TRUE(q.iteration < p.iteration ||
                       (q.iteration == p.iteration && q.end <= p.start + 1e-9))
               << "part " << p.part << " before part " << q.part;
-          if (kind <= v1::BubbleTask::KIND_CURVATURE_B) EXPECT_EQ(q.iteration, p.iteration);
+          if (kind <= v1::BubbleTask::KIND_CURVATURE_B) {
+            EXPECT_EQ(q.iteration, p.iteration);
+          }
         }
       }
     }
