@@ -10,6 +10,11 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_checkpoints.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_link.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_membership.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_planner.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_record.cc
   ${CMAKE_CURRENT_LIST_DIR}/service_discovery.cc
   ${CMAKE_CURRENT_LIST_DIR}/stage_reassignment.cc
   ${CMAKE_CURRENT_LIST_DIR}/stragglers.cc

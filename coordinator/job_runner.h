@@ -44,6 +44,7 @@
 #include "absl/time/time.h"
 #include "common/metrics/metrics.h"
 #include "coordinator/job_store.h"
+#include "coordinator/runner_record.h"
 #include "coordinator/timing_estimates.h"
 #include "coordinator/worker_registry.h"
 #include "detour/v1/control_service.pb.h"
@@ -111,12 +112,6 @@ class RunnerHost {
   virtual void Unreserve(const std::string& job, const std::string& worker) = 0;
   // The runner ended: every reservation of the job goes.
   virtual void Release(const std::string& job) = 0;
-};
-
-// How a job ended: its final state and the reason.
-struct JobEnd {
-  v1::JobState state;
-  std::string message;
 };
 
 class JobRunner {

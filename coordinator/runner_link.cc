@@ -1,0 +1,66 @@
+#include "coordinator/runner_link.h"
+
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "common/log.h"
+
+namespace detour {
+
+RunnerLink::RunnerLink(Sender send, std::string job_id, RunnerMembership* membership)
+    : send_(std::move(send)), job_id_(std::move(job_id)), membership_(membership) {}
+
+bool RunnerLink::SendTo(const std::string& id, const v1::CoordinatorMessage& m) {
+  sent_[id].push_back(m);
+  absl::Status s = send_(id, m);
+  if (!s.ok()) {
+    LogWarning("job ", job_id_, ": cannot reach worker ", id, ": ", s.message());
+    membership_->Suspect(id, "its session is closed", absl::Now());
+  }
+  return s.ok();
+}
+
+void RunnerLink::SendToAll(const v1::CoordinatorMessage& m) {
+  for (const auto& [id, stage] : membership_->members()) SendTo(id, m);
+}
+
+void RunnerLink::SendPlan(const v1::CoordinatorMessage& m) {
+  if (m.plan().bubble_tasks().empty()) return SendToAll(m);
+  std::map<std::string, std::vector<const v1::BubbleTask*>> mine;
+  for (const v1::BubbleTask& t : m.plan().bubble_tasks()) mine[t.node()].push_back(&t);
+  v1::CoordinatorMessage own = m;
+  for (const auto& [id, stage] : membership_->members()) {
+    own.mutable_plan()->clear_bubble_tasks();
+    for (const v1::BubbleTask* t : mine[id]) *own.mutable_plan()->add_bubble_tasks() = *t;
+    SendTo(id, own);
+  }
+}
+
+void RunnerLink::SendOnce(const std::string& id, const v1::CoordinatorMessage& m) {
+  send_(id, m).IgnoreError();
+}
+
+void RunnerLink::Replay(const std::string& worker) {
+  auto sent = sent_.find(worker);
+  if (sent == sent_.end()) return;
+  LogInfo("job ", job_id_, ": worker ", worker, " reconnected; repeating ", sent->second.size(),
+          " message(s)");
+  for (const v1::CoordinatorMessage& m : sent->second) send_(worker, m).IgnoreError();
+}
+
+std::vector<v1::Peer> MemberPeers(const RunnerMembership& membership) {
+  std::vector<v1::Peer> peers;
+  for (const auto& [id, stage] : membership.members()) {
+    const v1::WorkerInfo& w = membership.infos().at(id);
+    v1::Peer p;
+    p.set_worker_id(id);
+    p.set_address(w.address());
+    p.set_data_address(w.data_address());
+    p.set_region(w.region());
+    p.set_stage(stage);
+    peers.push_back(std::move(p));
+  }
+  return peers;
+}
+
+}  // namespace detour

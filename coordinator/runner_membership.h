@@ -1,0 +1,101 @@
+// Who belongs to a running job, and the evidence that one of them is gone:
+// the live members (worker -> stage) of the current membership epoch, every
+// worker the job ever had (its registration and its planning node index),
+// suspicions raised by failed sends and peers' reports, the workers lost in
+// the current iteration, and the back-off of workers that could not join.
+//
+// No I/O, no clock of its own: the job runner passes the registry's view and
+// the time, so a test can feed both. Thread-compatible (the runner's thread).
+#ifndef DETOUR_COORDINATOR_RUNNER_MEMBERSHIP_H_
+#define DETOUR_COORDINATOR_RUNNER_MEMBERSHIP_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "detour/v1/control_service.pb.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour {
+
+class RunnerMembership {
+ public:
+  // Live members: worker id -> stage.
+  const std::map<std::string, int>& members() const { return members_; }
+  bool IsMember(const std::string& id) const { return members_.count(id) > 0; }
+  size_t size() const { return members_.size(); }
+  void Set(const std::string& id, int stage) { members_[id] = stage; }
+  // Removes `id` from the members (its suspicions stay until cleared).
+  // Returns its stage, or -1 when it was not a member.
+  int Remove(const std::string& id);
+
+  // The membership epoch: bumped by every loss, join and move.
+  uint64_t epoch() const { return epoch_; }
+  void set_epoch(uint64_t epoch) { epoch_ = epoch; }
+  void BumpEpoch() { ++epoch_; }
+
+  // Every worker the job had, by id, and the planning node order (a worker
+  // keeps its index for the job's life, lost or not).
+  const std::map<std::string, v1::WorkerInfo>& infos() const { return infos_; }
+  std::map<std::string, v1::WorkerInfo>& mutable_infos() { return infos_; }
+  const std::vector<std::string>& node_order() const { return node_order_; }
+  std::vector<std::string>& mutable_node_order() { return node_order_; }
+  bool HasNode(const std::string& id) const;
+  // Records `w` and gives it a node index when it has none yet.
+  void Admit(const v1::WorkerInfo& w);
+
+  // Evidence that a member may be gone (a send failed, a peer could not
+  // reach it). It is lost when the suspicion outlives the reconnect grace.
+  void Suspect(const std::string& id, const std::string& why, absl::Time now);
+  void ClearSuspicion(const std::string& id) { suspects_.erase(id); }
+  bool HasSuspects() const { return !suspects_.empty(); }
+
+  // The members that are gone, with the reason, judged from the registry's
+  // view (`registry`, every worker it lists, lost ones included): not
+  // registered any more, lost (no heartbeat for `silence`), a session closed
+  // for longer than `grace`, or a suspicion older than `grace`. A member
+  // registered anew since it joined becomes suspect (it may have restarted
+  // without the job; one that holds the job says so with a JobStatus, which
+  // clears the suspicion). Does not remove anyone.
+  std::vector<std::pair<std::string, std::string>> Judge(
+      const std::vector<v1::WorkerInfo>& registry, absl::Time now, absl::Duration grace,
+      absl::Duration silence);
+
+  // Workers lost during the current iteration (cleared when one starts).
+  const std::set<std::string>& lost_this_iteration() const { return lost_this_iteration_; }
+  void NoteLost(const std::vector<std::string>& ids);
+  void StartIteration() { lost_this_iteration_.clear(); }
+
+  // Why the last member was lost (for the failure message of a job without
+  // elastic training).
+  const std::string& loss_reason() const { return loss_reason_; }
+  void set_loss_reason(std::string why) { loss_reason_ = std::move(why); }
+
+  // A worker that could not join is not tried again before `until`.
+  void BackOff(const std::string& id, absl::Time until) { join_backoff_[id] = until; }
+  // Workers not to take as joiners now: members, those lost this iteration
+  // and those backing off.
+  std::set<std::string> NotJoinable(absl::Time now) const;
+
+  // Workers the job misses per stage: the spec's counts (data nodes for
+  // stage 0, replicas for the others) minus `have[s]`.
+  static std::map<int, int> Deficit(const v1::PipelineSpec& pipeline, const std::vector<int>& have);
+
+ private:
+  std::map<std::string, int> members_;
+  uint64_t epoch_ = 0;
+  std::map<std::string, v1::WorkerInfo> infos_;
+  std::vector<std::string> node_order_;
+  std::map<std::string, std::pair<absl::Time, std::string>> suspects_;
+  std::set<std::string> lost_this_iteration_;
+  std::string loss_reason_;
+  std::map<std::string, absl::Time> join_backoff_;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_RUNNER_MEMBERSHIP_H_

@@ -1,0 +1,425 @@
+#include "coordinator/runner_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "common/spec.h"
+#include "common/stage_layers.h"
+#include "common/status.h"
+#include "coordinator/planner/replica_sync_choice.h"
+
+namespace detour {
+
+RunnerPlanner::RunnerPlanner(std::string job_id, const v1::JobSpec* spec,
+                             const v1::ClusterSpec* network, const RunnerMembership* membership)
+    : job_id_(std::move(job_id)), spec_(spec), network_(network), membership_(membership) {}
+
+bool RunnerPlanner::kfac() const { return spec_->optimizer().kind() == v1::OPTIMIZER_KFAC; }
+
+absl::Status RunnerPlanner::BuildCostModel() {
+  v1::ClusterSpec cluster = *network_;
+  cluster.clear_nodes();
+  std::set<std::string> regions;
+  for (const std::string& id : membership_->node_order()) {
+    const v1::WorkerInfo& w = membership_->infos().at(id);
+    v1::NodeSpec* n = cluster.add_nodes();
+    n->set_id(w.worker_id());
+    n->set_region(w.region());
+    auto speed = speeds_.find(w.worker_id());
+    n->set_speed(speed != speeds_.end() ? speed->second : w.speed());
+    n->set_memory_slots(w.memory_slots());
+    n->set_address(w.address());
+    regions.insert(w.region());
+    region_of_[w.worker_id()] = w.region();
+  }
+  // Regions the network does not describe are treated as one fast network
+  // (a uniform cluster, the right model for a single site).
+  std::set<std::pair<std::string, std::string>> known;
+  for (const v1::RegionLink& l : cluster.links()) {
+    known.insert(std::minmax(l.region_a(), l.region_b()));
+  }
+  for (auto a = regions.begin(); a != regions.end(); ++a) {
+    for (auto b = std::next(a); b != regions.end(); ++b) {
+      if (known.count({*a, *b})) continue;
+      v1::RegionLink* l = cluster.add_links();
+      l->set_region_a(*a);
+      l->set_region_b(*b);
+      l->set_latency_ms(cluster.intra_region_latency_ms() > 0 ? cluster.intra_region_latency_ms()
+                                                              : 1.0);
+      l->set_bandwidth_gbytes_per_s(cluster.intra_region_bandwidth_gbytes_per_s() > 0
+                                        ? cluster.intra_region_bandwidth_gbytes_per_s()
+                                        : 5.0);
+    }
+  }
+  ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
+  auto cost = sim::CostModel::Create(cluster_, *spec_);
+  if (!cost.ok()) return Annotate(cost.status(), "cost model");
+  if (!link_bandwidth_.empty()) {
+    // Links the workers measured: their fitted bandwidths replace the
+    // spec's (UpdateLinksFromTimings).
+    sim::CostTables t = cost->tables();
+    for (const auto& [link, bandwidth] : link_bandwidth_) {
+      const int a = cost->NodeIndex(link.first);
+      const int b = cost->NodeIndex(link.second);
+      if (a >= 0 && b >= 0 && a != b) t.bandwidth_bytes_per_s[a][b] = bandwidth;
+    }
+    cost = sim::CostModel::FromTables(std::move(t));
+    if (!cost.ok()) return Annotate(cost.status(), "cost model with measured links");
+  }
+  cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
+  return absl::OkStatus();
+}
+
+void RunnerPlanner::RebuildAssignment() {
+  assignment_.stage_nodes.assign(spec_->pipeline().num_stages(), {});
+  for (const auto& [id, stage] : membership_->members()) {
+    assignment_.stage_nodes[stage].push_back(cost_->NodeIndex(id));
+  }
+  for (auto& nodes : assignment_.stage_nodes) std::sort(nodes.begin(), nodes.end());
+}
+
+std::vector<std::string> RunnerPlanner::StageMembers(int stage) const {
+  std::vector<std::string> out;
+  for (int n : assignment_.stage_nodes[stage]) out.push_back(cost_->node_id(n));
+  return out;
+}
+
+std::vector<int> RunnerPlanner::EmptyStages() const {
+  std::vector<int> empty;
+  for (int s = 0; s < assignment_.num_stages(); ++s) {
+    if (assignment_.stage_nodes[s].empty()) empty.push_back(s);
+  }
+  return empty;
+}
+
+std::vector<int> RunnerPlanner::StageSizes() const {
+  std::vector<int> sizes;
+  for (const auto& nodes : assignment_.stage_nodes) sizes.push_back(static_cast<int>(nodes.size()));
+  return sizes;
+}
+
+std::string RunnerPlanner::Infeasible() const {
+  const std::vector<int> empty = EmptyStages();
+  if (empty.empty() || SkipSpec(empty.size()).ok()) return "";
+  return absl::StrCat("stage", empty.size() > 1 ? "s " : " ", absl::StrJoin(empty, ", "),
+                      empty.size() > 1 ? " have" : " has", " no worker left");
+}
+
+// Each route still visits the job's P stages, among the remaining ones; jumps
+// and swap distances shrink by `missing`, so that mapped back onto the real
+// stages they stay within the job's limits. Impossible with stage 0 gone, the
+// full pipeline, too few stages left or jumps too short. K-FAC jobs skip like
+// the others: their bubble plan covers the stages that have workers.
+absl::StatusOr<v1::PipelineSpec> RunnerPlanner::SkipSpec(size_t missing) const {
+  const v1::PipelineSpec& p = spec_->pipeline();
+  const int stages = static_cast<int>(p.num_stages()) - static_cast<int>(missing);
+  const int visited = VisitedStages(p);
+  const int jump = static_cast<int>(p.max_jump()) - static_cast<int>(missing);
+  if (assignment_.stage_nodes.empty() || assignment_.stage_nodes[0].empty()) {
+    return absl::FailedPreconditionError("no data node is left");
+  }
+  if (p.scheduler() == v1::SCHEDULER_FULL || p.skip_ratio() <= 0 || p.full_model_every() > 0) {
+    return absl::FailedPreconditionError("the job's routes cannot skip a stage");
+  }
+  if (visited > stages || jump < 1 || (visited > 1 && jump * (visited - 1) < stages - 1)) {
+    return absl::FailedPreconditionError("too few stages are left to route around the gap");
+  }
+  v1::PipelineSpec out = p;
+  out.set_num_stages(static_cast<uint32_t>(stages));
+  out.set_skip_ratio(1.0 - static_cast<double>(visited) / stages);
+  out.set_max_jump(static_cast<uint32_t>(jump));
+  const int swap = static_cast<int>(p.max_swap_distance()) - static_cast<int>(missing);
+  out.set_max_swap_distance(static_cast<uint32_t>(std::max(1, swap)));
+  out.set_max_total_swap_distance(static_cast<uint32_t>(
+      std::max(1, static_cast<int>(p.max_total_swap_distance()) - static_cast<int>(missing))));
+  if (swap < 1) out.set_max_swaps(0);
+  out.set_scheduler(v1::SCHEDULER_SKIPPIPE);
+  return out;
+}
+
+int RunnerPlanner::total_microbatches() const {
+  return static_cast<int>(spec_->pipeline().data_nodes() *
+                          spec_->pipeline().microbatches_per_data_node());
+}
+
+// The job's pipeline for the live members: the data nodes that remain share
+// the iteration's microbatches (the total stays the job's).
+v1::JobSpec RunnerPlanner::LiveSpec(int microbatches) const {
+  v1::JobSpec live = *spec_;
+  const uint32_t data = static_cast<uint32_t>(assignment_.stage_nodes[0].size());
+  live.mutable_pipeline()->set_data_nodes(data);
+  live.mutable_pipeline()->set_microbatches_per_data_node(
+      static_cast<uint32_t>((microbatches + data - 1) / data));
+  live.mutable_pipeline()->set_replicas_per_stage(1);
+  live.mutable_pipeline()->clear_assignment();
+  return live;
+}
+
+absl::StatusOr<const planner::PlannedIteration*> RunnerPlanner::PlanFirst(uint64_t seed) {
+  planner::PlannerOptions po;
+  po.seed = seed;
+  // K-FAC places its work into the simulated timeline's gaps; otherwise
+  // only the predicted time is used.
+  po.sim.record_timeline = kfac();
+  ASSIGN_OR_RETURN(planner::PlannedIteration first, planner::PlanIteration(*cost_, *spec_, po));
+  assignment_ = first.plan.assignment;
+  first_plan_ = std::move(first);
+  return &*first_plan_;
+}
+
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t iteration,
+                                                                       uint64_t first_iteration,
+                                                                       uint64_t epoch) {
+  if (first_plan_ && iteration == first_iteration && epoch == 0) {
+    planner::PlannedIteration p = std::move(*first_plan_);
+    first_plan_.reset();
+    return p;
+  }
+  first_plan_.reset();
+  // Re-planning starts from the last iteration's routes with a small
+  // budget: the assignment is fixed, speeds drift slowly.
+  std::optional<v1::SchedulerKind> scheduler;
+  const uint32_t k = spec_->pipeline().full_model_every();
+  if (k > 0 && (iteration + 1) % k == 0) scheduler = v1::SCHEDULER_FULL;
+  return PlanLive(spec_->seed() + iteration, total_microbatches(),
+                  last_routes_.empty() ? nullptr : &last_routes_, kReplanEvaluations, scheduler);
+}
+
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanLive(
+    uint64_t seed, int count, const std::vector<sim::Route>* warm, int evaluations,
+    std::optional<v1::SchedulerKind> scheduler) {
+  v1::JobSpec live = LiveSpec(count);
+  planner::PlannerOptions o;
+  o.seed = seed;
+  o.assignment = assignment_;
+  o.sim.record_timeline = kfac();
+  o.initial_routes = warm;
+  o.max_evaluations = evaluations;
+  if (scheduler) o.scheduler = *scheduler;
+  const std::vector<int> empty = EmptyStages();
+  if (!empty.empty()) return PlanAroundEmptyStages(std::move(live), o, empty, count);
+  ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(*cost_, live, o));
+  if (static_cast<int>(p.plan.routes.size()) > count) {
+    p.plan.routes.erase(
+        std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
+                       [count](const sim::Route& r) { return r.microbatch >= count; }),
+        p.plan.routes.end());
+  }
+  return p;
+}
+
+// Plans over the stages that have workers (SkipSpec) with a cost model of
+// those stages' columns, then maps the routes back onto the real stages.
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanAroundEmptyStages(
+    v1::JobSpec live, planner::PlannerOptions o, const std::vector<int>& empty, int count) {
+  ASSIGN_OR_RETURN(v1::PipelineSpec pipeline, SkipSpec(empty.size()));
+  pipeline.set_data_nodes(live.pipeline().data_nodes());
+  pipeline.set_microbatches_per_data_node(live.pipeline().microbatches_per_data_node());
+  pipeline.set_replicas_per_stage(1);
+  pipeline.clear_assignment();
+  *live.mutable_pipeline() = pipeline;
+  std::vector<int> kept;  // real stage of each planned one
+  for (int s = 0; s < assignment_.num_stages(); ++s) {
+    if (!assignment_.stage_nodes[s].empty()) kept.push_back(s);
+  }
+  sim::CostTables t = cost_->tables();
+  auto pick = [&](const std::vector<double>& row) {
+    std::vector<double> out;
+    for (int s : kept) out.push_back(row[s]);
+    return out;
+  };
+  for (auto& row : t.forward_s) row = pick(row);
+  for (auto& row : t.backward_s) row = pick(row);
+  t.stage_gradient_bytes = pick(t.stage_gradient_bytes);
+  ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::FromTables(std::move(t)));
+  sim::StageAssignment assignment;
+  for (int s : kept) assignment.stage_nodes.push_back(assignment_.stage_nodes[s]);
+  o.assignment = assignment;
+  o.scheduler = v1::SCHEDULER_SKIPPIPE;
+  o.initial_routes = nullptr;
+  ASSIGN_OR_RETURN(planner::PlannedIteration p, planner::PlanIteration(cost, live, o));
+  p.plan.routes.erase(
+      std::remove_if(p.plan.routes.begin(), p.plan.routes.end(),
+                     [count](const sim::Route& r) { return r.microbatch >= count; }),
+      p.plan.routes.end());
+  for (sim::Route& r : p.plan.routes) {
+    for (int& s : r.stages) s = kept.at(static_cast<size_t>(s));
+  }
+  p.plan.assignment = assignment_;
+  return p;
+}
+
+double RunnerPlanner::PredictIteration(uint64_t seed) {
+  if (!Infeasible().empty()) return std::numeric_limits<double>::infinity();
+  auto p = PlanLive(seed, total_microbatches(), nullptr, kQuickEvaluations, std::nullopt);
+  return p.ok() ? p->result.iteration_time_s : std::numeric_limits<double>::infinity();
+}
+
+void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned) {
+  if (planned.scheduler == v1::SCHEDULER_SKIPPIPE) last_routes_ = planned.plan.routes;
+}
+
+int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
+  int fitted = 0;
+  const sim::CostTables& t = cost_->tables();
+  for (const auto& [a, sa] : membership_->members()) {
+    for (const auto& [b, sb] : membership_->members()) {
+      if (a == b) continue;
+      const double seconds = estimates.Transfer(a, b);
+      if (!(seconds > 0)) continue;
+      const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
+      if (ia < 0 || ib < 0) continue;
+      const double wire = std::max(1e-6, seconds - t.latency_s[ia][ib]);
+      link_bandwidth_[{a, b}] = t.activation_bytes / wire;
+      ++fitted;
+    }
+  }
+  return fitted;
+}
+
+std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(const TimingEstimates& estimates,
+                                                                  bool* rebuilt) {
+  *rebuilt = false;
+  const int links = UpdateLinksFromTimings(estimates);
+  int changed = 0;
+  std::vector<ForwardSample> samples;
+  for (const auto& [id, stage] : membership_->members()) {
+    const int index = cost_->NodeIndex(id);
+    if (index < 0) continue;
+    const double measured = estimates.Compute(id, stage, v1::TaskTiming::KIND_FORWARD);
+    const double predicted = cost_->ForwardTime(index, stage);
+    if (!(measured > 0) || !(predicted > 0)) continue;
+    const double assumed = cluster_.nodes(index).speed();
+    speeds_[id] = assumed * predicted / measured;
+    ++changed;
+    // What the node's registered speed predicts (the cost model's speed may
+    // already be a measured one).
+    const auto& infos = membership_->infos();
+    const double registered =
+        infos.count(id) && infos.at(id).speed() > 0 ? infos.at(id).speed() : 1.0;
+    samples.push_back({id, stage, measured, predicted * assumed / registered});
+  }
+  if (changed == 0 && links == 0) return samples;
+  if (absl::Status s = BuildCostModel(); !s.ok()) {
+    LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
+    return samples;
+  }
+  ++cost_version_;
+  *rebuilt = true;
+  LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
+           " links measured");
+  return samples;
+}
+
+double RunnerPlanner::MoveCost(const StageMove& m, double pause_s) const {
+  const sim::ModelCosts mc = sim::ComputeModelCosts(spec_->model());
+  const std::vector<int> layers =
+      sim::LayersPerStage(static_cast<int>(spec_->model().num_layers()), assignment_.num_stages());
+  const int blocks = layers.at(static_cast<size_t>(m.to));
+  const double params = blocks * mc.params_per_layer + (m.to == 0 ? mc.stage0_extra_params : 0);
+  double kfac_values = 0;
+  if (kfac()) {
+    // Pending sums, running factors, active and staged inverses, and the
+    // grafting moments of the projections.
+    const kfac::BlockWorkload block(spec_->model());
+    kfac_values = blocks * (4.0 * static_cast<double>(block.FactorSyncElements()) +
+                            2.0 * static_cast<double>(block.ProjectionElements()));
+  }
+  const double bytes = StageStateBytes(params, kfac_values);
+  const std::vector<std::string> donors = StageMembers(m.to);
+  const int a = donors.empty() ? -1 : cost_->NodeIndex(donors.front());
+  const int b = cost_->NodeIndex(m.worker);
+  if (a < 0 || b < 0) return MoveCostSeconds(bytes, 0, 0, pause_s);
+  return MoveCostSeconds(bytes, cost_->Latency(a, b), cost_->Bandwidth(a, b), pause_s);
+}
+
+planner::KfacWorkload RunnerPlanner::KfacWorkload(std::optional<kfac::ReplicaSync> sync_override) {
+  planner::KfacWorkload w;
+  const std::vector<int> stage_of = assignment_.NodeStages(cost_->num_nodes());
+  const double tokens = static_cast<double>(spec_->pipeline().samples_per_microbatch()) *
+                        spec_->model().context_length();
+  const kfac::BlockWorkload block(spec_->model());
+  const kfac::ReplicaSync sync =
+      sync_override.value_or(kfac::ReplicaSyncOf(spec_->optimizer().kfac()));
+  for (int n = 0; n < cost_->num_nodes(); ++n) {
+    planner::KfacNodeWork node;
+    node.node_id = cost_->node_id(n);
+    node.stage = stage_of[n];
+    if (node.stage >= 0) {
+      auto layers = StageLayers(static_cast<int>(spec_->model().num_layers()),
+                                static_cast<int>(spec_->pipeline().num_stages()), node.stage);
+      if (layers.ok()) {
+        const double flops = KfacFlopsPerSecond(n);
+        workload_flops_[cost_->node_id(n)] = flops;
+        // The factors' bytes over the stage's (measured) links: never free.
+        planner::KfacLayerCost c = planner::EstimateKfacLayerCost(block, tokens, flops);
+        c.sync_s =
+            planner::StageSyncSeconds(*cost_, assignment_.stage_nodes[node.stage], block, sync);
+        for (int l = layers->begin; l < layers->end; ++l) {
+          node.layers.push_back(l);
+          node.costs.push_back(c);
+        }
+      }
+    }
+    w.nodes.push_back(std::move(node));
+  }
+  return w;
+}
+
+// FLOP/s a node's K-FAC work runs at: measured from its bubble tasks once it
+// has run some, else the node's speed (which is calibrated on forward work:
+// matrix products of another shape than K-FAC's, and no Cholesky).
+double RunnerPlanner::KfacFlopsPerSecond(int node) const {
+  auto measured = kfac_flops_.find(cost_->node_id(node));
+  if (measured != kfac_flops_.end()) return measured->second;
+  return cluster_.compute().tflops() * 1e12 * cluster_.nodes(node).speed();
+}
+
+absl::Status RunnerPlanner::CreateBubblePlanner() {
+  if (!kfac()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(planner::BubblePlanner bubbles,
+                   planner::BubblePlanner::Create(KfacWorkload(), spec_->optimizer().kfac()));
+  bubbles_ = std::make_unique<planner::BubblePlanner>(std::move(bubbles));
+  return absl::OkStatus();
+}
+
+void RunnerPlanner::KfacMembershipChanged() {
+  if (bubbles_ == nullptr) return;
+  if (absl::Status s = bubbles_->SetWorkload(KfacWorkload()); !s.ok()) {
+    LogWarning("job ", job_id_, ": K-FAC workload after a membership change: ", s.message());
+  }
+}
+
+// The FLOPs of the tasks each worker ran (planned seconds × the FLOP/s they
+// were planned at) over the seconds it measured, folded into a moving
+// average.
+void RunnerPlanner::MeasureKfacSpeeds(const v1::IterationPlan& plan,
+                                      const std::map<std::string, v1::TimingReport>& timings) {
+  std::map<std::string, double> planned_flops;
+  for (const v1::BubbleTask& t : plan.bubble_tasks()) {
+    if (t.kind() == v1::BubbleTask::KIND_SYNC_FACTORS) continue;  // network, not compute
+    auto assumed = workload_flops_.find(t.node());
+    if (assumed != workload_flops_.end()) {
+      planned_flops[t.node()] += t.planned_duration_s() * assumed->second;
+    }
+  }
+  for (const auto& [id, flops] : planned_flops) {
+    auto report = timings.find(id);
+    if (report == timings.end() || !(flops > 0)) continue;
+    double seconds = 0;
+    for (const v1::TaskTiming& task : report->second.tasks()) {
+      if (task.kind() == v1::TaskTiming::KIND_BUBBLE) seconds += task.duration_s();
+    }
+    if (!(seconds > 0)) continue;
+    const double speed = flops / seconds;
+    auto [it, fresh] = kfac_flops_.emplace(id, speed);
+    if (!fresh) it->second = 0.7 * it->second + 0.3 * speed;
+  }
+}
+
+}  // namespace detour

@@ -1,0 +1,165 @@
+// A running job's planning model: the cost model over every worker the job
+// ever had (lost ones stay in it, unused, so node indices never change),
+// corrected by the speeds and links the workers' timing reports show; the
+// live members' stage assignment; routes for them, around stages left
+// without workers when the job's routes may skip; and the K-FAC workload
+// and bubble planner that follow the membership.
+//
+// No I/O, no threads: the job runner owns one, keeps its membership
+// current (RebuildAssignment after every change) and feeds it timings.
+// Reads the job's spec and membership through the pointers it is given,
+// which must outlive it. Thread-compatible.
+#ifndef DETOUR_COORDINATOR_RUNNER_PLANNER_H_
+#define DETOUR_COORDINATOR_RUNNER_PLANNER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/kfac_workload.h"
+#include "common/sim/cost_model.h"
+#include "coordinator/planner/bubble_planner.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/runner_membership.h"
+#include "coordinator/stage_reassignment.h"
+#include "coordinator/stragglers.h"
+#include "coordinator/timing_estimates.h"
+#include "detour/v1/control_service.pb.h"
+#include "detour/v1/spec.pb.h"
+
+namespace detour {
+
+class RunnerPlanner {
+ public:
+  // `network`: region latencies and bandwidths (a ClusterSpec whose nodes
+  // are ignored). Route-search simulations per re-plan, per re-run after a
+  // loss, and per quick prediction (joins, stage moves).
+  static constexpr int kReplanEvaluations = 2000;
+  static constexpr int kRerunEvaluations = 300;
+  static constexpr int kQuickEvaluations = 200;
+
+  // `job_id` names the job in log lines.
+  RunnerPlanner(std::string job_id, const v1::JobSpec* spec, const v1::ClusterSpec* network,
+                const RunnerMembership* membership);
+
+  // Builds the planning cluster over the membership's node order: each
+  // worker's region, speed (a measured one where known) and memory slots;
+  // regions the network does not describe are one fast network; measured
+  // links replace the spec's bandwidths.
+  absl::Status BuildCostModel();
+  // The assignment (node indices of the cost model) of the live members.
+  void RebuildAssignment();
+
+  const sim::CostModel& cost() const { return *cost_; }
+  const sim::StageAssignment& assignment() const { return assignment_; }
+  const v1::ClusterSpec& cluster() const { return cluster_; }
+  // Worker id -> region, for the timing estimates.
+  const std::map<std::string, std::string>& regions() const { return region_of_; }
+  // The live members of `stage`, in node order.
+  std::vector<std::string> StageMembers(int stage) const;
+  // Stages without a live worker.
+  std::vector<int> EmptyStages() const;
+  // How many workers each stage has.
+  std::vector<int> StageSizes() const;
+  // Why the live members cannot train ("" = they can). Stages without a live
+  // worker are skipped by every route when the job's routes skip stages
+  // anyway (SkipSpec); otherwise, and for stage 0 (the data), the job cannot
+  // train.
+  std::string Infeasible() const;
+  // The pipeline over the stages that have workers when `missing` stages
+  // have none (FAILED_PRECONDITION when that is impossible).
+  absl::StatusOr<v1::PipelineSpec> SkipSpec(size_t missing) const;
+  int total_microbatches() const;
+
+  // The first plan, for the whole spec: chooses the assignment (kept until
+  // PlanIteration uses the plan, or the membership changes).
+  absl::StatusOr<const planner::PlannedIteration*> PlanFirst(uint64_t seed);
+  const std::optional<planner::PlannedIteration>& first_plan() const { return first_plan_; }
+  // The plan of `iteration`: the first plan when it is still current
+  // (`first_iteration` at epoch 0), otherwise a re-plan from the last
+  // iteration's routes; every pipeline.full_model_every-th iteration runs
+  // the full pipeline.
+  absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
+                                                          uint64_t first_iteration, uint64_t epoch);
+  // Routes for `count` microbatches over the live members.
+  absl::StatusOr<planner::PlannedIteration> PlanLive(uint64_t seed, int count,
+                                                     const std::vector<sim::Route>* warm,
+                                                     int evaluations,
+                                                     std::optional<v1::SchedulerKind> scheduler);
+  // The iteration time a quick plan predicts for the membership as it is
+  // now; infinity when it cannot train or the planner fails.
+  double PredictIteration(uint64_t seed);
+  // The warm start of the next re-plan: the last skippipe routes. Forgotten
+  // after a membership change (they route through workers that left).
+  void KeepRoutes(const planner::PlannedIteration& planned);
+  void ForgetRoutes() { last_routes_.clear(); }
+
+  // Every measured link between members: the planner keeps the link's
+  // latency and takes the bandwidth that makes one activation's transfer
+  // last what the workers measured. Returns how many links were fitted.
+  int UpdateLinksFromTimings(const TimingEstimates& estimates);
+  // Re-derives every member's speed from its measured forward time against
+  // the cost model's prediction and rebuilds the cost model. Returns the
+  // samples for straggler detection; `rebuilt` says whether the model
+  // changed.
+  std::vector<ForwardSample> UpdateSpeedsFromTimings(const TimingEstimates& estimates,
+                                                     bool* rebuilt);
+  // Bumped whenever measured speeds change the cost model.
+  uint64_t cost_version() const { return cost_version_; }
+
+  // Seconds the job stands still for `m`: the target stage's state over the
+  // link from its first replica, plus `pause`.
+  double MoveCost(const StageMove& m, double pause_s) const;
+
+  // K-FAC (jobs with optimizer KFAC only).
+  // Every planning node's blocks and the estimated cost of their K-FAC
+  // work at the node's current speed; `sync_override` prices another
+  // replica sync scheme than the spec's.
+  planner::KfacWorkload KfacWorkload(std::optional<kfac::ReplicaSync> sync_override = {});
+  absl::Status CreateBubblePlanner();
+  planner::BubblePlanner* bubbles() { return bubbles_.get(); }
+  // The bubble plan follows the membership: the lost worker's blocks leave
+  // it, a joiner's enter it. Logs and keeps the old workload on failure.
+  void KfacMembershipChanged();
+  // Every worker's K-FAC speed from this iteration's bubble tasks.
+  void MeasureKfacSpeeds(const v1::IterationPlan& plan,
+                         const std::map<std::string, v1::TimingReport>& timings);
+
+ private:
+  absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(v1::JobSpec live,
+                                                                  planner::PlannerOptions o,
+                                                                  const std::vector<int>& empty,
+                                                                  int count);
+  v1::JobSpec LiveSpec(int microbatches) const;
+  double KfacFlopsPerSecond(int node) const;
+  bool kfac() const;
+
+  const std::string job_id_;
+  const v1::JobSpec* const spec_;
+  const v1::ClusterSpec* const network_;
+  const RunnerMembership* const membership_;
+
+  v1::ClusterSpec cluster_;
+  std::unique_ptr<sim::CostModel> cost_;
+  sim::StageAssignment assignment_;
+  std::map<std::string, std::string> region_of_;
+  std::map<std::string, double> speeds_;  // measured relative speeds
+  // Measured links (from, to) -> fitted bandwidth, bytes/s.
+  std::map<std::pair<std::string, std::string>, double> link_bandwidth_;
+  uint64_t cost_version_ = 0;
+  std::optional<planner::PlannedIteration> first_plan_;
+  std::vector<sim::Route> last_routes_;
+  std::unique_ptr<planner::BubblePlanner> bubbles_;
+  std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
+  std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_RUNNER_PLANNER_H_

@@ -1,0 +1,365 @@
+// The job runner's parts on their own: membership and loss evidence, the
+// planning model over a membership, checkpoints, the message link and the
+// job record (coordinator/runner_*.h). No threads, no processes.
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint_manifest.h"
+#include "common/spec.h"
+#include "coordinator/job_store.h"
+#include "coordinator/runner_checkpoints.h"
+#include "coordinator/runner_link.h"
+#include "coordinator/runner_membership.h"
+#include "coordinator/runner_planner.h"
+#include "coordinator/runner_record.h"
+#include "google/protobuf/util/time_util.h"
+#include "tests/e2e/process.h"
+
+namespace detour {
+namespace {
+
+using ::google::protobuf::util::TimeUtil;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Pair;
+using ::testing::UnorderedElementsAre;
+
+const absl::Time kT0 = absl::FromUnixSeconds(1'800'000'000);
+
+google::protobuf::Timestamp Stamp(absl::Time t) {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(t));
+}
+
+v1::WorkerInfo Info(const std::string& id, absl::Time registered, bool session_open = true,
+                    absl::Time session_change = kT0) {
+  v1::WorkerInfo w;
+  w.set_worker_id(id);
+  w.set_region("local");
+  w.set_speed(1);
+  w.set_memory_slots(3);
+  w.set_state(v1::WORKER_STATE_BUSY);
+  w.set_session_open(session_open);
+  *w.mutable_registered_time() = Stamp(registered);
+  *w.mutable_session_change_time() = Stamp(session_change);
+  return w;
+}
+
+// --- RunnerMembership ----------------------------------------------------------
+
+class MembershipTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const auto& [id, stage] :
+         std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a1", 1}, {"a2", 1}, {"b", 2}}) {
+      m_.Admit(Info(id, kT0));
+      m_.Set(id, stage);
+    }
+  }
+  std::vector<v1::WorkerInfo> Registry() {
+    std::vector<v1::WorkerInfo> out;
+    for (const auto& [id, w] : m_.infos()) out.push_back(w);
+    return out;
+  }
+  RunnerMembership m_;
+  const absl::Duration grace_ = absl::Seconds(2);
+  const absl::Duration silence_ = absl::Seconds(30);
+};
+
+TEST_F(MembershipTest, HealthyMembersAreNotJudgedGone) {
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(100), grace_, silence_), IsEmpty());
+}
+
+TEST_F(MembershipTest, EachKindOfEvidenceNamesItsReason) {
+  std::vector<v1::WorkerInfo> registry = Registry();
+  registry.erase(registry.begin());              // a1 unregistered (sorted: a1 a2 b d0)
+  registry[0].set_state(v1::WORKER_STATE_LOST);  // a2
+  // b's session closed 3 s ago: past the grace.
+  registry[1] = Info("b", kT0, /*session_open=*/false, kT0 + absl::Seconds(7));
+  const auto gone = m_.Judge(registry, kT0 + absl::Seconds(10), grace_, silence_);
+  EXPECT_THAT(gone, UnorderedElementsAre(Pair("a1", "it is no longer registered"),
+                                         Pair("a2", "no heartbeat for 30s"),
+                                         Pair("b", "its session closed 3s ago")));
+}
+
+TEST_F(MembershipTest, ASessionClosedWithinTheGraceIsNotALoss) {
+  std::vector<v1::WorkerInfo> registry = Registry();
+  registry[2] = Info("b", kT0, /*session_open=*/false, kT0 + absl::Seconds(9));
+  EXPECT_THAT(m_.Judge(registry, kT0 + absl::Seconds(10), grace_, silence_), IsEmpty());
+}
+
+TEST_F(MembershipTest, ASuspicionBecomesALossOnlyAfterTheGrace) {
+  m_.Suspect("b", "a1 could not reach it (refused)", kT0);
+  EXPECT_TRUE(m_.HasSuspects());
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(1), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(3), grace_, silence_),
+              ElementsAre(Pair("b", "a1 could not reach it (refused)")));
+  // A JobStatus from it clears the suspicion.
+  m_.ClearSuspicion("b");
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(4), grace_, silence_), IsEmpty());
+  // Non-members are never suspect.
+  m_.Suspect("stranger", "whatever", kT0);
+  EXPECT_FALSE(m_.HasSuspects());
+}
+
+TEST_F(MembershipTest, ARegistrationAnewIsSuspectUntilItReports) {
+  std::vector<v1::WorkerInfo> registry = Registry();
+  registry[2] = Info("b", kT0 + absl::Seconds(5));  // registered again
+  EXPECT_THAT(m_.Judge(registry, kT0 + absl::Seconds(6), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.Judge(registry, kT0 + absl::Seconds(9), grace_, silence_),
+              ElementsAre(Pair("b", "it registered again without the job")));
+}
+
+TEST_F(MembershipTest, JoinersExcludeMembersTheLostAndThoseBackingOff) {
+  m_.Remove("a2");
+  m_.NoteLost({"a2"});
+  m_.BackOff("late", kT0 + absl::Seconds(60));
+  EXPECT_EQ(m_.NotJoinable(kT0), (std::set<std::string>{"a1", "a2", "b", "d0", "late"}));
+  EXPECT_EQ(m_.NotJoinable(kT0 + absl::Seconds(61)),
+            (std::set<std::string>{"a1", "a2", "b", "d0"}));
+  m_.StartIteration();
+  EXPECT_THAT(m_.lost_this_iteration(), IsEmpty());
+  // Node indices stay: a2 keeps its place in the node order.
+  EXPECT_TRUE(m_.HasNode("a2"));
+  EXPECT_EQ(m_.Remove("a2"), -1);
+}
+
+TEST(RunnerMembershipDeficitTest, SpecCountsMinusLiveOnes) {
+  v1::PipelineSpec p;
+  p.set_num_stages(3);
+  p.set_data_nodes(2);
+  p.set_replicas_per_stage(2);
+  EXPECT_THAT(RunnerMembership::Deficit(p, {2, 1, 0}), ElementsAre(Pair(1, 1), Pair(2, 2)));
+  EXPECT_THAT(RunnerMembership::Deficit(p, {2, 2, 3}), IsEmpty());
+}
+
+// --- RunnerPlanner -------------------------------------------------------------
+
+v1::JobSpec SkipJob(double skip) {
+  v1::JobSpec spec;
+  spec.set_name("parts");
+  spec.set_iterations(10);
+  spec.mutable_model()->set_preset("tiny");
+  v1::PipelineSpec* p = spec.mutable_pipeline();
+  p->set_num_stages(4);
+  p->set_data_nodes(1);
+  p->set_replicas_per_stage(1);
+  p->set_microbatches_per_data_node(4);
+  p->set_samples_per_microbatch(1);
+  p->set_skip_ratio(skip);
+  if (skip == 0) p->set_scheduler(v1::SCHEDULER_FULL);
+  auto n = NormalizeJobSpec(spec);
+  EXPECT_TRUE(n.ok()) << n.status();
+  return *n;
+}
+
+class PlannerPartTest : public ::testing::Test {
+ protected:
+  void Build(double skip) {
+    spec_ = SkipJob(skip);
+    for (const auto& [id, stage] :
+         std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a", 1}, {"b", 2}, {"c", 3}}) {
+      membership_.Admit(Info(id, kT0));
+      membership_.Set(id, stage);
+    }
+    planner_ = std::make_unique<RunnerPlanner>("job-1", &spec_, &network_, &membership_);
+    ASSERT_TRUE(planner_->BuildCostModel().ok());
+    planner_->RebuildAssignment();
+  }
+  v1::JobSpec spec_;
+  v1::ClusterSpec network_;
+  RunnerMembership membership_;
+  std::unique_ptr<RunnerPlanner> planner_;
+};
+
+TEST_F(PlannerPartTest, SkippingRoutesGoAroundAnEmptyStage) {
+  Build(0.25);  // routes visit 3 of 4 stages
+  EXPECT_EQ(planner_->Infeasible(), "");
+  membership_.Remove("b");
+  planner_->RebuildAssignment();
+  EXPECT_THAT(planner_->EmptyStages(), ElementsAre(2));
+  EXPECT_THAT(planner_->StageSizes(), ElementsAre(1, 1, 0, 1));
+  EXPECT_EQ(planner_->Infeasible(), "") << "3 stages left, each route visits 3";
+  auto planned = planner_->PlanLive(1, 4, nullptr, 50, std::nullopt);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  ASSERT_EQ(planned->plan.routes.size(), 4u);
+  for (const sim::Route& r : planned->plan.routes) {
+    EXPECT_THAT(r.stages, ::testing::Not(::testing::Contains(2))) << "a route visits stage 2";
+  }
+  // Stage 0 gone: nothing can run.
+  membership_.Remove("d0");
+  planner_->RebuildAssignment();
+  EXPECT_EQ(planner_->Infeasible(), "stages 0, 2 have no worker left");
+}
+
+TEST_F(PlannerPartTest, TheFullPipelineCannotSkip) {
+  Build(0.0);
+  membership_.Remove("c");
+  planner_->RebuildAssignment();
+  EXPECT_EQ(planner_->Infeasible(), "stage 3 has no worker left");
+  EXPECT_EQ(planner_->SkipSpec(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(std::isinf(planner_->PredictIteration(1)));
+}
+
+TEST_F(PlannerPartTest, TheFirstPlanIsUsedOnceThenRoutesAreReplanned) {
+  Build(0.25);
+  auto first = planner_->PlanFirst(spec_.seed());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->plan.assignment.num_stages(), 4);
+  auto it0 = planner_->PlanIteration(0, 0, 0);
+  ASSERT_TRUE(it0.ok());
+  EXPECT_FALSE(planner_->first_plan().has_value()) << "taken by iteration 0";
+  planner_->KeepRoutes(*it0);
+  auto it1 = planner_->PlanIteration(1, 0, 0);
+  ASSERT_TRUE(it1.ok()) << it1.status();
+  EXPECT_EQ(it1->plan.routes.size(), 4u);
+}
+
+TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {
+  Build(0.25);
+  membership_.Remove("b");
+  planner_->RebuildAssignment();
+  StageMove m;
+  m.worker = "a";
+  m.from = 1;
+  m.to = 2;
+  EXPECT_DOUBLE_EQ(planner_->MoveCost(m, 1.0), 1.0);
+  m.to = 3;  // c's state over the link
+  EXPECT_GT(planner_->MoveCost(m, 1.0), 1.0);
+}
+
+// --- RunnerCheckpoints ---------------------------------------------------------
+
+TEST(RunnerCheckpointsTest, DueEveryNAndAtTheEndUnlessAStageIsEmpty) {
+  v1::CheckpointPolicy p;
+  p.set_every_iterations(3);
+  std::vector<uint64_t> due;
+  for (uint64_t i = 0; i < 10; ++i) {
+    if (RunnerCheckpoints::Due(p, i, 10, false)) due.push_back(i);
+  }
+  EXPECT_THAT(due, ElementsAre(2, 5, 8, 9));
+  EXPECT_FALSE(RunnerCheckpoints::Due(p, 2, 10, /*stage_empty=*/true));
+  p.set_disabled(true);
+  EXPECT_FALSE(RunnerCheckpoints::Due(p, 9, 10, false));
+}
+
+TEST(RunnerCheckpointsTest, CommitNamesOneFilePerStageAndPruningKeepsTheNewest) {
+  const std::string root = testing::MakeTempDir("runner_checkpoints");
+  RunnerCheckpoints c(root, "job-7");
+  EXPECT_EQ(c.Dir(12), root + "/job-7/iter-000012");
+  std::map<std::string, v1::IterationResult> results;
+  for (const auto& [id, stage] :
+       std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a1", 1}, {"a2", 1}}) {
+    v1::IterationResult r;
+    r.set_stage(stage);
+    if (id != "a2") r.mutable_checkpoint()->set_stage(stage);  // first replicas write
+    results[id] = r;
+  }
+  int stages = 0;
+  const v1::CommitCheckpoint commit = c.Commit(12, c.Dir(12), results, &stages);
+  EXPECT_EQ(stages, 2);
+  EXPECT_EQ(commit.files_size(), 2);
+  EXPECT_EQ(commit.iteration(), 12u);
+  for (int i : {3, 6, 9}) {
+    std::filesystem::create_directories(c.Dir(i));
+    std::ofstream(c.Dir(i) + "/manifest.json") << "{}";
+  }
+  c.Load("");
+  c.Committed(c.Dir(12), /*keep_last=*/2);
+  EXPECT_EQ(c.last(), c.Dir(12));
+  EXPECT_FALSE(std::filesystem::exists(c.Dir(3)));
+  EXPECT_FALSE(std::filesystem::exists(c.Dir(6)));
+  EXPECT_TRUE(std::filesystem::exists(c.Dir(9)));
+  // A directory without a manifest is not a checkpoint to resume from.
+  auto iteration = RunnerCheckpoints::IterationOf(c.Dir(12));
+  EXPECT_EQ(iteration.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(iteration.status().message()), HasSubstr("is not complete"));
+  std::filesystem::remove_all(root);
+}
+
+// --- RunnerLink ----------------------------------------------------------------
+
+TEST(RunnerLinkTest, AFailedSendMakesSuspectAndAReopenedSessionGetsAReplay) {
+  RunnerMembership m;
+  for (const char* id : {"a", "b"}) {
+    m.Admit(Info(id, kT0));
+    m.Set(id, 1);
+  }
+  std::map<std::string, int> delivered;
+  std::set<std::string> down = {"b"};
+  RunnerLink link(
+      [&](const std::string& w, const v1::CoordinatorMessage&) {
+        if (down.count(w)) return absl::UnavailableError("no session");
+        ++delivered[w];
+        return absl::OkStatus();
+      },
+      "job-1", &m);
+  v1::CoordinatorMessage step;
+  step.mutable_step()->set_iteration(4);
+  link.SendToAll(step);
+  EXPECT_EQ(delivered["a"], 1);
+  EXPECT_TRUE(m.HasSuspects()) << "b could not be reached";
+  down.clear();
+  link.Replay("b");
+  EXPECT_EQ(delivered["b"], 1) << "what b missed is sent again";
+  link.StartIteration();
+  link.Replay("b");
+  EXPECT_EQ(delivered["b"], 1) << "a new iteration forgets the old messages";
+}
+
+TEST(RunnerLinkTest, APlanCarriesOnlyTheWorkersOwnBubbleTasks) {
+  RunnerMembership m;
+  for (const char* id : {"a", "b"}) {
+    m.Admit(Info(id, kT0));
+    m.Set(id, 1);
+  }
+  std::map<std::string, int> tasks;
+  RunnerLink link(
+      [&](const std::string& w, const v1::CoordinatorMessage& msg) {
+        tasks[w] = msg.plan().bubble_tasks_size();
+        return absl::OkStatus();
+      },
+      "job-1", &m);
+  v1::CoordinatorMessage plan;
+  for (const char* node : {"a", "a", "b"}) plan.mutable_plan()->add_bubble_tasks()->set_node(node);
+  link.SendPlan(plan);
+  EXPECT_EQ(tasks["a"], 2);
+  EXPECT_EQ(tasks["b"], 1);
+}
+
+// --- RunnerRecord --------------------------------------------------------------
+
+TEST(RunnerRecordTest, HistoryIsBoundedAndAnEndedJobKeepsItsEnd) {
+  const std::string dir = testing::MakeTempDir("runner_record");
+  JobStore store(dir);
+  auto job = store.Create(SkipJob(0.25), absl::Now(), "submitted");
+  ASSERT_TRUE(job.ok());
+  RunnerRecord record(&store, job->id());
+  for (int i = 0; i < RunnerRecord::kMaxHistory + 5; ++i) {
+    record.AddEvent(v1::JobHistoryEvent::KIND_REROUTED, i, "", absl::StrCat("event ", i), 3);
+  }
+  auto stored = store.Get(job->id());
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->history_size(), RunnerRecord::kMaxHistory);
+  EXPECT_EQ(stored->history(0).message(), "event 5") << "the oldest go first";
+  EXPECT_EQ(stored->epoch(), 3u);
+  record.Stages({{"d0"}, {"a1", "a2"}}, 4, 3);
+  stored = store.Get(job->id());
+  EXPECT_EQ(stored->stages(1).nodes_size(), 2);
+  EXPECT_EQ(stored->progress().members(), 3u);
+  ASSERT_TRUE(store.Cancel(job->id(), absl::Now()).ok());
+  record.End(JobEnd{v1::JOB_STATE_FAILED, "too late"});
+  stored = store.Get(job->id());
+  EXPECT_EQ(stored->state(), v1::JOB_STATE_CANCELLED) << "a cancelled job stays cancelled";
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace detour
