@@ -254,7 +254,8 @@ class BubblePlanner {
   ~BubblePlanner();
 
  private:
-  struct State;
+  struct State;          // bubble_state.h
+  struct IterationPass;  // bubble_state.h: one PlanIteration in phases
   explicit BubblePlanner(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };

@@ -1,0 +1,1 @@
+#include "worker/model/stage.h"
