@@ -16,7 +16,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/hash.h"
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/status.h"
@@ -31,9 +30,11 @@
 #include "worker/model/text_data.h"
 #include "worker/model/torch_status.h"
 #include "worker/runtime/bubble_schedule.h"
+#include "worker/runtime/frame_admission.h"
 #include "worker/runtime/iteration_tracker.h"
 #include "worker/runtime/replica_reducer.h"
 #include "worker/runtime/runtime_metrics.h"
+#include "worker/runtime/stage_state.h"
 #include "worker/runtime/work_queue.h"
 #include "worker/transport/frame_codec.h"
 
@@ -54,20 +55,6 @@ v1::DType WireDType(const std::string& name) {
   if (name == "fp16") return v1::DTYPE_FP16;
   if (name == "bf16") return v1::DTYPE_BF16;
   return v1::DTYPE_FP32;
-}
-
-// The parameters' bytes, hashed where they lie (a copy only for a tensor off
-// the CPU or not contiguous): equal across replicas iff identical, up to
-// FastHash64's collisions. Runs after every step, so it must stay a small
-// fraction of one (docs/BENCHMARKS.md §"Parameter checksum").
-uint64_t Checksum(const std::vector<model::NamedTensor>& params) {
-  FastHash64 h;
-  for (const auto& [name, t] : params) {
-    at::Tensor c = t.detach();
-    if (!c.device().is_cpu() || !c.is_contiguous()) c = c.to(at::kCPU).contiguous();
-    h.Add(c.data_ptr(), c.nbytes());
-  }
-  return h.value();
 }
 
 std::vector<std::string> GroupOf(const google::protobuf::RepeatedPtrField<v1::ReplicaGroup>& groups,
@@ -167,7 +154,7 @@ class JobRuntime::Impl {
       s->set_job_id(job_id_);
       s->set_stage(stage_index_);
       s->set_completed_iterations(completed_);
-      s->set_parameter_checksum(Checksum(stage_->Parameters()));
+      s->set_parameter_checksum(ParameterChecksum(stage_->Parameters()));
       s->set_in_iteration(it_ != nullptr);
       s->set_epoch(epoch_);
       Send(std::move(status), /*replay=*/false);
@@ -181,71 +168,13 @@ class JobRuntime::Impl {
 
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) {
     std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
-    {
-      absl::MutexLock lock(&accept_mu_);
-      if (accept_job_.empty() || h.job_id() != accept_job_) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("this worker holds no stage of job ", h.job_id()));
-      }
-      // Only the job's workers may send (with TLS, the transport has checked
-      // that `sender` is the certificate's name). A frame of a newer epoch
-      // than this worker knows may come from a worker that joined in it,
-      // before this worker has the plan that names it.
-      if (!accept_members_.count(h.sender()) && h.epoch() <= accept_epoch_) {
-        return absl::PermissionDeniedError(absl::StrCat("worker \"", absl::CHexEscape(h.sender()),
-                                                        "\" is not a member of job ", h.job_id()));
-      }
-      if (h.iteration() < accept_iteration_ || h.iteration() > accept_iteration_ + 1) {
-        metrics_.LateFrame();
-        return absl::FailedPreconditionError(
-            absl::StrCat("iteration ", h.iteration(), " is not current (", accept_iteration_, ")"));
-      }
-      // Epochs move by one per loss or join; a tensor far ahead is a forgery.
-      if (h.epoch() > accept_epoch_ + kMaxEpochsAhead) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "epoch ", h.epoch(), " is too far ahead of this worker's ", accept_epoch_));
-      }
-      if (h.direction() == v1::DIRECTION_ALLREDUCE) {
-        // Gradients, plus K-FAC factors in iterations that sync them (the
-        // exact size is checked against the plan when the tensor is used).
-        if (shape.size() != 1 || shape[0] < accept_flat_numel_ ||
-            shape[0] > accept_flat_numel_ + accept_factor_numel_ || h.dtype() != v1::DTYPE_FP32) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "all-reduce tensor [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
-              " does not match this stage's ", accept_flat_numel_, " fp32 gradients"));
-        }
-      } else if (h.direction() == v1::DIRECTION_STATE) {
-        if (accept_state_from_.empty() || h.sender() != accept_state_from_) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("this worker expects no stage state from ", h.sender()));
-        }
-        if (shape.size() != 1 || h.dtype() != v1::DTYPE_BYTES || shape[0] <= 0 ||
-            static_cast<uint64_t>(shape[0]) > accept_state_bytes_) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "stage state [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
-              " is not a byte string of at most ", accept_state_bytes_, " bytes"));
-        }
-      } else if (shape != accept_activation_shape_ || h.dtype() != accept_wire_) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "activation [", absl::StrJoin(shape, ","), "] ", v1::DType_Name(h.dtype()),
-            " does not match the job's [", absl::StrJoin(accept_activation_shape_, ","), "] ",
-            v1::DType_Name(accept_wire_)));
-      }
+    const FrameAdmission::Verdict verdict = admission_.Admit(h, received_bytes_->load());
+    if (!verdict.ok()) {
+      if (verdict.refusal == FrameAdmission::Refusal::kLate) metrics_.LateFrame();
+      if (verdict.refusal == FrameAdmission::Refusal::kOverBudget) metrics_.UnexpectedFrame();
+      return verdict.status;
     }
-    // Tensors received and not yet consumed (queued, kept early, buffered by
-    // a stage) are bounded in bytes: a peer flooding plausible frames gets
-    // RESOURCE_EXHAUSTED instead of the worker's memory.
     const uint64_t bytes = h.total_bytes();
-    {
-      absl::MutexLock lock(&accept_mu_);
-      const uint64_t held = received_bytes_->load();
-      if (held + bytes > accept_held_bytes_) {
-        metrics_.UnexpectedFrame();
-        return absl::ResourceExhaustedError(
-            absl::StrCat("this worker holds ", held, " bytes of received tensors; ", bytes,
-                         " more would pass its bound of ", accept_held_bytes_));
-      }
-    }
     return model::GuardTorch("allocating a received tensor",
                              [&]() -> absl::StatusOr<MutableBuffer> {
                                // The count drops when the tensor's memory is freed, wherever that
@@ -294,9 +223,6 @@ class JobRuntime::Impl {
     std::set<std::string> unreachable_reported;
     double max_delay_s = 0;  // pipeline work waiting for a bubble task
   };
-
-  // Epochs a tensor may be ahead of this worker's view.
-  static constexpr uint64_t kMaxEpochsAhead = 4;
 
   // --- executor ---------------------------------------------------------
 
@@ -458,32 +384,19 @@ class JobRuntime::Impl {
         options_.transport ? options_.transport(config) : GrpcPeerTransport::Factory()(config);
     SetPeers(a.peers());
     state_from_ = a.state_from();
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_job_ = job_id_;
-      accept_iteration_ = completed_;
-      accept_epoch_ = epoch_;
-      accept_activation_shape_ = {spec.pipeline().samples_per_microbatch(),
-                                  spec.model().context_length(), spec.model().d_model()};
-      accept_wire_ = wire_;
-      accept_flat_numel_ = flat_numel_;
-      accept_factor_numel_ = factor_numel_;
-      accept_state_from_ = state_from_;
-      // A stage's state: parameters and AdamW's two moments, K-FAC's sums,
-      // running factors and four inverses per factor, its per-projection
-      // moments; plus the archive's own bookkeeping.
-      accept_state_bytes_ =
-          4 * static_cast<uint64_t>(6 * flat_numel_ + 6 * factor_numel_) + (16u << 20);
-      // What an honest iteration can have in flight here at once: a forward
-      // and a backward per microbatch (and again for re-runs) and the
-      // replicas' all-reduce inputs, or one stage state.
-      const uint64_t activation = 4 *
-                                  static_cast<uint64_t>(spec.pipeline().samples_per_microbatch()) *
-                                  spec.model().context_length() * spec.model().d_model();
-      const uint64_t reduce = 4 * static_cast<uint64_t>(flat_numel_ + factor_numel_);
-      accept_held_bytes_ = 4 * uint64_t{total} * activation +
-                           (2 * a.replica_group_size() + 2) * reduce + accept_state_bytes_;
-    }
+    FrameAdmission::Stage admitted;
+    admitted.job_id = job_id_;
+    admitted.iteration = completed_;
+    admitted.epoch = epoch_;
+    admitted.activation_shape = {spec.pipeline().samples_per_microbatch(),
+                                 spec.model().context_length(), spec.model().d_model()};
+    admitted.wire = wire_;
+    admitted.flat_numel = flat_numel_;
+    admitted.factor_numel = factor_numel_;
+    admitted.state_from = state_from_;
+    admitted.microbatches = total;
+    admitted.replicas = a.replica_group_size();
+    admission_.Open(admitted);
     if (set_job_) set_job_(job_id_);
     return absl::OkStatus();
   }
@@ -505,10 +418,7 @@ class JobRuntime::Impl {
       endpoints.push_back(p);
       members.insert(id);
     }
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_members_ = std::move(members);
-    }
+    admission_.SetMembers(std::move(members));
     transport_->SetPeers(endpoints);
   }
 
@@ -553,11 +463,7 @@ class JobRuntime::Impl {
     it.timing.set_iteration(plan.iteration());
     it.timing.set_node(me_);
     it.tracker = std::make_unique<IterationTracker>(it.plan, me_);
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_iteration_ = plan.iteration();
-      accept_epoch_ = epoch_;
-    }
+    admission_.SetPosition(plan.iteration(), epoch_);
     const std::vector<uint32_t> own = it.tracker->Own();
     if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
     // The coordinator's refresh numbering (it restarts after a resume or a
@@ -939,10 +845,7 @@ class JobRuntime::Impl {
     if (!group.empty()) group_ = std::move(group);
     std::string why;
     if (!reducer_.Restart(epoch_, group_, me_, &why)) return Fail(absl::InvalidArgumentError(why));
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_epoch_ = epoch_;
-    }
+    admission_.SetEpoch(epoch_);
     it.phase = Phase::kRunning;
     LogInfo("job ", job_id_, ": iteration ", it.plan.iteration(), " epoch ", epoch_, ": lost ",
             absl::StrJoin(lost, ", "), "; froze ", frozen.microbatches.size(), " microbatch(es)",
@@ -992,22 +895,10 @@ class JobRuntime::Impl {
       return Fail(absl::FailedPreconditionError(
           absl::StrCat("asked to send the stage state to ", request.to(), " mid-iteration")));
     }
-    auto bytes = model::SerializeStageState(*stage_, *optimizer_, kfac_.get());
-    if (!bytes.ok()) return Fail(bytes.status());
-    auto holder = std::make_shared<std::string>(*std::move(bytes));
-    v1::FrameHeader h;
-    h.set_job_id(job_id_);
-    h.set_iteration(completed_);
-    h.set_direction(v1::DIRECTION_STATE);
-    h.set_sender(me_);
-    h.set_epoch(request.epoch());
-    h.add_shape(static_cast<int64_t>(holder->size()));
-    h.set_dtype(v1::DTYPE_BYTES);
-    TensorView view;
-    view.data = holder->data();
-    view.bytes = holder->size();
-    view.keepalive = holder;
-    const uint64_t size = holder->size();
+    auto frame = PackStageState(*stage_, *optimizer_, kfac_.get(), job_id_, completed_, me_,
+                                request.epoch());
+    if (!frame.ok()) return Fail(frame.status());
+    const uint64_t size = frame->bytes;
     metrics_.StateBytes(/*sent=*/true, size);
     if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
       const v1::Peer& p = request.peer();
@@ -1018,14 +909,16 @@ class JobRuntime::Impl {
     LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());
     const std::string job = job_id_;
     const std::string to = request.to();
-    transport_->Send(to, std::move(h), std::move(view), [this, job, to](absl::Status s, double) {
-      if (s.ok()) return;
-      Post([this, job, to, s] {
-        if (job != job_id_) return;
-        LogWarning("job ", job_id_, ": the stage state did not reach ", to, ": ", s.message());
-        ReportUnreachable(completed_, to, s);
-      });
-    });
+    transport_->Send(to, std::move(frame->header), std::move(frame->view),
+                     [this, job, to](absl::Status s, double) {
+                       if (s.ok()) return;
+                       Post([this, job, to, s] {
+                         if (job != job_id_) return;
+                         LogWarning("job ", job_id_, ": the stage state did not reach ", to, ": ",
+                                    s.message());
+                         ReportUnreachable(completed_, to, s);
+                       });
+                     });
   }
 
   // The joining side: the state of the replica we join, checked and loaded.
@@ -1034,27 +927,19 @@ class JobRuntime::Impl {
       metrics_.UnexpectedFrame();
       return;
     }
-    const std::string data(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
-    metrics_.StateBytes(/*sent=*/false, data.size());
-    auto table = model::ParseStageFile(data, absl::StrCat("the stage state from ", h.sender()));
-    absl::Status s = table.status();
-    if (s.ok()) {
-      s = model::ApplyStageState(*table, absl::StrCat("the stage state from ", h.sender()),
-                                 stage_.get(), optimizer_.get(), kfac_.get());
-    }
+    const size_t size = bytes.nbytes();
+    metrics_.StateBytes(/*sent=*/false, size);
+    absl::Status s = UnpackStageState(h.sender(), bytes.data_ptr(), size, stage_.get(),
+                                      optimizer_.get(), kfac_.get());
     if (!s.ok()) return Fail(s);
-    LogInfo("job ", job_id_, ": received the stage state (", data.size(), " bytes) from ",
-            state_from_);
+    LogInfo("job ", job_id_, ": received the stage state (", size, " bytes) from ", state_from_);
     state_from_.clear();
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_state_from_.clear();
-    }
+    admission_.StateReceived();
     v1::WorkerMessage m;
     v1::StateReceived* r = m.mutable_state_received();
     r->set_job_id(job_id_);
     r->set_stage(stage_index_);
-    r->set_parameter_checksum(Checksum(stage_->Parameters()));
+    r->set_parameter_checksum(ParameterChecksum(stage_->Parameters()));
     Send(std::move(m));
   }
 
@@ -1100,12 +985,9 @@ class JobRuntime::Impl {
                " active from iteration ", it.plan.iteration());
     }
     const absl::Time start = absl::Now();
-    const double lr =
-        model::ScheduledLearningRate(spec_.optimizer(), it.plan.iteration(), spec_.iterations());
-    const double clip =
-        model::GlobalClipScale(step.squared_norm(), spec_.optimizer().grad_clip_norm());
-    absl::Status stepped = optimizer_->Step(lr, clip);
-    if (!stepped.ok()) return Fail(stepped);
+    auto ready = StepStage(spec_, it.plan.iteration(), step.squared_norm(), stage_.get(),
+                           optimizer_.get(), kfac_.get());
+    if (!ready.ok()) return Fail(ready.status());
     const bool fault_now = options_.fault.kind != JobRuntimeOptions::FaultInjection::Kind::kNone &&
                            it.plan.iteration() == options_.fault.iteration;
     if (fault_now && options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kDiverge) {
@@ -1117,16 +999,11 @@ class JobRuntime::Impl {
       std::vector<model::NamedTensor> params = stage_->Parameters();
       if (!params.empty()) params.front().second.add_(1e-3);
     }
-    if (kfac_ != nullptr) {
-      const std::vector<int> ready = kfac_->CommitAgreement();
-      if (!ready.empty()) {
-        LogInfo("job ", job_id_, ": K-FAC: every replica of stage ", stage_index_,
-                " preconditions layer(s) ", absl::StrJoin(ready, ","),
-                " with its own factors from iteration ", it.plan.iteration() + 1);
-      }
+    if (!ready->empty()) {
+      LogInfo("job ", job_id_, ": K-FAC: every replica of stage ", stage_index_,
+              " preconditions layer(s) ", absl::StrJoin(*ready, ","),
+              " with its own factors from iteration ", it.plan.iteration() + 1);
     }
-    stage_->ZeroGrad();
-    if (kfac_ != nullptr) kfac_->DropAllCaptures();
     reducer_.Clear();
     Record(v1::TaskTiming::KIND_OPTIMIZER, 0, start);
     const double duration = absl::ToDoubleSeconds(absl::Now() - it.received);
@@ -1156,7 +1033,7 @@ class JobRuntime::Impl {
         r->mutable_microbatches()->RemoveLast();
       }
     }
-    r->set_parameter_checksum(Checksum(stage_->Parameters()));
+    r->set_parameter_checksum(ParameterChecksum(stage_->Parameters()));
     r->set_stage(stage_index_);
     r->set_duration_s(duration);
     r->set_epoch(epoch_);
@@ -1165,43 +1042,18 @@ class JobRuntime::Impl {
       auto entry =
           model::WriteStageFile(it.plan.checkpoint_dir(), *stage_, *optimizer_, kfac_.get());
       if (!entry.ok()) return Fail(Annotate(entry.status(), "writing the checkpoint"));
-      v1::CheckpointFile* f = r->mutable_checkpoint();
-      f->set_stage(entry->stage);
-      f->set_file(entry->file);
-      f->set_layer_begin(entry->layers.begin);
-      f->set_layer_end(entry->layers.end);
-      f->set_bytes(entry->bytes);
-      f->set_checksum(entry->checksum);
+      *r->mutable_checkpoint() = CheckpointFileOf(*entry);
     }
     completed_ = it.plan.iteration() + 1;
     it_.reset();
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_iteration_ = completed_;
-    }
+    admission_.SetIteration(completed_);
     metrics_.IterationDone();
     Send(std::move(result));
   }
 
   void OnCommit(const v1::CommitCheckpoint& commit) {
     if (commit.job_id() != job_id_ || stage_ == nullptr) return;
-    model::CheckpointManifest manifest;
-    manifest.iteration = commit.iteration();
-    manifest.model = stage_->config();
-    manifest.num_stages = static_cast<int>(spec_.pipeline().num_stages());
-    manifest.replicas_per_stage = static_cast<int>(spec_.pipeline().replicas_per_stage());
-    manifest.seed = spec_.seed();
-    manifest.data = model::ProvenanceOf(spec_.data());
-    for (const v1::CheckpointFile& f : commit.files()) {
-      model::StageFileEntry e;
-      e.stage = static_cast<int>(f.stage());
-      e.file = f.file();
-      e.layers.begin = static_cast<int>(f.layer_begin());
-      e.layers.end = static_cast<int>(f.layer_end());
-      e.bytes = f.bytes();
-      e.checksum = f.checksum();
-      manifest.stages.push_back(e);
-    }
+    const model::CheckpointManifest manifest = ManifestOf(commit, stage_->config(), spec_);
     absl::Status written = model::WriteManifest(commit.dir(), manifest);
     if (!written.ok()) return Fail(Annotate(written, "writing the checkpoint manifest"));
     v1::WorkerMessage m;
@@ -1432,11 +1284,7 @@ class JobRuntime::Impl {
 
   // Forgets the current job: stage, peers, iteration state.
   void Abandon() {
-    {
-      absl::MutexLock lock(&accept_mu_);
-      accept_job_.clear();
-      accept_state_from_.clear();
-    }
+    admission_.Close();
     {
       // Queued pipeline work belongs to the abandoned job.
       absl::MutexLock lock(&queue_mu_);
@@ -1482,19 +1330,7 @@ class JobRuntime::Impl {
   std::thread executor_;
 
   // What Allocate accepts (read on gRPC threads).
-  absl::Mutex accept_mu_;
-  std::string accept_job_ ABSL_GUARDED_BY(accept_mu_);
-  uint64_t accept_iteration_ ABSL_GUARDED_BY(accept_mu_) = 0;
-  uint64_t accept_epoch_ ABSL_GUARDED_BY(accept_mu_) = 0;
-  std::vector<int64_t> accept_activation_shape_ ABSL_GUARDED_BY(accept_mu_);
-  v1::DType accept_wire_ ABSL_GUARDED_BY(accept_mu_) = v1::DTYPE_FP32;
-  int64_t accept_flat_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
-  int64_t accept_factor_numel_ ABSL_GUARDED_BY(accept_mu_) = 0;
-  std::string accept_state_from_ ABSL_GUARDED_BY(accept_mu_);
-  // Worker ids of the job's members (this worker included).
-  std::set<std::string> accept_members_ ABSL_GUARDED_BY(accept_mu_);
-  uint64_t accept_state_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
-  uint64_t accept_held_bytes_ ABSL_GUARDED_BY(accept_mu_) = 0;
+  FrameAdmission admission_;
   // Bytes of received tensors alive now (shared with their deleters).
   const std::shared_ptr<std::atomic<uint64_t>> received_bytes_ =
       std::make_shared<std::atomic<uint64_t>>(0);
