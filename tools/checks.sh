@@ -90,9 +90,11 @@ check_logs() {
 # The full steps run the e2e tests at ASan's/TSan's 2-10x slowdown, where a
 # timing-dependent assertion (a planner choice from measured speeds, a
 # deadline) can miss once. Such a test gets one more try (RETRY); a test that
-# fails twice fails the step, and a sanitizer report from any attempt fails
-# it too (check_logs reads every process's log). Failed attempts stay in the
-# output and are listed by retried().
+# fails twice fails the step, and a sanitizer report in the run's log
+# directory from any attempt fails it too (check_logs). An e2e test's own
+# processes report into the test's directory and fail that test, which the
+# retry can pass (docs/DEVELOPMENT.md). Failed attempts stay in the output
+# and are listed by retried() and retry_summary.
 RETRY=(--repeat until-pass:2)
 RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}
 RETRIED_NOW=$(mktemp)
