@@ -17,13 +17,14 @@
 // BM_ParameterChecksum/<preset>: the parameter checksum a worker sends after
 //   every step (worker/runtime/job_runtime.cc), as a fraction of the step's
 //   forward+backward over the same parameters (4 stages, full routes): the
-//   byte-wise FNV-1a over a CPU copy it replaced and FastHash64 in place
-//   (common/hash.h), paired round by round.
+//   byte-wise FNV-1a over a CPU copy it replaced and the runtime's own
+//   ParameterChecksum (worker/runtime/stage_state.h), paired round by round.
 #include <chrono>
 #include <malloc.h>
 
 #include <algorithm>
 #include <ctime>
+#include <memory>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -34,11 +35,12 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "common/hash.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "worker/model/engine.h"
 #include "worker/model/routes.h"
 #include "worker/model/transformer.h"
+#include "worker/runtime/stage_state.h"
 
 namespace detour::model {
 namespace {
@@ -56,32 +58,57 @@ double CpuSeconds() {
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+// The engine of `preset` in 4 stages, full routes, with `microbatches`
+// random microbatches of `samples` samples: what the split and checksum
+// benchmarks step.
+struct FullRoutes {
+  v1::JobSpec spec;
+  std::unique_ptr<PipelineEngine> engine;
+  ModelConfig config;
+  std::vector<Microbatch> mbs;
+  std::vector<v1::Route> routes;
+
+  // Forward and backward of every microbatch through every stage.
+  void Step() {
+    auto loss = engine->Accumulate(routes, mbs);
+    if (!loss.ok()) std::abort();
+    for (int s = 0; s < 4; ++s) engine->stage(s).ZeroGrad();
+  }
+};
+
+absl::StatusOr<FullRoutes> MakeFullRoutes(const std::string& preset, int samples,
+                                          int microbatches) {
+  FullRoutes f;
+  f.spec.set_name("bench");
+  f.spec.set_iterations(1);
+  f.spec.mutable_model()->set_preset(preset);
+  f.spec.mutable_pipeline()->set_num_stages(4);
+  f.spec.mutable_pipeline()->set_samples_per_microbatch(samples);
+  f.spec.mutable_pipeline()->set_microbatches_per_data_node(microbatches);
+  ApplyJobDefaults(&f.spec);
+  ASSIGN_OR_RETURN(f.engine, PipelineEngine::Create(f.spec, at::Device(at::kCPU)));
+  ASSIGN_OR_RETURN(f.config, ModelConfigFromShape(f.spec.model()));
+  const int ctx = f.config.context_length;
+  for (int m = 0; m < microbatches; ++m) {
+    at::Tensor t = at::randint(0, f.config.vocab_size, {samples, ctx + 1}, at::kLong);
+    f.mbs.push_back({t.narrow(1, 0, ctx).contiguous(), t.narrow(1, 1, ctx).contiguous()});
+  }
+  for (int m = 0; m < microbatches; ++m) f.routes.push_back(MakeRoute(m, {0, 1, 2, 3}));
+  return f;
+}
+
 void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int samples,
                       int microbatches) {
   at::set_num_threads(1);
-  v1::JobSpec spec;
-  spec.set_name("bench");
-  spec.set_iterations(1);
-  spec.mutable_model()->set_preset(preset);
-  spec.mutable_pipeline()->set_num_stages(4);
-  spec.mutable_pipeline()->set_samples_per_microbatch(samples);
-  spec.mutable_pipeline()->set_microbatches_per_data_node(microbatches);
-  ApplyJobDefaults(&spec);
-  auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
-  auto config = ModelConfigFromShape(spec.model());
-  if (!engine.ok() || !config.ok()) {
+  auto setup = MakeFullRoutes(preset, samples, microbatches);
+  if (!setup.ok()) {
     state.SkipWithError("cannot build the model");
     return;
   }
-  Transformer plain(*config, spec.seed(), at::Device(at::kCPU));
-  const int ctx = config->context_length;
-  std::vector<Microbatch> mbs;
-  for (int m = 0; m < microbatches; ++m) {
-    at::Tensor t = at::randint(0, config->vocab_size, {samples, ctx + 1}, at::kLong);
-    mbs.push_back({t.narrow(1, 0, ctx).contiguous(), t.narrow(1, 1, ctx).contiguous()});
-  }
-  std::vector<v1::Route> routes;
-  for (int m = 0; m < microbatches; ++m) routes.push_back(MakeRoute(m, {0, 1, 2, 3}));
+  const v1::JobSpec& spec = setup->spec;
+  Transformer plain(setup->config, spec.seed(), at::Device(at::kCPU));
+  const int ctx = setup->config.context_length;
+  const std::vector<Microbatch>& mbs = setup->mbs;
   auto run_plain = [&] {
     for (const auto& mb : mbs) {
       at::Tensor loss = plain->Loss(mb.tokens, mb.targets);
@@ -89,11 +116,7 @@ void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int sa
     }
     for (auto& [n, p] : plain->GlobalParameters()) p.mutable_grad() = at::Tensor();
   };
-  auto run_split = [&] {
-    auto loss = (*engine)->Accumulate(routes, mbs);
-    if (!loss.ok()) std::abort();
-    for (int s = 0; s < 4; ++s) (*engine)->stage(s).ZeroGrad();
-  };
+  auto run_split = [&] { setup->Step(); };
   run_plain();  // warm-up both
   run_split();
   std::vector<double> t_plain, t_split;
@@ -137,64 +160,32 @@ uint64_t ByteFnvOverCopies(const std::vector<NamedTensor>& params) {
   return h;
 }
 
-uint64_t FastInPlace(const std::vector<NamedTensor>& params) {
-  FastHash64 h;
-  for (const auto& [name, t] : params) {
-    at::Tensor c = t.detach();
-    if (!c.device().is_cpu() || !c.is_contiguous()) c = c.to(at::kCPU).contiguous();
-    h.Add(c.data_ptr(), c.nbytes());
-  }
-  return h.value();
-}
-
 void BM_ParameterChecksum(benchmark::State& state, const std::string& preset, int samples,
                           int microbatches) {
   at::set_num_threads(1);
-  v1::JobSpec spec;
-  spec.set_name("bench");
-  spec.set_iterations(1);
-  spec.mutable_model()->set_preset(preset);
-  spec.mutable_pipeline()->set_num_stages(4);
-  spec.mutable_pipeline()->set_samples_per_microbatch(samples);
-  spec.mutable_pipeline()->set_microbatches_per_data_node(microbatches);
-  ApplyJobDefaults(&spec);
-  auto engine = PipelineEngine::Create(spec, at::Device(at::kCPU));
-  auto config = ModelConfigFromShape(spec.model());
-  if (!engine.ok() || !config.ok()) {
+  auto setup = MakeFullRoutes(preset, samples, microbatches);
+  if (!setup.ok()) {
     state.SkipWithError("cannot build the model");
     return;
   }
-  const int ctx = config->context_length;
-  std::vector<Microbatch> mbs;
-  for (int m = 0; m < microbatches; ++m) {
-    at::Tensor t = at::randint(0, config->vocab_size, {samples, ctx + 1}, at::kLong);
-    mbs.push_back({t.narrow(1, 0, ctx).contiguous(), t.narrow(1, 1, ctx).contiguous()});
-  }
-  std::vector<v1::Route> routes;
-  for (int m = 0; m < microbatches; ++m) routes.push_back(MakeRoute(m, {0, 1, 2, 3}));
   std::vector<NamedTensor> params;
   for (int s = 0; s < 4; ++s) {
-    for (const NamedTensor& p : (*engine)->stage(s).Parameters()) params.push_back(p);
+    for (const NamedTensor& p : setup->engine->stage(s).Parameters()) params.push_back(p);
   }
   double bytes = 0;
   for (const auto& [n, t] : params) bytes += static_cast<double>(t.nbytes());
-  auto step = [&] {
-    auto loss = (*engine)->Accumulate(routes, mbs);
-    if (!loss.ok()) std::abort();
-    for (int s = 0; s < 4; ++s) (*engine)->stage(s).ZeroGrad();
-  };
-  step();  // warm-up
+  setup->Step();  // warm-up
   std::vector<double> t_step, t_old, t_new;
   uint64_t sink = 0;
   for (auto _ : state) {
     double a = CpuSeconds();
-    step();
+    setup->Step();
     t_step.push_back(CpuSeconds() - a);
     a = CpuSeconds();
     sink ^= ByteFnvOverCopies(params);
     t_old.push_back(CpuSeconds() - a);
     a = CpuSeconds();
-    sink ^= FastInPlace(params);
+    sink ^= ParameterChecksum(params);
     t_new.push_back(CpuSeconds() - a);
   }
   benchmark::DoNotOptimize(sink);
