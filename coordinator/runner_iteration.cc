@@ -221,8 +221,7 @@ void RunnerIteration::AdaptCosts(uint64_t iteration, const v1::IterationPlan& pl
   planner::BubblePlanner* bubbles = plan_.bubbles();
   if (bubbles != nullptr) plan_.MeasureKfacSpeeds(plan, timings);
   if (every <= 0 || (iteration + 1) % every != 0) return;
-  bool rebuilt = false;
-  NoteStragglers(iteration, plan_.UpdateSpeedsFromTimings(host_->estimates(), &rebuilt));
+  NoteStragglers(iteration, plan_.UpdateSpeedsFromTimings(host_->estimates()));
   if (bubbles != nullptr) {
     if (absl::Status s = bubbles->UpdateCosts(plan_.KfacWorkload()); !s.ok()) {
       LogWarning("job ", job_id_, ": keeping the K-FAC cost estimates: ", s.message());

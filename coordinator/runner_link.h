@@ -7,6 +7,7 @@
 #ifndef DETOUR_COORDINATOR_RUNNER_LINK_H_
 #define DETOUR_COORDINATOR_RUNNER_LINK_H_
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>

@@ -282,9 +282,8 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
   return fitted;
 }
 
-std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(const TimingEstimates& estimates,
-                                                                  bool* rebuilt) {
-  *rebuilt = false;
+std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
+    const TimingEstimates& estimates) {
   const int links = UpdateLinksFromTimings(estimates);
   int changed = 0;
   std::vector<ForwardSample> samples;
@@ -310,7 +309,6 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(const TimingEs
     return samples;
   }
   ++cost_version_;
-  *rebuilt = true;
   LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
            " links measured");
   return samples;

@@ -105,11 +105,10 @@ class RunnerPlanner {
   // last what the workers measured. Returns how many links were fitted.
   int UpdateLinksFromTimings(const TimingEstimates& estimates);
   // Re-derives every member's speed from its measured forward time against
-  // the cost model's prediction and rebuilds the cost model. Returns the
-  // samples for straggler detection; `rebuilt` says whether the model
-  // changed.
-  std::vector<ForwardSample> UpdateSpeedsFromTimings(const TimingEstimates& estimates,
-                                                     bool* rebuilt);
+  // the cost model's prediction, and rebuilds the cost model when a speed
+  // or a link was measured (cost_version() moves then). Returns the samples
+  // for straggler detection.
+  std::vector<ForwardSample> UpdateSpeedsFromTimings(const TimingEstimates& estimates);
   // Bumped whenever measured speeds change the cost model.
   uint64_t cost_version() const { return cost_version_; }
 

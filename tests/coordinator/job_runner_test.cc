@@ -36,6 +36,7 @@ using ::testing::HasSubstr;
 struct FakeWorker {
   std::string id;
   std::string token;
+  std::string job_id;  // of the plan it runs
   double speed = 1;
   bool alive = true;
   int stage = -1;  // -1: holds no stage
@@ -206,8 +207,6 @@ class FakeCluster : public RunnerHost {
   }
 
  private:
-  static constexpr char kJob[] = "job-1";
-
   // The worker's answer to `m`, as the real worker's runtime gives it.
   // Returns true when the worker dies on this message (its session closes).
   bool Answer(FakeWorker& w, const v1::CoordinatorMessage& m,
@@ -242,7 +241,6 @@ class FakeCluster : public RunnerHost {
       }
       case v1::CoordinatorMessage::kPlan: {
         const v1::IterationPlan& p = m.plan();
-        ++planned_;
         planned_iterations_.push_back(p.iteration());
         for (const KillOnPlan& k : kills_) {
           std::string victim = k.worker;
@@ -258,6 +256,7 @@ class FakeCluster : public RunnerHost {
             return true;
           }
         }
+        w.job_id = p.job_id();
         w.iteration = p.iteration();
         w.epoch = p.epoch();
         w.stepped = false;
@@ -331,7 +330,7 @@ class FakeCluster : public RunnerHost {
 
   void Norm(const FakeWorker& w, v1::WorkerMessage& out) {
     v1::GradientNorm* n = out.mutable_grad_norm();
-    n->set_job_id(kJob);
+    n->set_job_id(w.job_id);
     n->set_iteration(w.iteration);
     n->set_stage(static_cast<uint32_t>(w.stage));
     n->set_squared_norm(1.0);
@@ -351,7 +350,6 @@ class FakeCluster : public RunnerHost {
   std::set<std::string> reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> sent_count_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
-  int planned_ ABSL_GUARDED_BY(mu_) = 0;
   bool checkpoint_ ABSL_GUARDED_BY(mu_) = false;
 };
 
