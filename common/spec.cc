@@ -218,18 +218,12 @@ void ApplyJobDefaults(JobSpec* spec) {
   DETOUR_DEFAULT(e, reassign_horizon_iterations, 20u);
 }
 
-absl::Status ValidateJobSpec(const JobSpec& spec) {
-  // First, and counting unknown fields: each field may be within its limit
-  // while the whole is not (or be all unknown fields).
-  if (const size_t bytes = spec.ByteSizeLong(); bytes > SpecLimits::kMaxJobSpecBytes) {
-    return Invalid("spec", absl::StrCat("is ", bytes, " bytes serialized, more than the limit of ",
-                                        SpecLimits::kMaxJobSpecBytes, " (1 MiB)"));
-  }
-  if (!ValidName(spec.name())) {
-    return Invalid("name", absl::StrCat("\"", spec.name(),
-                                        "\" must be 1-64 letters, digits, '-', '_' or '.'"));
-  }
-  const v1::ModelShape& m = spec.model();
+namespace {
+
+// ValidateJobSpec's sections. Each checks its fields in a fixed order: a spec
+// with several errors always reports the same first one.
+
+absl::Status ValidateModelShape(const v1::ModelShape& m) {
   if (!m.preset().empty()) {
     auto preset = ModelPreset(m.preset());
     if (!preset.ok()) return Invalid("model.preset", preset.status().message());
@@ -268,8 +262,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(m.rope_theta() > 0))
     return Invalid("model.rope_theta", Num(m.rope_theta()) + " must be > 0");
   if (!(m.norm_eps() > 0)) return Invalid("model.norm_eps", Num(m.norm_eps()) + " must be > 0");
+  return absl::OkStatus();
+}
 
-  const v1::PipelineSpec& p = spec.pipeline();
+// Per-field limits, then the sizes they multiply into (workers, microbatches,
+// one activation), then at least one layer per stage.
+absl::Status ValidatePipelineSizes(const v1::PipelineSpec& p, const v1::ModelShape& m) {
+  using L = SpecLimits;
   for (auto [field, value, limit] :
        {std::tuple<const char*, uint64_t, uint64_t>{"pipeline.data_nodes", p.data_nodes(),
                                                     L::kMaxDataNodes},
@@ -319,6 +318,43 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    absl::StrCat(p.num_stages(), " stages exceed model.num_layers ", m.num_layers(),
                                 " (each stage needs at least one layer)"));
   }
+  return absl::OkStatus();
+}
+
+// An explicit assignment (if any): one node group per stage of the right
+// size, each node id valid and used once.
+absl::Status ValidatePipelineAssignment(const v1::PipelineSpec& p) {
+  if (p.assignment_size() == 0) return absl::OkStatus();
+  using L = SpecLimits;
+  if (p.assignment_size() != static_cast<int>(p.num_stages())) {
+    return Invalid("pipeline.assignment", absl::StrCat(p.assignment_size(), " stage groups for ",
+                                                       p.num_stages(), " stages"));
+  }
+  std::set<std::string> seen;
+  for (int st = 0; st < p.assignment_size(); ++st) {
+    const auto& ids = p.assignment(st).nodes();
+    const uint32_t want = st == 0 ? p.data_nodes() : p.replicas_per_stage();
+    const std::string field = absl::StrCat("pipeline.assignment[", st, "]");
+    if (static_cast<uint32_t>(ids.size()) != want) {
+      return Invalid(field, absl::StrCat(ids.size(), " nodes, stage ", st, " needs ", want,
+                                         st == 0 ? " (data_nodes)" : " (replicas_per_stage)"));
+    }
+    for (const std::string& id : ids) {
+      if (id.empty()) return Invalid(field, "has an empty node id");
+      if (id.size() > L::kMaxIdBytes) {
+        return Invalid(
+            field, absl::StrCat("a node id of ", id.size(), " bytes (limit ", L::kMaxIdBytes, ")"));
+      }
+      if (!seen.insert(id).second) {
+        return Invalid(field, absl::StrCat("node \"", id, "\" is assigned twice"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePipeline(const v1::PipelineSpec& p, const v1::ModelShape& m) {
+  RETURN_IF_ERROR(ValidatePipelineSizes(p, m));
   if (!(p.skip_ratio() >= 0.0 && p.skip_ratio() < 1.0)) {
     return Invalid("pipeline.skip_ratio", Num(p.skip_ratio()) + " is outside [0, 1)");
   }
@@ -351,32 +387,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                                       " is not a precision (PRECISION_FP32 or "
                                                       "PRECISION_BF16)"));
   }
-  if (p.assignment_size() > 0) {
-    if (p.assignment_size() != static_cast<int>(p.num_stages())) {
-      return Invalid("pipeline.assignment", absl::StrCat(p.assignment_size(), " stage groups for ",
-                                                         p.num_stages(), " stages"));
-    }
-    std::set<std::string> seen;
-    for (int st = 0; st < p.assignment_size(); ++st) {
-      const auto& ids = p.assignment(st).nodes();
-      const uint32_t want = st == 0 ? p.data_nodes() : p.replicas_per_stage();
-      const std::string field = absl::StrCat("pipeline.assignment[", st, "]");
-      if (static_cast<uint32_t>(ids.size()) != want) {
-        return Invalid(field, absl::StrCat(ids.size(), " nodes, stage ", st, " needs ", want,
-                                           st == 0 ? " (data_nodes)" : " (replicas_per_stage)"));
-      }
-      for (const std::string& id : ids) {
-        if (id.empty()) return Invalid(field, "has an empty node id");
-        if (id.size() > L::kMaxIdBytes) {
-          return Invalid(field, absl::StrCat("a node id of ", id.size(), " bytes (limit ",
-                                             L::kMaxIdBytes, ")"));
-        }
-        if (!seen.insert(id).second) {
-          return Invalid(field, absl::StrCat("node \"", id, "\" is assigned twice"));
-        }
-      }
-    }
-  }
+  RETURN_IF_ERROR(ValidatePipelineAssignment(p));
   const std::set<std::string> dtypes = {"fp32", "fp16", "bf16"};
   if (!dtypes.count(p.wire_dtype())) {
     return Invalid("pipeline.wire_dtype",
@@ -394,8 +405,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                        " non-zero stages at skip ratio ", Num(p.skip_ratio())));
     }
   }
+  return absl::OkStatus();
+}
 
-  const v1::OptimizerSpec& o = spec.optimizer();
+// AdamW, clipping and the lr schedule (K-FAC's settings are ValidateKfac's).
+absl::Status ValidateOptimizer(const v1::OptimizerSpec& o) {
+  using L = SpecLimits;
   if (!(o.adamw().lr() > 0) || !std::isfinite(o.adamw().lr())) {
     return Invalid("optimizer.adamw.lr", Num(o.adamw().lr()) + " must be > 0");
   }
@@ -426,7 +441,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
     return Invalid("optimizer.min_lr_ratio", Num(o.min_lr_ratio()) + " is outside [0, 1]");
   }
-  const v1::KfacSpec& k = o.kfac();
+  return absl::OkStatus();
+}
+
+// `p` bounds the curvature microbatches.
+absl::Status ValidateKfac(const v1::KfacSpec& k, const v1::PipelineSpec& p) {
+  using L = SpecLimits;
   if (!(k.damping() > 0 && k.damping() <= 1e6)) {
     return Invalid("optimizer.kfac.damping", Num(k.damping()) + " is outside (0, 1e6]");
   }
@@ -480,7 +500,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    "KFAC_REPLICA_SYNC_PRECONDITIONED needs update KFAC_UPDATE_GRAFT_ADAMW "
                    "(the momentum rule's KL clipping needs the raw gradient)");
   }
+  return absl::OkStatus();
+}
 
+// The paths a job reads from (data.tokenizer is ValidateData's): their
+// lengths, and which checkpoint the job starts from.
+absl::Status ValidateInputPaths(const JobSpec& spec) {
+  using L = SpecLimits;
   const v1::DataSpec& d = spec.data();
   if (d.path().size() > L::kMaxPathBytes) {
     return Invalid("data.path",
@@ -505,16 +531,24 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    "is exclusive with checkpoint.resume_from (a resumed job continues from its "
                    "own checkpoint)");
   }
-  if (spec.checkpoint().keep_last() > L::kMaxKeepLast) {
-    return Invalid("checkpoint.keep_last", absl::StrCat(spec.checkpoint().keep_last(),
-                                                        " exceeds the limit ", L::kMaxKeepLast));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCheckpointSchedule(const v1::CheckpointPolicy& c) {
+  using L = SpecLimits;
+  if (c.keep_last() > L::kMaxKeepLast) {
+    return Invalid("checkpoint.keep_last",
+                   absl::StrCat(c.keep_last(), " exceeds the limit ", L::kMaxKeepLast));
   }
-  if (spec.checkpoint().every_iterations() > L::kMaxIterations) {
+  if (c.every_iterations() > L::kMaxIterations) {
     return Invalid("checkpoint.every_iterations",
-                   absl::StrCat(spec.checkpoint().every_iterations(), " exceeds the limit ",
-                                L::kMaxIterations));
+                   absl::StrCat(c.every_iterations(), " exceeds the limit ", L::kMaxIterations));
   }
-  const v1::ElasticSpec& e = spec.elastic();
+  return absl::OkStatus();
+}
+
+absl::Status ValidateElastic(const v1::ElasticSpec& e) {
+  using L = SpecLimits;
   if (e.pause_timeout_s() > L::kMaxPauseSeconds) {
     return Invalid("elastic.pause_timeout_s",
                    absl::StrCat(e.pause_timeout_s(), " exceeds the limit ", L::kMaxPauseSeconds));
@@ -529,10 +563,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                    absl::StrCat(e.reassign_horizon_iterations(), " exceeds the limit ",
                                 L::kMaxReassignHorizon));
   }
-  if (spec.iterations() > L::kMaxIterations) {
-    return Invalid("iterations",
-                   absl::StrCat(spec.iterations(), " exceeds the limit ", L::kMaxIterations));
-  }
+  return absl::OkStatus();
+}
+
+// The data source and its settings (data.path's length is ValidateInputPaths's).
+absl::Status ValidateData(const v1::DataSpec& d) {
+  using L = SpecLimits;
   if (d.source() == v1::DATA_SOURCE_TEXT && d.path().empty()) {
     return Invalid("data.path", "required when data.source is DATA_SOURCE_TEXT");
   }
@@ -553,6 +589,36 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return Invalid("data.validation_fraction",
                    Num(d.validation_fraction()) + " is outside [0, 0.5]");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  // First, and counting unknown fields: each field may be within its limit
+  // while the whole is not (or be all unknown fields).
+  if (const size_t bytes = spec.ByteSizeLong(); bytes > SpecLimits::kMaxJobSpecBytes) {
+    return Invalid("spec", absl::StrCat("is ", bytes, " bytes serialized, more than the limit of ",
+                                        SpecLimits::kMaxJobSpecBytes, " (1 MiB)"));
+  }
+  if (!ValidName(spec.name())) {
+    return Invalid("name", absl::StrCat("\"", spec.name(),
+                                        "\" must be 1-64 letters, digits, '-', '_' or '.'"));
+  }
+  // The sections in a fixed order, with the top-level fields where they have
+  // always been checked, so that the first error a spec reports stays put.
+  RETURN_IF_ERROR(ValidateModelShape(spec.model()));
+  RETURN_IF_ERROR(ValidatePipeline(spec.pipeline(), spec.model()));
+  RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
+  RETURN_IF_ERROR(ValidateKfac(spec.optimizer().kfac(), spec.pipeline()));
+  RETURN_IF_ERROR(ValidateInputPaths(spec));
+  RETURN_IF_ERROR(ValidateCheckpointSchedule(spec.checkpoint()));
+  RETURN_IF_ERROR(ValidateElastic(spec.elastic()));
+  if (spec.iterations() > SpecLimits::kMaxIterations) {
+    return Invalid("iterations", absl::StrCat(spec.iterations(), " exceeds the limit ",
+                                              SpecLimits::kMaxIterations));
+  }
+  RETURN_IF_ERROR(ValidateData(spec.data()));
   if (spec.iterations() == 0) return Invalid("iterations", "must be > 0");
   if (spec.device() != "cpu" && spec.device() != "cuda") {
     return Invalid("device", absl::StrCat("\"", spec.device(), "\" is not cpu or cuda"));
