@@ -17,9 +17,17 @@
 // After the control session reopens, the worker tells the coordinator what
 // it holds and repeats the current iteration's messages.
 //
-// The parts: the executor's queue (work_queue.h), the iteration's pipeline
-// book-keeping (iteration_tracker.h), the replica all-reduce's membership
-// (replica_reducer.h), K-FAC bubble selection (bubble_schedule.h), the
+// The parts (runtime_part.h and docs/ARCHITECTURE.md): this class is the
+// executor (its thread and work queue, work_queue.h) and dispatches to
+// RuntimeSetup (taking a stage), RuntimePipeline (an iteration's forwards,
+// losses and backwards), RuntimeReduce (the replica all-reduce and the
+// gradient norm), RuntimeBubbles (K-FAC work in the idle gaps),
+// RuntimeMembership (lost workers and amended routes mid-iteration),
+// RuntimeStateTransfer (a stage's state to a joining replica) and
+// RuntimeStep (the optimiser step and the result). Below them: the
+// iteration's pipeline book-keeping (iteration_tracker.h), the all-reduce's
+// membership (replica_reducer.h), bubble selection (bubble_schedule.h), frame
+// admission (frame_admission.h), the stage's state (stage_state.h), the
 // metrics (runtime_metrics.h) and the peer transport (peer_transport.h,
 // given as a factory so tests can use in-memory fakes).
 //

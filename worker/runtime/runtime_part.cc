@@ -1,0 +1,185 @@
+#include "worker/runtime/runtime_part.h"
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/status.h"
+
+namespace detour {
+
+at::ScalarType TorchType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FP16: return at::kHalf;
+    case v1::DTYPE_BF16: return at::kBFloat16;
+    case v1::DTYPE_INT64: return at::kLong;
+    case v1::DTYPE_BYTES: return at::kByte;
+    default: return at::kFloat;
+  }
+}
+
+v1::DType WireDType(const std::string& name) {
+  if (name == "fp16") return v1::DTYPE_FP16;
+  if (name == "bf16") return v1::DTYPE_BF16;
+  return v1::DTYPE_FP32;
+}
+
+std::vector<std::string> GroupOf(const google::protobuf::RepeatedPtrField<v1::ReplicaGroup>& groups,
+                                 int stage) {
+  for (const v1::ReplicaGroup& g : groups) {
+    if (static_cast<int>(g.stage()) == stage) return {g.nodes().begin(), g.nodes().end()};
+  }
+  return {};
+}
+
+RuntimePart::RuntimePart(RuntimeShared* shared, RuntimeCore* core)
+    : core_(core),
+      options_(shared->options),
+      metrics_(shared->metrics),
+      admission_(shared->admission),
+      me_(shared->me),
+      job_id_(shared->job_id),
+      spec_(shared->spec),
+      stage_index_(shared->stage_index),
+      epoch_(shared->epoch),
+      completed_(shared->completed),
+      group_(shared->group),
+      reducer_(shared->reducer),
+      device_(shared->device),
+      stage_(shared->stage),
+      optimizer_(shared->optimizer),
+      kfac_(shared->kfac),
+      bubbles_(shared->bubbles),
+      flat_numel_(shared->flat_numel),
+      factor_numel_(shared->factor_numel),
+      bubble_running_(shared->bubble_running),
+      arrived_during_bubble_ns_(shared->arrived_during_bubble_ns),
+      train_tokens_(shared->train_tokens),
+      wire_(shared->wire),
+      transport_(shared->transport),
+      peers_(shared->peers),
+      state_from_(shared->state_from),
+      it_(shared->it),
+      early_(shared->early),
+      replay_(shared->replay) {}
+
+void RuntimePart::SetPeers(const google::protobuf::RepeatedPtrField<v1::Peer>& peers) {
+  peers_.clear();
+  for (const v1::Peer& p : peers) {
+    if (p.worker_id() == me_) continue;
+    peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
+  }
+  PushPeers();
+}
+
+void RuntimePart::PushPeers() {
+  std::vector<PeerEndpoint> endpoints;
+  std::set<std::string> members = {me_};
+  for (const auto& [id, p] : peers_) {
+    endpoints.push_back(p);
+    members.insert(id);
+  }
+  admission_.SetMembers(std::move(members));
+  transport_->SetPeers(endpoints);
+}
+
+void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uint32_t mb,
+                             uint32_t hop, const at::Tensor& tensor, uint64_t epoch) {
+  at::Tensor wire = tensor.detach();
+  v1::DType dtype = v1::DTYPE_FP32;
+  if (direction != v1::DIRECTION_ALLREDUCE && wire_ != v1::DTYPE_FP32) {
+    wire = wire.to(TorchType(wire_));
+    dtype = wire_;
+  } else if (wire.scalar_type() != at::kFloat) {
+    wire = wire.to(at::kFloat);
+  }
+  wire = wire.to(at::kCPU).contiguous();
+  v1::FrameHeader h;
+  h.set_job_id(job_id_);
+  h.set_iteration(it_->plan.iteration());
+  h.set_microbatch(mb);
+  h.set_direction(direction);
+  h.set_sender(me_);
+  h.set_hop(hop);
+  h.set_epoch(epoch);
+  for (int64_t d : wire.sizes()) h.add_shape(d);
+  h.set_dtype(dtype);
+  auto holder = std::make_shared<at::Tensor>(wire);
+  TensorView view;
+  view.data = holder->data_ptr();
+  view.bytes = holder->nbytes();
+  view.keepalive = holder;
+  const uint64_t iteration = it_->plan.iteration();
+  const uint64_t bytes = view.bytes;
+  const std::string job = job_id_;
+  transport_->Send(
+      to, std::move(h), std::move(view),
+      [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
+        core_->Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
+      });
+}
+
+void RuntimePart::OnTransferDone(const std::string& job, uint64_t iteration, const std::string& to,
+                                 v1::Direction direction, uint64_t bytes,
+                                 const absl::Status& status, double seconds) {
+  if (job != job_id_) return;
+  if (!status.ok()) {
+    if (it_ == nullptr || it_->plan.iteration() != iteration) return;
+    if (status.code() == absl::StatusCode::kCancelled && it_->tracker->lost().count(to)) {
+      return;  // the sender to a lost worker was closed
+    }
+    if (spec_.elastic().disabled() || status.code() == absl::StatusCode::kNotFound ||
+        status.code() == absl::StatusCode::kAlreadyExists) {
+      return Fail(
+          Annotate(status, absl::StrCat("sending ", v1::Direction_Name(direction), " to ", to)));
+    }
+    // The peer may be gone: the coordinator decides (and re-plans around
+    // it); reported once per peer and iteration.
+    if (!it_->unreachable_reported.insert(to).second) return;
+    LogWarning("job ", job_id_, ": sending ", v1::Direction_Name(direction), " to ", to,
+               " failed: ", status.message(), "; reporting it");
+    ReportUnreachable(iteration, to, status);
+    return;
+  }
+  metrics_.Transfer(direction, seconds);
+  metrics_.LinkTransfer(to, bytes, seconds);
+  if (it_ != nullptr && it_->plan.iteration() == iteration) {
+    v1::TransferTiming* t = it_->timing.add_transfers();
+    t->set_peer(to);
+    t->set_forward(direction == v1::DIRECTION_FORWARD);
+    t->set_allreduce(direction == v1::DIRECTION_ALLREDUCE);
+    t->set_bytes(bytes);
+    t->set_duration_s(seconds);
+  }
+}
+
+void RuntimePart::ReportUnreachable(uint64_t iteration, const std::string& peer,
+                                    const absl::Status& why) {
+  v1::WorkerMessage m;
+  v1::PeerUnreachable* u = m.mutable_peer_unreachable();
+  u->set_job_id(job_id_);
+  u->set_iteration(iteration);
+  u->set_peer(peer);
+  u->set_message(std::string(why.message()));
+  Send(std::move(m), /*replay=*/false);
+}
+
+void RuntimePart::Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {
+  absl::Time end = absl::Now();
+  if (options_.compute_slowdown > 1 && kind != v1::TaskTiming::KIND_ALLREDUCE) {
+    absl::SleepFor((end - start) * (options_.compute_slowdown - 1));
+    end = absl::Now();
+  }
+  const double seconds = absl::ToDoubleSeconds(end - start);
+  if (it_ != nullptr) {
+    v1::TaskTiming* t = it_->timing.add_tasks();
+    t->set_kind(kind);
+    t->set_microbatch(mb);
+    t->set_start_s(absl::ToDoubleSeconds(start - it_->received));
+    t->set_duration_s(seconds);
+  }
+  metrics_.Task(kind, seconds);
+}
+
+}  // namespace detour
