@@ -1,9 +1,7 @@
 #include "tools/detour_sim/kfac.h"
 
 #include <algorithm>
-#include <cmath>
 #include <iostream>
-#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -14,7 +12,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -31,6 +28,7 @@
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/replica_sync_choice.h"
+#include "tools/detour_sim/kfac_options.h"
 
 namespace detour::sim_tool {
 
@@ -59,232 +57,6 @@ node's speed.)";
 constexpr char kKfacEpilog[] =
     "Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.";
 
-// Usage errors found after parsing carry this prefix (exit 2).
-absl::Status UsageError(absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("usage: ", what));
-}
-
-struct Profile {
-  double forward_ms, backward_ms, curvature_ms, inversion_ms, precondition_ms;
-  int blocks;
-  int d_model;
-};
-
-// pipefisher.md §5: per transformer block on a P100.
-const std::map<std::string, Profile>& Profiles() {
-  static const auto* p = new std::map<std::string, Profile>{
-      {"bert-large-bs8", {4.50, 7.65, 11.93, 126.74, 14.88, 24, 1024}},
-      {"bert-large-bs32", {16.10, 26.95, 43.50, 126.70, 14.73, 24, 1024}},
-      {"bert-base-bs8", {2.73, 4.65, 6.80, 71.64, 6.85, 12, 768}},
-      {"bert-base-bs32", {9.75, 16.45, 25.55, 71.67, 6.81, 12, 768}},
-  };
-  return *p;
-}
-
-struct KfacArgs {
-  // Synthetic.
-  std::string schedule, profile;
-  int stages = 0, microbatches = 0, blocks = 0;
-  std::optional<double> forward_ms, backward_ms, curvature_ms, inversion_ms, precondition_ms;
-  // Real.
-  std::string cluster, job, scheduler;
-  double tflops = 0;
-  bool has_seed = false;
-  uint64_t seed = 0;
-  // Both.
-  int iterations = 0;
-  int refreshes = 3;
-  int curvature_microbatches = 1;
-  double slack = 0.05;
-  double max_granule_ms = 5;  // the job default (NormalizeJobSpec)
-  int refresh_interval = 0;
-  bool serial = false;
-  // Replica synchronisation; unset or auto_sync: chosen like a job's
-  // KFAC_REPLICA_SYNC_AUTO (planner::ChooseReplicaSync) when a stage has
-  // replicas, none otherwise.
-  std::optional<kfac::ReplicaSync> sync;
-  bool auto_sync = false;
-  bool json = false;
-  std::string svg;
-};
-
-// Declares the flags of `detour-sim kfac` on `flags`, parses `args` and
-// checks the values and their combinations. CANCELLED after --help.
-absl::StatusOr<KfacArgs> Parse(FlagSet& flags, const std::vector<std::string>& args) {
-  KfacArgs a;
-  int64_t stages = 0, microbatches = 0, blocks = 0, iterations = 0, refreshes = a.refreshes,
-          curvature_microbatches = a.curvature_microbatches, refresh_interval = a.refresh_interval;
-  double forward_ms = 0, backward_ms = 0, curvature_ms = 0, inversion_ms = 0, precondition_ms = 0;
-  std::string seed, placement = "bubbles", replica_sync;
-  bool sync = false, no_sync = false;
-  flags.String("schedule", &a.schedule, "synthetic pipeline: gpipe, 1f1b or chimera");
-  flags.String("profile", &a.profile,
-               "per-block times: bert-large-bs32, bert-large-bs8, bert-base-bs32, bert-base-bs8");
-  flags.Int("stages", &stages, "D, synthetic stages (required with --schedule)");
-  flags.Int("microbatches", &microbatches, "N, microbatches (required with --schedule)");
-  flags.Int("blocks", &blocks, "transformer blocks (required without --profile)");
-  flags.Double("forward-ms", &forward_ms, "forward ms per block and microbatch");
-  flags.Double("backward-ms", &backward_ms, "backward ms per block and microbatch");
-  flags.Double("curvature-ms", &curvature_ms, "curvature (A+B) ms per block and microbatch");
-  flags.Double("inversion-ms", &inversion_ms, "inversion ms per block (all factors)");
-  flags.Double("precondition-ms", &precondition_ms, "preconditioning ms per block and step");
-  flags.String("cluster", &a.cluster, "cluster spec (real plan)");
-  flags.String("job", &a.job, "job spec (real plan)");
-  flags.String("scheduler", &a.scheduler,
-               "real plan: skippipe, full, random, skip-no-collision (default: the job's)");
-  flags.Double("tflops", &a.tflops,
-               "real plan: TFLOP/s of a speed-1.0 node (default: the cluster's)");
-  flags.String("seed", &seed, "real plan: seed, an unsigned integer (default: the job's)");
-  flags.Int("iterations", &iterations,
-            "plan K iterations (default 0: until --refreshes refreshes complete)");
-  flags.Int("refreshes", &refreshes, "refreshes to complete when --iterations is 0");
-  flags.Int("curvature-microbatches", &curvature_microbatches,
-            "curvature microbatches per node and refresh");
-  flags.Double("slack", &a.slack, "placement margin, in [0, 1)");
-  flags.Double("max-granule-ms", &a.max_granule_ms,
-               "longest K-FAC task placed in a gap, ms: longer items are split into parts "
-               "(docs/KFAC.md \"Granules\"); 0 = never split");
-  flags.Int("refresh-interval", &refresh_interval,
-            "fixed refresh interval (0: as the bubbles allow)");
-  flags.String("placement", &placement, "bubbles or serial");
-  flags.String("replica-sync", &replica_sync,
-               "how replicas stay identical: auto (the default when a stage has replicas, "
-               "chimera's have 2: factors when the modelled iteration is within 5% of "
-               "preconditioned's, as for a job), preconditioned (each preconditions its own "
-               "gradient), factors (all-reduce the factors) or none");
-  flags.Bool("sync", &sync, "the same as --replica-sync factors");
-  flags.Bool("no-sync", &no_sync, "the same as --replica-sync none");
-  flags.Bool("json", &a.json, "machine-readable output");
-  flags.String("svg", &a.svg, "timeline of the first iteration with K-FAC work");
-  flags.SetEpilog(kKfacEpilog);
-  ASSIGN_OR_RETURN(std::vector<std::string> rest, flags.Parse(args));
-  if (!rest.empty()) return UsageError(absl::StrCat("unexpected argument \"", rest[0], "\""));
-
-  auto count = [&](const char* name, int64_t v, int min, int* out) -> absl::Status {
-    if (flags.WasSet(name) && (v < min || v > std::numeric_limits<int>::max())) {
-      return UsageError(absl::StrCat("--", name, ": needs a whole number >= ", min, ", got ", v));
-    }
-    *out = static_cast<int>(v);
-    return absl::OkStatus();
-  };
-  RETURN_IF_ERROR(count("stages", stages, 1, &a.stages));
-  RETURN_IF_ERROR(count("microbatches", microbatches, 1, &a.microbatches));
-  RETURN_IF_ERROR(count("blocks", blocks, 1, &a.blocks));
-  RETURN_IF_ERROR(count("iterations", iterations, 1, &a.iterations));
-  RETURN_IF_ERROR(count("refreshes", refreshes, 1, &a.refreshes));
-  RETURN_IF_ERROR(
-      count("curvature-microbatches", curvature_microbatches, 1, &a.curvature_microbatches));
-  RETURN_IF_ERROR(count("refresh-interval", refresh_interval, 0, &a.refresh_interval));
-  for (const auto& [name, v, out] :
-       std::vector<std::tuple<const char*, double, std::optional<double>*>>{
-           {"forward-ms", forward_ms, &a.forward_ms},
-           {"backward-ms", backward_ms, &a.backward_ms},
-           {"curvature-ms", curvature_ms, &a.curvature_ms},
-           {"inversion-ms", inversion_ms, &a.inversion_ms},
-           {"precondition-ms", precondition_ms, &a.precondition_ms}}) {
-    if (!flags.WasSet(name)) continue;
-    if (!(v >= 0) || !std::isfinite(v)) {
-      return UsageError(absl::StrCat("--", name, ": needs a number >= 0, got ", v));
-    }
-    *out = v;
-  }
-  if (flags.WasSet("schedule") && a.schedule != "gpipe" && a.schedule != "1f1b" &&
-      a.schedule != "chimera") {
-    return UsageError(absl::StrCat("--schedule: gpipe, 1f1b or chimera, got ", a.schedule));
-  }
-  if (flags.WasSet("profile") && !Profiles().count(a.profile)) {
-    return UsageError(absl::StrCat("--profile: unknown profile \"", a.profile,
-                                   "\" (bert-large-bs32, bert-large-bs8, bert-base-bs32, "
-                                   "bert-base-bs8)"));
-  }
-  if (flags.WasSet("tflops") && !(a.tflops > 0)) {
-    return UsageError(absl::StrCat("--tflops: needs a positive number, got ", a.tflops));
-  }
-  if (flags.WasSet("seed")) {
-    if (!absl::SimpleAtoi(seed, &a.seed))
-      return UsageError(absl::StrCat("--seed: bad number ", seed));
-    a.has_seed = true;
-  }
-  if (!(a.max_granule_ms == 0 || (a.max_granule_ms >= 0.01 && a.max_granule_ms <= 60000))) {
-    return UsageError(absl::StrCat("--max-granule-ms: needs 0 or a number in [0.01, 60000], got ",
-                                   a.max_granule_ms));
-  }
-  if (!(a.slack >= 0 && a.slack < 1)) {
-    return UsageError(absl::StrCat("--slack: needs a number in [0, 1), got ", a.slack));
-  }
-  if (placement != "bubbles" && placement != "serial") {
-    return UsageError(absl::StrCat("--placement: bubbles or serial, got ", placement));
-  }
-  a.serial = placement == "serial";
-  if (flags.WasSet("sync") && flags.WasSet("no-sync") && sync == no_sync) {
-    return UsageError("--sync and --no-sync contradict each other");
-  }
-  if (flags.WasSet("sync")) a.sync = sync ? kfac::ReplicaSync::kFactors : kfac::ReplicaSync::kNone;
-  if (flags.WasSet("no-sync")) {
-    a.sync = no_sync ? kfac::ReplicaSync::kNone : kfac::ReplicaSync::kFactors;
-  }
-  if (flags.WasSet("replica-sync")) {
-    kfac::ReplicaSync r;
-    if (replica_sync == "auto") {
-      if (a.sync) return UsageError("--replica-sync auto contradicts --sync/--no-sync");
-      a.auto_sync = true;
-      r = kfac::ReplicaSync::kPreconditioned;  // unused: chosen in Run
-    } else if (replica_sync == "preconditioned") {
-      r = kfac::ReplicaSync::kPreconditioned;
-    } else if (replica_sync == "factors") {
-      r = kfac::ReplicaSync::kFactors;
-    } else if (replica_sync == "none") {
-      r = kfac::ReplicaSync::kNone;
-    } else {
-      return UsageError(absl::StrCat(
-          "--replica-sync: auto, preconditioned, factors or none, got \"", replica_sync, "\""));
-    }
-    if (!a.auto_sync) {
-      if (a.sync && *a.sync != r) {
-        return UsageError("--replica-sync contradicts --sync/--no-sync");
-      }
-      a.sync = r;
-    }
-  }
-  const bool synthetic = !a.schedule.empty();
-  const bool real = !a.cluster.empty() || !a.job.empty();
-  if (synthetic == real) {
-    return UsageError("needs either --schedule (synthetic) or --cluster and --job");
-  }
-  if (synthetic) {
-    if (a.stages == 0) return UsageError("--stages is required with --schedule");
-    if (a.microbatches == 0) return UsageError("--microbatches is required with --schedule");
-    if (a.schedule == "chimera" && (a.stages % 2 != 0 || a.microbatches % 2 != 0)) {
-      return UsageError(absl::StrFormat(
-          "--schedule chimera needs an even --stages and --microbatches (two pipelines in "
-          "opposite directions, N/2 microbatches each), got %d and %d",
-          a.stages, a.microbatches));
-    }
-    if (a.profile.empty()) {
-      for (const auto& [flag, v] : std::vector<std::pair<const char*, std::optional<double>>>{
-               {"--forward-ms", a.forward_ms},
-               {"--backward-ms", a.backward_ms},
-               {"--curvature-ms", a.curvature_ms},
-               {"--inversion-ms", a.inversion_ms}}) {
-        if (!v) return UsageError(absl::StrCat(flag, " is required without --profile"));
-      }
-      if (a.blocks == 0) return UsageError("--blocks is required without --profile");
-    }
-    if (!a.scheduler.empty() || a.tflops > 0 || a.has_seed) {
-      return UsageError("--scheduler, --tflops and --seed go with --cluster/--job");
-    }
-  } else {
-    if (a.cluster.empty()) return UsageError("--cluster is required");
-    if (a.job.empty()) return UsageError("--job is required");
-    if (!a.profile.empty() || a.stages || a.microbatches || a.blocks || a.forward_ms ||
-        a.backward_ms || a.curvature_ms || a.inversion_ms || a.precondition_ms) {
-      return UsageError(
-          "--profile, --stages, --microbatches, --blocks and --*-ms go with --schedule");
-    }
-  }
-  return a;
-}
-
 // One scenario, ready for the bubble planner.
 struct Scenario {
   std::string description;
@@ -299,7 +71,7 @@ struct Scenario {
 
 // Splits a block's measured curvature / inversion time like the FLOP
 // estimate of a block of width d with ffn = 4d (BERT's MLP width).
-planner::KfacLayerCost ProfileLayerCost(const Profile& p) {
+planner::KfacLayerCost ProfileLayerCost(const BlockProfile& p) {
   v1::ModelShape shape;
   shape.set_d_model(p.d_model);
   shape.set_num_heads(p.d_model / 64);
@@ -372,35 +144,48 @@ std::vector<std::vector<Op>> ChimeraOrders(int D, int N) {
   return orders;
 }
 
-// Uniform pipeline without communication: each device runs its op list in
-// order, an op starting when the device is free and its input has arrived.
-absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
-  Profile p{0, 0, 0, 0, 0, a.blocks, 1024};
-  if (!a.profile.empty()) p = Profiles().at(a.profile);
+// The per-block times of a synthetic run: the named profile, if any, with
+// the explicit --*-ms and --blocks values over it.
+BlockProfile SyntheticProfile(const KfacArgs& a) {
+  BlockProfile p{0, 0, 0, 0, 0, a.blocks, 1024};
+  if (!a.profile.empty()) p = BlockProfiles().at(a.profile);
   if (a.forward_ms) p.forward_ms = *a.forward_ms;
   if (a.backward_ms) p.backward_ms = *a.backward_ms;
   if (a.curvature_ms) p.curvature_ms = *a.curvature_ms;
   if (a.inversion_ms) p.inversion_ms = *a.inversion_ms;
   if (a.precondition_ms) p.precondition_ms = *a.precondition_ms;
   if (a.blocks > 0) p.blocks = a.blocks;
-  const int D = a.stages, N = a.microbatches;
-  if (D > p.blocks) {
-    return UsageError(absl::StrFormat("--stages: %d stages for %d blocks", D, p.blocks));
-  }
-  const bool chimera = a.schedule == "chimera";
-  std::vector<int> layers = sim::LayersPerStage(p.blocks, D);
-  // The device running microbatch mb's stage s.
-  auto device = [&](int mb, int s) { return chimera ? ChimeraDevice(D, N, mb, s) : s; };
+  return p;
+}
 
+// A synthetic pipeline: D stages on D devices, N microbatches, `layers[s]`
+// of the profile's blocks at stage s.
+struct SyntheticShape {
+  std::string schedule;  // gpipe, 1f1b or chimera
+  int D = 0, N = 0;
+  std::vector<int> layers;
+
+  bool chimera() const { return schedule == "chimera"; }
+  // The device running microbatch mb's stage s.
+  int Device(int mb, int s) const { return chimera() ? ChimeraDevice(D, N, mb, s) : s; }
+};
+
+// Every device can run every stage at the profile's per-block times; links
+// are free and instant, so the pipeline has no communication.
+absl::StatusOr<sim::CostModel> SyntheticCostModel(const SyntheticShape& shape,
+                                                  const BlockProfile& p) {
+  const int D = shape.D, N = shape.N;
   sim::CostTables t;
-  for (int d = 0; d < D; ++d) t.node_ids.push_back(absl::StrCat(chimera ? "device" : "stage", d));
+  for (int d = 0; d < D; ++d) {
+    t.node_ids.push_back(absl::StrCat(shape.chimera() ? "device" : "stage", d));
+  }
   t.memory_slots.assign(D, N);
   t.forward_s.assign(D, std::vector<double>(D, 0));
   t.backward_s.assign(D, std::vector<double>(D, 0));
   for (int d = 0; d < D; ++d) {
     for (int s = 0; s < D; ++s) {
-      t.forward_s[d][s] = layers[s] * p.forward_ms * 1e-3;
-      t.backward_s[d][s] = layers[s] * p.backward_ms * 1e-3;
+      t.forward_s[d][s] = shape.layers[s] * p.forward_ms * 1e-3;
+      t.backward_s[d][s] = shape.layers[s] * p.backward_ms * 1e-3;
     }
   }
   t.loss_s.assign(D, 0);
@@ -408,27 +193,62 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   t.bandwidth_bytes_per_s.assign(D, std::vector<double>(D, 1e18));
   t.activation_bytes = 0;
   t.stage_gradient_bytes.assign(D, 0);
-  ASSIGN_OR_RETURN(sim::CostModel cost, sim::CostModel::FromTables(t));
+  return sim::CostModel::FromTables(t);
+}
 
-  std::vector<std::vector<Op>> ops(D);
-  if (chimera) {
-    ops = ChimeraOrders(D, N);
-  } else {
-    for (int s = 0; s < D; ++s) {
-      if (a.schedule == "gpipe") {
-        for (int m = 0; m < N; ++m) ops[s].push_back({true, m, s});
-        for (int m = N - 1; m >= 0; --m) ops[s].push_back({false, m, s});
-      } else {
-        const int warm = std::min(D - 1 - s, N);
-        for (int m = 0; m < warm; ++m) ops[s].push_back({true, m, s});
-        for (int i = 0; i < N - warm; ++i) {
-          ops[s].push_back({true, warm + i, s});
-          ops[s].push_back({false, i, s});
-        }
-        for (int m = N - warm; m < N; ++m) ops[s].push_back({false, m, s});
-      }
-    }
+// GPipe at stage s: all forwards, then the backwards in reverse microbatch
+// order.
+std::vector<Op> GpipeOrder(int N, int s) {
+  std::vector<Op> ops;
+  for (int m = 0; m < N; ++m) ops.push_back({true, m, s});
+  for (int m = N - 1; m >= 0; --m) ops.push_back({false, m, s});
+  return ops;
+}
+
+// 1F1B at stage s of D: min(D-1-s, N) warm-up forwards, then one forward
+// and one backward in turn, then the remaining backwards.
+std::vector<Op> OneFOneBOrder(int D, int N, int s) {
+  std::vector<Op> ops;
+  const int warm = std::min(D - 1 - s, N);
+  for (int m = 0; m < warm; ++m) ops.push_back({true, m, s});
+  for (int i = 0; i < N - warm; ++i) {
+    ops.push_back({true, warm + i, s});
+    ops.push_back({false, i, s});
   }
+  for (int m = N - warm; m < N; ++m) ops.push_back({false, m, s});
+  return ops;
+}
+
+// Each device's op order under the shape's schedule.
+std::vector<std::vector<Op>> OpOrders(const SyntheticShape& shape) {
+  if (shape.chimera()) return ChimeraOrders(shape.D, shape.N);
+  std::vector<std::vector<Op>> ops(shape.D);
+  for (int s = 0; s < shape.D; ++s) {
+    ops[s] =
+        shape.schedule == "gpipe" ? GpipeOrder(shape.N, s) : OneFOneBOrder(shape.D, shape.N, s);
+  }
+  return ops;
+}
+
+// Records the gaps between each device's compute activities, up to `end`.
+void AddIdleGaps(double end, sim::SimResult& r) {
+  r.idle.resize(r.compute.size());
+  for (size_t d = 0; d < r.compute.size(); ++d) {
+    double at = 0;
+    for (const sim::Activity& act : r.compute[d]) {
+      if (act.start_s > at) r.idle[d].push_back({at, act.start_s});
+      at = act.end_s;
+    }
+    if (end > at) r.idle[d].push_back({at, end});
+  }
+}
+
+// Replays each device's op list in order: an op starts when its device is
+// free and its input has arrived. The result holds the timeline's compute
+// activities and idle gaps; there are no sends.
+absl::StatusOr<sim::SimResult> ReplayOps(const SyntheticShape& shape, const sim::CostModel& cost,
+                                         const std::vector<std::vector<Op>>& ops) {
+  const int D = shape.D, N = shape.N;
   // End of microbatch mb's forward (backward) at stage s, -1 before.
   std::vector<std::vector<double>> f_end(N, std::vector<double>(D, -1));
   std::vector<std::vector<double>> b_end(N, std::vector<double>(D, -1));
@@ -476,56 +296,62 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
   }
   r.iteration_time_s = r.pipeline_time_s = end;
   r.utilization = r.pipeline_utilization = end > 0 ? busy / (D * end) : 0;
-  r.idle.resize(D);
   r.sends.resize(D);
-  for (int d = 0; d < D; ++d) {
-    double at = 0;
-    for (const sim::Activity& act : r.compute[d]) {
-      if (act.start_s > at) r.idle[d].push_back({at, act.start_s});
-      at = act.end_s;
-    }
-    if (end > at) r.idle[d].push_back({at, end});
-  }
+  AddIdleGaps(end, r);
+  return r;
+}
 
-  Scenario sc{
-      absl::StrFormat("synthetic %s: %d stages, %d microbatches%s, %d blocks (%s; ms per block: "
-                      "forward %.2f, backward %.2f, curvature %.2f, inversion %.2f, precondition "
-                      "%.2f)",
-                      a.schedule, D, N,
-                      chimera ? absl::StrFormat(" (%d down, %d up; device d holds stages d and "
-                                                "%d-d, 2 replicas per stage)",
-                                                N / 2, N / 2, D - 1)
-                              : "",
-                      p.blocks, a.profile.empty() ? "explicit" : a.profile, p.forward_ms,
-                      p.backward_ms, p.curvature_ms, p.inversion_ms, p.precondition_ms),
-      std::move(cost),
-      {},
-      std::move(r),
-      {},
-      {},
-      chimera};
-  // One timeline row per device, labelled with its down-pipeline stage.
-  for (int d = 0; d < D; ++d) sc.plan.assignment.stage_nodes.push_back({d});
-  for (int m = 0; m < N; ++m) {
+// The report's first line: the schedule, the pipeline's shape and the
+// per-block times.
+std::string SyntheticDescription(const KfacArgs& a, const SyntheticShape& shape,
+                                 const BlockProfile& p) {
+  const int D = shape.D, N = shape.N;
+  return absl::StrFormat(
+      "synthetic %s: %d stages, %d microbatches%s, %d blocks (%s; ms per block: forward %.2f, "
+      "backward %.2f, curvature %.2f, inversion %.2f, precondition %.2f)",
+      a.schedule, D, N,
+      shape.chimera() ? absl::StrFormat(" (%d down, %d up; device d holds stages d and %d-d, 2 "
+                                        "replicas per stage)",
+                                        N / 2, N / 2, D - 1)
+                      : "",
+      p.blocks, a.profile.empty() ? "explicit" : a.profile, p.forward_ms, p.backward_ms,
+      p.curvature_ms, p.inversion_ms, p.precondition_ms);
+}
+
+// One timeline row per device, labelled with its down-pipeline stage, and
+// each microbatch's route over the devices.
+sim::Plan SyntheticPlan(const SyntheticShape& shape) {
+  sim::Plan plan;
+  for (int d = 0; d < shape.D; ++d) plan.assignment.stage_nodes.push_back({d});
+  for (int m = 0; m < shape.N; ++m) {
     sim::Route route;
     route.microbatch = m;
-    for (int s = 0; s < D; ++s) {
-      route.nodes.push_back(device(m, s));
+    for (int s = 0; s < shape.D; ++s) {
+      route.nodes.push_back(shape.Device(m, s));
       route.stages.push_back(s);
     }
-    sc.plan.routes.push_back(route);
+    plan.routes.push_back(route);
   }
+  return plan;
+}
+
+// Each device's K-FAC work: the blocks of the stages it holds, each at the
+// profile's costs.
+planner::KfacWorkload SyntheticWorkload(const SyntheticShape& shape, const BlockProfile& p,
+                                        const sim::CostModel& cost) {
+  const int D = shape.D;
   const planner::KfacLayerCost block = ProfileLayerCost(p);
   std::vector<int> first(D + 1, 0);
-  for (int s = 0; s < D; ++s) first[s + 1] = first[s] + layers[s];
+  for (int s = 0; s < D; ++s) first[s + 1] = first[s] + shape.layers[s];
+  planner::KfacWorkload workload;
   for (int d = 0; d < D; ++d) {
     planner::KfacNodeWork w;
-    w.node_id = sc.cost.node_id(d);
+    w.node_id = cost.node_id(d);
     // Chimera: device d holds the blocks of stages d and D-1-d, as does
     // device D-1-d: the two are each other's replicas (the planner groups
     // replicas by `stage` and matches layers by block index).
     std::vector<int> stages = {d};
-    if (chimera) stages = {std::min(d, D - 1 - d), std::max(d, D - 1 - d)};
+    if (shape.chimera()) stages = {std::min(d, D - 1 - d), std::max(d, D - 1 - d)};
     w.stage = stages[0];
     for (int s : stages) {
       for (int l = first[s]; l < first[s + 1]; ++l) {
@@ -533,9 +359,31 @@ absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
         w.costs.push_back(block);
       }
     }
-    sc.workload.nodes.push_back(std::move(w));
+    workload.nodes.push_back(std::move(w));
   }
-  return sc;
+  return workload;
+}
+
+// Uniform pipeline without communication: the schedule's op orders
+// replayed with the profile's times, every device holding K-FAC work for
+// its blocks.
+absl::StatusOr<Scenario> Synthetic(const KfacArgs& a) {
+  const BlockProfile p = SyntheticProfile(a);
+  if (a.stages > p.blocks) {
+    return KfacUsageError(absl::StrFormat("--stages: %d stages for %d blocks", a.stages, p.blocks));
+  }
+  const SyntheticShape shape{a.schedule, a.stages, a.microbatches,
+                             sim::LayersPerStage(p.blocks, a.stages)};
+  ASSIGN_OR_RETURN(sim::CostModel cost, SyntheticCostModel(shape, p));
+  ASSIGN_OR_RETURN(sim::SimResult result, ReplayOps(shape, cost, OpOrders(shape)));
+  planner::KfacWorkload workload = SyntheticWorkload(shape, p, cost);
+  return Scenario{SyntheticDescription(a, shape, p),
+                  std::move(cost),
+                  SyntheticPlan(shape),
+                  std::move(result),
+                  std::move(workload),
+                  {},
+                  shape.chimera()};
 }
 
 absl::StatusOr<Scenario> Real(const KfacArgs& a) {
@@ -598,256 +446,391 @@ const char* TaskColour(v1::BubbleTask::Kind k) {
   }
 }
 
-absl::Status Run(const KfacArgs& a) {
-  ASSIGN_OR_RETURN(Scenario sc, a.schedule.empty() ? Real(a) : Synthetic(a));
-  v1::KfacSpec& k = sc.kfac;
+// Puts the flags' K-FAC settings into the scenario's spec; they override a
+// real job's own.
+void ApplyKfacFlags(const KfacArgs& a, v1::KfacSpec& k) {
   k.set_curvature_microbatches(a.curvature_microbatches);
   k.set_slack(a.slack);
   k.set_max_granule_ms(a.max_granule_ms);
   k.set_refresh_interval(a.refresh_interval);
   k.set_placement(a.serial ? v1::KFAC_PLACEMENT_SERIAL : v1::KFAC_PLACEMENT_BUBBLES);
-  for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
-  const planner::IterationTimeline timeline = planner::TimelineFromSimulation(sc.result);
-  // auto: the job's choice (KFAC_REPLICA_SYNC_AUTO) on this plan.
+}
+
+// How replicas stay identical in a run and, when it was chosen as for a
+// job's KFAC_REPLICA_SYNC_AUTO, the comparison behind the choice.
+struct SyncSetting {
+  kfac::ReplicaSync sync = kfac::ReplicaSync::kNone;
   std::optional<planner::ReplicaSyncChoice> choice;
+};
+
+// The flags' setting, none by default; with replicas and no setting (or
+// auto), the job's choice on this plan.
+absl::StatusOr<SyncSetting> ChooseSync(const KfacArgs& a, const Scenario& sc,
+                                       const planner::IterationTimeline& timeline) {
+  SyncSetting s;
   if (sc.replicated && !a.sync) {
-    ASSIGN_OR_RETURN(choice,
-                     planner::ChooseReplicaSync(sc.workload, k, sc.plan, timeline, a.refreshes));
+    ASSIGN_OR_RETURN(
+        s.choice, planner::ChooseReplicaSync(sc.workload, sc.kfac, sc.plan, timeline, a.refreshes));
   }
-  const kfac::ReplicaSync sync = choice ? choice->sync : a.sync.value_or(kfac::ReplicaSync::kNone);
+  s.sync = s.choice ? s.choice->sync : a.sync.value_or(kfac::ReplicaSync::kNone);
+  return s;
+}
+
+// Records `sync` in the spec in both of its forms.
+void SetReplicaSync(kfac::ReplicaSync sync, v1::KfacSpec& k) {
   k.set_sync_factors(sync == kfac::ReplicaSync::kFactors);
   k.set_replica_sync(sync == kfac::ReplicaSync::kFactors ? v1::KFAC_REPLICA_SYNC_FACTORS
                      : sync == kfac::ReplicaSync::kPreconditioned
                          ? v1::KFAC_REPLICA_SYNC_PRECONDITIONED
                          : v1::KFAC_REPLICA_SYNC_UNSPECIFIED);
-  const char* sync_name = sync == kfac::ReplicaSync::kFactors          ? "factors"
-                          : sync == kfac::ReplicaSync::kPreconditioned ? "preconditioned"
-                                                                       : "none";
+}
 
-  ASSIGN_OR_RETURN(planner::BubblePlanner bp, planner::BubblePlanner::Create(sc.workload, k));
+// The --replica-sync word for `sync`.
+const char* ReplicaSyncName(kfac::ReplicaSync sync) {
+  return sync == kfac::ReplicaSync::kFactors          ? "factors"
+         : sync == kfac::ReplicaSync::kPreconditioned ? "preconditioned"
+                                                      : "none";
+}
+
+// The iterations planned with K-FAC, and the bubble planner's refreshes
+// after them.
+struct KfacRun {
+  double pipeline_time_s = 0;  // one iteration without K-FAC
+  std::vector<planner::IterationBubbles> iterations;
+  uint64_t completed_refreshes = 0;
+  double mean_refresh_interval = 0;
+  std::vector<int> refresh_intervals;
+};
+
+// Plans --iterations iterations, or (at most 1000) until --refreshes
+// refreshes are complete, all on the same pipeline timeline.
+absl::StatusOr<KfacRun> PlanIterations(const KfacArgs& a, const Scenario& sc,
+                                       const planner::IterationTimeline& timeline) {
+  ASSIGN_OR_RETURN(planner::BubblePlanner bp, planner::BubblePlanner::Create(sc.workload, sc.kfac));
+  KfacRun run;
+  run.pipeline_time_s = timeline.end_s;
   const int max_iterations = a.iterations > 0 ? a.iterations : 1000;
-  std::vector<planner::IterationBubbles> its;
-  int holders = 0;
-  for (const auto& w : sc.workload.nodes) holders += !w.layers.empty();
   for (int i = 0; i < max_iterations; ++i) {
     ASSIGN_OR_RETURN(planner::IterationBubbles b, bp.PlanIteration(i, sc.plan, timeline));
-    its.push_back(std::move(b));
+    run.iterations.push_back(std::move(b));
     if (a.iterations == 0 && bp.completed_refreshes() >= static_cast<uint64_t>(a.refreshes)) {
       break;
     }
   }
-  // Totals over the iterations: node-seconds busy and available.
-  double before_num = 0, before_den = 0, after_num = 0, after_den = 0, end_sum = 0, time_sum = 0;
-  for (const auto& b : its) {
-    before_num += b.utilization_before * holders * timeline.end_s;
-    before_den += holders * timeline.end_s;
-    after_num += b.utilization_after * holders * b.iteration_time_s;
-    after_den += holders * b.iteration_time_s;
-    end_sum += timeline.end_s;
-    time_sum += b.iteration_time_s;
-  }
-  const double before = before_den > 0 ? before_num / before_den : 0;
-  const double after = after_den > 0 ? after_num / after_den : 0;
-  const double overhead = end_sum > 0 ? time_sum / end_sum - 1 : 0;
-  // The steady state: the iterations after the first activation (the
-  // start-up iterations cannot have an earlier refresh's inversions to fill
-  // their bubbles); nullopt when no iteration follows it.
-  std::optional<double> steady;
-  int steady_iterations = 0;
-  {
-    double num = 0, den = 0;
-    bool activated = false;
-    for (const auto& b : its) {
-      if (activated) {
-        num += b.utilization_after * holders * b.iteration_time_s;
-        den += holders * b.iteration_time_s;
-        ++steady_iterations;
-      }
-      activated |= b.activate_refresh.has_value();
+  run.completed_refreshes = bp.completed_refreshes();
+  run.mean_refresh_interval = bp.mean_refresh_interval();
+  run.refresh_intervals = bp.refresh_intervals();
+  return run;
+}
+
+// The nodes with K-FAC work: utilisation counts their time.
+int KfacHolders(const planner::KfacWorkload& workload) {
+  int holders = 0;
+  for (const auto& w : workload.nodes) holders += !w.layers.empty();
+  return holders;
+}
+
+// The steady state: the iterations after the first activation (the
+// start-up iterations cannot have an earlier refresh's inversions to fill
+// their bubbles).
+struct SteadyState {
+  std::optional<double> utilization;  // nullopt when no iteration follows it
+  int iterations = 0;
+};
+
+SteadyState SteadyUtilization(const KfacRun& run, int holders) {
+  SteadyState steady;
+  double num = 0, den = 0;
+  bool activated = false;
+  for (const auto& b : run.iterations) {
+    if (activated) {
+      num += b.utilization_after * holders * b.iteration_time_s;
+      den += holders * b.iteration_time_s;
+      ++steady.iterations;
     }
-    if (den > 0) steady = num / den;
+    activated |= b.activate_refresh.has_value();
   }
-  // The longest task placed in a gap: the most pipeline work arriving while
-  // K-FAC runs waits (serial tasks run after the node's pipeline work).
-  double longest_s = 0;
-  std::string longest_what = "none";
-  for (const auto& b : its) {
+  if (den > 0) steady.utilization = num / den;
+  return steady;
+}
+
+// The longest task placed in a gap: the most pipeline work arriving while
+// K-FAC runs waits (serial tasks run after the node's pipeline work).
+struct LongestTask {
+  double s = 0;
+  std::string what = "none";
+};
+
+LongestTask LongestGapTask(const KfacRun& run) {
+  LongestTask longest;
+  for (const auto& b : run.iterations) {
     for (const v1::BubbleTask& t : b.tasks) {
-      if (t.serial() || t.planned_duration_s() <= longest_s) continue;
-      longest_s = t.planned_duration_s();
-      longest_what = absl::StrCat(
+      if (t.serial() || t.planned_duration_s() <= longest.s) continue;
+      longest.s = t.planned_duration_s();
+      longest.what = absl::StrCat(
           absl::AsciiStrToLower(v1::BubbleTask::Kind_Name(t.kind()).substr(5)),
           t.module().empty() ? "" : absl::StrCat(" ", t.module()),
           t.num_parts() > 1 ? absl::StrCat(" part ", t.part() + 1, "/", t.num_parts()) : "");
     }
   }
+  return longest;
+}
 
-  if (!a.svg.empty()) {
-    size_t pick = 0;
-    for (size_t i = 0; i < its.size(); ++i) {
-      if (!its[i].tasks.empty()) {
-        pick = i;
-        break;
-      }
-    }
-    sim::SvgOptions o;
-    o.title =
-        absl::StrFormat("K-FAC in the bubbles, iteration %d (utilisation %.1f%% -> %.1f%%)", pick,
-                        100 * its[pick].utilization_before, 100 * its[pick].utilization_after);
-    o.max_time_s = its[pick].iteration_time_s;
-    std::map<std::string, int> index;
-    for (size_t n = 0; n < sc.workload.nodes.size(); ++n) {
-      index[sc.workload.nodes[n].node_id] = static_cast<int>(n);
-    }
-    for (const v1::BubbleTask& t : its[pick].tasks) {
-      sim::SvgOverlay ov;
-      ov.node = index[t.node()];
-      ov.start_s = t.planned_start_s();
-      ov.end_s = t.planned_start_s() + t.planned_duration_s();
-      ov.colour = TaskColour(t.kind());
-      ov.label = absl::StrCat(v1::BubbleTask::Kind_Name(t.kind()), " layer ", t.layer(),
-                              t.module().empty() ? "" : absl::StrCat(" ", t.module()),
-                              t.serial() ? " (serial)" : "");
-      o.overlays.push_back(std::move(ov));
-    }
-    for (auto kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B,
-                      v1::BubbleTask::KIND_SYNC_FACTORS, v1::BubbleTask::KIND_INVERT_A,
-                      v1::BubbleTask::KIND_INVERT_B}) {
-      static const std::map<int, const char*> names = {
-          {v1::BubbleTask::KIND_CURVATURE_A, "K-FAC curvature A"},
-          {v1::BubbleTask::KIND_CURVATURE_B, "curvature B"},
-          {v1::BubbleTask::KIND_SYNC_FACTORS, "factor sync"},
-          {v1::BubbleTask::KIND_INVERT_A, "inversion A"},
-          {v1::BubbleTask::KIND_INVERT_B, "inversion B"}};
-      o.overlay_legend.push_back({TaskColour(kind), names.at(kind)});
-    }
-    RETURN_IF_ERROR(WriteFileAtomically(a.svg, sim::TimelineSvg(sc.cost, sc.plan, sc.result, o)));
+// What the report says about the planned iterations.
+struct Summary {
+  // Utilisation over all iterations without and with K-FAC (node-seconds
+  // busy over available), and the iteration time added by K-FAC.
+  double before = 0, after = 0, overhead = 0;
+  SteadyState steady;
+  LongestTask longest;
+};
+
+Summary Summarize(const KfacRun& run, int holders) {
+  const double pipeline_s = run.pipeline_time_s;
+  double before_num = 0, before_den = 0, after_num = 0, after_den = 0, end_sum = 0, time_sum = 0;
+  for (const auto& b : run.iterations) {
+    before_num += b.utilization_before * holders * pipeline_s;
+    before_den += holders * pipeline_s;
+    after_num += b.utilization_after * holders * b.iteration_time_s;
+    after_den += holders * b.iteration_time_s;
+    end_sum += pipeline_s;
+    time_sum += b.iteration_time_s;
   }
+  Summary s;
+  s.before = before_den > 0 ? before_num / before_den : 0;
+  s.after = after_den > 0 ? after_num / after_den : 0;
+  s.overhead = end_sum > 0 ? time_sum / end_sum - 1 : 0;
+  s.steady = SteadyUtilization(run, holders);
+  s.longest = LongestGapTask(run);
+  return s;
+}
 
-  if (a.json) {
-    sim::JsonWriter w;
+// The first iteration with K-FAC work; the first iteration if none has any.
+size_t FirstIterationWithTasks(const std::vector<planner::IterationBubbles>& its) {
+  for (size_t i = 0; i < its.size(); ++i) {
+    if (!its[i].tasks.empty()) return i;
+  }
+  return 0;
+}
+
+// One bar per task of `b` over its node's timeline row.
+std::vector<sim::SvgOverlay> TaskOverlays(const planner::KfacWorkload& workload,
+                                          const planner::IterationBubbles& b) {
+  std::map<std::string, int> index;
+  for (size_t n = 0; n < workload.nodes.size(); ++n) {
+    index[workload.nodes[n].node_id] = static_cast<int>(n);
+  }
+  std::vector<sim::SvgOverlay> overlays;
+  for (const v1::BubbleTask& t : b.tasks) {
+    sim::SvgOverlay ov;
+    ov.node = index[t.node()];
+    ov.start_s = t.planned_start_s();
+    ov.end_s = t.planned_start_s() + t.planned_duration_s();
+    ov.colour = TaskColour(t.kind());
+    ov.label = absl::StrCat(v1::BubbleTask::Kind_Name(t.kind()), " layer ", t.layer(),
+                            t.module().empty() ? "" : absl::StrCat(" ", t.module()),
+                            t.serial() ? " (serial)" : "");
+    overlays.push_back(std::move(ov));
+  }
+  return overlays;
+}
+
+// The legend of TaskColour's colours.
+std::vector<std::pair<std::string, std::string>> TaskLegend() {
+  static const std::map<int, const char*> names = {
+      {v1::BubbleTask::KIND_CURVATURE_A, "K-FAC curvature A"},
+      {v1::BubbleTask::KIND_CURVATURE_B, "curvature B"},
+      {v1::BubbleTask::KIND_SYNC_FACTORS, "factor sync"},
+      {v1::BubbleTask::KIND_INVERT_A, "inversion A"},
+      {v1::BubbleTask::KIND_INVERT_B, "inversion B"}};
+  std::vector<std::pair<std::string, std::string>> legend;
+  for (auto kind : {v1::BubbleTask::KIND_CURVATURE_A, v1::BubbleTask::KIND_CURVATURE_B,
+                    v1::BubbleTask::KIND_SYNC_FACTORS, v1::BubbleTask::KIND_INVERT_A,
+                    v1::BubbleTask::KIND_INVERT_B}) {
+    legend.push_back({TaskColour(kind), names.at(kind)});
+  }
+  return legend;
+}
+
+// Writes the pipeline's timeline with the K-FAC tasks of the first
+// iteration that has any over it.
+absl::Status WriteSvg(const std::string& path, const Scenario& sc, const KfacRun& run) {
+  const size_t pick = FirstIterationWithTasks(run.iterations);
+  const planner::IterationBubbles& b = run.iterations[pick];
+  sim::SvgOptions o;
+  o.title = absl::StrFormat("K-FAC in the bubbles, iteration %d (utilisation %.1f%% -> %.1f%%)",
+                            pick, 100 * b.utilization_before, 100 * b.utilization_after);
+  o.max_time_s = b.iteration_time_s;
+  o.overlays = TaskOverlays(sc.workload, b);
+  o.overlay_legend = TaskLegend();
+  return WriteFileAtomically(path, sim::TimelineSvg(sc.cost, sc.plan, sc.result, o));
+}
+
+// The auto choice's comparison; null when the sync was not chosen.
+void WriteSyncChoiceJson(const std::optional<planner::ReplicaSyncChoice>& choice,
+                         sim::JsonWriter& w) {
+  if (!choice) {
+    w.Null();
+    return;
+  }
+  w.BeginObject();
+  w.Key("factors_iteration_s");
+  w.Number(choice->factors_s);
+  w.Key("preconditioned_iteration_s");
+  w.Number(choice->preconditioned_s);
+  w.Key("iterations");
+  w.Int(choice->iterations);
+  w.Key("reason");
+  w.String(choice->reason);
+  w.EndObject();
+}
+
+// Per iteration: its time, utilisation, bubble and serial seconds, tasks and
+// the refresh it activates.
+void WriteIterationsJson(const std::vector<planner::IterationBubbles>& its, sim::JsonWriter& w) {
+  w.BeginArray();
+  for (size_t i = 0; i < its.size(); ++i) {
+    const auto& b = its[i];
+    double bubble = 0, serial = 0;
+    for (double v : b.bubble_s) bubble += v;
+    for (double v : b.serial_s) serial = std::max(serial, v);
     w.BeginObject();
-    w.Key("scenario");
-    w.String(sc.description);
-    w.Key("curvature_microbatches");
-    w.Int(k.curvature_microbatches());
-    w.Key("slack");
-    w.Number(k.slack());
-    w.Key("placement");
-    w.String(a.serial ? "serial" : "bubbles");
-    w.Key("sync_factors");
-    w.Bool(k.sync_factors());
-    w.Key("replica_sync");
-    w.String(sync_name);
-    w.Key("replica_sync_choice");
-    if (choice) {
-      w.BeginObject();
-      w.Key("factors_iteration_s");
-      w.Number(choice->factors_s);
-      w.Key("preconditioned_iteration_s");
-      w.Number(choice->preconditioned_s);
-      w.Key("iterations");
-      w.Int(choice->iterations);
-      w.Key("reason");
-      w.String(choice->reason);
-      w.EndObject();
-    } else {
-      w.Null();
-    }
-    w.Key("pipeline_time_s");
-    w.Number(timeline.end_s);
+    w.Key("iteration");
+    w.Int(static_cast<int64_t>(i));
+    w.Key("iteration_time_s");
+    w.Number(b.iteration_time_s);
     w.Key("utilization_before");
-    w.Number(before);
+    w.Number(b.utilization_before);
     w.Key("utilization_after");
-    w.Number(after);
-    w.Key("time_overhead");
-    w.Number(overhead);
-    w.Key("utilization_after_steady");
-    if (steady) {
-      w.Number(*steady);
+    w.Number(b.utilization_after);
+    w.Key("bubble_s");
+    w.Number(bubble);
+    w.Key("serial_s");
+    w.Number(serial);
+    w.Key("tasks");
+    w.Int(static_cast<int64_t>(b.tasks.size()));
+    w.Key("activate_refresh");
+    if (b.activate_refresh) {
+      w.Int(static_cast<int64_t>(*b.activate_refresh));
     } else {
       w.Null();
     }
-    w.Key("steady_iterations");
-    w.Int(steady_iterations);
-    w.Key("max_granule_ms");
-    w.Number(k.max_granule_ms());
-    w.Key("longest_bubble_task_ms");
-    w.Number(longest_s * 1e3);
-    w.Key("longest_bubble_task");
-    w.String(longest_what);
-    w.Key("completed_refreshes");
-    w.Int(static_cast<int64_t>(bp.completed_refreshes()));
-    w.Key("mean_refresh_interval");
-    w.Number(bp.mean_refresh_interval());
-    w.Key("refresh_intervals");
-    w.IntArray(bp.refresh_intervals());
-    w.Key("iterations");
-    w.BeginArray();
-    for (size_t i = 0; i < its.size(); ++i) {
-      const auto& b = its[i];
-      double bubble = 0, serial = 0;
-      for (double v : b.bubble_s) bubble += v;
-      for (double v : b.serial_s) serial = std::max(serial, v);
-      w.BeginObject();
-      w.Key("iteration");
-      w.Int(static_cast<int64_t>(i));
-      w.Key("iteration_time_s");
-      w.Number(b.iteration_time_s);
-      w.Key("utilization_before");
-      w.Number(b.utilization_before);
-      w.Key("utilization_after");
-      w.Number(b.utilization_after);
-      w.Key("bubble_s");
-      w.Number(bubble);
-      w.Key("serial_s");
-      w.Number(serial);
-      w.Key("tasks");
-      w.Int(static_cast<int64_t>(b.tasks.size()));
-      w.Key("activate_refresh");
-      if (b.activate_refresh) {
-        w.Int(static_cast<int64_t>(*b.activate_refresh));
-      } else {
-        w.Null();
-      }
-      w.EndObject();
-    }
-    w.EndArray();
     w.EndObject();
-    std::cout << w.str() << "\n";
-    return absl::OkStatus();
   }
+  w.EndArray();
+}
+
+// The --json report: the settings, the summary and one object per
+// iteration.
+void PrintJson(const Scenario& sc, const KfacArgs& a, const SyncSetting& sync, const KfacRun& run,
+               const Summary& s) {
+  const v1::KfacSpec& k = sc.kfac;
+  sim::JsonWriter w;
+  w.BeginObject();
+  w.Key("scenario");
+  w.String(sc.description);
+  w.Key("curvature_microbatches");
+  w.Int(k.curvature_microbatches());
+  w.Key("slack");
+  w.Number(k.slack());
+  w.Key("placement");
+  w.String(a.serial ? "serial" : "bubbles");
+  w.Key("sync_factors");
+  w.Bool(k.sync_factors());
+  w.Key("replica_sync");
+  w.String(ReplicaSyncName(sync.sync));
+  w.Key("replica_sync_choice");
+  WriteSyncChoiceJson(sync.choice, w);
+  w.Key("pipeline_time_s");
+  w.Number(run.pipeline_time_s);
+  w.Key("utilization_before");
+  w.Number(s.before);
+  w.Key("utilization_after");
+  w.Number(s.after);
+  w.Key("time_overhead");
+  w.Number(s.overhead);
+  w.Key("utilization_after_steady");
+  if (s.steady.utilization) {
+    w.Number(*s.steady.utilization);
+  } else {
+    w.Null();
+  }
+  w.Key("steady_iterations");
+  w.Int(s.steady.iterations);
+  w.Key("max_granule_ms");
+  w.Number(k.max_granule_ms());
+  w.Key("longest_bubble_task_ms");
+  w.Number(s.longest.s * 1e3);
+  w.Key("longest_bubble_task");
+  w.String(s.longest.what);
+  w.Key("completed_refreshes");
+  w.Int(static_cast<int64_t>(run.completed_refreshes));
+  w.Key("mean_refresh_interval");
+  w.Number(run.mean_refresh_interval);
+  w.Key("refresh_intervals");
+  w.IntArray(run.refresh_intervals);
+  w.Key("iterations");
+  WriteIterationsJson(run.iterations, w);
+  w.EndObject();
+  std::cout << w.str() << "\n";
+}
+
+// The text report: the settings, one row per iteration, then the summary.
+void PrintText(const Scenario& sc, const KfacArgs& a, const SyncSetting& sync, const KfacRun& run,
+               const Summary& s) {
+  const v1::KfacSpec& k = sc.kfac;
+  const char* sync_name = ReplicaSyncName(sync.sync);
   std::cout << sc.description << "\n";
   std::cout << absl::StrFormat(
       "K-FAC: %d curvature microbatch(es) per node, slack %.0f%%, %s, refresh interval %s, "
       "replica sync %s, granules up to %s\n\n",
       k.curvature_microbatches(), 100 * k.slack(), a.serial ? "serial placement" : "in the bubbles",
       k.refresh_interval() ? absl::StrCat(k.refresh_interval()) : "as the bubbles allow",
-      choice ? absl::StrCat(sync_name, " (auto)") : std::string(sync_name),
+      sync.choice ? absl::StrCat(sync_name, " (auto)") : std::string(sync_name),
       k.max_granule_ms() > 0 ? absl::StrFormat("%g ms", k.max_granule_ms()) : "whole items");
-  if (choice) std::cout << choice->reason << "\n\n";
+  if (sync.choice) std::cout << sync.choice->reason << "\n\n";
   std::cout << absl::StrFormat("%9s %12s %12s %10s %10s %10s %6s %8s\n", "iteration", "pipeline_s",
                                "iteration_s", "before", "after", "serial_s", "tasks", "refresh");
-  for (size_t i = 0; i < its.size(); ++i) {
-    const auto& b = its[i];
+  for (size_t i = 0; i < run.iterations.size(); ++i) {
+    const auto& b = run.iterations[i];
     double serial = 0;
     for (double v : b.serial_s) serial = std::max(serial, v);
     std::cout << absl::StrFormat(
-        "%9d %12.3f %12.3f %9.1f%% %9.1f%% %10.3f %6d %8s\n", i, timeline.end_s, b.iteration_time_s,
-        100 * b.utilization_before, 100 * b.utilization_after, serial, b.tasks.size(),
+        "%9d %12.3f %12.3f %9.1f%% %9.1f%% %10.3f %6d %8s\n", i, run.pipeline_time_s,
+        b.iteration_time_s, 100 * b.utilization_before, 100 * b.utilization_after, serial,
+        b.tasks.size(),
         b.activate_refresh ? absl::StrCat("r", *b.activate_refresh) : std::string("-"));
   }
   std::cout << absl::StrFormat(
       "\nutilisation %.1f%% -> %.1f%% with K-FAC; time +%.1f%% (serial work and preconditioning); "
       "%d refreshes, mean refresh interval %.2f iterations\n"
       "longest K-FAC task in a gap: %.1f ms (%s)\n",
-      100 * before, 100 * after, 100 * overhead, bp.completed_refreshes(),
-      bp.mean_refresh_interval(), 1e3 * longest_s, longest_what);
-  if (steady) {
+      100 * s.before, 100 * s.after, 100 * s.overhead, run.completed_refreshes,
+      run.mean_refresh_interval, 1e3 * s.longest.s, s.longest.what);
+  if (s.steady.utilization) {
     std::cout << absl::StrFormat(
         "steady state (the %d iterations after the first activation): utilisation %.1f%% "
         "with K-FAC\n",
-        steady_iterations, 100 * *steady);
+        s.steady.iterations, 100 * *s.steady.utilization);
+  }
+}
+
+// Plans K-FAC into the iterations of the scenario the flags describe and
+// reports them (and the first with K-FAC work as --svg).
+absl::Status Run(const KfacArgs& a) {
+  ASSIGN_OR_RETURN(Scenario sc, a.schedule.empty() ? Real(a) : Synthetic(a));
+  ApplyKfacFlags(a, sc.kfac);
+  for (const auto& group : sc.plan.assignment.stage_nodes) sc.replicated |= group.size() > 1;
+  const planner::IterationTimeline timeline = planner::TimelineFromSimulation(sc.result);
+  ASSIGN_OR_RETURN(const SyncSetting sync, ChooseSync(a, sc, timeline));
+  SetReplicaSync(sync.sync, sc.kfac);
+  ASSIGN_OR_RETURN(const KfacRun run, PlanIterations(a, sc, timeline));
+  const Summary summary = Summarize(run, KfacHolders(sc.workload));
+  if (!a.svg.empty()) RETURN_IF_ERROR(WriteSvg(a.svg, sc, run));
+  if (a.json) {
+    PrintJson(sc, a, sync, run, summary);
+  } else {
+    PrintText(sc, a, sync, run, summary);
   }
   return absl::OkStatus();
 }
@@ -856,7 +839,8 @@ absl::Status Run(const KfacArgs& a) {
 
 int RunKfac(const std::vector<std::string>& args) {
   FlagSet flags("detour-sim kfac", kKfacSummary);
-  absl::StatusOr<KfacArgs> a = Parse(flags, args);
+  flags.SetEpilog(kKfacEpilog);
+  absl::StatusOr<KfacArgs> a = ParseKfacArgs(flags, args);
   absl::Status s = a.ok() ? Run(*a) : a.status();
   if (s.ok()) return 0;
   if (absl::IsCancelled(s)) return flags.Fail(s);  // --help
