@@ -8,7 +8,9 @@
 
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/checkpoint_manifest.h"
 #include "common/spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -72,8 +75,7 @@ class FakeNetwork {
   };
 
   // A worker named `id`; messages to the coordinator are kept per worker.
-  JobRuntime* Add(const std::string& id) {
-    JobRuntimeOptions o;
+  JobRuntime* Add(const std::string& id, JobRuntimeOptions o = {}) {
     o.torch_threads = 1;
     o.transport = [this](const PeerTransportConfig&) -> std::unique_ptr<PeerTransport> {
       return std::make_unique<Transport>(this);
@@ -128,6 +130,46 @@ class FakeNetwork {
     }
     ADD_FAILURE() << "no expected message from " << from;
     return std::nullopt;
+  }
+
+  // Waits for the JobError `from` reports.
+  std::optional<v1::JobError> AwaitError(const std::string& from,
+                                         absl::Duration timeout = absl::Seconds(60)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto& box = inbox_[from];
+        for (auto it = box.begin(); it != box.end(); ++it) {
+          if (!it->has_error()) continue;
+          v1::JobError e = it->error();
+          box.erase(it);
+          return e;
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ADD_FAILURE() << "no error from " << from;
+    return std::nullopt;
+  }
+
+  // How many messages `match` accepts arrive from `from` within `wait`
+  // (taken out of the inbox).
+  template <typename Match>
+  int CountFor(const std::string& from, Match match, absl::Duration wait) {
+    absl::SleepFor(wait);
+    absl::MutexLock lock(&mu_);
+    auto& box = inbox_[from];
+    int n = 0;
+    for (auto it = box.begin(); it != box.end();) {
+      if (match(*it)) {
+        ++n;
+        it = box.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return n;
   }
 
   void Stop() {
@@ -218,8 +260,11 @@ void AddGroups(google::protobuf::RepeatedPtrField<v1::ReplicaGroup>* groups,
 class JobRuntimeTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const auto& [id, s] : kStage) runtime_[id] = net_.Add(id);
+    for (const auto& [id, s] : kStage) runtime_[id] = net_.Add(id, OptionsFor(id));
   }
+
+  // Options of worker `id` (a test may inject a fault into one).
+  virtual JobRuntimeOptions OptionsFor(const std::string&) { return {}; }
 
   void AssignAll() {
     const std::vector<std::string> all = {"d0", "d1", "r0", "r1"};
@@ -246,17 +291,17 @@ class JobRuntimeTest : public ::testing::Test {
     return m;
   }
 
-  // Collects one norm per worker of `ids` (of `epoch`), steps, returns the
-  // results by worker.
-  std::map<std::string, v1::IterationResult> Step(uint64_t iteration,
-                                                  const std::vector<std::string>& ids,
-                                                  uint64_t epoch) {
+  // Collects one norm per worker of `ids` (of `epoch`) and returns the step
+  // command for them (nullopt when a norm is missing).
+  std::optional<v1::CoordinatorMessage> AwaitNorms(uint64_t iteration,
+                                                   const std::vector<std::string>& ids,
+                                                   uint64_t epoch) {
     std::map<int, double> by_stage;
     for (const std::string& id : ids) {
       auto n = net_.Await(id, [&](const v1::WorkerMessage& m) {
         return m.has_grad_norm() && m.grad_norm().epoch() == epoch;
       });
-      if (!n) return {};
+      if (!n) return std::nullopt;
       by_stage[n->grad_norm().stage()] = n->grad_norm().squared_norm();
     }
     v1::CoordinatorMessage step;
@@ -266,7 +311,17 @@ class JobRuntimeTest : public ::testing::Test {
     double sum = 0;
     for (const auto& [s, sq] : by_stage) sum += sq;
     step.mutable_step()->set_squared_norm(sum);
-    for (const std::string& id : ids) runtime_[id]->OnCoordinatorMessage(step);
+    return step;
+  }
+
+  // Collects one norm per worker of `ids` (of `epoch`), steps, returns the
+  // results by worker.
+  std::map<std::string, v1::IterationResult> Step(uint64_t iteration,
+                                                  const std::vector<std::string>& ids,
+                                                  uint64_t epoch) {
+    const std::optional<v1::CoordinatorMessage> step = AwaitNorms(iteration, ids, epoch);
+    if (!step) return {};
+    for (const std::string& id : ids) runtime_[id]->OnCoordinatorMessage(*step);
     std::map<std::string, v1::IterationResult> results;
     for (const std::string& id : ids) {
       auto r = net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_result(); });
@@ -429,6 +484,141 @@ TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {
   EXPECT_LT(held.size(), 100000u);
   held.clear();
   EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
+}
+
+// --- the parts' own rules, through the runtime ------------------------------
+
+// RuntimeStep: a step command of another epoch is not obeyed; the right one
+// steps and reports the result.
+TEST_F(JobRuntimeTest, AStepOfAnotherEpochIsDropped) {
+  AssignAll();
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  std::optional<v1::CoordinatorMessage> step = AwaitNorms(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_TRUE(step.has_value());
+  v1::CoordinatorMessage stale = *step;
+  stale.mutable_step()->set_epoch(7);
+  runtime_["r0"]->OnCoordinatorMessage(stale);
+  auto is_result = [](const v1::WorkerMessage& m) { return m.has_result(); };
+  EXPECT_EQ(net_.CountFor("r0", is_result, absl::Milliseconds(300)), 0);
+  runtime_["r0"]->OnCoordinatorMessage(*step);
+  auto result = net_.Await("r0", is_result);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->result().iteration(), 0u);
+}
+
+// RuntimeMembership: a change of an epoch already seen is ignored (one
+// acknowledgement), and one that counts this worker as lost ends its job.
+TEST_F(JobRuntimeTest, MembershipEpochsAreAppliedOnceAndALostWorkerStops) {
+  AssignAll();
+  net_.Kill("r1");
+  for (const std::string id : {"d0", "d1", "r0"}) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  v1::CoordinatorMessage change;
+  v1::MembershipChange* c = change.mutable_membership();
+  c->set_job_id("job");
+  c->set_iteration(0);
+  c->set_epoch(1);
+  c->add_lost("r1");
+  AddGroups(c->mutable_replica_groups(), {"d0", "d1"}, {"r0"});
+  runtime_["d0"]->OnCoordinatorMessage(change);
+  runtime_["d0"]->OnCoordinatorMessage(change);
+  auto is_ack = [](const v1::WorkerMessage& m) { return m.has_membership_ack(); };
+  ASSERT_TRUE(net_.Await("d0", is_ack).has_value());
+  EXPECT_EQ(net_.CountFor("d0", is_ack, absl::Milliseconds(300)), 0);
+  c->set_epoch(2);
+  c->clear_lost();
+  c->add_lost("r0");
+  runtime_["r0"]->OnCoordinatorMessage(change);
+  auto error = net_.AwaitError("r0");
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->code(), static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_THAT(error->message(), ::testing::HasSubstr("counts this worker as lost"));
+}
+
+// RuntimeStateTransfer: the state is sent only between iterations (it is
+// the state after the last step); asked mid-iteration, the donor fails.
+TEST_F(JobRuntimeTest, StateIsNotSentMidIteration) {
+  AssignAll();
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  ASSERT_TRUE(AwaitNorms(0, {"r0"}, 0).has_value());
+  v1::CoordinatorMessage send;
+  send.mutable_send_state()->set_job_id("job");
+  send.mutable_send_state()->set_to("r1");
+  runtime_["r0"]->OnCoordinatorMessage(send);
+  auto error = net_.AwaitError("r0");
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(error->message(), ::testing::HasSubstr("mid-iteration"));
+}
+
+// RuntimePipeline: a joining replica takes no plan before its state came.
+TEST_F(JobRuntimeTest, AJoinerTakesNoPlanBeforeItsState) {
+  AssignAll();
+  JobRuntime* r2 = net_.Add("r2");
+  const std::vector<std::string> all = {"d0", "d1", "r0", "r1", "r2"};
+  r2->OnCoordinatorMessage(Assignment("r2", 1, all, {"r0", "r1", "r2"}, 0, "r0", 1));
+  ASSERT_TRUE(net_.Await("r2", [](const v1::WorkerMessage& m) { return m.has_stage_ready(); }));
+  r2->OnCoordinatorMessage(Plan(0));
+  auto error = net_.AwaitError("r2");
+  ASSERT_TRUE(error.has_value());
+  EXPECT_THAT(error->message(), ::testing::HasSubstr("before the stage state from r0"));
+}
+
+// RuntimeStep: when the plan asks for a checkpoint, rank 0 of each stage
+// writes its stage file and reports it; the commit writes the manifest that
+// names both.
+TEST_F(JobRuntimeTest, ACheckpointIsWrittenAndCommitted) {
+  AssignAll();
+  const std::string dir = ::testing::TempDir() + "/runtime_checkpoint_" +
+                          std::to_string(absl::ToUnixNanos(absl::Now()));
+  std::filesystem::create_directories(dir);
+  v1::CoordinatorMessage plan = Plan(0);
+  plan.mutable_plan()->set_checkpoint(true);
+  plan.mutable_plan()->set_checkpoint_dir(dir);
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(plan);
+  auto results = Step(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_TRUE(results["d0"].has_checkpoint());
+  EXPECT_TRUE(results["r0"].has_checkpoint());
+  EXPECT_FALSE(results["d1"].has_checkpoint());  // replicas are identical: one writes
+  EXPECT_FALSE(results["r1"].has_checkpoint());
+  v1::CoordinatorMessage commit;
+  commit.mutable_commit()->set_job_id("job");
+  commit.mutable_commit()->set_iteration(1);
+  commit.mutable_commit()->set_dir(dir);
+  *commit.mutable_commit()->add_files() = results["d0"].checkpoint();
+  *commit.mutable_commit()->add_files() = results["r0"].checkpoint();
+  runtime_["d0"]->OnCoordinatorMessage(commit);
+  ASSERT_TRUE(
+      net_.Await("d0", [](const v1::WorkerMessage& m) { return m.has_checkpoint_committed(); }));
+  auto manifest = model::ReadManifest(dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->iteration, 1u);
+  ASSERT_EQ(manifest->stages.size(), 2u);
+  EXPECT_EQ(manifest->stages[0].checksum, results["d0"].checkpoint().checksum());
+  std::filesystem::remove_all(dir);
+}
+
+// A replica whose parameters drift (fault injection after its step) reports
+// a checksum its replica does not share: what the coordinator's check sees.
+class DivergingReplicaTest : public JobRuntimeTest {
+ protected:
+  JobRuntimeOptions OptionsFor(const std::string& id) override {
+    JobRuntimeOptions o;
+    if (id == "r1") {
+      o.fault.kind = JobRuntimeOptions::FaultInjection::Kind::kDiverge;
+      o.fault.iteration = 0;
+    }
+    return o;
+  }
+};
+
+TEST_F(DivergingReplicaTest, ItsChecksumDiffers) {
+  AssignAll();
+  for (const auto& [id, s] : kStage) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  auto results = Step(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_EQ(results["d0"].parameter_checksum(), results["d1"].parameter_checksum());
+  EXPECT_NE(results["r0"].parameter_checksum(), results["r1"].parameter_checksum());
 }
 
 }  // namespace
