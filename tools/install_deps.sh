@@ -14,7 +14,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcivetweb-dev civetweb
   prometheus
-  curl iperf3
+  curl iperf3 iproute2 iputils-ping
   clang-14 libclang-rt-14-dev clang-format-14 ccache
   sentencepiece
   libssl-dev openssl
