@@ -263,7 +263,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   }
 
   std::optional<JobEnd> AwaitStageReady(std::set<std::string> waiting, const char* what) {
-    const absl::Time deadline = absl::Now() + options().assign_timeout;
+    const absl::Time deadline = Now() + options().assign_timeout;
     while (!waiting.empty()) {
       RunnerEvent ev =
           Wait(deadline, [&] { return absl::StrCat(what, absl::StrJoin(waiting, ", ")); });
@@ -340,8 +340,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     // Workers re-register and report what they hold (JobStatus) once their
     // session reopens.
     std::map<std::string, v1::JobStatus> status;
-    const absl::Time deadline = absl::Now() + options().assign_timeout;
-    while (status.size() < members().size() && absl::Now() < deadline) {
+    const absl::Time deadline = Now() + options().assign_timeout;
+    while (status.size() < members().size() && Now() < deadline) {
       RunnerEvent ev = Wait(
           deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
       if (ev.end && StopRequested()) return ev.end;
@@ -437,7 +437,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   // The members found lost now (removed from the membership).
   std::vector<std::string> DetectLoss() {
     std::vector<std::string> lost;
-    const auto gone = membership_.Judge(host_->registry().List(true), absl::Now(),
+    const auto gone = membership_.Judge(host_->registry().List(true), Now(),
                                         absl::Milliseconds(spec_.elastic().reconnect_grace_ms()),
                                         host_->registry().silence());
     for (const auto& [id, why] : gone) {
@@ -463,7 +463,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
           return ev;
         }
         // The registry changed, suspicions are pending, or a while passed.
-        check = poked_ || membership_.HasSuspects() || absl::Now() - last_loss_check_ > kLossCheck;
+        check = poked_ || membership_.HasSuspects() || Now() - last_loss_check_ > kLossCheck;
         if (poked_ && return_on_change && !first) {
           poked_ = false;
           ev.changed = true;
@@ -473,7 +473,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       }
       first = false;
       if (detect_loss && check) {
-        last_loss_check_ = absl::Now();
+        last_loss_check_ = Now();
         std::vector<std::string> lost = DetectLoss();
         if (!lost.empty()) {
           if (!elastic()) {
@@ -507,12 +507,12 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
           membership_.Suspect(
               m.peer_unreachable().peer(),
               absl::StrCat(worker, " could not reach it (", m.peer_unreachable().message(), ")"),
-              absl::Now());
+              Now());
         }
         ++it;
       }
       if (!ev.messages.empty()) return ev;
-      if (absl::Now() > deadline) {
+      if (Now() > deadline) {
         ev.end = Failed(absl::StrCat("timed out waiting for ", describe()));
         return ev;
       }

@@ -42,6 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/metrics/metrics.h"
 #include "coordinator/job_store.h"
 #include "coordinator/runner_record.h"
@@ -104,6 +105,9 @@ class RunnerHost {
   virtual const JobManagerOptions& options() const = 0;
   virtual TimingEstimates& estimates() = 0;
   virtual RunnerMetrics& runner_metrics() = 0;
+  // The time the runner judges deadlines, back-off and suspicion by, and
+  // compares with the registry's times (tests move a FakeClock).
+  virtual const Clock& clock() const { return Clock::Real(); }
   // Idle, registered workers no job holds, now reserved for `job` (at most
   // `count`; `exclude` are never taken).
   virtual std::vector<v1::WorkerInfo> ReserveIdle(const std::string& job, size_t count,

@@ -33,7 +33,7 @@ std::optional<JobEnd> RunnerElastic::Pause(uint64_t iteration, const std::string
   if (spec_.elastic().never_join()) {
     return Failed(absl::StrCat(why, " and elastic.never_join forbids replacements"));
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+  const absl::Time deadline = Now() + absl::Seconds(timeout_s);
   while (!plan_.Infeasible().empty()) {
     if (auto e = Grow(); e) return e;
     if (auto e = Reassign(); e) return e;
@@ -60,7 +60,7 @@ std::optional<JobEnd> RunnerElastic::Grow() {
   for (const auto& [s, n] : deficit) wanted += n;
   if (wanted == 0) return std::nullopt;
   std::vector<v1::WorkerInfo> idle =
-      host_->ReserveIdle(job_id_, wanted, membership_.NotJoinable(absl::Now()));
+      host_->ReserveIdle(job_id_, wanted, membership_.NotJoinable(Now()));
   for (v1::WorkerInfo& w : idle) {
     const int stage = ChooseStage(w, deficit);
     if (auto e = Join(w, stage); e) return e;
@@ -133,7 +133,7 @@ std::optional<JobEnd> RunnerElastic::Join(const v1::WorkerInfo& w, int stage,
   auto fail_join = [&](const std::string& why) -> std::optional<JobEnd> {
     // Not again for a while: a worker that cannot join would otherwise be
     // tried at every iteration.
-    membership_.BackOff(id, absl::Now() + kJoinBackoff);
+    membership_.BackOff(id, Now() + kJoinBackoff);
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
              absl::StrCat("worker ", id, " could not ", verb, " stage ", stage, ": ", why));
     RemoveMember(id, why, next_iteration_);
@@ -143,7 +143,7 @@ std::optional<JobEnd> RunnerElastic::Join(const v1::WorkerInfo& w, int stage,
   if (!link_.SendTo(id, AssignmentFor(id, stage, next_iteration_, donor, restore))) {
     return fail_join("it has no open session");
   }
-  const absl::Time deadline = absl::Now() + options().assign_timeout;
+  const absl::Time deadline = Now() + options().assign_timeout;
   bool ready = false;
   bool received = donor.empty();
   uint64_t checksum = 0;

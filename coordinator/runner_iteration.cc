@@ -49,7 +49,7 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
     host_->runner_metrics().Recovered(absl::ToDoubleSeconds(absl::Now() - *recovering_since_));
     recovering_since_.reset();
   }
-  const absl::Time deadline = absl::Now() + options().iteration_timeout;
+  const absl::Time deadline = Now() + options().iteration_timeout;
   if (auto outcome = Collect(iteration, deadline, &round, &collected); outcome) return *outcome;
 
   // Checks: replicas identical, every microbatch completed exactly once

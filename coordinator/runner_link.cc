@@ -2,20 +2,20 @@
 
 #include <utility>
 
-#include "absl/time/clock.h"
 #include "common/log.h"
 
 namespace detour {
 
-RunnerLink::RunnerLink(Sender send, std::string job_id, RunnerMembership* membership)
-    : send_(std::move(send)), job_id_(std::move(job_id)), membership_(membership) {}
+RunnerLink::RunnerLink(Sender send, std::string job_id, RunnerMembership* membership,
+                       const Clock* clock)
+    : send_(std::move(send)), job_id_(std::move(job_id)), membership_(membership), clock_(clock) {}
 
 bool RunnerLink::SendTo(const std::string& id, const v1::CoordinatorMessage& m) {
   sent_[id].push_back(m);
   absl::Status s = send_(id, m);
   if (!s.ok()) {
     LogWarning("job ", job_id_, ": cannot reach worker ", id, ": ", s.message());
-    membership_->Suspect(id, "its session is closed", absl::Now());
+    membership_->Suspect(id, "its session is closed", clock_->Now());
   }
   return s.ok();
 }

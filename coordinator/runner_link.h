@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "coordinator/runner_membership.h"
 #include "detour/v1/control_service.pb.h"
 
@@ -25,8 +26,10 @@ class RunnerLink {
   using Sender =
       std::function<absl::Status(const std::string& worker, const v1::CoordinatorMessage& m)>;
 
-  // `membership` must outlive the link.
-  RunnerLink(Sender send, std::string job_id, RunnerMembership* membership);
+  // `membership` and `clock` must outlive the link; `clock` times the
+  // suspicion of a worker without a session.
+  RunnerLink(Sender send, std::string job_id, RunnerMembership* membership,
+             const Clock* clock = &Clock::Real());
 
   // Sends to a member and keeps the message for a replay. False (the worker
   // becomes suspect) when it has no session.
@@ -46,6 +49,7 @@ class RunnerLink {
   Sender send_;
   const std::string job_id_;
   RunnerMembership* const membership_;
+  const Clock* const clock_;
   std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_;
 };
 

@@ -10,7 +10,7 @@ RunnerShared::RunnerShared(RunnerHost* host_in, std::string job_id_in, v1::JobSp
       checkpoints(host_in->options().checkpoint_root, job_id),
       link([host_in](const std::string& worker,
                      const v1::CoordinatorMessage& m) { return host_in->Send(worker, m); },
-           job_id, &membership),
+           job_id, &membership, &host_in->clock()),
       record(&host_in->jobs(), job_id) {}
 
 RunnerPart::RunnerPart(RunnerShared* s, RunnerLoop* loop)

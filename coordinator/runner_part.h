@@ -85,6 +85,9 @@ class RunnerPart {
   const JobManagerOptions& options() const { return host_->options(); }
   const std::map<std::string, int>& members() const { return membership_.members(); }
   uint64_t epoch() const { return membership_.epoch(); }
+  // The time deadlines, back-off and suspicion are judged by (the host's
+  // clock); measured durations use absl::Now().
+  absl::Time Now() const { return host_->clock().Now(); }
   static JobEnd Failed(absl::string_view message) {
     return JobEnd{v1::JOB_STATE_FAILED, std::string(message)};
   }
