@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/clock.h"
 #include "common/spec.h"
 #include "coordinator/job_store.h"
 #include "coordinator/timing_estimates.h"
@@ -39,7 +40,8 @@ struct FakeWorker {
   std::string job_id;  // of the plan it runs
   double speed = 1;
   bool alive = true;
-  int stage = -1;  // -1: holds no stage
+  bool mute = false;  // takes plans but never answers them
+  int stage = -1;     // -1: holds no stage
   uint64_t checksum = 0;
   uint64_t iteration = 0;
   uint64_t epoch = 0;
@@ -83,9 +85,9 @@ class FakeCluster : public RunnerHost {
     r.set_speed(speed);
     r.set_memory_slots(3);
     r.set_address(absl::StrCat(id, ".test:1"));
-    auto response = registry_.Register(r, absl::Now());
+    auto response = registry_.Register(r, clock_->Now());
     ASSERT_TRUE(response.ok()) << response.status();
-    registry_.SessionOpened(response->session_token(), absl::Now());
+    registry_.SessionOpened(response->session_token(), clock_->Now());
     absl::MutexLock lock(&mu_);
     FakeWorker& w = workers_[id];
     w.id = id;
@@ -101,7 +103,17 @@ class FakeCluster : public RunnerHost {
       workers_[id].alive = false;
       token = workers_[id].token;
     }
-    registry_.SessionEnded(token, absl::Now());
+    registry_.SessionEnded(token, clock_->Now());
+  }
+
+  // The runner and the registry read `clock` (the real one by default).
+  void UseClock(const Clock* clock) { clock_ = clock; }
+
+  // The worker stays registered with its session open but never answers a
+  // plan (a stalled process).
+  void Mute(const std::string& id) {
+    absl::MutexLock lock(&mu_);
+    workers_[id].mute = true;
   }
 
   void KillWhenPlanArrives(const std::string& worker, uint64_t iteration) {
@@ -151,6 +163,7 @@ class FakeCluster : public RunnerHost {
   JobManagerOptions* mutable_options() { return &options_; }
   TimingEstimates& estimates() override { return estimates_; }
   RunnerMetrics& runner_metrics() override { return metrics_; }
+  const Clock& clock() const override { return *clock_; }
 
   absl::Status Send(const std::string& worker, const v1::CoordinatorMessage& m) override {
     std::vector<std::pair<std::string, v1::WorkerMessage>> replies;
@@ -172,7 +185,7 @@ class FakeCluster : public RunnerHost {
         absl::MutexLock lock(&mu_);
         token = workers_[worker].token;
       }
-      registry_.SessionEnded(token, absl::Now());
+      registry_.SessionEnded(token, clock_->Now());
     }
     if (runner != nullptr) {
       for (auto& [from, reply] : replies) runner->Post(from, reply);
@@ -268,6 +281,7 @@ class FakeCluster : public RunnerHost {
           w.first_of_stage[g.stage()] = g.nodes().empty() ? "" : g.nodes(0);
         }
         checkpoint_ = p.checkpoint();
+        if (w.mute) return false;
         Norm(w, reply(w.id));
         return false;
       }
@@ -337,6 +351,7 @@ class FakeCluster : public RunnerHost {
     n->set_epoch(w.epoch);
   }
 
+  const Clock* clock_ = &Clock::Real();
   JobStore store_;
   WorkerRegistry registry_;
   JobManagerOptions options_;
@@ -451,6 +466,7 @@ class JobRunnerTest : public ::testing::Test {
   }
 
   std::string dir_;
+  FakeClock fake_clock_{absl::Now()};  // outlives the runner (TearDown)
   std::unique_ptr<FakeCluster> cluster_;
   std::unique_ptr<JobRunner> runner_;
   std::string job_id_;
@@ -631,6 +647,60 @@ TEST_F(JobRunnerTest, LossFailsAJobWithoutElasticTraining) {
   const v1::Job job = AwaitEnd();
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(job.message(), HasSubstr("worker a1 lost (its session closed"));
+}
+
+// --- the runner's clock -----------------------------------------------------
+
+// The runner judges deadlines by its host's clock: a worker that takes the
+// plan and never answers times the iteration out once the clock passes the
+// iteration timeout (30 s here), and not before, however long it waits.
+TEST_F(JobRunnerTest, AnUnansweredPlanTimesOutOnTheRunnersClock) {
+  FakeClock& clock = fake_clock_;
+  cluster_->UseClock(&clock);
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 5);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->Mute("b");
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return !cluster_->PlannedIterations().empty(); }));
+  absl::SleepFor(absl::Milliseconds(1200));  // more than two of the loop's wait slices
+  EXPECT_EQ(Job().state(), v1::JOB_STATE_RUNNING) << Job().message();
+  clock.Advance(absl::Seconds(31));
+  // Well before 30 real seconds: the clock, not the wall, timed it out.
+  ASSERT_TRUE(
+      AwaitJob([](const v1::Job& j) { return JobStore::IsFinal(j.state()); }, absl::Seconds(10)));
+  const v1::Job job = Job();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.message(), HasSubstr("timed out waiting for"));
+}
+
+// A worker whose session closed is lost only once the reconnect grace has
+// passed on the runner's clock (60 s here); until then the job waits for it,
+// then routes around it and finishes.
+TEST_F(JobRunnerTest, AClosedSessionIsLostOnlyAfterTheGraceOnTheRunnersClock) {
+  FakeClock& clock = fake_clock_;
+  cluster_->UseClock(&clock);
+  cluster_->mutable_options()->iteration_timeout = absl::Minutes(10);
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 4);
+  spec.mutable_elastic()->set_reconnect_grace_ms(60000);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->KillWhenPlanArrives("b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return cluster_->PlannedIterations().size() >= 10; }));
+  absl::SleepFor(absl::Milliseconds(1200));
+  v1::Job waiting = Job();
+  EXPECT_EQ(waiting.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Count(waiting, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(waiting);
+  clock.Advance(absl::Seconds(61));
+  ASSERT_TRUE(
+      AwaitJob([](const v1::Job& j) { return JobStore::IsFinal(j.state()); }, absl::Seconds(10)))
+      << History(Job());
+  const v1::Job job = Job();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b1 (stage 2) lost: its session closed 1m1s ago"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
 }
 
 }  // namespace
