@@ -4,7 +4,10 @@
 #include <csignal>
 #include <iostream>
 #include <map>
+#include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,211 +21,230 @@
 #include "common/net/address.h"
 #include "common/net/shutdown_signal.h"
 #include "common/net/tls.h"
+#include "common/status.h"
 #include "common/version.h"
 #include "worker/worker.h"
 
+namespace detour {
 namespace {
+
 // --metrics_port defaults to the gRPC port plus this (7071 -> 9471).
 constexpr int kMetricsPortOffset = 2400;
 // --data_port defaults to the gRPC port plus this (7071 -> 8271).
 constexpr int kDataPortOffset = 1200;
-}  // namespace
 
-int main(int argc, char** argv) {
-  using namespace detour;
-  BlockShutdownSignals();
+// The flags that reach WorkerOptions only after a check or a conversion; the
+// rest bind to WorkerOptions' fields directly.
+struct WorkerFlagValues {
+  explicit WorkerFlagValues(const WorkerOptions& defaults)
+      : memory_slots(defaults.memory_slots), torch_threads(defaults.torch_threads) {
+    common.metrics_port = defaults.metrics_port;
+    common.metrics_port_note =
+        "; default: the --listen port + 2400 (7071 -> 9471, 7072 -> 9472), so workers on one "
+        "host differ; a free one when --listen's port is 0";
+  }
 
-  WorkerOptions o;
   std::string listen = "127.0.0.1:7071";
-  int64_t memory_slots = o.memory_slots;
-  int64_t torch_threads = o.torch_threads;
+  int64_t memory_slots;
+  int64_t torch_threads;
   int64_t port_offset = 0;
   std::string data_port;
-  DaemonFlags common;
-  common.metrics_port = o.metrics_port;
-  TlsFiles tls;
-  common.metrics_port_note =
-      "; default: the --listen port + 2400 (7071 -> 9471, 7072 -> 9472), so workers on one host "
-      "differ; a free one when --listen's port is 0";
-
-  FlagSet flags("detour-worker",
-                "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
-                "one model stage of a job, and exports Prometheus metrics.");
-  flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
-  flags.String("advertise_address", &o.advertise_address,
-               "host:port peers use to reach this worker (default: from --listen)");
-  flags.String("data_port", &data_port,
-               "port of the direct tensor transport (peers send activations and gradients "
-               "there, TLS like --listen); default: the --listen port + 1200 (7071 -> 8271), a "
-               "free one when --listen's port is 0; \"off\" = tensors only over the gRPC port");
-  flags.String("data_advertise", &o.data_advertise,
-               "host:port peers use for the direct transport (default: the host of "
-               "--advertise_address and the data port)");
-  flags.String("coordinator", &o.coordinator, "host:port of the coordinator");
-  flags.String("worker_id", &o.worker_id,
-               "stable worker id (with TLS: its certificate's CN, the default; without: "
-               "assigned by the coordinator when not given)");
-  flags.String("region", &o.region, "region name, as in cluster specs (e.g. Oregon)");
-  flags.Double("speed", &o.speed, "relative compute speed of this node");
-  flags.Int("memory_slots", &memory_slots, "microbatches this node can hold in flight");
-  flags.String("device", &o.device, "cpu or cuda");
-  flags.Int("torch_threads", &torch_threads,
-            "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
-  flags.Double("compute_slowdown", &o.compute_slowdown,
-               "testing and emulation aid (like the coordinator's --emulate_network): every "
-               "compute task takes this many times its measured time (the worker sleeps the "
-               "difference), to emulate a slow node; 1 = off, at most 100");
   std::string inject_fault;
-  flags.String("inject_fault", &inject_fault,
-               "testing aid, KIND@N: at iteration N (from 0) misbehave in a way the "
-               "coordinator must catch and fail the job for — diverge (nudge a parameter after "
-               "the step, so this replica differs from its peers), duplicate_microbatch or "
-               "missing_microbatch (a data node reports its first microbatch twice / leaves "
-               "its last out); default none");
-  flags.String("metrics_bind", &o.metrics_bind,
-               "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
-  flags.String("metrics_advertise", &o.metrics_advertise,
-               "host:port Prometheus scrapes this worker's metrics at, as the coordinator's "
-               "service discovery lists it (default: --metrics_bind, or for 0.0.0.0 the host "
-               "of --advertise_address, and the metrics port)");
-  RegisterTlsFlags(&flags, &tls);
-  flags.String("data_dir", &o.data_dir, "directory for checkpoints (created if missing)");
-  flags.Int("port_offset", &port_offset,
-            "added to the --listen port (and so to the default --metrics_port): the systemd "
-            "template detour-worker@N passes its GPU index N, so workers on one host differ");
-  flags.Duration("connect_timeout", &o.connect_timeout,
-                 "give up when the coordinator stays unreachable this long at start-up "
-                 "(0 = retry forever)");
-  common.Register(&flags,
-                  "{\"grpc_port\", \"metrics_port\", \"data_port\", \"worker_id\", \"pid\"}");
-  flags.SetEpilog(
+  DaemonFlags common;
+  TlsFiles tls;
+};
+
+// Declares every flag, in the order --help lists them.
+void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) {
+  flags->String("listen", &v->listen, "host:port for gRPC (port 0 picks a free one)");
+  flags->String("advertise_address", &o->advertise_address,
+                "host:port peers use to reach this worker (default: from --listen)");
+  flags->String("data_port", &v->data_port,
+                "port of the direct tensor transport (peers send activations and gradients "
+                "there, TLS like --listen); default: the --listen port + 1200 (7071 -> 8271), a "
+                "free one when --listen's port is 0; \"off\" = tensors only over the gRPC port");
+  flags->String("data_advertise", &o->data_advertise,
+                "host:port peers use for the direct transport (default: the host of "
+                "--advertise_address and the data port)");
+  flags->String("coordinator", &o->coordinator, "host:port of the coordinator");
+  flags->String("worker_id", &o->worker_id,
+                "stable worker id (with TLS: its certificate's CN, the default; without: "
+                "assigned by the coordinator when not given)");
+  flags->String("region", &o->region, "region name, as in cluster specs (e.g. Oregon)");
+  flags->Double("speed", &o->speed, "relative compute speed of this node");
+  flags->Int("memory_slots", &v->memory_slots, "microbatches this node can hold in flight");
+  flags->String("device", &o->device, "cpu or cuda");
+  flags->Int("torch_threads", &v->torch_threads,
+             "LibTorch intra-op threads (0 = all cores; use 1 when many workers share a machine)");
+  flags->Double("compute_slowdown", &o->compute_slowdown,
+                "testing and emulation aid (like the coordinator's --emulate_network): every "
+                "compute task takes this many times its measured time (the worker sleeps the "
+                "difference), to emulate a slow node; 1 = off, at most 100");
+  flags->String("inject_fault", &v->inject_fault,
+                "testing aid, KIND@N: at iteration N (from 0) misbehave in a way the "
+                "coordinator must catch and fail the job for — diverge (nudge a parameter after "
+                "the step, so this replica differs from its peers), duplicate_microbatch or "
+                "missing_microbatch (a data node reports its first microbatch twice / leaves "
+                "its last out); default none");
+  flags->String("metrics_bind", &o->metrics_bind,
+                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  flags->String("metrics_advertise", &o->metrics_advertise,
+                "host:port Prometheus scrapes this worker's metrics at, as the coordinator's "
+                "service discovery lists it (default: --metrics_bind, or for 0.0.0.0 the host "
+                "of --advertise_address, and the metrics port)");
+  RegisterTlsFlags(flags, &v->tls);
+  flags->String("data_dir", &o->data_dir, "directory for checkpoints (created if missing)");
+  flags->Int("port_offset", &v->port_offset,
+             "added to the --listen port (and so to the default --metrics_port): the systemd "
+             "template detour-worker@N passes its GPU index N, so workers on one host differ");
+  flags->Duration("connect_timeout", &o->connect_timeout,
+                  "give up when the coordinator stays unreachable this long at start-up "
+                  "(0 = retry forever)");
+  v->common.Register(flags,
+                     "{\"grpc_port\", \"metrics_port\", \"data_port\", \"worker_id\", \"pid\"}");
+  flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the worker cannot\n"
       "start (port in use, coordinator refused or unreachable past --connect_timeout),\n"
       "2 for bad flags.");
+}
 
-  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-worker", "worker");
-      code >= 0) {
-    return code;
+// --listen shifted by --port_offset, and the other addresses checked for form.
+absl::Status ApplyAddresses(const WorkerFlagValues& v, WorkerOptions* o) {
+  ASSIGN_OR_RETURN(o->listen, ParseHostPort(v.listen, "--listen", /*allow_port_zero=*/true));
+  if (v.port_offset < 0 || v.port_offset > 1024 ||
+      (o->listen.port != 0 && o->listen.port + v.port_offset > 65535)) {
+    return absl::InvalidArgumentError(absl::StrCat("--port_offset: ", v.port_offset,
+                                                   " is outside 0..1024 or takes --listen's port ",
+                                                   o->listen.port, " past 65535"));
   }
+  if (o->listen.port != 0) o->listen.port += static_cast<int>(v.port_offset);
+  RETURN_IF_ERROR(ParseHostPort(o->coordinator, "--coordinator", false).status());
+  if (!o->advertise_address.empty()) {
+    RETURN_IF_ERROR(ParseHostPort(o->advertise_address, "--advertise_address", false).status());
+  }
+  if (!o->metrics_advertise.empty()) {
+    RETURN_IF_ERROR(ParseHostPort(o->metrics_advertise, "--metrics_advertise", false).status());
+  }
+  return absl::OkStatus();
+}
 
-  auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
-  if (!address.ok()) return flags.Fail(address.status());
-  o.listen = *address;
-  if (port_offset < 0 || port_offset > 1024 ||
-      (o.listen.port != 0 && o.listen.port + port_offset > 65535)) {
-    return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--port_offset: ", port_offset, " is outside 0..1024 or takes --listen's port ",
-        o.listen.port, " past 65535")));
+// --inject_fault's KIND@ITERATION.
+absl::Status ParseFaultInjection(const std::string& text,
+                                 JobRuntimeOptions::FaultInjection* fault) {
+  using Kind = JobRuntimeOptions::FaultInjection::Kind;
+  const std::vector<std::string> parts = absl::StrSplit(text, '@');
+  const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
+                                             {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
+                                             {"missing_microbatch", Kind::kMissingMicrobatch}};
+  uint64_t iteration = 0;
+  if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
+    return absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", text,
+                                                   "\" is not KIND@ITERATION with KIND diverge, "
+                                                   "duplicate_microbatch or missing_microbatch"));
   }
-  if (o.listen.port != 0) o.listen.port += static_cast<int>(port_offset);
-  if (auto c = ParseHostPort(o.coordinator, "--coordinator", false); !c.ok()) {
-    return flags.Fail(c.status());
+  fault->kind = kinds.at(parts[0]);
+  fault->iteration = iteration;
+  return absl::OkStatus();
+}
+
+// What the node computes with: speed, slowdown, injected fault, memory
+// slots and device.
+absl::Status ApplyComputeFlags(const WorkerFlagValues& v, WorkerOptions* o) {
+  if (!(o->speed > 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat("--speed: %g must be > 0", o->speed));
   }
-  if (!o.advertise_address.empty()) {
-    if (auto a = ParseHostPort(o.advertise_address, "--advertise_address", false); !a.ok()) {
-      return flags.Fail(a.status());
-    }
+  if (!(o->compute_slowdown >= 1) || !(o->compute_slowdown <= 100)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--compute_slowdown: %g is outside 1..100", o->compute_slowdown));
   }
-  if (!o.metrics_advertise.empty()) {
-    if (auto a = ParseHostPort(o.metrics_advertise, "--metrics_advertise", false); !a.ok()) {
-      return flags.Fail(a.status());
-    }
+  if (!v.inject_fault.empty()) RETURN_IF_ERROR(ParseFaultInjection(v.inject_fault, &o->fault));
+  if (v.memory_slots < 1 || v.memory_slots > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory_slots: ", v.memory_slots, " is outside 1..1024"));
   }
-  if (!(o.speed > 0)) {
-    return flags.Fail(
-        absl::InvalidArgumentError(absl::StrFormat("--speed: %g must be > 0", o.speed)));
+  if (o->device != "cpu" && o->device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: \"", o->device, "\" is not cpu or cuda"));
   }
-  if (!(o.compute_slowdown >= 1) || !(o.compute_slowdown <= 100)) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrFormat("--compute_slowdown: %g is outside 1..100", o.compute_slowdown)));
-  }
-  if (!inject_fault.empty()) {
-    using Kind = JobRuntimeOptions::FaultInjection::Kind;
-    const std::vector<std::string> parts = absl::StrSplit(inject_fault, '@');
-    const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
-                                               {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
-                                               {"missing_microbatch", Kind::kMissingMicrobatch}};
-    uint64_t iteration = 0;
-    if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
-      return flags.Fail(
-          absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", inject_fault,
-                                                  "\" is not KIND@ITERATION with KIND diverge, "
-                                                  "duplicate_microbatch or missing_microbatch")));
-    }
-    o.fault.kind = kinds.at(parts[0]);
-    o.fault.iteration = iteration;
-  }
-  if (memory_slots < 1 || memory_slots > 1024) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--memory_slots: ", memory_slots, " is outside 1..1024")));
-  }
-  if (o.device != "cpu" && o.device != "cuda") {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--device: \"", o.device, "\" is not cpu or cuda")));
-  }
-  o.metrics_port = static_cast<int>(common.metrics_port);
+  o->memory_slots = static_cast<int>(v.memory_slots);
+  return absl::OkStatus();
+}
+
+// The metrics and direct-transport ports, derived from the (offset) --listen
+// port unless given, and --data_advertise, which needs the transport on.
+absl::Status ApplyDerivedPorts(const FlagSet& flags, const WorkerFlagValues& v, WorkerOptions* o) {
+  o->metrics_port = static_cast<int>(v.common.metrics_port);
   if (!flags.WasSet("metrics_port")) {
-    o.metrics_port = o.listen.port == 0 || o.listen.port + kMetricsPortOffset > 65535
-                         ? 0
-                         : o.listen.port + kMetricsPortOffset;
+    o->metrics_port = o->listen.port == 0 || o->listen.port + kMetricsPortOffset > 65535
+                          ? 0
+                          : o->listen.port + kMetricsPortOffset;
   }
-  if (data_port == "off") {
-    o.data_port = -1;
-  } else if (data_port.empty()) {
-    o.data_port = o.listen.port == 0 || o.listen.port + kDataPortOffset > 65535
-                      ? 0
-                      : o.listen.port + kDataPortOffset;
+  if (v.data_port == "off") {
+    o->data_port = -1;
+  } else if (v.data_port.empty()) {
+    o->data_port = o->listen.port == 0 || o->listen.port + kDataPortOffset > 65535
+                       ? 0
+                       : o->listen.port + kDataPortOffset;
   } else {
     int port = -1;
-    if (!absl::SimpleAtoi(data_port, &port) || port < 0 || port > 65535) {
-      return flags.Fail(absl::InvalidArgumentError(
-          absl::StrCat("--data_port: \"", data_port, "\" is not a port (0..65535) or \"off\"")));
+    if (!absl::SimpleAtoi(v.data_port, &port) || port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--data_port: \"", v.data_port, "\" is not a port (0..65535) or \"off\""));
     }
-    o.data_port = port;
+    o->data_port = port;
   }
-  if (!o.data_advertise.empty()) {
-    if (o.data_port < 0) {
-      return flags.Fail(absl::InvalidArgumentError(
-          "--data_advertise: the direct transport is off (--data_port=off)"));
+  if (!o->data_advertise.empty()) {
+    if (o->data_port < 0) {
+      return absl::InvalidArgumentError(
+          "--data_advertise: the direct transport is off (--data_port=off)");
     }
-    if (auto a = ParseHostPort(o.data_advertise, "--data_advertise", false); !a.ok()) {
-      return flags.Fail(a.status());
-    }
+    RETURN_IF_ERROR(ParseHostPort(o->data_advertise, "--data_advertise", false).status());
   }
-  o.memory_slots = static_cast<int>(memory_slots);
-  if (torch_threads < 0 || torch_threads > 1024) {
-    return flags.Fail(absl::InvalidArgumentError(
-        absl::StrCat("--torch_threads: ", torch_threads, " is outside 0..1024")));
-  }
-  o.torch_threads = static_cast<int>(torch_threads);
-  auto security = LoadDaemonSecurity(tls);
-  if (!security.ok()) return flags.Fail(security.status());
-  o.security = *security;
-  if (o.security.tls()) {
-    // The coordinator accepts this worker only under its certificate's name.
-    if (!o.worker_id.empty() && o.worker_id != o.security.name()) {
-      return flags.Fail(absl::InvalidArgumentError(
-          absl::StrCat("--worker_id: \"", o.worker_id, "\" differs from the name in --tls_cert (\"",
-                       o.security.name(), "\"); with TLS the certificate names the worker")));
-    }
-    o.worker_id = o.security.name();
-  }
+  return absl::OkStatus();
+}
 
-  if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
-    LogError(dir.message());
-    return 1;
+// Loads the TLS files; with TLS the certificate's name is the worker id.
+absl::Status ApplySecurity(const TlsFiles& tls, WorkerOptions* o) {
+  ASSIGN_OR_RETURN(o->security, LoadDaemonSecurity(tls));
+  if (o->security.tls()) {
+    // The coordinator accepts this worker only under its certificate's name.
+    if (!o->worker_id.empty() && o->worker_id != o->security.name()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--worker_id: \"", o->worker_id, "\" differs from the name in --tls_cert (\"",
+          o->security.name(), "\"); with TLS the certificate names the worker"));
+    }
+    o->worker_id = o->security.name();
   }
-  auto worker = Worker::Create(o);
-  if (!worker.ok()) {
-    LogError("cannot start: ", worker.status().message());
-    return 1;
+  return absl::OkStatus();
+}
+
+// Checks the parsed flags and completes `o` from them. The checks run in a
+// fixed order, so that of several bad flags the same one is reported.
+absl::Status BuildWorkerOptions(const FlagSet& flags, const WorkerFlagValues& v, WorkerOptions* o) {
+  RETURN_IF_ERROR(ApplyAddresses(v, o));
+  RETURN_IF_ERROR(ApplyComputeFlags(v, o));
+  RETURN_IF_ERROR(ApplyDerivedPorts(flags, v, o));
+  if (v.torch_threads < 0 || v.torch_threads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--torch_threads: ", v.torch_threads, " is outside 0..1024"));
   }
-  // Registration retries while the coordinator is unreachable (forever by
-  // default): on its own thread, so SIGTERM/SIGINT stop the worker meanwhile.
+  o->torch_threads = static_cast<int>(v.torch_threads);
+  return ApplySecurity(v.tls, o);
+}
+
+const char* SignalName(int signal_number) {
+  return signal_number == SIGTERM ? "SIGTERM" : "SIGINT";
+}
+
+// Registers with the coordinator. Registration retries while the coordinator
+// is unreachable (forever by default): on its own thread, so SIGTERM/SIGINT
+// stop the worker meanwhile. Returns the exit code when the worker is to stop
+// instead of serving.
+std::optional<int> RegisterUnlessStopped(Worker* worker, absl::Duration drain_timeout) {
   absl::Status registered;
   absl::Notification registration_ended;
   std::thread registering([&] {
-    registered = (*worker)->Register();
+    registered = worker->Register();
     registration_ended.Notify();
   });
   int signal_number = 0;
@@ -230,9 +252,9 @@ int main(int argc, char** argv) {
     signal_number = WaitForShutdownSignal(absl::Milliseconds(100));
   }
   if (signal_number != 0 && !registration_ended.HasBeenNotified()) {
-    LogInfo("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+    LogInfo("received ", SignalName(signal_number),
             " while registering with the coordinator; stopping");
-    (*worker)->Drain(common.drain_timeout);
+    worker->Drain(drain_timeout);
     registering.join();
     LogInfo("stopped cleanly");
     return 0;
@@ -243,27 +265,71 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (signal_number != 0) {  // came with the registration: drain at once
-    LogInfo("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT", "; draining");
-    (*worker)->Drain(common.drain_timeout);
+    LogInfo("received ", SignalName(signal_number), "; draining");
+    worker->Drain(drain_timeout);
     LogInfo("stopped cleanly");
     return 0;
   }
-  LogInfo("detour-worker ", kVersion, " serving gRPC on port ", (*worker)->grpc_port(),
-          (*worker)->data_port() >= 0
-              ? absl::StrCat(", the direct transport on port ", (*worker)->data_port())
+  return std::nullopt;
+}
+
+// The start-up banner, and --ready_file for whoever waits on this worker.
+void AnnounceServing(const Worker& worker, const WorkerOptions& o, const std::string& ready_file) {
+  LogInfo("detour-worker ", kVersion, " serving gRPC on port ", worker.grpc_port(),
+          worker.data_port() >= 0
+              ? absl::StrCat(", the direct transport on port ", worker.data_port())
               : std::string(", no direct transport"),
-          ", metrics on port ", (*worker)->metrics_port(), "; ", o.security.Describe());
-  if (!common.ready_file.empty()) {
-    absl::Status written = WriteFileAtomically(
-        common.ready_file,
-        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"data_port\": %d, "
-                        "\"worker_id\": \"%s\", \"pid\": %d}\n",
-                        (*worker)->grpc_port(), (*worker)->metrics_port(), (*worker)->data_port(),
-                        (*worker)->worker_id(), static_cast<int>(getpid())));
-    if (!written.ok()) LogWarning("--ready_file: ", written.message());
+          ", metrics on port ", worker.metrics_port(), "; ", o.security.Describe());
+  if (ready_file.empty()) return;
+  absl::Status written = WriteFileAtomically(
+      ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"data_port\": %d, "
+                                  "\"worker_id\": \"%s\", \"pid\": %d}\n",
+                                  worker.grpc_port(), worker.metrics_port(), worker.data_port(),
+                                  worker.worker_id(), static_cast<int>(getpid())));
+  if (!written.ok()) LogWarning("--ready_file: ", written.message());
+}
+
+// Starts the worker, registers it and serves until SIGTERM/SIGINT. Returns
+// the exit status.
+int RunWorker(const WorkerOptions& o, const DaemonFlags& common) {
+  if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
+    LogError(dir.message());
+    return 1;
   }
+  auto worker = Worker::Create(o);
+  if (!worker.ok()) {
+    LogError("cannot start: ", worker.status().message());
+    return 1;
+  }
+  if (std::optional<int> code = RegisterUnlessStopped(worker->get(), common.drain_timeout)) {
+    return *code;
+  }
+  AnnounceServing(**worker, o, common.ready_file);
   AwaitShutdownSignal(common.drain_timeout);
   (*worker)->Drain(common.drain_timeout);
   LogInfo("stopped cleanly");
   return 0;
+}
+
+}  // namespace
+}  // namespace detour
+
+int main(int argc, char** argv) {
+  using namespace detour;
+  BlockShutdownSignals();
+
+  WorkerOptions o;
+  WorkerFlagValues v(o);
+  FlagSet flags("detour-worker",
+                "Runs a detour worker: registers with the coordinator, keeps a heartbeat, holds "
+                "one model stage of a job, and exports Prometheus metrics.");
+  RegisterWorkerFlags(&flags, &o, &v);
+  if (int code = v.common.Apply(flags, flags.Parse(argc, argv), "detour-worker", "worker");
+      code >= 0) {
+    return code;
+  }
+  if (absl::Status built = BuildWorkerOptions(flags, v, &o); !built.ok()) {
+    return flags.Fail(built);
+  }
+  return RunWorker(o, v.common);
 }
