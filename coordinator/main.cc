@@ -2,6 +2,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -18,9 +19,13 @@
 #include "coordinator/client_auth.h"
 #include "coordinator/coordinator.h"
 
-int main(int argc, char** argv) {
-  using namespace detour;
-  BlockShutdownSignals();
+namespace detour {
+namespace {
+
+// The flags, with their defaults; CoordinatorOptions gets them only after
+// their checks.
+struct CoordinatorFlagValues {
+  CoordinatorFlagValues() { common.metrics_port = 9470; }
 
   std::string listen = "127.0.0.1:7070";
   std::string metrics_bind = "127.0.0.1";
@@ -38,111 +43,146 @@ int main(int argc, char** argv) {
   absl::Duration assign_timeout = absl::Seconds(120);
   int64_t replan_every = 5;
   DaemonFlags common;
-  common.metrics_port = 9470;
+};
 
-  FlagSet flags("detour-coordinator",
-                "Runs the detour coordinator: accepts jobs (JobService), registers workers and "
-                "keeps their heartbeats (ControlService), and exports Prometheus metrics.");
-  flags.String("listen", &listen, "host:port for gRPC (port 0 picks a free one)");
-  flags.String("metrics_bind", &metrics_bind,
-               "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
-  flags.String("metrics_advertise", &metrics_advertise,
-               "host:port Prometheus scrapes this coordinator's metrics at, as its service "
-               "discovery (/prometheus/targets) lists it; default: --metrics_bind (the host "
-               "name for 0.0.0.0) and the metrics port");
-  flags.Duration("job_metrics_retention", &job_metrics_retention,
-                 "how long an ended job keeps its per-job series (detour_coordinator_job_*; "
-                 "at most 50 ended jobs keep them)");
-  RegisterTlsFlags(&flags, &tls);
-  flags.String("auth_tokens", &auth_tokens,
-               "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
-               "without it, any client certificate from --tls_ca may submit");
-  flags.String("data_dir", &data_dir, "directory for the job store (created if missing)");
-  flags.Duration("worker_silence", &worker_silence,
-                 "a worker with no heartbeat for this long is marked lost");
-  flags.Duration("heartbeat_interval", &heartbeat_interval,
-                 "heartbeat period asked of workers (must be below --worker_silence)");
-  flags.String("cluster", &cluster_file,
-               "ClusterSpec JSON whose region links (latency, bandwidth) the planner uses; "
-               "regions it does not cover count as one fast network");
-  flags.String("checkpoint_root", &checkpoint_root,
-               "where jobs' checkpoints go (default <data_dir>/checkpoints); workers write "
-               "their stage files there, so on a real cluster use a path all machines share");
-  flags.Bool("emulate_network", &emulate_network,
-             "make workers delay and rate-limit their frames per --cluster (emulation for "
-             "tests and benchmarks on one machine)");
-  flags.Duration("iteration_timeout", &iteration_timeout,
-                 "fail a job when an iteration takes longer than this");
-  flags.Duration("assign_timeout", &assign_timeout,
-                 "fail a job when its workers take longer than this to build their stages");
-  flags.Int("replan_every", &replan_every,
-            "every this many iterations, plan with node speeds measured from the workers' "
-            "timing reports (0 = keep the declared speeds)");
-  common.Register(&flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
-  flags.SetEpilog(
+// Declares every flag, in the order --help lists them.
+void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
+  flags->String("listen", &v->listen, "host:port for gRPC (port 0 picks a free one)");
+  flags->String("metrics_bind", &v->metrics_bind,
+                "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
+  flags->String("metrics_advertise", &v->metrics_advertise,
+                "host:port Prometheus scrapes this coordinator's metrics at, as its service "
+                "discovery (/prometheus/targets) lists it; default: --metrics_bind (the host "
+                "name for 0.0.0.0) and the metrics port");
+  flags->Duration("job_metrics_retention", &v->job_metrics_retention,
+                  "how long an ended job keeps its per-job series (detour_coordinator_job_*; "
+                  "at most 50 ended jobs keep them)");
+  RegisterTlsFlags(flags, &v->tls);
+  flags->String("auth_tokens", &v->auth_tokens,
+                "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
+                "without it, any client certificate from --tls_ca may submit");
+  flags->String("data_dir", &v->data_dir, "directory for the job store (created if missing)");
+  flags->Duration("worker_silence", &v->worker_silence,
+                  "a worker with no heartbeat for this long is marked lost");
+  flags->Duration("heartbeat_interval", &v->heartbeat_interval,
+                  "heartbeat period asked of workers (must be below --worker_silence)");
+  flags->String("cluster", &v->cluster_file,
+                "ClusterSpec JSON whose region links (latency, bandwidth) the planner uses; "
+                "regions it does not cover count as one fast network");
+  flags->String("checkpoint_root", &v->checkpoint_root,
+                "where jobs' checkpoints go (default <data_dir>/checkpoints); workers write "
+                "their stage files there, so on a real cluster use a path all machines share");
+  flags->Bool("emulate_network", &v->emulate_network,
+              "make workers delay and rate-limit their frames per --cluster (emulation for "
+              "tests and benchmarks on one machine)");
+  flags->Duration("iteration_timeout", &v->iteration_timeout,
+                  "fail a job when an iteration takes longer than this");
+  flags->Duration("assign_timeout", &v->assign_timeout,
+                  "fail a job when its workers take longer than this to build their stages");
+  flags->Int("replan_every", &v->replan_every,
+             "every this many iterations, plan with node speeds measured from the workers' "
+             "timing reports (0 = keep the declared speeds)");
+  v->common.Register(flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
+  flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
       "start (port in use, unwritable --data_dir), 2 for bad flags (also: no TLS flags\n"
       "and no --insecure, unusable certificate, key or --auth_tokens files).");
+}
 
-  if (int code = common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator", "coordinator");
-      code >= 0) {
-    return code;
-  }
-
-  CoordinatorOptions options;
-  auto address = ParseHostPort(listen, "--listen", /*allow_port_zero=*/true);
-  if (!address.ok()) return flags.Fail(address.status());
-  options.listen = *address;
+absl::Status CheckHeartbeatTiming(absl::Duration worker_silence,
+                                  absl::Duration heartbeat_interval) {
   if (worker_silence <= absl::ZeroDuration() || heartbeat_interval <= absl::ZeroDuration()) {
-    return flags.Fail(
-        absl::InvalidArgumentError("--worker_silence and --heartbeat_interval must be positive"));
+    return absl::InvalidArgumentError("--worker_silence and --heartbeat_interval must be positive");
   }
   if (heartbeat_interval >= worker_silence) {
-    return flags.Fail(absl::InvalidArgumentError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "--heartbeat_interval (", absl::FormatDuration(heartbeat_interval),
-        ") must be shorter than --worker_silence (", absl::FormatDuration(worker_silence), ")")));
+        ") must be shorter than --worker_silence (", absl::FormatDuration(worker_silence), ")"));
   }
-  options.metrics_bind = metrics_bind;
-  if (!metrics_advertise.empty()) {
-    auto advertised = ParseHostPort(metrics_advertise, "--metrics_advertise",
-                                    /*allow_port_zero=*/false);
-    if (!advertised.ok()) return flags.Fail(advertised.status());
-    options.metrics_advertise = metrics_advertise;
-  }
-  if (job_metrics_retention < absl::ZeroDuration()) {
-    return flags.Fail(absl::InvalidArgumentError("--job_metrics_retention must not be negative"));
-  }
-  options.job_metrics.retention = job_metrics_retention;
-  options.metrics_port = static_cast<int>(common.metrics_port);
-  options.data_dir = data_dir;
-  options.worker_silence = worker_silence;
-  options.heartbeat_interval = heartbeat_interval;
-  if (!cluster_file.empty()) {
-    auto network = LoadClusterSpec(cluster_file);
-    if (!network.ok()) return flags.Fail(Annotate(network.status(), "--cluster"));
-    options.jobs.network = *network;
-  } else if (emulate_network) {
-    return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
-  }
-  options.jobs.emulate_network = emulate_network;
-  options.jobs.checkpoint_root = checkpoint_root;
-  options.jobs.iteration_timeout = iteration_timeout;
-  options.jobs.assign_timeout = assign_timeout;
-  if (replan_every < 0) {
-    return flags.Fail(
-        absl::InvalidArgumentError(absl::StrCat("--replan_every: ", replan_every, " is negative")));
-  }
-  options.jobs.replan_every = static_cast<int>(replan_every);
-  auto security = LoadDaemonSecurity(tls);
-  if (!security.ok()) return flags.Fail(security.status());
-  options.security = *security;
-  if (!auth_tokens.empty()) {
-    auto tokens = LoadTokensFile(auth_tokens);
-    if (!tokens.ok()) return flags.Fail(tokens.status());
-    options.tokens = *std::move(tokens);
-  }
+  return absl::OkStatus();
+}
 
-  if (absl::Status dir = EnsureWritableDirectory(data_dir, "--data_dir"); !dir.ok()) {
+// Where the metrics are served and advertised, and how long ended jobs keep
+// their series.
+absl::Status ApplyMetricsFlags(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
+  options->metrics_bind = v.metrics_bind;
+  if (!v.metrics_advertise.empty()) {
+    RETURN_IF_ERROR(ParseHostPort(v.metrics_advertise, "--metrics_advertise",
+                                  /*allow_port_zero=*/false)
+                        .status());
+    options->metrics_advertise = v.metrics_advertise;
+  }
+  if (v.job_metrics_retention < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--job_metrics_retention must not be negative");
+  }
+  options->job_metrics.retention = v.job_metrics_retention;
+  options->metrics_port = static_cast<int>(v.common.metrics_port);
+  return absl::OkStatus();
+}
+
+// How jobs run: the network the planner assumes (and may emulate), where
+// checkpoints go, the timeouts and how often to replan.
+absl::Status ApplyJobFlags(const CoordinatorFlagValues& v, JobManagerOptions* jobs) {
+  if (!v.cluster_file.empty()) {
+    auto network = LoadClusterSpec(v.cluster_file);
+    if (!network.ok()) return Annotate(network.status(), "--cluster");
+    jobs->network = *network;
+  } else if (v.emulate_network) {
+    return absl::InvalidArgumentError("--emulate_network needs --cluster");
+  }
+  jobs->emulate_network = v.emulate_network;
+  jobs->checkpoint_root = v.checkpoint_root;
+  jobs->iteration_timeout = v.iteration_timeout;
+  jobs->assign_timeout = v.assign_timeout;
+  if (v.replan_every < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replan_every: ", v.replan_every, " is negative"));
+  }
+  jobs->replan_every = static_cast<int>(v.replan_every);
+  return absl::OkStatus();
+}
+
+// The TLS identity, and the client tokens of --auth_tokens.
+absl::Status ApplyCredentials(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
+  ASSIGN_OR_RETURN(options->security, LoadDaemonSecurity(v.tls));
+  if (!v.auth_tokens.empty()) {
+    ASSIGN_OR_RETURN(options->tokens, LoadTokensFile(v.auth_tokens));
+  }
+  return absl::OkStatus();
+}
+
+// Checks the parsed flags and fills `options` from them. The checks run in a
+// fixed order, so that of several bad flags the same one is reported.
+absl::Status BuildCoordinatorOptions(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
+  ASSIGN_OR_RETURN(options->listen, ParseHostPort(v.listen, "--listen", /*allow_port_zero=*/true));
+  RETURN_IF_ERROR(CheckHeartbeatTiming(v.worker_silence, v.heartbeat_interval));
+  RETURN_IF_ERROR(ApplyMetricsFlags(v, options));
+  options->data_dir = v.data_dir;
+  options->worker_silence = v.worker_silence;
+  options->heartbeat_interval = v.heartbeat_interval;
+  RETURN_IF_ERROR(ApplyJobFlags(v, &options->jobs));
+  return ApplyCredentials(v, options);
+}
+
+// The start-up banner, and --ready_file for whoever waits on the coordinator.
+void AnnounceServing(const Coordinator& coordinator, const CoordinatorOptions& options,
+                     const std::string& ready_file) {
+  LogInfo("detour-coordinator ", kVersion, " serving gRPC on ", options.listen.host, ":",
+          coordinator.grpc_port(), ", metrics on port ", coordinator.metrics_port(), ", data in ",
+          options.data_dir, "; ", options.security.Describe(),
+          options.tokens ? absl::StrCat(", ", options.tokens->size(), " client token(s)") : "");
+  if (ready_file.empty()) return;
+  absl::Status written = WriteFileAtomically(
+      ready_file, absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
+                                  coordinator.grpc_port(), coordinator.metrics_port(),
+                                  static_cast<int>(getpid())));
+  if (!written.ok()) LogWarning("--ready_file: ", written.message());
+}
+
+// Starts the coordinator and serves until SIGTERM/SIGINT. Returns the exit
+// status.
+int RunCoordinator(const CoordinatorOptions& options, const DaemonFlags& common) {
+  if (absl::Status dir = EnsureWritableDirectory(options.data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());
     return 1;
   }
@@ -151,21 +191,34 @@ int main(int argc, char** argv) {
     LogError("cannot start: ", coordinator.status().message());
     return 1;
   }
-  LogInfo("detour-coordinator ", kVersion, " serving gRPC on ", options.listen.host, ":",
-          (*coordinator)->grpc_port(), ", metrics on port ", (*coordinator)->metrics_port(),
-          ", data in ", data_dir, "; ", options.security.Describe(),
-          options.tokens ? absl::StrCat(", ", options.tokens->size(), " client token(s)") : "");
-  if (!common.ready_file.empty()) {
-    absl::Status written = WriteFileAtomically(
-        common.ready_file,
-        absl::StrFormat("{\"grpc_port\": %d, \"metrics_port\": %d, \"pid\": %d}\n",
-                        (*coordinator)->grpc_port(), (*coordinator)->metrics_port(),
-                        static_cast<int>(getpid())));
-    if (!written.ok()) LogWarning("--ready_file: ", written.message());
-  }
+  AnnounceServing(**coordinator, options, common.ready_file);
 
   AwaitShutdownSignal(common.drain_timeout);
   (*coordinator)->Drain(common.drain_timeout);
   LogInfo("stopped cleanly");
   return 0;
+}
+
+}  // namespace
+}  // namespace detour
+
+int main(int argc, char** argv) {
+  using namespace detour;
+  BlockShutdownSignals();
+
+  CoordinatorFlagValues v;
+  FlagSet flags("detour-coordinator",
+                "Runs the detour coordinator: accepts jobs (JobService), registers workers and "
+                "keeps their heartbeats (ControlService), and exports Prometheus metrics.");
+  RegisterCoordinatorFlags(&flags, &v);
+  if (int code =
+          v.common.Apply(flags, flags.Parse(argc, argv), "detour-coordinator", "coordinator");
+      code >= 0) {
+    return code;
+  }
+  CoordinatorOptions options;
+  if (absl::Status built = BuildCoordinatorOptions(v, &options); !built.ok()) {
+    return flags.Fail(built);
+  }
+  return RunCoordinator(options, v.common);
 }
