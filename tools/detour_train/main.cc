@@ -283,13 +283,24 @@ absl::Status WriteFile(const fs::path& path, const std::string& text) {
   return absl::OkStatus();
 }
 
-absl::Status Main(const Args& args) {
-  at::set_num_threads(static_cast<int>(args.threads));
-  if (args.device != "cpu" && !(args.device.rfind("cuda", 0) == 0 && at::hasCUDA())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device ", args.device, ": this LibTorch build has no such device"));
+// The K-FAC settings that --kfac-* override.
+void ApplyKfacFlags(const Args& args, v1::KfacSpec* kfac) {
+  if (args.kfac_lr > 0) kfac->set_lr(args.kfac_lr);
+  if (args.kfac_damping > 0) kfac->set_damping(args.kfac_damping);
+  if (args.kfac_momentum >= 0) kfac->set_momentum(args.kfac_momentum);
+  if (args.kfac_kl_clip != 0) kfac->set_kl_clip(args.kfac_kl_clip);
+  if (args.kfac_refresh >= 0) kfac->set_refresh_interval(static_cast<uint32_t>(args.kfac_refresh));
+  if (args.kfac_update == "graft") kfac->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
+  if (args.kfac_update == "momentum") kfac->set_update(v1::KFAC_UPDATE_MOMENTUM);
+  if (args.kfac_factor_decay > 0) kfac->set_factor_decay(args.kfac_factor_decay);
+  if (args.kfac_curvature > 0) {
+    kfac->set_curvature_microbatches(static_cast<uint32_t>(args.kfac_curvature));
   }
-  const c10::Device device(args.device);
+}
+
+// The job every run starts from: --job, or a small one for --preset, with
+// the flags' overrides and the defaults filled in.
+absl::StatusOr<v1::JobSpec> BaseJobSpec(const Args& args) {
   v1::JobSpec base;
   if (!args.job.empty()) {
     ASSIGN_OR_RETURN(base, LoadJobSpec(args.job));
@@ -313,131 +324,129 @@ absl::Status Main(const Args& args) {
   if (args.optimizer == "adamw") base.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
   if (args.precision == "fp32") base.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
   if (args.precision == "bf16") base.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
-  v1::KfacSpec* kfac = base.mutable_optimizer()->mutable_kfac();
-  if (args.kfac_lr > 0) kfac->set_lr(args.kfac_lr);
-  if (args.kfac_damping > 0) kfac->set_damping(args.kfac_damping);
-  if (args.kfac_momentum >= 0) kfac->set_momentum(args.kfac_momentum);
-  if (args.kfac_kl_clip != 0) kfac->set_kl_clip(args.kfac_kl_clip);
-  if (args.kfac_refresh >= 0) kfac->set_refresh_interval(static_cast<uint32_t>(args.kfac_refresh));
-  if (args.kfac_update == "graft") kfac->set_update(v1::KFAC_UPDATE_GRAFT_ADAMW);
-  if (args.kfac_update == "momentum") kfac->set_update(v1::KFAC_UPDATE_MOMENTUM);
-  if (args.kfac_factor_decay > 0) kfac->set_factor_decay(args.kfac_factor_decay);
-  if (args.kfac_curvature > 0) {
-    kfac->set_curvature_microbatches(static_cast<uint32_t>(args.kfac_curvature));
-  }
+  ApplyKfacFlags(args, base.mutable_optimizer()->mutable_kfac());
   ApplyJobDefaults(&base);
+  return base;
+}
+
+// A --plan NAME:FILE run, which trains on the routes of FILE every iteration.
+absl::StatusOr<Run> PlanRun(const std::string& plan, const Args& args, const v1::JobSpec& base) {
+  const size_t colon = plan.find(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--plan: \"", plan, "\" is not NAME:FILE"));
+  }
+  std::ifstream in(plan.substr(colon + 1));
+  if (!in) return absl::NotFoundError(absl::StrCat("--plan: cannot open ", plan.substr(colon + 1)));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Run r;
+  r.name = plan.substr(0, colon);
+  ASSIGN_OR_RETURN(r.fixed_routes, model::ParseRoutesJson(text));
+  if (r.fixed_routes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--plan ", plan, ": no routes"));
+  }
+  int highest = 0;
+  for (const auto& route : r.fixed_routes) {
+    for (uint32_t st : route.stages()) highest = std::max(highest, static_cast<int>(st));
+  }
+  r.stages = args.job.empty() ? highest + 1 : static_cast<int>(base.pipeline().num_stages());
+  return r;
+}
+
+// The runs of --runs, then those of --plan; at least one.
+absl::StatusOr<std::vector<Run>> CollectRuns(const Args& args, const v1::JobSpec& base) {
   ASSIGN_OR_RETURN(std::vector<Run> runs, ParseRuns(args.runs));
   for (const std::string& plan : args.plans) {
-    const size_t colon = plan.find(':');
-    if (colon == std::string::npos || colon == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--plan: \"", plan, "\" is not NAME:FILE"));
-    }
-    std::ifstream in(plan.substr(colon + 1));
-    if (!in)
-      return absl::NotFoundError(absl::StrCat("--plan: cannot open ", plan.substr(colon + 1)));
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    Run r;
-    r.name = plan.substr(0, colon);
-    ASSIGN_OR_RETURN(r.fixed_routes, model::ParseRoutesJson(text));
-    if (r.fixed_routes.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--plan ", plan, ": no routes"));
-    }
-    int highest = 0;
-    for (const auto& route : r.fixed_routes) {
-      for (uint32_t st : route.stages()) highest = std::max(highest, static_cast<int>(st));
-    }
-    r.stages = args.job.empty() ? highest + 1 : static_cast<int>(base.pipeline().num_stages());
+    ASSIGN_OR_RETURN(Run r, PlanRun(plan, args, base));
     runs.push_back(std::move(r));
   }
   if (runs.empty()) return absl::InvalidArgumentError("no run: give --runs or --plan");
-  ASSIGN_OR_RETURN(model::TextDataset data, model::LoadDataset(base.data()));
-  RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(base.model().vocab_size())));
-  const int total_mbs =
-      static_cast<int>(base.pipeline().data_nodes() * base.pipeline().microbatches_per_data_node());
-  std::error_code ec;
-  fs::create_directories(args.out, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", args.out));
-  std::printf(
-      "model %s, %d microbatches x %u samples x %u tokens, %lld iterations, "
-      "train %zu / validation %zu tokens\n",
-      base.model().preset().c_str(), total_mbs, base.pipeline().samples_per_microbatch(),
-      base.model().context_length(), static_cast<long long>(args.iterations), data.train.size(),
-      data.validation.size());
+  return runs;
+}
 
-  std::vector<Curve> curves;
-  // seconds: since the run started; train_seconds: the same without the
-  // validation passes (what equal-wall-time comparisons use).
-  std::string csv = "run,iteration,train_loss,val_loss,lr,grad_norm,seconds,train_seconds\n";
-  for (const Run& run : runs) {
-    v1::JobSpec spec = base;
-    spec.mutable_pipeline()->set_num_stages(run.stages);
-    spec.mutable_pipeline()->set_skip_ratio(run.skip);
-    spec.mutable_pipeline()->set_max_swaps(run.swaps);
-    if (run.optimizer == "kfac") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
-    if (run.optimizer == "adamw") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-    if (run.precision == "fp32") spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
-    if (run.precision == "bf16") spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
-    const int run_mbs =
-        run.fixed_routes.empty() ? total_mbs : static_cast<int>(run.fixed_routes.size());
-    if (!run.fixed_routes.empty()) {
-      // One data stream of as many microbatches as the plan has routes; the
-      // in-process engine needs no node identities.
-      spec.mutable_pipeline()->set_data_nodes(1);
-      spec.mutable_pipeline()->set_replicas_per_stage(1);
-      spec.mutable_pipeline()->set_microbatches_per_data_node(run_mbs);
-      spec.mutable_pipeline()->set_skip_ratio(0);
-    }
-    if (run.fixed_routes.empty()) {
-      RETURN_IF_ERROR(Annotate(ValidateJobSpec(spec), run.name));
-    }
-    ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(spec, device));
-    Curve curve;
-    curve.name = run.name;
-    curve.stages = run.stages;
-    curve.visited = run.fixed_routes.empty() ? VisitedStages(spec.pipeline())
-                                             : run.fixed_routes[0].stages_size();
-    const absl::Time start = absl::Now();
-    absl::Duration evaluating;
-    for (int64_t it = 0; it < args.iterations; ++it) {
-      std::vector<v1::Route> routes = run.fixed_routes;
-      if (routes.empty()) {
-        ASSIGN_OR_RETURN(routes, model::GenerateRoutes(spec.pipeline(), run_mbs, spec.seed(), it));
-      }
-      ASSIGN_OR_RETURN(auto mbs, model::IterationMicrobatches(spec, data.train, it, device));
-      ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
-      curve.train.push_back(stats.loss);
-      std::string val;
-      const absl::Time trained = absl::Now();
-      if ((it + 1) % args.eval_every == 0 || it + 1 == args.iterations) {
-        model::EvalOptions eo;
-        eo.max_samples = args.eval_samples;
-        ASSIGN_OR_RETURN(auto r, model::Perplexity(engine->stages(), data.validation, eo));
-        curve.val.emplace_back(it, r.mean_nll);
-        val = absl::StrFormat("%.5f", r.mean_nll);
-        std::printf("%-12s it %5lld  train %.4f  val %.4f  (%.0f s)\n", run.name.c_str(),
-                    static_cast<long long>(it + 1), stats.loss, r.mean_nll,
-                    absl::ToDoubleSeconds(absl::Now() - start));
-        std::fflush(stdout);
-      }
-      evaluating += absl::Now() - trained;
-      absl::StrAppendFormat(&csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f,%.2f\n", run.name, it, stats.loss,
-                            val, stats.learning_rate, stats.grad_norm,
-                            absl::ToDoubleSeconds(absl::Now() - start),
-                            absl::ToDoubleSeconds(absl::Now() - start - evaluating));
-    }
-    curve.seconds = absl::ToDoubleSeconds(absl::Now() - start - evaluating);
-    const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", run.name);
-    fs::remove_all(ckpt, ec);
-    RETURN_IF_ERROR(
-        model::SaveCheckpoint(ckpt.string(), *engine, static_cast<uint64_t>(args.iterations), ""));
-    curves.push_back(std::move(curve));
+// The job one run trains: the base job with the run's stages, skipping,
+// swaps, optimiser and precision.
+v1::JobSpec RunJobSpec(const Run& run, const v1::JobSpec& base, int run_mbs) {
+  v1::JobSpec spec = base;
+  spec.mutable_pipeline()->set_num_stages(run.stages);
+  spec.mutable_pipeline()->set_skip_ratio(run.skip);
+  spec.mutable_pipeline()->set_max_swaps(run.swaps);
+  if (run.optimizer == "kfac") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
+  if (run.optimizer == "adamw") spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
+  if (run.precision == "fp32") spec.mutable_pipeline()->set_precision(v1::PRECISION_FP32);
+  if (run.precision == "bf16") spec.mutable_pipeline()->set_precision(v1::PRECISION_BF16);
+  if (!run.fixed_routes.empty()) {
+    // One data stream of as many microbatches as the plan has routes; the
+    // in-process engine needs no node identities.
+    spec.mutable_pipeline()->set_data_nodes(1);
+    spec.mutable_pipeline()->set_replicas_per_stage(1);
+    spec.mutable_pipeline()->set_microbatches_per_data_node(run_mbs);
+    spec.mutable_pipeline()->set_skip_ratio(0);
   }
-  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.csv", csv));
-  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.svg", Svg(curves, args.iterations)));
+  return spec;
+}
 
-  // Perplexity table: every run's final weights, re-split one layer per
-  // stage (checkpoints are keyed by global layer), so all runs are measured
-  // on the same layer subsets.
+// Trains one run from the shared seed, appends a line per iteration to `csv`
+// and saves the final weights to --out/ckpt-<run>.
+absl::StatusOr<Curve> TrainRun(const Run& run, const v1::JobSpec& base, const Args& args,
+                               const model::TextDataset& data, const c10::Device& device,
+                               int total_mbs, std::string* csv) {
+  const int run_mbs =
+      run.fixed_routes.empty() ? total_mbs : static_cast<int>(run.fixed_routes.size());
+  const v1::JobSpec spec = RunJobSpec(run, base, run_mbs);
+  if (run.fixed_routes.empty()) {
+    RETURN_IF_ERROR(Annotate(ValidateJobSpec(spec), run.name));
+  }
+  ASSIGN_OR_RETURN(auto engine, PipelineEngine::Create(spec, device));
+  Curve curve;
+  curve.name = run.name;
+  curve.stages = run.stages;
+  curve.visited =
+      run.fixed_routes.empty() ? VisitedStages(spec.pipeline()) : run.fixed_routes[0].stages_size();
+  const absl::Time start = absl::Now();
+  absl::Duration evaluating;
+  for (int64_t it = 0; it < args.iterations; ++it) {
+    std::vector<v1::Route> routes = run.fixed_routes;
+    if (routes.empty()) {
+      ASSIGN_OR_RETURN(routes, model::GenerateRoutes(spec.pipeline(), run_mbs, spec.seed(), it));
+    }
+    ASSIGN_OR_RETURN(auto mbs, model::IterationMicrobatches(spec, data.train, it, device));
+    ASSIGN_OR_RETURN(auto stats, engine->RunIteration(it, routes, mbs));
+    curve.train.push_back(stats.loss);
+    std::string val;
+    const absl::Time trained = absl::Now();
+    if ((it + 1) % args.eval_every == 0 || it + 1 == args.iterations) {
+      model::EvalOptions eo;
+      eo.max_samples = args.eval_samples;
+      ASSIGN_OR_RETURN(auto r, model::Perplexity(engine->stages(), data.validation, eo));
+      curve.val.emplace_back(it, r.mean_nll);
+      val = absl::StrFormat("%.5f", r.mean_nll);
+      std::printf("%-12s it %5lld  train %.4f  val %.4f  (%.0f s)\n", run.name.c_str(),
+                  static_cast<long long>(it + 1), stats.loss, r.mean_nll,
+                  absl::ToDoubleSeconds(absl::Now() - start));
+      std::fflush(stdout);
+    }
+    evaluating += absl::Now() - trained;
+    absl::StrAppendFormat(csv, "%s,%d,%.5f,%s,%.6g,%.4f,%.2f,%.2f\n", run.name, it, stats.loss, val,
+                          stats.learning_rate, stats.grad_norm,
+                          absl::ToDoubleSeconds(absl::Now() - start),
+                          absl::ToDoubleSeconds(absl::Now() - start - evaluating));
+  }
+  curve.seconds = absl::ToDoubleSeconds(absl::Now() - start - evaluating);
+  const fs::path ckpt = fs::path(args.out) / absl::StrCat("ckpt-", run.name);
+  std::error_code ec;
+  fs::remove_all(ckpt, ec);
+  RETURN_IF_ERROR(
+      model::SaveCheckpoint(ckpt.string(), *engine, static_cast<uint64_t>(args.iterations), ""));
+  return curve;
+}
+
+// The perplexity table: every run's final weights, re-split one layer per
+// stage (checkpoints are keyed by global layer), so all runs are measured on
+// the same layer subsets. Writes results.md and results.csv and prints the
+// table.
+absl::Status ReportPerplexity(const std::vector<Curve>& curves, const v1::JobSpec& base,
+                              const Args& args, const model::TextDataset& data,
+                              const c10::Device& device) {
   const int layers = static_cast<int>(base.model().num_layers());
   v1::JobSpec eval_spec = base;
   eval_spec.mutable_pipeline()->set_num_stages(layers);
@@ -486,6 +495,42 @@ absl::Status Main(const Args& args) {
   std::printf("\n%s\nwrote %s/{loss.csv,loss.svg,results.md,results.csv,ckpt-*}\n", table.c_str(),
               args.out.c_str());
   return absl::OkStatus();
+}
+
+absl::Status Main(const Args& args) {
+  at::set_num_threads(static_cast<int>(args.threads));
+  if (args.device != "cpu" && !(args.device.rfind("cuda", 0) == 0 && at::hasCUDA())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", args.device, ": this LibTorch build has no such device"));
+  }
+  const c10::Device device(args.device);
+  ASSIGN_OR_RETURN(const v1::JobSpec base, BaseJobSpec(args));
+  ASSIGN_OR_RETURN(const std::vector<Run> runs, CollectRuns(args, base));
+  ASSIGN_OR_RETURN(const model::TextDataset data, model::LoadDataset(base.data()));
+  RETURN_IF_ERROR(model::CheckVocabulary(data, static_cast<int>(base.model().vocab_size())));
+  const int total_mbs =
+      static_cast<int>(base.pipeline().data_nodes() * base.pipeline().microbatches_per_data_node());
+  std::error_code ec;
+  fs::create_directories(args.out, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", args.out));
+  std::printf(
+      "model %s, %d microbatches x %u samples x %u tokens, %lld iterations, "
+      "train %zu / validation %zu tokens\n",
+      base.model().preset().c_str(), total_mbs, base.pipeline().samples_per_microbatch(),
+      base.model().context_length(), static_cast<long long>(args.iterations), data.train.size(),
+      data.validation.size());
+
+  std::vector<Curve> curves;
+  // seconds: since the run started; train_seconds: the same without the
+  // validation passes (what equal-wall-time comparisons use).
+  std::string csv = "run,iteration,train_loss,val_loss,lr,grad_norm,seconds,train_seconds\n";
+  for (const Run& run : runs) {
+    ASSIGN_OR_RETURN(Curve curve, TrainRun(run, base, args, data, device, total_mbs, &csv));
+    curves.push_back(std::move(curve));
+  }
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.csv", csv));
+  RETURN_IF_ERROR(WriteFile(fs::path(args.out) / "loss.svg", Svg(curves, args.iterations)));
+  return ReportPerplexity(curves, base, args, data, device);
 }
 
 }  // namespace
