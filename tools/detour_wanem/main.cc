@@ -31,7 +31,6 @@ namespace {
 constexpr char kProgram[] = "detour-wanem";
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
-constexpr int kExitUsage = 2;
 
 constexpr char kEpilog[] = R"(Commands:
   (none)    run the forwarder (needs root: CAP_NET_ADMIN and CAP_SYS_ADMIN)
