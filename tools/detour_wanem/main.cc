@@ -20,6 +20,7 @@
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/spec.h"
+#include "common/version.h"
 #include "tools/detour_wanem/control.h"
 #include "tools/detour_wanem/forwarder.h"
 #include "tools/detour_wanem/link_table.h"
@@ -189,10 +190,10 @@ int Main(int argc, char** argv) {
   flags.String("socket", &socket_path, "Unix socket for control commands (required)");
   flags.String("subnet", &subnet, "the test bed's IPv4 subnet; node i gets address i+1");
   flags.Double("bandwidth_scale", &bandwidth_scale,
-               "multiplies every link's bandwidth, in (0, 1000] (the forwarder's own ceiling is\n"
-               "far below the GB/s of a real WAN spec: docs/OPERATIONS.md)");
+               "multiplies every link's bandwidth, in (0, 1000]; the forwarder's own ceiling "
+               "is far below a real WAN spec's GB/s (docs/OPERATIONS.md)");
   flags.String("set", &initial_set,
-               "link overrides applied at start: `set` commands without the word set,\n"
+               "link overrides applied at start: `set` commands without the word set, "
                "separated by ';', e.g. 'w0 w1 both delay_ms=20 rate_mbytes=2; * w2 loss=0.01'");
   flags.Int("seed", &seed, "seed of the loss and jitter draws (deterministic per link)");
   flags.String("tun_name", &tun_name, "the TUN device's name inside each namespace");
@@ -203,9 +204,15 @@ int Main(int argc, char** argv) {
             "smallest automatic queue limit per link (KiB), in [2, 1048576]");
   flags.Duration("status_interval", &status_interval, "how often to log counters");
   flags.String("log_level", &log_level, "debug, info, warning or error");
+  bool version = false;
+  flags.Bool("version", &version, "print the version and exit");
   flags.SetEpilog(kEpilog);
   auto rest = flags.Parse(argc, argv);
   if (!rest.ok()) return flags.Fail(rest.status());
+  if (version) {
+    std::cout << kProgram << " " << kVersion << " (" << kGitRevision << ")\n";
+    return kExitOk;
+  }
   if (!rest->empty()) {
     return flags.Fail(absl::InvalidArgumentError(
         absl::StrCat("unknown command '", (*rest)[0], "' (expected ctl or nodes, or none)")));
