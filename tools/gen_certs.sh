@@ -2,19 +2,22 @@
 # Makes a throwaway cluster CA and certificates for detour (tests, the local
 # launcher, the demo; not a production PKI):
 #
-#   tools/gen_certs.sh OUT_DIR NAME...
+#   tools/gen_certs.sh OUT_DIR NAME[=IP[,IP...]]...
 #
 # OUT_DIR/ca.crt and ca.key: the CA (made once; reused when already there, so
 # names can be added later). For each NAME: OUT_DIR/NAME.crt and NAME.key
-# with CN=NAME and subjectAltName DNS:NAME, DNS:localhost, IP:127.0.0.1,
-# usable as server and as client certificate. A worker's NAME is its worker
+# with CN=NAME and subjectAltName DNS:NAME, DNS:localhost, IP:127.0.0.1 and
+# every IP after `=` (IPv4 addresses: a daemon reached at another address
+# than loopback, as in detour-local --wan's namespaces, is verified against
+# them), usable as server and as client certificate. A worker's NAME is its worker
 # id; a client's NAME is what --auth_tokens maps to a role. Keys are mode 600.
 # Needs the `openssl` command (Debian package openssl).
 set -eu
 
 usage() {
-  echo "usage: $0 OUT_DIR NAME..." >&2
+  echo "usage: $0 OUT_DIR NAME[=IP[,IP...]]..." >&2
   echo "  NAME: 1..64 characters of letters, digits, '.', '_' and '-'" >&2
+  echo "  IP: extra IPv4 subjectAltNames, e.g. w1=10.77.0.2" >&2
   exit 2
 }
 
@@ -25,7 +28,16 @@ command -v openssl >/dev/null 2>&1 || {
   echo "$0: openssl not found (apt-get install openssl)" >&2
   exit 1
 }
-for name in "$@"; do
+for arg in "$@"; do
+  name=${arg%%=*}
+  case "$arg" in
+    *=*)
+      ips=${arg#*=}
+      case "$ips" in
+        "" | *[!0-9.,]* | ,* | *, | *,,*) echo "$0: bad IP list in \"$arg\"" >&2; usage ;;
+      esac
+      ;;
+  esac
   case "$name" in
     "" | ca | *[!A-Za-z0-9._-]*) echo "$0: bad NAME \"$name\"" >&2; usage ;;
   esac
@@ -52,14 +64,19 @@ if [ ! -s "$out/ca.crt" ] || [ ! -s "$out/ca.key" ]; then
 fi
 chmod 644 "$out/ca.crt"
 
-for name in "$@"; do
+for arg in "$@"; do
+  name=${arg%%=*}
+  sans="DNS:$name,DNS:localhost,IP:127.0.0.1"
+  case "$arg" in
+    *=*) sans="$sans,IP:$(echo "${arg#*=}" | sed 's/,/,IP:/g')" ;;
+  esac
   openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$work/$name.key" 2>/dev/null
   openssl req -new -key "$work/$name.key" -subj "/O=detour/CN=$name" -out "$work/$name.csr"
   cat >"$work/$name.ext" <<EOF
 basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth,clientAuth
-subjectAltName=DNS:$name,DNS:localhost,IP:127.0.0.1
+subjectAltName=$sans
 EOF
   openssl x509 -req -in "$work/$name.csr" -CA "$out/ca.crt" -CAkey "$out/ca.key" \
     -CAcreateserial -CAserial "$work/ca.srl" -sha256 -days 825 \
