@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -38,11 +39,15 @@ class DiscardingSink : public detour::TensorSink {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) return 0;
-  // The peer: the preface, the input, then it reads (and drops) the acks.
+  // The peer: the preface and hello, the input, then it reads (and drops)
+  // the acks.
   std::thread peer([&] {
     const char* p = reinterpret_cast<const char*>(data);
-    bool ok = ::send(fds[1], detour::kDirectPreface, sizeof(detour::kDirectPreface),
-                     MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(detour::kDirectPreface));
+    char start[sizeof(detour::kDirectPreface) + detour::kDirectHelloBytes];
+    std::memcpy(start, detour::kDirectPreface, sizeof(detour::kDirectPreface));
+    detour::EncodeDirectHello(detour::DirectHello{}, start + sizeof(detour::kDirectPreface));
+    bool ok =
+        ::send(fds[1], start, sizeof(start), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(start));
     for (size_t left = size; ok && left > 0;) {
       const ssize_t n = ::send(fds[1], p, left, MSG_NOSIGNAL);
       if (n <= 0) break;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,14 @@ const Certs& TestCerts() {
     return c;
   }();
   return *certs;
+}
+
+// What a v2 client sends first: the preface and a one-stripe hello.
+std::string PrefaceAndHello(DirectHello hello = {}) {
+  char out[sizeof(kDirectPreface) + kDirectHelloBytes];
+  std::memcpy(out, kDirectPreface, sizeof(kDirectPreface));
+  EncodeDirectHello(hello, out + sizeof(kDirectPreface));
+  return std::string(out, sizeof(out));
 }
 
 v1::FrameHeader Header(uint32_t microbatch, int64_t elements, const std::string& sender = "w1",
@@ -292,6 +301,46 @@ TEST_P(DirectTransportTest, ShutdownEndsIdleConnectionsPromptly) {
   EXPECT_LT(absl::Now() - send, absl::Seconds(2));
 }
 
+TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.direct_connections = 4;
+  PeerSender sender("w2", o);
+  auto big = Pattern(64 << 20, 5);  // 16 chunks of 4 MiB, 4 per connection
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (64 << 20) / 4), View(big)).ok());
+  auto small = Pattern(4 << 10, 6);  // below the threshold: one connection
+  ASSERT_TRUE(SendAndWait(sender, Header(1, (4 << 10) / 4), View(small)).ok());
+  auto got = sink_.received();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_TRUE(got[0].second == *big);
+  EXPECT_EQ(got[1].second, *small);
+  EXPECT_EQ(sender.direct_info().connections, 4);
+  EXPECT_FALSE(sender.direct_info().congestion_control.empty());
+  // Each stripe is a connection of its own, with its own handshake, all in
+  // one session on the receiver.
+  EXPECT_EQ(server_->stats().accepted, 4u);
+  EXPECT_EQ(server_->stats().open, 4);
+  EXPECT_EQ(server_->stats().sessions, 1);
+  ActivationServer::Stats s = activations_->stats();
+  EXPECT_EQ(s.frames, 16u + 1);
+  EXPECT_EQ(s.malformed + s.rejected + s.unauthorized + s.duplicates, 0u);
+  EXPECT_EQ(s.partial_tensors, 0u);
+  sender.Close();
+  EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
+}
+
+TEST_P(DirectTransportTest, OverLoopbackTheBandwidthDelayProductAsksForOneConnection) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.link.rate_bytes_per_s = 1e9;  // RTT: measured at connect (microseconds here)
+  PeerSender sender("w2", o);
+  auto data = Pattern(1 << 20, 7);
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (1 << 20) / 4), View(data)).ok());
+  EXPECT_EQ(sender.direct_info().connections, 1);
+  EXPECT_LT(sender.direct_info().rtt, absl::Milliseconds(50));
+  EXPECT_EQ(server_->stats().accepted, 1u);
+}
+
 INSTANTIATE_TEST_SUITE_P(PlaintextAndTls, DirectTransportTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Tls" : "Plaintext";
@@ -310,6 +359,203 @@ TEST_F(DirectFramingTest, WrongPrefaceIsRefused) {
   ::close(fd);
   EXPECT_TRUE(Eventually([&] { return server_->stats().refused == 1; }));
   EXPECT_EQ(server_->stats().accepted, 0u);
+}
+
+TEST_F(DirectFramingTest, AVersion1SenderIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  const int fd = RawConnect();
+  char prefix[kDirectFramePrefixBytes];
+  EncodeDirectFramePrefix(8, 16, prefix);
+  std::string bytes(kDirectPrefaceV1, sizeof(kDirectPrefaceV1));
+  bytes += std::string(prefix, sizeof(prefix)) + std::string(24, '\0');
+  ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  EXPECT_TRUE(ClosedByServer(fd));
+  ::close(fd);
+  EXPECT_TRUE(Eventually([&] { return server_->stats().refused == 1; }));
+  EXPECT_EQ(activations_->stats().frames, 0u);
+}
+
+TEST_F(DirectFramingTest, AVersion2SenderToAVersion1ReceiverGetsAClearError) {
+  // A v1 receiver reads the preface, does not know it, and closes.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::thread v1([listener] {
+    const int fd = ::accept(listener, nullptr, nullptr);
+    char preface[8];
+    (void)!::recv(fd, preface, sizeof(preface), MSG_WAITALL);
+    ::close(fd);
+  });
+  auto link = DirectLink::Connect(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), nullptr, "w2",
+                                  absl::Seconds(3));
+  v1.join();
+  ::close(listener);
+  ASSERT_FALSE(link.ok());
+  EXPECT_EQ(link.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(link.status().message()), HasSubstr("speaks only v1"));
+}
+
+TEST_F(DirectFramingTest, StripesThatConflictWithTheirSessionAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  auto answered = [](int fd) {
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char answer[8];
+    return ::recv(fd, answer, sizeof(answer), MSG_WAITALL) == 8 &&
+           std::memcmp(answer, kDirectPreface, 8) == 0;
+  };
+  const int first = RawConnect();
+  std::string hello = PrefaceAndHello(DirectHello{7, 0, 2});
+  ASSERT_EQ(::send(first, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+  ASSERT_TRUE(answered(first));
+  const DirectHello refused[] = {
+      {7, 0, 2},   // the same stripe twice
+      {7, 1, 3},   // a stripe count the session does not have
+      {8, 2, 2},   // a stripe beyond the count
+      {9, 0, 17},  // more stripes than allowed
+  };
+  for (const DirectHello& h : refused) {
+    SCOPED_TRACE(absl::StrCat(h.session, ": ", h.stripe, " of ", h.stripes));
+    const int fd = RawConnect();
+    hello = PrefaceAndHello(h);
+    ASSERT_EQ(::send(fd, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+    EXPECT_TRUE(ClosedByServer(fd));
+    ::close(fd);
+  }
+  EXPECT_TRUE(Eventually([&] { return server_->stats().refused == 4; }));
+  // The session's own second stripe still joins.
+  const int second = RawConnect();
+  hello = PrefaceAndHello(DirectHello{7, 1, 2});
+  ASSERT_EQ(::send(second, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+  EXPECT_TRUE(answered(second));
+  EXPECT_EQ(server_->stats().sessions, 1);
+  // One stripe that ends ends its session: the other is closed too.
+  ::close(first);
+  EXPECT_TRUE(ClosedByServer(second));
+  ::close(second);
+  EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
+}
+
+// A TCP relay between the sender and the server that cuts one connection (the
+// `victim`-th it accepts) after `cut_after` bytes from the sender, as a lost
+// path would.
+class CuttingRelay {
+ public:
+  CuttingRelay(std::string target_port, int victim, size_t cut_after)
+      : target_port_(std::move(target_port)), victim_(victim), cut_after_(cut_after) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(listener_, 32);
+    socklen_t len = sizeof(addr);
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    acceptor_ = std::thread([this] { Accept(); });
+  }
+  ~CuttingRelay() {
+    ::shutdown(listener_, SHUT_RDWR);
+    acceptor_.join();
+    {
+      absl::MutexLock lock(&mu_);
+      for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+    }
+    for (auto& t : pumps_) t.join();
+    for (int fd : fds_) ::close(fd);
+    ::close(listener_);
+  }
+  int port() const { return port_; }
+  bool cut() {
+    absl::MutexLock lock(&mu_);
+    return cut_;
+  }
+
+ private:
+  void Accept() {
+    for (int n = 0;; ++n) {
+      const int client = ::accept(listener_, nullptr, nullptr);
+      if (client < 0) return;
+      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<uint16_t>(std::stoi(target_port_)));
+      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        ::close(client);
+        ::close(server);
+        continue;
+      }
+      const bool victim = n == victim_;
+      absl::MutexLock lock(&mu_);
+      fds_.push_back(client);
+      fds_.push_back(server);
+      pumps_.emplace_back([this, client, server, victim] { Pump(client, server, victim); });
+      pumps_.emplace_back([this, server, client] { Pump(server, client, false); });
+    }
+  }
+  void Pump(int from, int to, bool victim) {
+    std::vector<char> buffer(64 << 10);
+    size_t moved = 0;
+    while (true) {
+      const ssize_t n = ::recv(from, buffer.data(), buffer.size(), 0);
+      if (n <= 0) break;
+      if (::send(to, buffer.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+      moved += static_cast<size_t>(n);
+      if (victim && moved >= cut_after_) {
+        absl::MutexLock lock(&mu_);
+        cut_ = true;
+        break;
+      }
+    }
+    ::shutdown(from, SHUT_RDWR);
+    ::shutdown(to, SHUT_RDWR);
+  }
+
+  const std::string target_port_;
+  const int victim_;
+  const size_t cut_after_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::thread acceptor_;
+  absl::Mutex mu_;
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> pumps_;  // acceptor thread, then the destructor
+  bool cut_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+TEST_F(DirectFramingTest, ALostStripeFailsTheTensorAndTheReceiverFreesIt) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  // The second connection of the session is cut 1 MiB into its stripe.
+  CuttingRelay relay(address_.substr(address_.rfind(':') + 1), /*victim=*/1, 1 << 20);
+  PeerSenderOptions o = SenderOptions();
+  o.direct_address = absl::StrCat("127.0.0.1:", relay.port());
+  o.direct_connections = 4;
+  o.ack_timeout = absl::Seconds(8);
+  PeerSender sender("w2", o);
+  auto big = Pattern(64 << 20, 9);
+  const absl::Time start = absl::Now();
+  absl::Status sent = SendAndWait(sender, Header(0, (64 << 20) / 4), View(big));
+  EXPECT_FALSE(sent.ok());
+  EXPECT_EQ(sent.code(), absl::StatusCode::kUnavailable) << sent;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the ack timeout
+  EXPECT_TRUE(relay.cut());
+  // The receiver ended the whole session and gave the half tensor back.
+  EXPECT_TRUE(Eventually([&] {
+    return server_->stats().sessions == 0 && activations_->stats().partial_tensors == 0 &&
+           activations_->stats().partial_bytes == 0;
+  }));
+  EXPECT_TRUE(sink_.received().empty());
+  // The next tensor goes over a new session.
+  auto next = Pattern(64 << 10, 10);
+  ASSERT_TRUE(SendAndWait(sender, Header(1, (64 << 10) / 4), View(next)).ok());
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_EQ(sink_.received()[0].second, *next);
 }
 
 TEST_F(DirectFramingTest, SilentClientIsDroppedAfterTheHandshakeTimeout) {
@@ -354,7 +600,7 @@ TEST_F(DirectFramingTest, OversizedAndMalformedFramingEndsTheConnection) {
     SCOPED_TRACE(c.name);
     const uint64_t malformed_before = activations_->stats().malformed;
     const int fd = RawConnect();
-    std::string bytes(kDirectPreface, sizeof(kDirectPreface));
+    std::string bytes = PrefaceAndHello();
     bytes += c.bytes;
     ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
     EXPECT_TRUE(ClosedByServer(fd));

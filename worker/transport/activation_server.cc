@@ -72,10 +72,9 @@ void TensorAssembler::Malformed(absl::string_view why, std::vector<v1::FrameAck>
 }
 
 TensorAssembler::Verdict TensorAssembler::Begin(const v1::FrameHeader& h, size_t data_bytes,
-                                                void** dest, std::vector<v1::FrameAck>* acks,
+                                                Claim* claim, std::vector<v1::FrameAck>* acks,
                                                 absl::Status* end) {
   ActivationServer& s = *server_;
-  have_current_ = false;
   s.Count(&s.frames_, s.frames_metric_);
   absl::Status valid = ValidateFrameHeader(h, data_bytes, s.options_.max_tensor_bytes);
   if (!valid.ok()) {
@@ -164,25 +163,78 @@ TensorAssembler::Verdict TensorAssembler::Begin(const v1::FrameHeader& h, size_t
     s.Count(&s.duplicates_, s.duplicates_metric_);
     return Verdict::kDrop;
   }
-  *dest = static_cast<char*>(a.buffer.data) + h.offset();
-  current_ = it;
-  current_chunk_ = h.chunk_index();
-  current_bytes_ = data_bytes;
-  have_current_ = true;
+  if (!FitsGeometry(&a, h, data_bytes)) {
+    s.Count(&s.malformed_, s.malformed_metric_);
+    acks->push_back(AckFor(h, false,
+                           absl::StrCat("chunk ", h.chunk_index(), " of ", h.num_chunks(), " (",
+                                        data_bytes, " bytes at offset ", h.offset(),
+                                        ") does not tile its tensor with the others")));
+    return Verdict::kDrop;
+  }
+  // Claimed now, not when its data is in: with a striped session another
+  // connection may bring the same chunk while this one is still reading.
+  a.seen[h.chunk_index()] = true;
+  claim->key = key;
+  claim->chunk = h.chunk_index();
+  claim->bytes = data_bytes;
+  claim->dest = static_cast<char*>(a.buffer.data) + h.offset();
   return Verdict::kAccept;
+}
+
+bool TensorAssembler::FitsGeometry(Assembly* a, const v1::FrameHeader& h, uint64_t bytes) {
+  // Every chunk but the last is chunk_bytes long at index × chunk_bytes; the
+  // last one ends the tensor. With num_chunks distinct indices that covers
+  // every byte exactly once, whatever the order the chunks arrive in.
+  // (ValidateFrameHeader already holds offset + bytes <= total_bytes.)
+  const uint64_t n = h.num_chunks(), i = h.chunk_index(), off = h.offset();
+  const uint64_t total = a->first.total_bytes();
+  if (i + 1 == n) {
+    if (off + bytes != total) return false;
+    if (n == 1) return off == 0;
+    if (bytes == 0) return false;
+    if (a->chunk_bytes != 0) return off == (n - 1) * a->chunk_bytes;
+    a->last_offset = off;
+    return true;
+  }
+  if (bytes == 0) return false;
+  if (a->chunk_bytes != 0) return bytes == a->chunk_bytes && off == i * a->chunk_bytes;
+  if (off % bytes != 0 || off / bytes != i || (n - 1) > (total - 1) / bytes) return false;
+  if (a->last_offset != kNoOffset &&
+      (a->last_offset % bytes != 0 || a->last_offset / bytes != n - 1)) {
+    return false;
+  }
+  a->chunk_bytes = bytes;
+  return true;
+}
+
+TensorAssembler::Verdict TensorAssembler::Begin(const v1::FrameHeader& header, size_t data_bytes,
+                                                void** dest, std::vector<v1::FrameAck>* acks,
+                                                absl::Status* end) {
+  have_current_ = false;
+  const Verdict verdict = Begin(header, data_bytes, &current_, acks, end);
+  if (verdict == Verdict::kAccept) {
+    *dest = current_.dest;
+    have_current_ = true;
+  }
+  return verdict;
 }
 
 void TensorAssembler::Finish(std::vector<v1::FrameAck>* acks) {
   if (!have_current_) return;
   have_current_ = false;
+  Finish(current_, acks);
+}
+
+void TensorAssembler::Finish(const Claim& claim, std::vector<v1::FrameAck>* acks) {
   ActivationServer& s = *server_;
-  Assembly& a = current_->second;
-  a.seen[current_chunk_] = true;
-  s.Count(&s.bytes_, s.bytes_metric_, current_bytes_);
+  auto it = assemblies_.find(claim.key);
+  if (it == assemblies_.end()) return;
+  Assembly& a = it->second;
+  s.Count(&s.bytes_, s.bytes_metric_, claim.bytes);
   if (++a.received == a.first.num_chunks()) {
     v1::FrameHeader done = a.first;
     MutableBuffer buffer = std::move(a.buffer);
-    Erase(current_);
+    Erase(it);
     s.Count(&s.tensors_, s.tensors_metric_);
     s.sink_->Deliver(done, std::move(buffer));
     acks->push_back(AckFor(done, true, ""));

@@ -94,6 +94,23 @@ class TensorAssembler {
   // The data of the frame Begin accepted is in place: completes the chunk
   // and, with its tensor's last chunk, delivers the tensor and acks it.
   void Finish(std::vector<v1::FrameAck>* acks);
+
+  // The same for several chunks in flight at once (a striped direct
+  // session, whose connections share one assembler under their lock): Begin
+  // claims the chunk (a second claim of it is a duplicate) and says where
+  // its data goes; the data is read without the lock; Finish(claim)
+  // completes it. An assembly is never erased while a claim on it is open
+  // (only its last Finish or the assembler's destruction erases it), so
+  // `dest` stays valid until then.
+  struct Claim {
+    std::string key;
+    uint32_t chunk = 0;
+    size_t bytes = 0;
+    void* dest = nullptr;
+  };
+  Verdict Begin(const v1::FrameHeader& header, size_t data_bytes, Claim* claim,
+                std::vector<v1::FrameAck>* acks, absl::Status* end);
+  void Finish(const Claim& claim, std::vector<v1::FrameAck>* acks);
   // A frame that could not be decoded: counted, its error acknowledged.
   void Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks);
 
@@ -101,6 +118,7 @@ class TensorAssembler {
   static constexpr size_t kMaxPartialTensors = 256;
 
  private:
+  static constexpr uint64_t kNoOffset = ~uint64_t{0};
   struct Assembly {
     v1::FrameHeader first;
     MutableBuffer buffer;
@@ -109,8 +127,16 @@ class TensorAssembler {
     bool rejected = false;
     uint64_t reserved = 0;    // sink bytes counted against the server's limit
     int64_t bookkeeping = 0;  // what this entry costs the transport
+    // The chunk length all but the last chunk share and the last chunk's
+    // offset, once a chunk showed them.
+    uint64_t chunk_bytes = 0;
+    uint64_t last_offset = kNoOffset;
   };
   using Assemblies = std::map<std::string, Assembly>;
+
+  // Whether a chunk sits where the chunks seen so far say its tensor's
+  // chunks go (records what it shows).
+  static bool FitsGeometry(Assembly* a, const v1::FrameHeader& h, uint64_t bytes);
 
   // Releases what an assembly holds against the server's limits.
   void Forget(const Assembly& a);
@@ -119,10 +145,8 @@ class TensorAssembler {
   ActivationServer* const server_;
   const std::optional<std::string> peer_name_;
   Assemblies assemblies_;
-  // The tensor and chunk Begin accepted, until Finish.
-  Assemblies::iterator current_;
-  uint32_t current_chunk_ = 0;
-  size_t current_bytes_ = 0;
+  // The chunk the single-stream Begin accepted, until Finish.
+  Claim current_;
   bool have_current_ = false;
 };
 

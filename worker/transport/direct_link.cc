@@ -35,7 +35,8 @@ std::string OpenSslErrors() {
   return text.empty() ? "no detail" : text;
 }
 
-void SetSocketOptions(int fd) {
+void SetSocketOptions(int fd, const DirectSocketOptions& options = {}) {
+  (void)ApplyDirectSocketOptions(fd, options);
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   // A peer that vanished without a FIN (power loss, cut cable) is noticed
@@ -102,6 +103,46 @@ short RetryEvent(int ssl_error) {
 }
 
 }  // namespace
+
+std::string ApplyDirectSocketOptions(int fd, const DirectSocketOptions& options) {
+  // Buffers before connect(): the receive buffer fixes the window scale
+  // offered in the handshake.
+  if (options.sndbuf > 0) {
+    const int v = static_cast<int>(std::min<int64_t>(options.sndbuf, INT32_MAX / 2));
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof(v));
+  }
+  if (options.rcvbuf > 0) {
+    const int v = static_cast<int>(std::min<int64_t>(options.rcvbuf, INT32_MAX / 2));
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof(v));
+  }
+  // BBR keeps a long, fast path full where loss-based control (cubic) backs
+  // off at every random loss; refused (not built, not allowed) = the default.
+  if (options.bbr) (void)::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, "bbr", 3);
+  char name[32] = {};
+  socklen_t len = sizeof(name) - 1;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return "unknown";
+  return std::string(name, ::strnlen(name, len));
+}
+
+void EncodeDirectHello(const DirectHello& hello, char out[kDirectHelloBytes]) {
+  PutU64(hello.session, out);
+  PutU32(hello.stripe, out + 8);
+  PutU32(hello.stripes, out + 12);
+}
+
+absl::StatusOr<DirectHello> DecodeDirectHello(const char in[kDirectHelloBytes]) {
+  DirectHello hello;
+  hello.session = GetU64(in);
+  hello.stripe = GetU32(in + 8);
+  hello.stripes = GetU32(in + 12);
+  if (hello.stripes == 0 || hello.stripes > static_cast<uint32_t>(kMaxDirectStripes) ||
+      hello.stripe >= hello.stripes) {
+    return absl::InvalidArgumentError(absl::StrCat("hello: stripe ", hello.stripe, " of ",
+                                                   hello.stripes, " (at most ", kMaxDirectStripes,
+                                                   " stripes)"));
+  }
+  return hello;
+}
 
 void EncodeDirectFramePrefix(uint32_t header_bytes, uint64_t data_bytes, char out[16]) {
   PutU32(header_bytes, out);
@@ -217,8 +258,23 @@ absl::Status DirectLink::Flush(absl::Time deadline) {
 absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::string& address,
                                                                 std::shared_ptr<ssl_ctx_st> ctx,
                                                                 const std::string& peer_name,
-                                                                absl::Duration timeout,
-                                                                int wake_fd) {
+                                                                absl::Duration timeout, int wake_fd,
+                                                                const DirectHello& hello,
+                                                                const DirectSocketOptions& socket) {
+  const absl::Time deadline = absl::Now() + timeout;
+  auto link = Open(address, std::move(ctx), peer_name, timeout, wake_fd, socket);
+  if (!link.ok()) return link.status();
+  if (absl::Status s = (*link)->Greet(hello, deadline - absl::Now()); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("direct transport: ", address, ": ", s.message()));
+  }
+  return link;
+}
+
+absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Open(const std::string& address,
+                                                             std::shared_ptr<ssl_ctx_st> ctx,
+                                                             const std::string& peer_name,
+                                                             absl::Duration timeout, int wake_fd,
+                                                             const DirectSocketOptions& socket) {
   const absl::Time deadline = absl::Now() + timeout;
   auto hp = ParseHostPort(address, "direct transport address", /*allow_port_zero=*/false);
   if (!hp.ok()) return hp.status();
@@ -240,7 +296,7 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::strin
       last_error = std::strerror(errno);
       continue;
     }
-    SetSocketOptions(s);
+    SetSocketOptions(s, socket);
     if (::connect(s, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
       last_error = std::strerror(errno);
       ::close(s);
@@ -288,13 +344,56 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::strin
           absl::StrCat("direct transport: ", address, " presented no verified worker certificate"));
     }
   }
-  link->SetIoTimeout(std::max(absl::Seconds(1), deadline - absl::Now()));
-  if (absl::Status s = link->Write(kDirectPreface, sizeof(kDirectPreface)); !s.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("direct transport: ", address, ": sending the preface: ", s.message()));
-  }
-  link->SetIoTimeout(absl::Seconds(60));
+  char name[32] = {};
+  socklen_t len = sizeof(name) - 1;
+  link->congestion_ = ::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0
+                          ? std::string(name, ::strnlen(name, len))
+                          : "unknown";
   return link;
+}
+
+absl::Status DirectLink::Greet(const DirectHello& hello, absl::Duration timeout) {
+  SetIoTimeout(std::max(absl::Seconds(1), timeout));
+  char out[sizeof(kDirectPreface) + kDirectHelloBytes];
+  std::memcpy(out, kDirectPreface, sizeof(kDirectPreface));
+  EncodeDirectHello(hello, out + sizeof(kDirectPreface));
+  if (absl::Status s = Write(out, sizeof(out)); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("sending the preface: ", s.message()));
+  }
+  char answer[sizeof(kDirectPreface)];
+  if (absl::Status s = Read(answer, sizeof(answer)); !s.ok()) {
+    if (s.code() == absl::StatusCode::kUnavailable) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the receiver closed the connection instead of accepting direct-transport v2 (",
+          s.message(), "): it runs an older detour that speaks only v1, or it refused stripe ",
+          hello.stripe, " of ", hello.stripes, " (see its log)"));
+    }
+    return absl::Status(s.code(), absl::StrCat("waiting for the receiver's answer: ", s.message()));
+  }
+  if (std::memcmp(answer, kDirectPreface, sizeof(answer)) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the receiver answered \"", absl::CHexEscape(absl::string_view(answer, sizeof(answer))),
+        "\", not direct-transport v2"));
+  }
+  SetIoTimeout(absl::Seconds(60));
+  return absl::OkStatus();
+}
+
+absl::Status DirectLink::Welcome() { return Write(kDirectPreface, sizeof(kDirectPreface)); }
+
+void DirectLink::SetSendBuffer(int64_t bytes) {
+  DirectSocketOptions options;
+  options.sndbuf = bytes;
+  (void)ApplyDirectSocketOptions(fd_, options);
+}
+
+absl::Duration DirectLink::Rtt() const {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd_, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || info.tcpi_rtt == 0) {
+    return absl::ZeroDuration();
+  }
+  return absl::Microseconds(info.tcpi_rtt);
 }
 
 absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
@@ -327,11 +426,23 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
   if (absl::Status s = link->Read(preface, sizeof(preface)); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("reading the preface: ", s.message()));
   }
+  if (std::memcmp(preface, kDirectPrefaceV1, sizeof(preface)) == 0) {
+    return absl::FailedPreconditionError(
+        "the sender speaks direct-transport v1 (\"DTRDIRv1\"); this worker speaks v2 "
+        "(striped connections): upgrade the sender's detour");
+  }
   if (std::memcmp(preface, kDirectPreface, sizeof(preface)) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a detour direct-transport client (preface \"",
                      absl::CHexEscape(absl::string_view(preface, sizeof(preface))), "\")"));
   }
+  char hello[kDirectHelloBytes];
+  if (absl::Status s = link->Read(hello, sizeof(hello)); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("reading the hello: ", s.message()));
+  }
+  absl::StatusOr<DirectHello> decoded = DecodeDirectHello(hello);
+  if (!decoded.ok()) return decoded.status();
+  link->hello_ = *decoded;
   link->SetIoTimeout(absl::Seconds(60));
   return link;
 }

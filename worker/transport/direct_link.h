@@ -1,15 +1,23 @@
 // A byte stream between two workers that carries tensor frames outside gRPC
 // (the direct transport): one TCP connection, mutual TLS with certificates
-// from the cluster CA or plaintext (--insecure). Blocking I/O with timeouts;
+// from the cluster CA or plaintext (--insecure). A sender may open several
+// to one receiver (stripes of one session, see peer_sender.h) so that a
+// long, fast link is not capped by one connection's window. Blocking I/O with timeouts;
 // the data goes from the sender's tensor memory to the socket and from the
 // socket into the receiver's tensor memory, with no copy in between (gRPC
 // copies every received message once more, and its TLS several times).
 //
-// Wire format, all integers little-endian:
-//   client preface     8 bytes "DTRDIRv1"
+// Wire format v2, all integers little-endian:
+//   client preface     8 bytes "DTRDIRv2"
+//   client hello       u64 session, u32 stripe, u32 stripes
+//                      (1 <= stripes <= kMaxDirectStripes, stripe < stripes)
+//   server answer      8 bytes "DTRDIRv2": the connection joined its session
 //   frame (c -> s)     u32 header_bytes, u32 0, u64 data_bytes,
 //                      FrameHeader (protobuf), data_bytes of tensor data
 //   ack   (s -> c)     u32 ack_bytes, u32 0, FrameAck (protobuf)
+// v1 ("DTRDIRv1": no hello, no answer, one connection) is refused by name on
+// the receiver; a v1 receiver closes a v2 connection at its preface, which
+// the v2 sender reports as such (it waits for the answer before any frame).
 //
 // Thread-safety: one thread may read while another writes; Shutdown() may be
 // called from any thread and unblocks both.
@@ -26,10 +34,36 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/net/tls.h"
+#include "worker/transport/tcp_tuning.h"
 
 namespace detour {
 
-inline constexpr char kDirectPreface[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '1'};
+inline constexpr char kDirectPreface[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '2'};
+inline constexpr char kDirectPrefaceV1[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '1'};
+inline constexpr size_t kDirectHelloBytes = 16;
+
+// Which session a connection belongs to and its place in it. A session is
+// the set of connections one sender opened at once; the receiver
+// reassembles a tensor from frames on any of them.
+struct DirectHello {
+  uint64_t session = 0;
+  uint32_t stripe = 0;
+  uint32_t stripes = 1;
+};
+void EncodeDirectHello(const DirectHello& hello, char out[kDirectHelloBytes]);
+// INVALID_ARGUMENT unless 1 <= stripes <= kMaxDirectStripes and
+// stripe < stripes.
+absl::StatusOr<DirectHello> DecodeDirectHello(const char in[kDirectHelloBytes]);
+
+// Socket settings of a connection, applied before it connects. Buffer sizes
+// of 0 leave the kernel's autotuning on (tcp_tuning.h says when to set them).
+struct DirectSocketOptions {
+  int64_t sndbuf = 0;
+  int64_t rcvbuf = 0;
+  bool bbr = false;  // TCP_CONGESTION "bbr"; kept at the default if refused
+};
+// Applies `options` to a socket; what TCP_CONGESTION then says.
+std::string ApplyDirectSocketOptions(int fd, const DirectSocketOptions& options);
 // Longest FrameHeader / FrameAck a peer may announce.
 inline constexpr uint32_t kMaxDirectMessageBytes = 64 << 10;
 inline constexpr size_t kDirectFramePrefixBytes = 16;
@@ -39,20 +73,41 @@ class DirectLink {
  public:
   // Connects to `address` (host:port) within `timeout`. With TLS (`ctx` not
   // null), handshakes and checks that the peer's certificate names
-  // `peer_name` (its worker id); then sends the preface.
+  // `peer_name` (its worker id). Open stops there; Connect then greets
+  // (Greet) as `hello` within the same timeout.
   // `wake_fd` (optional): a descriptor that becomes readable when the
   // caller gives up (it aborts the connect and every later wait).
-  static absl::StatusOr<std::unique_ptr<DirectLink>> Connect(const std::string& address,
-                                                             std::shared_ptr<ssl_ctx_st> ctx,
-                                                             const std::string& peer_name,
-                                                             absl::Duration timeout,
-                                                             int wake_fd = -1);
+  static absl::StatusOr<std::unique_ptr<DirectLink>> Open(const std::string& address,
+                                                          std::shared_ptr<ssl_ctx_st> ctx,
+                                                          const std::string& peer_name,
+                                                          absl::Duration timeout, int wake_fd = -1,
+                                                          const DirectSocketOptions& socket = {});
+  static absl::StatusOr<std::unique_ptr<DirectLink>> Connect(
+      const std::string& address, std::shared_ptr<ssl_ctx_st> ctx, const std::string& peer_name,
+      absl::Duration timeout, int wake_fd = -1, const DirectHello& hello = {},
+      const DirectSocketOptions& socket = {});
+  // Sends the preface and `hello` and waits (up to `timeout`) for the
+  // receiver's answer. A receiver that closes instead (a v1 receiver, or one
+  // that refused the stripe) gives FAILED_PRECONDITION saying so.
+  absl::Status Greet(const DirectHello& hello, absl::Duration timeout);
   // Takes an accepted socket (owns it from here on, also on error). With TLS,
   // handshakes within `timeout`; the client must present a certificate from
-  // the CA, whose name becomes peer_name(). Then reads and checks the preface.
+  // the CA, whose name becomes peer_name(). Then reads and checks the preface
+  // (a v1 one is refused by name) and the hello (hello()). The receiver
+  // answers with Welcome() once it admits the connection.
   static absl::StatusOr<std::unique_ptr<DirectLink>> Accept(int fd, std::shared_ptr<ssl_ctx_st> ctx,
                                                             absl::Duration timeout,
                                                             int wake_fd = -1);
+  absl::Status Welcome();
+  // The hello Accept read.
+  const DirectHello& hello() const { return hello_; }
+  // The kernel's smoothed round-trip estimate (TCP_INFO); zero if unknown.
+  absl::Duration Rtt() const;
+  // SO_SNDBUF after the connection is up (the send buffer, unlike the
+  // receive buffer, does not shape the handshake).
+  void SetSendBuffer(int64_t bytes);
+  // The congestion control the socket uses ("bbr", "cubic", ...).
+  const std::string& congestion_control() const { return congestion_; }
   ~DirectLink();
   DirectLink(const DirectLink&) = delete;
   DirectLink& operator=(const DirectLink&) = delete;
@@ -90,6 +145,8 @@ class DirectLink {
   const int fd_;
   ssl_st* const ssl_;  // owned; null for plaintext
   std::optional<std::string> peer_name_;
+  DirectHello hello_;
+  std::string congestion_;
   // OpenSSL's connection object is not safe for a read and a write at once
   // from two threads; the socket is. TLS links serialise the two with this
   // lock held only around each SSL call (never while blocked: the socket is

@@ -30,6 +30,17 @@ absl::StatusOr<std::unique_ptr<DirectServer>> DirectServer::Start(ActivationServ
   int port = 0;
   absl::StatusOr<int> fd = BindTcp(options.listen, "--data_port", /*listen=*/true, &port);
   if (!fd.ok()) return fd.status();
+  // Accepted connections inherit the listener's buffers and congestion
+  // control; the receive buffer must be set before the handshake, which
+  // fixes the window scale.
+  LinkHint expected = options.expected_link;
+  if (!(expected.rate_bytes_per_s > 0)) expected.rate_bytes_per_s = kDefaultLinkRateBytesPerS;
+  if (expected.rtt <= absl::ZeroDuration()) expected.rtt = kDefaultReportRtt;
+  DirectSocketOptions socket;
+  socket.rcvbuf = PlanStripes(expected, ReadTcpLimits()).rcvbuf_request;
+  socket.bbr = options.bbr && BbrUsable();
+  (void)ApplyDirectSocketOptions(*fd, socket);
+  LogDirectTransportTuning(expected, options.bbr);
   return std::unique_ptr<DirectServer>(
       new DirectServer(activations, std::move(options), *fd, port, std::move(ctx)));
 }
@@ -97,6 +108,7 @@ DirectServer::Stats DirectServer::stats() const {
   s.accepted = accepted_;
   s.refused = refused_;
   s.open = open_;
+  s.sessions = static_cast<int>(sessions_.size());
   return s;
 }
 
@@ -167,22 +179,34 @@ void DirectServer::Serve(uint64_t id, int fd) {
       links_[id] = link.get();
     }
   }
+  std::shared_ptr<Session> session;
   if (link != nullptr) {
-    link->SetIoTimeout(options_.io_timeout);
-    absl::Status ended;
-    {
-      TensorAssembler assembler(activations_, link->peer_name());
-      ended = ReadDirectFrames(link.get(), &assembler, activations_->options().max_tensor_bytes,
-                               [this] {
-                                 absl::MutexLock lock(&mu_);
-                                 return stopping_;
-                               });
+    std::string why;
+    session = Join(id, link.get(), &why);
+    if (session == nullptr) {
+      LogWarning("direct transport: refused a connection from ",
+                 link->peer_name().value_or("a plaintext peer"), ": ", why);
+    } else if (absl::Status s = link->Welcome(); !s.ok()) {
+      Leave(id, link.get(), session);
+      session.reset();
     }
+  }
+  if (session != nullptr) {
+    link->SetIoTimeout(options_.io_timeout);
+    absl::Status ended = ReadDirectFrames(link.get(), &session->shared,
+                                          activations_->options().max_tensor_bytes, [this] {
+                                            absl::MutexLock lock(&mu_);
+                                            return stopping_;
+                                          });
     if (!ended.ok() && ended.code() != absl::StatusCode::kUnavailable &&
         ended.code() != absl::StatusCode::kCancelled) {
       LogWarning("direct transport: ended a connection from ",
                  link->peer_name().value_or("a plaintext peer"), ": ", ended.message());
     }
+    Leave(id, link.get(), session);
+    session.reset();  // the last connection of a session frees its partial tensors
+  }
+  if (link != nullptr) {
     absl::MutexLock lock(&mu_);
     links_.erase(id);
   }
@@ -193,8 +217,108 @@ void DirectServer::Serve(uint64_t id, int fd) {
   finished_.push_back(id);
 }
 
-absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler, uint64_t max_tensor,
-                              const std::function<bool()>& stopping) {
+std::shared_ptr<DirectServer::Session> DirectServer::Join(uint64_t id, DirectLink* link,
+                                                          std::string* why) {
+  const DirectHello& hello = link->hello();
+  // Sessions are per identity: a connection cannot join (and feed frames
+  // into) another certificate's session, whatever session id it names.
+  SessionKey key(link->peer_name().has_value() ? "tls:" + *link->peer_name() : "plaintext",
+                 hello.session);
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<Session>& session = sessions_[key];
+  if (session == nullptr) {
+    session = std::make_shared<Session>(activations_, link->peer_name(), hello.stripes);
+  }
+  const uint32_t bit = uint32_t{1} << hello.stripe;
+  if (session->ended || session->stripes != hello.stripes || (session->joined & bit) != 0) {
+    *why = session->ended
+               ? absl::StrCat("session ", hello.session, " already ended")
+               : absl::StrCat("stripe ", hello.stripe, " of ", hello.stripes, " of session ",
+                              hello.session, " conflicts (", session->stripes,
+                              " stripes, joined mask ", session->joined, ")");
+    if (session->links.empty() && session->joined == 0) sessions_.erase(key);
+    ++refused_;
+    if (refused_metric_ != nullptr) refused_metric_->Increment();
+    return nullptr;
+  }
+  session->joined |= bit;
+  session->links[id] = link;
+  return session;
+}
+
+void DirectServer::Leave(uint64_t id, DirectLink* link, const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&mu_);
+  session->links.erase(id);
+  if (!session->ended) {
+    session->ended = true;
+    for (auto& [other, other_link] : session->links) other_link->Shutdown();
+  }
+  if (session->links.empty()) {
+    const DirectHello& hello = link->hello();
+    SessionKey key(link->peer_name().has_value() ? "tls:" + *link->peer_name() : "plaintext",
+                   hello.session);
+    auto it = sessions_.find(key);
+    if (it != sessions_.end() && it->second == session) sessions_.erase(it);
+  }
+}
+
+namespace {
+
+// Where ReadFrames sends frames: one connection's own assembler, or a
+// session's shared one.
+class FrameTarget {
+ public:
+  virtual ~FrameTarget() = default;
+  virtual TensorAssembler::Verdict Begin(const v1::FrameHeader& header, size_t data_bytes,
+                                         TensorAssembler::Claim* claim,
+                                         std::vector<v1::FrameAck>* acks, absl::Status* end) = 0;
+  virtual void Finish(const TensorAssembler::Claim& claim, std::vector<v1::FrameAck>* acks) = 0;
+  virtual void Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks) = 0;
+};
+
+class OwnTarget : public FrameTarget {
+ public:
+  explicit OwnTarget(TensorAssembler* assembler) : assembler_(assembler) {}
+  TensorAssembler::Verdict Begin(const v1::FrameHeader& header, size_t data_bytes,
+                                 TensorAssembler::Claim* claim, std::vector<v1::FrameAck>* acks,
+                                 absl::Status* end) override {
+    return assembler_->Begin(header, data_bytes, claim, acks, end);
+  }
+  void Finish(const TensorAssembler::Claim& claim, std::vector<v1::FrameAck>* acks) override {
+    assembler_->Finish(claim, acks);
+  }
+  void Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks) override {
+    assembler_->Malformed(why, acks);
+  }
+
+ private:
+  TensorAssembler* const assembler_;
+};
+
+class SharedTarget : public FrameTarget {
+ public:
+  explicit SharedTarget(SharedTensorAssembler* shared) : shared_(shared) {}
+  TensorAssembler::Verdict Begin(const v1::FrameHeader& header, size_t data_bytes,
+                                 TensorAssembler::Claim* claim, std::vector<v1::FrameAck>* acks,
+                                 absl::Status* end) override {
+    absl::MutexLock lock(&shared_->mu);
+    return shared_->assembler.Begin(header, data_bytes, claim, acks, end);
+  }
+  void Finish(const TensorAssembler::Claim& claim, std::vector<v1::FrameAck>* acks) override {
+    absl::MutexLock lock(&shared_->mu);
+    shared_->assembler.Finish(claim, acks);
+  }
+  void Malformed(absl::string_view why, std::vector<v1::FrameAck>* acks) override {
+    absl::MutexLock lock(&shared_->mu);
+    shared_->assembler.Malformed(why, acks);
+  }
+
+ private:
+  SharedTensorAssembler* const shared_;
+};
+
+absl::Status ReadFrames(DirectLink* link, FrameTarget* assembler, uint64_t max_tensor,
+                        const std::function<bool()>& stopping) {
   std::string header_bytes;
   std::string ack_bytes;
   std::vector<v1::FrameAck> acks;
@@ -236,12 +360,12 @@ absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler, uint
       (void)send_acks();
       return absl::InvalidArgumentError("unparseable frame header");
     }
-    void* dest = nullptr;
+    TensorAssembler::Claim claim;
     absl::Status end;
-    switch (assembler->Begin(header, data_bytes, &dest, &acks, &end)) {
+    switch (assembler->Begin(header, data_bytes, &claim, &acks, &end)) {
       case TensorAssembler::Verdict::kAccept:
-        if (absl::Status s = link->Read(dest, data_bytes); !s.ok()) return s;
-        assembler->Finish(&acks);
+        if (absl::Status s = link->Read(claim.dest, data_bytes); !s.ok()) return s;
+        assembler->Finish(claim, &acks);
         break;
       case TensorAssembler::Verdict::kDrop: {
         // Data of a refused or duplicate chunk is read and dropped, as long
@@ -264,6 +388,20 @@ absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler, uint
     }
     if (absl::Status s = send_acks(); !s.ok()) return s;
   }
+}
+
+}  // namespace
+
+absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler, uint64_t max_tensor,
+                              const std::function<bool()>& stopping) {
+  OwnTarget target(assembler);
+  return ReadFrames(link, &target, max_tensor, stopping);
+}
+
+absl::Status ReadDirectFrames(DirectLink* link, SharedTensorAssembler* shared, uint64_t max_tensor,
+                              const std::function<bool()>& stopping) {
+  SharedTarget target(shared);
+  return ReadFrames(link, &target, max_tensor, stopping);
 }
 
 }  // namespace detour

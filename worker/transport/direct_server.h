@@ -3,7 +3,8 @@
 // straight into the memory the ActivationServer's sink provides, and
 // acknowledges tensors as ActivationService does. Reassembly, limits, the
 // sink's checks and the counters are the ActivationServer's (one
-// TensorAssembler per connection), so both paths obey the same bounds.
+// TensorAssembler per sender session, shared by its stripe connections), so
+// both paths obey the same bounds.
 //
 // A connection must complete its TLS handshake (a worker certificate from the
 // cluster CA when the server has TLS) and send the preface within
@@ -16,7 +17,10 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -31,10 +35,23 @@ namespace detour {
 
 // Reads frames from an accepted connection until it ends, an error, or
 // `stopping` says so (checked while the connection idles): each frame goes
-// through `assembler`, acknowledgements back on `link`. What a DirectServer
-// runs per connection; exposed for the fuzz target. Frame data beyond
-// `max_tensor_bytes` ends the connection.
+// through `assembler`, acknowledgements back on `link`. Frame data beyond
+// `max_tensor_bytes` ends the connection. Exposed for the fuzz target.
 absl::Status ReadDirectFrames(DirectLink* link, TensorAssembler* assembler,
+                              uint64_t max_tensor_bytes, const std::function<bool()>& stopping);
+
+// The assembler the connections (stripes) of one session share: a frame's
+// header is checked and its chunk claimed under `mu`, its data read into
+// the tensor without it. Thread-safe.
+struct SharedTensorAssembler {
+  SharedTensorAssembler(ActivationServer* server, std::optional<std::string> peer_name)
+      : assembler(server, std::move(peer_name)) {}
+  absl::Mutex mu;
+  TensorAssembler assembler ABSL_GUARDED_BY(mu);
+};
+// ReadDirectFrames for one connection of a session: what a DirectServer runs
+// per connection.
+absl::Status ReadDirectFrames(DirectLink* link, SharedTensorAssembler* shared,
                               uint64_t max_tensor_bytes, const std::function<bool()>& stopping);
 
 struct DirectServerOptions {
@@ -46,6 +63,13 @@ struct DirectServerOptions {
   absl::Duration io_timeout = absl::Seconds(60);
   // Optional; connection counters and the open-connection gauge go here.
   metrics::Registry* metrics = nullptr;
+  // TCP_CONGESTION "bbr" on accepted connections where the system has it.
+  bool bbr = true;
+  // The links this worker expects to receive over (rate, RTT; unknown parts
+  // take tcp_tuning.h's defaults): sizes the receive buffer when autotuning
+  // cannot reach it, and the start-up report (LogDirectTransportTuning,
+  // logged once by Start) warns when the system's limits cap it.
+  LinkHint expected_link;
 };
 
 class DirectServer {
@@ -67,14 +91,36 @@ class DirectServer {
     uint64_t accepted = 0;  // connections that completed the handshake
     uint64_t refused = 0;   // failed handshakes, over the limit, bad preface
     int open = 0;           // connections now
+    int sessions = 0;       // senders' sessions now (one or more stripes each)
   };
   Stats stats() const;
 
  private:
   DirectServer(ActivationServer* activations, DirectServerOptions options, int listen_fd, int port,
                std::shared_ptr<ssl_ctx_st> ctx);
+  // The connections of one sender's session and the assembler they share.
+  // Any connection that ends ends the session (its other connections are
+  // shut down): a tensor striped over a lost connection cannot complete, and
+  // the last connection out frees what the session held half-received.
+  struct Session {
+    Session(ActivationServer* server, std::optional<std::string> peer_name, uint32_t stripes)
+        : shared(server, std::move(peer_name)), stripes(stripes) {}
+    SharedTensorAssembler shared;
+    const uint32_t stripes;
+    // Guarded by the server's mu_.
+    uint32_t joined = 0;  // bit per stripe that has connected
+    std::map<uint64_t, DirectLink*> links;
+    bool ended = false;
+  };
+  using SessionKey = std::pair<std::string, uint64_t>;  // peer identity, session id
+
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
+  // Adds an accepted connection to its session (by its certificate name and
+  // hello); null and why when refused (a stripe twice, a stripe count that
+  // disagrees, a session that already ended).
+  std::shared_ptr<Session> Join(uint64_t id, DirectLink* link, std::string* why);
+  void Leave(uint64_t id, DirectLink* link, const std::shared_ptr<Session>& session);
 
   ActivationServer* const activations_;
   const DirectServerOptions options_;
@@ -91,6 +137,7 @@ class DirectServer {
   std::map<uint64_t, DirectLink*> links_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);
+  std::map<SessionKey, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   int open_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,12 +1,14 @@
 #include "worker/transport/peer_sender.h"
 
 #include <fcntl.h>
+#include <openssl/rand.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -118,69 +120,155 @@ class PeerSender::GrpcStream : public Stream,
   grpc::ByteBuffer outgoing_;
 };
 
-// A direct connection: the writer thread writes frames (blocking, from the
-// tensor's memory), a thread of its own reads the acks.
+// Direct connections to the peer (the stripes of one session). The writer
+// thread hands each chunk to one connection's queue and goes on; each
+// connection has a thread that writes its queue (blocking, from the tensor's
+// memory) and one that reads acks. A large tensor's chunks are cut into one
+// contiguous range per connection; a small tensor's all go to the connection
+// with the least queued. Any connection that fails gives the whole stream up
+// (the receiver ends the session too, freeing what it held half-received).
 class PeerSender::DirectStream : public Stream {
  public:
-  DirectStream(PeerSender* owner, std::unique_ptr<DirectLink> link)
-      : owner_(owner), link_(std::move(link)) {
-    link_->SetIoTimeout(owner_->options_.ack_timeout);
-    reader_ = std::thread([this] { ReadAcks(); });
+  DirectStream(PeerSender* owner, std::vector<std::unique_ptr<DirectLink>> links)
+      : owner_(owner), links_(std::move(links)) {
+    absl::MutexLock lock(&mu_);
+    queues_.resize(links_.size());
+    queued_.assign(links_.size(), 0);
+    for (size_t i = 0; i < links_.size(); ++i) {
+      links_[i]->SetIoTimeout(owner_->options_.ack_timeout);
+      writers_.emplace_back([this, i] { WriteLoop(i); });
+      readers_.emplace_back([this, i] { ReadAcks(i); });
+    }
   }
 
   void Write(Chunk* chunk) override {
-    header_.clear();
-    header_.resize(kDirectFramePrefixBytes);
-    chunk->header.AppendToString(&header_);
-    EncodeDirectFramePrefix(static_cast<uint32_t>(header_.size() - kDirectFramePrefixBytes),
-                            chunk->bytes, header_.data());
-    const char* data = static_cast<const char*>(chunk->data.data) + chunk->offset;
-    absl::Status written = link_->Write(header_.data(), header_.size(), data, chunk->bytes);
-    if (!written.ok()) {
-      owner_->OnStreamError(absl::UnavailableError(
-          absl::StrCat("direct transport to ", owner_->peer_, ": ", written.message())));
+    {
+      absl::MutexLock lock(&mu_);
+      const size_t lane = Lane(*chunk);
+      queued_[lane] += chunk->bytes;
+      queues_[lane].push_back(std::move(*chunk));
     }
-    owner_->OnWriteDone(written.ok());
+    owner_->OnWriteDone(true);
   }
 
   void End(bool closing) override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      polite_ = closing;
+      if (closing) {
+        // Let a frame being written finish, so the peer sees a clean end.
+        mu_.AwaitWithTimeout(absl::Condition(
+                                 +[](int* n) { return *n == 0; }, &busy_),
+                             absl::Seconds(2));
+      }
+    }
     if (closing) {
-      link_->CloseWrite();
+      for (auto& link : links_) link->CloseWrite();
       absl::MutexLock lock(&owner_->mu_);
       owner_->mu_.AwaitWithTimeout(absl::Condition(
                                        +[](bool* e) { return *e; }, &owner_->read_ended_),
                                    absl::Seconds(2));
     }
-    link_->Shutdown();
-    reader_.join();
+    for (auto& link : links_) link->Shutdown();
+    for (auto& t : writers_) t.join();
+    for (auto& t : readers_) t.join();
     PeerSender* const owner = owner_;
     delete this;
     owner->OnStreamDone();
   }
 
  private:
-  void ReadAcks() {
+  size_t Lane(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t lanes = links_.size();
+    const v1::FrameHeader& h = chunk.header;
+    if (lanes == 1) return 0;
+    if (h.total_bytes() >= owner_->options_.stripe_threshold_bytes && h.num_chunks() > 1) {
+      const uint64_t stripes = std::min<uint64_t>(lanes, h.num_chunks());
+      return static_cast<size_t>(uint64_t{h.chunk_index()} * stripes / h.num_chunks());
+    }
+    if (h.chunk_index() == 0 || chunk.key != small_key_) {
+      small_key_ = chunk.key;
+      small_lane_ =
+          static_cast<size_t>(std::min_element(queued_.begin(), queued_.end()) - queued_.begin());
+    }
+    return small_lane_;
+  }
+
+  void WriteLoop(size_t lane) {
+    DirectLink* link = links_[lane].get();
+    std::string header;
+    while (true) {
+      Chunk chunk;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this, lane]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queues_[lane].empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (stopping_) return;
+        chunk = std::move(queues_[lane].front());
+        queues_[lane].pop_front();
+        ++busy_;
+      }
+      header.clear();
+      header.resize(kDirectFramePrefixBytes);
+      chunk.header.AppendToString(&header);
+      EncodeDirectFramePrefix(static_cast<uint32_t>(header.size() - kDirectFramePrefixBytes),
+                              chunk.bytes, header.data());
+      const char* data = static_cast<const char*>(chunk.data.data) + chunk.offset;
+      absl::Status written = link->Write(header.data(), header.size(), data, chunk.bytes);
+      bool report;
+      {
+        absl::MutexLock lock(&mu_);
+        --busy_;
+        queued_[lane] -= chunk.bytes;
+        report = !stopping_;
+      }
+      if (!written.ok()) {
+        if (report) {
+          owner_->OnStreamError(absl::UnavailableError(
+              absl::StrCat("direct transport to ", owner_->peer_, " (connection ", lane + 1, " of ",
+                           links_.size(), "): ", written.message())));
+          owner_->OnStreamBroken();
+        }
+        return;
+      }
+    }
+  }
+
+  void ReadAcks(size_t lane) {
+    DirectLink* link = links_[lane].get();
     std::string bytes;
     while (true) {
       char prefix[kDirectAckPrefixBytes];
-      absl::Status read = link_->Read(prefix, sizeof(prefix), /*idle_ok=*/true);
+      absl::Status read = link->Read(prefix, sizeof(prefix), /*idle_ok=*/true);
       if (read.code() == absl::StatusCode::kDeadlineExceeded) continue;  // idle
       uint32_t size = 0;
       if (read.ok()) read = DecodeDirectAckPrefix(prefix, &size);
       if (read.ok()) {
         bytes.resize(size);
-        read = link_->Read(bytes.data(), size);
+        read = link->Read(bytes.data(), size);
       }
       v1::FrameAck ack;
       if (read.ok() && !ack.ParseFromString(bytes)) {
         read = absl::InvalidArgumentError("unparseable acknowledgement");
       }
       if (!read.ok()) {
-        if (read.code() != absl::StatusCode::kCancelled) {
-          owner_->OnStreamError(absl::UnavailableError(
-              absl::StrCat("direct transport to ", owner_->peer_, ": ", read.message())));
+        bool stopping, polite;
+        {
+          absl::MutexLock lock(&mu_);
+          stopping = stopping_;
+          polite = polite_;
         }
-        owner_->OnReadEnded();
+        // Once End began, what the shutdown does to the reads is no news;
+        // only a polite end waits to hear that the peer closed.
+        if (!stopping && read.code() != absl::StatusCode::kCancelled) {
+          owner_->OnStreamError(absl::UnavailableError(
+              absl::StrCat("direct transport to ", owner_->peer_, " (connection ", lane + 1, " of ",
+                           links_.size(), "): ", read.message())));
+        }
+        if (!stopping || polite) owner_->OnReadEnded();
         return;
       }
       owner_->OnAck(ack);
@@ -188,9 +276,17 @@ class PeerSender::DirectStream : public Stream {
   }
 
   PeerSender* const owner_;
-  std::unique_ptr<DirectLink> link_;
-  std::string header_;  // the frame prefix and header being written
-  std::thread reader_;
+  const std::vector<std::unique_ptr<DirectLink>> links_;
+  absl::Mutex mu_;
+  std::vector<std::deque<Chunk>> queues_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> queued_ ABSL_GUARDED_BY(mu_);  // bytes per queue
+  std::string small_key_ ABSL_GUARDED_BY(mu_);
+  size_t small_lane_ ABSL_GUARDED_BY(mu_) = 0;
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;  // frames being written
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool polite_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> writers_;
+  std::vector<std::thread> readers_;
 };
 
 PeerSender::PeerSender(std::string peer_address, PeerSenderOptions options)
@@ -217,6 +313,7 @@ PeerSender::PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> 
       }
     }
     if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
+    tcp_limits_ = ReadTcpLimits();
   } else if (channel_ == nullptr) {
     channel_ = MakeChannel(peer_, options_.security, options_.peer_name);
   }
@@ -354,26 +451,22 @@ void PeerSender::WriterLoop() {
       // Connecting blocks (up to connect_timeout, or until Close wakes it):
       // without the lock, before the chunk leaves the queue.
       mu_.Unlock();
-      absl::StatusOr<std::unique_ptr<DirectLink>> link =
-          ssl_ctx_status_.ok()
-              ? DirectLink::Connect(options_.direct_address, ssl_ctx_, options_.peer_name,
-                                    options_.connect_timeout, wake_pipe_[0])
-              : absl::StatusOr<std::unique_ptr<DirectLink>>(ssl_ctx_status_);
+      absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> links = ConnectDirect();
       mu_.Lock();
-      if (!link.ok()) {
+      if (!links.ok()) {
         stream_broken_ = true;
         broken_reason_ = absl::StrCat("cannot reach ", peer_, " (direct transport at ",
-                                      options_.direct_address, "): ", link.status().message());
+                                      options_.direct_address, "): ", links.status().message());
         mu_.Unlock();
         continue;
       }
       if (closing_) {
         mu_.Unlock();
-        continue;  // the link closes here; the loop ends on closing_
+        continue;  // the links close here; the loop ends on closing_
       }
       read_ended_ = false;
       ++live_streams_;
-      stream_ = new DirectStream(this, *std::move(link));
+      stream_ = new DirectStream(this, *std::move(links));
     }
     Chunk chunk = std::move(queue_.front());
     queue_.pop_front();
@@ -394,6 +487,72 @@ void PeerSender::WriterLoop() {
     mu_.Unlock();
     stream->Write(&current_);
   }
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDirect() {
+  if (!ssl_ctx_status_.ok()) return ssl_ctx_status_;
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  DirectHello hello;
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(&hello.session), sizeof(hello.session)) != 1) {
+    return absl::InternalError("direct transport: no random session id (RAND_bytes failed)");
+  }
+  DirectSocketOptions socket;
+  socket.bbr = options_.bbr && BbrUsable();
+  std::vector<std::unique_ptr<DirectLink>> links;
+  auto first = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
+                                options_.connect_timeout, wake_pipe_[0], socket);
+  if (!first.ok()) return first.status();
+  // The number of stripes: asked for, or what the link's bandwidth-delay
+  // product needs under this machine's socket-buffer limits (the RTT, when
+  // not given, is the kernel's estimate from this connection's handshake).
+  LinkHint hint = options_.link;
+  if (!(hint.rate_bytes_per_s > 0)) hint.rate_bytes_per_s = kDefaultLinkRateBytesPerS;
+  if (hint.rtt <= absl::ZeroDuration()) hint.rtt = (*first)->Rtt();
+  const StripePlan plan = PlanStripes(hint, tcp_limits_);
+  const int count = options_.direct_connections > 0
+                        ? std::min(options_.direct_connections, kMaxDirectStripes)
+                        : plan.connections;
+  socket.sndbuf = plan.sndbuf_request;
+  if (socket.sndbuf > 0) (*first)->SetSendBuffer(socket.sndbuf);
+  hello.stripes = static_cast<uint32_t>(count);
+  if (absl::Status s = (*first)->Greet(hello, deadline - absl::Now()); !s.ok()) return s;
+  links.push_back(*std::move(first));
+  // The other stripes connect in parallel: each costs a few round trips.
+  std::vector<absl::StatusOr<std::unique_ptr<DirectLink>>> more(count - 1);
+  std::vector<std::thread> connecting;
+  for (int i = 1; i < count; ++i) {
+    connecting.emplace_back([this, i, hello, socket, deadline, &more] {
+      DirectHello mine = hello;
+      mine.stripe = static_cast<uint32_t>(i);
+      more[i - 1] = DirectLink::Connect(options_.direct_address, ssl_ctx_, options_.peer_name,
+                                        std::max(absl::Milliseconds(1), deadline - absl::Now()),
+                                        wake_pipe_[0], mine, socket);
+    });
+  }
+  for (auto& t : connecting) t.join();
+  for (auto& link : more) {
+    if (!link.ok()) {
+      return absl::Status(link.status().code(),
+                          absl::StrCat("stripe connection: ", link.status().message()));
+    }
+    links.push_back(*std::move(link));
+  }
+  absl::MutexLock lock(&mu_);
+  direct_info_.connections = count;
+  direct_info_.congestion_control = links.front()->congestion_control();
+  direct_info_.rtt = hint.rtt;
+  direct_info_.sndbuf_request = socket.sndbuf;
+  return links;
+}
+
+DirectConnectionInfo PeerSender::direct_info() const {
+  absl::MutexLock lock(&mu_);
+  return direct_info_;
+}
+
+void PeerSender::OnStreamBroken() {
+  absl::MutexLock lock(&mu_);
+  if (!closing_) stream_broken_ = true;
 }
 
 void PeerSender::OnWriteDone(bool ok) {

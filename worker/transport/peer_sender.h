@@ -1,12 +1,14 @@
 // The sending side of the activation transport towards one peer: a
 // long-lived ActivationService stream, or — when the peer has a direct
-// address — a direct connection (direct_link.h); tensors cut into chunks (a
-// few MiB per frame, sent from the tensor's memory), one write in flight,
+// address — direct connections (direct_link.h), several at once over a long
+// fast link (striping); tensors cut into chunks (a few MiB per frame, sent
+// from the tensor's memory), one write in flight per stream or connection,
 // completion when the peer acknowledges the whole tensor. Optional network
 // emulation delays and rate-limits frames as a geo-distributed link would
 // (tests and benchmarks only). Thread-safe; owns one thread that paces and
 // issues the writes (and, for a direct connection, one that reads its acks),
-// so gRPC reactions never wait.
+// so gRPC reactions never wait; direct connections each have a writer and
+// an ack reader thread.
 #ifndef DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
 #define DETOUR_WORKER_TRANSPORT_PEER_SENDER_H_
 
@@ -16,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -23,7 +26,9 @@
 #include "detour/v1/activation_service.pb.h"
 #include "common/net/tls.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/transport/direct_link.h"
 #include "worker/transport/frame_codec.h"
+#include "worker/transport/tcp_tuning.h"
 
 namespace detour {
 
@@ -50,6 +55,29 @@ struct PeerSenderOptions {
   std::string direct_address;
   // Connecting (and the TLS handshake) of a direct connection.
   absl::Duration connect_timeout = absl::Seconds(10);
+  // Striping (direct transport): how many connections carry tensors to this
+  // peer. 0 = as many as the link needs (tcp_tuning.h's PlanStripes: the
+  // link's rate × RTT against the socket-buffer limits), else this many
+  // (at most kMaxDirectStripes). A tensor of at least stripe_threshold_bytes
+  // is cut into one contiguous range of chunks per connection; a smaller one
+  // travels whole on the least busy connection.
+  int direct_connections = 0;
+  size_t stripe_threshold_bytes = 8 << 20;
+  // What the link to this peer is expected to carry (the cluster's link
+  // table has it: rate between the two regions, their round trip). An
+  // unknown rate is taken as kDefaultLinkRateBytesPerS, an unknown RTT as
+  // the kernel's estimate from the first connection's handshake.
+  LinkHint link;
+  // TCP_CONGESTION "bbr" on direct connections where the system has it.
+  bool bbr = true;
+};
+
+// What the direct transport to a peer uses (for logs and tests).
+struct DirectConnectionInfo {
+  int connections = 0;  // 0 = not connected
+  std::string congestion_control;
+  absl::Duration rtt;  // the kernel's estimate at connect
+  int64_t sndbuf_request = 0;
 };
 
 class PeerSender {
@@ -82,6 +110,8 @@ class PeerSender {
   const std::string& peer() const { return peer_; }
   // "grpc" or "direct": how tensors travel to this peer.
   const char* transport() const { return direct() ? "direct" : "grpc"; }
+  // The current (or last) direct connection set.
+  DirectConnectionInfo direct_info() const;
 
  private:
   class Stream;
@@ -109,6 +139,10 @@ class PeerSender {
   void OnWriteDone(bool ok);
   void OnReadEnded();
   void OnStreamDone();
+  // A direct stripe failed: the whole stream is given up (its tensors fail).
+  void OnStreamBroken();
+  // Opens the stripes of a new direct session (blocking; without mu_).
+  absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> ConnectDirect();
   // A stream could not be opened or broke: its reason, for the failures.
   void OnStreamError(const absl::Status& status);
   void FailAll(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -117,7 +151,7 @@ class PeerSender {
   const PeerSenderOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   // The current stream; only the writer thread starts operations on it.
@@ -132,6 +166,8 @@ class PeerSender {
   absl::Time link_free_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::shared_ptr<ssl_ctx_st> ssl_ctx_;  // direct TLS connections
   absl::Status ssl_ctx_status_;
+  TcpLimits tcp_limits_;  // read once, at construction
+  DirectConnectionInfo direct_info_ ABSL_GUARDED_BY(mu_);
   int wake_pipe_[2] = {-1, -1};  // Close() wakes a direct connect
   std::thread writer_;
 };
