@@ -1,7 +1,8 @@
 // detour-local: a whole detour cluster on this machine, for demos and trying
-// things out. Starts a coordinator and N workers on loopback, submits a job,
-// shows a live progress line, writes the loss curve, and stops everything
-// cleanly at the end or on Ctrl-C.
+// things out. Starts a coordinator and N workers on loopback (or, with --wan,
+// each in a network namespace of the packet-level WAN test bed), submits a
+// job, shows a live progress line, writes the loss curve, and stops
+// everything cleanly at the end or on Ctrl-C.
 #include <signal.h>
 #include <unistd.h>
 
@@ -33,6 +34,7 @@
 #include "common/subprocess.h"
 #include "common/version.h"
 #include "detour/v1/job_service.grpc.pb.h"
+#include "tools/detour_local/wan_bed.h"
 
 namespace detour {
 namespace {
@@ -53,6 +55,10 @@ struct Args {
   int64_t iterations = 0;
   bool insecure = false;
   std::string certs;  // "" = a fresh throwaway CA in <out>/certs
+  bool wan = false;
+  double wan_bandwidth_scale = 1.0;
+  double wan_coordinator_latency_ms = 2.0;
+  std::string wan_prefix;  // "" = dl<pid>
 };
 
 // A random bearer token: 32 bytes from the kernel, hex.
@@ -115,6 +121,7 @@ class Launcher {
       return 2;
     }
     std::vector<std::string> regions;
+    v1::ClusterSpec cluster_spec;
     if (!args_.cluster.empty()) {
       auto cluster = LoadClusterSpec(args_.cluster);
       if (!cluster.ok()) {
@@ -122,6 +129,19 @@ class Launcher {
         return 2;
       }
       for (const v1::NodeSpec& n : cluster->nodes()) regions.push_back(n.region());
+      cluster_spec = *std::move(cluster);
+    }
+    if (args_.wan) {
+      if (workers > cluster_spec.nodes_size()) {
+        std::cerr << "detour-local: --wan runs each worker in the namespace of one --cluster "
+                     "node: "
+                  << workers << " workers but " << cluster_spec.nodes_size() << " nodes\n";
+        return 2;
+      }
+      if (absl::Status s = CheckWanPrivileges(); !s.ok()) {
+        std::cerr << "detour-local: " << s.message() << "\n";
+        return 1;
+      }
     }
     // Only an earlier run's output (it carries the marker) is emptied: a
     // user's directory is never deleted.
@@ -145,26 +165,38 @@ class Launcher {
       return 1;
     }
     const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
+    std::string cluster_file = args_.cluster;
+    if (args_.wan) {
+      if (absl::Status s = StartWan(bin, workers, cluster_spec, &cluster_file); !s.ok()) {
+        std::cerr << "detour-local: " << s.message() << "\n";
+        return 1;
+      }
+      if (interrupted_) return 130;
+    }
     if (absl::Status s = SetUpSecurity(bin, workers); !s.ok()) {
       std::cerr << "detour-local: " << s.message() << "\n";
       return 1;
     }
 
-    std::cout << "detour-local: coordinator + " << workers << " workers on loopback (logs in "
-              << args_.out << "/)\n";
+    // Loopback, or each daemon at its node's address inside the test bed.
+    const std::string coordinator_host = bed_ ? bed_->coordinator().address : "127.0.0.1";
+    std::cout << "detour-local: coordinator + " << workers << " workers "
+              << (bed_ ? "in the WAN test bed" : "on loopback") << " (logs in " << args_.out
+              << "/)\n";
     std::vector<std::string> cargv = {
         DaemonPath(bin, "coordinator", "detour-coordinator"),
-        "--listen=127.0.0.1:0",
+        absl::StrCat("--listen=", coordinator_host, ":0"),
         "--metrics_port=0",
-        "--metrics_bind=127.0.0.1",
+        absl::StrCat("--metrics_bind=", coordinator_host),
         absl::StrCat("--data_dir=", args_.out, "/coordinator"),
         absl::StrCat("--ready_file=", args_.out, "/coordinator.ready"),
         "--heartbeat_interval=500ms",
         "--worker_silence=5s"};
     AddSecurityFlags("coordinator", &cargv);
     if (!certs_.empty()) cargv.push_back(absl::StrCat("--auth_tokens=", certs_, "/tokens"));
-    if (!args_.cluster.empty()) cargv.push_back(absl::StrCat("--cluster=", args_.cluster));
+    if (!cluster_file.empty()) cargv.push_back(absl::StrCat("--cluster=", cluster_file));
     if (args_.emulate_network) cargv.push_back("--emulate_network");
+    if (bed_) cargv = bed_->InNamespace(bed_->coordinator(), std::move(cargv));
     if (absl::Status s = coordinator_.Start(cargv, args_.out + "/coordinator.log", true); !s.ok()) {
       std::cerr << "detour-local: " << s.message() << "\n";
       return 1;
@@ -178,24 +210,49 @@ class Launcher {
                 << coordinator_.Log();
       return 1;
     }
-    address_ = absl::StrCat("127.0.0.1:", *port);
-    std::cout << "  coordinator  gRPC " << address_
-              << ", metrics http://127.0.0.1:" << (metrics_port.ok() ? *metrics_port : "?")
-              << "/metrics\n";
+    address_ = absl::StrCat(coordinator_host, ":", *port);
+    const std::string metrics = absl::StrCat("http://", coordinator_host, ":",
+                                             metrics_port.ok() ? *metrics_port : "?", "/metrics");
+    const std::string bed_address = address_;
+    if (bed_) {
+      // This process (and detourctl) stays outside the bed: a relay on
+      // loopback here reaches the coordinator in its namespace.
+      int in_port = 0;
+      if (!absl::SimpleAtoi(*port, &in_port)) {
+        std::cerr << "detour-local: bad grpc_port " << *port << " in coordinator.ready\n";
+        return 1;
+      }
+      auto local = relay_.Start(bed_->coordinator().netns, coordinator_host, in_port);
+      if (!local.ok()) {
+        std::cerr << "detour-local: relay to the coordinator: " << local.status().message() << "\n";
+        return 1;
+      }
+      address_ = absl::StrCat("127.0.0.1:", *local);
+      std::cout << "  coordinator  gRPC " << bed_address << " in the bed, " << address_
+                << " from here (a relay); metrics " << metrics << " (in the bed: " << bed_->script()
+                << " exec --prefix " << prefix_ << " coordinator -- curl -s " << metrics << ")\n";
+    } else {
+      std::cout << "  coordinator  gRPC " << address_ << ", metrics " << metrics << "\n";
+    }
     for (int i = 0; i < workers; ++i) {
       const std::string region = regions.empty() ? "local" : regions[i % regions.size()];
       auto w = std::make_unique<ChildProcess>();
+      // In the bed, listening on the node's address makes it the address the
+      // worker advertises to the coordinator and its peers (gRPC and the
+      // direct tensor transport), so all their traffic crosses the emulator.
+      const std::string host = bed_ ? bed_->nodes()[static_cast<size_t>(i)].address : "127.0.0.1";
       std::vector<std::string> wargv = {
           DaemonPath(bin, "worker", "detour-worker"),
-          "--listen=127.0.0.1:0",
+          absl::StrCat("--listen=", host, ":0"),
           "--metrics_port=-1",
-          absl::StrCat("--coordinator=", address_),
+          absl::StrCat("--coordinator=", bed_address),
           absl::StrCat("--worker_id=w", i + 1),
           absl::StrCat("--region=", region),
           absl::StrCat("--data_dir=", args_.out, "/w", i + 1),
           absl::StrCat("--torch_threads=", args_.torch_threads),
           absl::StrCat("--ready_file=", args_.out, "/w", i + 1, ".ready")};
       AddSecurityFlags(absl::StrCat("w", i + 1), &wargv);
+      if (bed_) wargv = bed_->InNamespace(bed_->nodes()[static_cast<size_t>(i)], std::move(wargv));
       if (absl::Status s = w->Start(wargv, absl::StrCat(args_.out, "/w", i + 1, ".log"), true);
           !s.ok()) {
         std::cerr << "detour-local: " << s.message() << "\n";
@@ -229,14 +286,67 @@ class Launcher {
     if (watch_ != nullptr) watch_->TryCancel();
   }
 
-  // Stops the daemons: workers first, then the coordinator.
+  // Stops the daemons: workers first, then the coordinator; then takes the
+  // test bed down (only the one this run made).
   void StopAll() {
     for (auto& w : workers_) w->Signal(SIGTERM);
     for (auto& w : workers_) w->Stop(absl::Seconds(15));
     coordinator_.Stop(absl::Seconds(15));
+    relay_.Stop();
+    if (bed_ && bed_->Down()) {
+      std::cout << "detour-local: test bed " << prefix_ << " is down (link counters in "
+                << args_.out << "/wan/stats.txt)\n";
+    }
   }
 
  private:
+  // Brings up the bed: one namespace per worker's cluster node plus the
+  // coordinator's, and prints the table. With a bandwidth scale, the
+  // coordinator plans on the scaled spec, the network it really runs on;
+  // `cluster_file` then names that copy.
+  absl::Status StartWan(const std::string& bin, int workers, const v1::ClusterSpec& cluster,
+                        std::string* cluster_file) {
+    prefix_ = args_.wan_prefix.empty() ? absl::StrCat("dl", ::getpid()) : args_.wan_prefix;
+    WanBedOptions options;
+    options.bin_dir = bin;
+    options.out_dir = args_.out + "/wan";
+    options.prefix = prefix_;
+    options.bandwidth_scale = args_.wan_bandwidth_scale;
+    options.coordinator_latency_ms = args_.wan_coordinator_latency_ms;
+    options.workers = workers;
+    bed_ = std::make_unique<WanBed>(options);
+    std::cout << "detour-local: bringing up the WAN test bed " << prefix_ << " (if this process "
+              << "is killed: tools/wan_testbed.sh down --prefix " << prefix_ << ")\n"
+              << std::flush;
+    RETURN_IF_ERROR(bed_->Up(cluster));
+    if (args_.wan_bandwidth_scale != 1.0) {
+      *cluster_file = args_.out + "/wan/cluster_scaled.json";
+      RETURN_IF_ERROR(WriteFileAtomically(
+          *cluster_file, ToJson(ScaleClusterBandwidth(cluster, args_.wan_bandwidth_scale))));
+    }
+    std::cout << absl::StrFormat(
+        "  test bed     %s: %d namespaces, detour-wanem between them; %s; coordinator %g ms "
+        "one-way from every region\n",
+        prefix_, workers + 1,
+        args_.wan_bandwidth_scale == 1.0
+            ? std::string("bandwidths as in --cluster (not scaled)")
+            : absl::StrFormat("bandwidths SCALED by %g (every link's rate x %g; the "
+                              "coordinator plans on %s)",
+                              args_.wan_bandwidth_scale, args_.wan_bandwidth_scale, *cluster_file),
+        args_.wan_coordinator_latency_ms);
+    std::cout << absl::StrFormat("  %-12s %-18s %-12s %-26s %s\n", "node", "region", "address",
+                                 "namespace", "daemon");
+    for (size_t i = 0; i < bed_->nodes().size(); ++i) {
+      const WanNodeAddress& n = bed_->nodes()[i];
+      const std::string daemon =
+          i + 1 == bed_->nodes().size() ? "coordinator" : absl::StrCat("worker w", i + 1);
+      std::cout << absl::StrFormat("  %-12s %-18s %-12s %-26s %s\n", n.id, n.region, n.address,
+                                   n.netns, daemon);
+    }
+    std::cout << std::flush;
+    return absl::OkStatus();
+  }
+
   // Without --insecure: certificates for the coordinator, every worker (named
   // by its id) and this client, from --certs or a throwaway CA made with
   // tools/gen_certs.sh, and a token file with one submit token.
@@ -244,15 +354,23 @@ class Launcher {
     if (args_.insecure) return absl::OkStatus();
     certs_ = args_.certs.empty() ? args_.out + "/certs" : args_.certs;
     std::vector<std::string> argv = {bin + "/tools/gen_certs.sh", certs_};
-    for (const std::string& name : {std::string("coordinator"), std::string("detour-local")}) {
+    // In the bed, peers reach a daemon at its node's address, which its
+    // certificate must then name too.
+    auto with_ip = [&](const std::string& name, int node) {
+      if (!bed_ || node < 0) return name;
+      return absl::StrCat(name, "=", bed_->nodes()[static_cast<size_t>(node)].address);
+    };
+    const int coordinator_node = bed_ ? static_cast<int>(bed_->nodes().size()) - 1 : -1;
+    for (const auto& [name, node] :
+         {std::pair<std::string, int>{"coordinator", coordinator_node}, {"detour-local", -1}}) {
       if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
-        argv.push_back(name);
+        argv.push_back(with_ip(name, node));
       }
     }
     for (int i = 1; i <= workers; ++i) {
       const std::string name = absl::StrCat("w", i);
       if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
-        argv.push_back(name);
+        argv.push_back(with_ip(name, i - 1));
       }
     }
     if (argv.size() > 2) {
@@ -417,6 +535,11 @@ class Launcher {
   std::string address_;
   ChildProcess coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> workers_;
+  // --wan: the bed (destroyed, and so taken down, after the daemons stop) and
+  // the relay from loopback here to the coordinator in it.
+  std::unique_ptr<WanBed> bed_;
+  std::string prefix_;
+  NetnsRelay relay_;
   std::atomic<bool> interrupted_{false};
   absl::Mutex mu_;
   grpc::ClientContext* watch_ ABSL_GUARDED_BY(mu_) = nullptr;
@@ -441,6 +564,20 @@ int Main(int argc, char** argv) {
                "ClusterSpec JSON: workers take its nodes' regions, the planner its links");
   flags.Bool("emulate_network", &a.emulate_network,
              "workers delay and rate-limit their frames per --cluster (emulation)");
+  flags.Bool("wan", &a.wan,
+             "run every daemon in a network namespace of the packet-level WAN test bed "
+             "(tools/wan_testbed.sh, detour-wanem): worker i in --cluster node i's (one node "
+             "per worker), the coordinator in a node of its own; real TCP over the spec's "
+             "latencies and bandwidths. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and "
+             "/dev/net/tun; excludes --emulate_network");
+  flags.Double("wan_bandwidth_scale", &a.wan_bandwidth_scale,
+               "--wan: every link's bandwidth times this, in (0, 1000] (the forwarder carries "
+               "about 1.8 Gbit/s in all; docs/BENCHMARKS.md §WAN); the coordinator then plans "
+               "on the scaled spec");
+  flags.Double("wan_coordinator_latency_ms", &a.wan_coordinator_latency_ms,
+               "--wan: one-way latency between the coordinator's node and every region");
+  flags.String("wan_prefix", &a.wan_prefix,
+               "--wan: the namespaces' prefix, <prefix>-<node id> (default dl<pid>)");
   flags.Int("torch_threads", &a.torch_threads, "LibTorch threads per worker");
   flags.Int("iterations", &a.iterations, "override the job's iterations (0 = the job's)");
   flags.Bool("insecure", &a.insecure,
@@ -463,6 +600,25 @@ int Main(int argc, char** argv) {
   }
   if (a.emulate_network && a.cluster.empty()) {
     return flags.Fail(absl::InvalidArgumentError("--emulate_network needs --cluster"));
+  }
+  if (a.wan && a.emulate_network) {
+    return flags.Fail(absl::InvalidArgumentError(
+        "--wan and --emulate_network exclude each other: --wan's network is the test bed's, "
+        "--emulate_network's is inside the workers; choose one"));
+  }
+  if (a.wan && a.cluster.empty()) {
+    return flags.Fail(absl::InvalidArgumentError("--wan needs --cluster (its nodes and links)"));
+  }
+  if (!(a.wan_bandwidth_scale > 0 && a.wan_bandwidth_scale <= 1000)) {
+    return flags.Fail(absl::InvalidArgumentError("--wan_bandwidth_scale must be in (0, 1000]"));
+  }
+  if (!(a.wan_coordinator_latency_ms >= 0 && a.wan_coordinator_latency_ms <= 60000)) {
+    return flags.Fail(
+        absl::InvalidArgumentError("--wan_coordinator_latency_ms must be in [0, 60000]"));
+  }
+  if (!a.wan && (a.wan_bandwidth_scale != 1.0 || !a.wan_prefix.empty())) {
+    return flags.Fail(
+        absl::InvalidArgumentError("--wan_bandwidth_scale and --wan_prefix only apply with --wan"));
   }
   SetLogComponent("detour-local");
   Launcher launcher(a);
