@@ -41,6 +41,9 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   stragglers = counter("detour_coordinator_stragglers",
                        "Workers found persistently slower than their replicas or their "
                        "prediction (routed around with fewer visits).");
+  links_cut = counter("detour_coordinator_links_cut",
+                      "Links between two live members of a running job found cut (one could not "
+                      "reach the other while both talked to the coordinator); routed around.");
   if (auto f = m->AddHistogram("detour_coordinator_recovery_seconds",
                                "From the detection of a lost worker to the job running again "
                                "(re-planned microbatches sent, or the next iteration planned).",
@@ -81,6 +84,9 @@ void RunnerMetrics::WorkerReassigned() {
 }
 void RunnerMetrics::StragglerFound() {
   if (stragglers != nullptr) stragglers->Increment();
+}
+void RunnerMetrics::LinkCut() {
+  if (links_cut != nullptr) links_cut->Increment();
 }
 void RunnerMetrics::MembersChanged(int delta) {
   if (members != nullptr) members->Increment(delta);
@@ -412,6 +418,10 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     const int stage = membership_.Remove(id);
     if (stage < 0) return;
     membership_.ClearSuspicion(id);
+    membership_.ForgetLinks(id);
+    if (absl::Status s = plan_.SetCutLinks(membership_.cut_links()); !s.ok()) {
+      LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
+    }
     membership_.BumpEpoch();
     plan_.RebuildAssignment();
     plan_.ForgetRoutes();  // the warm start routes through it
@@ -432,6 +442,23 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     }
     iteration_.ForgetWorker(id);
     plan_.KfacMembershipChanged();
+  }
+
+  // Links found cut between live members: the planner avoids them from now
+  // on (the iteration in flight is the iteration part's to redo).
+  void OnLinksCut(const std::vector<LinkCut>& cuts) {
+    if (absl::Status s = plan_.SetCutLinks(membership_.cut_links()); !s.ok()) {
+      LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
+    }
+    for (const LinkCut& c : cuts) {
+      host_->runner_metrics().LinkCut();
+      const std::string message =
+          absl::StrCat("link ", c.reporter, " - ", c.peer, " cut: ", c.reporter,
+                       " could not reach ", c.peer, " (", c.why, ") while ", c.peer,
+                       " still talks to the coordinator; routes and replica groups avoid the pair");
+      LogWarning("job ", job_id_, ": ", message);
+      AddEvent(v1::JobHistoryEvent::KIND_LINK_CUT, next_iteration_, c.peer, message);
+    }
   }
 
   // The members found lost now (removed from the membership).
@@ -485,6 +512,11 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
           ev.lost = std::move(lost);
           return ev;
         }
+        if (std::vector<LinkCut> cuts = membership_.TakeNewCuts(); !cuts.empty()) {
+          OnLinksCut(cuts);
+          ev.cuts = std::move(cuts);
+          return ev;
+        }
       }
       {
         absl::MutexLock lock(&mu_);
@@ -504,10 +536,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
           OnJobStatus(worker, m.job_status());
         } else if (m.has_peer_unreachable() && m.peer_unreachable().job_id() == job_id_ &&
                    membership_.IsMember(worker)) {
-          membership_.Suspect(
-              m.peer_unreachable().peer(),
-              absl::StrCat(worker, " could not reach it (", m.peer_unreachable().message(), ")"),
-              Now());
+          membership_.ReportUnreachable(worker, m.peer_unreachable().peer(),
+                                        m.peer_unreachable().message(), Now());
         }
         ++it;
       }

@@ -83,6 +83,7 @@ struct RunnerMetrics {
   void WorkerJoined();
   void WorkerReassigned();
   void StragglerFound();
+  void LinkCut();
   void MembersChanged(int delta);
 
   metrics::Counter* recoveries = nullptr;
@@ -92,6 +93,7 @@ struct RunnerMetrics {
   metrics::Counter* joined = nullptr;
   metrics::Counter* reassigned = nullptr;
   metrics::Counter* stragglers = nullptr;
+  metrics::Counter* links_cut = nullptr;
   metrics::Gauge* members = nullptr;
 };
 

@@ -133,7 +133,7 @@ std::optional<JobEnd> RunnerElastic::Join(const v1::WorkerInfo& w, int stage,
   auto fail_join = [&](const std::string& why) -> std::optional<JobEnd> {
     // Not again for a while: a worker that cannot join would otherwise be
     // tried at every iteration.
-    membership_.BackOff(id, Now() + kJoinBackoff);
+    membership_.BackOff(id, Now() + RunnerMembership::kJoinBackoff);
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
              absl::StrCat("worker ", id, " could not ", verb, " stage ", stage, ": ", why));
     RemoveMember(id, why, next_iteration_);

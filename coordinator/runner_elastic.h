@@ -54,7 +54,6 @@ class RunnerElastic : private RunnerPart {
   std::map<std::string, MadeMove> made_moves_;
   static constexpr int kMoveCandidates = 4;
   static constexpr absl::Duration kMovePause = absl::Seconds(1);
-  static constexpr absl::Duration kJoinBackoff = absl::Seconds(60);
 };
 
 }  // namespace detour

@@ -36,6 +36,9 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   membership_.StartIteration();
   auto planned = plan_.PlanIteration(iteration, next_iteration_, epoch());
   if (!planned.ok()) return End(Failed(absl::StrCat("planner: ", planned.status().message())));
+  if (auto crossed = plan_.CrossedCut(planned->plan); crossed) {
+    return RemoveUnreachable(iteration, *crossed);
+  }
   auto message = PlanMessage(iteration, *planned);
   if (!message.ok()) return End(Failed(message.status().message()));
   const v1::IterationPlan& plan = message->plan();
@@ -146,6 +149,9 @@ std::optional<RunnerIteration::IterationOutcome> RunnerIteration::Collect(uint64
       auto handled = OnLoss(iteration, ev.lost, stepped, round, &collected->rerun, deadline);
       if (handled) return *handled;
     }
+    // After the step every transfer of the iteration is done: a cut found
+    // then matters from the next plan on.
+    if (!ev.cuts.empty() && !stepped) return RunAgainAroundCuts(iteration, ev.cuts);
     for (auto& [worker, msg] : ev.messages) {
       if (msg.has_grad_norm()) {
         round->AddNorm(worker, msg.grad_norm());
@@ -308,6 +314,46 @@ std::optional<JobEnd> RunnerIteration::CommitCheckpoint(
   return std::nullopt;
 }
 
+// Links were found cut before the step: the iteration's transfers over them
+// fail, so the iteration runs again under a new epoch (the workers drop
+// what they did; frames of the old epoch are refused) with routes planned
+// around them. Microbatches are run again, none is lost.
+RunnerIteration::IterationOutcome RunnerIteration::RunAgainAroundCuts(
+    uint64_t iteration, const std::vector<LinkCut>& cuts) {
+  std::vector<std::string> links;
+  for (const LinkCut& c : cuts) links.push_back(absl::StrCat(c.reporter, " - ", c.peer));
+  const std::string reason =
+      absl::StrCat("link(s) ", absl::StrJoin(links, ", "), " cut; the iteration runs again");
+  v1::CoordinatorMessage abort;
+  abort.mutable_abort()->set_job_id(job_id_);
+  abort.mutable_abort()->set_iteration(iteration);
+  abort.mutable_abort()->set_reason(reason);
+  link_.SendToAll(abort);
+  membership_.BumpEpoch();
+  host_->runner_metrics().Microbatches("rerun", plan_.total_microbatches());
+  AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
+           absl::StrCat("iteration ", iteration, ": ", reason, " at epoch ", epoch(),
+                        " around the cut link(s)"));
+  return Done(Outcome::kRetry);
+}
+
+// The planner found no plan that avoids a cut link (e.g. the only worker
+// of the next stage, or two replicas whose all-reduce needs it): the
+// reported side of the link leaves the job, as a lost worker does, and
+// does not rejoin before the join back-off.
+RunnerIteration::IterationOutcome RunnerIteration::RemoveUnreachable(
+    uint64_t iteration, const std::pair<std::string, std::string>& link) {
+  const LinkCut* cut = membership_.CutReport(link);
+  const std::string peer = cut != nullptr ? cut->peer : link.second;
+  const std::string reporter = cut != nullptr ? cut->reporter : link.first;
+  const std::string why = absl::StrCat("unreachable from ", reporter,
+                                       cut != nullptr ? absl::StrCat(" (", cut->why, ")") : "",
+                                       " and no plan avoids the link");
+  membership_.BackOff(peer, Now() + RunnerMembership::kJoinBackoff);
+  RemoveMember(peer, why, iteration);
+  return Done(Outcome::kRetry);
+}
+
 // Workers were lost during `iteration`. Before the step: freeze what
 // crossed them, re-plan what can run again, drop the rest. After the step:
 // the survivors' results are the iteration's.
@@ -368,6 +414,7 @@ std::optional<RunnerIteration::IterationOutcome> RunnerIteration::OnLoss(
       // Another loss while recovering: start over with the larger set.
       return OnLoss(iteration, ev.lost, false, round, rerun, deadline);
     }
+    if (!ev.cuts.empty()) return RunAgainAroundCuts(iteration, ev.cuts);
     for (auto& [worker, msg] : ev.messages) {
       if (msg.has_membership_ack() && msg.membership_ack().epoch() == epoch() &&
           msg.membership_ack().iteration() == iteration && membership_.IsMember(worker)) {

@@ -68,6 +68,9 @@ class RunnerIteration : private RunnerPart {
   std::optional<JobEnd> CommitCheckpoint(uint64_t iterations_done, const std::string& dir,
                                          const std::map<std::string, v1::IterationResult>& results,
                                          absl::Time deadline);
+  IterationOutcome RunAgainAroundCuts(uint64_t iteration, const std::vector<LinkCut>& cuts);
+  IterationOutcome RemoveUnreachable(uint64_t iteration,
+                                     const std::pair<std::string, std::string>& link);
   std::optional<IterationOutcome> OnLoss(uint64_t iteration, const std::vector<std::string>& lost,
                                          bool stepped, IterationRound* round, int* rerun,
                                          absl::Time deadline);

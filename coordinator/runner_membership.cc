@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
@@ -40,11 +41,81 @@ void RunnerMembership::Suspect(const std::string& id, const std::string& why, ab
   suspects_.emplace(id, std::make_pair(now, why));
 }
 
+void RunnerMembership::ReportUnreachable(const std::string& reporter, const std::string& peer,
+                                         const std::string& why, absl::Time now) {
+  if (reporter == peer || !members_.count(reporter) || !members_.count(peer)) return;
+  reports_[peer].emplace(reporter, Report{now, why});
+  unjudged_reports_.insert(peer);
+}
+
+std::vector<LinkCut> RunnerMembership::TakeNewCuts() {
+  std::vector<LinkCut> cuts;
+  cuts.swap(new_cuts_);
+  return cuts;
+}
+
+void RunnerMembership::ForgetLinks(const std::string& id) {
+  reports_.erase(id);
+  unjudged_reports_.erase(id);
+  for (auto& [peer, by] : reports_) by.erase(id);
+  for (auto it = cut_links_.begin(); it != cut_links_.end();) {
+    if (it->first == id || it->second == id) {
+      cut_reports_.erase(*it);
+      it = cut_links_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+const LinkCut* RunnerMembership::CutReport(const std::pair<std::string, std::string>& link) const {
+  auto it = cut_reports_.find(link);
+  return it == cut_reports_.end() ? nullptr : &it->second;
+}
+
+// Peers' reports against the registry's view: a cut link or a suspicion.
+void RunnerMembership::JudgeReports(const std::map<std::string, const v1::WorkerInfo*>& registry,
+                                    absl::Time now) {
+  std::set<std::string> pending;
+  for (const std::string& peer : unjudged_reports_) {
+    auto reports = reports_.find(peer);
+    if (reports == reports_.end() || !members_.count(peer)) continue;
+    auto r = registry.find(peer);
+    const bool talking = r != registry.end() && r->second->session_open() &&
+                         r->second->state() != v1::WORKER_STATE_LOST;
+    std::vector<std::string> reporters;
+    for (const auto& [reporter, report] : reports->second) {
+      if (members_.count(reporter)) reporters.push_back(reporter);
+    }
+    if (reporters.empty()) continue;
+    const Report& first = reports->second.at(reporters.front());
+    if (!talking || reporters.size() >= 2) {
+      Suspect(
+          peer,
+          absl::StrCat(absl::StrJoin(reporters, " and "), " could not reach it (", first.why, ")"),
+          first.when);
+      continue;
+    }
+    if (now - first.when < kLinkConfirm) {
+      pending.insert(peer);  // its session may be closing (a killed worker)
+      continue;
+    }
+    const std::pair<std::string, std::string> link = std::minmax(reporters.front(), peer);
+    if (cut_links_.insert(link).second) {
+      const LinkCut cut{reporters.front(), peer, first.why};
+      cut_reports_[link] = cut;
+      new_cuts_.push_back(cut);
+    }
+  }
+  unjudged_reports_ = std::move(pending);
+}
+
 std::vector<std::pair<std::string, std::string>> RunnerMembership::Judge(
     const std::vector<v1::WorkerInfo>& listed, absl::Time now, absl::Duration grace,
     absl::Duration silence) {
   std::map<std::string, const v1::WorkerInfo*> registry;
   for (const v1::WorkerInfo& w : listed) registry[w.worker_id()] = &w;
+  JudgeReports(registry, now);
   std::vector<std::pair<std::string, std::string>> gone;
   for (const auto& [id, stage] : members_) {
     auto r = registry.find(id);

@@ -1,8 +1,9 @@
 // Who belongs to a running job, and the evidence that one of them is gone:
 // the live members (worker -> stage) of the current membership epoch, every
 // worker the job ever had (its registration and its planning node index),
-// suspicions raised by failed sends and peers' reports, the workers lost in
-// the current iteration, and the back-off of workers that could not join.
+// suspicions raised by failed sends and peers' reports, the links between
+// members found cut, the workers lost in the current iteration, and the
+// back-off of workers that could not join.
 //
 // No I/O, no clock of its own: the job runner passes the registry's view and
 // the time, so a test can feed both. Thread-compatible (the runner's thread).
@@ -21,6 +22,14 @@
 #include "detour/v1/spec.pb.h"
 
 namespace detour {
+
+// A link between two live members that one of them could not use while the
+// other still talked to the coordinator.
+struct LinkCut {
+  std::string reporter;  // could not reach `peer`
+  std::string peer;
+  std::string why;
+};
 
 class RunnerMembership {
  public:
@@ -52,12 +61,33 @@ class RunnerMembership {
   // reach it). It is lost when the suspicion outlives the reconnect grace.
   void Suspect(const std::string& id, const std::string& why, absl::Time now);
   void ClearSuspicion(const std::string& id) { suspects_.erase(id); }
-  bool HasSuspects() const { return !suspects_.empty(); }
+  // Suspicions or reports that Judge has still to weigh.
+  bool HasSuspects() const { return !suspects_.empty() || !unjudged_reports_.empty(); }
+
+  // Member `reporter` could not reach member `peer` (PeerUnreachable).
+  // Judge weighs it: a second reporter, or a peer without an open session,
+  // makes the peer suspect; against a peer whose session with the
+  // coordinator stays open for kLinkConfirm after the report, one reporter
+  // is evidence about the link between the two, not about the peer: the
+  // link is cut. (A killed worker's session closes within that time, so
+  // its peers' reports still make it suspect at once.)
+  void ReportUnreachable(const std::string& reporter, const std::string& peer,
+                         const std::string& why, absl::Time now);
+  static constexpr absl::Duration kLinkConfirm = absl::Seconds(1);
+  // Links Judge found cut since the last call.
+  std::vector<LinkCut> TakeNewCuts();
+  // Every link found cut between members, as ordered pairs (a < b).
+  const std::set<std::pair<std::string, std::string>>& cut_links() const { return cut_links_; }
+  // The report that cut `link` (a < b); null when it is not cut.
+  const LinkCut* CutReport(const std::pair<std::string, std::string>& link) const;
+  // `id` left the job: its reports and its cut links go.
+  void ForgetLinks(const std::string& id);
 
   // The members that are gone, with the reason, judged from the registry's
   // view (`registry`, every worker it lists, lost ones included): not
   // registered any more, lost (no heartbeat for `silence`), a session closed
-  // for longer than `grace`, or a suspicion older than `grace`. A member
+  // for longer than `grace`, or a suspicion older than `grace`. Peers'
+  // reports become cut links or suspicions (ReportUnreachable). A member
   // registered anew since it joined becomes suspect (it may have restarted
   // without the job; one that holds the job says so with a JobStatus, which
   // clears the suspicion). Does not remove anyone.
@@ -75,6 +105,9 @@ class RunnerMembership {
   const std::string& loss_reason() const { return loss_reason_; }
   void set_loss_reason(std::string why) { loss_reason_ = std::move(why); }
 
+  // How long a worker that could not join, or that no plan could reach,
+  // is not taken again.
+  static constexpr absl::Duration kJoinBackoff = absl::Seconds(60);
   // A worker that could not join is not tried again before `until`.
   void BackOff(const std::string& id, absl::Time until) { join_backoff_[id] = until; }
   // Workers not to take as joiners now: members, those lost this iteration
@@ -86,11 +119,23 @@ class RunnerMembership {
   static std::map<int, int> Deficit(const v1::PipelineSpec& pipeline, const std::vector<int>& have);
 
  private:
+  void JudgeReports(const std::map<std::string, const v1::WorkerInfo*>& registry, absl::Time now);
+
   std::map<std::string, int> members_;
   uint64_t epoch_ = 0;
   std::map<std::string, v1::WorkerInfo> infos_;
   std::vector<std::string> node_order_;
   std::map<std::string, std::pair<absl::Time, std::string>> suspects_;
+  struct Report {
+    absl::Time when;
+    std::string why;
+  };
+  // peer -> reporter -> the first report (every report, judged or not).
+  std::map<std::string, std::map<std::string, Report>> reports_;
+  std::set<std::string> unjudged_reports_;  // peers with reports Judge has still to weigh
+  std::set<std::pair<std::string, std::string>> cut_links_;
+  std::map<std::pair<std::string, std::string>, LinkCut> cut_reports_;
+  std::vector<LinkCut> new_cuts_;
   std::set<std::string> lost_this_iteration_;
   std::string loss_reason_;
   std::map<std::string, absl::Time> join_backoff_;

@@ -33,6 +33,8 @@ namespace detour {
 struct RunnerEvent {
   std::deque<std::pair<std::string, v1::WorkerMessage>> messages;
   std::vector<std::string> lost;
+  // Links between live members found cut (the planner already avoids them).
+  std::vector<LinkCut> cuts;
   std::optional<JobEnd> end;
   bool changed = false;  // the registry changed (return_on_change)
 };

@@ -59,14 +59,21 @@ absl::Status RunnerPlanner::BuildCostModel() {
   ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
-  if (!link_bandwidth_.empty()) {
+  if (!link_bandwidth_.empty() || !cut_links_.empty()) {
     // Links the workers measured: their fitted bandwidths replace the
-    // spec's (UpdateLinksFromTimings).
+    // spec's (UpdateLinksFromTimings); cut ones crawl both ways.
     sim::CostTables t = cost->tables();
     for (const auto& [link, bandwidth] : link_bandwidth_) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
       if (a >= 0 && b >= 0 && a != b) t.bandwidth_bytes_per_s[a][b] = bandwidth;
+    }
+    for (const auto& [first, second] : cut_links_) {
+      const int a = cost->NodeIndex(first);
+      const int b = cost->NodeIndex(second);
+      if (a < 0 || b < 0 || a == b) continue;
+      t.bandwidth_bytes_per_s[a][b] = kCutLinkBytesPerS;
+      t.bandwidth_bytes_per_s[b][a] = kCutLinkBytesPerS;
     }
     cost = sim::CostModel::FromTables(std::move(t));
     if (!cost.ok()) return Annotate(cost.status(), "cost model with measured links");
@@ -312,6 +319,45 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
   LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
            " links measured");
   return samples;
+}
+
+absl::Status RunnerPlanner::SetCutLinks(const std::set<std::pair<std::string, std::string>>& cuts) {
+  if (cuts == cut_links_) return absl::OkStatus();
+  cut_links_ = cuts;
+  last_routes_.clear();  // the warm start may cross a cut link
+  RETURN_IF_ERROR(BuildCostModel());
+  ++cost_version_;
+  return absl::OkStatus();
+}
+
+std::optional<std::pair<std::string, std::string>> RunnerPlanner::CrossedCut(
+    const sim::Plan& plan) const {
+  if (cut_links_.empty()) return std::nullopt;
+  const std::vector<std::string>& ids = cost_->tables().node_ids;
+  auto id = [&](int node) -> const std::string& { return ids.at(static_cast<size_t>(node)); };
+  auto cut = [&](int a, int b) -> std::optional<std::pair<std::string, std::string>> {
+    if (a == b) return std::nullopt;
+    std::pair<std::string, std::string> link = std::minmax(id(a), id(b));
+    if (cut_links_.count(link)) return link;
+    return std::nullopt;
+  };
+  for (const sim::Route& r : plan.routes) {
+    const size_t n = r.nodes.size();
+    for (size_t i = 0; i + 1 < n; ++i) {
+      if (auto c = cut(r.nodes[i], r.nodes[i + 1])) return c;
+    }
+    if (n > 1) {
+      if (auto c = cut(r.nodes[n - 1], r.nodes[0])) return c;
+    }
+  }
+  for (const std::vector<int>& replicas : plan.assignment.stage_nodes) {
+    for (size_t i = 0; i < replicas.size(); ++i) {
+      for (size_t j = i + 1; j < replicas.size(); ++j) {
+        if (auto c = cut(replicas[i], replicas[j])) return c;
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 double RunnerPlanner::MoveCost(const StageMove& m, double pause_s) const {

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,6 +113,17 @@ class RunnerPlanner {
   // Bumped whenever measured speeds change the cost model.
   uint64_t cost_version() const { return cost_version_; }
 
+  // Links between members found cut (RunnerMembership::cut_links): the cost
+  // model prices them as a crawl no plan wants, and the warm-start routes
+  // are forgotten. Rebuilds the cost model when the set changed.
+  absl::Status SetCutLinks(const std::set<std::pair<std::string, std::string>>& cuts);
+  // A cut link `plan` still needs, as (a, b) with a < b: two consecutive
+  // nodes of a route (the last one's activation goes back to the data
+  // node), or two replicas of a stage (the all-reduce joins them).
+  std::optional<std::pair<std::string, std::string>> CrossedCut(const sim::Plan& plan) const;
+  // What a cut link costs in the planner: one activation takes hours.
+  static constexpr double kCutLinkBytesPerS = 1.0;
+
   // Seconds the job stands still for `m`: the target stage's state over the
   // link from its first replica, plus `pause`.
   double MoveCost(const StageMove& m, double pause_s) const;
@@ -151,6 +163,7 @@ class RunnerPlanner {
   std::map<std::string, double> speeds_;  // measured relative speeds
   // Measured links (from, to) -> fitted bandwidth, bytes/s.
   std::map<std::pair<std::string, std::string>, double> link_bandwidth_;
+  std::set<std::pair<std::string, std::string>> cut_links_;
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;
   std::vector<sim::Route> last_routes_;

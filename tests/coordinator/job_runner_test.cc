@@ -58,6 +58,16 @@ struct KillOnPlan {
   int route_stage = -1;
 };
 
+// `reporter` cannot reach `peer` when the plan of `iteration` arrives: it
+// reports PeerUnreachable instead of its norm (once; the plan that runs the
+// iteration again gets its norm).
+struct UnreachableOnPlan {
+  std::string reporter;
+  std::string peer;
+  uint64_t iteration = 0;
+  bool done = false;
+};
+
 // The runner's surroundings: the coordinator's own JobStore and
 // WorkerRegistry, and workers that live in this object.
 class FakeCluster : public RunnerHost {
@@ -114,6 +124,18 @@ class FakeCluster : public RunnerHost {
   void Mute(const std::string& id) {
     absl::MutexLock lock(&mu_);
     workers_[id].mute = true;
+  }
+
+  void ReportUnreachableWhenPlanArrives(const std::string& reporter, const std::string& peer,
+                                        uint64_t iteration) {
+    absl::MutexLock lock(&mu_);
+    unreachable_.push_back({reporter, peer, iteration});
+  }
+
+  // Every route of every plan sent, by (iteration, epoch).
+  std::map<std::pair<uint64_t, uint64_t>, std::vector<v1::Route>> Routes() {
+    absl::MutexLock lock(&mu_);
+    return routes_;
   }
 
   void KillWhenPlanArrives(const std::string& worker, uint64_t iteration) {
@@ -281,7 +303,18 @@ class FakeCluster : public RunnerHost {
           w.first_of_stage[g.stage()] = g.nodes().empty() ? "" : g.nodes(0);
         }
         checkpoint_ = p.checkpoint();
+        routes_[{p.iteration(), p.epoch()}] = {p.routes().begin(), p.routes().end()};
         if (w.mute) return false;
+        for (UnreachableOnPlan& u : unreachable_) {
+          if (u.done || u.reporter != w.id || u.iteration != p.iteration()) continue;
+          u.done = true;
+          v1::PeerUnreachable* report = reply(w.id).mutable_peer_unreachable();
+          report->set_job_id(p.job_id());
+          report->set_iteration(p.iteration());
+          report->set_peer(u.peer);
+          report->set_message("connection timed out");
+          return false;
+        }
         Norm(w, reply(w.id));
         return false;
       }
@@ -362,6 +395,8 @@ class FakeCluster : public RunnerHost {
   JobRunner* runner_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<std::string, FakeWorker> workers_ ABSL_GUARDED_BY(mu_);
   std::vector<KillOnPlan> kills_ ABSL_GUARDED_BY(mu_);
+  std::vector<UnreachableOnPlan> unreachable_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<uint64_t, uint64_t>, std::vector<v1::Route>> routes_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> sent_count_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
@@ -700,6 +735,91 @@ TEST_F(JobRunnerTest, AClosedSessionIsLostOnlyAfterTheGraceOnTheRunnersClock) {
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
   ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
   EXPECT_THAT(History(job), HasSubstr("worker b1 (stage 2) lost: its session closed 1m1s ago"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+}
+
+// --- link faults ------------------------------------------------------------
+
+// True when a route of `routes` sends between `a` and `b` (either way,
+// the last hop's activation going back to the data node included).
+bool UsesLink(const std::vector<v1::Route>& routes, const std::string& a, const std::string& b) {
+  auto is = [&](const std::string& x, const std::string& y) {
+    return (x == a && y == b) || (x == b && y == a);
+  };
+  for (const v1::Route& r : routes) {
+    const int n = r.nodes_size();
+    for (int i = 0; i + 1 < n; ++i) {
+      if (is(r.nodes(i), r.nodes(i + 1))) return true;
+    }
+    if (n > 1 && is(r.nodes(n - 1), r.nodes(0))) return true;
+  }
+  return false;
+}
+
+// a1 cannot reach b1 while b1 still talks to the coordinator: the link is
+// cut, not the worker. The iteration runs again under a new epoch with
+// routes that avoid a1 - b1, nobody is evicted, and every later plan keeps
+// avoiding the pair.
+TEST_F(JobRunnerTest, ACutLinkIsRoutedAroundWithoutEvictingEither) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 5);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(job.progress().iteration(), 5u);
+  EXPECT_EQ(job.progress().members(), 5u);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link a1 - b1 cut: a1 could not reach b1 (connection "
+                                      "timed out) while b1 still talks to the coordinator"));
+  EXPECT_THAT(History(job),
+              HasSubstr("iteration 1: link(s) a1 - b1 cut; the iteration runs again"));
+  EXPECT_EQ(job.progress().microbatches_dropped(), 0u);
+  int after = 0;
+  for (const auto& [key, routes] : cluster_->Routes()) {
+    const auto [iteration, epoch] = key;
+    if (iteration < 1 || (iteration == 1 && epoch == 0)) continue;
+    ++after;
+    EXPECT_FALSE(UsesLink(routes, "a1", "b1")) << "iteration " << iteration << " epoch " << epoch;
+  }
+  EXPECT_EQ(after, 4) << "iteration 1 again, then 2, 3 and 4";
+}
+
+// With one worker per stage no plan avoids a cut a - b: the reported side
+// leaves the job as a lost worker does (and backs off from joining again);
+// an idle worker takes its stage and the job finishes.
+TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
+  for (const char* id : {"d0", "a", "b", "spare"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b (stage 2) lost: unreachable from a (connection "
+                                      "timed out) and no plan avoids the link"));
+  EXPECT_THAT(History(job), HasSubstr("worker spare joined stage 2"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+}
+
+// Two members cannot reach b1: the evidence is about b1, which is lost and
+// routed around as before; no link is cut.
+TEST_F(JobRunnerTest, TwoReportersAgainstAWorkerMakeItLost) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  cluster_->ReportUnreachableWhenPlanArrives("a2", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b1 (stage 2) lost: a1 and a2 could not reach it"));
   EXPECT_EQ(job.progress().iteration(), 4u);
 }
 

@@ -131,6 +131,67 @@ TEST_F(MembershipTest, JoinersExcludeMembersTheLostAndThoseBackingOff) {
   EXPECT_EQ(m_.Remove("a2"), -1);
 }
 
+// One peer that cannot reach a worker still talking to the coordinator is
+// evidence about the link between them: once the report has stood for
+// kLinkConfirm, the link is cut and nobody is judged gone.
+TEST_F(MembershipTest, OneReporterAgainstAWorkerThatTalksCutsTheLink) {
+  m_.ReportUnreachable("a1", "b", "connection refused", kT0);
+  EXPECT_TRUE(m_.HasSuspects()) << "the report waits to be judged";
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Milliseconds(500), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.TakeNewCuts(), IsEmpty()) << "not yet confirmed";
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(5), grace_, silence_), IsEmpty());
+  const std::vector<LinkCut> cuts = m_.TakeNewCuts();
+  ASSERT_EQ(cuts.size(), 1u);
+  EXPECT_EQ(cuts[0].reporter, "a1");
+  EXPECT_EQ(cuts[0].peer, "b");
+  EXPECT_EQ(cuts[0].why, "connection refused");
+  EXPECT_THAT(m_.cut_links(), ElementsAre(Pair("a1", "b")));
+  ASSERT_NE(m_.CutReport({"a1", "b"}), nullptr);
+  EXPECT_FALSE(m_.HasSuspects());
+  // Long after, still nobody is gone, and the cut is reported once.
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(60), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.TakeNewCuts(), IsEmpty());
+  // The worker leaving the job takes its links with it.
+  m_.ForgetLinks("b");
+  EXPECT_THAT(m_.cut_links(), IsEmpty());
+  EXPECT_EQ(m_.CutReport({"a1", "b"}), nullptr);
+}
+
+// Two peers that cannot reach it, or a worker whose session is closed: the
+// worker, not a link, is suspect (lost after the grace).
+TEST_F(MembershipTest, TwoReportersOrAClosedSessionMakeTheWorkerSuspect) {
+  m_.ReportUnreachable("a1", "b", "timed out", kT0);
+  m_.ReportUnreachable("a2", "b", "timed out", kT0 + absl::Milliseconds(100));
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Milliseconds(200), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(3), grace_, silence_),
+              ElementsAre(Pair("b", "a1 and a2 could not reach it (timed out)")));
+  EXPECT_THAT(m_.TakeNewCuts(), IsEmpty());
+
+  RunnerMembership m;
+  for (const auto& [id, stage] : std::vector<std::pair<std::string, int>>{{"a1", 1}, {"b", 2}}) {
+    m.Admit(Info(id, kT0));
+    m.Set(id, stage);
+  }
+  m.ReportUnreachable("a1", "b", "reset", kT0);
+  // b's session closed just now: within the grace, but suspect already.
+  std::vector<v1::WorkerInfo> registry = {Info("a1", kT0),
+                                          Info("b", kT0, /*session_open=*/false, kT0)};
+  EXPECT_THAT(m.Judge(registry, kT0 + absl::Seconds(1), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m.Judge(registry, kT0 + absl::Seconds(3), grace_, silence_),
+              ElementsAre(Pair("b", ::testing::HasSubstr("session closed"))));
+  EXPECT_THAT(m.TakeNewCuts(), IsEmpty());
+}
+
+// Reports from or about non-members, or about oneself, are not evidence.
+TEST_F(MembershipTest, ReportsFromOrAboutOutsidersAreIgnored) {
+  m_.ReportUnreachable("stranger", "b", "x", kT0);
+  m_.ReportUnreachable("a1", "stranger", "x", kT0);
+  m_.ReportUnreachable("a1", "a1", "x", kT0);
+  EXPECT_FALSE(m_.HasSuspects());
+  EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(5), grace_, silence_), IsEmpty());
+  EXPECT_THAT(m_.TakeNewCuts(), IsEmpty());
+}
+
 TEST(RunnerMembershipDeficitTest, SpecCountsMinusLiveOnes) {
   v1::PipelineSpec p;
   p.set_num_stages(3);
@@ -220,6 +281,58 @@ TEST_F(PlannerPartTest, TheFirstPlanIsUsedOnceThenRoutesAreReplanned) {
   auto it1 = planner_->PlanIteration(1, 0, 0);
   ASSERT_TRUE(it1.ok()) << it1.status();
   EXPECT_EQ(it1->plan.routes.size(), 4u);
+}
+
+// A cut link is priced out: with two replicas per stage, routes pair the
+// replicas so that none sends over a1 - b1; where no plan can avoid a cut
+// (d0 cut off from everyone: every route leaves the data node and comes
+// back to it) CrossedCut names it.
+TEST(PlannerCutLinkTest, RoutesAvoidACutLinkOrSayTheyCannot) {
+  for (v1::SchedulerKind scheduler : {v1::SCHEDULER_FULL, v1::SCHEDULER_SKIPPIPE}) {
+    v1::JobSpec spec;
+    spec.set_name("parts");
+    spec.set_iterations(10);
+    spec.mutable_model()->set_preset("tiny");
+    v1::PipelineSpec* p = spec.mutable_pipeline();
+    p->set_num_stages(3);
+    p->set_data_nodes(1);
+    p->set_replicas_per_stage(2);
+    p->set_microbatches_per_data_node(4);
+    p->set_samples_per_microbatch(1);
+    p->set_scheduler(scheduler);
+    if (scheduler == v1::SCHEDULER_SKIPPIPE) p->set_skip_ratio(0.0);
+    auto normalized = NormalizeJobSpec(spec);
+    ASSERT_TRUE(normalized.ok()) << normalized.status();
+    spec = *normalized;
+    v1::ClusterSpec network;
+    RunnerMembership membership;
+    for (const auto& [id, stage] : std::vector<std::pair<std::string, int>>{
+             {"d0", 0}, {"a1", 1}, {"a2", 1}, {"b1", 2}, {"b2", 2}}) {
+      membership.Admit(Info(id, kT0));
+      membership.Set(id, stage);
+    }
+    RunnerPlanner planner("job-1", &spec, &network, &membership);
+    ASSERT_TRUE(planner.BuildCostModel().ok());
+    planner.RebuildAssignment();
+    const std::string name = v1::SchedulerKind_Name(scheduler);
+    ASSERT_TRUE(planner.SetCutLinks({{"a1", "b1"}}).ok());
+    auto planned = planner.PlanLive(1, 4, nullptr, 300, std::nullopt);
+    ASSERT_TRUE(planned.ok()) << name << ": " << planned.status();
+    EXPECT_EQ(planner.CrossedCut(planned->plan), std::nullopt) << name;
+    ASSERT_TRUE(planner.SetCutLinks({{"a1", "d0"}, {"a2", "d0"}}).ok());
+    auto stuck = planner.PlanLive(1, 4, nullptr, 300, std::nullopt);
+    ASSERT_TRUE(stuck.ok()) << name << ": " << stuck.status();
+    auto crossed = planner.CrossedCut(stuck->plan);
+    ASSERT_TRUE(crossed.has_value()) << name;
+    EXPECT_EQ(crossed->second, "d0") << name;
+    // Replicas whose link is cut cannot all-reduce.
+    ASSERT_TRUE(planner.SetCutLinks({{"b1", "b2"}}).ok());
+    auto replicas = planner.PlanLive(1, 4, nullptr, 300, std::nullopt);
+    ASSERT_TRUE(replicas.ok()) << name << ": " << replicas.status();
+    EXPECT_EQ(planner.CrossedCut(replicas->plan),
+              std::make_pair(std::string("b1"), std::string("b2")))
+        << name;
+  }
 }
 
 TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {
