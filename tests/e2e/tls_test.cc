@@ -199,6 +199,18 @@ TEST_F(TlsTest, ClientsNeedATokenOrCertificateWithTheRole) {
             1);
   EXPECT_THAT(out, HasSubstr("PERMISSION_DENIED"));
   EXPECT_THAT(out, HasSubstr("has role read; Cancel needs submit"));
+  // The streaming calls carry the token too: watch and events --follow of
+  // the cancelled job end with its state, not UNAUTHENTICATED.
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + read_file, "watch", id}, &out,
+                absl::Seconds(30), false),
+            1);
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("UNAUTHENTICATED")));
+  EXPECT_THAT(out, HasSubstr(id + " ended: cancelled"));
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + read_file, "events", id, "--follow"},
+                &out, absl::Seconds(30), false),
+            0)
+      << out;
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("UNAUTHENTICATED")));
   EXPECT_EQ(Run({Bin(kCtl), target, ca, "workers"}, &out, absl::Seconds(30), false), 1);
   EXPECT_THAT(out, HasSubstr("UNAUTHENTICATED"));
   ::setenv("DETOUR_TOKEN", kReadToken, 1);

@@ -151,10 +151,15 @@ int RpcFailed(const Globals& g, const grpc::Status& status, absl::string_view wh
   return kExitError;
 }
 
+// The bearer token of every call, streams included.
+void PrepareStream(const Globals& g, grpc::ClientContext* context) {
+  if (!g.token.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", g.token));
+}
+
 // The deadline and the bearer token of every request.
 void PrepareCall(const Globals& g, grpc::ClientContext* context) {
   context->set_deadline(absl::ToChronoTime(absl::Now() + g.timeout));
-  if (!g.token.empty()) context->AddMetadata("authorization", absl::StrCat("Bearer ", g.token));
+  PrepareStream(g, context);
 }
 
 // The token in a --token_file: the file's only word, at most 512 characters.
@@ -519,6 +524,7 @@ int CmdEvents(Globals g, const std::vector<std::string>& args) {
     return kExitOk;
   }
   grpc::ClientContext context;  // no deadline: follows the job
+  PrepareStream(g, &context);
   v1::WatchJobRequest request;
   request.set_job_id((*rest)[0]);
   auto reader = stub->Watch(&context, request);
@@ -589,6 +595,7 @@ int CmdList(Globals g, const std::vector<std::string>& args) {
 int Watch(const Globals& g, const std::string& job_id) {
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   grpc::ClientContext context;  // no deadline: jobs run for hours
+  PrepareStream(g, &context);
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
   auto reader = stub->Watch(&context, request);
