@@ -44,6 +44,9 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   links_cut = counter("detour_coordinator_links_cut",
                       "Links between two live members of a running job found cut (one could not "
                       "reach the other while both talked to the coordinator); routed around.");
+  outsider_messages = counter("detour_coordinator_outsider_messages",
+                              "Session messages about a job from registered workers the job "
+                              "never had (ignored; the log names the kind).");
   if (auto f = m->AddHistogram("detour_coordinator_recovery_seconds",
                                "From the detection of a lost worker to the job running again "
                                "(re-planned microbatches sent, or the next iteration planned).",
@@ -87,6 +90,9 @@ void RunnerMetrics::StragglerFound() {
 }
 void RunnerMetrics::LinkCut() {
   if (links_cut != nullptr) links_cut->Increment();
+}
+void RunnerMetrics::OutsiderMessage() {
+  if (outsider_messages != nullptr) outsider_messages->Increment();
 }
 void RunnerMetrics::MembersChanged(int delta) {
   if (members != nullptr) members->Increment(delta);
@@ -444,6 +450,22 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     plan_.KfacMembershipChanged();
   }
 
+  // A registered worker the job never had sent a message about it (an error,
+  // a report, a norm): ignored, counted, and logged at its first and then
+  // every 100th message, so a flood leaves a trace but not a flood of lines.
+  void NoteOutsider(const std::string& worker, const v1::WorkerMessage& m) {
+    const google::protobuf::FieldDescriptor* field =
+        m.GetDescriptor()->FindFieldByNumber(m.kind_case());
+    const char* kind = field != nullptr ? field->name().c_str() : "unknown";
+    host_->runner_metrics().OutsiderMessage();
+    const uint64_t n = ++outsider_messages_[worker];
+    if (n == 1 || n % 100 == 0) {
+      LogWarning("job ", job_id_, ": ignoring ", n == 1 ? "a " : absl::StrCat(n, " "), kind,
+                 " message", n == 1 ? "" : "s", " from ", worker,
+                 ", which is not and never was one of its workers");
+    }
+  }
+
   // Links found cut between live members: the planner avoids them from now
   // on (the iteration in flight is the iteration part's to redo).
   void OnLinksCut(const std::vector<LinkCut>& cuts) {
@@ -528,6 +550,11 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       }
       for (auto it = ev.messages.begin(); it != ev.messages.end();) {
         const auto& [worker, m] = *it;
+        if (!membership_.HasNode(worker) && !membership_.IsMember(worker)) {
+          NoteOutsider(worker, m);
+          it = ev.messages.erase(it);
+          continue;
+        }
         if (m.has_error() && m.error().job_id() == job_id_ && membership_.IsMember(worker)) {
           ev.end = Failed(m.error().message());
           return ev;
@@ -596,6 +623,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   RunnerElastic elastic_;
   RunnerIteration iteration_;
   absl::Time last_loss_check_ = absl::InfinitePast();
+  std::map<std::string, uint64_t> outsider_messages_;  // worker -> messages ignored
   static constexpr absl::Duration kLossCheck = absl::Milliseconds(500);
 };
 

@@ -84,6 +84,8 @@ struct RunnerMetrics {
   void WorkerReassigned();
   void StragglerFound();
   void LinkCut();
+  // A session message for a job from a worker the job never had.
+  void OutsiderMessage();
   void MembersChanged(int delta);
 
   metrics::Counter* recoveries = nullptr;
@@ -94,6 +96,7 @@ struct RunnerMetrics {
   metrics::Counter* reassigned = nullptr;
   metrics::Counter* stragglers = nullptr;
   metrics::Counter* links_cut = nullptr;
+  metrics::Counter* outsider_messages = nullptr;
   metrics::Gauge* members = nullptr;
 };
 

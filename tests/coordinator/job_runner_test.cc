@@ -8,6 +8,7 @@
 #include "coordinator/job_runner.h"
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -22,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/clock.h"
+#include "common/metrics/metrics.h"
 #include "common/spec.h"
 #include "coordinator/job_store.h"
 #include "coordinator/timing_estimates.h"
@@ -76,7 +78,7 @@ class FakeCluster : public RunnerHost {
       : store_(dir + "/data"),
         registry_(absl::Seconds(60), absl::Seconds(1)),
         estimates_(nullptr),
-        metrics_(nullptr) {
+        metrics_(&metrics_registry_) {
     options_.checkpoint_root = dir + "/checkpoints";
     options_.assign_timeout = absl::Seconds(30);
     options_.iteration_timeout = absl::Seconds(30);
@@ -130,6 +132,11 @@ class FakeCluster : public RunnerHost {
                                         uint64_t iteration) {
     absl::MutexLock lock(&mu_);
     unreachable_.push_back({reporter, peer, iteration});
+  }
+
+  // Messages ignored as coming from outside the job.
+  double OutsiderMessages() {
+    return metrics_.outsider_messages != nullptr ? metrics_.outsider_messages->Value() : -1;
   }
 
   // Every route of every plan sent, by (iteration, epoch).
@@ -389,6 +396,7 @@ class FakeCluster : public RunnerHost {
   WorkerRegistry registry_;
   JobManagerOptions options_;
   TimingEstimates estimates_;
+  metrics::Registry metrics_registry_;
   RunnerMetrics metrics_;
 
   absl::Mutex mu_;
@@ -821,6 +829,34 @@ TEST_F(JobRunnerTest, TwoReportersAgainstAWorkerMakeItLost) {
   ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
   EXPECT_THAT(History(job), HasSubstr("worker b1 (stage 2) lost: a1 and a2 could not reach it"));
   EXPECT_EQ(job.progress().iteration(), 4u);
+}
+
+// A registered worker that was never part of the job sends it a JobError,
+// a NaN gradient norm and a report against a member: all ignored (the job
+// neither fails nor loses anyone) and counted by kind.
+TEST_F(JobRunnerTest, MessagesFromWorkersTheJobNeverHadAreIgnoredAndCounted) {
+  for (const char* id : {"d0", "a", "b", "stranger"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return !cluster_->PlannedIterations().empty(); }));
+  v1::WorkerMessage error;
+  error.mutable_error()->set_job_id(job_id_);
+  error.mutable_error()->set_message("forged failure");
+  v1::WorkerMessage norm;
+  norm.mutable_grad_norm()->set_job_id(job_id_);
+  norm.mutable_grad_norm()->set_squared_norm(std::numeric_limits<double>::quiet_NaN());
+  v1::WorkerMessage report;
+  report.mutable_peer_unreachable()->set_job_id(job_id_);
+  report.mutable_peer_unreachable()->set_peer("a");
+  for (int i = 0; i < 3; ++i) runner_->Post("stranger", error);
+  runner_->Post("stranger", norm);
+  runner_->Post("stranger", report);
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 0) << History(job);
+  EXPECT_EQ(cluster_->OutsiderMessages(), 5);
 }
 
 }  // namespace
