@@ -358,7 +358,9 @@ void NetnsRelay::Loop() {
       for (int i = 0; i < 2; ++i, ++k) {
         if (broken || k >= fds.size()) continue;
         const short re = fds[k].revents;
-        if (re & (POLLIN | POLLHUP | POLLERR)) {
+        if ((re & (POLLHUP | POLLERR)) && p->buf[i].size() >= kChunk) {
+          broken = true;  // no room to read what is left, and no more will come
+        } else if (re & (POLLIN | POLLHUP | POLLERR)) {
           const ssize_t n = ::read(p->fd[i], chunk.data(), kChunk - p->buf[i].size());
           if (n > 0) {
             p->buf[i].append(chunk.data(), static_cast<size_t>(n));
