@@ -110,32 +110,89 @@ class Launcher {
       return 2;
     }
     if (args_.iterations > 0) spec->set_iterations(args_.iterations);
-    const v1::PipelineSpec& p = spec->pipeline();
+    int workers = 0;
+    std::vector<std::string> regions;
+    v1::ClusterSpec cluster_spec;
+    if (int rc = CheckCluster(*spec, &workers, &regions, &cluster_spec); rc != 0) return rc;
+    if (int rc = PrepareOut(); rc != 0) return rc;
+    const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
+    std::string cluster_file = args_.cluster;
+    if (args_.wan) {
+      if (absl::Status s = StartWan(bin, workers, cluster_spec, &cluster_file); !s.ok()) {
+        std::cerr << "detour-local: " << s.message() << "\n";
+        return 1;
+      }
+      if (interrupted_) return 130;
+    }
+    if (absl::Status s = SetUpSecurity(bin, workers); !s.ok()) {
+      std::cerr << "detour-local: " << s.message() << "\n";
+      return 1;
+    }
+    std::string bed_address;
+    if (int rc = StartCoordinator(bin, workers, cluster_file, &bed_address); rc != 0) return rc;
+    if (int rc = StartWorkers(bin, workers, regions, bed_address); rc != 0) return rc;
+    std::cout << "  workers      w1..w" << workers << " registered\n";
+    if (!certs_.empty()) {
+      std::cout << "  TLS          throwaway CA and certificates in " << certs_
+                << "/; try\n               detourctl --coordinator=" << address_
+                << " --tls_ca=" << certs_ << "/ca.crt --token_file=" << certs_ << "/token list\n";
+    } else {
+      std::cout << "  plaintext    --insecure: no TLS, no authentication\n";
+    }
+    return SubmitAndFollow(*spec);
+  }
+
+  // Called from the signal thread.
+  void Interrupt() {
+    interrupted_ = true;
+    absl::MutexLock lock(&mu_);
+    if (watch_ != nullptr) watch_->TryCancel();
+  }
+
+  // Stops the daemons: workers first, then the coordinator; then takes the
+  // test bed down (only the one this run made).
+  void StopAll() {
+    for (auto& w : workers_) w->Signal(SIGTERM);
+    for (auto& w : workers_) w->Stop(absl::Seconds(15));
+    coordinator_.Stop(absl::Seconds(15));
+    relay_.Stop();
+    if (bed_ && bed_->Down()) {
+      std::cout << "detour-local: test bed " << prefix_ << " is down (link counters in "
+                << args_.out << "/wan/stats.txt)\n";
+    }
+  }
+
+ private:
+  // How many workers, and the cluster's regions; with --wan, that the
+  // cluster has a node per worker and this process may build the bed. An
+  // exit code, 0 to go on.
+  int CheckCluster(const v1::JobSpec& spec, int* workers_out, std::vector<std::string>* regions,
+                   v1::ClusterSpec* cluster_spec) {
+    const v1::PipelineSpec& p = spec.pipeline();
     const int needed =
         static_cast<int>(p.data_nodes() + (p.num_stages() - 1) * p.replicas_per_stage());
-    const int workers = args_.workers > 0 ? static_cast<int>(args_.workers) : needed;
+    *workers_out = args_.workers > 0 ? static_cast<int>(args_.workers) : needed;
+    const int workers = *workers_out;
     if (workers < needed) {
       std::cerr << "detour-local: --workers " << workers << " is fewer than the " << needed
                 << " the job needs (" << p.data_nodes() << " data nodes + " << p.num_stages() - 1
                 << " stages x " << p.replicas_per_stage() << " replicas)\n";
       return 2;
     }
-    std::vector<std::string> regions;
-    v1::ClusterSpec cluster_spec;
     if (!args_.cluster.empty()) {
       auto cluster = LoadClusterSpec(args_.cluster);
       if (!cluster.ok()) {
         std::cerr << "detour-local: --cluster: " << cluster.status().message() << "\n";
         return 2;
       }
-      for (const v1::NodeSpec& n : cluster->nodes()) regions.push_back(n.region());
-      cluster_spec = *std::move(cluster);
+      for (const v1::NodeSpec& n : cluster->nodes()) regions->push_back(n.region());
+      *cluster_spec = *std::move(cluster);
     }
     if (args_.wan) {
-      if (workers > cluster_spec.nodes_size()) {
+      if (workers > cluster_spec->nodes_size()) {
         std::cerr << "detour-local: --wan runs each worker in the namespace of one --cluster "
                      "node: "
-                  << workers << " workers but " << cluster_spec.nodes_size() << " nodes\n";
+                  << workers << " workers but " << cluster_spec->nodes_size() << " nodes\n";
         return 2;
       }
       if (absl::Status s = CheckWanPrivileges(); !s.ok()) {
@@ -143,6 +200,12 @@ class Launcher {
         return 1;
       }
     }
+    return 0;
+  }
+
+  // --out: emptied only when an earlier run wrote it (it carries the
+  // marker), then marked. An exit code, 0 to go on.
+  int PrepareOut() {
     // Only an earlier run's output (it carries the marker) is emptied: a
     // user's directory is never deleted.
     std::error_code ec;
@@ -164,20 +227,14 @@ class Launcher {
       std::cerr << "detour-local: --out: " << m.message() << "\n";
       return 1;
     }
-    const std::string bin = args_.bin_dir.empty() ? DefaultBinDir() : args_.bin_dir;
-    std::string cluster_file = args_.cluster;
-    if (args_.wan) {
-      if (absl::Status s = StartWan(bin, workers, cluster_spec, &cluster_file); !s.ok()) {
-        std::cerr << "detour-local: " << s.message() << "\n";
-        return 1;
-      }
-      if (interrupted_) return 130;
-    }
-    if (absl::Status s = SetUpSecurity(bin, workers); !s.ok()) {
-      std::cerr << "detour-local: " << s.message() << "\n";
-      return 1;
-    }
+    return 0;
+  }
 
+  // The coordinator on loopback, or at its node's address inside the test
+  // bed (then a relay here reaches it); sets address_ and `bed_address`
+  // (where workers reach it). An exit code, 0 to go on.
+  int StartCoordinator(const std::string& bin, int workers, const std::string& cluster_file,
+                       std::string* bed_address_out) {
     // Loopback, or each daemon at its node's address inside the test bed.
     const std::string coordinator_host = bed_ ? bed_->coordinator().address : "127.0.0.1";
     std::cout << "detour-local: coordinator + " << workers << " workers "
@@ -234,6 +291,14 @@ class Launcher {
     } else {
       std::cout << "  coordinator  gRPC " << address_ << ", metrics " << metrics << "\n";
     }
+    *bed_address_out = bed_address;
+    return 0;
+  }
+
+  // The workers, each in its node's namespace with --wan; waits until every
+  // one is ready. An exit code, 0 to go on.
+  int StartWorkers(const std::string& bin, int workers, const std::vector<std::string>& regions,
+                   const std::string& bed_address) {
     for (int i = 0; i < workers; ++i) {
       const std::string region = regions.empty() ? "local" : regions[i % regions.size()];
       auto w = std::make_unique<ChildProcess>();
@@ -268,38 +333,9 @@ class Launcher {
         return 1;
       }
     }
-    std::cout << "  workers      w1..w" << workers << " registered\n";
-    if (!certs_.empty()) {
-      std::cout << "  TLS          throwaway CA and certificates in " << certs_
-                << "/; try\n               detourctl --coordinator=" << address_
-                << " --tls_ca=" << certs_ << "/ca.crt --token_file=" << certs_ << "/token list\n";
-    } else {
-      std::cout << "  plaintext    --insecure: no TLS, no authentication\n";
-    }
-    return SubmitAndFollow(*spec);
+    return 0;
   }
 
-  // Called from the signal thread.
-  void Interrupt() {
-    interrupted_ = true;
-    absl::MutexLock lock(&mu_);
-    if (watch_ != nullptr) watch_->TryCancel();
-  }
-
-  // Stops the daemons: workers first, then the coordinator; then takes the
-  // test bed down (only the one this run made).
-  void StopAll() {
-    for (auto& w : workers_) w->Signal(SIGTERM);
-    for (auto& w : workers_) w->Stop(absl::Seconds(15));
-    coordinator_.Stop(absl::Seconds(15));
-    relay_.Stop();
-    if (bed_ && bed_->Down()) {
-      std::cout << "detour-local: test bed " << prefix_ << " is down (link counters in "
-                << args_.out << "/wan/stats.txt)\n";
-    }
-  }
-
- private:
   // Brings up the bed: one namespace per worker's cluster node plus the
   // coordinator's, and prints the table. With a bandwidth scale, the
   // coordinator plans on the scaled spec, the network it really runs on;
