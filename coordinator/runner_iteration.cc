@@ -36,6 +36,15 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   membership_.StartIteration();
   auto planned = plan_.PlanIteration(iteration, next_iteration_, epoch());
   if (!planned.ok()) return End(Failed(absl::StrCat("planner: ", planned.status().message())));
+  if (plan_.CrossedCut(planned->plan)) {
+    // The route search may find what the job's scheduler did not.
+    auto around = plan_.PlanAroundCuts(iteration);
+    if (around.ok() && !plan_.CrossedCut(around->plan)) {
+      LogInfo("job ", job_id_, ": iteration ", iteration,
+              ": routes planned by the route search around the cut link(s)");
+      planned = *std::move(around);
+    }
+  }
   if (auto crossed = plan_.CrossedCut(planned->plan); crossed) {
     return RemoveUnreachable(iteration, *crossed);
   }

@@ -330,6 +330,11 @@ absl::Status RunnerPlanner::SetCutLinks(const std::set<std::pair<std::string, st
   return absl::OkStatus();
 }
 
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanAroundCuts(uint64_t iteration) {
+  return PlanLive(spec_->seed() + iteration, total_microbatches(), nullptr, kReplanEvaluations,
+                  v1::SCHEDULER_SKIPPIPE);
+}
+
 std::optional<std::pair<std::string, std::string>> RunnerPlanner::CrossedCut(
     const sim::Plan& plan) const {
   if (cut_links_.empty()) return std::nullopt;

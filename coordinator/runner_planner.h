@@ -121,6 +121,12 @@ class RunnerPlanner {
   // nodes of a route (the last one's activation goes back to the data
   // node), or two replicas of a stage (the all-reduce joins them).
   std::optional<std::pair<std::string, std::string>> CrossedCut(const sim::Plan& plan) const;
+  // A plan of `iteration` by the route search (the skippipe scheduler with
+  // the job's own skip ratio, so a full pipeline stays a full pipeline),
+  // for when the job's scheduler gave a plan that crosses a cut link: the
+  // full scheduler fixes its columns greedily and may leave one column
+  // only the cut pair.
+  absl::StatusOr<planner::PlannedIteration> PlanAroundCuts(uint64_t iteration);
   // What a cut link costs in the planner: one activation takes hours.
   static constexpr double kCutLinkBytesPerS = 1.0;
 

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -332,6 +333,58 @@ TEST(PlannerCutLinkTest, RoutesAvoidACutLinkOrSayTheyCannot) {
     EXPECT_EQ(planner.CrossedCut(replicas->plan),
               std::make_pair(std::string("b1"), std::string("b2")))
         << name;
+  }
+}
+
+// The full scheduler fixes its columns greedily, cheapest link first: with
+// a2 and b2 in one region, a2 - b2 is taken first and a1 is left only b1,
+// across the cut. The route search, with the job's skip ratio (0: every
+// route visits every stage), pairs them around it.
+TEST(PlannerCutLinkTest, TheRouteSearchFindsWhatTheFullSchedulersColumnsMiss) {
+  v1::JobSpec spec;
+  spec.set_name("parts");
+  spec.set_iterations(10);
+  spec.mutable_model()->set_preset("tiny");
+  v1::PipelineSpec* p = spec.mutable_pipeline();
+  p->set_num_stages(3);
+  p->set_data_nodes(1);
+  p->set_replicas_per_stage(2);
+  p->set_microbatches_per_data_node(4);
+  p->set_samples_per_microbatch(1);
+  p->set_scheduler(v1::SCHEDULER_FULL);
+  auto normalized = NormalizeJobSpec(spec);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  spec = *normalized;
+  v1::ClusterSpec network;
+  for (const auto& [a, b] :
+       std::vector<std::pair<std::string, std::string>>{{"A", "B"}, {"A", "C"}, {"B", "C"}}) {
+    v1::RegionLink* l = network.add_links();
+    l->set_region_a(a);
+    l->set_region_b(b);
+    l->set_latency_ms(50);
+    l->set_bandwidth_gbytes_per_s(0.5);
+  }
+  RunnerMembership membership;
+  for (const auto& [id, stage, region] : std::vector<std::tuple<std::string, int, std::string>>{
+           {"d0", 0, "A"}, {"a1", 1, "A"}, {"a2", 1, "B"}, {"b1", 2, "C"}, {"b2", 2, "B"}}) {
+    v1::WorkerInfo w = Info(id, kT0);
+    w.set_region(region);
+    membership.Admit(w);
+    membership.Set(id, stage);
+  }
+  RunnerPlanner planner("job-1", &spec, &network, &membership);
+  ASSERT_TRUE(planner.BuildCostModel().ok());
+  planner.RebuildAssignment();
+  ASSERT_TRUE(planner.SetCutLinks({{"a1", "b1"}}).ok());
+  auto full = planner.PlanLive(1, 4, nullptr, 300, std::nullopt);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(planner.CrossedCut(full->plan), std::make_pair(std::string("a1"), std::string("b1")))
+      << "the greedy columns: a2 - b2 first, then a1 - b1";
+  auto around = planner.PlanAroundCuts(1);
+  ASSERT_TRUE(around.ok()) << around.status();
+  EXPECT_EQ(planner.CrossedCut(around->plan), std::nullopt);
+  for (const sim::Route& r : around->plan.routes) {
+    EXPECT_EQ(r.stages, (std::vector<int>{0, 1, 2})) << "still the full model";
   }
 }
 
