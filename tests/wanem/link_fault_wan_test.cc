@@ -50,12 +50,17 @@
 #include "detour/v1/job_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "common/files.h"
 #include "tests/test_paths.h"
+#include "tests/wanem/wan_test_support.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::MissingPrivileges;
+using testing::Sh;
+using testing::ShellResult;
 
 // Five nodes named like detour-local's workers (worker wI runs in node I),
 // so the node ids the wanem control socket takes are the worker ids.
@@ -93,42 +98,6 @@ std::string Job(int iterations, const std::string& scheduler = "SCHEDULER_SKIPPI
   "seed": 5,
   "device": "cpu"
 })");
-}
-
-struct Result {
-  int code;
-  std::string output;
-};
-
-Result Sh(const std::string& command) {
-  Result r{-1, ""};
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
-
-bool HaveCapability(int bit) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("CapEff:", 0) == 0) {
-      const unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-      return ((caps >> bit) & 1) != 0;
-    }
-  }
-  return false;
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 bool HasEvent(const v1::Job& job, v1::JobHistoryEvent::Kind kind, const std::string& worker = "") {
@@ -181,26 +150,17 @@ class LinkFaultWanTest : public ::testing::Test {
         Reap(absl::Seconds(5));
       }
     }
-    const Result list = Sh("ip netns list");
+    const ShellResult list = Sh("ip netns list");
     if (list.output.find(prefix_ + "-") != std::string::npos) {
       ADD_FAILURE() << "namespaces left behind:\n" << list.output;
       Sh(absl::StrCat("timeout 30 ", script_, " down --prefix ", prefix_));
     }
     if (HasFailure()) {
       std::cerr << "detour-local's output:\n"
-                << ReadAll(dir_ + "/local.log") << "\ncoordinator.log:\n"
-                << ReadAll(dir_ + "/out/coordinator.log") << "\n";
+                << ReadFileToString(dir_ + "/local.log").value_or("") << "\ncoordinator.log:\n"
+                << ReadFileToString(dir_ + "/out/coordinator.log").value_or("") << "\n";
     }
     Sh("rm -rf " + dir_);
-  }
-
-  static std::string MissingPrivileges() {
-    if (!HaveCapability(12) || !HaveCapability(21)) {
-      return "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for network namespaces";
-    }
-    if (::access("/dev/net/tun", R_OK | W_OK) != 0) return "no /dev/net/tun";
-    if (Sh("command -v ip").code != 0) return "ip is missing (tools/install_deps.sh: iproute2)";
-    return "";
   }
 
   // Starts detour-local --wan in the background (at most `limit`), then
@@ -248,7 +208,7 @@ class LinkFaultWanTest : public ::testing::Test {
     const absl::Time give_up = absl::Now() + absl::Seconds(60);
     bool bed_seen = false;
     while (absl::Now() < give_up && (address_.empty() || job_id_.empty())) {
-      const std::string out = ReadAll(log);
+      const std::string out = ReadFileToString(log).value_or("");
       if (!bed_seen && out.find("  test bed     ") != std::string::npos) {
         bed_seen = true;
         if (bed_up) bed_up();
@@ -267,7 +227,7 @@ class LinkFaultWanTest : public ::testing::Test {
       absl::SleepFor(absl::Milliseconds(100));
     }
     ASSERT_FALSE(address_.empty() || job_id_.empty()) << "detour-local did not submit:\n"
-                                                      << ReadAll(log);
+                                                      << ReadFileToString(log).value_or("");
     stub_ = v1::JobService::NewStub(MakeChannel(address_, TransportSecurity::Insecure()));
   }
 
@@ -332,7 +292,7 @@ class LinkFaultWanTest : public ::testing::Test {
     WaitFor([](const v1::Job&) { return false; }, timeout);
   }
 
-  Result Ctl(const std::string& command) {
+  ShellResult Ctl(const std::string& command) {
     return Sh(absl::StrCat("timeout 10 ", script_, " ctl --prefix ", prefix_, " ", command));
   }
 
@@ -340,8 +300,8 @@ class LinkFaultWanTest : public ::testing::Test {
 
   // loss.csv's data lines.
   size_t IterationsInCsv() const {
-    std::vector<std::string> lines =
-        absl::StrSplit(ReadAll(dir_ + "/out/loss.csv"), '\n', absl::SkipEmpty());
+    std::vector<std::string> lines = absl::StrSplit(
+        ReadFileToString(dir_ + "/out/loss.csv").value_or(""), '\n', absl::SkipEmpty());
     return lines.empty() ? 0 : lines.size() - 1;
   }
 
@@ -379,7 +339,7 @@ void LinkFaultWanTest::RunCutLinkJob(const std::string& scheduler) {
   ASSERT_TRUE(InStage(last_, 1, "w2") && InStage(last_, 2, "w4")) << Stages(last_);
 
   // Both directions: forward activations w2 -> w4, gradients w4 -> w2.
-  const Result cut = Ctl("cut w2 w4 both");
+  const ShellResult cut = Ctl("cut w2 w4 both");
   ASSERT_EQ(cut.code, 0) << cut.output;
   const absl::Time cut_at = absl::Now();
   const uint64_t cut_iteration = last_.progress().iteration();
@@ -412,18 +372,18 @@ void LinkFaultWanTest::RunCutLinkJob(const std::string& scheduler) {
   EXPECT_TRUE(InStage(last_, 1, "w2") && InStage(last_, 2, "w4")) << Stages(last_);
   ASSERT_TRUE(Reap(absl::Seconds(40))) << "detour-local still runs " << Since(started_) << " s in";
   EXPECT_EQ(code_, 0);
-  const std::string out = ReadAll(dir_ + "/local.log");
+  const std::string out = ReadFileToString(dir_ + "/local.log").value_or("");
   EXPECT_THAT(out, HasSubstr(absl::StrCat("SUCCEEDED: trained ", kIterations, " iterations")));
   EXPECT_THAT(out, HasSubstr("test bed " + prefix_ + " is down"));
   EXPECT_EQ(IterationsInCsv(), static_cast<size_t>(kIterations));
   EXPECT_TRUE(ever_lost_.empty()) << "lost: " << absl::StrJoin(ever_lost_, ", ") << "\n"
                                   << History(last_);
-  const std::string coordinator = ReadAll(dir_ + "/out/coordinator.log");
+  const std::string coordinator = ReadFileToString(dir_ + "/out/coordinator.log").value_or("");
   EXPECT_THAT(coordinator, HasSubstr("link w"));
   EXPECT_THAT(coordinator,
               ::testing::Not(::testing::ContainsRegex("w[0-9] \\(stage [0-9]\\) lost")));
   // The forwarder dropped the pair's packets (counters saved at the end).
-  const std::string stats = ReadAll(dir_ + "/out/wan/stats.txt");
+  const std::string stats = ReadFileToString(dir_ + "/out/wan/stats.txt").value_or("");
   EXPECT_THAT(stats, ::testing::ContainsRegex("(^|\n)w2 w4 [^\n]*dropped_cut=[1-9]")) << stats;
   std::cout << "history:\n" << History(last_) << "run took " << Since(started_) << " s\n";
 }
@@ -451,7 +411,7 @@ TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
   ASSERT_TRUE(InStage(last_, 1, "w3")) << Stages(last_);
 
   // w3 keeps its links to w1, w2, w4 and w5.
-  const Result cut = Ctl("cut coordinator w3 both");
+  const ShellResult cut = Ctl("cut coordinator w3 both");
   ASSERT_EQ(cut.code, 0) << cut.output;
   const absl::Time cut_at = absl::Now();
   // RUNTIME.md: no heartbeat for --worker_silence (5 s in detour-local), or
@@ -477,7 +437,7 @@ TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
 
   // Healed: w3 reaches the coordinator again, is idle and joins (the job is
   // one worker short of its spec).
-  const Result restore = Ctl("restore coordinator w3 both");
+  const ShellResult restore = Ctl("restore coordinator w3 both");
   ASSERT_EQ(restore.code, 0) << restore.output;
   const absl::Time restored_at = absl::Now();
   EXPECT_TRUE(WaitFor(
@@ -493,7 +453,7 @@ TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
   FollowToEnd(absl::Seconds(60));
   ASSERT_TRUE(Reap(absl::Seconds(60))) << "detour-local still runs " << Since(started_) << " s in";
   EXPECT_EQ(code_, 0);
-  const std::string out = ReadAll(dir_ + "/local.log");
+  const std::string out = ReadFileToString(dir_ + "/local.log").value_or("");
   EXPECT_THAT(out, HasSubstr(absl::StrCat("SUCCEEDED: trained ", kIterations, " iterations")));
   EXPECT_THAT(out, HasSubstr("test bed " + prefix_ + " is down"));
   std::cout << "run took " << Since(started_) << " s\n";
@@ -505,7 +465,7 @@ TEST_F(LinkFaultWanTest, CutLinkWithLossOnEveryLink) {
   // Once the bed is up, before the daemons start: w2 has no connection to
   // w4 yet, so its first send fails at the connect timeout rather than the
   // ack timeout.
-  Result loss{-1, ""}, cut{-1, ""};
+  ShellResult loss{-1, ""}, cut{-1, ""};
   absl::Time cut_at;
   ASSERT_NO_FATAL_FAILURE(Start(kIterations, absl::Seconds(85), [&] {
     loss = Ctl("set '*' '*' loss=0.01");
@@ -525,13 +485,13 @@ TEST_F(LinkFaultWanTest, CutLinkWithLossOnEveryLink) {
   FollowToEnd(absl::Seconds(50));
   ASSERT_TRUE(Reap(absl::Seconds(50))) << "detour-local still runs " << Since(started_) << " s in";
   EXPECT_EQ(code_, 0);
-  const std::string out = ReadAll(dir_ + "/local.log");
+  const std::string out = ReadFileToString(dir_ + "/local.log").value_or("");
   EXPECT_THAT(out, HasSubstr(absl::StrCat("SUCCEEDED: trained ", kIterations, " iterations")));
   EXPECT_EQ(IterationsInCsv(), static_cast<size_t>(kIterations));
   EXPECT_TRUE(ever_lost_.empty()) << "lost: " << absl::StrJoin(ever_lost_, ", ") << "\n"
                                   << History(last_);
   // Packets were lost on the links the job used, and the cut pair dropped.
-  const std::string stats = ReadAll(dir_ + "/out/wan/stats.txt");
+  const std::string stats = ReadFileToString(dir_ + "/out/wan/stats.txt").value_or("");
   EXPECT_THAT(stats, ::testing::ContainsRegex("dropped_loss=[1-9]")) << stats;
   EXPECT_THAT(stats, ::testing::ContainsRegex("(^|\n)w2 w4 [^\n]*dropped_cut=[1-9]")) << stats;
   std::cout << "run took " << Since(started_) << " s\n";

@@ -23,12 +23,18 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "common/files.h"
 #include "tests/test_paths.h"
+#include "tests/wanem/wan_test_support.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::HaveCapability;
+using testing::MissingPrivileges;
+using testing::Sh;
+using testing::ShellResult;
 
 // 2 data nodes + 1 stage x 2 replicas = 4 workers. Whatever the planner
 // does with two nodes per region, some activation hop or the replicas'
@@ -48,42 +54,6 @@ constexpr char kJob[] = R"({
 
 constexpr double kRoundTripS = 2 * 0.020;  // wan2.json: latency_ms 20, one-way
 
-struct Result {
-  int code;
-  std::string output;
-};
-
-Result Sh(const std::string& command) {
-  Result r{-1, ""};
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
-
-bool HaveCapability(int bit) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("CapEff:", 0) == 0) {
-      const unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-      return ((caps >> bit) & 1) != 0;
-    }
-  }
-  return false;
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 class LocalWanTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -96,23 +66,13 @@ class LocalWanTest : public ::testing::Test {
   void TearDown() override {
     // detour-local takes its bed down even on failure; a bed left behind
     // (detour-local killed by the timeout) is removed here.
-    const Result list = Sh("ip netns list");
+    const ShellResult list = Sh("ip netns list");
     if (list.output.find(prefix_ + "-") != std::string::npos) {
       ADD_FAILURE() << "namespaces left behind:\n" << list.output;
       Sh(absl::StrCat("timeout 30 ", testing::SourceDir(), "/tools/wan_testbed.sh down --prefix ",
                       prefix_));
     }
     Sh("rm -rf " + dir_);
-  }
-
-  // Why the bed cannot be built here, or "".
-  static std::string MissingPrivileges() {
-    if (!HaveCapability(12) || !HaveCapability(21)) {
-      return "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for network namespaces";
-    }
-    if (::access("/dev/net/tun", R_OK | W_OK) != 0) return "no /dev/net/tun";
-    if (Sh("command -v ip").code != 0) return "ip is missing (tools/install_deps.sh: iproute2)";
-    return "";
   }
 
   std::string local_, prefix_, dir_;
@@ -125,9 +85,9 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   std::ofstream(job) << kJob;
   const std::string out = dir_ + "/out";
   // Bounded: about 20 s on the 2-core development machine.
-  const Result r = Sh(absl::StrCat("timeout -k 5 90 ", local_, " --wan --wan_prefix ", prefix_,
-                                   " --cluster ", testing::SourceDir(),
-                                   "/examples/clusters/wan2.json --job ", job, " --out ", out));
+  const ShellResult r = Sh(absl::StrCat(
+      "timeout -k 5 90 ", local_, " --wan --wan_prefix ", prefix_, " --cluster ",
+      testing::SourceDir(), "/examples/clusters/wan2.json --job ", job, " --out ", out));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("SUCCEEDED"));
   EXPECT_THAT(r.output, HasSubstr("10.77.0.5"));  // the coordinator's node, after 4 workers
@@ -135,7 +95,7 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   EXPECT_THAT(r.output, HasSubstr("test bed " + prefix_ + " is down"));
 
   // loss.csv: iteration,loss,iteration_time_s,...
-  const std::string csv = ReadAll(out + "/loss.csv");
+  const std::string csv = ReadFileToString(out + "/loss.csv").value_or("");
   std::vector<std::string> lines = absl::StrSplit(csv, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 5u) << csv;  // header + 4 iterations
   for (size_t i = 1; i < lines.size(); ++i) {
@@ -149,7 +109,7 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   }
   // The forwarder's counters, saved before the bed went down: East (e0, e1)
   // to West (w0, w1) carried the run's traffic.
-  const std::string stats = ReadAll(out + "/wan/stats.txt");
+  const std::string stats = ReadFileToString(out + "/wan/stats.txt").value_or("");
   EXPECT_THAT(stats, ::testing::ContainsRegex("(^|\n)e[01] w[01] delivered_packets=[1-9]"))
       << stats;
   EXPECT_THAT(stats, ::testing::ContainsRegex("(^|\n)w[01] e[01] delivered_packets=[1-9]"))
@@ -157,7 +117,7 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
 }
 
 TEST_F(LocalWanTest, WanExcludesEmulateNetwork) {
-  const Result r =
+  const ShellResult r =
       Sh(absl::StrCat("timeout 10 ", local_, " --wan --emulate_network --cluster ",
                       testing::SourceDir(), "/examples/clusters/wan2.json --out ", dir_, "/x"));
   EXPECT_EQ(r.code, 2) << r.output;
@@ -169,10 +129,10 @@ TEST_F(LocalWanTest, WanWithoutCapabilitiesNamesWhatIsMissing) {
     GTEST_SKIP() << "needs root and setpriv to run detour-local without capabilities";
   }
   ASSERT_EQ(Sh("chmod 777 " + dir_).code, 0);
-  const Result r = Sh(absl::StrCat("timeout 20 setpriv --reuid=65534 --regid=65534 --clear-groups ",
-                                   local_, " --wan --insecure --cluster ", testing::SourceDir(),
-                                   "/examples/clusters/wan2.json --job ", testing::SourceDir(),
-                                   "/examples/jobs/tiny_two.json --out ", dir_, "/nocap"));
+  const ShellResult r = Sh(absl::StrCat(
+      "timeout 20 setpriv --reuid=65534 --regid=65534 --clear-groups ", local_,
+      " --wan --insecure --cluster ", testing::SourceDir(), "/examples/clusters/wan2.json --job ",
+      testing::SourceDir(), "/examples/jobs/tiny_two.json --out ", dir_, "/nocap"));
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--wan needs CAP_NET_ADMIN"));
   EXPECT_THAT(r.output, HasSubstr("CAP_SYS_ADMIN"));

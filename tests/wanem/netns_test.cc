@@ -18,11 +18,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/test_paths.h"
+#include "tests/wanem/wan_test_support.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::HaveCapability;
+using testing::MissingPrivileges;
+using testing::Sh;
+using testing::ShellResult;
 
 // a in region R1; b and c in R2. a <-> b: 20 ms one-way, 2 MB/s; b <-> c:
 // the intra-region 4 ms.
@@ -35,45 +40,11 @@ constexpr char kCluster[] = R"({
   "intra_region_latency_ms": 4
 })";
 
-struct Result {
-  int code;
-  std::string output;
-};
-
-// Runs a shell command (stdout and stderr together); every command the test
-// runs carries its own `timeout`.
-Result Sh(const std::string& command) {
-  Result r{-1, ""};
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
-
-bool HaveCapability(int bit) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("CapEff:", 0) == 0) {
-      const unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-      return ((caps >> bit) & 1) != 0;
-    }
-  }
-  return false;
-}
-
 class WanNetnsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!HaveCapability(12) || !HaveCapability(21)) {
-      GTEST_SKIP() << "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for network namespaces";
-    }
-    if (::access("/dev/net/tun", R_OK | W_OK) != 0) GTEST_SKIP() << "no /dev/net/tun";
-    for (const char* tool : {"ip", "ping", "iperf3", "ss"}) {
+    if (const std::string why = MissingPrivileges(); !why.empty()) GTEST_SKIP() << why;
+    for (const char* tool : {"ping", "iperf3", "ss"}) {
       if (Sh(absl::StrCat("command -v ", tool)).code != 0) {
         GTEST_SKIP() << tool << " is missing (tools/install_deps.sh installs it)";
       }
@@ -87,26 +58,26 @@ class WanNetnsTest : public ::testing::Test {
     cluster_ = dir_ + "/cluster.json";
     std::ofstream(cluster_) << kCluster;
     up_ = true;
-    const Result up = Sh(absl::StrCat("timeout 30 ", script_, " up --cluster ", cluster_,
-                                      " --prefix ", prefix_, " --binary ", binary_));
+    const ShellResult up = Sh(absl::StrCat("timeout 30 ", script_, " up --cluster ", cluster_,
+                                           " --prefix ", prefix_, " --binary ", binary_));
     ASSERT_EQ(up.code, 0) << up.output;
     ASSERT_THAT(up.output, HasSubstr("10.77.0.2"));
   }
 
   void TearDown() override {
     if (!up_) return;
-    const Result down = Sh(absl::StrCat("timeout 30 ", script_, " down --prefix ", prefix_));
+    const ShellResult down = Sh(absl::StrCat("timeout 30 ", script_, " down --prefix ", prefix_));
     EXPECT_EQ(down.code, 0) << down.output;
-    const Result list = Sh("ip netns list");
+    const ShellResult list = Sh("ip netns list");
     EXPECT_THAT(list.output, ::testing::Not(HasSubstr(prefix_ + "-"))) << "namespaces left";
     Sh("rm -rf " + dir_);
   }
 
-  Result In(const std::string& node, const std::string& command) {
+  ShellResult In(const std::string& node, const std::string& command) {
     return Sh(absl::StrCat("timeout 20 ", script_, " exec --prefix ", prefix_, " ", node, " -- ",
                            command));
   }
-  Result Ctl(const std::string& command) {
+  ShellResult Ctl(const std::string& command) {
     return Sh(absl::StrCat("timeout 10 ", script_, " ctl --prefix ", prefix_, " ", command));
   }
 
@@ -123,7 +94,7 @@ class WanNetnsTest : public ::testing::Test {
 
   // min and max of ping's round trip times, in ms.
   void PingRtt(const std::string& from, const std::string& to, double* min, double* max) {
-    const Result r = In(from, "ping -c 5 -i 0.2 -W 2 " + to);
+    const ShellResult r = In(from, "ping -c 5 -i 0.2 -W 2 " + to);
     ASSERT_EQ(r.code, 0) << r.output;
     const size_t at = r.output.find("min/avg/max/mdev = ");
     ASSERT_NE(at, std::string::npos) << r.output;
@@ -155,7 +126,7 @@ TEST_F(WanNetnsTest, PingRoundTripIsTwiceTheOneWayDelay) {
 TEST_F(WanNetnsTest, TcpTransferRunsAtTheLinkRate) {
   StartIperfServer("b");
   // 4 s after a 1 s warm-up (slow start) at the spec's 2 MB/s.
-  const Result r = In("a", "iperf3 -c 10.77.0.2 -p 5201 -t 4 -O 1 -J");
+  const ShellResult r = In("a", "iperf3 -c 10.77.0.2 -p 5201 -t 4 -O 1 -J");
   ASSERT_EQ(r.code, 0) << r.output;
   auto json = ParseJson(r.output);
   ASSERT_TRUE(json.ok()) << json.status() << "\n" << r.output;
@@ -169,7 +140,7 @@ TEST_F(WanNetnsTest, TcpTransferRunsAtTheLinkRate) {
   const double expected = 2e6 * 8 * 1448 / 1500;
   EXPECT_GT(bps->number(), 0.8 * expected);
   EXPECT_LT(bps->number(), 1.2 * expected);
-  const Result stats = Ctl("stats a b");
+  const ShellResult stats = Ctl("stats a b");
   EXPECT_THAT(stats.output, HasSubstr("a b delivered_packets="));
 }
 
@@ -178,23 +149,23 @@ TEST_F(WanNetnsTest, CutDropsTheLinkAndRestoreBringsItBack) {
   const std::string probe = "iperf3 -c 10.77.0.2 -p 5201 -t 1 --connect-timeout 1500";
   ASSERT_EQ(In("a", probe).code, 0) << "the link works before the cut";
   ASSERT_EQ(Ctl("cut a b both").code, 0);
-  const Result cut = In("a", probe);
+  const ShellResult cut = In("a", probe);
   EXPECT_NE(cut.code, 0) << cut.output;
   EXPECT_NE(In("a", "ping -c 2 -i 0.2 -W 1 10.77.0.2").code, 0) << "ping crossed a cut link";
   // Only that link: a still reaches c.
   EXPECT_EQ(In("a", "ping -c 1 -W 2 10.77.0.3").code, 0);
-  const Result stats = Ctl("stats a b");
+  const ShellResult stats = Ctl("stats a b");
   EXPECT_THAT(stats.output, ::testing::ContainsRegex("dropped_cut=[1-9]"));
   ASSERT_EQ(Ctl("restore a b both").code, 0);
-  const Result back = In("a", probe);
+  const ShellResult back = In("a", probe);
   EXPECT_EQ(back.code, 0) << back.output;
 }
 
 TEST_F(WanNetnsTest, ControlErrorsAreSpecific) {
-  const Result r = Ctl("set a b loss=2");
+  const ShellResult r = Ctl("set a b loss=2");
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.output, HasSubstr("error: loss=2 is outside [0, 1]"));
-  const Result unknown = In("zz", "true");
+  const ShellResult unknown = In("zz", "true");
   EXPECT_NE(unknown.code, 0);
   EXPECT_THAT(unknown.output, HasSubstr("no node zz"));
 }
@@ -204,8 +175,9 @@ TEST(WanTestbedScriptTest, RefusesWithoutNetAdmin) {
     GTEST_SKIP() << "needs root and setpriv to run the script without capabilities";
   }
   const std::string script = testing::SourceDir() + "/tools/wan_testbed.sh";
-  const Result r = Sh(absl::StrCat("timeout 10 setpriv --reuid=65534 --regid=65534 --clear-groups ",
-                                   script, " up --cluster /dev/null --prefix wtnocap"));
+  const ShellResult r =
+      Sh(absl::StrCat("timeout 10 setpriv --reuid=65534 --regid=65534 --clear-groups ", script,
+                      " up --cluster /dev/null --prefix wtnocap"));
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("needs CAP_NET_ADMIN"));
 }
