@@ -395,11 +395,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     if (auto e = ResolveReplicaSync(); e) return e;
     if (auto e = CreateBubblePlanner(); e) return e;
     // Whatever iteration was in flight is run again from its start.
-    v1::CoordinatorMessage abort;
-    abort.mutable_abort()->set_job_id(job_id_);
-    abort.mutable_abort()->set_iteration(next_iteration_);
-    abort.mutable_abort()->set_reason("the coordinator restarted; the iteration runs again");
-    link_.SendToAll(abort);
+    link_.AbortIteration(next_iteration_, "the coordinator restarted; the iteration runs again");
     for (const std::string& id : missing) {
       AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
                absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));

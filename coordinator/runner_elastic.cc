@@ -19,11 +19,7 @@ void RunnerElastic::Started() { reassign_epoch_ = epoch(); }
 // The live members cannot train: abort the iteration, wait for workers to
 // fill the gaps (pause_timeout_s), then run the iteration again.
 std::optional<JobEnd> RunnerElastic::Pause(uint64_t iteration, const std::string& why) {
-  v1::CoordinatorMessage abort;
-  abort.mutable_abort()->set_job_id(job_id_);
-  abort.mutable_abort()->set_iteration(iteration);
-  abort.mutable_abort()->set_reason(absl::StrCat("paused: ", why));
-  link_.SendToAll(abort);
+  link_.AbortIteration(iteration, absl::StrCat("paused: ", why));
   const uint32_t timeout_s = spec_.elastic().pause_timeout_s();
   // The state first: whoever sees the event also sees the paused state.
   record_.SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));

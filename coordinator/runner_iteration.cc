@@ -333,11 +333,7 @@ RunnerIteration::IterationOutcome RunnerIteration::RunAgainAroundCuts(
   for (const LinkCut& c : cuts) links.push_back(absl::StrCat(c.reporter, " - ", c.peer));
   const std::string reason =
       absl::StrCat("link(s) ", absl::StrJoin(links, ", "), " cut; the iteration runs again");
-  v1::CoordinatorMessage abort;
-  abort.mutable_abort()->set_job_id(job_id_);
-  abort.mutable_abort()->set_iteration(iteration);
-  abort.mutable_abort()->set_reason(reason);
-  link_.SendToAll(abort);
+  link_.AbortIteration(iteration, reason);
   membership_.BumpEpoch();
   host_->runner_metrics().Microbatches("rerun", plan_.total_microbatches());
   AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",

@@ -24,6 +24,14 @@ void RunnerLink::SendToAll(const v1::CoordinatorMessage& m) {
   for (const auto& [id, stage] : membership_->members()) SendTo(id, m);
 }
 
+void RunnerLink::AbortIteration(uint64_t iteration, const std::string& reason) {
+  v1::CoordinatorMessage abort;
+  abort.mutable_abort()->set_job_id(job_id_);
+  abort.mutable_abort()->set_iteration(iteration);
+  abort.mutable_abort()->set_reason(reason);
+  SendToAll(abort);
+}
+
 void RunnerLink::SendPlan(const v1::CoordinatorMessage& m) {
   if (m.plan().bubble_tasks().empty()) return SendToAll(m);
   std::map<std::string, std::vector<const v1::BubbleTask*>> mine;

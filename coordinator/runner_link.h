@@ -7,6 +7,7 @@
 #ifndef DETOUR_COORDINATOR_RUNNER_LINK_H_
 #define DETOUR_COORDINATOR_RUNNER_LINK_H_
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
@@ -38,6 +39,8 @@ class RunnerLink {
   // An iteration plan: to every member with only its own bubble tasks
   // (split into granules, a job's tasks run into thousands per iteration).
   void SendPlan(const v1::CoordinatorMessage& m);
+  // Tells every member to drop `iteration` (it runs again), with `reason`.
+  void AbortIteration(uint64_t iteration, const std::string& reason);
   // Once, not kept (a CancelJob to a worker leaving the job).
   void SendOnce(const std::string& id, const v1::CoordinatorMessage& m);
   // Sends `worker` again what it was sent since the iteration began.
