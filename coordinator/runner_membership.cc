@@ -58,14 +58,15 @@ void RunnerMembership::ForgetLinks(const std::string& id) {
   reports_.erase(id);
   unjudged_reports_.erase(id);
   for (auto& [peer, by] : reports_) by.erase(id);
-  for (auto it = cut_links_.begin(); it != cut_links_.end();) {
-    if (it->first == id || it->second == id) {
-      cut_reports_.erase(*it);
-      it = cut_links_.erase(it);
-    } else {
-      ++it;
-    }
+  for (auto it = cut_reports_.begin(); it != cut_reports_.end();) {
+    it = it->first.first == id || it->first.second == id ? cut_reports_.erase(it) : std::next(it);
   }
+}
+
+std::set<std::pair<std::string, std::string>> RunnerMembership::cut_links() const {
+  std::set<std::pair<std::string, std::string>> links;
+  for (const auto& [link, report] : cut_reports_) links.insert(link);
+  return links;
 }
 
 const LinkCut* RunnerMembership::CutReport(const std::pair<std::string, std::string>& link) const {
@@ -101,11 +102,8 @@ void RunnerMembership::JudgeReports(const std::map<std::string, const v1::Worker
       continue;
     }
     const std::pair<std::string, std::string> link = std::minmax(reporters.front(), peer);
-    if (cut_links_.insert(link).second) {
-      const LinkCut cut{reporters.front(), peer, first.why};
-      cut_reports_[link] = cut;
-      new_cuts_.push_back(cut);
-    }
+    const LinkCut cut{reporters.front(), peer, first.why};
+    if (cut_reports_.emplace(link, cut).second) new_cuts_.push_back(cut);
   }
   unjudged_reports_ = std::move(pending);
 }

@@ -77,7 +77,7 @@ class RunnerMembership {
   // Links Judge found cut since the last call.
   std::vector<LinkCut> TakeNewCuts();
   // Every link found cut between members, as ordered pairs (a < b).
-  const std::set<std::pair<std::string, std::string>>& cut_links() const { return cut_links_; }
+  std::set<std::pair<std::string, std::string>> cut_links() const;
   // The report that cut `link` (a < b); null when it is not cut.
   const LinkCut* CutReport(const std::pair<std::string, std::string>& link) const;
   // `id` left the job: its reports and its cut links go.
@@ -133,7 +133,7 @@ class RunnerMembership {
   // peer -> reporter -> the first report (every report, judged or not).
   std::map<std::string, std::map<std::string, Report>> reports_;
   std::set<std::string> unjudged_reports_;  // peers with reports Judge has still to weigh
-  std::set<std::pair<std::string, std::string>> cut_links_;
+  // Cut links (a < b) and the report that cut each.
   std::map<std::pair<std::string, std::string>, LinkCut> cut_reports_;
   std::vector<LinkCut> new_cuts_;
   std::set<std::string> lost_this_iteration_;
