@@ -24,6 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/transport/recording_sink.h"
+#include "tests/transport/test_certs.h"
 #include "tests/test_paths.h"
 #include "worker/transport/activation_server.h"
 #include "worker/transport/direct_link.h"
@@ -34,39 +35,6 @@ namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Certificates from tools/gen_certs.sh: "w1" and "w2" from the cluster CA,
-// "intruder" from another CA. Made once per test binary.
-struct Certs {
-  std::string dir, other_dir;
-  TransportSecurity Load(const std::string& name, bool other_ca = false) const {
-    const std::string d = other_ca ? other_dir : dir;
-    auto s = TransportSecurity::Load(
-        TlsFiles{d + "/" + name + ".crt", d + "/" + name + ".key", d + "/ca.crt", false},
-        /*client=*/false);
-    EXPECT_TRUE(s.ok()) << s.status();
-    return *s;
-  }
-};
-
-const Certs& TestCerts() {
-  static const Certs* const certs = [] {
-    auto* c = new Certs;
-    char pattern[] = "/tmp/detour-direct-test.XXXXXX";
-    const std::string root = ::mkdtemp(pattern);
-    c->dir = root + "/ca";
-    c->other_dir = root + "/other";
-    const std::string script = testing::SourceDir() + "/tools/gen_certs.sh";
-    const std::string make = absl::StrCat(script, " ", c->dir, " w1 w2 > /dev/null && ", script,
-                                          " ", c->other_dir, " intruder w1 > /dev/null");
-    if (std::system(make.c_str()) != 0) {
-      std::fprintf(stderr, "cannot make certificates: %s\n", make.c_str());
-      std::abort();
-    }
-    return c;
-  }();
-  return *certs;
-}
 
 // What a v2 client sends first: the preface and a one-stripe hello.
 std::string PrefaceAndHello(DirectHello hello = {}) {

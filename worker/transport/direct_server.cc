@@ -8,12 +8,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 
@@ -51,16 +53,27 @@ DirectServer::DirectServer(ActivationServer* activations, DirectServerOptions op
       options_(std::move(options)),
       listen_fd_(listen_fd),
       port_(port),
-      ctx_(std::move(ctx)) {
+      ctx_(std::move(ctx)),
+      admission_(options_.admission),
+      refusal_log_(options_.refusal_log_interval) {
   if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
   if (options_.metrics != nullptr) {
     accepted_metric_ = metrics::OptionalCounter(
         options_.metrics, "detour_worker_direct_connections_accepted",
         "Direct-transport connections accepted (TLS handshake and preface done).");
-    refused_metric_ = metrics::OptionalCounter(
-        options_.metrics, "detour_worker_direct_connections_refused",
-        "Direct-transport connections refused: failed handshake (no or a foreign "
-        "certificate), wrong preface, silence, or over the connection limit.");
+    if (auto family = options_.metrics->AddCounter(
+            "detour_worker_direct_connections_refused",
+            "Direct-transport connections refused or closed before carrying frames, by reason "
+            "(limits on unauthenticated connections, the connection limit, the handshake "
+            "deadline, a failed TLS handshake, a certificate that is not a worker's, a wrong "
+            "preface, a conflicting stripe).",
+            {"reason"});
+        family.ok()) {
+      for (int r = 0; r < kRefusalReasons; ++r) {
+        auto counter = (*family)->WithLabels({RefusalReasonLabel(static_cast<RefusalReason>(r))});
+        if (counter.ok()) refused_metric_[r] = *counter;
+      }
+    }
     if (auto family = options_.metrics->AddGauge(
             "detour_worker_direct_connections",
             "Direct-transport connections open now (peers sending tensors to this worker).");
@@ -107,7 +120,10 @@ DirectServer::Stats DirectServer::stats() const {
   Stats s;
   s.accepted = accepted_;
   s.refused = refused_;
+  std::copy(std::begin(refused_by_reason_), std::end(refused_by_reason_),
+            std::begin(s.refused_by_reason));
   s.open = open_;
+  s.unauthenticated = admission_.unauthenticated();
   s.sessions = static_cast<int>(sessions_.size());
   return s;
 }
@@ -117,6 +133,7 @@ void DirectServer::AcceptLoop() {
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
     const int n = ::poll(fds, 2, 1000);
     std::vector<std::thread> done;
+    std::optional<std::string> summary;
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
@@ -128,64 +145,138 @@ void DirectServer::AcceptLoop() {
         }
       }
       finished_.clear();
+      summary = refusal_log_.Flush(absl::Now());
     }
+    if (summary.has_value()) LogWarning(*summary);
     for (std::thread& t : done) t.join();
     if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) {
-        LogWarning("direct transport: accept: ", std::strerror(errno));
-        ::usleep(100000);  // the condition persists; do not spin
-      }
-      continue;
-    }
-    absl::MutexLock lock(&mu_);
-    if (open_ >= options_.max_connections) {
-      ++refused_;
-      if (refused_metric_ != nullptr) refused_metric_->Increment();
-      ::close(fd);
-      LogWarning("direct transport: refused a connection: ", open_, " open (limit ",
-                 options_.max_connections, ")");
-      continue;
-    }
-    ++open_;
-    if (open_metric_ != nullptr) open_metric_->Set(open_);
-    const uint64_t id = next_id_++;
-    threads_[id] = std::thread([this, id, fd] { Serve(id, fd); });
+    AcceptOne();
   }
 }
 
-void DirectServer::Serve(uint64_t id, int fd) {
-  auto accepted = DirectLink::Accept(fd, ctx_, options_.handshake_timeout, wake_pipe_[0]);
-  std::unique_ptr<DirectLink> link;
-  if (!accepted.ok()) {
-    if (accepted.status().code() == absl::StatusCode::kUnauthenticated) {
-      activations_->CountUnauthorizedStream();
+void DirectServer::AcceptOne() {
+  sockaddr_storage peer{};
+  socklen_t peer_length = sizeof(peer);
+  const int fd =
+      ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &peer_length, SOCK_CLOEXEC);
+  if (fd < 0) {
+    if (errno == EMFILE || errno == ENFILE) {
+      LogWarning("direct transport: accept: ", std::strerror(errno));
+      ::usleep(100000);  // the condition persists; do not spin
     }
-    LogWarning("direct transport: refused a connection: ", accepted.status().message());
-  } else {
-    link = *std::move(accepted);
+    return;
   }
+  const std::string source = ConnectionSource(reinterpret_cast<const sockaddr*>(&peer));
+  std::optional<std::string> line;
   {
     absl::MutexLock lock(&mu_);
-    if (link == nullptr) {
-      ++refused_;
-      if (refused_metric_ != nullptr) refused_metric_->Increment();
-    } else if (stopping_) {
-      link.reset();
+    const uint64_t id = next_id_++;
+    const ConnectionAdmission::Verdict verdict = admission_.Arrive(id, source);
+    if (!verdict.admit) {
+      ::close(fd);
+      line = RefusedLocked(verdict.reason, source,
+                           absl::StrCat(admission_.unauthenticated(), " unauthenticated and ",
+                                        admission_.authenticated(), " authenticated open"));
     } else {
+      if (verdict.evict.has_value()) {
+        // Its thread sees the socket fail and ends; the slot is this one's.
+        auto victim = unauthenticated_fds_.find(*verdict.evict);
+        if (victim != unauthenticated_fds_.end()) ::shutdown(victim->second, SHUT_RDWR);
+        line = RefusedLocked(RefusalReason::kUnauthenticatedLimit, source,
+                             "closed the oldest unauthenticated connection of the busiest "
+                             "source to make room");
+      }
+      const int watch = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (watch < 0) {
+        admission_.Closed(id);
+        ::close(fd);
+      } else {
+        unauthenticated_fds_[id] = watch;
+        ++open_;
+        if (open_metric_ != nullptr) open_metric_->Set(open_);
+        threads_[id] = std::thread([this, id, fd, source] { Serve(id, fd, source); });
+      }
+    }
+  }
+  if (line.has_value()) LogWarning(*line);
+}
+
+std::optional<std::string> DirectServer::RefusedLocked(RefusalReason reason,
+                                                       absl::string_view source,
+                                                       absl::string_view detail) {
+  ++refused_;
+  ++refused_by_reason_[static_cast<int>(reason)];
+  if (refused_metric_[static_cast<int>(reason)] != nullptr) {
+    refused_metric_[static_cast<int>(reason)]->Increment();
+  }
+  return refusal_log_.Note(reason, source, detail, absl::Now());
+}
+
+namespace {
+
+RefusalReason ReasonOf(const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kDeadlineExceeded ||
+      absl::StrContains(status.message(), "timed out")) {
+    return RefusalReason::kDeadline;
+  }
+  if (status.code() == absl::StatusCode::kPermissionDenied) return RefusalReason::kIdentity;
+  if (status.code() == absl::StatusCode::kUnauthenticated ||
+      absl::StartsWith(status.message(), "TLS handshake")) {
+    return RefusalReason::kHandshake;
+  }
+  return RefusalReason::kPreface;
+}
+
+}  // namespace
+
+std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
+                                                    const std::string& source) {
+  auto accepted = DirectLink::Accept(fd, ctx_, options_.handshake_timeout, wake_pipe_[0]);
+  std::unique_ptr<DirectLink> link;
+  std::optional<std::string> line;
+  bool unauthorized = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto watch = unauthenticated_fds_.find(id);
+    if (watch != unauthenticated_fds_.end()) {
+      ::close(watch->second);
+      unauthenticated_fds_.erase(watch);
+    }
+    if (stopping_) {
+      // Shutting down: nothing to count.
+    } else if (!accepted.ok()) {
+      // An evicted connection was counted when it was closed.
+      if (!admission_.evicted(id)) {
+        line = RefusedLocked(ReasonOf(accepted.status()), source, accepted.status().message());
+        unauthorized = accepted.status().code() == absl::StatusCode::kUnauthenticated;
+      }
+    } else if (admission_.Authenticate(id)) {
+      link = *std::move(accepted);
       ++accepted_;
       if (accepted_metric_ != nullptr) accepted_metric_->Increment();
       links_[id] = link.get();
     }
   }
+  if (line.has_value()) LogWarning(*line);
+  if (unauthorized) activations_->CountUnauthorizedStream();
+  return link;
+}
+
+void DirectServer::Serve(uint64_t id, int fd, const std::string& source) {
+  std::unique_ptr<DirectLink> link = Handshake(id, fd, source);
   std::shared_ptr<Session> session;
   if (link != nullptr) {
     std::string why;
     session = Join(id, link.get(), &why);
     if (session == nullptr) {
-      LogWarning("direct transport: refused a connection from ",
-                 link->peer_name().value_or("a plaintext peer"), ": ", why);
+      std::optional<std::string> line;
+      {
+        absl::MutexLock lock(&mu_);
+        line =
+            RefusedLocked(RefusalReason::kSession, source,
+                          absl::StrCat(link->peer_name().value_or("a plaintext peer"), ": ", why));
+      }
+      if (line.has_value()) LogWarning(*line);
     } else if (absl::Status s = link->Welcome(); !s.ok()) {
       Leave(id, link.get(), session);
       session.reset();
@@ -212,6 +303,7 @@ void DirectServer::Serve(uint64_t id, int fd) {
   }
   link.reset();  // closes the socket before the slot is given back
   absl::MutexLock lock(&mu_);
+  admission_.Closed(id);
   --open_;
   if (open_metric_ != nullptr) open_metric_->Set(open_);
   finished_.push_back(id);
@@ -237,8 +329,6 @@ std::shared_ptr<DirectServer::Session> DirectServer::Join(uint64_t id, DirectLin
                               hello.session, " conflicts (", session->stripes,
                               " stripes, joined mask ", session->joined, ")");
     if (session->links.empty() && session->joined == 0) sessions_.erase(key);
-    ++refused_;
-    if (refused_metric_ != nullptr) refused_metric_->Increment();
     return nullptr;
   }
   session->joined |= bit;

@@ -8,9 +8,13 @@
 //
 // A connection must complete its TLS handshake (a worker certificate from the
 // cluster CA when the server has TLS) and send the preface within
-// `handshake_timeout`; a frame's bytes must keep coming (no `io_timeout`
-// without progress); malformed framing, a sender its certificate does not
-// name, or too many connections end the connection. Thread-safe.
+// `handshake_timeout`; until then it counts against the limits on
+// unauthenticated connections (connection_admission.h), which keep room for
+// authenticated peers whatever a flood of unauthenticated ones does. A
+// frame's bytes must keep coming (no `io_timeout` without progress);
+// malformed framing, a sender its certificate does not name, or too many
+// connections end the connection. Refusals are counted by reason and logged
+// as rate-limited summaries. Thread-safe.
 #ifndef DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
 #define DETOUR_WORKER_TRANSPORT_DIRECT_SERVER_H_
 
@@ -29,6 +33,7 @@
 #include "common/net/address.h"
 #include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
+#include "worker/transport/connection_admission.h"
 #include "worker/transport/direct_link.h"
 
 namespace detour {
@@ -57,9 +62,15 @@ absl::Status ReadDirectFrames(DirectLink* link, SharedTensorAssembler* shared,
 struct DirectServerOptions {
   HostPort listen;  // port 0 picks a free one
   TransportSecurity security;
-  // Connections open at once (each holds a thread); more are closed at once.
-  int max_connections = 512;
-  absl::Duration handshake_timeout = absl::Seconds(10);
+  // Connections open at once (each holds a thread), and how many of them may
+  // be unauthenticated, in all and per source address; beyond them the
+  // oldest unauthenticated connection of the busiest source is closed, or
+  // the new one is refused (ConnectionAdmission).
+  AdmissionLimits admission;
+  // TLS handshake, preface and hello within this.
+  absl::Duration handshake_timeout = absl::Seconds(5);
+  // Refusals beyond the first are logged as one summary per interval.
+  absl::Duration refusal_log_interval = absl::Seconds(10);
   absl::Duration io_timeout = absl::Seconds(60);
   // Optional; connection counters and the open-connection gauge go here.
   metrics::Registry* metrics = nullptr;
@@ -89,9 +100,11 @@ class DirectServer {
 
   struct Stats {
     uint64_t accepted = 0;  // connections that completed the handshake
-    uint64_t refused = 0;   // failed handshakes, over the limit, bad preface
-    int open = 0;           // connections now
-    int sessions = 0;       // senders' sessions now (one or more stripes each)
+    uint64_t refused = 0;   // failed handshakes, over the limits, bad preface
+    uint64_t refused_by_reason[kRefusalReasons] = {};  // by RefusalReason
+    int open = 0;                                      // connections now
+    int unauthenticated = 0;  // of them, not yet through handshake and hello
+    int sessions = 0;         // senders' sessions now (one or more stripes each)
   };
   Stats stats() const;
 
@@ -115,7 +128,16 @@ class DirectServer {
   using SessionKey = std::pair<std::string, uint64_t>;  // peer identity, session id
 
   void AcceptLoop();
-  void Serve(uint64_t id, int fd);
+  // Accepts one connection from the listening socket, or refuses it.
+  void AcceptOne();
+  void Serve(uint64_t id, int fd, const std::string& source);
+  // The handshake, preface and hello of connection `id`; the link when it
+  // is admitted as authenticated, null when refused (counted and logged).
+  std::unique_ptr<DirectLink> Handshake(uint64_t id, int fd, const std::string& source);
+  // Counts a refusal; the line to log (after the lock), if any.
+  std::optional<std::string> RefusedLocked(RefusalReason reason, absl::string_view source,
+                                           absl::string_view detail)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds an accepted connection to its session (by its certificate name and
   // hello); null and why when refused (a stripe twice, a stripe count that
   // disagrees, a session that already ended).
@@ -141,9 +163,16 @@ class DirectServer {
   int open_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t refused_by_reason_[kRefusalReasons] ABSL_GUARDED_BY(mu_) = {};
+  ConnectionAdmission admission_ ABSL_GUARDED_BY(mu_);
+  RefusalLog refusal_log_ ABSL_GUARDED_BY(mu_);
+  // A duplicate of each unauthenticated connection's socket, open until its
+  // thread is done with the handshake: shutting it down closes the
+  // connection (eviction) without racing the thread's close of its own.
+  std::map<uint64_t, int> unauthenticated_fds_ ABSL_GUARDED_BY(mu_);
   std::thread acceptor_;
   metrics::Counter* accepted_metric_ = nullptr;
-  metrics::Counter* refused_metric_ = nullptr;
+  metrics::Counter* refused_metric_[kRefusalReasons] = {};
   metrics::Gauge* open_metric_ = nullptr;
 };
 

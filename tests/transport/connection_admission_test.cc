@@ -1,0 +1,383 @@
+// Admission control of the direct transport (connection_admission.h,
+// direct_server.h): the book-keeping on its own, then a flood of
+// unauthenticated TCP connections from other loopback addresses against a
+// real DirectServer, plaintext and TLS: a legitimate peer still connects and
+// its tensors arrive, the flood's connections are closed within the
+// handshake deadline, the limits hold throughout, and the log stays a few
+// summary lines.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/transport/recording_sink.h"
+#include "tests/transport/test_certs.h"
+#include "worker/transport/activation_server.h"
+#include "worker/transport/connection_admission.h"
+#include "worker/transport/direct_server.h"
+#include "worker/transport/peer_sender.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+// --- the book-keeping ---------------------------------------------------------
+
+AdmissionLimits SmallLimits() {
+  AdmissionLimits l;
+  l.max_connections = 10;
+  l.max_unauthenticated = 4;
+  l.max_unauthenticated_per_source = 2;
+  return l;
+}
+
+TEST(ConnectionAdmissionTest, OneSourceHoldsAtMostItsShare) {
+  ConnectionAdmission a(SmallLimits());
+  EXPECT_TRUE(a.Arrive(1, "10.0.0.1").admit);
+  EXPECT_TRUE(a.Arrive(2, "10.0.0.1").admit);
+  const ConnectionAdmission::Verdict third = a.Arrive(3, "10.0.0.1");
+  EXPECT_FALSE(third.admit);
+  EXPECT_EQ(third.reason, RefusalReason::kSourceLimit);
+  EXPECT_TRUE(a.Arrive(4, "10.0.0.2").admit);  // another source is not affected
+  EXPECT_EQ(a.unauthenticated(), 3);
+  // Once one authenticates, its source may start another.
+  EXPECT_TRUE(a.Authenticate(1));
+  EXPECT_TRUE(a.Arrive(5, "10.0.0.1").admit);
+  EXPECT_EQ(a.authenticated(), 1);
+}
+
+TEST(ConnectionAdmissionTest, WhenFullTheOldestOfTheBusiestSourceMakesRoom) {
+  ConnectionAdmission a(SmallLimits());
+  ASSERT_TRUE(a.Arrive(1, "peer").admit);  // the oldest, but its source has one
+  ASSERT_TRUE(a.Arrive(2, "flood").admit);
+  ASSERT_TRUE(a.Arrive(3, "flood").admit);
+  ASSERT_TRUE(a.Arrive(4, "other").admit);
+  const ConnectionAdmission::Verdict v = a.Arrive(5, "new");
+  EXPECT_TRUE(v.admit);
+  ASSERT_TRUE(v.evict.has_value());
+  EXPECT_EQ(*v.evict, 2u);  // flood's oldest, not the peer's older one
+  EXPECT_TRUE(a.evicted(2));
+  EXPECT_FALSE(a.Authenticate(2));  // an evicted one that finishes is still out
+  EXPECT_EQ(a.unauthenticated(), 4);
+  EXPECT_EQ(a.closing(), 1);
+  EXPECT_EQ(a.open(), 5);  // counted until its thread ends
+  EXPECT_TRUE(a.Closed(2));
+  EXPECT_FALSE(a.Closed(1));
+  EXPECT_EQ(a.open(), 3);
+}
+
+TEST(ConnectionAdmissionTest, AuthenticatedConnectionsKeepTheirRoom) {
+  ConnectionAdmission a(SmallLimits());
+  uint64_t id = 0;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(a.Arrive(++id, absl::StrCat("10.0.1.", i)).admit);
+    ASSERT_TRUE(a.Authenticate(id));
+  }
+  // Unauthenticated ones fill only their own share...
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(a.Arrive(++id, absl::StrCat("10.0.2.", i)).admit);
+  EXPECT_EQ(a.open(), 10);
+  // ...and at the limit a newcomer displaces one of them, never an
+  // authenticated connection.
+  const ConnectionAdmission::Verdict v = a.Arrive(++id, "10.0.3.1");
+  EXPECT_TRUE(v.admit);
+  ASSERT_TRUE(v.evict.has_value());
+  EXPECT_GT(*v.evict, 6u);
+  EXPECT_EQ(a.authenticated(), 6);
+  // With every slot authenticated, a newcomer is refused.
+  ConnectionAdmission b(SmallLimits());
+  for (uint64_t i = 1; i <= 10; ++i) {
+    ASSERT_TRUE(b.Arrive(i, absl::StrCat("10.0.4.", i)).admit);
+    ASSERT_TRUE(b.Authenticate(i));
+  }
+  const ConnectionAdmission::Verdict full = b.Arrive(11, "10.0.5.1");
+  EXPECT_FALSE(full.admit);
+  EXPECT_EQ(full.reason, RefusalReason::kConnectionLimit);
+}
+
+TEST(ConnectionAdmissionTest, EvictedConnectionsStillClosingAreBounded) {
+  ConnectionAdmission a(SmallLimits());
+  uint64_t id = 0;
+  int evicted = 0;
+  int refused = 0;
+  // Evicted connections whose threads never end: after max_unauthenticated
+  // of them newcomers are refused instead of evicting more.
+  for (int i = 0; i < 20; ++i) {
+    const ConnectionAdmission::Verdict v = a.Arrive(++id, absl::StrCat("10.9.0.", i));
+    if (v.evict.has_value()) ++evicted;
+    if (!v.admit) {
+      ++refused;
+      EXPECT_EQ(v.reason, RefusalReason::kUnauthenticatedLimit);
+    }
+  }
+  EXPECT_EQ(evicted, 4);
+  EXPECT_EQ(refused, 12);
+  EXPECT_EQ(a.closing(), 4);
+  EXPECT_LE(a.open(), 10);
+}
+
+TEST(ConnectionAdmissionTest, SourcesAreAddressesAndIpv6Slash64s) {
+  sockaddr_in v4{};
+  v4.sin_family = AF_INET;
+  v4.sin_port = htons(5555);
+  ASSERT_EQ(::inet_pton(AF_INET, "10.1.2.3", &v4.sin_addr), 1);
+  EXPECT_EQ(ConnectionSource(reinterpret_cast<sockaddr*>(&v4)), "10.1.2.3");
+  sockaddr_in6 v6{};
+  v6.sin6_family = AF_INET6;
+  ASSERT_EQ(::inet_pton(AF_INET6, "2001:db8:1:2:aaaa:bbbb:cccc:dddd", &v6.sin6_addr), 1);
+  EXPECT_EQ(ConnectionSource(reinterpret_cast<sockaddr*>(&v6)), "2001:db8:1:2::/64");
+  ASSERT_EQ(::inet_pton(AF_INET6, "::ffff:10.1.2.3", &v6.sin6_addr), 1);
+  EXPECT_EQ(ConnectionSource(reinterpret_cast<sockaddr*>(&v6)), "10.1.2.3");
+}
+
+TEST(RefusalLogTest, TheFirstIsLoggedAtOnceTheRestAsOneSummaryPerInterval) {
+  RefusalLog log(absl::Seconds(10));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::optional<std::string> first =
+      log.Note(RefusalReason::kHandshake, "10.0.0.9", "TLS handshake: failed: unknown ca", t0);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_THAT(*first, HasSubstr("10.0.0.9 (handshake): TLS handshake: failed: unknown ca"));
+  for (int i = 0; i < 1000; ++i) {
+    EXPECT_FALSE(log.Note(i % 2 ? RefusalReason::kSourceLimit : RefusalReason::kDeadline,
+                          absl::StrCat("10.0.", i % 100, ".1"), "detail", t0 + absl::Seconds(1))
+                     .has_value());
+  }
+  EXPECT_FALSE(log.Flush(t0 + absl::Seconds(5)).has_value());  // not yet an interval
+  std::optional<std::string> summary = log.Flush(t0 + absl::Seconds(10));
+  ASSERT_TRUE(summary.has_value());
+  EXPECT_THAT(*summary, HasSubstr("refused 1000 connections in the last 10s"));
+  EXPECT_THAT(*summary, HasSubstr("source_limit 500"));
+  EXPECT_THAT(*summary, HasSubstr("deadline 500"));
+  EXPECT_THAT(*summary, HasSubstr("most from "));
+  EXPECT_LT(summary->size(), 600u);                             // bounded whatever the sources
+  EXPECT_FALSE(log.Flush(t0 + absl::Seconds(30)).has_value());  // nothing new
+  // After a quiet interval the next refusal is logged at once again.
+  EXPECT_TRUE(
+      log.Note(RefusalReason::kPreface, "10.0.0.9", "x", t0 + absl::Seconds(31)).has_value());
+}
+
+// --- a flood against a real server -------------------------------------------
+
+// A non-blocking TCP connection to 127.0.0.1:port from `source` (another
+// loopback address); -1 when the system refuses (the flood just goes on).
+int ConnectFrom(const std::string& source, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &local.sin_addr);
+  sockaddr_in remote{};
+  remote.sin_family = AF_INET;
+  remote.sin_port = htons(static_cast<uint16_t>(port));
+  remote.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0 ||
+      (::connect(fd, reinterpret_cast<sockaddr*>(&remote), sizeof(remote)) != 0 &&
+       errno != EINPROGRESS)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// True once the server closed `fd` (EOF or reset), false if `limit` passes.
+bool ClosedWithin(int fd, absl::Duration limit) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  timeval tv{static_cast<time_t>(absl::ToInt64Seconds(limit)), 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buffer[256];
+  const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+  return n == 0 || (n < 0 && (errno == ECONNRESET || errno == ECONNREFUSED));
+}
+
+class ConnectionFloodTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ConnectionFloodTest, APeerStillConnectsAndTheFloodIsClosedAndLoggedInSummaries) {
+  const bool tls = GetParam();
+  RecordingSink sink;
+  ActivationServerOptions ao;
+  ao.require_peer_certificates = tls;
+  ActivationServer activations(&sink, ao);
+  DirectServerOptions d;
+  d.listen = HostPort{"127.0.0.1", 0};
+  d.admission.max_connections = 48;
+  d.admission.max_unauthenticated = 16;
+  d.admission.max_unauthenticated_per_source = 4;
+  d.handshake_timeout = absl::Seconds(2);
+  d.refusal_log_interval = absl::Seconds(1);
+  if (tls) d.security = TestCerts().Load("w2");
+
+  ::testing::internal::CaptureStderr();
+  const absl::Time start = absl::Now();
+  auto started = DirectServer::Start(&activations, d);
+  ASSERT_TRUE(started.ok()) << started.status();
+  DirectServer& server = **started;
+
+  // The flood: 100 addresses (127.0.0.2..101), three silent connections from
+  // each in turn, one every millisecond; the client side keeps the newest
+  // 300 open. It runs until the peer below has sent its tensors.
+  std::atomic<bool> stop{false};
+  std::atomic<int> opened{0};
+  std::atomic<int> worst_open{0}, worst_unauthenticated{0};
+  std::thread flood([&] {
+    std::deque<int> held;
+    for (int round = 0; !stop.load(); ++round) {
+      const std::string source = absl::StrCat("127.0.0.", 2 + (round / 3) % 100);
+      const int fd = ConnectFrom(source, server.port());
+      if (fd >= 0) {
+        held.push_back(fd);
+        opened.fetch_add(1);
+      }
+      if (held.size() > 300) {
+        ::close(held.front());
+        held.pop_front();
+      }
+      const DirectServer::Stats s = server.stats();
+      worst_open.store(std::max(worst_open.load(), s.open));
+      worst_unauthenticated.store(std::max(worst_unauthenticated.load(), s.unauthenticated));
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    for (int fd : held) ::close(fd);
+  });
+  // Let it fill every unauthenticated slot first.
+  const absl::Time fill_deadline = absl::Now() + absl::Seconds(60);
+  while (opened.load() < 200 && absl::Now() < fill_deadline) absl::SleepFor(absl::Milliseconds(5));
+
+  PeerSenderOptions o;
+  o.direct_address = absl::StrCat("127.0.0.1:", server.port());
+  o.peer_name = "w2";
+  o.connect_timeout = absl::Seconds(30);
+  if (tls) o.security = TestCerts().Load("w1");
+  PeerSender sender("w2", o);
+  std::vector<absl::Status> results;
+  for (uint32_t microbatch = 0; microbatch < 3; ++microbatch) {
+    auto data = std::make_shared<std::vector<char>>(size_t{64} << 10, char(microbatch));
+    v1::FrameHeader h;
+    h.set_job_id("job-1");
+    h.set_iteration(3);
+    h.set_microbatch(microbatch);
+    h.set_direction(v1::DIRECTION_FORWARD);
+    h.set_sender("w1");
+    h.set_hop(1);
+    h.add_shape((64 << 10) / 4);
+    h.set_dtype(v1::DTYPE_FP32);
+    TensorView view;
+    view.data = data->data();
+    view.bytes = data->size();
+    view.keepalive = data;
+    absl::Notification done;
+    absl::Status result;
+    sender.Send(std::move(h), std::move(view), [&](absl::Status s, double) {
+      result = s;
+      done.Notify();
+    });
+    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    results.push_back(result);
+  }
+  // The flood goes on a little while the peer's connection stays open.
+  absl::SleepFor(absl::Seconds(1));
+  stop.store(true);
+  flood.join();
+
+  for (const absl::Status& s : results) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(sink.received().size(), 3u);
+  EXPECT_GE(opened.load(), 200);
+  EXPECT_LE(worst_open.load(), d.admission.max_connections);
+  EXPECT_LE(worst_unauthenticated.load(), d.admission.max_unauthenticated);
+
+  // A silent connection from a new address is closed by the handshake
+  // deadline (2 s; 20 s allowed), and so is every flood connection.
+  const int silent = ConnectFrom("127.0.0.250", server.port());
+  ASSERT_GE(silent, 0);
+  EXPECT_TRUE(ClosedWithin(silent, absl::Seconds(20)));
+  ::close(silent);
+  const absl::Time settle = absl::Now() + absl::Seconds(20);
+  while ((server.stats().unauthenticated > 0 || server.stats().open > 1) && absl::Now() < settle) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const DirectServer::Stats stats = server.stats();
+  EXPECT_EQ(stats.unauthenticated, 0);
+  EXPECT_EQ(stats.open, 1);  // the peer's connection, still idle and open
+  EXPECT_GE(stats.refused, 100u);
+  EXPECT_GT(stats.refused_by_reason[static_cast<int>(RefusalReason::kUnauthenticatedLimit)], 0u);
+  EXPECT_GT(stats.refused_by_reason[static_cast<int>(RefusalReason::kDeadline)], 0u);
+  // Sources that send three at a time against a cap of four are never
+  // refused by source; the peer was not refused at all.
+  EXPECT_EQ(stats.refused_by_reason[static_cast<int>(RefusalReason::kSourceLimit)], 0u);
+  sender.Close();
+  server.Shutdown();
+  const absl::Duration elapsed = absl::Now() - start;
+  const std::string log = ::testing::internal::GetCapturedStderr();
+
+  // One line at the first refusal, then one summary per second at most.
+  int lines = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "direct transport: refused")) ++lines;
+  }
+  EXPECT_GE(lines, 2);
+  EXPECT_LE(lines, 3 + absl::ToInt64Seconds(elapsed));
+  EXPECT_LT(static_cast<uint64_t>(lines) * 10, stats.refused);
+  EXPECT_THAT(log, HasSubstr("unauthenticated_limit"));
+  std::printf("flood: %d connections opened, %llu refused, %d log lines in %s\n", opened.load(),
+              static_cast<unsigned long long>(stats.refused), lines,
+              absl::FormatDuration(elapsed).c_str());
+}
+
+TEST_P(ConnectionFloodTest, OneSourceIsRefusedBeyondItsShare) {
+  const bool tls = GetParam();
+  RecordingSink sink;
+  ActivationServerOptions ao;
+  ao.require_peer_certificates = tls;
+  ActivationServer activations(&sink, ao);
+  DirectServerOptions d;
+  d.listen = HostPort{"127.0.0.1", 0};
+  d.admission.max_unauthenticated_per_source = 4;
+  d.handshake_timeout = absl::Seconds(2);
+  if (tls) d.security = TestCerts().Load("w2");
+  auto started = DirectServer::Start(&activations, d);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::vector<int> fds;
+  for (int i = 0; i < 40; ++i) {
+    const int fd = ConnectFrom("127.0.0.3", (*started)->port());
+    if (fd >= 0) fds.push_back(fd);
+  }
+  // At most 4 are held, until the handshake deadline; the others are closed
+  // at once. Every one is closed in the end (2 s deadline; 20 s allowed).
+  for (int fd : fds) {
+    EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(20)));
+    ::close(fd);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((*started)->stats().open > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const DirectServer::Stats s = (*started)->stats();
+  const uint64_t by_source = s.refused_by_reason[static_cast<int>(RefusalReason::kSourceLimit)];
+  EXPECT_GE(by_source, 20u);  // 36 unless the machine is very slow to accept
+  EXPECT_EQ(by_source + s.refused_by_reason[static_cast<int>(RefusalReason::kDeadline)],
+            fds.size());
+  EXPECT_EQ(s.accepted, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(PlaintextAndTls, ConnectionFloodTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Tls" : "Plaintext";
+                         });
+
+}  // namespace
+}  // namespace detour

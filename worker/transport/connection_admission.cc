@@ -1,0 +1,169 @@
+#include "worker/transport/connection_admission.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace detour {
+
+const char* RefusalReasonLabel(RefusalReason reason) {
+  switch (reason) {
+    case RefusalReason::kSourceLimit: return "source_limit";
+    case RefusalReason::kUnauthenticatedLimit: return "unauthenticated_limit";
+    case RefusalReason::kConnectionLimit: return "connection_limit";
+    case RefusalReason::kDeadline: return "deadline";
+    case RefusalReason::kHandshake: return "handshake";
+    case RefusalReason::kIdentity: return "identity";
+    case RefusalReason::kPreface: return "preface";
+    case RefusalReason::kSession: return "session";
+  }
+  return "unknown";
+}
+
+std::string ConnectionSource(const sockaddr* address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address == nullptr) return "unknown";
+  if (address->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(address);
+    if (::inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) == nullptr) return "unknown";
+    return text;
+  }
+  if (address->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(address);
+    if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
+      in_addr v4;
+      std::memcpy(&v4, &in6->sin6_addr.s6_addr[12], sizeof(v4));
+      if (::inet_ntop(AF_INET, &v4, text, sizeof(text)) == nullptr) return "unknown";
+      return text;
+    }
+    // One host usually holds a whole /64: count them together.
+    in6_addr prefix = in6->sin6_addr;
+    std::memset(&prefix.s6_addr[8], 0, 8);
+    if (::inet_ntop(AF_INET6, &prefix, text, sizeof(text)) == nullptr) return "unknown";
+    return absl::StrCat(text, "/64");
+  }
+  return "unknown";
+}
+
+ConnectionAdmission::ConnectionAdmission(AdmissionLimits limits) : limits_(limits) {}
+
+ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std::string& source) {
+  Verdict verdict;
+  auto from_source = per_source_.find(source);
+  if (from_source != per_source_.end() &&
+      from_source->second >= limits_.max_unauthenticated_per_source) {
+    verdict.reason = RefusalReason::kSourceLimit;
+    return verdict;
+  }
+  const bool full =
+      unauthenticated() >= limits_.max_unauthenticated || open() >= limits_.max_connections;
+  if (full) {
+    // Room is made only from unauthenticated connections, and only while
+    // the evicted ones (whose threads are ending) stay bounded.
+    if (pending_.empty()) {
+      verdict.reason = RefusalReason::kConnectionLimit;
+      return verdict;
+    }
+    if (closing() >= limits_.max_unauthenticated) {
+      verdict.reason = RefusalReason::kUnauthenticatedLimit;
+      return verdict;
+    }
+    const uint64_t victim = Victim();
+    auto it = pending_.find(victim);
+    if (--per_source_[it->second] == 0) per_source_.erase(it->second);
+    pending_.erase(it);
+    closing_.insert(victim);
+    verdict.evict = victim;
+  }
+  pending_[id] = source;
+  ++per_source_[source];
+  verdict.admit = true;
+  return verdict;
+}
+
+uint64_t ConnectionAdmission::Victim() const {
+  int most = 0;
+  for (const auto& [source, count] : per_source_) most = std::max(most, count);
+  for (const auto& [id, source] : pending_) {  // oldest first
+    if (per_source_.at(source) == most) return id;
+  }
+  return pending_.begin()->first;
+}
+
+bool ConnectionAdmission::Authenticate(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return false;
+  if (--per_source_[it->second] == 0) per_source_.erase(it->second);
+  pending_.erase(it);
+  authenticated_ids_.insert(id);
+  ++authenticated_;
+  return true;
+}
+
+bool ConnectionAdmission::Closed(uint64_t id) {
+  if (closing_.erase(id) > 0) return true;
+  if (authenticated_ids_.erase(id) > 0) {
+    --authenticated_;
+    return false;
+  }
+  auto it = pending_.find(id);
+  if (it != pending_.end()) {
+    if (--per_source_[it->second] == 0) per_source_.erase(it->second);
+    pending_.erase(it);
+  }
+  return false;
+}
+
+std::optional<std::string> RefusalLog::Note(RefusalReason reason, absl::string_view source,
+                                            absl::string_view detail, absl::Time now) {
+  const bool quiet = total_ == 0 && now - last_line_ >= interval_;
+  if (quiet) {
+    last_line_ = now;
+    return absl::StrCat(
+        "direct transport: refused a connection from ", source, " (", RefusalReasonLabel(reason),
+        "): ", detail, "; further refusals are summarised every ", absl::FormatDuration(interval_));
+  }
+  ++counts_[static_cast<int>(reason)];
+  ++total_;
+  std::string key(source);
+  if (sources_.count(key) == 0 && sources_.size() >= kMaxSources) key = "other";
+  ++sources_[key];
+  last_detail_ = absl::StrCat(source, " (", RefusalReasonLabel(reason), "): ", detail);
+  return std::nullopt;
+}
+
+std::optional<std::string> RefusalLog::Flush(absl::Time now) {
+  if (total_ == 0 || now - last_line_ < interval_) return std::nullopt;
+  std::vector<std::string> reasons;
+  for (int r = 0; r < kRefusalReasons; ++r) {
+    if (counts_[r] == 0) continue;
+    reasons.push_back(
+        absl::StrCat(RefusalReasonLabel(static_cast<RefusalReason>(r)), " ", counts_[r]));
+  }
+  std::vector<std::pair<uint64_t, std::string>> by_count;
+  for (const auto& [source, count] : sources_) by_count.emplace_back(count, source);
+  std::sort(by_count.begin(), by_count.end(), std::greater<>());
+  if (by_count.size() > 3) by_count.resize(3);
+  std::vector<std::string> top;
+  for (const auto& [count, source] : by_count) top.push_back(absl::StrCat(source, " ", count));
+  std::string line = absl::StrCat(
+      "direct transport: refused ", total_, " connection", total_ == 1 ? "" : "s", " in the last ",
+      absl::FormatDuration(now - last_line_), " (", absl::StrJoin(reasons, ", "), "); most from ",
+      absl::StrJoin(top, ", "), "; the last: ", last_detail_);
+  last_line_ = now;
+  total_ = 0;
+  std::fill(std::begin(counts_), std::end(counts_), 0);
+  sources_.clear();
+  last_detail_.clear();
+  return line;
+}
+
+}  // namespace detour

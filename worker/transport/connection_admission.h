@@ -1,0 +1,130 @@
+// Which connections the direct transport's server (direct_server.h) lets in,
+// and how it reports the ones it refuses. Pure book-keeping, no sockets: the
+// server calls it under its lock, and tests drive it directly.
+//
+// A connection is *unauthenticated* from accept until it has completed its
+// TLS handshake (a verified worker certificate), the preface and the hello;
+// then it is *authenticated*. Unauthenticated connections are bounded in
+// total (well below the overall limit, so authenticated peers always find
+// room) and per source address (an IPv4 address, an IPv6 /64), so that one
+// host flooding the port holds a few slots at most and many hosts flooding
+// it displace each other, oldest first, rather than the peers that finish
+// their handshake.
+#ifndef DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
+#define DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+struct sockaddr;
+
+namespace detour {
+
+// Why a connection was refused or closed before it carried frames: the
+// `reason` label of detour_worker_direct_connections_refused_total.
+enum class RefusalReason {
+  kSourceLimit,           // its source already had the most unauthenticated ones allowed
+  kUnauthenticatedLimit,  // closed (the oldest of the busiest source) to make room
+  kConnectionLimit,       // every slot is held by authenticated connections
+  kDeadline,              // TLS handshake, preface and hello not done within the deadline
+  kHandshake,             // TLS failed: no certificate, another CA, plaintext against TLS
+  kIdentity,              // a verified certificate that is not a worker's
+  kPreface,               // not the detour preface or hello (another protocol, v1)
+  kSession,               // a stripe that conflicts with its session
+};
+inline constexpr int kRefusalReasons = 8;
+// "source_limit", "unauthenticated_limit", ...
+const char* RefusalReasonLabel(RefusalReason reason);
+
+struct AdmissionLimits {
+  // Connections open at once, unauthenticated ones included (each holds a
+  // thread).
+  int max_connections = 512;
+  // Unauthenticated connections at once; the rest of max_connections is kept
+  // for authenticated ones.
+  int max_unauthenticated = 64;
+  // Unauthenticated connections from one source address at once.
+  int max_unauthenticated_per_source = 8;
+};
+
+// The source a connection is counted against: the IPv4 address ("10.0.0.7"),
+// the /64 of an IPv6 one ("2001:db8:1:2::/64"; an IPv4-mapped address counts
+// as IPv4), "unknown" for anything else.
+std::string ConnectionSource(const sockaddr* address);
+
+// Not thread-safe.
+class ConnectionAdmission {
+ public:
+  explicit ConnectionAdmission(AdmissionLimits limits);
+
+  struct Verdict {
+    bool admit = false;
+    RefusalReason reason = RefusalReason::kConnectionLimit;  // when !admit
+    // A connection to close now to make room for this one (counted as
+    // kUnauthenticatedLimit); it stays counted until Closed.
+    std::optional<uint64_t> evict;
+  };
+  // A new connection `id` (ids increase with time) from `source`.
+  Verdict Arrive(uint64_t id, const std::string& source);
+  // `id` completed its handshake, preface and hello. False when it was
+  // evicted meanwhile (the caller closes it).
+  bool Authenticate(uint64_t id);
+  // `id` ended. True when it had been evicted (already counted as refused).
+  bool Closed(uint64_t id);
+  // Whether `id` was evicted and has not ended yet.
+  bool evicted(uint64_t id) const { return closing_.count(id) > 0; }
+
+  int open() const {
+    return unauthenticated() + authenticated_ + static_cast<int>(closing_.size());
+  }
+  int unauthenticated() const { return static_cast<int>(pending_.size()); }
+  int authenticated() const { return authenticated_; }
+  int closing() const { return static_cast<int>(closing_.size()); }
+  const AdmissionLimits& limits() const { return limits_; }
+
+ private:
+  // The oldest unauthenticated connection of the source with the most of them.
+  uint64_t Victim() const;
+
+  const AdmissionLimits limits_;
+  std::map<uint64_t, std::string> pending_;  // id -> source, oldest first
+  std::map<std::string, int> per_source_;    // unauthenticated connections by source
+  std::set<uint64_t> authenticated_ids_;
+  int authenticated_ = 0;
+  // Evicted, not yet closed by their threads; at most max_unauthenticated.
+  std::set<uint64_t> closing_;
+};
+
+// Refusals as a few log lines: the first one after a quiet interval is
+// logged at once with its detail (a misconfigured peer shows up right away);
+// the rest are counted and summarised once per `interval` with counts by
+// reason and the sources refused most. Not thread-safe.
+class RefusalLog {
+ public:
+  explicit RefusalLog(absl::Duration interval) : interval_(interval) {}
+  // Counts a refusal; the line to log now, if any.
+  std::optional<std::string> Note(RefusalReason reason, absl::string_view source,
+                                  absl::string_view detail, absl::Time now);
+  // The summary of what was counted since the last line, once `interval` has
+  // passed since it.
+  std::optional<std::string> Flush(absl::Time now);
+
+ private:
+  const absl::Duration interval_;
+  absl::Time last_line_ = absl::InfinitePast();
+  uint64_t counts_[kRefusalReasons] = {};
+  uint64_t total_ = 0;
+  std::map<std::string, uint64_t> sources_;  // at most kMaxSources, then "other"
+  std::string last_detail_;
+  static constexpr size_t kMaxSources = 64;
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
