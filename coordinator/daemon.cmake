@@ -3,6 +3,7 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/client_auth.cc
   ${CMAKE_CURRENT_LIST_DIR}/control_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/coordinator.cc
+  ${CMAKE_CURRENT_LIST_DIR}/file_job_backend.cc
   ${CMAKE_CURRENT_LIST_DIR}/iteration_round.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_manager.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_metrics.cc

@@ -1,25 +1,18 @@
 #include "coordinator/job_store.h"
 
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <memory>
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
 #include "common/files.h"
 #include "common/log.h"
-#include "common/spec.h"
-#include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace detour {
 namespace {
 
-namespace fs = std::filesystem;
 using google::protobuf::util::TimeUtil;
 
 google::protobuf::Timestamp ToProto(absl::Time t) {
@@ -31,117 +24,63 @@ google::protobuf::Timestamp ToProto(absl::Time t) {
 JobStore::JobStore(std::string data_dir) : JobStore(std::move(data_dir), WriteFileAtomically) {}
 
 JobStore::JobStore(std::string data_dir, FileWriter writer)
-    : dir_((fs::path(data_dir) / "jobs").string()), writer_(std::move(writer)) {}
+    : JobStore(std::make_unique<FileJobBackend>(data_dir, std::move(writer))) {}
+
+JobStore::JobStore(std::unique_ptr<JobBackend> backend) : backend_(std::move(backend)) {}
 
 bool JobStore::IsFinal(v1::JobState state) {
   return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
          state == v1::JOB_STATE_CANCELLED;
 }
 
-namespace {
-
-// Renames `path` to the first free `<path>.corrupt[.N]`; returns the name
-// (or `path` when the rename fails: then it stays where it is).
-std::string KeepAside(const std::string& path) {
-  std::error_code ec;
-  for (int n = 0; n < 1000; ++n) {
-    const std::string aside = n == 0 ? path + ".corrupt" : absl::StrCat(path, ".corrupt.", n);
-    if (fs::exists(aside, ec)) continue;
-    fs::rename(path, aside, ec);
-    return ec ? path : aside;
-  }
-  return path;
-}
-
-}  // namespace
-
 absl::StatusOr<int> JobStore::Load() {
-  std::error_code ec;
-  fs::create_directories(dir_, ec);
-  if (ec) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot create job directory ", dir_, ": ", ec.message()));
-  }
-  int loaded = 0;
+  absl::MutexLock write(&write_mu_);
+  auto records = backend_->LoadAll();
+  if (!records.ok()) return records.status();
   absl::MutexLock lock(&mu_);
-  for (const auto& file : fs::directory_iterator(dir_, ec)) {
-    const std::string path = file.path().string();
-    if (file.path().extension() != ".json") continue;
-    // Numbering continues after every file, readable or not, so a new job
-    // never takes the name of one kept aside.
-    const std::string stem = file.path().stem().string();
-    uint64_t number = 0;
-    if (absl::StartsWith(stem, "job-") && absl::SimpleAtoi(stem.substr(4), &number)) {
-      next_number_ = std::max(next_number_, number + 1);
-    }
-    auto text = ReadFileToString(path);
-    v1::Job job;
-    google::protobuf::util::JsonParseOptions options;
-    options.ignore_unknown_fields = true;  // written by a newer version
-    std::string problem;
-    if (!text.ok()) {
-      problem = std::string(text.status().message());
-    } else if (auto status = google::protobuf::util::JsonStringToMessage(*text, &job, options);
-               !status.ok()) {
-      problem = std::string(status.message());
-    } else if (job.id() != stem) {
-      problem = absl::StrCat("it holds job id \"", job.id(), "\", not ", stem);
-    }
-    if (!problem.empty()) {
-      // Kept aside, never overwritten, never silently hiding another job.
-      const std::string aside = KeepAside(path);
-      LogWarning("job file ", path, " is unreadable (", problem, "); kept as ", aside);
-      continue;
-    }
-    jobs_[job.id()] = std::move(job);
-    ++loaded;
+  for (JobRecord& record : *records) {
+    const std::string id = record.job.id();
+    jobs_[id] = std::move(record);
   }
-  if (ec) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir_, ": ", ec.message()));
-  }
-  return loaded;
-}
-
-absl::Status JobStore::Persist(const v1::Job& job) const {
-  return writer_((fs::path(dir_) / (job.id() + ".json")).string(), ToJson(job));
+  return static_cast<int>(records->size());
 }
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,
                                          const std::string& message) {
   absl::MutexLock write(&write_mu_);
-  v1::Job job;
+  // Stored before it exists for anyone: a job the backend refused is not run.
+  auto record = backend_->Create([&](uint64_t number) {
+    v1::Job job;
+    job.set_id(absl::StrFormat("job-%06d", number));
+    *job.mutable_spec() = spec;
+    job.set_state(v1::JOB_STATE_PENDING);
+    job.set_message(message);
+    *job.mutable_create_time() = ToProto(now);
+    job.mutable_progress()->set_total_iterations(spec.iterations());
+    return job;
+  });
+  if (!record.ok()) return record.status();
   {
     absl::MutexLock lock(&mu_);
-    job.set_id(absl::StrFormat("job-%06d", next_number_));
+    jobs_[record->job.id()] = *record;
   }
-  *job.mutable_spec() = spec;
-  job.set_state(v1::JOB_STATE_PENDING);
-  job.set_message(message);
-  *job.mutable_create_time() = ToProto(now);
-  job.mutable_progress()->set_total_iterations(spec.iterations());
-  // Stored before it exists for anyone: a job the disk refused is not run.
-  if (absl::Status persisted = Persist(job); !persisted.ok()) return persisted;
-  {
-    absl::MutexLock lock(&mu_);
-    ++next_number_;
-    jobs_[job.id()] = job;
-  }
-  Notify(job);
-  return job;
+  Notify(record->job);
+  return record->job;
 }
 
 absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
-  return it->second;
+  return it->second.job;
 }
 
 std::vector<v1::Job> JobStore::List(v1::JobState state) const {
   std::vector<v1::Job> out;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, job] : jobs_) {
+    for (const auto& [id, record] : jobs_) {
+      const v1::Job& job = record.job;
       if (state == v1::JOB_STATE_UNSPECIFIED || job.state() == state) out.push_back(job);
     }
   }
@@ -160,7 +99,7 @@ JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_i
   auto it = after_id.empty() ? jobs_.end() : jobs_.lower_bound(after_id);
   while (it != jobs_.begin()) {
     --it;
-    const v1::Job& job = it->second;
+    const v1::Job& job = it->second.job;
     if (state != v1::JOB_STATE_UNSPECIFIED && job.state() != state) continue;
     if (page.jobs.size() >= std::max<size_t>(1, max_jobs)) {
       page.more = true;
@@ -180,30 +119,35 @@ JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_i
 
 absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
                                          const std::function<void(v1::Job*)>& mutate) {
-  // Writers take turns on the disk; readers (Get, List) never wait for it.
+  // Writers take turns on the backend; readers (Get, List) never wait for it.
   absl::MutexLock write(&write_mu_);
   v1::Job updated;
+  int64_t read_revision = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
-    updated = it->second;
+    updated = it->second.job;
+    read_revision = it->second.revision;
   }
   mutate(&updated);
   // An ended job has nothing left to wait for: no ETA, whichever path ended it.
   if (IsFinal(updated.state())) updated.mutable_progress()->clear_eta_s();
-  absl::Status persisted = Persist(updated);
+  absl::StatusOr<int64_t> written = backend_->Write(updated, read_revision);
   {
-    // Applied even when the disk refused it: the API must show what is true
-    // now (e.g. the job failing because its record cannot be written).
+    // Applied even when the backend refused it: the API must show what is
+    // true now (e.g. the job failing because its record cannot be written).
+    // The revision stays the one last stored.
     absl::MutexLock lock(&mu_);
-    jobs_[id] = updated;
+    JobRecord& record = jobs_[id];
+    record.job = updated;
+    if (written.ok()) record.revision = *written;
   }
   Notify(updated);
-  if (!persisted.ok()) {
-    LogError("job ", id, ": cannot write its record (", persisted.message(),
+  if (!written.ok()) {
+    LogError("job ", id, ": cannot write its record (", written.status().message(),
              "); the change is kept in memory only");
-    return persisted;
+    return written.status();
   }
   return updated;
 }
@@ -258,7 +202,7 @@ void JobStore::Notify(const v1::Job& job) {
 std::map<v1::JobState, int> JobStore::CountByState() const {
   std::map<v1::JobState, int> counts;
   absl::MutexLock lock(&mu_);
-  for (const auto& [id, job] : jobs_) ++counts[job.state()];
+  for (const auto& [id, record] : jobs_) ++counts[record.job.state()];
   return counts;
 }
 

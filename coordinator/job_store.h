@@ -1,18 +1,22 @@
-// Jobs the coordinator has accepted, persisted one JSON file per job under
-// <data_dir>/jobs/ so the job list survives a restart. Thread-safe. Listeners
-// are told about every change of a job (Watch streams use this).
+// Jobs the coordinator has accepted, persisted through a JobBackend so the
+// job list survives a restart: by default one JSON file per job under
+// <data_dir>/jobs/ (FileJobBackend). Thread-safe. Listeners are told about
+// every change of a job (Watch streams use this).
 #ifndef DETOUR_COORDINATOR_JOB_STORE_H_
 #define DETOUR_COORDINATOR_JOB_STORE_H_
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/file_job_backend.h"
+#include "coordinator/job_backend.h"
 #include "detour/v1/job_service.pb.h"
 
 namespace detour {
@@ -21,17 +25,18 @@ class JobStore {
  public:
   using Listener = std::function<void(const v1::Job&)>;
 
-  // Writes one record file durably; WriteFileAtomically (common/files.h)
-  // unless a test passes its own.
-  using FileWriter =
-      std::function<absl::Status(const std::string& path, const std::string& content)>;
+  using FileWriter = FileJobBackend::FileWriter;
 
-  // `data_dir` is created if missing; jobs live in <data_dir>/jobs.
+  // Files: `data_dir` is created if missing; jobs live in <data_dir>/jobs.
   explicit JobStore(std::string data_dir);
   JobStore(std::string data_dir, FileWriter writer);
+  // Any backend (not null).
+  explicit JobStore(std::unique_ptr<JobBackend> backend);
 
-  // Reads every stored job. Unreadable files are reported and skipped, never
-  // deleted. Returns how many jobs were loaded.
+  const JobBackend& backend() const { return *backend_; }
+
+  // Reads every stored job. Unreadable records are reported and skipped,
+  // never deleted. Returns how many jobs were loaded.
   absl::StatusOr<int> Load();
 
   // Stores a new PENDING job for an already validated spec.
@@ -58,8 +63,9 @@ class JobStore {
   absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now);
 
   // Applies `mutate` to a stored job, persists it and tells listeners. When
-  // the disk refuses the write (full: RESOURCE_EXHAUSTED) the change still
-  // takes effect in memory, is logged, and the error is returned.
+  // the backend refuses the write (a full disk: RESOURCE_EXHAUSTED; the
+  // record changed since it was read: ABORTED) the change still takes effect
+  // in memory, is logged, and the error is returned.
   absl::StatusOr<v1::Job> Update(const std::string& id,
                                  const std::function<void(v1::Job*)>& mutate);
 
@@ -75,16 +81,15 @@ class JobStore {
   static bool IsFinal(v1::JobState state);
 
  private:
-  absl::Status Persist(const v1::Job& job) const;
   void Notify(const v1::Job& job);
 
-  const std::string dir_;
-  const FileWriter writer_;
-  // Serialises Create/Update's disk writes (taken before mu_, never under it).
+  const std::unique_ptr<JobBackend> backend_;
+  // Serialises Create/Update's backend writes (taken before mu_, never
+  // under it).
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
-  std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_number_ ABSL_GUARDED_BY(mu_) = 1;
+  // Each job and the revision of its record as last read or written.
+  std::map<std::string, JobRecord> jobs_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex listeners_mu_;
   struct ListenerEntry {
