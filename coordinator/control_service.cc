@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/net/grpc_status.h"
+#include "common/net/identity.h"
 #include "common/net/reactor_support.h"
 #include "common/net/tls.h"
 #include "common/tsan.h"
@@ -28,9 +29,11 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
 // and no other thread holds a reference.
 class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  // `peer_name`: the worker's verified certificate CN, if any.
-  SessionReactor(ControlServiceImpl* service, std::optional<std::string> peer_name)
-      : service_(service), peer_name_(std::move(peer_name)) {
+  // `peer_name`: the worker's verified certificate CN, if any; `peer_kind`:
+  // whether that certificate is a worker's (CheckWorkerPeer).
+  SessionReactor(ControlServiceImpl* service, std::optional<std::string> peer_name,
+                 absl::Status peer_kind)
+      : service_(service), peer_name_(std::move(peer_name)), peer_kind_(std::move(peer_kind)) {
     NextRead();
   }
 
@@ -84,6 +87,11 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
       auto id = service_->registry_->WorkerForToken(incoming_.session_token());
       if (!id.ok()) {
         Close(ToGrpcStatus(id.status()));
+        return false;
+      }
+      if (service_->require_worker_certificates_ && peer_name_.has_value() && !peer_kind_.ok()) {
+        LogWarning("refused a session for worker ", *id, ": ", peer_kind_.message());
+        Close(ToGrpcStatus(peer_kind_));
         return false;
       }
       if (service_->require_worker_certificates_ && peer_name_ != *id) {
@@ -151,6 +159,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
 
   ControlServiceImpl* const service_;
   const std::optional<std::string> peer_name_;
+  const absl::Status peer_kind_;
   v1::WorkerMessage incoming_;
   std::string worker_id_;  // only touched by the read path and OnDone
   std::string token_;      // likewise
@@ -159,10 +168,12 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
 };
 
 ControlServiceImpl::ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
-                                       bool require_worker_certificates, Hooks hooks)
+                                       bool require_worker_certificates, Hooks hooks,
+                                       bool allow_unmarked_worker_certs)
     : registry_(registry),
       auth_(auth),
       require_worker_certificates_(require_worker_certificates),
+      allow_unmarked_worker_certs_(allow_unmarked_worker_certs),
       hooks_(std::move(hooks)) {}
 
 ControlServiceImpl::~ControlServiceImpl() = default;
@@ -185,6 +196,14 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
                  absl::CHexEscape(request->worker_id().substr(0, 64)), "\")");
       return Reply(context, absl::UnauthenticatedError(
                                 "Register needs a worker certificate from the cluster CA"));
+    }
+    // Only a worker's certificate: a client's or the coordinator's from the
+    // same CA must not receive job specs, peers and tensors.
+    if (absl::Status kind =
+            CheckWorkerPeer(context->auth_context().get(), allow_unmarked_worker_certs_);
+        !kind.ok()) {
+      LogWarning("refused a registration: ", kind.message());
+      return Reply(context, kind);
     }
     if (!request->worker_id().empty() && request->worker_id() != *name) {
       LogWarning("refused certificate ", *name, " registering as worker \"",
@@ -210,7 +229,11 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* ControlServiceImpl::Session(
     grpc::CallbackServerContext* context) {
-  return new SessionReactor(this, VerifiedPeerName(context->auth_context().get()));
+  return new SessionReactor(
+      this, VerifiedPeerName(context->auth_context().get()),
+      require_worker_certificates_
+          ? CheckWorkerPeer(context->auth_context().get(), allow_unmarked_worker_certs_)
+          : absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* ControlServiceImpl::ListWorkers(grpc::CallbackServerContext* context,

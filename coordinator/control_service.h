@@ -31,10 +31,12 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
 
   // Does not own `registry` or `auth` (for ListWorkers), which must outlive
   // the service. With `require_worker_certificates` (TLS), Register and
-  // Session accept a worker only when its verified certificate names the
-  // worker id it registers as.
+  // Session accept a worker only when its verified certificate is a
+  // worker's (common/net/identity.h; one without a kind only with
+  // `allow_unmarked_worker_certs`) and names the worker id it registers as.
   ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
-                     bool require_worker_certificates, Hooks hooks);
+                     bool require_worker_certificates, Hooks hooks,
+                     bool allow_unmarked_worker_certs = false);
   ~ControlServiceImpl() override;
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
@@ -61,6 +63,7 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
   WorkerRegistry* const registry_;
   const ClientAuthorizer* const auth_;
   const bool require_worker_certificates_;
+  const bool allow_unmarked_worker_certs_;
   const Hooks hooks_;
   mutable absl::Mutex mu_;
   // Open sessions by worker id (set once the first message authenticates).

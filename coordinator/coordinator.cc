@@ -133,7 +133,7 @@ absl::Status Coordinator::Init() {
   };
   control_service_ = std::make_unique<ControlServiceImpl>(
       &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(),
-      std::move(hooks));
+      std::move(hooks), options_.security.allow_unmarked_worker_certs());
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
   if (job_options.checkpoint_root.empty()) {

@@ -58,6 +58,7 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
                   "how long an ended job keeps its per-job series (detour_coordinator_job_*; "
                   "at most 50 ended jobs keep them)");
   RegisterTlsFlags(flags, &v->tls);
+  RegisterWorkerIdentityFlags(flags, &v->tls);
   flags->String("auth_tokens", &v->auth_tokens,
                 "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
                 "without it, any client certificate from --tls_ca may submit");

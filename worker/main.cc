@@ -93,6 +93,7 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
                 "service discovery lists it (default: --metrics_bind, or for 0.0.0.0 the host "
                 "of --advertise_address, and the metrics port)");
   RegisterTlsFlags(flags, &v->tls);
+  RegisterWorkerIdentityFlags(flags, &v->tls);
   flags->String("data_dir", &o->data_dir, "directory for checkpoints (created if missing)");
   flags->Int("port_offset", &v->port_offset,
              "added to the --listen port (and so to the default --metrics_port): the systemd "
@@ -212,6 +213,11 @@ absl::Status ApplySecurity(const TlsFiles& tls, WorkerOptions* o) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--worker_id: \"", o->worker_id, "\" differs from the name in --tls_cert (\"",
           o->security.name(), "\"); with TLS the certificate names the worker"));
+    }
+    // Peers and the coordinator refuse a certificate that is not a worker's:
+    // say so now rather than at every registration attempt.
+    if (absl::Status kind = o->security.CheckOwnWorkerCertificate(); !kind.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tls_cert: ", kind.message()));
     }
     o->worker_id = o->security.name();
   }

@@ -107,6 +107,7 @@ absl::Status Worker::Init() {
   ActivationServerOptions activation_options;
   activation_options.metrics = &metrics_registry_;
   activation_options.require_peer_certificates = options_.security.tls();
+  activation_options.allow_unmarked_worker_certs = options_.security.allow_unmarked_worker_certs();
   activations_ = std::make_unique<ActivationServer>(runtime_.get(), activation_options);
 
   GrpcServerOptions server_options;

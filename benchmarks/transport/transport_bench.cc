@@ -269,7 +269,7 @@ const TransportSecurity& BenchTls() {
         (self.parent_path().parent_path().parent_path() / "tools/gen_certs.sh").string();
     char pattern[] = "/tmp/detour-bench-certs.XXXXXX";
     const std::string dir = ::mkdtemp(pattern);
-    const std::string command = absl::StrCat(script, " ", dir, " bench");
+    const std::string command = absl::StrCat(script, " ", dir, " --worker bench");
     if (std::system(command.c_str()) != 0) {
       std::fprintf(stderr, "transport_bench: %s failed\n", command.c_str());
       std::exit(1);

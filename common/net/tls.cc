@@ -17,6 +17,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/net/identity.h"
 #include "common/status.h"
 
 namespace detour {
@@ -160,6 +161,7 @@ absl::StatusOr<TransportSecurity> TransportSecurity::Load(const TlsFiles& files,
   }
   auto material = std::make_shared<Material>();
   material->ca_path = files.ca;
+  material->allow_unmarked_worker_certs = files.allow_unmarked_worker_certs;
   ASSIGN_OR_RETURN(material->ca_pem, ReadPemFile(files.ca, "--tls_ca"));
   ASSIGN_OR_RETURN(std::vector<Cert> roots,
                    ParseCertificates(material->ca_pem, absl::StrCat("--tls_ca: ", files.ca)));
@@ -198,6 +200,15 @@ absl::StatusOr<TransportSecurity> TransportSecurity::Load(const TlsFiles& files,
 const std::string& TransportSecurity::name() const {
   static const std::string* const kEmpty = new std::string();
   return material_ ? material_->name : *kEmpty;
+}
+
+bool TransportSecurity::allow_unmarked_worker_certs() const {
+  return material_ != nullptr && material_->allow_unmarked_worker_certs;
+}
+
+absl::Status TransportSecurity::CheckOwnWorkerCertificate() const {
+  if (material_ == nullptr || material_->cert_pem.empty()) return absl::OkStatus();
+  return CheckWorkerCertificatePem(material_->cert_pem, material_->allow_unmarked_worker_certs);
 }
 
 std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() const {
@@ -280,6 +291,12 @@ void RegisterTlsFlags(FlagSet* flags, TlsFiles* files) {
   flags->String("tls_ca", &files->ca, "PEM CA bundle that peers' certificates must chain to");
   flags->Bool("insecure", &files->insecure,
               "plaintext gRPC without authentication (only on a trusted network)");
+}
+
+void RegisterWorkerIdentityFlags(FlagSet* flags, TlsFiles* files) {
+  flags->Bool("allow_unmarked_worker_certs", &files->allow_unmarked_worker_certs,
+              "accept certificates without an identity kind (made before tools/gen_certs.sh "
+              "marked kinds) as workers' (a migration aid; docs/OPERATIONS.md §Security)");
 }
 
 absl::StatusOr<TransportSecurity> LoadDaemonSecurity(const TlsFiles& files) {

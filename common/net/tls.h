@@ -28,6 +28,9 @@ struct TlsFiles {
   std::string key;   // PEM private key of `cert`
   std::string ca;    // PEM bundle that peers' certificates must chain to
   bool insecure = false;
+  // Accept certificates without an identity kind (identity.h) as workers'
+  // (--allow_unmarked_worker_certs, coordinator and workers).
+  bool allow_unmarked_worker_certs = false;
 };
 
 // Loaded and checked credentials. Immutable after Load; copyable and
@@ -48,6 +51,11 @@ class TransportSecurity {
   bool tls() const { return material_ != nullptr; }
   // The common name (CN) of this process's own certificate; "" without one.
   const std::string& name() const;
+  // Whether peers' certificates without an identity kind count as workers'.
+  bool allow_unmarked_worker_certs() const;
+  // OK when this process's own certificate may act as a worker's
+  // (identity.h), or without TLS; PERMISSION_DENIED saying why not.
+  absl::Status CheckOwnWorkerCertificate() const;
 
   // Server side: TLS presenting our certificate; a client certificate is
   // requested and, when given, must verify against the CA (clients with a
@@ -72,12 +80,15 @@ class TransportSecurity {
     std::string cert_pem, key_pem, ca_pem;
     std::string name;
     std::string ca_path;
+    bool allow_unmarked_worker_certs = false;
   };
   std::shared_ptr<const Material> material_;
 };
 
 // Declares --tls_cert, --tls_key, --tls_ca and --insecure on `flags`.
 void RegisterTlsFlags(FlagSet* flags, TlsFiles* files);
+// Declares --allow_unmarked_worker_certs (the coordinator and workers).
+void RegisterWorkerIdentityFlags(FlagSet* flags, TlsFiles* files);
 
 // The daemons' rule: TLS files, or an explicit --insecure; neither is an
 // error that says so (INVALID_ARGUMENT, exit 2).

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -88,12 +89,23 @@ inline const std::string& CertsDir() {
   return *dir;
 }
 
-// CertsDir()/<name> (.crt, .key), made with tools/gen_certs.sh if missing.
-inline std::string CertFor(const std::string& name) {
+// The kind tools/gen_certs.sh marks `name`'s certificate with: "coordinator"
+// is the coordinator's; "reader" and names ending in "client" (the test's
+// own "e2e-client") are clients'; any other name is a worker's.
+inline std::string CertKind(const std::string& name) {
+  if (name == "coordinator") return "--coordinator";
+  if (name == "reader" || absl::EndsWith(name, "client")) return "--client";
+  return "--worker";
+}
+
+// CertsDir()/<name> (.crt, .key), made with tools/gen_certs.sh if missing,
+// of `kind` (--worker, --coordinator, --client; CertKind by default).
+inline std::string CertFor(const std::string& name, const std::string& kind = "") {
   const std::string prefix = CertsDir() + "/" + name;
   if (!std::filesystem::exists(prefix + ".crt")) {
     ChildProcess gen;
-    EXPECT_TRUE(gen.Start({SourceDir() + "/tools/gen_certs.sh", CertsDir(), name},
+    EXPECT_TRUE(gen.Start({SourceDir() + "/tools/gen_certs.sh", CertsDir(),
+                           kind.empty() ? CertKind(name) : kind, name},
                           CertsDir() + "/gen_certs.log")
                     .ok());
     EXPECT_EQ(gen.Wait(absl::Seconds(30)), 0) << gen.Log();

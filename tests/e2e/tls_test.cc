@@ -64,7 +64,8 @@ class TlsTest : public E2eTest {
   std::string OtherCa(const std::string& name) {
     const std::string other = dir_ + "/other-ca";
     std::string out;
-    EXPECT_EQ(Run({SourceDir() + "/tools/gen_certs.sh", other, name}, &out), 0) << out;
+    EXPECT_EQ(Run({SourceDir() + "/tools/gen_certs.sh", other, CertKind(name), name}, &out), 0)
+        << out;
     return other;
   }
 };
@@ -281,6 +282,86 @@ TEST_F(TlsTest, CertificateNamingAnotherWorkerCannotRegisterAsIt) {
                 &out, absl::Seconds(30), false),
             2);
   EXPECT_THAT(out, HasSubstr("differs from the name in --tls_cert"));
+}
+
+// A certificate from the test CA as tools/gen_certs.sh made them before
+// identity kinds (no detour:// URI); returns the prefix of its .crt/.key.
+std::string UnmarkedCert(const std::string& dir, const std::string& name) {
+  const std::string d = dir + "/unmarked";
+  const std::string script = absl::StrCat(
+      "set -e; mkdir -p ", d, "; cd ", d,
+      "; openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out ", name,
+      ".key 2>/dev/null; openssl req -new -key ", name, ".key -subj /O=detour/CN=", name, " -out ",
+      name, ".csr; printf 'subjectAltName=DNS:", name,
+      ",DNS:localhost,IP:127.0.0.1\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", name,
+      ".ext; openssl x509 -req -in ", name, ".csr -CA ", CertsDir(), "/ca.crt -CAkey ", CertsDir(),
+      "/ca.key -CAcreateserial -CAserial ca.srl -days 2 -extfile ", name, ".ext -out ", name,
+      ".crt 2>/dev/null");
+  EXPECT_EQ(std::system(script.c_str()), 0) << script;
+  return d + "/" + name;
+}
+
+TEST_F(TlsTest, OnlyAWorkerCertificateRegistersAsAWorker) {
+  Daemon c = StartCoordinator();
+  ASSERT_GT(c.grpc_port, 0);
+  auto register_with = [&](int port, const TransportSecurity& security,
+                           v1::RegisterResponse* response) {
+    auto stub =
+        v1::ControlService::NewStub(MakeChannel(absl::StrCat("127.0.0.1:", port), security));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::RegisterRequest request;  // no worker id: the certificate's name
+    request.set_region("Oregon");
+    request.set_speed(1000);
+    request.set_memory_slots(3);
+    request.set_address("127.0.0.1:1");
+    return stub->Register(&context, request, response);
+  };
+  v1::RegisterResponse response;
+  // A read-only user's certificate from the cluster CA.
+  grpc::Status s = register_with(c.grpc_port, Client("reader"), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("certificate CN=reader is a client's"));
+  // The coordinator's own.
+  s = register_with(c.grpc_port, Client("coordinator"), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("certificate CN=coordinator is a coordinator's"));
+  EXPECT_EQ(ListWorkers(c.grpc_port, true).workers_size(), 0);
+  // A worker's.
+  s = register_with(c.grpc_port, Client("w7"), &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.worker_id(), "w7");
+
+  // A certificate made before identity kinds: refused with what to do, and
+  // accepted by a coordinator started with --allow_unmarked_worker_certs.
+  const std::string old = UnmarkedCert(dir_, "legacy");
+  TlsFiles files;
+  files.cert = old + ".crt";
+  files.key = old + ".key";
+  files.ca = CertsDir() + "/ca.crt";
+  auto legacy = TransportSecurity::Load(files, /*client=*/true);
+  ASSERT_TRUE(legacy.ok()) << legacy.status();
+  s = register_with(c.grpc_port, *legacy, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("regenerate it with tools/gen_certs.sh DIR --worker legacy"));
+  Daemon lenient = StartCoordinator({"--allow_unmarked_worker_certs"}, "lenient");
+  ASSERT_GT(lenient.grpc_port, 0);
+  s = register_with(lenient.grpc_port, *legacy, &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.worker_id(), "legacy");
+  s = register_with(lenient.grpc_port, Client("reader"), &response);  // still not a worker
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  // A worker daemon given a client's certificate refuses to start.
+  std::string out;
+  const std::string client = CertFor("e2e-client");
+  EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 "--tls_cert=" + client + ".crt", "--tls_key=" + client + ".key",
+                 absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt")},
+                &out, absl::Seconds(30), false),
+            2);
+  EXPECT_THAT(out, HasSubstr("--tls_cert: certificate CN=e2e-client is a client's"));
 }
 
 // Sends one small tensor with `sender` to `address` over a channel with

@@ -237,9 +237,10 @@ class TlsCoordinatorTest(ClusterTest):
     def setUpClass(cls):
         cls.make_dir()
         cls.certs = os.path.join(cls.dir, "certs")
-        gen_certs(cls.certs, "coordinator", "w0", "w1", "py-reader")
+        gen_certs(cls.certs, "--coordinator", "coordinator", "--worker", "w0", "w1",
+                  "--client", "py-reader")
         cls.other_ca = os.path.join(cls.dir, "other-ca")
-        gen_certs(cls.other_ca, "coordinator")
+        gen_certs(cls.other_ca, "--coordinator", "coordinator")
         cls.ca = os.path.join(cls.certs, "ca.crt")
         tokens = os.path.join(cls.dir, "tokens")
         with open(tokens, "w", encoding="utf-8") as f:

@@ -641,5 +641,37 @@ TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
   EXPECT_EQ(s.tensors, 1u);
 }
 
+TEST(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
+  RecordingSink sink;
+  ActivationServerOptions ao;
+  ao.require_peer_certificates = true;
+  ActivationServer activations(&sink, ao);
+  DirectServerOptions d;
+  d.listen = HostPort{"127.0.0.1", 0};
+  d.handshake_timeout = absl::Seconds(2);
+  d.security = TestCerts().Load("w2");
+  auto server = DirectServer::Start(&activations, d);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto data = Pattern(64, 5);
+  auto send_as = [&](const std::string& me, uint32_t microbatch) {
+    PeerSenderOptions o;
+    o.direct_address = absl::StrCat("127.0.0.1:", (*server)->port());
+    o.peer_name = "w2";
+    o.connect_timeout = absl::Seconds(5);
+    o.security = TestCerts().Load(me);
+    PeerSender sender("w2", o);
+    return SendAndWait(sender, Header(microbatch, 16, me), View(data));
+  };
+  // A client's certificate from the cluster CA gets through TLS but is not
+  // a worker's: the connection ends before any frame, counted as identity.
+  EXPECT_FALSE(send_as("alice", 0).ok());
+  EXPECT_TRUE(send_as("w1", 1).ok());
+  ASSERT_EQ(sink.received().size(), 1u);
+  EXPECT_EQ(sink.received()[0].first.microbatch(), 1u);
+  const DirectServer::Stats stats = (*server)->stats();
+  EXPECT_GE(stats.refused_by_reason[static_cast<int>(RefusalReason::kIdentity)], 1u);
+  EXPECT_GE(activations.stats().unauthorized, 1u);
+}
+
 }  // namespace
 }  // namespace detour

@@ -1,6 +1,6 @@
-// Certificates for the transport tests, from tools/gen_certs.sh: "w1" and
-// "w2" from the cluster CA, "intruder" from another CA. Made once per test
-// binary.
+// Certificates for the transport tests, from tools/gen_certs.sh: workers
+// "w1" and "w2" and client "alice" from the cluster CA, worker "intruder"
+// from another CA. Made once per test binary.
 #ifndef DETOUR_TESTS_TRANSPORT_TEST_CERTS_H_
 #define DETOUR_TESTS_TRANSPORT_TEST_CERTS_H_
 
@@ -37,8 +37,9 @@ inline const Certs& TestCerts() {
     c->dir = root + "/ca";
     c->other_dir = root + "/other";
     const std::string script = testing::SourceDir() + "/tools/gen_certs.sh";
-    const std::string make = absl::StrCat(script, " ", c->dir, " w1 w2 > /dev/null && ", script,
-                                          " ", c->other_dir, " intruder w1 > /dev/null");
+    const std::string make =
+        absl::StrCat(script, " ", c->dir, " --worker w1 w2 --client alice > /dev/null && ", script,
+                     " ", c->other_dir, " --worker intruder w1 > /dev/null");
     if (std::system(make.c_str()) != 0) {
       std::fprintf(stderr, "cannot make certificates: %s\n", make.c_str());
       std::abort();

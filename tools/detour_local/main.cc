@@ -390,6 +390,7 @@ class Launcher {
     if (args_.insecure) return absl::OkStatus();
     certs_ = args_.certs.empty() ? args_.out + "/certs" : args_.certs;
     std::vector<std::string> argv = {bin + "/tools/gen_certs.sh", certs_};
+    const size_t none = argv.size();
     // In the bed, peers reach a daemon at its node's address, which its
     // certificate must then name too.
     auto with_ip = [&](const std::string& name, int node) {
@@ -397,19 +398,23 @@ class Launcher {
       return absl::StrCat(name, "=", bed_->nodes()[static_cast<size_t>(node)].address);
     };
     const int coordinator_node = bed_ ? static_cast<int>(bed_->nodes().size()) - 1 : -1;
-    for (const auto& [name, node] :
-         {std::pair<std::string, int>{"coordinator", coordinator_node}, {"detour-local", -1}}) {
-      if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
-        argv.push_back(with_ip(name, node));
+    // Each certificate marked with its kind: only the workers' may act as
+    // workers (docs/OPERATIONS.md §Security).
+    struct Identity {
+      std::string kind, name;
+      int node;
+    };
+    std::vector<Identity> identities = {{"--coordinator", "coordinator", coordinator_node},
+                                        {"--client", "detour-local", -1}};
+    for (int i = 1; i <= workers; ++i)
+      identities.push_back({"--worker", absl::StrCat("w", i), i - 1});
+    for (const Identity& id : identities) {
+      if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", id.name, ".crt"))) {
+        argv.push_back(id.kind);
+        argv.push_back(with_ip(id.name, id.node));
       }
     }
-    for (int i = 1; i <= workers; ++i) {
-      const std::string name = absl::StrCat("w", i);
-      if (args_.certs.empty() || !fs::exists(absl::StrCat(certs_, "/", name, ".crt"))) {
-        argv.push_back(with_ip(name, i - 1));
-      }
-    }
-    if (argv.size() > 2) {
+    if (argv.size() > none) {
       ChildProcess gen;
       RETURN_IF_ERROR(gen.Start(argv, args_.out + "/gen_certs.log"));
       std::optional<int> code = gen.Wait(absl::Seconds(60));

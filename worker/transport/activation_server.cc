@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "common/net/grpc_status.h"
+#include "common/net/identity.h"
 #include "common/net/reactor_support.h"
 #include "common/net/tls.h"
 #include "common/tsan.h"
@@ -246,8 +247,9 @@ void TensorAssembler::Finish(const Claim& claim, std::vector<v1::FrameAck>* acks
 class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
  public:
   // `peer_name`: the verified certificate name of the sender, if any.
+  // `peer_kind`: whether its certificate is a worker's (CheckWorkerPeer).
   ActivationStreamReactor(ActivationServer* server, bool right_method,
-                          std::optional<std::string> peer_name)
+                          std::optional<std::string> peer_name, const absl::Status& peer_kind)
       : server_(server), assembler_(server, peer_name) {
     if (!right_method) {
       Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
@@ -258,6 +260,12 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
       Apply(outbox_.RequestFinish(
           grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                        "activation streams need a worker certificate from the cluster CA")));
+      return;
+    }
+    if (server_->options_.require_peer_certificates && !peer_kind.ok()) {
+      server_->CountUnauthorizedStream(/*log=*/false);
+      LogWarning("activation stream: refused a peer: ", peer_kind.message());
+      Apply(outbox_.RequestFinish(ToGrpcStatus(peer_kind)));
       return;
     }
     NextRead();
@@ -386,13 +394,18 @@ ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions opt
 
 grpc::ServerGenericBidiReactor* ActivationServer::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
-  return new ActivationStreamReactor(this, ctx->method() == kMethod,
-                                     VerifiedPeerName(ctx->auth_context().get()));
+  std::optional<std::string> peer_name = VerifiedPeerName(ctx->auth_context().get());
+  absl::Status peer_kind =
+      options_.require_peer_certificates && peer_name.has_value()
+          ? CheckWorkerPeer(ctx->auth_context().get(), options_.allow_unmarked_worker_certs)
+          : absl::OkStatus();
+  return new ActivationStreamReactor(this, ctx->method() == kMethod, std::move(peer_name),
+                                     peer_kind);
 }
 
-void ActivationServer::CountUnauthorizedStream() {
+void ActivationServer::CountUnauthorizedStream(bool log) {
   Count(&unauthorized_, unauthorized_metric_);
-  LogWarning("activation stream: refused a peer without a worker certificate");
+  if (log) LogWarning("activation stream: refused a peer without a worker certificate");
 }
 
 void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric, uint64_t n) {

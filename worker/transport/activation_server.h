@@ -59,8 +59,11 @@ struct ActivationServerOptions {
   metrics::Registry* metrics = nullptr;
   // TLS: a stream is read only from a peer with a verified certificate, and
   // every frame's `sender` must be that certificate's name; others end with
-  // UNAUTHENTICATED / PERMISSION_DENIED.
+  // UNAUTHENTICATED / PERMISSION_DENIED. The certificate must be a worker's
+  // (common/net/identity.h); one without an identity kind only with
+  // `allow_unmarked_worker_certs`.
   bool require_peer_certificates = false;
+  bool allow_unmarked_worker_certs = false;
 };
 
 class ActivationServer;
@@ -179,8 +182,10 @@ class ActivationServer final : public grpc::CallbackGenericService {
   };
   Stats stats() const;
   const ActivationServerOptions& options() const { return options_; }
-  // A stream refused for who opened it (no certificate): counted.
-  void CountUnauthorizedStream();
+  // A stream refused for who opened it (no certificate, or not a worker's):
+  // counted, and logged unless `log` is false (the direct transport logs
+  // its refusals as rate-limited summaries of its own).
+  void CountUnauthorizedStream(bool log = true);
 
  private:
   friend class ActivationStreamReactor;

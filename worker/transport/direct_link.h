@@ -126,6 +126,9 @@ class DirectLink {
   // With TLS, the verified peer certificate's name; nullopt for plaintext.
   const std::optional<std::string>& peer_name() const { return peer_name_; }
   bool tls() const { return ssl_ != nullptr; }
+  // The TLS connection (null for plaintext), for checks of the peer's
+  // certificate (common/net/identity.h).
+  const ssl_st* ssl() const { return ssl_; }
 
   // Blocked reads and writes give up after this long without progress.
   void SetIoTimeout(absl::Duration timeout);

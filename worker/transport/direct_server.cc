@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/net/identity.h"
 
 namespace detour {
 
@@ -232,6 +233,15 @@ RefusalReason ReasonOf(const absl::Status& status) {
 std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
                                                     const std::string& source) {
   auto accepted = DirectLink::Accept(fd, ctx_, options_.handshake_timeout, wake_pipe_[0]);
+  if (accepted.ok() && (*accepted)->tls()) {
+    // A verified certificate from the cluster CA, but it must be a worker's.
+    absl::Status kind =
+        CheckWorkerPeer((*accepted)->ssl(), options_.security.allow_unmarked_worker_certs());
+    if (!kind.ok()) {
+      accepted = absl::PermissionDeniedError(
+          absl::StrCat((*accepted)->peer_name().value_or("?"), ": ", kind.message()));
+    }
+  }
   std::unique_ptr<DirectLink> link;
   std::optional<std::string> line;
   bool unauthorized = false;
@@ -248,7 +258,8 @@ std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
       // An evicted connection was counted when it was closed.
       if (!admission_.evicted(id)) {
         line = RefusedLocked(ReasonOf(accepted.status()), source, accepted.status().message());
-        unauthorized = accepted.status().code() == absl::StatusCode::kUnauthenticated;
+        unauthorized = accepted.status().code() == absl::StatusCode::kUnauthenticated ||
+                       accepted.status().code() == absl::StatusCode::kPermissionDenied;
       }
     } else if (admission_.Authenticate(id)) {
       link = *std::move(accepted);
@@ -258,7 +269,7 @@ std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
     }
   }
   if (line.has_value()) LogWarning(*line);
-  if (unauthorized) activations_->CountUnauthorizedStream();
+  if (unauthorized) activations_->CountUnauthorizedStream(/*log=*/false);
   return link;
 }
 
