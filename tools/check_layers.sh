@@ -2,7 +2,8 @@
 # The include rules of docs/ARCHITECTURE.md §"The layers", over the tree at
 # ROOT (default: this checkout): common/ includes nothing of coordinator/,
 # worker/ or tools/; coordinator/ nothing of worker/ or tools/; worker/
-# nothing of coordinator/ or tools/. Prints each offending include with its
+# nothing of coordinator/ or tools/. Only coordinator/ speaks to etcd: common/
+# and worker/ include none of the generated etcd/ protos. Prints each offending include with its
 # file and line, and exits 1 if there is one.
 #
 #   tools/check_layers.sh [ROOT]
@@ -22,8 +23,8 @@ check() {  # check DIR FORBIDDEN...: no file under DIR includes FORBIDDEN/...
     fi
   done
 }
-check common coordinator worker tools
+check common coordinator worker tools etcd
 check coordinator worker tools
-check worker coordinator tools
+check worker coordinator tools etcd
 if [[ $bad -ne 0 ]]; then exit 1; fi
 echo "check_layers: common/, coordinator/ and worker/ include only what their layer may"

@@ -20,6 +20,7 @@ PACKAGES=(
   libssl-dev openssl
   python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   systemd yamllint python3-yaml mypy
+  etcd-server etcd-client
 )
 
 missing=()

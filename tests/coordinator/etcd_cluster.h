@@ -1,0 +1,55 @@
+// Real etcd members for tests: the Debian `etcd` binary, started on loopback
+// ports of the test's own with data in a temporary directory, killed when
+// the cluster object goes. Tests skip when the binary is missing
+// (tools/install_deps.sh installs it). Thread-compatible.
+#ifndef DETOUR_TESTS_COORDINATOR_ETCD_CLUSTER_H_
+#define DETOUR_TESTS_COORDINATOR_ETCD_CLUSTER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/subprocess.h"
+#include "coordinator/etcd/etcd_client.h"
+
+namespace detour::testing {
+
+// $DETOUR_ETCD, else etcd on the PATH or in /usr/bin; "" when none is found.
+std::string FindEtcdBinary();
+
+// The message a test skips with when FindEtcdBinary() finds none.
+inline constexpr char kNoEtcd[] =
+    "no etcd binary (apt-get install etcd-server, or tools/install_deps.sh; or set DETOUR_ETCD)";
+
+class EtcdCluster {
+ public:
+  ~EtcdCluster();
+
+  // Starts `members` members as one new cluster and waits (at most 60 s)
+  // until it takes a write.
+  absl::Status Start(int members);
+  // host:port of every member, in order.
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // A client of every member, with `timeout` per call.
+  std::unique_ptr<EtcdClient> Client(absl::Duration timeout = absl::Seconds(3)) const;
+
+  // SIGKILL to member `i`, and waits for its exit.
+  void Kill(int i);
+  // Starts member `i` again on its data and ports.
+  absl::Status Restart(int i);
+
+ private:
+  absl::Status StartMember(int i);
+  std::vector<std::string> MemberArgs(int i) const;
+
+  std::string dir_;
+  std::vector<int> client_ports_, peer_ports_;
+  std::vector<std::string> endpoints_;
+  std::vector<std::unique_ptr<ChildProcess>> members_;
+};
+
+}  // namespace detour::testing
+
+#endif  // DETOUR_TESTS_COORDINATOR_ETCD_CLUSTER_H_
