@@ -1,8 +1,9 @@
 // Admission control of the direct transport (connection_admission.h,
 // direct_server.h): the book-keeping on its own, then a flood of
 // unauthenticated TCP connections from other loopback addresses against a
-// real DirectServer, plaintext and TLS: a legitimate peer still connects and
-// its tensors arrive, the flood's connections are closed within the
+// real DirectServer, plaintext and TLS: a legitimate peer still connects
+// (with more stripes than one source may handshake at once) and its tensors
+// arrive, the flood's connections are closed within the
 // handshake deadline, the limits hold throughout, and the log stays a few
 // summary lines.
 #include <arpa/inet.h>
@@ -108,6 +109,38 @@ TEST(ConnectionAdmissionTest, AuthenticatedConnectionsKeepTheirRoom) {
   const ConnectionAdmission::Verdict full = b.Arrive(11, "10.0.5.1");
   EXPECT_FALSE(full.admit);
   EXPECT_EQ(full.reason, RefusalReason::kConnectionLimit);
+}
+
+TEST(ConnectionAdmissionTest, ATrustedSourceHandshakesManyAtOnceAndIsDisplacedLast) {
+  ConnectionAdmission a(SmallLimits());  // 4 unauthenticated, 2 per source
+  ASSERT_TRUE(a.Arrive(1, "peer").admit);
+  ASSERT_TRUE(a.Authenticate(1));  // a sender's first stripe
+  EXPECT_TRUE(a.trusted("peer"));
+  EXPECT_FALSE(a.trusted("flood-1"));
+  // Its other stripes connect at once, more than the per-source limit.
+  for (uint64_t id = 2; id <= 4; ++id) ASSERT_TRUE(a.Arrive(id, "peer").admit) << id;
+  ASSERT_TRUE(a.Arrive(5, "flood-1").admit);  // the last slot
+  // Strangers displace strangers, never the peer's handshakes.
+  ConnectionAdmission::Verdict v = a.Arrive(6, "flood-2");
+  ASSERT_TRUE(v.admit);
+  EXPECT_EQ(v.evict, std::optional<uint64_t>(5));
+  v = a.Arrive(7, "peer");  // one more stripe takes the stranger's slot
+  ASSERT_TRUE(v.admit);
+  EXPECT_EQ(v.evict, std::optional<uint64_t>(6));
+  // Only the peer's handshakes are left: a stranger waits...
+  v = a.Arrive(8, "flood-3");
+  EXPECT_FALSE(v.admit);
+  EXPECT_EQ(v.reason, RefusalReason::kUnauthenticatedLimit);
+  // ...and the peer's own newcomer takes its oldest slot.
+  v = a.Arrive(9, "peer");
+  ASSERT_TRUE(v.admit);
+  EXPECT_EQ(v.evict, std::optional<uint64_t>(2));
+  // Once its authenticated connection ends, the source is a stranger again.
+  EXPECT_FALSE(a.Closed(1));
+  EXPECT_FALSE(a.trusted("peer"));
+  v = a.Arrive(10, "peer");
+  EXPECT_FALSE(v.admit);
+  EXPECT_EQ(v.reason, RefusalReason::kSourceLimit);
 }
 
 TEST(ConnectionAdmissionTest, EvictedConnectionsStillClosingAreBounded) {
@@ -262,6 +295,9 @@ TEST_P(ConnectionFloodTest, APeerStillConnectsAndTheFloodIsClosedAndLoggedInSumm
   o.direct_address = absl::StrCat("127.0.0.1:", server.port());
   o.peer_name = "w2";
   o.connect_timeout = absl::Seconds(30);
+  // Eight stripes, twice the per-source limit: they connect at once after
+  // the first, whose handshake makes the peer's address trusted.
+  o.direct_connections = 8;
   if (tls) o.security = TestCerts().Load("w1");
   PeerSender sender("w2", o);
   std::vector<absl::Status> results;
@@ -296,6 +332,7 @@ TEST_P(ConnectionFloodTest, APeerStillConnectsAndTheFloodIsClosedAndLoggedInSumm
 
   for (const absl::Status& s : results) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(sink.received().size(), 3u);
+  EXPECT_EQ(sender.direct_info().connections, 8);
   EXPECT_GE(opened.load(), 200);
   EXPECT_LE(worst_open.load(), d.admission.max_connections);
   EXPECT_LE(worst_unauthenticated.load(), d.admission.max_unauthenticated);
@@ -307,12 +344,12 @@ TEST_P(ConnectionFloodTest, APeerStillConnectsAndTheFloodIsClosedAndLoggedInSumm
   EXPECT_TRUE(ClosedWithin(silent, absl::Seconds(20)));
   ::close(silent);
   const absl::Time settle = absl::Now() + absl::Seconds(20);
-  while ((server.stats().unauthenticated > 0 || server.stats().open > 1) && absl::Now() < settle) {
+  while ((server.stats().unauthenticated > 0 || server.stats().open > 8) && absl::Now() < settle) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   const DirectServer::Stats stats = server.stats();
   EXPECT_EQ(stats.unauthenticated, 0);
-  EXPECT_EQ(stats.open, 1);  // the peer's connection, still idle and open
+  EXPECT_EQ(stats.open, 8);  // the peer's stripes, still idle and open
   EXPECT_GE(stats.refused, 100u);
   EXPECT_GT(stats.refused_by_reason[static_cast<int>(RefusalReason::kUnauthenticatedLimit)], 0u);
   EXPECT_GT(stats.refused_by_reason[static_cast<int>(RefusalReason::kDeadline)], 0u);

@@ -57,8 +57,9 @@ ConnectionAdmission::ConnectionAdmission(AdmissionLimits limits) : limits_(limit
 
 ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std::string& source) {
   Verdict verdict;
+  const bool trusted_source = trusted(source);
   auto from_source = per_source_.find(source);
-  if (from_source != per_source_.end() &&
+  if (!trusted_source && from_source != per_source_.end() &&
       from_source->second >= limits_.max_unauthenticated_per_source) {
     verdict.reason = RefusalReason::kSourceLimit;
     return verdict;
@@ -72,16 +73,16 @@ ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std:
       verdict.reason = RefusalReason::kConnectionLimit;
       return verdict;
     }
-    if (closing() >= limits_.max_unauthenticated) {
+    const std::optional<uint64_t> victim = Victim(trusted_source);
+    if (!victim.has_value() || closing() >= limits_.max_unauthenticated) {
       verdict.reason = RefusalReason::kUnauthenticatedLimit;
       return verdict;
     }
-    const uint64_t victim = Victim();
-    auto it = pending_.find(victim);
+    auto it = pending_.find(*victim);
     if (--per_source_[it->second] == 0) per_source_.erase(it->second);
     pending_.erase(it);
-    closing_.insert(victim);
-    verdict.evict = victim;
+    closing_.insert(*victim);
+    verdict.evict = *victim;
   }
   pending_[id] = source;
   ++per_source_[source];
@@ -89,28 +90,43 @@ ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std:
   return verdict;
 }
 
-uint64_t ConnectionAdmission::Victim() const {
+std::optional<uint64_t> ConnectionAdmission::Busiest(bool trusted_sources) const {
   int most = 0;
-  for (const auto& [source, count] : per_source_) most = std::max(most, count);
-  for (const auto& [id, source] : pending_) {  // oldest first
-    if (per_source_.at(source) == most) return id;
+  for (const auto& [source, count] : per_source_) {
+    if (trusted(source) == trusted_sources) most = std::max(most, count);
   }
-  return pending_.begin()->first;
+  if (most == 0) return std::nullopt;
+  for (const auto& [id, source] : pending_) {  // oldest first
+    if (trusted(source) == trusted_sources && per_source_.at(source) == most) return id;
+  }
+  return std::nullopt;
+}
+
+std::optional<uint64_t> ConnectionAdmission::Victim(bool newcomer_trusted) const {
+  if (std::optional<uint64_t> stranger = Busiest(/*trusted_sources=*/false)) return stranger;
+  // Only trusted sources handshake: a stranger waits, a trusted newcomer
+  // takes the oldest slot of the busiest of them.
+  if (!newcomer_trusted) return std::nullopt;
+  return Busiest(/*trusted_sources=*/true);
 }
 
 bool ConnectionAdmission::Authenticate(uint64_t id) {
   auto it = pending_.find(id);
   if (it == pending_.end()) return false;
-  if (--per_source_[it->second] == 0) per_source_.erase(it->second);
+  const std::string source = it->second;
+  if (--per_source_[source] == 0) per_source_.erase(source);
   pending_.erase(it);
-  authenticated_ids_.insert(id);
+  ++authenticated_per_source_[source];
+  authenticated_ids_[id] = source;
   ++authenticated_;
   return true;
 }
 
 bool ConnectionAdmission::Closed(uint64_t id) {
   if (closing_.erase(id) > 0) return true;
-  if (authenticated_ids_.erase(id) > 0) {
+  if (auto it = authenticated_ids_.find(id); it != authenticated_ids_.end()) {
+    if (--authenticated_per_source_[it->second] == 0) authenticated_per_source_.erase(it->second);
+    authenticated_ids_.erase(it);
     --authenticated_;
     return false;
   }

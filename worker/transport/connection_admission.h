@@ -9,7 +9,11 @@
 // room) and per source address (an IPv4 address, an IPv6 /64), so that one
 // host flooding the port holds a few slots at most and many hosts flooding
 // it displace each other, oldest first, rather than the peers that finish
-// their handshake.
+// their handshake. A source with an authenticated connection open is
+// *trusted*: a sender's first stripe authenticates before it opens the
+// others at once (peer_sender.h), and several workers may share a host, so
+// a trusted source's handshakes are not held to the per-source limit, and
+// they make room for newcomers only when no stranger's handshake is left.
 #ifndef DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
 #define DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
 
@@ -85,17 +89,27 @@ class ConnectionAdmission {
   }
   int unauthenticated() const { return static_cast<int>(pending_.size()); }
   int authenticated() const { return authenticated_; }
+  // Whether `source` has an authenticated connection open.
+  bool trusted(const std::string& source) const {
+    return authenticated_per_source_.count(source) > 0;
+  }
   int closing() const { return static_cast<int>(closing_.size()); }
   const AdmissionLimits& limits() const { return limits_; }
 
  private:
-  // The oldest unauthenticated connection of the source with the most of them.
-  uint64_t Victim() const;
+  // What makes room for a newcomer: the oldest unauthenticated connection
+  // of the untrusted source with the most of them; when only trusted ones
+  // handshake, and the newcomer is trusted too, the same among them.
+  std::optional<uint64_t> Victim(bool newcomer_trusted) const;
+  // The oldest pending connection of the source with the most pending among
+  // those `trusted` or not.
+  std::optional<uint64_t> Busiest(bool trusted) const;
 
   const AdmissionLimits limits_;
-  std::map<uint64_t, std::string> pending_;  // id -> source, oldest first
-  std::map<std::string, int> per_source_;    // unauthenticated connections by source
-  std::set<uint64_t> authenticated_ids_;
+  std::map<uint64_t, std::string> pending_;            // id -> source, oldest first
+  std::map<std::string, int> per_source_;              // unauthenticated connections by source
+  std::map<uint64_t, std::string> authenticated_ids_;  // id -> source
+  std::map<std::string, int> authenticated_per_source_;
   int authenticated_ = 0;
   // Evicted, not yet closed by their threads; at most max_unauthenticated.
   std::set<uint64_t> closing_;
