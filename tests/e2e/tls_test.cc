@@ -353,8 +353,43 @@ TEST_F(TlsTest, OnlyAWorkerCertificateRegistersAsAWorker) {
   s = register_with(lenient.grpc_port, Client("reader"), &response);  // still not a worker
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
 
-  // A worker daemon given a client's certificate refuses to start.
+  // A client's certificate naming a registered worker cannot take over its
+  // session either (its token alone is not enough).
+  const std::string twin = dir_ + "/twin";
   std::string out;
+  ASSERT_EQ(Run({"/bin/sh", "-c",
+                 absl::StrCat("mkdir -p ", twin, " && cp ", CertsDir(), "/ca.crt ", CertsDir(),
+                              "/ca.key ", twin, "/ && ", SourceDir(), "/tools/gen_certs.sh ", twin,
+                              " --client w7")},
+                &out),
+            0)
+      << out;
+  s = register_with(c.grpc_port, Client("w7"), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  TlsFiles twin_files;
+  twin_files.cert = twin + "/w7.crt";
+  twin_files.key = twin + "/w7.key";
+  twin_files.ca = CertsDir() + "/ca.crt";
+  auto twin_security = TransportSecurity::Load(twin_files, /*client=*/true);
+  ASSERT_TRUE(twin_security.ok()) << twin_security.status();
+  {
+    auto stub = v1::ControlService::NewStub(
+        MakeChannel(absl::StrCat("127.0.0.1:", c.grpc_port), *twin_security));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto stream = stub->Session(&context);
+    v1::WorkerMessage hello;
+    hello.set_session_token(response.session_token());
+    hello.mutable_heartbeat();
+    stream->Write(hello);
+    v1::CoordinatorMessage reply;
+    while (stream->Read(&reply)) {}
+    const grpc::Status ended = stream->Finish();
+    EXPECT_EQ(ended.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(ended.error_message(), HasSubstr("certificate CN=w7 is a client's"));
+  }
+
+  // A worker daemon given a client's certificate refuses to start.
   const std::string client = CertFor("e2e-client");
   EXPECT_EQ(Run({Bin(kWorker), "--listen=127.0.0.1:0", "--metrics_port=-1",
                  "--tls_cert=" + client + ".crt", "--tls_key=" + client + ".key",
