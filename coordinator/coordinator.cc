@@ -7,11 +7,14 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "common/metrics/grpc_metrics.h"
 #include "common/metrics/process_metrics.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "coordinator/etcd/etcd_job_backend.h"
+#include "coordinator/file_job_backend.h"
 #include "coordinator/service_discovery.h"
 
 namespace detour {
@@ -26,6 +29,17 @@ ClientAuthorizer MakeAuthorizer(const CoordinatorOptions& options) {
                           {});
 }
 
+// The job store's backend the options ask for: etcd, or files under data_dir.
+absl::StatusOr<std::unique_ptr<JobBackend>> MakeJobBackend(const CoordinatorOptions& options) {
+  if (options.etcd.endpoints.empty()) {
+    return std::make_unique<FileJobBackend>(options.data_dir, WriteFileAtomically);
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(options.etcd));
+  ASSIGN_OR_RETURN(std::unique_ptr<EtcdJobBackend> backend,
+                   EtcdJobBackend::Create(std::move(client), options.store_prefix));
+  return backend;
+}
+
 constexpr char kWorkerStatePrefix[] = "WORKER_STATE_";
 
 std::string WorkerStateLabel(v1::WorkerState state) {
@@ -37,10 +51,10 @@ constexpr v1::WorkerState kWorkerStates[] = {v1::WORKER_STATE_IDLE, v1::WORKER_S
 
 }  // namespace
 
-Coordinator::Coordinator(const CoordinatorOptions& options)
+Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<JobBackend> jobs)
     : options_(options),
       registry_(options.worker_silence, options.heartbeat_interval),
-      jobs_(options.data_dir),
+      jobs_(std::move(jobs)),
       auth_(MakeAuthorizer(options)) {}
 
 Coordinator::~Coordinator() {
@@ -60,14 +74,15 @@ std::string Coordinator::metrics_target() const {
 }
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
-  std::unique_ptr<Coordinator> coordinator(new Coordinator(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<JobBackend> jobs, MakeJobBackend(options));
+  std::unique_ptr<Coordinator> coordinator(new Coordinator(options, std::move(jobs)));
   RETURN_IF_ERROR(coordinator->Init());
   return coordinator;
 }
 
 absl::Status Coordinator::Init() {
   ASSIGN_OR_RETURN(int loaded, jobs_.Load());
-  if (loaded > 0) LogInfo("loaded ", loaded, " job(s) from ", options_.data_dir);
+  if (loaded > 0) LogInfo("loaded ", loaded, " job(s) from ", jobs_.backend().Describe());
 
   metrics::Registry& m = metrics_registry_;
   RETURN_IF_ERROR(metrics::RegisterProcessMetrics(m));

@@ -21,6 +21,7 @@
 #include "common/net/server.h"
 #include "coordinator/client_auth.h"
 #include "coordinator/control_service.h"
+#include "coordinator/etcd/etcd_client.h"
 #include "coordinator/job_metrics.h"
 #include "coordinator/job_service.h"
 #include "coordinator/job_manager.h"
@@ -47,6 +48,10 @@ struct CoordinatorOptions {
   // How long ended jobs keep their per-job series, and how many.
   JobMetrics::Options job_metrics;
   std::string data_dir = "detour-data/coordinator";
+  // Job records in etcd when `etcd.endpoints` is set, under `store_prefix`;
+  // else one file per job under data_dir.
+  EtcdOptions etcd;
+  std::string store_prefix = "/detour/";
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   // Planning network, emulation, timeouts for jobs.
@@ -74,7 +79,7 @@ class Coordinator {
   JobStore& jobs() { return jobs_; }
 
  private:
-  explicit Coordinator(const CoordinatorOptions& options);
+  Coordinator(const CoordinatorOptions& options, std::unique_ptr<JobBackend> jobs);
   absl::Status Init();
   void ReaperLoop();
   void UpdateGauges();

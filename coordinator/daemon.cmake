@@ -28,7 +28,7 @@ add_library(detour_coordinator_lib STATIC
 add_library(detour::coordinator ALIAS detour_coordinator_lib)
 target_link_libraries(detour_coordinator_lib
   PUBLIC detour::common detour::net detour::metrics detour::metrics_http detour::metrics_grpc
-         detour::planner detour::sim
+         detour::planner detour::sim detour::etcd
          absl::synchronization absl::time
   PRIVATE detour_warnings)
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/net/daemon_flags.h"
 #include "common/files.h"
 #include "common/flags.h"
@@ -18,6 +19,8 @@
 #include "common/version.h"
 #include "coordinator/client_auth.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/etcd/etcd_client.h"
+#include "coordinator/etcd/etcd_job_backend.h"
 
 namespace detour {
 namespace {
@@ -34,6 +37,10 @@ struct CoordinatorFlagValues {
   TlsFiles tls;
   std::string auth_tokens;
   std::string data_dir = "detour-data/coordinator";
+  std::string store = "file";
+  std::string store_prefix = "/detour/";
+  TlsFiles etcd_tls;
+  absl::Duration etcd_timeout = absl::Seconds(5);
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   std::string cluster_file;
@@ -63,6 +70,19 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
                 "client tokens, one \"TOKEN ROLE [NAME]\" per line (roles read, submit); "
                 "without it, any client certificate from --tls_ca may submit");
   flags->String("data_dir", &v->data_dir, "directory for the job store (created if missing)");
+  flags->String("store", &v->store,
+                "where job records live: \"file\" (one JSON file per job under --data_dir) or "
+                "etcd://host:port[,host:port...] (an etcd 3.4 cluster; docs/OPERATIONS.md)");
+  flags->String("store_prefix", &v->store_prefix,
+                "with --store=etcd://...: the key prefix of this coordinator's records (starts "
+                "and ends with /)");
+  flags->String("etcd_ca", &v->etcd_tls.ca,
+                "TLS to etcd: PEM CA bundle etcd's certificate chains to");
+  flags->String("etcd_cert", &v->etcd_tls.cert,
+                "TLS to etcd: PEM client certificate, when etcd asks for one (with --etcd_key)");
+  flags->String("etcd_key", &v->etcd_tls.key, "TLS to etcd: PEM private key of --etcd_cert");
+  flags->Duration("etcd_timeout", &v->etcd_timeout,
+                  "deadline of each call to etcd, every member tried included");
   flags->Duration("worker_silence", &v->worker_silence,
                   "a worker with no heartbeat for this long is marked lost");
   flags->Duration("heartbeat_interval", &v->heartbeat_interval,
@@ -152,6 +172,38 @@ absl::Status ApplyCredentials(const CoordinatorFlagValues& v, CoordinatorOptions
   return absl::OkStatus();
 }
 
+// Where the job records live: files under --data_dir, or etcd.
+absl::Status ApplyStoreFlags(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
+  const bool tls = !v.etcd_tls.ca.empty() || !v.etcd_tls.cert.empty() || !v.etcd_tls.key.empty();
+  if (v.store == "file") {
+    if (tls || v.store_prefix != "/detour/") {
+      return absl::InvalidArgumentError(
+          "--store_prefix and --etcd_* need --store=etcd://host:port[,...]");
+    }
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(options->etcd.endpoints, ParseEtcdUrl(v.store, "--store"));
+  RETURN_IF_ERROR(EtcdJobBackend::CheckPrefix(v.store_prefix));
+  options->store_prefix = v.store_prefix;
+  if (v.etcd_timeout < absl::Milliseconds(100) || v.etcd_timeout > absl::Seconds(120)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--etcd_timeout: ", absl::FormatDuration(v.etcd_timeout), " is not in [100ms, 120s]"));
+  }
+  options->etcd.call_timeout = v.etcd_timeout;
+  if (tls) {
+    if (v.etcd_tls.ca.empty()) {
+      return absl::InvalidArgumentError("--etcd_cert/--etcd_key need --etcd_ca");
+    }
+    if (v.etcd_tls.cert.empty() != v.etcd_tls.key.empty()) {
+      return absl::InvalidArgumentError("--etcd_cert and --etcd_key go together");
+    }
+    auto security = TransportSecurity::Load(v.etcd_tls, /*client=*/true);
+    if (!security.ok()) return Annotate(security.status(), "TLS to etcd (--etcd_*)");
+    options->etcd.security = *security;
+  }
+  return absl::OkStatus();
+}
+
 // Checks the parsed flags and fills `options` from them. The checks run in a
 // fixed order, so that of several bad flags the same one is reported.
 absl::Status BuildCoordinatorOptions(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
@@ -159,6 +211,7 @@ absl::Status BuildCoordinatorOptions(const CoordinatorFlagValues& v, Coordinator
   RETURN_IF_ERROR(CheckHeartbeatTiming(v.worker_silence, v.heartbeat_interval));
   RETURN_IF_ERROR(ApplyMetricsFlags(v, options));
   options->data_dir = v.data_dir;
+  RETURN_IF_ERROR(ApplyStoreFlags(v, options));
   options->worker_silence = v.worker_silence;
   options->heartbeat_interval = v.heartbeat_interval;
   RETURN_IF_ERROR(ApplyJobFlags(v, &options->jobs));
@@ -170,7 +223,12 @@ void AnnounceServing(const Coordinator& coordinator, const CoordinatorOptions& o
                      const std::string& ready_file) {
   LogInfo("detour-coordinator ", kVersion, " serving gRPC on ", options.listen.host, ":",
           coordinator.grpc_port(), ", metrics on port ", coordinator.metrics_port(), ", data in ",
-          options.data_dir, "; ", options.security.Describe(),
+          options.data_dir,
+          options.etcd.endpoints.empty()
+              ? ""
+              : absl::StrCat(", job records in etcd://", absl::StrJoin(options.etcd.endpoints, ","),
+                             " under ", options.store_prefix),
+          "; ", options.security.Describe(),
           options.tokens ? absl::StrCat(", ", options.tokens->size(), " client token(s)") : "");
   if (ready_file.empty()) return;
   absl::Status written = WriteFileAtomically(

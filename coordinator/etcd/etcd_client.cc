@@ -139,36 +139,38 @@ absl::Status EtcdClient::Invoke(absl::string_view op, size_t request_bytes,
         absl::StrCat("etcd ", op, ": the request is ", request_bytes, " bytes; etcd takes at most ",
                      options_.max_request_bytes, " per request (its --max-request-bytes)"));
   }
+  // Attempts get a third of the call's time each, so that one member stuck
+  // on a request (its raft leader just died) leaves time to ask again; the
+  // members are asked in turn until the call's deadline.
   const absl::Time deadline = absl::Now() + options_.call_timeout;
-  const size_t first = preferred_.load();
-  std::vector<std::string> refused;
-  for (size_t i = 0; i < members_.size(); ++i) {
-    const size_t index = (first + i) % members_.size();
+  const absl::Duration per_attempt = options_.call_timeout / 3;
+  size_t index = preferred_.load() % members_.size();
+  std::vector<std::string> failures;
+  while (absl::Now() < deadline) {
     Member& member = members_[index];
-    if (absl::Now() >= deadline) break;
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(deadline));
-    const grpc::Status status = attempt(member, &context);
-    if (status.ok()) {
+    context.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + per_attempt)));
+    const absl::Status error = FromGrpcStatus(attempt(member, &context));
+    if (error.ok()) {
       preferred_.store(index);
       return absl::OkStatus();
     }
-    const absl::Status error = FromGrpcStatus(status);
-    if (error.code() == absl::StatusCode::kDeadlineExceeded) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "etcd ", op, " at ", member.endpoint, ": no answer within ",
-          absl::FormatDuration(options_.call_timeout),
-          " (is a quorum of the etcd members up?); the outcome of a write is unknown"));
-    }
-    if (error.code() != absl::StatusCode::kUnavailable) {
+    if (error.code() != absl::StatusCode::kUnavailable &&
+        error.code() != absl::StatusCode::kDeadlineExceeded) {
       return absl::Status(
           error.code(), absl::StrCat("etcd ", op, " at ", member.endpoint, ": ", error.message()));
     }
-    refused.push_back(absl::StrCat(member.endpoint, ": ", error.message()));
+    if (failures.size() < members_.size()) {
+      failures.push_back(absl::StrCat(member.endpoint, ": ", error.message()));
+    }
+    index = (index + 1) % members_.size();
+    // A whole round refused: a short pause before the next (no leader yet).
+    if (index == preferred_.load() % members_.size()) absl::SleepFor(absl::Milliseconds(100));
   }
-  return absl::UnavailableError(absl::StrCat("etcd ", op, ": no member answered within ",
-                                             absl::FormatDuration(options_.call_timeout), " (",
-                                             absl::StrJoin(refused, "; "), ")"));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "etcd ", op, ": no member answered within ", absl::FormatDuration(options_.call_timeout),
+      " (is a quorum of the etcd members up?)", op == "Range" ? "" : "; its outcome is unknown",
+      ": ", absl::StrJoin(failures, "; ")));
 }
 
 absl::Status EtcdClient::CheckRange(absl::string_view op,
@@ -305,9 +307,13 @@ absl::Status EtcdClient::LeaseRevoke(int64_t id) {
   etcdserverpb::LeaseRevokeRequest request;
   request.set_id(id);
   etcdserverpb::LeaseRevokeResponse response;
-  return Invoke("LeaseRevoke", request.ByteSizeLong(), [&](Member& m, grpc::ClientContext* c) {
-    return m.lease->LeaseRevoke(c, request, &response);
-  });
+  absl::Status revoked =
+      Invoke("LeaseRevoke", request.ByteSizeLong(), [&](Member& m, grpc::ClientContext* c) {
+        return m.lease->LeaseRevoke(c, request, &response);
+      });
+  // Gone already (expired, or an earlier attempt of this call landed).
+  if (revoked.code() == absl::StatusCode::kNotFound) return absl::OkStatus();
+  return revoked;
 }
 
 }  // namespace detour

@@ -1,0 +1,142 @@
+// The job store over its backend interface: an in-memory fake with the
+// compare-and-swap every backend must do, and the file backend's own.
+#include "coordinator/job_backend.h"
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/spec.h"
+#include "coordinator/file_job_backend.h"
+#include "coordinator/job_store.h"
+#include "common/files.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/process.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::JobSpec Spec(const std::string& name) {
+  v1::JobSpec spec;
+  spec.set_name(name);
+  spec.mutable_model()->set_preset("tiny");
+  spec.set_iterations(10);
+  return *NormalizeJobSpec(spec);
+}
+
+// Records in memory, shared by every FakeJobBackend made over the same
+// Shelf (as two coordinators share one store); `refuse` fails every write.
+struct Shelf {
+  absl::Mutex mu;
+  std::map<std::string, JobRecord> records;
+  uint64_t last_number = 0;
+  int64_t revision = 0;
+  absl::Status refuse = absl::OkStatus();
+};
+
+class FakeJobBackend : public JobBackend {
+ public:
+  explicit FakeJobBackend(std::shared_ptr<Shelf> shelf) : shelf_(std::move(shelf)) {}
+  std::string Describe() const override { return "fake"; }
+  absl::StatusOr<std::vector<JobRecord>> LoadAll() override {
+    absl::MutexLock lock(&shelf_->mu);
+    std::vector<JobRecord> out;
+    for (const auto& [id, record] : shelf_->records) out.push_back(record);
+    return out;
+  }
+  absl::StatusOr<JobRecord> Create(const std::function<v1::Job(uint64_t)>& make) override {
+    absl::MutexLock lock(&shelf_->mu);
+    if (!shelf_->refuse.ok()) return shelf_->refuse;
+    JobRecord record{make(++shelf_->last_number), ++shelf_->revision};
+    shelf_->records[record.job.id()] = record;
+    return record;
+  }
+  absl::StatusOr<int64_t> Write(const v1::Job& job, int64_t read_revision) override {
+    absl::MutexLock lock(&shelf_->mu);
+    if (!shelf_->refuse.ok()) return shelf_->refuse;
+    auto it = shelf_->records.find(job.id());
+    if (it == shelf_->records.end()) return absl::NotFoundError(job.id());
+    if (it->second.revision != read_revision) return absl::AbortedError("changed since read");
+    it->second = JobRecord{job, ++shelf_->revision};
+    return it->second.revision;
+  }
+
+ private:
+  std::shared_ptr<Shelf> shelf_;
+};
+
+TEST(JobBackend, TwoStoresOnOneBackendNeverOverwriteEachOther) {
+  auto shelf = std::make_shared<Shelf>();
+  JobStore a(std::make_unique<FakeJobBackend>(shelf));
+  JobStore b(std::make_unique<FakeJobBackend>(shelf));
+  ASSERT_TRUE(a.Load().ok());
+  auto job = a.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok());
+  ASSERT_EQ(*b.Load(), 1);
+  ASSERT_TRUE(a.Update(job->id(), [](v1::Job* j) { j->set_message("by a"); }).ok());
+  // b read the record before a's change: its write is refused, a's stays.
+  auto lost = b.Update(job->id(), [](v1::Job* j) { j->set_message("by b"); });
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(shelf->records[job->id()].job.message(), "by a");
+  // Ids come from the backend: b's new job does not take a's number.
+  auto other = b.Create(Spec("y"), absl::FromUnixSeconds(1001), "stored");
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->id(), job->id());
+  // A store that reloads sees the other's change and can write again.
+  JobStore c(std::make_unique<FakeJobBackend>(shelf));
+  ASSERT_EQ(*c.Load(), 2);
+  EXPECT_EQ(c.Get(job->id())->message(), "by a");
+  EXPECT_TRUE(c.Update(job->id(), [](v1::Job* j) { j->set_message("by c"); }).ok());
+}
+
+TEST(JobBackend, RefusedWritesShowInMemoryAndTheNextWriteUsesTheStoredRevision) {
+  auto shelf = std::make_shared<Shelf>();
+  JobStore store(std::make_unique<FakeJobBackend>(shelf));
+  auto job = store.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok());
+  shelf->refuse = absl::UnavailableError("store down");
+  auto refused = store.Update(job->id(), [](v1::Job* j) { j->set_state(v1::JOB_STATE_FAILED); });
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store.Get(job->id())->state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(shelf->records[job->id()].job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_FALSE(store.Create(Spec("y"), absl::FromUnixSeconds(1001), "stored").ok());
+  EXPECT_EQ(store.List(v1::JOB_STATE_UNSPECIFIED).size(), 1u);
+  shelf->refuse = absl::OkStatus();
+  ASSERT_TRUE(store.Update(job->id(), [](v1::Job* j) { j->set_message("back"); }).ok());
+  EXPECT_EQ(shelf->records[job->id()].job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(shelf->records[job->id()].job.message(), "back");
+}
+
+TEST(FileJobBackend, AWriteOnAStaleRevisionIsRefused) {
+  const std::string dir = testing::MakeTempDir("filebackend");
+  FileJobBackend backend(dir, WriteFileAtomically);
+  ASSERT_TRUE(backend.LoadAll().ok());
+  auto created = backend.Create([](uint64_t n) {
+    v1::Job job;
+    job.set_id(absl::StrFormat("job-%06d", n));
+    return job;
+  });
+  ASSERT_TRUE(created.ok());
+  EXPECT_EQ(created->job.id(), "job-000001");
+  v1::Job changed = created->job;
+  changed.set_message("first");
+  auto first = backend.Write(changed, created->revision);
+  ASSERT_TRUE(first.ok());
+  EXPECT_GT(*first, created->revision);
+  changed.set_message("stale");
+  auto stale = backend.Write(changed, created->revision);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(stale.status().message(), HasSubstr("not overwritten"));
+  EXPECT_THAT(*ReadFileToString(dir + "/jobs/job-000001.json"), HasSubstr("first"));
+  v1::Job unknown;
+  unknown.set_id("job-000009");
+  EXPECT_EQ(backend.Write(unknown, 1).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace detour
