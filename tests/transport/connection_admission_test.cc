@@ -204,6 +204,24 @@ TEST(RefusalLogTest, TheFirstIsLoggedAtOnceTheRestAsOneSummaryPerInterval) {
       log.Note(RefusalReason::kPreface, "10.0.0.9", "x", t0 + absl::Seconds(31)).has_value());
 }
 
+TEST(RefusalLogTest, WithoutATimerTheNextRefusalAfterAnIntervalBringsTheSummary) {
+  RefusalLog log(absl::Seconds(10), "activation stream", "stream");
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::optional<std::string> first =
+      log.Note(RefusalReason::kHandshake, "ipv4:10.0.0.9:4000", "no worker certificate", t0);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_THAT(*first, HasSubstr("activation stream: refused a stream from ipv4:10.0.0.9:4000"));
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_FALSE(
+        log.Note(RefusalReason::kHandshake, "ipv4:10.0.0.9:4001", "x", t0 + absl::Seconds(1)));
+  }
+  std::optional<std::string> summary = log.Note(RefusalReason::kIdentity, "ipv4:10.0.0.8:4002",
+                                                "a client's", t0 + absl::Seconds(12));
+  ASSERT_TRUE(summary.has_value());
+  EXPECT_THAT(*summary, HasSubstr("activation stream: refused 6 streams in the last 12s"));
+  EXPECT_THAT(*summary, HasSubstr("handshake 5, identity 1"));
+}
+
 // --- a flood against a real server -------------------------------------------
 
 // A non-blocking TCP connection to 127.0.0.1:port from `source` (another

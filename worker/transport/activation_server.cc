@@ -247,25 +247,17 @@ void TensorAssembler::Finish(const Claim& claim, std::vector<v1::FrameAck>* acks
 class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
  public:
   // `peer_name`: the verified certificate name of the sender, if any.
-  // `peer_kind`: whether its certificate is a worker's (CheckWorkerPeer).
+  // `refusal`: why the stream is refused for who opened it (no worker
+  // certificate), already counted and logged; OK to read it.
   ActivationStreamReactor(ActivationServer* server, bool right_method,
-                          std::optional<std::string> peer_name, const absl::Status& peer_kind)
+                          std::optional<std::string> peer_name, const absl::Status& refusal)
       : server_(server), assembler_(server, peer_name) {
     if (!right_method) {
       Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
     }
-    if (server_->options_.require_peer_certificates && !peer_name.has_value()) {
-      server_->CountUnauthorizedStream();
-      Apply(outbox_.RequestFinish(
-          grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                       "activation streams need a worker certificate from the cluster CA")));
-      return;
-    }
-    if (server_->options_.require_peer_certificates && !peer_kind.ok()) {
-      server_->CountUnauthorizedStream(/*log=*/false);
-      LogWarning("activation stream: refused a peer: ", peer_kind.message());
-      Apply(outbox_.RequestFinish(ToGrpcStatus(peer_kind)));
+    if (!refusal.ok()) {
+      Apply(outbox_.RequestFinish(ToGrpcStatus(refusal)));
       return;
     }
     NextRead();
@@ -395,18 +387,33 @@ ActivationServer::ActivationServer(TensorSink* sink, ActivationServerOptions opt
 grpc::ServerGenericBidiReactor* ActivationServer::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
   std::optional<std::string> peer_name = VerifiedPeerName(ctx->auth_context().get());
-  absl::Status peer_kind =
-      options_.require_peer_certificates && peer_name.has_value()
-          ? CheckWorkerPeer(ctx->auth_context().get(), options_.allow_unmarked_worker_certs)
-          : absl::OkStatus();
-  return new ActivationStreamReactor(this, ctx->method() == kMethod, std::move(peer_name),
-                                     peer_kind);
+  absl::Status refusal;
+  if (options_.require_peer_certificates && ctx->method() == kMethod) {
+    if (!peer_name.has_value()) {
+      refusal = absl::UnauthenticatedError(
+          "activation streams need a worker certificate from the cluster CA");
+    } else {
+      refusal = CheckWorkerPeer(ctx->auth_context().get(), options_.allow_unmarked_worker_certs);
+    }
+    if (!refusal.ok()) {
+      // Anyone who completes a TLS handshake (clients with tokens need no
+      // certificate) can open streams: counted, and logged in summaries.
+      CountUnauthorizedStream();
+      std::optional<std::string> line;
+      {
+        absl::MutexLock lock(&refusal_mu_);
+        line = refusal_log_.Note(refusal.code() == absl::StatusCode::kUnauthenticated
+                                     ? RefusalReason::kHandshake
+                                     : RefusalReason::kIdentity,
+                                 ctx->peer(), refusal.message(), absl::Now());
+      }
+      if (line.has_value()) LogWarning(*line);
+    }
+  }
+  return new ActivationStreamReactor(this, ctx->method() == kMethod, std::move(peer_name), refusal);
 }
 
-void ActivationServer::CountUnauthorizedStream(bool log) {
-  Count(&unauthorized_, unauthorized_metric_);
-  if (log) LogWarning("activation stream: refused a peer without a worker certificate");
-}
+void ActivationServer::CountUnauthorizedStream() { Count(&unauthorized_, unauthorized_metric_); }
 
 void ActivationServer::Count(std::atomic<uint64_t>* counter, metrics::Counter* metric, uint64_t n) {
   counter->fetch_add(n, std::memory_order_relaxed);

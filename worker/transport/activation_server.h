@@ -18,9 +18,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/metrics/metrics.h"
 #include "detour/v1/activation_service.pb.h"
 #include "grpcpp/generic/async_generic_service.h"
+#include "worker/transport/connection_admission.h"
 
 namespace detour {
 
@@ -182,10 +184,10 @@ class ActivationServer final : public grpc::CallbackGenericService {
   };
   Stats stats() const;
   const ActivationServerOptions& options() const { return options_; }
-  // A stream refused for who opened it (no certificate, or not a worker's):
-  // counted, and logged unless `log` is false (the direct transport logs
-  // its refusals as rate-limited summaries of its own).
-  void CountUnauthorizedStream(bool log = true);
+  // A stream or connection refused for who opened it (no certificate, or
+  // not a worker's): counted. (Its caller logs it, in rate-limited
+  // summaries.)
+  void CountUnauthorizedStream();
 
  private:
   friend class ActivationStreamReactor;
@@ -214,6 +216,10 @@ class ActivationServer final : public grpc::CallbackGenericService {
   metrics::Counter* duplicates_metric_ = nullptr;
   metrics::Counter* dropped_metric_ = nullptr;
   metrics::Counter* unauthorized_metric_ = nullptr;
+  // Streams refused for who opened them, logged as summaries.
+  absl::Mutex refusal_mu_;
+  RefusalLog refusal_log_ ABSL_GUARDED_BY(refusal_mu_){absl::Seconds(10), "activation stream",
+                                                       "stream"};
 };
 
 }  // namespace detour

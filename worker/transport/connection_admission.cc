@@ -144,7 +144,7 @@ std::optional<std::string> RefusalLog::Note(RefusalReason reason, absl::string_v
   if (quiet) {
     last_line_ = now;
     return absl::StrCat(
-        "direct transport: refused a connection from ", source, " (", RefusalReasonLabel(reason),
+        what_, ": refused a ", noun_, " from ", source, " (", RefusalReasonLabel(reason),
         "): ", detail, "; further refusals are summarised every ", absl::FormatDuration(interval_));
   }
   ++counts_[static_cast<int>(reason)];
@@ -153,7 +153,7 @@ std::optional<std::string> RefusalLog::Note(RefusalReason reason, absl::string_v
   if (sources_.count(key) == 0 && sources_.size() >= kMaxSources) key = "other";
   ++sources_[key];
   last_detail_ = absl::StrCat(source, " (", RefusalReasonLabel(reason), "): ", detail);
-  return std::nullopt;
+  return Flush(now);
 }
 
 std::optional<std::string> RefusalLog::Flush(absl::Time now) {
@@ -170,10 +170,10 @@ std::optional<std::string> RefusalLog::Flush(absl::Time now) {
   if (by_count.size() > 3) by_count.resize(3);
   std::vector<std::string> top;
   for (const auto& [count, source] : by_count) top.push_back(absl::StrCat(source, " ", count));
-  std::string line = absl::StrCat(
-      "direct transport: refused ", total_, " connection", total_ == 1 ? "" : "s", " in the last ",
-      absl::FormatDuration(now - last_line_), " (", absl::StrJoin(reasons, ", "), "); most from ",
-      absl::StrJoin(top, ", "), "; the last: ", last_detail_);
+  std::string line =
+      absl::StrCat(what_, ": refused ", total_, " ", noun_, total_ == 1 ? "" : "s", " in the last ",
+                   absl::FormatDuration(now - last_line_), " (", absl::StrJoin(reasons, ", "),
+                   "); most from ", absl::StrJoin(top, ", "), "; the last: ", last_detail_);
   last_line_ = now;
   total_ = 0;
   std::fill(std::begin(counts_), std::end(counts_), 0);

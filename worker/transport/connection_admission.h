@@ -22,6 +22,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -118,11 +119,16 @@ class ConnectionAdmission {
 // Refusals as a few log lines: the first one after a quiet interval is
 // logged at once with its detail (a misconfigured peer shows up right away);
 // the rest are counted and summarised once per `interval` with counts by
-// reason and the sources refused most. Not thread-safe.
+// reason and the sources refused most. Lines read "<what>: refused a <noun>
+// from ..." and "<what>: refused N <noun>s in the last ...". Not thread-safe.
 class RefusalLog {
  public:
-  explicit RefusalLog(absl::Duration interval) : interval_(interval) {}
-  // Counts a refusal; the line to log now, if any.
+  explicit RefusalLog(absl::Duration interval, std::string what = "direct transport",
+                      std::string noun = "connection")
+      : interval_(interval), what_(std::move(what)), noun_(std::move(noun)) {}
+  // Counts a refusal; the line to log now, if any: the first after a quiet
+  // interval, or the summary when an interval has passed since the last
+  // line (for callers that do not call Flush on a timer).
   std::optional<std::string> Note(RefusalReason reason, absl::string_view source,
                                   absl::string_view detail, absl::Time now);
   // The summary of what was counted since the last line, once `interval` has
@@ -131,6 +137,7 @@ class RefusalLog {
 
  private:
   const absl::Duration interval_;
+  const std::string what_, noun_;
   absl::Time last_line_ = absl::InfinitePast();
   uint64_t counts_[kRefusalReasons] = {};
   uint64_t total_ = 0;

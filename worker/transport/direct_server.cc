@@ -269,7 +269,7 @@ std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
     }
   }
   if (line.has_value()) LogWarning(*line);
-  if (unauthorized) activations_->CountUnauthorizedStream(/*log=*/false);
+  if (unauthorized) activations_->CountUnauthorizedStream();
   return link;
 }
 
