@@ -142,6 +142,32 @@ TEST_F(EtcdClientTest, ADeadFirstEndpointIsPassedOver) {
   EXPECT_EQ((*(*client)->Get("/t/x"))->value, "1");
 }
 
+// etcd asking for client certificates: a client with the CA and a
+// certificate works; one without a certificate, or in plaintext, is refused
+// with an error naming the endpoint.
+TEST(EtcdTls, TheClientSpeaksTlsAndPresentsItsCertificate) {
+  if (testing::FindEtcdBinary().empty()) GTEST_SKIP() << testing::kNoEtcd;
+  testing::EtcdCluster cluster;
+  absl::Status started = cluster.Start(1, /*tls=*/true);
+  ASSERT_TRUE(started.ok()) << started;
+  auto client = cluster.Client();
+  ASSERT_TRUE(client->Put("/t/tls", "yes").ok());
+  EXPECT_EQ((*client->Get("/t/tls"))->value, "yes");
+
+  EtcdOptions options;
+  options.endpoints = cluster.endpoints();
+  options.call_timeout = absl::Seconds(2);
+  TlsFiles no_certificate = cluster.tls_files();
+  no_certificate.cert.clear();
+  no_certificate.key.clear();
+  options.security = *TransportSecurity::Load(no_certificate, /*client=*/true);
+  auto anonymous = (*EtcdClient::Create(options))->Get("/t/tls");
+  ASSERT_FALSE(anonymous.ok());
+  EXPECT_THAT(anonymous.status().message(), HasSubstr(cluster.endpoints()[0]));
+  options.security = TransportSecurity::Insecure();
+  EXPECT_FALSE((*EtcdClient::Create(options))->Get("/t/tls").ok());
+}
+
 ElectionOptions Candidate(const std::string& address, std::atomic<int>* lost = nullptr) {
   ElectionOptions options;
   options.key = "/detour/leader";

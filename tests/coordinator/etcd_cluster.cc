@@ -5,6 +5,8 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,15 +43,78 @@ std::vector<std::string> EtcdCluster::MemberArgs(int i) const {
   for (size_t j = 0; j < peer_ports_.size(); ++j) {
     peers.push_back(absl::StrCat("m", j, "=http://127.0.0.1:", peer_ports_[j]));
   }
-  const std::string client = absl::StrCat("http://127.0.0.1:", client_ports_[i]);
+  const std::string client =
+      absl::StrCat(tls_ ? "https" : "http", "://127.0.0.1:", client_ports_[i]);
   const std::string peer = absl::StrCat("http://127.0.0.1:", peer_ports_[i]);
-  return {FindEtcdBinary(), absl::StrCat("--name=m", i), absl::StrCat("--data-dir=", dir_, "/m", i),
-          "--listen-client-urls=" + client, "--advertise-client-urls=" + client,
-          "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
-          "--initial-cluster=" + absl::StrJoin(peers, ","), "--initial-cluster-state=new",
-          absl::StrCat("--initial-cluster-token=detour-test-", ::getpid()),
-          // Elections in well under a second: tests wait less for a leader.
-          "--heartbeat-interval=50", "--election-timeout=500", "--logger=zap", "--log-level=warn"};
+  std::vector<std::string> args = {
+      FindEtcdBinary(), absl::StrCat("--name=m", i), absl::StrCat("--data-dir=", dir_, "/m", i),
+      "--listen-client-urls=" + client, "--advertise-client-urls=" + client,
+      "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
+      "--initial-cluster=" + absl::StrJoin(peers, ","), "--initial-cluster-state=new",
+      absl::StrCat("--initial-cluster-token=detour-test-", ::getpid()),
+      // Elections in well under a second: tests wait less for a leader.
+      "--heartbeat-interval=50", "--election-timeout=500", "--logger=zap", "--log-level=warn"};
+  if (tls_) {
+    for (const std::string& arg :
+         {"--cert-file=" + dir_ + "/server.pem", "--key-file=" + dir_ + "/server.key",
+          "--trusted-ca-file=" + client_files_.ca, std::string("--client-cert-auth")}) {
+      args.push_back(arg);
+    }
+  }
+  return args;
+}
+
+// openssl, run to its end (at most 60 s).
+absl::Status RunOpenssl(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<std::string> argv = {"/usr/bin/openssl"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  ChildProcess child;
+  if (absl::Status started = child.Start(argv, log); !started.ok()) return started;
+  std::optional<int> code = child.Wait(absl::Seconds(60));
+  if (code != 0) {
+    return absl::InternalError(absl::StrCat("openssl ", args[0], " failed: ", child.Log()));
+  }
+  return absl::OkStatus();
+}
+
+// A CA, a server certificate for 127.0.0.1 and a client certificate.
+absl::Status EtcdCluster::MakeCertificates() {
+  const std::string log = dir_ + "/openssl.log";
+  const std::string ext = dir_ + "/server.ext";
+  std::ofstream(ext) << "subjectAltName=IP:127.0.0.1\n";
+  std::vector<std::vector<std::string>> steps = {
+      {"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", dir_ + "/ca.key", "-out",
+       dir_ + "/ca.pem", "-days", "2", "-subj", "/CN=detour-test-etcd-ca"}};
+  for (const std::string name : {"server", "client"}) {
+    steps.push_back({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", dir_ + "/" + name + ".key",
+                     "-out", dir_ + "/" + name + ".csr", "-subj", "/CN=detour-test-" + name});
+    std::vector<std::string> sign = {"x509",
+                                     "-req",
+                                     "-in",
+                                     dir_ + "/" + name + ".csr",
+                                     "-CA",
+                                     dir_ + "/ca.pem",
+                                     "-CAkey",
+                                     dir_ + "/ca.key",
+                                     "-CAcreateserial",
+                                     "-days",
+                                     "2",
+                                     "-out",
+                                     dir_ + "/" + name + ".pem"};
+    if (name == "server") {
+      sign.push_back("-extfile");
+      sign.push_back(ext);
+    }
+    steps.push_back(sign);
+  }
+  for (const auto& step : steps) {
+    if (absl::Status ran = RunOpenssl(step, log); !ran.ok()) return ran;
+  }
+  client_files_ = TlsFiles{dir_ + "/client.pem", dir_ + "/client.key", dir_ + "/ca.pem", false};
+  auto security = TransportSecurity::Load(client_files_, /*client=*/true);
+  if (!security.ok()) return security.status();
+  security_ = *security;
+  return absl::OkStatus();
 }
 
 absl::Status EtcdCluster::StartMember(int i) {
@@ -57,9 +122,13 @@ absl::Status EtcdCluster::StartMember(int i) {
   return members_[i]->Start(MemberArgs(i), absl::StrCat(dir_, "/m", i, ".log"));
 }
 
-absl::Status EtcdCluster::Start(int members) {
+absl::Status EtcdCluster::Start(int members, bool tls) {
   if (FindEtcdBinary().empty()) return absl::FailedPreconditionError(kNoEtcd);
   dir_ = MakeTempDir("etcd");
+  tls_ = tls;
+  if (tls_) {
+    if (absl::Status made = MakeCertificates(); !made.ok()) return made;
+  }
   for (int i = 0; i < members; ++i) {
     // Held until every port is chosen, so no two are the same.
     auto [client_fd, client_port] = OccupyPort();
@@ -94,6 +163,7 @@ std::unique_ptr<EtcdClient> EtcdCluster::Client(absl::Duration timeout) const {
   EtcdOptions options;
   options.endpoints = endpoints_;
   options.call_timeout = timeout;
+  options.security = security_;
   return *EtcdClient::Create(options);
 }
 

@@ -28,8 +28,11 @@ class EtcdCluster {
   ~EtcdCluster();
 
   // Starts `members` members as one new cluster and waits (at most 60 s)
-  // until it takes a write.
-  absl::Status Start(int members);
+  // until it takes a write. With `tls`, clients must speak TLS and present a
+  // certificate from a throwaway CA made here (tls_files()).
+  absl::Status Start(int members, bool tls = false);
+  // The CA, and a client certificate and key, etcd trusts (with tls).
+  const TlsFiles& tls_files() const { return client_files_; }
   // host:port of every member, in order.
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   // A client of every member, with `timeout` per call.
@@ -44,7 +47,12 @@ class EtcdCluster {
   absl::Status StartMember(int i);
   std::vector<std::string> MemberArgs(int i) const;
 
+  absl::Status MakeCertificates();
+
   std::string dir_;
+  bool tls_ = false;
+  TlsFiles client_files_;
+  TransportSecurity security_ = TransportSecurity::Insecure();
   std::vector<int> client_ports_, peer_ports_;
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<ChildProcess>> members_;
