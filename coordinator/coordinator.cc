@@ -147,8 +147,8 @@ absl::Status Coordinator::Init() {
     manager_->OnWorkerMessage(worker, m);
   };
   control_service_ = std::make_unique<ControlServiceImpl>(
-      &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(),
-      std::move(hooks), options_.security.allow_unmarked_worker_certs());
+      &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(), std::move(hooks),
+      options_.security.allow_unmarked_worker_certs());
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
   if (job_options.checkpoint_root.empty()) {
