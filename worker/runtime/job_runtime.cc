@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "worker/model/torch_status.h"
+#include "worker/runtime/link_prober.h"
 #include "worker/runtime/runtime_bubbles.h"
 #include "worker/runtime/runtime_membership.h"
 #include "worker/runtime/runtime_part.h"
@@ -36,7 +37,10 @@ class JobRuntime::Impl : public RuntimeCore {
       : options_(std::move(options)),
         send_(std::move(send)),
         set_job_(std::move(set_job)),
-        metrics_(options_.metrics, options_.region, options_.device) {
+        metrics_(options_.metrics, options_.region, options_.device),
+        prober_(options_.transport ? options_.transport : GrpcPeerTransport::Factory(),
+                PeerTransportConfig{options_.region, {}, options_.security}, send_,
+                options_.metrics) {
     executor_ = std::thread([this] { Loop(); });
   }
 
@@ -48,6 +52,7 @@ class JobRuntime::Impl : public RuntimeCore {
       if (stopping_) return;
       stopping_ = true;
     }
+    prober_.Stop();
     if (executor_.joinable()) executor_.join();
     Abandon();
   }
@@ -94,6 +99,8 @@ class JobRuntime::Impl : public RuntimeCore {
   }
 
   void OnCoordinatorMessage(const v1::CoordinatorMessage& message) {
+    // Link probes run beside the job, on the prober's thread.
+    if (message.has_probe()) return prober_.OnProbe(message.probe());
     Post([this, message] {
       switch (message.kind_case()) {
         case v1::CoordinatorMessage::kAssignment: setup_.OnAssignment(message.assignment()); break;
@@ -117,6 +124,7 @@ class JobRuntime::Impl : public RuntimeCore {
   // Thread-safe parts only (not LinkTransfer/ForgetLinks): for the
   // daemon's registration and heartbeat threads.
   RuntimeMetrics& metrics() { return metrics_; }
+  LinkProber& prober() { return prober_; }
 
   void OnSessionOpened() {
     Post([this] {
@@ -140,6 +148,7 @@ class JobRuntime::Impl : public RuntimeCore {
   }
 
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) {
+    if (h.direction() == v1::DIRECTION_PROBE) return prober_.Allocate(h);
     std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
     const FrameAdmission::Verdict verdict = admission_.Admit(h, received_bytes_->load());
     if (!verdict.ok()) {
@@ -171,6 +180,7 @@ class JobRuntime::Impl : public RuntimeCore {
   }
 
   void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) {
+    if (h.direction() == v1::DIRECTION_PROBE) return;  // its bytes go with `buffer`
     auto tensor = std::static_pointer_cast<at::Tensor>(buffer.keepalive);
     Enqueue(h, *tensor);
   }
@@ -329,6 +339,8 @@ class JobRuntime::Impl : public RuntimeCore {
   bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
   std::thread executor_;
 
+  // Measures links when the coordinator asks; takes the probes peers send.
+  LinkProber prober_;
   // What Allocate accepts (read on gRPC threads).
   FrameAdmission admission_;
   // Bytes of received tensors alive now (shared with their deleters).
@@ -368,6 +380,7 @@ void JobRuntime::Deliver(const v1::FrameHeader& header, MutableBuffer buffer) {
 void JobRuntime::Stop() { impl_->Stop(); }
 void JobRuntime::OnRegistered(const std::string& worker_id) {
   impl_->metrics().SetWorkerId(worker_id);
+  impl_->prober().SetWorkerId(worker_id);
 }
 void JobRuntime::Tick(absl::Time now) { impl_->metrics().IdleCheck(now); }
 

@@ -197,10 +197,11 @@ absl::Status ValidateFrameHeader(const v1::FrameHeader& h, size_t data_bytes,
                                                    " dimensions (at most ", kMaxFrameDims, ")"));
   }
   if (h.direction() != v1::DIRECTION_FORWARD && h.direction() != v1::DIRECTION_BACKWARD &&
-      h.direction() != v1::DIRECTION_ALLREDUCE && h.direction() != v1::DIRECTION_STATE) {
+      h.direction() != v1::DIRECTION_ALLREDUCE && h.direction() != v1::DIRECTION_STATE &&
+      h.direction() != v1::DIRECTION_PROBE) {
     return absl::InvalidArgumentError(
         absl::StrCat("frame header: direction ", h.direction(),
-                     " is not FORWARD, BACKWARD, ALLREDUCE or STATE"));
+                     " is not FORWARD, BACKWARD, ALLREDUCE, STATE or PROBE"));
   }
   const size_t element = DTypeSize(h.dtype());
   if (element == 0) {

@@ -1,0 +1,271 @@
+// The link prober on a fake transport whose links have a known round trip
+// and rate (and, for one, a window that opens as bytes flow, as TCP's does
+// on a long fat link): what it reports, what it costs, and which probes it
+// takes from peers.
+#include "worker/runtime/link_prober.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace detour {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct FakeLink {
+  double rtt = 0.01;
+  double rate = 200e6;  // bytes/s
+  // The window opens as bytes flow: a transfer over 64 KiB gets rate ×
+  // min(1, bytes sent so far, this one included / ramp_bytes). 0 = always
+  // open.
+  double ramp_bytes = 0;
+  bool down = false;
+};
+
+// Completes each tensor after the time its link would take (a real sleep,
+// so the prober's deadlines and its thread are exercised), reporting that
+// time as the transfer's duration.
+class FakeTransport final : public PeerTransport {
+ public:
+  explicit FakeTransport(std::map<std::string, FakeLink> links) : links_(std::move(links)) {}
+  ~FakeTransport() override { Close(); }
+
+  void SetPeers(const std::vector<PeerEndpoint>& peers) override {
+    absl::MutexLock lock(&mu_);
+    for (const PeerEndpoint& p : peers) peers_.push_back(p.worker_id);
+  }
+  void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) override {
+    absl::MutexLock lock(&mu_);
+    auto it = links_.find(to);
+    if (it == links_.end() || closed_) {
+      done(absl::NotFoundError(to), 0);
+      return;
+    }
+    EXPECT_EQ(header.direction(), v1::DIRECTION_PROBE);
+    EXPECT_EQ(header.shape(0), static_cast<int64_t>(data.bytes));
+    FakeLink& l = it->second;
+    sent_[to] += data.bytes;
+    double seconds = l.rtt;
+    double rate = l.rate;
+    // Small tensors fit the initial window whatever the ramp.
+    if (l.ramp_bytes > 0 && data.bytes > (64 << 10)) {
+      rate *= std::min(1.0, static_cast<double>(sent_[to]) / l.ramp_bytes);
+    }
+    seconds += static_cast<double>(data.bytes) / rate;
+    const bool down = l.down;
+    threads_.emplace_back([seconds, down, done = std::move(done)] {
+      absl::SleepFor(absl::Seconds(down ? 0.005 : seconds));
+      if (down) {
+        done(absl::UnavailableError("connect: connection refused"), 0.005);
+      } else {
+        done(absl::OkStatus(), seconds);
+      }
+    });
+  }
+  void Close() override {
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      closed_ = true;
+      threads.swap(threads_);
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  uint64_t sent(const std::string& to) {
+    absl::MutexLock lock(&mu_);
+    return sent_[to];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, FakeLink> links_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> sent_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class LinkProberTest : public ::testing::Test {
+ protected:
+  void Make(std::map<std::string, FakeLink> links) {
+    links_ = std::move(links);
+    prober_ = std::make_unique<LinkProber>(
+        [this](const PeerTransportConfig&) {
+          auto t = std::make_unique<FakeTransport>(links_);
+          last_ = t.get();
+          return t;
+        },
+        PeerTransportConfig{},
+        [this](v1::WorkerMessage m) {
+          absl::MutexLock lock(&mu_);
+          reports_.push_back(m.link_report());
+          return absl::OkStatus();
+        },
+        nullptr);
+    prober_->SetWorkerId("me");
+  }
+
+  v1::LinkProbe Probe(const std::vector<std::string>& peers, uint64_t bulk, uint32_t budget_ms) {
+    v1::LinkProbe p;
+    p.set_job_id("j1");
+    p.set_round(7);
+    p.set_pings(3);
+    p.set_bulk_max_bytes(bulk);
+    p.set_budget_ms(budget_ms);
+    for (const std::string& id : peers) {
+      v1::Peer* peer = p.add_peers();
+      peer->set_worker_id(id);
+      peer->set_address(id + ":1");
+    }
+    return p;
+  }
+
+  v1::LinkReport AwaitReport() {
+    absl::MutexLock lock(&mu_);
+    auto some = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !reports_.empty(); };
+    EXPECT_TRUE(mu_.AwaitWithTimeout(absl::Condition(&some), absl::Seconds(30)));
+    if (reports_.empty()) return v1::LinkReport();
+    v1::LinkReport r = reports_.front();
+    reports_.erase(reports_.begin());
+    return r;
+  }
+
+  static const v1::LinkMeasurement* Find(const v1::LinkReport& r, const std::string& peer) {
+    for (const v1::LinkMeasurement& m : r.links()) {
+      if (m.peer() == peer) return &m;
+    }
+    return nullptr;
+  }
+
+  std::map<std::string, FakeLink> links_;
+  std::unique_ptr<LinkProber> prober_;
+  FakeTransport* last_ = nullptr;
+  absl::Mutex mu_;
+  std::vector<v1::LinkReport> reports_ ABSL_GUARDED_BY(mu_);
+};
+
+// Latency is the smallest ping round trip; bandwidth the best bulk rate,
+// found by growing probes that follow an opening window up to the link's
+// rate and stop once it stops growing. A peer that cannot be reached is
+// reported with the error; the worker itself is not probed.
+TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
+  Make({{"fast", {0.004, 400e6, 0, false}},
+        {"long", {0.050, 100e6, 12e6, false}},
+        {"down", {0.01, 1e6, 0, true}}});
+  prober_->OnProbe(Probe({"me", "fast", "long", "down"}, 32 << 20, 20000));
+  const v1::LinkReport r = AwaitReport();
+  EXPECT_EQ(r.job_id(), "j1");
+  EXPECT_EQ(r.round(), 7u);
+  ASSERT_EQ(r.links_size(), 3) << r.ShortDebugString();
+  const v1::LinkMeasurement* fast = Find(r, "fast");
+  const v1::LinkMeasurement* slow = Find(r, "long");
+  const v1::LinkMeasurement* down = Find(r, "down");
+  ASSERT_TRUE(fast && slow && down) << r.ShortDebugString();
+  EXPECT_NEAR(fast->rtt_seconds(), 0.004, 1e-6);
+  // The rate less the ping's own transfer time in the round trip.
+  EXPECT_NEAR(fast->bandwidth_bytes_per_s(), 400e6, 400e6 * 1e-3);
+  EXPECT_TRUE(fast->error().empty()) << fast->error();
+  EXPECT_NEAR(slow->rtt_seconds(), 0.05, 1e-6);
+  // 1, 2, 4 MiB see the window opening; 8 and 16 MiB the full rate.
+  EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 100e6, 100e6 * 1e-3);
+  EXPECT_GE(slow->probe_bytes(), uint64_t{16} << 20);
+  EXPECT_LE(slow->probe_bytes(), uint64_t{32} << 20);
+  EXPECT_THAT(down->error(), HasSubstr("connection refused"));
+  EXPECT_EQ(down->rtt_seconds(), 0);
+  EXPECT_EQ(down->bandwidth_bytes_per_s(), 0);
+}
+
+// A latency round (bulk 0) sends pings only; a budget too short for the
+// links ends the round with an error for the links it did not finish.
+TEST_F(LinkProberTest, ALatencyRoundSendsOnlyPingsAndABudgetBoundsTheRound) {
+  Make({{"a", {0.002, 1e9, 0, false}}, {"slow", {0.5, 1e6, 0, false}}});
+  const absl::Time start = absl::Now();
+  prober_->OnProbe(Probe({"a", "slow"}, 0, 300));
+  const v1::LinkReport r = AwaitReport();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_EQ(r.links_size(), 2);
+  // Each link's pings go one after another, whatever the others do.
+  EXPECT_NEAR(Find(r, "a")->rtt_seconds(), 0.002, 1e-6);
+  EXPECT_TRUE(Find(r, "a")->error().empty()) << Find(r, "a")->error();
+  EXPECT_EQ(Find(r, "a")->bandwidth_bytes_per_s(), 0);
+  EXPECT_EQ(Find(r, "a")->probe_bytes(), 3 * LinkProber::kPingBytes);
+  EXPECT_THAT(Find(r, "slow")->error(), HasSubstr("no answer to a ping"));
+}
+
+TEST_F(LinkProberTest, RefusesRequestsOutOfBounds) {
+  v1::LinkProbe p;
+  p.set_job_id("j");
+  p.set_pings(3);
+  p.set_budget_ms(1000);
+  EXPECT_TRUE(LinkProber::Validate(p).ok());
+  v1::LinkProbe q = p;
+  q.set_pings(0);
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("pings 0"));
+  q = p;
+  q.set_bulk_max_bytes(LinkProber::kMaxProbeBytes + 1);
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("bulk_max_bytes"));
+  q = p;
+  q.set_budget_ms(0);
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("budget_ms"));
+  q = p;
+  q.clear_job_id();
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("job_id"));
+  q = p;
+  q.add_peers()->set_worker_id("x");
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("without id or address"));
+}
+
+// Probes are taken only from the peers of the newest round of the same job,
+// within the size and memory bounds; their memory is given back when the
+// buffer goes.
+TEST_F(LinkProberTest, TakesProbesOnlyFromPeersOfItsRoundWithinBounds) {
+  Make({});
+  v1::FrameHeader h;
+  h.set_job_id("j1");
+  h.set_sender("p1");
+  h.set_direction(v1::DIRECTION_PROBE);
+  h.set_dtype(v1::DTYPE_BYTES);
+  h.set_total_bytes(1 << 20);
+  auto before = prober_->Allocate(h);
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kPermissionDenied);
+  prober_->OnProbe(Probe({"p1"}, 0, 1000));
+  auto ok = prober_->Allocate(h);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->bytes, uint64_t{1} << 20);
+  v1::FrameHeader other = h;
+  other.set_sender("p2");
+  EXPECT_EQ(prober_->Allocate(other).status().code(), absl::StatusCode::kPermissionDenied);
+  other = h;
+  other.set_job_id("j2");
+  EXPECT_EQ(prober_->Allocate(other).status().code(), absl::StatusCode::kPermissionDenied);
+  v1::FrameHeader big = h;
+  big.set_total_bytes(LinkProber::kMaxProbeBytes + 1);
+  EXPECT_EQ(prober_->Allocate(big).status().code(), absl::StatusCode::kInvalidArgument);
+  // kMaxHeldProbeBytes / kMaxProbeBytes buffers at most, held at once.
+  v1::FrameHeader full = h;
+  full.set_total_bytes(LinkProber::kMaxProbeBytes);
+  std::vector<MutableBuffer> held;
+  for (uint64_t i = 0; i < LinkProber::kMaxHeldProbeBytes / LinkProber::kMaxProbeBytes - 1; ++i) {
+    auto b = prober_->Allocate(full);
+    ASSERT_TRUE(b.ok()) << b.status();
+    held.push_back(*std::move(b));
+  }
+  EXPECT_EQ(prober_->Allocate(full).status().code(), absl::StatusCode::kResourceExhausted);
+  held.clear();
+  *ok = MutableBuffer();
+  EXPECT_TRUE(prober_->Allocate(full).ok());
+  AwaitReport();  // the round with p1 (which the fake cannot reach)
+}
+
+}  // namespace
+}  // namespace detour
