@@ -129,6 +129,7 @@ absl::Status Coordinator::Init() {
   JobServiceImpl::Hooks job_hooks;
   job_hooks.on_submitted = [this](const std::string& id) { manager_->Add(id); };
   job_hooks.on_cancelled = [this](const std::string& id) { manager_->Cancel(id); };
+  job_hooks.on_links = [this](const std::string& id) { return manager_->Links(id); };
   job_hooks.on_resume = [this](const std::string& id, const std::string& checkpoint,
                                uint32_t replicas_per_stage) {
     return manager_->Resume(id, checkpoint, replicas_per_stage);

@@ -10,11 +10,13 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
+  ${CMAKE_CURRENT_LIST_DIR}/link_matrix.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_checkpoints.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_elastic.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_iteration.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_link.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_links.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_membership.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_part.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_planner.cc

@@ -132,6 +132,23 @@ void JobManager::Cancel(const std::string& job_id) {
   }
 }
 
+absl::StatusOr<v1::GetLinksResponse> JobManager::Links(const std::string& job_id) const {
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(job_id));
+  absl::MutexLock lock(&mu_);
+  auto it = runners_.find(job_id);
+  if (job.state() != v1::JOB_STATE_RUNNING || it == runners_.end() || it->second->finished()) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                      v1::JobState_Name(job.state()),
+                                                      ", not running: it has no live links"));
+  }
+  std::optional<v1::GetLinksResponse> links = it->second->Links();
+  if (!links) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " has not planned its first iteration yet"));
+  }
+  return *std::move(links);
+}
+
 absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id, const std::string& checkpoint,
                                            uint32_t replicas_per_stage) {
   {
@@ -273,6 +290,7 @@ void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerM
     case v1::WorkerMessage::kPeerUnreachable: job = message.peer_unreachable().job_id(); break;
     case v1::WorkerMessage::kStateReceived: job = message.state_received().job_id(); break;
     case v1::WorkerMessage::kJobStatus: job = message.job_status().job_id(); break;
+    case v1::WorkerMessage::kLinkReport: job = message.link_report().job_id(); break;
     default: return;
   }
   absl::MutexLock lock(&mu_);

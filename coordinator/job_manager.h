@@ -51,6 +51,8 @@ class JobManager final : public RunnerHost {
   // stage). FAILED_PRECONDITION when it has not ended, succeeded, or there
   // is no checkpoint; NOT_FOUND when unknown; INVALID_ARGUMENT for a replica
   // count the spec does not allow.
+  // The link matrix of a running job (JobService.GetLinks).
+  absl::StatusOr<v1::GetLinksResponse> Links(const std::string& job_id) const;
   absl::StatusOr<v1::Job> Resume(const std::string& job_id, const std::string& checkpoint,
                                  uint32_t replicas_per_stage = 0);
   // From ControlService (gRPC thread): results, norms, timings, errors.
@@ -100,7 +102,7 @@ class JobManager final : public RunnerHost {
   TimingEstimates estimates_;
   RunnerMetrics runner_metrics_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);  // submission order
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   std::thread scheduler_;

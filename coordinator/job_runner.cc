@@ -20,6 +20,7 @@
 #include "coordinator/planner/replica_sync_choice.h"
 #include "coordinator/runner_elastic.h"
 #include "coordinator/runner_iteration.h"
+#include "coordinator/runner_links.h"
 #include "coordinator/runner_part.h"
 #include "coordinator/stage_reassignment.h"
 #include "coordinator/stragglers.h"
@@ -122,7 +123,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
         RunnerPart(&shared, this),
         start_mode_(start),
         elastic_(&shared, this),
-        iteration_(&shared, this, &elastic_) {
+        iteration_(&shared, this, &elastic_),
+        links_(&shared, this) {
     for (v1::WorkerInfo& w : workers) membership_.mutable_infos()[w.worker_id()] = std::move(w);
   }
 
@@ -155,6 +157,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     return finished_;
   }
 
+  std::optional<v1::GetLinksResponse> Links() const { return links_.Published(); }
+
  private:
   using Message = std::pair<std::string, v1::WorkerMessage>;
 
@@ -180,6 +184,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     iteration_.Started(next_iteration_);
     elastic_.Started();
     while (next_iteration_ < spec_.iterations()) {
+      links_.AtBoundary();
       if (auto e = elastic_.Grow(); e) return *e;
       if (auto e = elastic_.Reassign(); e) return *e;
       if (std::string why = plan_.Infeasible(); !why.empty()) {
@@ -240,6 +245,9 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       next_iteration_ = *done;
     }
     for (const auto& [id, w] : membership_.infos()) membership_.mutable_node_order().push_back(id);
+    // The first plan is made on the links as measured (the region table
+    // only seeds what was not).
+    links_.ProbeAtStart();
     if (absl::Status s = plan_.BuildCostModel(); !s.ok()) return Failed(s.message());
     // The plan of iteration i is seeded with seed + i, resumed or not.
     auto first = plan_.PlanFirst(spec_.seed() + next_iteration_);
@@ -557,6 +565,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
         }
         if (m.has_job_status()) {
           OnJobStatus(worker, m.job_status());
+        } else if (m.has_link_report()) {
+          links_.OnReport(worker, m.link_report());
         } else if (m.has_peer_unreachable() && m.peer_unreachable().job_id() == job_id_ &&
                    membership_.IsMember(worker)) {
           membership_.ReportUnreachable(worker, m.peer_unreachable().peer(),
@@ -618,6 +628,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   const JobRunner::StartMode start_mode_;
   RunnerElastic elastic_;
   RunnerIteration iteration_;
+  RunnerLinks links_;
   absl::Time last_loss_check_ = absl::InfinitePast();
   std::map<std::string, uint64_t> outsider_messages_;  // worker -> messages ignored
   static constexpr absl::Duration kLossCheck = absl::Milliseconds(500);
@@ -635,5 +646,6 @@ void JobRunner::Post(const std::string& worker_id, const v1::WorkerMessage& mess
 void JobRunner::Poke() { impl_->Poke(); }
 void JobRunner::RequestStop(JobEnd stop) { impl_->RequestStop(std::move(stop)); }
 bool JobRunner::finished() const { return impl_->finished(); }
+std::optional<v1::GetLinksResponse> JobRunner::Links() const { return impl_->Links(); }
 
 }  // namespace detour

@@ -71,6 +71,14 @@ struct JobManagerOptions {
   // routes of later iterations are planned with them. 0 = never.
   int replan_every = 5;
   absl::Duration iteration_timeout = absl::Seconds(600);
+  // Link probes (docs/RUNTIME.md §"Measured links"): before a job's first
+  // plan, within link_probe_budget, every worker measures its links to the
+  // others (bulk probes up to link_probe_bytes); while it runs, a latency
+  // round every link_probe_interval (zero = none).
+  bool link_probe = true;
+  absl::Duration link_probe_budget = absl::Seconds(20);
+  uint64_t link_probe_bytes = uint64_t{32} << 20;
+  absl::Duration link_probe_interval = absl::Seconds(60);
   metrics::Registry* metrics = nullptr;  // not owned; may be null
 };
 
@@ -141,6 +149,9 @@ class JobRunner {
   void Poke();
   void RequestStop(JobEnd stop);
   bool finished() const;
+  // The link matrix the job plans on, as last published (any thread);
+  // nullopt before its first plan.
+  std::optional<v1::GetLinksResponse> Links() const;
 
  private:
   class Impl;

@@ -264,6 +264,22 @@ grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* co
   return Reply(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* JobServiceImpl::GetLinks(grpc::CallbackServerContext* context,
+                                                   const v1::GetLinksRequest* request,
+                                                   v1::GetLinksResponse* response) {
+  if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "GetLinks"); !a.ok()) {
+    return Reply(context, a);
+  }
+  if (request->job_id().empty()) {
+    return Reply(context, absl::InvalidArgumentError("job_id: required"));
+  }
+  if (!hooks_.on_links) return Reply(context, absl::UnimplementedError("links are not served"));
+  auto links = hooks_.on_links(request->job_id());
+  if (!links.ok()) return Reply(context, links.status());
+  *response = *std::move(links);
+  return Reply(context, absl::OkStatus());
+}
+
 void JobServiceImpl::CloseWatches() {
   std::vector<WatchReactor*> open;
   {

@@ -1,5 +1,5 @@
 // JobService: the client-facing API (Submit, Get, List, Watch, Cancel,
-// Resume) over the JobStore. Thread-safe; gRPC callback API, nothing blocks a reaction.
+// Resume, GetLinks) over the JobStore. Thread-safe; gRPC callback API, nothing blocks a reaction.
 #ifndef DETOUR_COORDINATOR_JOB_SERVICE_H_
 #define DETOUR_COORDINATOR_JOB_SERVICE_H_
 
@@ -27,6 +27,8 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
     std::function<absl::StatusOr<v1::Job>(const std::string& job_id, const std::string& checkpoint,
                                           uint32_t replicas_per_stage)>
         on_resume;
+    // GetLinks: the running job's link matrix.
+    std::function<absl::StatusOr<v1::GetLinksResponse>(const std::string& job_id)> on_links;
   };
   // Does not own `store` or `auth`, which must outlive the service. Every
   // RPC checks its caller with `auth` first.
@@ -47,6 +49,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
 
   grpc::ServerUnaryReactor* Resume(grpc::CallbackServerContext* context,
                                    const v1::ResumeJobRequest* request, v1::Job* response) override;
+  grpc::ServerUnaryReactor* GetLinks(grpc::CallbackServerContext* context,
+                                     const v1::GetLinksRequest* request,
+                                     v1::GetLinksResponse* response) override;
 
   // Ends every open Watch stream with UNAVAILABLE (coordinator draining).
   void CloseWatches();

@@ -49,6 +49,10 @@ struct CoordinatorFlagValues {
   absl::Duration iteration_timeout = absl::Seconds(600);
   absl::Duration assign_timeout = absl::Seconds(120);
   int64_t replan_every = 5;
+  bool link_probe = true;
+  absl::Duration link_probe_budget = absl::Seconds(20);
+  int64_t link_probe_mib = 32;
+  absl::Duration link_probe_interval = absl::Seconds(60);
   DaemonFlags common;
 };
 
@@ -103,6 +107,19 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
   flags->Int("replan_every", &v->replan_every,
              "every this many iterations, plan with node speeds measured from the workers' "
              "timing reports (0 = keep the declared speeds)");
+  flags->Bool("link_probe", &v->link_probe,
+              "before a job's first plan, workers measure their links to each other over the "
+              "tensor transport (latency, then bandwidth link by link) and the planner plans on "
+              "what they measured; false = plan on --cluster's region table alone");
+  flags->Duration("link_probe_budget", &v->link_probe_budget,
+                  "time the workers have for those measurements (links not measured by then "
+                  "keep the region table's figures)");
+  flags->Int("link_probe_mib", &v->link_probe_mib,
+             "largest bulk probe per link, in MiB (1..64; a long fat link needs several "
+             "bandwidth-delay products)");
+  flags->Duration("link_probe_interval", &v->link_probe_interval,
+                  "while a job runs, a latency round this often (it also re-probes links found "
+                  "cut); 0 = none");
   v->common.Register(flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
@@ -160,6 +177,22 @@ absl::Status ApplyJobFlags(const CoordinatorFlagValues& v, JobManagerOptions* jo
         absl::StrCat("--replan_every: ", v.replan_every, " is negative"));
   }
   jobs->replan_every = static_cast<int>(v.replan_every);
+  if (v.link_probe_mib < 1 || v.link_probe_mib > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--link_probe_mib: ", v.link_probe_mib, " is not in [1, 64]"));
+  }
+  if (v.link_probe_budget < absl::Seconds(1) || v.link_probe_budget > absl::Seconds(600)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--link_probe_budget: ", absl::FormatDuration(v.link_probe_budget),
+                     " is not in [1s, 600s]"));
+  }
+  if (v.link_probe_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--link_probe_interval: negative");
+  }
+  jobs->link_probe = v.link_probe;
+  jobs->link_probe_budget = v.link_probe_budget;
+  jobs->link_probe_bytes = static_cast<uint64_t>(v.link_probe_mib) << 20;
+  jobs->link_probe_interval = v.link_probe_interval;
   return absl::OkStatus();
 }
 

@@ -82,6 +82,8 @@ class RunnerMembership {
   const LinkCut* CutReport(const std::pair<std::string, std::string>& link) const;
   // `id` left the job: its reports and its cut links go.
   void ForgetLinks(const std::string& id);
+  // `link` (a < b) answered again: it is no longer cut.
+  void RestoreLink(const std::pair<std::string, std::string>& link) { cut_reports_.erase(link); }
 
   // The members that are gone, with the reason, judged from the registry's
   // view (`registry`, every worker it lists, lost ones included): not

@@ -59,14 +59,17 @@ absl::Status RunnerPlanner::BuildCostModel() {
   ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
-  if (!link_bandwidth_.empty() || !cut_links_.empty()) {
-    // Links the workers measured: their fitted bandwidths replace the
-    // spec's (UpdateLinksFromTimings); cut ones crawl both ways.
+  if (!links_.entries().empty() || !cut_links_.empty()) {
+    // Links the workers measured (probes: latency and bandwidth; fits to
+    // the job's transfers: bandwidth) replace the region table's; cut ones
+    // crawl both ways.
     sim::CostTables t = cost->tables();
-    for (const auto& [link, bandwidth] : link_bandwidth_) {
+    for (const auto& [link, e] : links_.entries()) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
-      if (a >= 0 && b >= 0 && a != b) t.bandwidth_bytes_per_s[a][b] = bandwidth;
+      if (a < 0 || b < 0 || a == b) continue;
+      if (e.latency_s) t.latency_s[a][b] = *e.latency_s;
+      if (e.bandwidth) t.bandwidth_bytes_per_s[a][b] = *e.bandwidth;
     }
     for (const auto& [first, second] : cut_links_) {
       const int a = cost->NodeIndex(first);
@@ -282,7 +285,7 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
       if (ia < 0 || ib < 0) continue;
       const double wire = std::max(1e-6, seconds - t.latency_s[ia][ib]);
-      link_bandwidth_[{a, b}] = t.activation_bytes / wire;
+      links_.Fitted({a, b}, t.activation_bytes / wire, absl::Now());
       ++fitted;
     }
   }
@@ -319,6 +322,54 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
   LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
            " links measured");
   return samples;
+}
+
+absl::Status RunnerPlanner::RefreshLinks() {
+  RETURN_IF_ERROR(BuildCostModel());
+  ++cost_version_;
+  return absl::OkStatus();
+}
+
+v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
+    const std::set<std::pair<std::string, std::string>>& cuts) const {
+  v1::GetLinksResponse out;
+  out.set_job_id(job_id_);
+  out.set_probe_rounds(links_.rounds());
+  auto stamp = [](absl::Time t, google::protobuf::Timestamp* ts) {
+    ts->set_seconds(absl::ToUnixSeconds(t));
+    ts->set_nanos(static_cast<int32_t>(absl::ToUnixNanos(t) % 1000000000));
+  };
+  if (links_.last_round() != absl::InfinitePast())
+    stamp(links_.last_round(), out.mutable_last_probe());
+  if (cost_ == nullptr) return out;
+  const sim::CostTables& t = cost_->tables();
+  for (const auto& [a, sa] : membership_->members()) {
+    for (const auto& [b, sb] : membership_->members()) {
+      if (a == b) continue;
+      const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
+      if (ia < 0 || ib < 0) continue;
+      v1::JobLink* l = out.add_links();
+      l->set_from(a);
+      l->set_to(b);
+      l->set_latency_seconds(t.latency_s[ia][ib]);
+      l->set_bandwidth_bytes_per_s(t.bandwidth_bytes_per_s[ia][ib]);
+      l->set_latency_source(v1::JobLink::SOURCE_REGION_TABLE);
+      l->set_bandwidth_source(v1::JobLink::SOURCE_REGION_TABLE);
+      l->set_cut(cuts.count(std::minmax(a, b)) > 0);
+      if (const LinkMatrix::Entry* e = links_.Find({a, b})) {
+        if (e->latency_s) {
+          l->set_latency_source(e->latency_source);
+          stamp(e->latency_time, l->mutable_latency_measured());
+        }
+        if (e->bandwidth) {
+          l->set_bandwidth_source(e->bandwidth_source);
+          stamp(e->bandwidth_time, l->mutable_bandwidth_measured());
+        }
+        l->set_probe_error(e->probe_error);
+      }
+    }
+  }
+  return out;
 }
 
 absl::Status RunnerPlanner::SetCutLinks(const std::set<std::pair<std::string, std::string>>& cuts) {

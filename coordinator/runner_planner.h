@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "common/kfac_workload.h"
 #include "common/sim/cost_model.h"
+#include "coordinator/link_matrix.h"
 #include "coordinator/planner/bubble_planner.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/runner_membership.h"
@@ -32,6 +33,7 @@
 #include "coordinator/stragglers.h"
 #include "coordinator/timing_estimates.h"
 #include "detour/v1/control_service.pb.h"
+#include "detour/v1/job_service.pb.h"
 #include "detour/v1/spec.pb.h"
 
 namespace detour {
@@ -105,6 +107,17 @@ class RunnerPlanner {
   // latency and takes the bandwidth that makes one activation's transfer
   // last what the workers measured. Returns how many links were fitted.
   int UpdateLinksFromTimings(const TimingEstimates& estimates);
+  // What the job measured of its links (probes, fits); BuildCostModel lays
+  // it over the region table. After changing it, RefreshLinks.
+  LinkMatrix& links() { return links_; }
+  const LinkMatrix& links() const { return links_; }
+  // Rebuilds the cost model with the link matrix as it is now (cost_version()
+  // moves).
+  absl::Status RefreshLinks();
+  // The matrix the planner uses now over the live members, as GetLinks
+  // answers it (`cuts`: the membership's cut links).
+  v1::GetLinksResponse LinkSnapshot(
+      const std::set<std::pair<std::string, std::string>>& cuts) const;
   // Re-derives every member's speed from its measured forward time against
   // the cost model's prediction, and rebuilds the cost model when a speed
   // or a link was measured (cost_version() moves then). Returns the samples
@@ -167,8 +180,8 @@ class RunnerPlanner {
   sim::StageAssignment assignment_;
   std::map<std::string, std::string> region_of_;
   std::map<std::string, double> speeds_;  // measured relative speeds
-  // Measured links (from, to) -> fitted bandwidth, bytes/s.
-  std::map<std::pair<std::string, std::string>, double> link_bandwidth_;
+  // Measured links: probes and fits.
+  LinkMatrix links_;
   std::set<std::pair<std::string, std::string>> cut_links_;
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;

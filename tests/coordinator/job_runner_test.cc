@@ -7,6 +7,7 @@
 // decisions from the job record, its history and the messages sent.
 #include "coordinator/job_runner.h"
 
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -26,6 +27,7 @@
 #include "common/metrics/metrics.h"
 #include "common/spec.h"
 #include "coordinator/job_store.h"
+#include "coordinator/link_matrix.h"
 #include "coordinator/timing_estimates.h"
 #include "coordinator/worker_registry.h"
 #include "tests/e2e/process.h"
@@ -169,6 +171,18 @@ class FakeCluster : public RunnerHost {
       if (std::find(ids.begin(), ids.end(), w.worker_id()) != ids.end()) out.push_back(w);
     }
     return out;
+  }
+
+  // What link probes find: every link answers with `rtt` and `rate`,
+  // but for the (from, to) pairs set here.
+  struct FakeLink {
+    double rtt = 0.02;
+    double rate = 1e8;
+    std::string error;
+  };
+  void SetLink(const std::string& from, const std::string& to, FakeLink link) {
+    absl::MutexLock lock(&mu_);
+    links_[{from, to}] = std::move(link);
   }
 
   // Messages the runner sent, by kind (the oneof's field name).
@@ -373,6 +387,26 @@ class FakeCluster : public RunnerHost {
         c->set_dir(m.commit().dir());
         return false;
       }
+      case v1::CoordinatorMessage::kProbe: {
+        const v1::LinkProbe& p = m.probe();
+        v1::LinkReport* r = reply(w.id).mutable_link_report();
+        r->set_job_id(p.job_id());
+        r->set_round(p.round());
+        for (const v1::Peer& peer : p.peers()) {
+          if (peer.worker_id() == w.id) continue;
+          auto it = links_.find({w.id, peer.worker_id()});
+          const FakeLink link = it != links_.end() ? it->second : FakeLink();
+          v1::LinkMeasurement* l = r->add_links();
+          l->set_peer(peer.worker_id());
+          if (!link.error.empty()) {
+            l->set_error(link.error);
+            continue;
+          }
+          l->set_rtt_seconds(link.rtt);
+          if (p.bulk_max_bytes() > 0) l->set_bandwidth_bytes_per_s(link.rate);
+        }
+        return false;
+      }
       case v1::CoordinatorMessage::kAbort: w.routes.clear(); return false;
       case v1::CoordinatorMessage::kCancel:
         w.stage = -1;
@@ -407,6 +441,7 @@ class FakeCluster : public RunnerHost {
   std::map<std::pair<uint64_t, uint64_t>, std::vector<v1::Route>> routes_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> sent_count_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, FakeLink> links_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
   bool checkpoint_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -866,4 +901,104 @@ TEST_F(JobRunnerTest, MessagesFromWorkersTheJobNeverHadAreIgnoredAndCounted) {
 }
 
 }  // namespace
+// Before the first plan every worker probes every other; the planner's
+// matrix (what GetLinks shows) holds what they measured: half the round
+// trip as latency, the bulk rate as bandwidth, and a failed probe's error.
+TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->SetLink("a", "b", {0.2, 5e6, ""});
+  cluster_->SetLink("b", "a", {0, 0, "connect: timed out"});
+  Start(Spec(3, 1, 0.0, 2), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link probes: 5 of 6 links answered (5 with a bulk rate)"));
+  EXPECT_THAT(History(job), HasSubstr("one-way latency 10.0-100.0 ms, bandwidth 5.0-100.0 MB/s"));
+  EXPECT_EQ(cluster_->Sent("probe"), 3);  // one each, at the start (interval 60 s)
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  EXPECT_EQ(links->probe_rounds(), 1u);
+  ASSERT_EQ(links->links_size(), 6);
+  for (const v1::JobLink& l : links->links()) {
+    SCOPED_TRACE(l.ShortDebugString());
+    if (l.from() == "b" && l.to() == "a") {
+      // Not measured: the region table's figures, and why.
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_REGION_TABLE);
+      EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_REGION_TABLE);
+      EXPECT_EQ(l.probe_error(), "connect: timed out");
+      EXPECT_FALSE(l.has_latency_measured());
+      continue;
+    }
+    EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_TRUE(l.has_latency_measured());
+    const bool slow = l.from() == "a" && l.to() == "b";
+    EXPECT_DOUBLE_EQ(l.latency_seconds(), slow ? 0.1 : 0.01);
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), slow ? 5e6 : 1e8);
+  }
+}
+
+// Reports are bounded: a round trip or rate out of bounds, a peer the
+// worker was not asked about, and reports of an old round are ignored.
+TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
+  LinkMatrix m;
+  v1::LinkReport r;
+  r.set_round(1);
+  auto add = [&](const std::string& peer, double rtt, double rate) {
+    v1::LinkMeasurement* l = r.add_links();
+    l->set_peer(peer);
+    l->set_rtt_seconds(rtt);
+    l->set_bandwidth_bytes_per_s(rate);
+  };
+  add("b", 0.04, 2e8);
+  add("c", -1, 1e20);           // both out of bounds
+  add("x", 0.01, 1e6);          // not asked about
+  add("b", 0.5, 1);             // the same peer twice
+  add("d", std::nan(""), 1e6);  // NaN round trip, a good rate
+  const absl::Time now = absl::Now();
+  const LinkMatrix::Applied a = m.AddReport("a", r, {"b", "c", "d"}, now);
+  EXPECT_EQ(a.answered, std::vector<std::string>({"b"}));
+  EXPECT_EQ(a.rejected, 4);
+  const LinkMatrix::Entry* b = m.Find({"a", "b"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_DOUBLE_EQ(*b->latency_s, 0.02);
+  EXPECT_DOUBLE_EQ(*b->bandwidth, 2e8);
+  const LinkMatrix::Entry* c = m.Find({"a", "c"});
+  ASSERT_NE(c, nullptr);
+  EXPECT_FALSE(c->latency_s.has_value());
+  EXPECT_FALSE(c->bandwidth.has_value());
+  EXPECT_EQ(m.Find({"a", "x"}), nullptr);
+  ASSERT_NE(m.Find({"a", "d"}), nullptr);
+  EXPECT_FALSE(m.Find({"a", "d"})->latency_s.has_value());
+  EXPECT_DOUBLE_EQ(*m.Find({"a", "d"})->bandwidth, 1e6);
+  // A fit to the job's traffic replaces the bandwidth, not the latency.
+  m.Fitted({"a", "b"}, 3e8, now);
+  EXPECT_DOUBLE_EQ(*m.Find({"a", "b"})->bandwidth, 3e8);
+  EXPECT_EQ(m.Find({"a", "b"})->bandwidth_source, v1::JobLink::SOURCE_TRAFFIC);
+  EXPECT_EQ(m.Find({"a", "b"})->latency_source, v1::JobLink::SOURCE_PROBE);
+  m.Forget("b");
+  EXPECT_EQ(m.Find({"a", "b"}), nullptr);
+}
+
+// A cut link is re-probed by the latency rounds while the job runs; once
+// its reporter reaches the peer again in a round sent after the cut, the
+// link is restored (history LINK_RESTORED) and the job goes on.
+TEST_F(JobRunnerTest, ACutLinkThatAnswersItsProbeAgainIsRestored) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 6);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_RESTORED), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link a1 -> b1 answered its probe again"));
+  EXPECT_GT(cluster_->Sent("probe"), 5);  // the start, then latency rounds
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  for (const v1::JobLink& l : links->links()) EXPECT_FALSE(l.cut()) << l.ShortDebugString();
+}
+
 }  // namespace detour

@@ -162,6 +162,50 @@ TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
   EXPECT_THAT(out, HasSubstr("cancelled"));
 }
 
+// Before its first plan a job's workers probe each other over the tensor
+// transport; `detourctl links` shows the matrix the planner uses, each entry
+// with its source and age, and --json the GetLinks answer. Jobs that are not
+// running have no live links: clear errors.
+TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
+  Daemon c = StartCoordinator({"--link_probe_mib=4"});
+  Daemon a = StartWorker(c.grpc_port, "w1", {"--data_port=0"});
+  Daemon b = StartWorker(c.grpc_port, "w2", {"--data_port=0"});
+  const std::string target = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCtl), target, "links", "job-000001"}, &out), 1);
+  EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
+  const std::string spec = dir_ + "/links.json";
+  std::ofstream(spec) << R"({"name": "links", "model": {"preset": "tiny"},
+      "pipeline": {"num_stages": 2, "data_nodes": 1, "replicas_per_stage": 1,
+                   "microbatches_per_data_node": 2, "samples_per_microbatch": 1},
+      "data": {"source": "DATA_SOURCE_EMBEDDED"}, "iterations": 100000,
+      "checkpoint": {"disabled": true}, "seed": 3, "device": "cpu"})";
+  ASSERT_EQ(Run({Bin(kCtl), target, "submit", spec}, &out), 0) << out;
+  // Until the first plan (probes included) there is nothing to show.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  int rc = 1;
+  while (absl::Now() < deadline) {
+    rc = Run({Bin(kCtl), target, "links", "job-000001"}, &out);
+    if (rc == 0) break;
+    EXPECT_THAT(out, HasSubstr("FAILED_PRECONDITION"));
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  ASSERT_EQ(rc, 0) << out << c.process->Log();
+  EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 1 probe round(s)"));
+  EXPECT_THAT(out, ::testing::ContainsRegex("w1 +w2 +[0-9.]+ ms +probe +(now|[0-9]+s ago)"));
+  EXPECT_THAT(out, ::testing::ContainsRegex("w2 +w1 +[0-9.]+ ms +probe"));
+  ASSERT_EQ(Run({Bin(kCtl), target, "--json", "links", "job-000001"}, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"latency_source\": \"SOURCE_PROBE\""));
+  EXPECT_THAT(out, HasSubstr("\"bandwidth_source\": \"SOURCE_PROBE\""));
+  EXPECT_THAT(out, HasSubstr("\"latency_measured\""));
+  EXPECT_EQ(Run({Bin(kCtl), target, "links"}, &out), 2);
+  ASSERT_EQ(Run({Bin(kCtl), target, "cancel", "job-000001"}, &out), 0) << out;
+  EXPECT_EQ(Run({Bin(kCtl), target, "links", "job-000001"}, &out), 1);
+  EXPECT_THAT(out, HasSubstr("not running"));
+  // The start round, in the history (and so in the coordinator's log).
+  EXPECT_THAT(c.process->Log(), HasSubstr("link probes: 2 of 2 links answered"));
+}
+
 // Lists services through gRPC server reflection with a hand-encoded request
 // (ServerReflectionRequest.list_services = field 7), returning the raw reply.
 std::string ReflectionListServices(std::shared_ptr<grpc::Channel> channel) {

@@ -1,7 +1,8 @@
 // detour-local --wan end to end: a coordinator and four workers, each in a
 // network namespace of the WAN test bed (examples/clusters/wan2.json: two
 // regions 20 ms apart one way), train the tiny model for a few iterations.
-// The job must succeed, every iteration must last at least the 40 ms round
+// The job must succeed, the workers' link probes must find the emulated
+// latencies and bandwidths, every iteration must last at least the 40 ms round
 // trip between the regions, and the forwarder's counters must show traffic
 // on the cross-region links: proof that the daemons talked through the
 // emulated network and not over loopback. Needs root (CAP_NET_ADMIN,
@@ -14,6 +15,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -107,6 +109,28 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
                               << " took less than one East-West round trip:\n"
                               << csv;
   }
+  // Before the first plan the workers probed every link through the bed:
+  // the planner's matrix spans the emulated figures (20 ms and 10 MB/s
+  // East-West, 1 ms and 50 MB/s within a region). Loose bounds: a loaded
+  // machine delays the forwarder; docs/BENCHMARKS.md has the accuracy.
+  const std::string log = ReadFileToString(out + "/coordinator.log").value_or("");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      log, m,
+      std::regex("link probes: 12 of 12 links answered \\(12 with a bulk rate\\) in [0-9.]+ s; "
+                 "one-way latency ([0-9.]+)-([0-9.]+) ms, bandwidth ([0-9.]+)-([0-9.]+) MB/s")))
+      << log;
+  const double lat_min = std::stod(m[1]), lat_max = std::stod(m[2]);
+  const double rate_min = std::stod(m[3]), rate_max = std::stod(m[4]);
+  EXPECT_GE(lat_min, 0.9);
+  EXPECT_LE(lat_min, 8.0);
+  EXPECT_GE(lat_max, 19.0);
+  EXPECT_LE(lat_max, 30.0);
+  EXPECT_GE(rate_min, 6.0);
+  EXPECT_LE(rate_min, 11.0);
+  EXPECT_GE(rate_max, 20.0);
+  EXPECT_LE(rate_max, 55.0);
+
   // The forwarder's counters, saved before the bed went down: East (e0, e1)
   // to West (w0, w1) carried the run's traffic.
   const std::string stats = ReadFileToString(out + "/wan/stats.txt").value_or("");

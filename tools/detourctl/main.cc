@@ -59,6 +59,10 @@ constexpr char kCommands[] = R"(Commands:
                              rerouted, joined, moved, stragglers, paused,
                              resumed); --follow keeps
                              printing new events until the job ends
+  links JOB_ID               the link matrix a running job plans on: latency
+                             and bandwidth per pair of workers, where each
+                             came from (probe, traffic, region table) and
+                             when it was measured
   version                    print the client version
 
 Exit status: 0 success; 1 the coordinator reported an error (or a watched job
@@ -535,6 +539,59 @@ int CmdEvents(Globals g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+std::string SourceName(v1::JobLink::Source s) {
+  switch (s) {
+    case v1::JobLink::SOURCE_PROBE: return "probe";
+    case v1::JobLink::SOURCE_TRAFFIC: return "traffic";
+    case v1::JobLink::SOURCE_REGION_TABLE: return "table";
+    default: return "-";
+  }
+}
+
+int CmdLinks(Globals g, const std::vector<std::string>& args) {
+  std::string id;
+  if (int rc = WithJobId(&g, args, "links",
+                         "Show the link matrix a running job plans on: for every ordered pair\n"
+                         "of its workers the one-way latency and the bandwidth, where each\n"
+                         "came from (probe: measured by the workers' link probes; traffic:\n"
+                         "fitted to the job's own transfers; table: the cluster's region\n"
+                         "table, never measured) and when. With --json the GetLinks answer.",
+                         &id);
+      rc >= 0) {
+    return rc;
+  }
+  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
+  grpc::ClientContext context;
+  PrepareCall(g, &context);
+  v1::GetLinksRequest request;
+  request.set_job_id(id);
+  v1::GetLinksResponse response;
+  grpc::Status status = stub->GetLinks(&context, request, &response);
+  if (!status.ok()) return RpcFailed(g, status, "links");
+  if (g.json) {
+    std::cout << ToJson(response);
+    return kExitOk;
+  }
+  std::cout << "job " << response.job_id() << ": " << response.links_size() << " links, "
+            << response.probe_rounds() << " probe round(s), last " << Ago(response.last_probe())
+            << "\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"FROM", "TO", "LATENCY", "SOURCE", "MEASURED", "BANDWIDTH", "SOURCE", "MEASURED", "NOTE"}};
+  for (const v1::JobLink& l : response.links()) {
+    std::string note = l.cut() ? "cut" : "";
+    if (!l.probe_error().empty()) {
+      absl::StrAppend(&note, note.empty() ? "" : "; ", "probe: ", l.probe_error());
+    }
+    rows.push_back({l.from(), l.to(), absl::StrFormat("%.1f ms", l.latency_seconds() * 1e3),
+                    SourceName(l.latency_source()), Ago(l.latency_measured()),
+                    absl::StrFormat("%.1f MB/s", l.bandwidth_bytes_per_s() / 1e6),
+                    SourceName(l.bandwidth_source()), Ago(l.bandwidth_measured()),
+                    note.empty() ? "-" : note});
+  }
+  PrintTable(rows);
+  return kExitOk;
+}
+
 int CmdList(Globals g, const std::vector<std::string>& args) {
   std::string state_text;
   FlagSet flags("detourctl list", "List jobs, newest first.");
@@ -651,7 +708,8 @@ int Main(int argc, char** argv) {
   }
   if (args->empty())
     return Usage(
-        "missing command (workers, health, submit, get, list, watch, cancel, resume, events)");
+        "missing command (workers, health, submit, get, list, watch, cancel, resume, events, "
+        "links)");
   const std::string command = (*args)[0];
   const std::vector<std::string> rest(args->begin() + 1, args->end());
   if (command == "workers") return CmdWorkers(g, rest);
@@ -663,6 +721,7 @@ int Main(int argc, char** argv) {
   if (command == "cancel") return CmdCancel(g, rest);
   if (command == "resume") return CmdResume(g, rest);
   if (command == "events") return CmdEvents(g, rest);
+  if (command == "links") return CmdLinks(g, rest);
   if (command == "version") {
     std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
     return kExitOk;

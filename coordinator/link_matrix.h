@@ -1,0 +1,78 @@
+// What a running job knows of the links between its workers beyond the
+// cluster's region table: for each ordered pair, the latency and bandwidth
+// measured by link probes (LinkReport) or fitted to the job's own transfers,
+// with when, and the last probe's error. The planner lays these over the
+// region table's figures (RunnerPlanner::BuildCostModel); the table only
+// seeds what was never measured (docs/RUNTIME.md §"Measured links").
+// No I/O; thread-compatible.
+#ifndef DETOUR_COORDINATOR_LINK_MATRIX_H_
+#define DETOUR_COORDINATOR_LINK_MATRIX_H_
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "detour/v1/control_service.pb.h"
+#include "detour/v1/job_service.pb.h"
+
+namespace detour {
+
+class LinkMatrix {
+ public:
+  using Link = std::pair<std::string, std::string>;  // (from, to)
+
+  // Bounds on what a report may claim: a round trip in (0, kMaxRttSeconds],
+  // a rate in (0, kMaxBytesPerS]. Anything else is ignored (and counted).
+  static constexpr double kMaxRttSeconds = 60;
+  static constexpr double kMaxBytesPerS = 1e13;
+
+  struct Entry {
+    std::optional<double> latency_s;  // one way
+    v1::JobLink::Source latency_source = v1::JobLink::SOURCE_REGION_TABLE;
+    absl::Time latency_time = absl::InfinitePast();
+    std::optional<double> bandwidth;  // bytes/s
+    v1::JobLink::Source bandwidth_source = v1::JobLink::SOURCE_REGION_TABLE;
+    absl::Time bandwidth_time = absl::InfinitePast();
+    std::string probe_error;
+    absl::Time probe_time = absl::InfinitePast();  // last report about it
+  };
+
+  // Applies `from`'s report; measurements about peers not in `peers` (the
+  // ones it was asked about) are ignored. Latency is half the round trip.
+  // Returns the peers whose link answered (latency measured) this time.
+  struct Applied {
+    std::vector<std::string> answered;
+    std::vector<std::string> failed;  // the probe reported an error
+    int rejected = 0;                 // out of bounds or not asked about
+  };
+  Applied AddReport(const std::string& from, const v1::LinkReport& report,
+                    const std::set<std::string>& peers, absl::Time now);
+  // The bandwidth that makes the job's own transfers last what they took.
+  void Fitted(const Link& link, double bytes_per_s, absl::Time now);
+  // `id` left: its links go.
+  void Forget(const std::string& id);
+
+  const std::map<Link, Entry>& entries() const { return entries_; }
+  const Entry* Find(const Link& link) const;
+
+  // A finished probe round.
+  void RoundDone(absl::Time now) {
+    ++rounds_;
+    last_round_ = now;
+  }
+  uint64_t rounds() const { return rounds_; }
+  absl::Time last_round() const { return last_round_; }
+
+ private:
+  std::map<Link, Entry> entries_;
+  uint64_t rounds_ = 0;
+  absl::Time last_round_ = absl::InfinitePast();
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_LINK_MATRIX_H_

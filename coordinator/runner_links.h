@@ -1,0 +1,74 @@
+// A running job's measured links (docs/RUNTIME.md §"Measured links"): before
+// the first plan every worker probes every other over the tensor transport
+// (LinkProbe: latency, then bandwidth link by link), and the planner plans on
+// what they measured; while the job runs, a cheap latency round every
+// link_probe_interval keeps the matrix current and re-probes links found
+// cut: one that answers is restored (history LINK_RESTORED). Bandwidths of
+// links the job uses are refitted from its own transfers (RunnerPlanner).
+// The matrix is published for GetLinks after every change. A part of
+// JobRunner (runner_part.h); the runner's thread only, but Published().
+#ifndef DETOUR_COORDINATOR_RUNNER_LINKS_H_
+#define DETOUR_COORDINATOR_RUNNER_LINKS_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/runner_part.h"
+#include "detour/v1/job_service.pb.h"
+
+namespace detour {
+
+class RunnerLinks : private RunnerPart {
+ public:
+  RunnerLinks(RunnerShared* shared, RunnerLoop* loop);
+
+  // Before the first plan: every reserved worker probes every other (within
+  // options().link_probe_budget, plus slack for the reports); the cost
+  // model is built afterwards with what they measured. Workers that do not
+  // answer keep the region table's figures. Off with link_probe = false.
+  void ProbeAtStart();
+  // At an iteration boundary: a latency round when link_probe_interval has
+  // passed since the last one (and none is outstanding); what rounds
+  // brought is laid into the cost model; cut links that answered are
+  // restored.
+  void AtBoundary();
+  // A LinkReport from `worker` (from the runner's Wait).
+  void OnReport(const std::string& worker, const v1::LinkReport& report);
+  // Publishes the matrix as the planner sees it now.
+  void Publish();
+
+  // The last published matrix (any thread); nullopt before the first.
+  std::optional<v1::GetLinksResponse> Published() const;
+
+ private:
+  // Sends round `round_` to `workers`, each asked about the others.
+  void SendRound(const std::map<std::string, v1::Peer>& workers, uint64_t bulk_bytes,
+                 absl::Duration budget);
+  std::map<std::string, v1::Peer> MemberPeerMap() const;
+
+  uint64_t round_ = 0;
+  // Workers of the round in flight that have not answered, and whom each
+  // was asked about.
+  std::set<std::string> waiting_;
+  std::map<std::string, std::set<std::string>> asked_;
+  absl::Time round_deadline_ = absl::InfinitePast();
+  absl::Time last_round_ = absl::InfinitePast();
+  bool dirty_ = false;  // reports not yet in the cost model
+  // (from, to) -> the newest round in which the link answered.
+  std::map<std::pair<std::string, std::string>, uint64_t> answered_;
+  // Cut links -> the newest round sent when the runner first saw them cut:
+  // only an answer to a later round restores them.
+  std::map<std::pair<std::string, std::string>, uint64_t> cut_round_;
+
+  mutable absl::Mutex published_mu_;
+  std::optional<v1::GetLinksResponse> published_ ABSL_GUARDED_BY(published_mu_);
+};
+
+}  // namespace detour
+
+#endif  // DETOUR_COORDINATOR_RUNNER_LINKS_H_
