@@ -5,7 +5,8 @@
 // key: it grows with every election, so it can fence a deposed leader. The
 // leader keeps the lease alive from a thread of its own and steps down when a
 // keep-alive fails, when the lease would have expired since the last one that
-// succeeded, or when the key is no longer its own. Thread-safe.
+// succeeded, or when the key is no longer its own. Thread-safe, but one
+// caller campaigns at a time.
 #ifndef DETOUR_COORDINATOR_ETCD_LEADER_ELECTION_H_
 #define DETOUR_COORDINATOR_ETCD_LEADER_ELECTION_H_
 
@@ -30,7 +31,7 @@ struct ElectionOptions {
   // The lease's time to live; keep-alives go every third of it.
   absl::Duration ttl = absl::Seconds(5);
   // Called once, on the keep-alive thread, when this leader steps down
-  // (not when it resigns).
+  // (not when it resigns). It must not call back into the election.
   std::function<void(const absl::Status& why)> on_lost;
 };
 
