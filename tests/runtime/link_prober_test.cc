@@ -176,10 +176,12 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   EXPECT_NEAR(fast->bandwidth_bytes_per_s(), 400e6, 400e6 * 1e-3);
   EXPECT_TRUE(fast->error().empty()) << fast->error();
   EXPECT_NEAR(slow->rtt_seconds(), 0.05, 1e-6);
-  // 1, 2, 4 MiB see the window opening; 8 and 16 MiB the full rate.
+  // 1, 2, 4 MiB see the window opening; 8 MiB gets the full rate, and 16
+  // and 32 MiB, two sizes that add nothing, end the search.
   EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 100e6, 100e6 * 1e-3);
-  EXPECT_GE(slow->probe_bytes(), uint64_t{16} << 20);
-  EXPECT_LE(slow->probe_bytes(), uint64_t{32} << 20);
+  EXPECT_EQ(slow->probe_bytes(), 3 * LinkProber::kPingBytes + (uint64_t{63} << 20));
+  // Without a ramp, three sizes: the first rate, then two that add nothing.
+  EXPECT_EQ(fast->probe_bytes(), 3 * LinkProber::kPingBytes + (uint64_t{7} << 20));
   EXPECT_THAT(down->error(), HasSubstr("connection refused"));
   EXPECT_EQ(down->rtt_seconds(), 0);
   EXPECT_EQ(down->bandwidth_bytes_per_s(), 0);

@@ -345,7 +345,7 @@ v1::LinkReport LinkProber::Round(const v1::LinkProbe& p) {
     const absl::Time peer_deadline = absl::Now() + (deadline - absl::Now()) / share;
     const double r = m->rtt_seconds() / rtt_factor;  // what a transfer's ack adds
     double best = 0;
-    int samples = 0;
+    int samples = 0, flat = 0;
     for (uint64_t size = kFirstBulkBytes; size <= p.bulk_max_bytes() && !stop(); size *= 2) {
       Inflight bulk(transport.get());
       auto [h, view] = probe(size);
@@ -363,12 +363,18 @@ v1::LinkReport LinkProber::Round(const v1::LinkProbe& p) {
         break;
       }
       const double wire = o.seconds - r;
+      LogDebug("job ", p.job_id(), ": bulk probe to ", peer, ": ", size >> 20, " MiB in ",
+               absl::StrFormat("%.1f", o.seconds * 1e3), " ms");
       if (wire < std::max(kMinWireSeconds, kMinWireShareOfRtt * r)) continue;
       const double rate = static_cast<double>(size) / wire;
       ++samples;
       const bool growing = rate > kGrowth * best;
       best = std::max(best, rate);
-      if (samples >= 2 && !growing) break;
+      // Two sizes in a row without growth: the link carries what it can. (One
+      // is not enough: a tensor large enough to be striped opens the other
+      // connections cold, and is slower than the smaller one before it.)
+      flat = growing ? 0 : flat + 1;
+      if (samples >= 3 && flat >= 2) break;
     }
     if (best > 0) m->set_bandwidth_bytes_per_s(best);
   }

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# How well the workers' link probes (docs/RUNTIME.md §"Measured links")
+# measure the links of the packet-level WAN test bed, and what they cost.
+#
+# For each case, two regions of two workers each (like
+# examples/clusters/wan2.json) with the case's one-way latency and rate
+# between the regions (within a region: 1 ms and 50 MB/s), detour-local --wan
+# runs a short job; before its first plan every worker probes every other.
+# The workers' logs give each link's probed round trip and rate; the script
+# compares them with the emulated values (round trip = twice the one-way
+# latency) and reports, per case, the worst ratio of each, the start round's
+# time, the median iteration time, and what a latency round while the job
+# runs costs against an iteration.
+#
+#   sudo benchmarks/wan/link_probe.sh [BUILD_DIR]
+# Needs root (the test bed). Writes benchmarks-out/wan/link_probe.csv and
+# prints a table with the load average before and after.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-$ROOT/build}
+OUT=$ROOT/benchmarks-out/wan
+LOCAL=$BUILD/tools/detour_local/detour-local
+[[ -x "$LOCAL" ]] || { echo "$0: $LOCAL is not built" >&2; exit 1; }
+[[ $(id -u) -eq 0 ]] || { echo "$0: needs root for the test bed's namespaces" >&2; exit 1; }
+mkdir -p "$OUT"
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# name one_way_ms rate_mbytes_per_s
+CASES=(
+  "lan-10ms 10 100"
+  "wan-50ms 50 100"
+  "far-150ms 150 50"
+)
+
+cat >"$OUT/link_probe_job.json" <<'JSON'
+{ "name": "link-probe", "model": { "preset": "tiny" },
+  "pipeline": { "num_stages": 2, "data_nodes": 2, "replicas_per_stage": 2,
+    "microbatches_per_data_node": 2, "samples_per_microbatch": 2, "memory_slots": 2 },
+  "optimizer": { "adamw": { "lr": 1e-3 } },
+  "data": { "source": "DATA_SOURCE_EMBEDDED" },
+  "iterations": 6, "checkpoint": { "disabled": true }, "seed": 5, "device": "cpu" }
+JSON
+
+csv=$OUT/link_probe.csv
+echo "case,from,to,emulated_rtt_ms,probed_rtt_ms,rtt_ratio,emulated_mbytes_per_s,probed_mbytes_per_s,rate_ratio,probe_mib" >"$csv"
+summary=()
+for c in "${CASES[@]}"; do
+  read -r name ms rate <<<"$c"
+  cluster=$OUT/link_probe_$name.cluster.json
+  cat >"$cluster" <<JSON
+{ "name": "$name",
+  "nodes": [ { "id": "e0", "region": "East" }, { "id": "e1", "region": "East" },
+             { "id": "w0", "region": "West" }, { "id": "w1", "region": "West" } ],
+  "links": [ { "region_a": "East", "region_b": "West", "latency_ms": $ms,
+               "bandwidth_gbytes_per_s": $(awk -v r="$rate" 'BEGIN { print r / 1000 }') } ],
+  "intra_region_latency_ms": 1.0, "intra_region_bandwidth_gbytes_per_s": 0.05 }
+JSON
+  run=$OUT/link_probe_$name
+  rm -rf "$run"
+  echo "== $name: $ms ms one way, $rate MB/s between the regions" >&2
+  timeout -k 5 300 "$LOCAL" --wan --wan_prefix "lp$$" --cluster "$cluster" \
+    --job "$OUT/link_probe_job.json" --out "$run" >"$run.out" 2>&1 ||
+    { echo "$0: detour-local failed for $name (see $run.out)" >&2; cat "$run.out" >&2; exit 1; }
+  # Workers w1, w2 are East (e0, e1); w3, w4 West (the launcher's order).
+  python3 - "$name" "$ms" "$rate" "$run" "$csv" <<'PY' >>"$OUT/link_probe_summary.txt"
+import csv, glob, re, statistics, sys
+name, ms, rate, run, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+region = {"w1": "East", "w2": "East", "w3": "West", "w4": "West"}
+rows, start_s = [], 0.0
+for log in sorted(glob.glob(run + "/w*.log")):
+    me = log.rsplit("/", 1)[1][:-4]
+    for line in open(log):
+        m = re.search(r"link to (w\d+): round trip ([0-9.]+) ms, ([0-9.]+) MB/s \(([0-9.]+) MiB", line)
+        if m:
+            peer = m.group(1)
+            cross = region[me] != region[peer]
+            e_rtt = 2 * (ms if cross else 1.0)
+            e_rate = rate if cross else 50.0
+            rtt, r = float(m.group(2)), float(m.group(3))
+            rows.append([name, me, peer, e_rtt, rtt, rtt / e_rtt, e_rate, r, r / e_rate, float(m.group(4))])
+        m = re.search(r"link probe round 1: \d+ peer\(s\) in ([0-9.]+) s", line)
+        if m:
+            start_s = max(start_s, float(m.group(1)))
+with open(out, "a", newline="") as f:
+    csv.writer(f).writerows([[f"{x:.4g}" if isinstance(x, float) else x for x in r] for r in rows])
+times = []
+for line in open(run + "/loss.csv").read().split("\n")[1:]:
+    if line.strip():
+        times.append(float(line.split(",")[2]))
+it = statistics.median(times[1:]) if len(times) > 1 else float("nan")
+links = len(rows)
+# A latency round: 3 pings of 64 bytes per link (plus frame headers), every 60 s.
+ping_bytes_per_s = links * 3 * 64 / 60.0
+worst_rtt = max(abs(r[5] - 1) for r in rows) if rows else float("nan")
+worst_rate = max(abs(r[8] - 1) for r in rows) if rows else float("nan")
+print(f"{name:10s} links {links:2d}  rtt error max {100*worst_rtt:5.1f}%  "
+      f"rate error max {100*worst_rate:5.1f}%  start round {start_s:5.2f} s  "
+      f"iteration {it:6.3f} s  latency round {ping_bytes_per_s:.1f} B/s")
+PY
+done
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+echo
+cat "$OUT/link_probe_summary.txt"
+rm -f "$OUT/link_probe_summary.txt"
+echo "per link: $csv"
+echo "load average before: $load_before, after: $load_after"
