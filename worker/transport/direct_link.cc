@@ -13,7 +13,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -22,6 +24,11 @@
 #include "common/net/address.h"
 
 namespace detour {
+
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::signal(SIGPIPE, SIG_IGN); });
+}
 namespace {
 
 std::string OpenSslErrors() {

@@ -38,6 +38,12 @@
 
 namespace detour {
 
+// OpenSSL writes to a direct connection's socket with write(2), handshakes
+// included: a peer that went away must fail the write, not kill the process
+// with SIGPIPE. Sets SIGPIPE to be ignored, once per process; both ends of
+// the direct transport call it before they open a connection.
+void IgnoreSigpipe();
+
 inline constexpr char kDirectPreface[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '2'};
 inline constexpr char kDirectPrefaceV1[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '1'};
 inline constexpr size_t kDirectHelloBytes = 16;

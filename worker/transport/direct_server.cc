@@ -24,6 +24,8 @@ namespace detour {
 
 absl::StatusOr<std::unique_ptr<DirectServer>> DirectServer::Start(ActivationServer* activations,
                                                                   DirectServerOptions options) {
+  // A flooder or a peer that hangs up mid-handshake must not kill the worker.
+  IgnoreSigpipe();
   std::shared_ptr<ssl_ctx_st> ctx;
   if (options.security.tls()) {
     auto made = options.security.NewSslContext(/*server=*/true);

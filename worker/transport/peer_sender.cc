@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
-#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -300,10 +298,7 @@ PeerSender::PeerSender(std::string peer_address, std::shared_ptr<grpc::Channel> 
                        PeerSenderOptions options)
     : peer_(std::move(peer_address)), options_(options), channel_(std::move(channel)) {
   if (direct()) {
-    // OpenSSL writes to the socket with write(2): a peer that went away must
-    // fail the write, not kill the process.
-    static std::once_flag ignore_sigpipe;
-    std::call_once(ignore_sigpipe, [] { std::signal(SIGPIPE, SIG_IGN); });
+    IgnoreSigpipe();
     if (options_.security.tls()) {
       auto ctx = options_.security.NewSslContext(/*server=*/false);
       if (ctx.ok()) {
