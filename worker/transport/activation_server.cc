@@ -251,7 +251,7 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   // certificate), already counted and logged; OK to read it.
   ActivationStreamReactor(ActivationServer* server, bool right_method,
                           std::optional<std::string> peer_name, const absl::Status& refusal)
-      : server_(server), assembler_(server, peer_name) {
+      : assembler_(server, peer_name) {
     if (!right_method) {
       Apply(outbox_.RequestFinish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method")));
       return;
@@ -352,7 +352,6 @@ class ActivationStreamReactor : public grpc::ServerGenericBidiReactor {
   // Acks queued for a sender before its stream stops being read.
   static constexpr size_t kMaxQueuedAcks = 64;
 
-  ActivationServer* const server_;
   TensorAssembler assembler_;
   grpc::ByteBuffer incoming_;
   std::vector<v1::FrameAck> acks_;
