@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include <filesystem>
@@ -172,6 +173,24 @@ absl::Status EnsureWritableDirectory(const std::string& dir, const std::string& 
   if (::access(dir.c_str(), W_OK) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": directory ", dir, " is not writable"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrivateFile(const std::string& path, const std::string& what) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat(what, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  if (st.st_uid == ::geteuid() && (st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": ", path, " has mode ", mode,
+                     ": others may read or change this secret, so it is refused (as ssh refuses "
+                     "such keys); run: chmod 600 ",
+                     path));
   }
   return absl::OkStatus();
 }

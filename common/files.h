@@ -54,6 +54,14 @@ absl::Status SyncDirectory(const std::string& dir);
 // Creates `dir` (and parents) if missing and checks it is writable.
 absl::Status EnsureWritableDirectory(const std::string& dir, const std::string& what);
 
+// A file holding a secret (a bearer token) must not be readable or writable
+// by others, as ssh requires of private keys: when this process's user owns
+// `path` and its mode has any group or other bit, PERMISSION_DENIED naming
+// `what`, the file, its mode and the `chmod 600` that fixes it. A file owned
+// by someone else (root, with group read for a service account, as a
+// Kubernetes Secret is mounted) is left to its owner. NOT_FOUND when missing.
+absl::Status CheckPrivateFile(const std::string& path, const std::string& what);
+
 }  // namespace detour
 
 #endif  // DETOUR_COMMON_FILES_H_

@@ -10,25 +10,6 @@
 #include "absl/strings/match.h"
 
 namespace detour {
-namespace {
-
-// Edit distance, for did-you-mean suggestions.
-size_t Distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t prev = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t cur = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, prev + (a[i - 1] != b[j - 1])});
-      prev = cur;
-    }
-  }
-  return row[b.size()];
-}
-
-}  // namespace
 
 FlagSet::FlagSet(std::string program, std::string summary)
     : program_(std::move(program)), summary_(std::move(summary)) {}
@@ -102,7 +83,7 @@ std::string FlagSet::Suggest(const std::string& name) const {
   const Flag* best = nullptr;
   size_t best_distance = 3;
   for (const Flag& f : flags_) {
-    const size_t d = Distance(name, f.name);
+    const size_t d = EditDistance(name, f.name);
     if (d < best_distance) {
       best_distance = d;
       best = &f;
@@ -212,6 +193,62 @@ int FlagSet::Fail(const absl::Status& status) const {
               << "Run '" << program_ << " --help' for usage.\n";
   }
   return ExitCode(status);
+}
+
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t prev = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t cur = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, prev + (a[i - 1] != b[j - 1])});
+      prev = cur;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string ClosestMatch(absl::string_view word, const std::vector<std::string>& candidates,
+                         size_t max_distance) {
+  if (word.size() > kMaxMatchBytes) return "";
+  const std::string* best = nullptr;
+  size_t best_distance = max_distance + 1;
+  for (const std::string& c : candidates) {
+    if (c == word) return "";
+    const size_t d = EditDistance(word, c);
+    if (d < best_distance) {
+      best_distance = d;
+      best = &c;
+    }
+  }
+  return best == nullptr ? "" : *best;
+}
+
+absl::Status CheckFlagRange(absl::string_view name, int64_t value, int64_t lo, int64_t hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", name, ": ", value, " is not in [", lo, ", ", hi, "]"));
+}
+
+absl::Status CheckFlagRange(absl::string_view name, absl::Duration value, absl::Duration lo,
+                            absl::Duration hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", absl::FormatDuration(value),
+                                                 " is not in [", absl::FormatDuration(lo), ", ",
+                                                 absl::FormatDuration(hi), "]"));
+}
+
+absl::Status CheckFlagNotNegative(absl::string_view name, int64_t value) {
+  if (value >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", value, " is negative"));
+}
+
+absl::Status CheckFlagNotNegative(absl::string_view name, absl::Duration value) {
+  if (value >= absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", name, ": ", absl::FormatDuration(value), " is negative"));
 }
 
 }  // namespace detour

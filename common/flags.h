@@ -18,7 +18,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace detour {
@@ -83,6 +85,25 @@ class FlagSet {
   std::vector<Flag> flags_;
   std::vector<std::pair<std::string, std::string>> positional_;  // name, help
 };
+
+// Edit distance (insertions, deletions, substitutions) between a and b.
+size_t EditDistance(absl::string_view a, absl::string_view b);
+// The candidate nearest `word` within `max_distance` edits ("" when none,
+// when `word` is one of them, or when it is longer than kMaxMatchBytes),
+// for did-you-mean messages.
+inline constexpr size_t kMaxMatchBytes = 256;
+std::string ClosestMatch(absl::string_view word, const std::vector<std::string>& candidates,
+                         size_t max_distance = 2);
+
+// Range checks on parsed flag values, for the checks a program makes after
+// Parse: OK, or INVALID_ARGUMENT "--NAME: VALUE is not in [LO, HI]" (the
+// duration form prints durations like "1m30s").
+absl::Status CheckFlagRange(absl::string_view name, int64_t value, int64_t lo, int64_t hi);
+absl::Status CheckFlagRange(absl::string_view name, absl::Duration value, absl::Duration lo,
+                            absl::Duration hi);
+// OK, or INVALID_ARGUMENT "--NAME: VALUE is negative".
+absl::Status CheckFlagNotNegative(absl::string_view name, int64_t value);
+absl::Status CheckFlagNotNegative(absl::string_view name, absl::Duration value);
 
 }  // namespace detour
 

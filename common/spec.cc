@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/files.h"
+#include "common/spec_json_error.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -37,7 +38,8 @@ absl::StatusOr<M> ParseJson(absl::string_view json, absl::string_view what) {
   options.ignore_unknown_fields = false;
   auto status = google::protobuf::util::JsonStringToMessage(std::string(json), &message, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", std::string(status.message())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", ExplainSpecJsonError(json, *M::descriptor(), std::string(status.message()))));
   }
   return message;
 }
@@ -210,12 +212,17 @@ void ApplyJobDefaults(JobSpec* spec) {
   DETOUR_DEFAULT(d, validation_fraction, 0.05);
 
   DETOUR_DEFAULT(spec->mutable_checkpoint(), keep_last, 2u);
+  // Often enough that a rollback after a stage loss (elastic.on_stage_loss)
+  // redoes at most this many iterations.
+  DETOUR_DEFAULT(spec->mutable_checkpoint(), every_iterations, 100u);
   if (spec->device().empty()) spec->set_device("cpu");
 
   v1::ElasticSpec* e = spec->mutable_elastic();
   DETOUR_DEFAULT(e, pause_timeout_s, 600u);
   DETOUR_DEFAULT(e, reconnect_grace_ms, 2000u);
   DETOUR_DEFAULT(e, reassign_horizon_iterations, 20u);
+  if (e->on_stage_loss() == v1::STAGE_LOSS_UNSPECIFIED)
+    e->set_on_stage_loss(v1::STAGE_LOSS_ROLLBACK);
 }
 
 namespace {
@@ -562,6 +569,12 @@ absl::Status ValidateElastic(const v1::ElasticSpec& e) {
     return Invalid("elastic.reassign_horizon_iterations",
                    absl::StrCat(e.reassign_horizon_iterations(), " exceeds the limit ",
                                 L::kMaxReassignHorizon));
+  }
+  if (!v1::StageLossAction_IsValid(e.on_stage_loss())) {
+    return Invalid("elastic.on_stage_loss",
+                   absl::StrCat(e.on_stage_loss(),
+                                " is not one of STAGE_LOSS_ROLLBACK, STAGE_LOSS_PAUSE, "
+                                "STAGE_LOSS_REINITIALIZE"));
   }
   return absl::OkStatus();
 }

@@ -3,8 +3,10 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <memory>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -23,13 +25,26 @@ constexpr size_t kMinTokenBytes = 16;
 constexpr size_t kMaxTokenBytes = 512;
 constexpr absl::string_view kBearer = "bearer ";
 
-const char* RoleName(ClientRole role) { return role == ClientRole::kSubmit ? "submit" : "read"; }
-
 bool ValidToken(absl::string_view token) {
   return std::all_of(token.begin(), token.end(), [](char c) { return c > ' ' && c < 127; });
 }
 
 }  // namespace
+
+const char* ClientRoleName(ClientRole role) {
+  switch (role) {
+    case ClientRole::kRead: return "read";
+    case ClientRole::kSubmit: return "submit";
+    case ClientRole::kAdmin: return "admin";
+  }
+  return "unknown";
+}
+
+std::string Caller::Describe() const { return name.empty() ? "an unnamed caller" : name; }
+
+bool Caller::MayManage(absl::string_view owner) const {
+  return role == ClientRole::kAdmin || owner.empty() || owner == name;
+}
 
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   // Every byte of the longer string is looked at whatever the contents.
@@ -76,9 +91,11 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokens(absl::string_view text,
       entry.role = ClientRole::kRead;
     } else if (fields[1] == "submit") {
       entry.role = ClientRole::kSubmit;
+    } else if (fields[1] == "admin") {
+      entry.role = ClientRole::kAdmin;
     } else {
       return where(absl::StrCat("role \"", absl::CHexEscape(fields[1].substr(0, 32)),
-                                "\" is not read or submit"));
+                                "\" is not read, submit or admin"));
     }
     if (fields.size() == 3) {
       if (!ValidIdentityName(fields[2])) {
@@ -115,6 +132,9 @@ absl::StatusOr<std::vector<TokenEntry>> LoadTokensFile(const std::string& path) 
                                                    " is not a regular file of at most ",
                                                    kMaxTokensFileBytes, " bytes"));
   }
+  // Every client's secret: refused when others may read it, as ssh refuses
+  // such keys.
+  if (absl::Status s = CheckPrivateFile(path, "--auth_tokens"); !s.ok()) return s;
   auto text = ReadFileToString(path);
   if (!text.ok()) {
     return absl::PermissionDeniedError(absl::StrCat("--auth_tokens: ", text.status().message()));
@@ -137,19 +157,52 @@ const TokenEntry* ClientAuthorizer::FindToken(absl::string_view token) const {
 absl::Status ClientAuthorizer::Check(const grpc::CallbackServerContext& context, ClientRole needed,
                                      absl::string_view method) const {
   if (mode_ == Mode::kOpen) return absl::OkStatus();
-  std::optional<absl::string_view> authorization;
-  const auto& metadata = context.client_metadata();
-  auto it = metadata.find("authorization");
-  if (it != metadata.end()) authorization = absl::string_view(it->second.data(), it->second.size());
-  return Authorize(authorization, VerifiedPeerName(context.auth_context().get()), needed, method);
+  return Identify(context, needed, method).status();
 }
 
 absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> authorization,
                                          const std::optional<std::string>& peer_name,
-                                         ClientRole needed, absl::string_view method) const {
-  if (mode_ == Mode::kOpen) return absl::OkStatus();
+                                         ClientRole needed, absl::string_view method,
+                                         IdentityKind peer_kind) const {
+  return Identify(authorization, peer_name, needed, method, peer_kind).status();
+}
+
+absl::StatusOr<Caller> ClientAuthorizer::Identify(const grpc::CallbackServerContext& context,
+                                                  ClientRole needed,
+                                                  absl::string_view method) const {
+  std::optional<absl::string_view> authorization;
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it != metadata.end()) authorization = absl::string_view(it->second.data(), it->second.size());
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  const std::optional<std::string> peer_name = VerifiedPeerName(auth.get());
+  IdentityKind kind = IdentityKind::kUnmarked;
+  if (peer_name.has_value()) {
+    // The verified certificate's kind; one whose marking cannot be trusted
+    // (common/net/identity.h) counts as nobody's client.
+    const std::vector<grpc::string_ref> pems = auth->FindPropertyValues("x509_pem_cert");
+    kind = IdentityKind::kWorker;
+    if (pems.size() == 1) {
+      auto identity = ReadCertificateIdentity(absl::string_view(pems[0].data(), pems[0].size()));
+      if (identity.ok()) kind = identity->kind;
+    }
+  }
+  return Identify(authorization, peer_name, needed, method, kind);
+}
+
+absl::StatusOr<Caller> ClientAuthorizer::Identify(std::optional<absl::string_view> authorization,
+                                                  const std::optional<std::string>& peer_name,
+                                                  ClientRole needed, absl::string_view method,
+                                                  IdentityKind peer_kind) const {
+  // A certificate's CN passed verification; still bounded like a name.
+  const bool named_peer = peer_name.has_value() && ValidIdentityName(*peer_name) &&
+                          peer_name->size() <= kMaxCallerNameBytes;
+  if (mode_ == Mode::kOpen) {
+    return Caller{named_peer ? *peer_name : "", ClientRole::kAdmin};
+  }
   ClientRole role;
   std::string who;
+  std::string name;
   if (authorization.has_value()) {
     absl::string_view value = *authorization;
     if (value.size() > kBearer.size() + kMaxTokenBytes ||
@@ -163,9 +216,17 @@ absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> author
     }
     role = entry->role;
     who = entry->name.empty() ? "the token" : absl::StrCat("token ", entry->name);
+    name = entry->name;
+  } else if (peer_name.has_value() && peer_kind != IdentityKind::kClient &&
+             peer_kind != IdentityKind::kUnmarked) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, ": certificate CN=", *peer_name, " is a ", IdentityKindName(peer_kind),
+                     "'s, not a client's: clients present one marked detour://client/NAME "
+                     "(tools/gen_certs.sh --client NAME) or a bearer token"));
   } else if (peer_name.has_value() && mode_ == Mode::kCertificates) {
     role = ClientRole::kSubmit;
     who = absl::StrCat("certificate ", *peer_name);
+    if (named_peer) name = *peer_name;
   } else if (peer_name.has_value()) {
     auto entry = std::find_if(tokens_.begin(), tokens_.end(),
                               [&](const TokenEntry& e) { return e.name == *peer_name; });
@@ -175,6 +236,7 @@ absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> author
     }
     role = entry->role;
     who = absl::StrCat("certificate ", *peer_name);
+    name = entry->name;
   } else {
     return absl::UnauthenticatedError(
         absl::StrCat(method,
@@ -182,10 +244,11 @@ absl::Status ClientAuthorizer::Authorize(std::optional<absl::string_view> author
                      "or a client certificate"));
   }
   if (static_cast<int>(role) < static_cast<int>(needed)) {
-    return absl::PermissionDeniedError(absl::StrCat(method, ": ", who, " has role ", RoleName(role),
-                                                    "; ", method, " needs ", RoleName(needed)));
+    return absl::PermissionDeniedError(absl::StrCat(method, ": ", who, " has role ",
+                                                    ClientRoleName(role), "; ", method, " needs ",
+                                                    ClientRoleName(needed)));
   }
-  return absl::OkStatus();
+  return Caller{std::move(name), role};
 }
 
 }  // namespace detour

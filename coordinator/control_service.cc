@@ -1,5 +1,6 @@
 #include "coordinator/control_service.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,13 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
   reactor->Finish(ToGrpcStatus(s));
   return reactor;
 }
+
+// A Session refused before it starts (this coordinator is not the leader).
+class RefusedSession : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  explicit RefusedSession(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
 
 }  // namespace
 
@@ -169,11 +177,12 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::Coo
 
 ControlServiceImpl::ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
                                        bool require_worker_certificates, Hooks hooks,
-                                       bool allow_unmarked_worker_certs)
+                                       bool allow_unmarked_worker_certs, const LeaderGate* gate)
     : registry_(registry),
       auth_(auth),
       require_worker_certificates_(require_worker_certificates),
       allow_unmarked_worker_certs_(allow_unmarked_worker_certs),
+      gate_(gate),
       hooks_(std::move(hooks)) {}
 
 ControlServiceImpl::~ControlServiceImpl() = default;
@@ -181,6 +190,9 @@ ControlServiceImpl::~ControlServiceImpl() = default;
 grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerContext* context,
                                                        const v1::RegisterRequest* request,
                                                        v1::RegisterResponse* response) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Register"); !g.ok()) return Reply(context, g);
+  }
   {
     absl::MutexLock lock(&mu_);
     if (closing_) {
@@ -217,6 +229,7 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
   auto registered = registry_->Register(checked, absl::Now());
   if (!registered.ok()) return Reply(context, registered.status());
   *response = *std::move(registered);
+  if (gate_ != nullptr) response->set_leader_term(std::max<int64_t>(0, gate_->OpenTerm()));
   LogInfo("worker ", response->worker_id(), " registered (region ", request->region(), ", address ",
           request->address().empty() ? "-" : request->address(), ")");
   if (hooks_.on_register) {
@@ -229,6 +242,9 @@ grpc::ServerUnaryReactor* ControlServiceImpl::Register(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* ControlServiceImpl::Session(
     grpc::CallbackServerContext* context) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Session"); !g.ok()) return new RefusedSession(g);
+  }
   return new SessionReactor(
       this, VerifiedPeerName(context->auth_context().get()),
       require_worker_certificates_
@@ -239,6 +255,9 @@ grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* ControlServi
 grpc::ServerUnaryReactor* ControlServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
                                                           const v1::ListWorkersRequest* request,
                                                           v1::ListWorkersResponse* response) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "ListWorkers"); !g.ok()) return Reply(context, g);
+  }
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "ListWorkers"); !a.ok()) {
     return Reply(context, a);
   }
@@ -250,6 +269,16 @@ grpc::ServerUnaryReactor* ControlServiceImpl::ListWorkers(grpc::CallbackServerCo
 
 absl::Status ControlServiceImpl::Send(const std::string& worker_id,
                                       v1::CoordinatorMessage message) {
+  if (gate_ != nullptr) {
+    // Checked last thing before queueing: a leader whose lease may have
+    // run out (it was paused, etcd is cut off) sends nothing more.
+    const int64_t term = gate_->OpenTerm();
+    if (term < 0) {
+      return absl::UnavailableError(
+          absl::StrCat("not sent to worker ", worker_id, ": this coordinator no longer leads"));
+    }
+    message.set_leader_term(term);
+  }
   SessionReactor* reactor = nullptr;
   {
     absl::MutexLock lock(&mu_);

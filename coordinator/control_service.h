@@ -11,6 +11,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "coordinator/client_auth.h"
+#include "coordinator/leader_gate.h"
 #include "coordinator/worker_registry.h"
 #include "detour/v1/control_service.grpc.pb.h"
 
@@ -34,9 +35,11 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
   // Session accept a worker only when its verified certificate is a
   // worker's (common/net/identity.h; one without a kind only with
   // `allow_unmarked_worker_certs`) and names the worker id it registers as.
+  // Every call first asks `gate` (not owned; null = always open): a
+  // follower answers UNAVAILABLE naming the leader.
   ControlServiceImpl(WorkerRegistry* registry, const ClientAuthorizer* auth,
                      bool require_worker_certificates, Hooks hooks,
-                     bool allow_unmarked_worker_certs = false);
+                     bool allow_unmarked_worker_certs = false, const LeaderGate* gate = nullptr);
   ~ControlServiceImpl() override;
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
@@ -48,8 +51,10 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
                                         const v1::ListWorkersRequest* request,
                                         v1::ListWorkersResponse* response) override;
 
-  // Queues a message on the worker's session. NOT_FOUND when the worker has
-  // no open session.
+  // Queues a message on the worker's session, stamped with the leader's
+  // term. NOT_FOUND when the worker has no open session; UNAVAILABLE when
+  // the gate is closed (this coordinator no longer leads: nothing more is
+  // sent).
   absl::Status Send(const std::string& worker_id, v1::CoordinatorMessage message);
 
   // Ends every session with UNAVAILABLE (coordinator draining); workers then
@@ -64,6 +69,7 @@ class ControlServiceImpl final : public v1::ControlService::CallbackService {
   const ClientAuthorizer* const auth_;
   const bool require_worker_certificates_;
   const bool allow_unmarked_worker_certs_;
+  const LeaderGate* const gate_;
   const Hooks hooks_;
   mutable absl::Mutex mu_;
   // Open sessions by worker id (set once the first message authenticates).

@@ -14,7 +14,9 @@
 #include "common/status.h"
 #include "common/version.h"
 #include "coordinator/etcd/etcd_job_backend.h"
+#include "coordinator/etcd/etcd_worker_directory.h"
 #include "coordinator/file_job_backend.h"
+#include "coordinator/metered_job_backend.h"
 #include "coordinator/service_discovery.h"
 
 namespace detour {
@@ -54,11 +56,18 @@ constexpr v1::WorkerState kWorkerStates[] = {v1::WORKER_STATE_IDLE, v1::WORKER_S
 Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<JobBackend> jobs)
     : options_(options),
       registry_(options.worker_silence, options.heartbeat_interval),
-      jobs_(std::move(jobs)),
-      auth_(MakeAuthorizer(options)) {}
+      store_(new MeteredJobBackend(std::move(jobs))),
+      jobs_(std::unique_ptr<JobBackend>(store_)),
+      auth_(MakeAuthorizer(options)),
+      gate_(options.etcd.endpoints.empty() ? std::function<bool()>() : [this] {
+        return election_ != nullptr && election_->IsLeader();
+      }) {}
 
 Coordinator::~Coordinator() {
   Drain(absl::Seconds(1));
+  if (!stop_campaign_.HasBeenNotified()) stop_campaign_.Notify();
+  if (campaigner_.joinable()) campaigner_.join();
+  election_.reset();  // resigns when leading
   if (job_listener_ != 0) jobs_.RemoveListener(job_listener_);
 }
 
@@ -81,8 +90,29 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const Coordinato
 }
 
 absl::Status Coordinator::Init() {
-  ASSIGN_OR_RETURN(int loaded, jobs_.Load());
-  if (loaded > 0) LogInfo("loaded ", loaded, " job(s) from ", jobs_.backend().Describe());
+  RETURN_IF_ERROR(store_->AttachMetrics(&metrics_registry_));
+  if (gate_.elected()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::Create(options_.etcd));
+    // The records' lease lives the silence window, and long enough that a
+    // follower, elected a leader_ttl after the leader died at the latest
+    // (plus a campaign and the jobs' load), still finds them.
+    const absl::Duration ttl =
+        std::max({absl::Seconds(1), options_.worker_silence, 3 * options_.leader_ttl});
+    ASSIGN_OR_RETURN(directory_, EtcdWorkerDirectory::Create(
+                                     std::move(client), options_.store_prefix, ttl,
+                                     [this] { return registry_.Records(); },
+                                     [this](absl::Time started, const absl::Status& status) {
+                                       store_->RecordWorkerRecords(started, status);
+                                     }));
+  } else {
+    directory_ = std::make_unique<NoWorkerDirectory>();
+  }
+  registry_.SetRecordListener([this] { directory_->Changed(); });
+  if (!gate_.elected()) {
+    // One coordinator: the jobs are its own from the start.
+    ASSIGN_OR_RETURN(int loaded, jobs_.Load());
+    if (loaded > 0) LogInfo("loaded ", loaded, " job(s) from ", jobs_.backend().Describe());
+  }
 
   metrics::Registry& m = metrics_registry_;
   RETURN_IF_ERROR(metrics::RegisterProcessMetrics(m));
@@ -104,6 +134,16 @@ absl::Status Coordinator::Init() {
   ASSIGN_OR_RETURN(auto* sessions,
                    m.AddGauge("detour_coordinator_sessions", "Open worker Session streams."));
   ASSIGN_OR_RETURN(sessions_, sessions->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* is_leader,
+                   m.AddGauge("detour_coordinator_is_leader",
+                              "1 while this coordinator leads (always without an election), 0 "
+                              "while it follows."));
+  ASSIGN_OR_RETURN(is_leader_, is_leader->WithLabels({}));
+  ASSIGN_OR_RETURN(auto* term, m.AddGauge("detour_coordinator_leader_term",
+                                          "The term this coordinator leads in (the etcd "
+                                          "election's revision); 0 while following or without "
+                                          "an election."));
+  ASSIGN_OR_RETURN(leader_term_, term->WithLabels({}));
   // Identity for joins (PromQL `* on(worker_id) group_left(region)`) and
   // state per worker; bounded by the registry (kMaxWorkers, lost workers
   // forgotten after 10 x --worker_silence).
@@ -117,10 +157,10 @@ absl::Status Coordinator::Init() {
                               "1 for the state each registered worker is in, 0 for the others.",
                               {"worker_id", "state"}, 3 * WorkerRegistry::kMaxWorkers));
   job_metrics_ = std::make_unique<JobMetrics>(&m, options_.job_metrics);
-  // Jobs the store loaded that hold workers (re-attached after a restart)
-  // get their series at once; later changes arrive through the listener.
-  for (const v1::Job& job : jobs_.List(v1::JOB_STATE_UNSPECIFIED)) {
-    if (!JobStore::IsFinal(job.state())) job_metrics_->Observe(job, absl::Now());
+  if (!gate_.elected()) {
+    for (const v1::Job& job : jobs_.List(v1::JOB_STATE_UNSPECIFIED)) {
+      job_metrics_->Restore(job, absl::Now());
+    }
   }
   job_listener_ = jobs_.AddListener(
       "", [this](const v1::Job& job) { job_metrics_->Observe(job, absl::Now()); });
@@ -134,7 +174,7 @@ absl::Status Coordinator::Init() {
                                uint32_t replicas_per_stage) {
     return manager_->Resume(id, checkpoint, replicas_per_stage);
   };
-  job_service_ = std::make_unique<JobServiceImpl>(&jobs_, &auth_, std::move(job_hooks));
+  job_service_ = std::make_unique<JobServiceImpl>(&jobs_, &auth_, std::move(job_hooks), &gate_);
   ControlServiceImpl::Hooks hooks;
   hooks.on_register = [this](const v1::WorkerInfo&) { registrations_->Increment(); };
   hooks.on_heartbeat = [this](const std::string& worker, const v1::Heartbeat& beat) {
@@ -149,7 +189,7 @@ absl::Status Coordinator::Init() {
   };
   control_service_ = std::make_unique<ControlServiceImpl>(
       &registry_, &auth_, /*require_worker_certificates=*/options_.security.tls(), std::move(hooks),
-      options_.security.allow_unmarked_worker_certs());
+      options_.security.allow_unmarked_worker_certs(), &gate_);
   JobManagerOptions job_options = options_.jobs;
   job_options.metrics = &metrics_registry_;
   if (job_options.checkpoint_root.empty()) {
@@ -184,7 +224,106 @@ absl::Status Coordinator::Init() {
     }
   }
   reaper_ = std::thread([this] { ReaperLoop(); });
+  if (gate_.elected()) return StartElection();
   manager_->Recover();
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::StartElection() {
+  std::string address = options_.advertise_address;
+  if (address.empty()) {
+    HostPort own{options_.listen.host, grpc_port_};
+    if (own.host == "0.0.0.0" || own.host == "::") {
+      char name[256] = {0};
+      own.host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+    }
+    address = own.ToString();
+  }
+  ASSIGN_OR_RETURN(election_client_, EtcdClient::Create(options_.etcd));
+  ElectionOptions election;
+  election.key = options_.store_prefix + "leader";
+  election.address = address;
+  election.ttl = options_.leader_ttl;
+  election.on_lost = [this](const absl::Status& why) {
+    // The gate closed already (the lease is not surely alive, or the key is
+    // gone): stop counting as leader and say so.
+    gate_.Follow("");
+    directory_->StopLeading();
+    is_leader_->Set(0);
+    leader_term_->Set(0);
+    LogError("lost the leadership: ", why.message(),
+             "; no further plans or steps are sent to workers");
+    if (options_.on_leadership_lost) options_.on_leadership_lost(why);
+  };
+  election_ = std::make_unique<LeaderElection>(election_client_.get(), std::move(election));
+  // One campaign before serving returns: a lone coordinator leads at once.
+  auto won = election_->TryCampaign();
+  if (won.ok() && *won) {
+    if (absl::Status taken = TakeOver(election_->term()); !taken.ok()) {
+      (void)election_->Resign();
+      return taken;
+    }
+    return absl::OkStatus();
+  }
+  if (!won.ok()) LogWarning("campaigning for leadership: ", won.status().message());
+  campaigner_ = std::thread([this] { CampaignLoop(); });
+  return absl::OkStatus();
+}
+
+void Coordinator::CampaignLoop() {
+  const absl::Duration retry =
+      std::clamp(options_.leader_ttl / 10, absl::Milliseconds(100), absl::Seconds(1));
+  std::string last_leader = "-";
+  absl::Time last_error_log = absl::InfinitePast();
+  do {
+    auto won = election_->TryCampaign();
+    if (won.ok() && *won) {
+      absl::Status taken = TakeOver(election_->term());
+      if (taken.ok()) return;
+      LogError("elected, but could not take over the jobs: ", taken.message(),
+               "; resigning and campaigning again");
+      (void)election_->Resign();
+      continue;
+    }
+    if (!won.ok() && absl::Now() - last_error_log > absl::Seconds(10)) {
+      last_error_log = absl::Now();
+      LogWarning("campaigning for leadership: ", won.status().message());
+    }
+    auto leader = ObserveLeader(election_client_.get(), options_.store_prefix + "leader");
+    const std::string address = leader.ok() ? leader->address : "";
+    gate_.Follow(address);
+    if (address != last_leader) {
+      last_leader = address;
+      LogInfo("following: the leader is ", address.empty() ? "not elected yet" : address,
+              leader.ok() ? absl::StrCat(" (term ", leader->term, ")") : "");
+    }
+  } while (!stop_campaign_.WaitForNotificationWithTimeout(retry));
+}
+
+absl::Status Coordinator::TakeOver(int64_t term) {
+  // From here on every record this coordinator writes lands only while etcd
+  // still holds its election of `term`: once deposed (paused, cut off), its
+  // writes are refused by etcd even if they arrive after the new leader's.
+  store_->FenceWrites(term);
+  ASSIGN_OR_RETURN(int loaded, jobs_.Load());
+  LogInfo("leading in term ", term, ": loaded ", loaded, " job(s) from ",
+          jobs_.backend().Describe());
+  for (const v1::Job& job : jobs_.List(v1::JOB_STATE_UNSPECIFIED)) {
+    job_metrics_->Restore(job, absl::Now());
+  }
+  // The previous leader's workers, awaiting their reconnection: their ids
+  // stay theirs, and the records go on under this leader's lease.
+  ASSIGN_OR_RETURN(std::vector<v1::WorkerInfo> workers, directory_->Load());
+  const int restored = registry_.Restore(workers, absl::Now());
+  if (!workers.empty()) {
+    LogInfo("leading in term ", term, ": ", restored, " of ", workers.size(),
+            " worker record(s) from ", directory_->Describe(), " await their workers");
+  }
+  directory_->Lead(term);
+  manager_->Recover();
+  gate_.Lead(term);
+  is_leader_->Set(1);
+  leader_term_->Set(static_cast<double>(term));
   return absl::OkStatus();
 }
 
@@ -206,6 +345,7 @@ void Coordinator::UpdateGauges() {
     if (auto g = jobs_gauge_->WithLabels({name}); g.ok()) (*g)->Set(counts[state]);
   }
   if (control_service_) sessions_->Set(control_service_->open_sessions());
+  if (!gate_.elected()) is_leader_->Set(1);
 }
 
 void Coordinator::UpdateWorkerSeries(const std::vector<v1::WorkerInfo>& workers) {
@@ -270,6 +410,9 @@ void Coordinator::Drain(absl::Duration deadline) {
   absl::MutexLock lock(&drain_mu_);
   if (drained_) return;
   drained_ = true;
+  // No take-over while stopping.
+  if (!stop_campaign_.HasBeenNotified()) stop_campaign_.Notify();
+  if (campaigner_.joinable()) campaigner_.join();
   if (server_.server) {
     SetServing(server_.server.get(), false);
     // Stop the jobs first so their workers are told before sessions close.
@@ -278,6 +421,15 @@ void Coordinator::Drain(absl::Duration deadline) {
     job_service_->CloseWatches();
     server_.server->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_.server->Wait();
+  }
+  // A leader hands over at once: revoking the lease deletes the leader key,
+  // and a follower's next campaign wins without waiting for the TTL.
+  if (election_ != nullptr) {
+    // The records stay for the next leader, which takes them over at once.
+    directory_->StopLeading();
+    if (absl::Status resigned = election_->Resign(); !resigned.ok()) {
+      LogWarning("resigning the leadership: ", resigned.message());
+    }
   }
   if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();

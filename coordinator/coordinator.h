@@ -5,6 +5,8 @@
 #ifndef DETOUR_COORDINATOR_COORDINATOR_H_
 #define DETOUR_COORDINATOR_COORDINATOR_H_
 
+#include <algorithm>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -22,10 +24,14 @@
 #include "coordinator/client_auth.h"
 #include "coordinator/control_service.h"
 #include "coordinator/etcd/etcd_client.h"
+#include "coordinator/etcd/leader_election.h"
 #include "coordinator/job_metrics.h"
 #include "coordinator/job_service.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/job_store.h"
+#include "coordinator/leader_gate.h"
+#include "coordinator/metered_job_backend.h"
+#include "coordinator/worker_directory.h"
 #include "coordinator/worker_registry.h"
 
 namespace detour {
@@ -49,9 +55,24 @@ struct CoordinatorOptions {
   JobMetrics::Options job_metrics;
   std::string data_dir = "detour-data/coordinator";
   // Job records in etcd when `etcd.endpoints` is set, under `store_prefix`;
-  // else one file per job under data_dir.
+  // else one file per job under data_dir. With etcd, the leader also keeps
+  // its workers' records there (EtcdWorkerDirectory, on a lease of
+  // worker_silence, at least 3 x leader_ttl) for the next leader.
   EtcdOptions etcd;
   std::string store_prefix = "/detour/";
+  // With etcd, coordinators elect a leader under <store_prefix>leader: only
+  // the leader loads and drives jobs and registers workers; followers
+  // refuse those calls naming the leader and keep campaigning. What
+  // followers tell clients and workers about this one when it leads
+  // (host:port; "" = --listen's host, the host name for a wildcard, and the
+  // bound port), and the lease's time to live.
+  std::string advertise_address;
+  absl::Duration leader_ttl = absl::Seconds(5);
+  // Called once, on the election's thread, when this coordinator loses its
+  // lease after leading; the gate is already closed (nothing more goes to
+  // workers). Must not block on the coordinator. Unset: log only (the
+  // coordinator stays closed; tests).
+  std::function<void(const absl::Status& why)> on_leadership_lost;
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   // Planning network, emulation, timeouts for jobs.
@@ -71,9 +92,15 @@ class Coordinator {
   std::string metrics_target() const;
 
   // Graceful stop: health NOT_SERVING, refuse new work, end sessions and
-  // watch streams, wait for in-flight RPCs up to `deadline`, stop metrics.
+  // watch streams, wait for in-flight RPCs up to `deadline`, resign the
+  // leadership (over etcd: a follower takes over at once), stop metrics.
   // Idempotent.
   void Drain(absl::Duration deadline);
+
+  // Whether this coordinator serves jobs and workers now (always without an
+  // election), and its term (0 without an election or while following).
+  bool leading() const { return gate_.IsOpen(); }
+  int64_t leader_term() const { return std::max<int64_t>(0, gate_.OpenTerm()); }
 
   WorkerRegistry& registry() { return registry_; }
   JobStore& jobs() { return jobs_; }
@@ -81,6 +108,12 @@ class Coordinator {
  private:
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<JobBackend> jobs);
   absl::Status Init();
+  // The election's part of Init: one campaign at once, then a thread that
+  // keeps campaigning while following.
+  absl::Status StartElection();
+  void CampaignLoop();
+  // Elected: loads the jobs, re-attaches to their workers, opens the gate.
+  absl::Status TakeOver(int64_t term);
   void ReaperLoop();
   void UpdateGauges();
   // detour_coordinator_worker_info / _worker_state for `workers` (reaper
@@ -90,8 +123,19 @@ class Coordinator {
   const CoordinatorOptions options_;
   metrics::Registry metrics_registry_;
   WorkerRegistry registry_;
+  // Owned by jobs_: the backend, timed and counted.
+  MeteredJobBackend* const store_;
   JobStore jobs_;
   const ClientAuthorizer auth_;
+  // With etcd: the election's own client (keep-alives do not queue behind
+  // loads) and the election; the gate consults it.
+  std::unique_ptr<EtcdClient> election_client_;
+  std::unique_ptr<LeaderElection> election_;
+  // The registry's copy for the next leader: etcd, or nowhere.
+  std::unique_ptr<WorkerDirectory> directory_;
+  LeaderGate gate_;
+  std::thread campaigner_;
+  absl::Notification stop_campaign_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<ControlServiceImpl> control_service_;
   std::unique_ptr<JobManager> manager_;
@@ -106,6 +150,8 @@ class Coordinator {
   metrics::Counter* registrations_ = nullptr;
   metrics::Counter* workers_lost_ = nullptr;
   metrics::Gauge* sessions_ = nullptr;
+  metrics::Gauge* is_leader_ = nullptr;
+  metrics::Gauge* leader_term_ = nullptr;
   metrics::GaugeFamily* worker_info_ = nullptr;
   metrics::GaugeFamily* worker_state_ = nullptr;
   // Worker id -> its info series' label values (UpdateWorkerSeries only).

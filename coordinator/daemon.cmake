@@ -10,7 +10,9 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/job_runner.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/job_store.cc
+  ${CMAKE_CURRENT_LIST_DIR}/leader_gate.cc
   ${CMAKE_CURRENT_LIST_DIR}/link_matrix.cc
+  ${CMAKE_CURRENT_LIST_DIR}/metered_job_backend.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_checkpoints.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_elastic.cc
@@ -21,6 +23,7 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/runner_part.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_planner.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_record.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_stage_loss.cc
   ${CMAKE_CURRENT_LIST_DIR}/service_discovery.cc
   ${CMAKE_CURRENT_LIST_DIR}/stage_reassignment.cc
   ${CMAKE_CURRENT_LIST_DIR}/stragglers.cc

@@ -47,6 +47,20 @@ class JobBackend {
   // was written since (by another writer), NOT_FOUND when there is none;
   // other codes when the store refused or could not be reached.
   virtual absl::StatusOr<int64_t> Write(const v1::Job& job, int64_t read_revision) = 0;
+
+  // Binds every later Create and Write to the leader's term `term` (> 0):
+  // each lands only while the store still holds this writer's election of
+  // that term, in the same atomic step as the write, so a deposed leader's
+  // last write cannot land after a new leader took over. A fenced write
+  // fails with FAILED_PRECONDITION and stores nothing. 0 lifts the fence.
+  // Backends without an election (the files: one coordinator) ignore it.
+  virtual void FenceWrites(int64_t term) { (void)term; }
+
+  // True when several coordinators share the records and one of them leads
+  // (etcd): a job whose record cannot be written then holds and writes again
+  // instead of failing, since a new leader takes over from the stored record
+  // when this one cannot keep its lease (RunnerRecord::Hold).
+  virtual bool Replicated() const { return false; }
 };
 
 }  // namespace detour

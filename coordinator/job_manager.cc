@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -291,6 +292,7 @@ void JobManager::OnWorkerMessage(const std::string& worker_id, const v1::WorkerM
     case v1::WorkerMessage::kStateReceived: job = message.state_received().job_id(); break;
     case v1::WorkerMessage::kJobStatus: job = message.job_status().job_id(); break;
     case v1::WorkerMessage::kLinkReport: job = message.link_report().job_id(); break;
+    case v1::WorkerMessage::kBadFrame: job = message.bad_frame().job_id(); break;
     default: return;
   }
   absl::MutexLock lock(&mu_);
@@ -309,8 +311,13 @@ std::vector<v1::WorkerInfo> JobManager::ReserveIdle(const std::string& job, size
   if (shutting_down_) return taken;
   for (const v1::WorkerInfo& w : registry_->List(false)) {
     if (taken.size() >= count) break;
-    if (w.state() != v1::WORKER_STATE_IDLE || !w.session_open() || reserved_.count(w.worker_id()) ||
-        exclude.count(w.worker_id())) {
+    // Idle as a heartbeat since its registration said (heartbeats > 0): a
+    // worker that registered again (reconnected, or back from a partition)
+    // counts as idle until its first heartbeat, which may name a job it
+    // still holds; it is told to drop that first (CheckWorkerJob), which a
+    // reservation for the same job would skip.
+    if (w.state() != v1::WORKER_STATE_IDLE || w.heartbeats() == 0 || !w.session_open() ||
+        reserved_.count(w.worker_id()) || exclude.count(w.worker_id())) {
       continue;
     }
     reserved_[w.worker_id()] = job;
@@ -334,27 +341,66 @@ void JobManager::Shutdown() {
     runners.swap(runners_);
   }
   if (scheduler_.joinable()) scheduler_.join();
-  // Running jobs stop (FAILED, their workers told); pending jobs have no
-  // runner and stay PENDING in the store for the next start.
-  runners.clear();  // each destructor stops and joins its runner
+  // Running jobs are left RUNNING with their workers, who re-attach to the
+  // next coordinator (JobRunner::Detach); pending jobs have no runner and
+  // stay PENDING in the store for the next start.
+  for (auto& [id, runner] : runners) runner->Detach();
+  runners.clear();  // each destructor joins its runner
 }
 
 void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string& job_id) {
+  bool running = false;
   {
     absl::MutexLock lock(&mu_);
+    // Stopping: the next coordinator decides what the worker keeps.
+    if (shutting_down_) return;
     auto reserved = reserved_.find(worker_id);
     if (reserved != reserved_.end() && reserved->second == job_id) return;  // a live job
     const absl::Time now = absl::Now();
     auto told = told_to_drop_.find(worker_id);
     if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return;
     told_to_drop_[worker_id] = now;
+    running = runners_.count(job_id) > 0;
   }
-  LogInfo("worker ", worker_id, " still holds job ", job_id,
-          ", which this coordinator does not run; telling it to drop the job");
+  const WorkerJobVerdict verdict = JudgeWorkerJob(worker_id, job_id, running, jobs_->Get(job_id));
+  LogInfo(verdict.log);
   v1::CoordinatorMessage m;
   m.mutable_cancel()->set_job_id(job_id);
-  m.mutable_cancel()->set_reason("the coordinator no longer runs this job (it restarted)");
+  m.mutable_cancel()->set_reason(verdict.reason);
   control_->Send(worker_id, std::move(m)).IgnoreError();
+}
+
+WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string& job_id,
+                                bool running, const absl::StatusOr<v1::Job>& stored) {
+  WorkerJobVerdict v;
+  const std::string told = "; telling it to drop its part";
+  if (running) {
+    // A worker that stalled or was cut off past --worker_silence: the job
+    // lost it and went on (or paused) without it.
+    v.log = absl::StrCat("worker ", worker_id, " is back holding job ", job_id,
+                         ", which runs on without it (it was removed from the job when it was "
+                         "lost)",
+                         told);
+    v.reason =
+        "the job runs on without this worker: it was removed from the job while it was "
+        "unreachable";
+  } else if (!stored.ok()) {
+    v.log = absl::StrCat("worker ", worker_id, " holds job ", job_id,
+                         ", which this coordinator does not know", told);
+    v.reason = "the coordinator does not know this job";
+  } else if (JobStore::IsFinal(stored->state())) {
+    const std::string state = absl::AsciiStrToLower(v1::JobState_Name(stored->state()).substr(10));
+    v.log = absl::StrCat("worker ", worker_id, " still holds job ", job_id, ", which ended (",
+                         state, ": ", stored->message(), ")", told);
+    v.reason = absl::StrCat("the job ended (", state, ")");
+  } else {
+    v.log = absl::StrCat("worker ", worker_id, " still holds job ", job_id,
+                         ", which this coordinator does not run (it restarted; the job is ",
+                         absl::AsciiStrToLower(v1::JobState_Name(stored->state()).substr(10)), ")",
+                         told);
+    v.reason = "the coordinator no longer runs this job (it restarted)";
+  }
+  return v;
 }
 
 void JobManager::Release(const std::string& job_id) {

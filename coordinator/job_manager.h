@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/control_service.h"
@@ -25,6 +26,17 @@
 #include "detour/v1/spec.pb.h"
 
 namespace detour {
+
+// What a coordinator makes of a worker's heartbeat naming a job the worker
+// is no member of: the log line and the reason sent with the cancel.
+struct WorkerJobVerdict {
+  std::string log;
+  std::string reason;
+};
+// `running`: this coordinator runs the job (the worker was removed from it,
+// e.g. lost while stalled); `stored`: the job's record, or why there is none.
+WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string& job_id,
+                                bool running, const absl::StatusOr<v1::Job>& stored);
 
 class JobManager final : public RunnerHost {
  public:
@@ -57,8 +69,9 @@ class JobManager final : public RunnerHost {
                                  uint32_t replicas_per_stage = 0);
   // From ControlService (gRPC thread): results, norms, timings, errors.
   void OnWorkerMessage(const std::string& worker_id, const v1::WorkerMessage& message);
-  // Stops the scheduler and every runner; running jobs become FAILED
-  // ("coordinator stopped"), pending ones stay PENDING in the store.
+  // Stops the scheduler and every runner. Nothing ends: running jobs stay
+  // RUNNING with their workers for the next coordinator to re-attach (a job
+  // still assigning goes back to PENDING), pending ones stay PENDING.
   void Shutdown();
 
   // A heartbeat says `worker_id` holds `job_id`: when no runner of that job

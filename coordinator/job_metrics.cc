@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "coordinator/worker_registry.h"
+#include "google/protobuf/util/time_util.h"
 
 namespace detour {
 namespace {
@@ -114,6 +115,17 @@ void JobMetrics::Observe(const v1::Job& job, absl::Time now) {
   } else if (!final) {
     s.ended = false;  // resumed
   }
+}
+
+void JobMetrics::Restore(const v1::Job& job, absl::Time now) {
+  absl::Time at = now;
+  if (IsFinal(job.state()) && job.has_end_time()) {
+    const int64_t nanos = google::protobuf::util::TimeUtil::TimestampToNanoseconds(job.end_time());
+    at = std::min(now, absl::FromUnixNanos(nanos));
+  }
+  if (now - at >= options_.retention) return;
+  Observe(job, at);
+  Sweep(now);
 }
 
 bool JobMetrics::Track(const std::string& job_id, Series* s) {

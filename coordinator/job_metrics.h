@@ -43,6 +43,12 @@ class JobMetrics {
 
   // Records the job's current state and progress.
   void Observe(const v1::Job& job, absl::Time now);
+  // A job read back from the store when the coordinator starts or takes
+  // over: its series as Observe would have left them, so that an alert on a
+  // job that failed before the restart still fires. An ended job's
+  // retention counts from its end_time; one that ended `retention` or more
+  // before `now` gets none.
+  void Restore(const v1::Job& job, absl::Time now);
   // Removes the series of jobs that ended more than `retention` before `now`.
   void Sweep(absl::Time now);
   // Jobs that have series.

@@ -17,11 +17,11 @@
 #include "common/status.h"
 #include "coordinator/iteration_round.h"
 #include "coordinator/planner/plan_proto.h"
-#include "coordinator/planner/replica_sync_choice.h"
 #include "coordinator/runner_elastic.h"
 #include "coordinator/runner_iteration.h"
 #include "coordinator/runner_links.h"
 #include "coordinator/runner_part.h"
+#include "coordinator/runner_stage_loss.h"
 #include "coordinator/stage_reassignment.h"
 #include "coordinator/stragglers.h"
 
@@ -45,9 +45,19 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
   links_cut = counter("detour_coordinator_links_cut",
                       "Links between two live members of a running job found cut (one could not "
                       "reach the other while both talked to the coordinator); routed around.");
-  outsider_messages = counter("detour_coordinator_outsider_messages",
-                              "Session messages about a job from registered workers the job "
-                              "never had (ignored; the log names the kind).");
+  if (auto f = m->AddCounter("detour_coordinator_outsider_messages",
+                             "Session messages about a job from registered workers that are not "
+                             "its members (never were, or no longer are), by message kind; "
+                             "ignored.",
+                             {"kind"});
+      f.ok()) {
+    outsider_messages = *f;
+    // The kinds a job's session carries start at 0: a scrape shows the
+    // family, and an alert on increase() sees the first one.
+    for (const char* kind : {"error", "peer_unreachable", "grad_norm", "bad_frame"}) {
+      (void)outsider_messages->WithLabels({kind});
+    }
+  }
   if (auto f = m->AddHistogram("detour_coordinator_recovery_seconds",
                                "From the detection of a lost worker to the job running again "
                                "(re-planned microbatches sent, or the next iteration planned).",
@@ -61,6 +71,18 @@ RunnerMetrics::RunnerMetrics(metrics::Registry* m) {
                              {"outcome"});
       f.ok()) {
     microbatches = *f;
+  }
+  if (auto f = m->AddCounter("detour_coordinator_stage_losses",
+                             "Stages of running jobs that lost their last replica and with it "
+                             "their state, by what the job did (elastic.on_stage_loss).",
+                             {"action"});
+      f.ok()) {
+    stage_losses = *f;
+    // Every series from the start at 0: an alert on increase() sees the
+    // first loss.
+    for (const char* action : {"rollback", "pause", "reinitialize"}) {
+      (void)stage_losses->WithLabels({action});
+    }
   }
   if (auto f =
           m->AddGauge("detour_coordinator_job_members", "Workers taking part in running jobs.");
@@ -92,12 +114,63 @@ void RunnerMetrics::StragglerFound() {
 void RunnerMetrics::LinkCut() {
   if (links_cut != nullptr) links_cut->Increment();
 }
-void RunnerMetrics::OutsiderMessage() {
-  if (outsider_messages != nullptr) outsider_messages->Increment();
+void RunnerMetrics::OutsiderMessage(const std::string& kind) {
+  if (outsider_messages == nullptr) return;
+  if (auto c = outsider_messages->WithLabels({kind}); c.ok()) (*c)->Increment();
+}
+void RunnerMetrics::StageLost(const std::string& action) {
+  if (stage_losses == nullptr) return;
+  if (auto c = stage_losses->WithLabels({action}); c.ok()) (*c)->Increment();
 }
 void RunnerMetrics::MembersChanged(int delta) {
   if (members != nullptr) members->Increment(delta);
 }
+
+namespace {
+
+// A resume plans what the straight run would have planned next: the
+// checkpoint's record (`job`, as stored) keeps the assignment and warm-start
+// routes by stage and replica position, the first plan's workers take those
+// positions (numbered in the same order) and the first plan becomes the
+// re-plan from those routes. A record that is missing, of another
+// checkpoint than `restore` or does not fit (other replica counts) leaves
+// the fresh search's plan. Returns what it did, for the RESUMED event.
+std::string ContinueKeptPlan(const absl::StatusOr<v1::Job>& job, const std::string& restore,
+                             uint64_t iteration, const std::string& job_id, RunnerPlanner* plan,
+                             RunnerMembership* membership) {
+  std::string why;
+  if (!job.ok()) {
+    why = std::string(job.status().message());
+  } else if (!job->has_checkpoint_plan()) {
+    why = "the job's record keeps none";
+  } else if (job->checkpoint_plan().checkpoint() != restore) {
+    why = absl::StrCat("the job's record keeps the plan of ", job->checkpoint_plan().checkpoint());
+  }
+  if (why.empty()) {
+    const v1::CheckpointPlan& stored = job->checkpoint_plan();
+    auto order = plan->ResumedNodeOrder(stored, iteration);
+    if (!order.ok()) {
+      why = std::string(order.status().message());
+    } else {
+      std::vector<std::string> before = *order;
+      std::swap(before, membership->mutable_node_order());
+      absl::Status s = plan->BuildCostModel();
+      if (s.ok()) s = plan->PlanResumed(stored, iteration);
+      if (s.ok()) {
+        return "the plan continues the one kept with the checkpoint";
+      }
+      why = std::string(s.message());
+      membership->mutable_node_order() = std::move(before);
+      if (absl::Status back = plan->BuildCostModel(); !back.ok()) {
+        LogWarning("job ", job_id, ": cost model: ", back.message());
+      }
+    }
+  }
+  LogInfo("job ", job_id, ": resuming with a new plan, not one kept with ", restore, ": ", why);
+  return absl::StrCat("a new plan (none kept with the checkpoint fits: ", why, ")");
+}
+
+}  // namespace
 
 // What the runner's parts share, constructed before them (the parts are
 // bases and members of the Impl that take its address).
@@ -112,7 +185,8 @@ struct RunnerSharedHolder {
 // returning worker's replay), the start (assignment, or re-attaching after a
 // coordinator restart) and the end. The rest is in parts, each with one job
 // and its own tests (docs/ARCHITECTURE.md): RunnerIteration (one iteration,
-// losses mid-iteration), RunnerElastic (joins, moves, pauses), and the state
+// losses mid-iteration), RunnerElastic (joins, moves, pauses),
+// RunnerStageLoss (a stage's lost state: rollback, a holder's return), and the state
 // they share (runner_part.h: membership, planning model, checkpoints, the
 // link to the members, the record).
 class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private RunnerLoop {
@@ -124,7 +198,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
         start_mode_(start),
         elastic_(&shared, this),
         iteration_(&shared, this, &elastic_),
-        links_(&shared, this) {
+        links_(&shared, this),
+        stage_loss_(&shared, this, &elastic_, &iteration_) {
     for (v1::WorkerInfo& w : workers) membership_.mutable_infos()[w.worker_id()] = std::move(w);
   }
 
@@ -152,6 +227,13 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     if (!stop_) stop_ = std::move(stop);
   }
 
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    if (stop_ || driven_) return;
+    stop_ = JobEnd{v1::JOB_STATE_FAILED, "the coordinator is stopping"};
+    detach_ = true;
+  }
+
   bool finished() const {
     absl::MutexLock lock(&mu_);
     return finished_;
@@ -164,7 +246,17 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
 
   void Run() {
     auto end = Drive();
-    Finish(end);
+    bool detach = false;
+    {
+      absl::MutexLock lock(&mu_);
+      driven_ = true;
+      detach = detach_;
+    }
+    if (detach) {
+      LeaveForTheNextCoordinator();
+    } else {
+      Finish(end);
+    }
     absl::MutexLock lock(&mu_);
     finished_ = true;
   }
@@ -187,6 +279,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       links_.AtBoundary();
       if (auto e = elastic_.Grow(); e) return *e;
       if (auto e = elastic_.Reassign(); e) return *e;
+      if (auto e = stage_loss_.Recover(); e) return *e;
       if (std::string why = plan_.Infeasible(); !why.empty()) {
         if (auto e = elastic_.Pause(next_iteration_, why); e) return *e;
       }
@@ -252,18 +345,21 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     // The plan of iteration i is seeded with seed + i, resumed or not.
     auto first = plan_.PlanFirst(spec_.seed() + next_iteration_);
     if (!first.ok()) return Failed(absl::StrCat("planner: ", first.status().message()));
+    const std::string continued =
+        restore.empty() ? ""
+                        : ContinueKeptPlan(host_->jobs().Get(job_id_), restore, next_iteration_,
+                                           job_id_, &plan_, &membership_);
     const sim::StageAssignment& assignment = plan_.assignment();
     for (int s = 0; s < assignment.num_stages(); ++s) {
       for (int n : assignment.stage_nodes[s]) membership_.Set(plan_.cost().node_id(n), s);
     }
     host_->runner_metrics().MembersChanged(static_cast<int>(members().size()));
-    if (auto e = ResolveReplicaSync(); e) return e;
-    if (auto e = CreateBubblePlanner(); e) return e;
+    if (auto e = ConfigureKfac(); e) return e;
     if (!restore.empty()) {
       AddEvent(v1::JobHistoryEvent::KIND_RESUMED, next_iteration_, "",
                absl::StrCat("resuming from checkpoint ", restore, " at iteration ", next_iteration_,
                             " on ", members().size(), " workers (",
-                            spec_.pipeline().replicas_per_stage(), " per stage)"));
+                            spec_.pipeline().replicas_per_stage(), " per stage); ", continued));
       // Progress restarts at the checkpoint: what came after it is redone.
       record_.RestartProgressAt(next_iteration_, spec_.iterations());
     }
@@ -280,67 +376,6 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       }
     }
     return AwaitStageReady(waiting, "stage builds of ");
-  }
-
-  std::optional<JobEnd> AwaitStageReady(std::set<std::string> waiting, const char* what) {
-    const absl::Time deadline = Now() + options().assign_timeout;
-    while (!waiting.empty()) {
-      RunnerEvent ev =
-          Wait(deadline, [&] { return absl::StrCat(what, absl::StrJoin(waiting, ", ")); });
-      if (ev.end) return ev.end;
-      // A worker lost while building fails the job: there is nothing to
-      // recover yet.
-      if (!ev.lost.empty()) {
-        return Failed(absl::StrCat("worker ", absl::StrJoin(ev.lost, ", "),
-                                   " lost while building its stage"));
-      }
-      for (auto& [worker, m] : ev.messages) {
-        if (m.has_stage_ready() && m.stage_ready().job_id() == job_id_) waiting.erase(worker);
-      }
-    }
-    LogInfo("job ", job_id_, ": all ", members().size(), " stages built");
-    return std::nullopt;
-  }
-
-  // optimizer.kfac.replica_sync AUTO: FACTORS or PRECONDITIONED for the
-  // whole job, from the cost model on the first plan's timeline
-  // (planner::ChooseReplicaSync). The choice goes into spec_ (the workers'
-  // assignments carry it), into the stored job's spec before any worker
-  // holds a stage (a resumed or re-attached job keeps it), and into the
-  // history with both modelled iteration times.
-  std::optional<JobEnd> ResolveReplicaSync() {
-    v1::KfacSpec* k = spec_.mutable_optimizer()->mutable_kfac();
-    if (!kfac() || k->replica_sync() != v1::KFAC_REPLICA_SYNC_AUTO) return std::nullopt;
-    if (!plan_.first_plan()) {
-      // A re-attached job's stored spec holds the choice made before its
-      // stages were recorded; without a first plan there is nothing to judge.
-      return Failed("K-FAC replica sync: AUTO was never resolved for this job; resume it");
-    }
-    const planner::PlannedIteration& first = *plan_.first_plan();
-    auto choice =
-        planner::ChooseReplicaSync(plan_.KfacWorkload(kfac::ReplicaSync::kFactors), *k, first.plan,
-                                   planner::TimelineFromSimulation(first.result));
-    if (!choice.ok()) {
-      return Failed(absl::StrCat("K-FAC replica sync choice: ", choice.status().message()));
-    }
-    const bool factors = choice->sync == kfac::ReplicaSync::kFactors;
-    const v1::KfacReplicaSync chosen =
-        factors ? v1::KFAC_REPLICA_SYNC_FACTORS : v1::KFAC_REPLICA_SYNC_PRECONDITIONED;
-    k->set_replica_sync(chosen);
-    k->set_sync_factors(factors);
-    if (absl::Status recorded = record_.ReplicaSync(chosen, factors); !recorded.ok()) {
-      return Failed(absl::StrCat("cannot write the job record: ", recorded.message()));
-    }
-    LogInfo("job ", job_id_, ": ", choice->reason);
-    AddEvent(v1::JobHistoryEvent::KIND_CONFIGURED, next_iteration_, "", choice->reason);
-    return std::nullopt;
-  }
-
-  std::optional<JobEnd> CreateBubblePlanner() {
-    if (absl::Status s = plan_.CreateBubblePlanner(); !s.ok()) {
-      return Failed(absl::StrCat("K-FAC bubble planner: ", s.message()));
-    }
-    return std::nullopt;
   }
 
   // --- re-attaching after a coordinator restart -----------------------------------
@@ -400,8 +435,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     if (absl::Status s = plan_.BuildCostModel(); !s.ok()) return Failed(s.message());
     plan_.RebuildAssignment();
     host_->runner_metrics().MembersChanged(static_cast<int>(members().size()));
-    if (auto e = ResolveReplicaSync(); e) return e;
-    if (auto e = CreateBubblePlanner(); e) return e;
+    if (auto e = ConfigureKfac(); e) return e;
     // Whatever iteration was in flight is run again from its start.
     link_.AbortIteration(next_iteration_, "the coordinator restarted; the iteration runs again");
     for (const std::string& id : missing) {
@@ -429,21 +463,32 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     if (stage < 0) return;
     membership_.ClearSuspicion(id);
     membership_.ForgetLinks(id);
+    plan_.links().Forget(id);  // a worker that comes back is measured anew
     if (absl::Status s = plan_.SetCutLinks(membership_.cut_links()); !s.ok()) {
       LogWarning("job ", job_id_, ": keeping the old cost model: ", s.message());
     }
     membership_.BumpEpoch();
     plan_.RebuildAssignment();
     plan_.ForgetRoutes();  // the warm start routes through it
-    host_->Unreserve(job_id_, id);
+    const bool emptied = plan_.assignment().stage_nodes[stage].empty();
+    // Under STAGE_LOSS_PAUSE the last holder of a stage may come back with
+    // its state: it keeps its reservation (no heartbeat makes the manager
+    // tell it to drop the job) and is not told to drop it.
+    // An excluded worker is not one to wait for (RunnerMembership::Exclude).
+    const bool may_return =
+        emptied && !membership_.Excluded(id, Now()) && stage_loss_.KeepHolder(stage, id);
     host_->runner_metrics().WorkerLost();
     host_->runner_metrics().MembersChanged(-1);
-    v1::CoordinatorMessage cancel;
-    cancel.mutable_cancel()->set_job_id(job_id_);
-    cancel.mutable_cancel()->set_reason(absl::StrCat("left the job: ", why));
-    link_.SendOnce(id, cancel);
+    if (!may_return) {
+      host_->Unreserve(job_id_, id);
+      v1::CoordinatorMessage cancel;
+      cancel.mutable_cancel()->set_job_id(job_id_);
+      cancel.mutable_cancel()->set_reason(absl::StrCat("left the job: ", why));
+      link_.SendOnce(id, cancel);
+    }
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, iteration, id,
              absl::StrCat("worker ", id, " (stage ", stage, ") lost: ", why));
+    if (emptied) stage_loss_.Lost(stage, id, iteration);
     if (plan_.assignment().stage_nodes[stage].empty() && plan_.Infeasible().empty()) {
       AddEvent(v1::JobHistoryEvent::KIND_REROUTED, iteration, "",
                absl::StrCat("stage ", stage,
@@ -454,20 +499,51 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     plan_.KfacMembershipChanged();
   }
 
-  // A registered worker the job never had sent a message about it (an error,
-  // a report, a norm): ignored, counted, and logged at its first and then
-  // every 100th message, so a flood leaves a trace but not a flood of lines.
-  void NoteOutsider(const std::string& worker, const v1::WorkerMessage& m) {
+  // A registered worker the job never had, or one that left it, sent a
+  // message about it (an error, a report, a norm): ignored, counted by kind,
+  // and logged at its first and then every 100th per worker, so a flood
+  // leaves a trace but not a flood of lines.
+  void NoteOutsider(const std::string& worker, const v1::WorkerMessage& m, bool former) {
     const google::protobuf::FieldDescriptor* field =
         m.GetDescriptor()->FindFieldByNumber(m.kind_case());
-    const char* kind = field != nullptr ? field->name().c_str() : "unknown";
-    host_->runner_metrics().OutsiderMessage();
+    const std::string kind = field != nullptr ? field->name() : "unknown";
+    host_->runner_metrics().OutsiderMessage(kind);
     const uint64_t n = ++outsider_messages_[worker];
     if (n == 1 || n % 100 == 0) {
       LogWarning("job ", job_id_, ": ignoring ", n == 1 ? "a " : absl::StrCat(n, " "), kind,
                  " message", n == 1 ? "" : "s", " from ", worker,
-                 ", which is not and never was one of its workers");
+                 former ? ", which is no longer one of its workers"
+                        : ", which is not and never was one of its workers");
     }
+  }
+
+  // A member dropped a frame of another for its values (BadFrame): the
+  // sender leaves the job like a lost worker (the next loss check finds it
+  // gone; the iteration re-runs what crossed it) and is not taken back for
+  // RunnerMembership::kExcludeBackoff. RunnerMembership::ReportBadFrame
+  // weighs the report; one refused is logged at the first and every 100th.
+  void OnBadFrame(const std::string& reporter, const v1::BadFrame& b) {
+    const bool current = b.iteration() == next_iteration_;
+    const bool sends =
+        current && v1::Direction_IsValid(b.direction()) &&
+        membership_.PlanSends(iteration_.routes(), b.sender(), reporter,
+                              static_cast<v1::Direction>(b.direction()), b.microbatch());
+    std::string refused;
+    auto exclusion = membership_.ReportBadFrame(reporter, b.sender(), sends, b.message(), &refused);
+    if (!exclusion) {
+      if (!current) {
+        refused = absl::StrCat("iteration ", b.iteration(), " is not the one in flight (",
+                               next_iteration_, ")");
+      }
+      if (++bad_frame_reports_refused_ % 100 == 1) {
+        LogWarning("job ", job_id_, ": ignoring a bad-frame report from ", reporter, ": ", refused,
+                   " (", bad_frame_reports_refused_, " refused so far)");
+      }
+      return;
+    }
+    LogWarning("job ", job_id_, ": worker ", exclusion->member, " leaves the job, ",
+               exclusion->why);
+    membership_.Exclude(exclusion->member, exclusion->why, Now());
   }
 
   // Links found cut between live members: the planner avoids them from now
@@ -555,7 +631,16 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       for (auto it = ev.messages.begin(); it != ev.messages.end();) {
         const auto& [worker, m] = *it;
         if (!membership_.HasNode(worker) && !membership_.IsMember(worker)) {
-          NoteOutsider(worker, m);
+          NoteOutsider(worker, m, /*former=*/false);
+          it = ev.messages.erase(it);
+          continue;
+        }
+        // A worker that left the job (lost, excluded) has nothing to say
+        // about its iterations: its errors, reports and norms are dropped
+        // here, where they are counted, instead of by each handler below.
+        if (!membership_.IsMember(worker) &&
+            (m.has_error() || m.has_peer_unreachable() || m.has_grad_norm() || m.has_bad_frame())) {
+          NoteOutsider(worker, m, /*former=*/true);
           it = ev.messages.erase(it);
           continue;
         }
@@ -571,6 +656,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
                    membership_.IsMember(worker)) {
           membership_.ReportUnreachable(worker, m.peer_unreachable().peer(),
                                         m.peer_unreachable().message(), Now());
+        } else if (m.has_bad_frame() && m.bad_frame().job_id() == job_id_) {
+          OnBadFrame(worker, m.bad_frame());
         }
         ++it;
       }
@@ -585,7 +672,11 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   // A member's session reopened (or the coordinator restarted): it still
   // holds the job. What it may have missed is sent again.
   void OnJobStatus(const std::string& worker, const v1::JobStatus& status) {
-    if (status.job_id() != job_id_ || !membership_.IsMember(worker)) return;
+    if (status.job_id() != job_id_) return;
+    if (!membership_.IsMember(worker)) {
+      stage_loss_.Readmit(worker, status);
+      return;
+    }
     membership_.ClearSuspicion(worker);
     for (const v1::WorkerInfo& w : host_->registry().List(true)) {
       if (w.worker_id() == worker) membership_.mutable_infos()[worker] = w;
@@ -618,19 +709,49 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     }
   }
 
+  // A graceful stop of the coordinator (Detach): nothing is ended and the
+  // workers are not told, exactly as when the coordinator dies, so the next
+  // coordinator re-attaches the same way after either (Reattach). The
+  // reservations stay too: until the sessions close, no heartbeat of a
+  // member makes the manager tell it to drop the job.
+  void LeaveForTheNextCoordinator() {
+    host_->runner_metrics().MembersChanged(-static_cast<int>(members().size()));
+    auto stored = host_->jobs().Get(job_id_);
+    if (stored.ok() && stored->state() == v1::JOB_STATE_ASSIGNING) {
+      // Stages half built are not worth keeping: Recover would fail the job.
+      const std::string why = "the coordinator stopped while the job's stages were being assigned";
+      for (const auto& [id, s] : members()) {
+        v1::CoordinatorMessage m;
+        m.mutable_cancel()->set_job_id(job_id_);
+        m.mutable_cancel()->set_reason(why);
+        link_.SendOnce(id, m);
+      }
+      host_->Release(job_id_);
+      record_.Requeue(absl::StrCat(why, "; it waits to be scheduled again"));
+      LogInfo("job ", job_id_, " back to PENDING: ", why);
+      return;
+    }
+    LogInfo("job ", job_id_, " left RUNNING at iteration ", next_iteration_,
+            " for the next coordinator: its workers keep their stages and re-attach");
+  }
+
   std::thread thread_;
   mutable absl::Mutex mu_;
   std::deque<Message> inbox_ ABSL_GUARDED_BY(mu_);
   std::optional<JobEnd> stop_ ABSL_GUARDED_BY(mu_);
   bool poked_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool driven_ ABSL_GUARDED_BY(mu_) = false;  // Drive returned
+  bool detach_ ABSL_GUARDED_BY(mu_) = false;  // the stop is a Detach
 
   const JobRunner::StartMode start_mode_;
   RunnerElastic elastic_;
   RunnerIteration iteration_;
   RunnerLinks links_;
+  RunnerStageLoss stage_loss_;
   absl::Time last_loss_check_ = absl::InfinitePast();
   std::map<std::string, uint64_t> outsider_messages_;  // worker -> messages ignored
+  uint64_t bad_frame_reports_refused_ = 0;
   static constexpr absl::Duration kLossCheck = absl::Milliseconds(500);
 };
 
@@ -645,6 +766,7 @@ void JobRunner::Post(const std::string& worker_id, const v1::WorkerMessage& mess
 }
 void JobRunner::Poke() { impl_->Poke(); }
 void JobRunner::RequestStop(JobEnd stop) { impl_->RequestStop(std::move(stop)); }
+void JobRunner::Detach() { impl_->Detach(); }
 bool JobRunner::finished() const { return impl_->finished(); }
 std::optional<v1::GetLinksResponse> JobRunner::Links() const { return impl_->Links(); }
 

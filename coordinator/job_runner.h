@@ -92,9 +92,13 @@ struct RunnerMetrics {
   void WorkerReassigned();
   void StragglerFound();
   void LinkCut();
-  // A session message for a job from a worker the job never had.
-  void OutsiderMessage();
+  // A session message for a job from a registered worker that is not its
+  // member (never was, or no longer is); `kind` is the message's field name.
+  void OutsiderMessage(const std::string& kind);
   void MembersChanged(int delta);
+  // A stage lost its last replica; `action` is "rollback", "pause" or
+  // "reinitialize" (elastic.on_stage_loss).
+  void StageLost(const std::string& action);
 
   metrics::Counter* recoveries = nullptr;
   metrics::Histogram* recovery_seconds = nullptr;
@@ -104,7 +108,8 @@ struct RunnerMetrics {
   metrics::Counter* reassigned = nullptr;
   metrics::Counter* stragglers = nullptr;
   metrics::Counter* links_cut = nullptr;
-  metrics::Counter* outsider_messages = nullptr;
+  metrics::CounterFamily* outsider_messages = nullptr;  // by kind
+  metrics::CounterFamily* stage_losses = nullptr;
   metrics::Gauge* members = nullptr;
 };
 
@@ -148,6 +153,14 @@ class JobRunner {
   // The registry changed (a worker lost, registered, reconnected).
   void Poke();
   void RequestStop(JobEnd stop);
+  // The coordinator stops gracefully: the runner stops driving the job
+  // without ending it, as if the coordinator had died. The record stays
+  // RUNNING and the workers keep their stages, untold: they reconnect to
+  // the next coordinator on the same store, which re-attaches to them. A
+  // job still assigning its stages goes back to PENDING instead (its
+  // workers told to drop it). No-op once a stop was requested or the job
+  // ended. Returns at once; destroying the runner joins it.
+  void Detach();
   bool finished() const;
   // The link matrix the job plans on, as last published (any thread);
   // nullopt before its first plan.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -59,6 +60,45 @@ class RefusedWatch : public grpc::ServerWriteReactor<v1::JobEvent> {
     delete this;
   }
 };
+
+// Records a client's call in the job's history (and the log) and returns
+// the event appended: nullopt only when the job is not in the store. A write
+// the backend refused still took effect in memory (JobStore::Update).
+std::optional<v1::JobHistoryEvent> RecordAction(JobStore* store, const std::string& job_id,
+                                                const std::string& what) {
+  LogInfo("job ", job_id, " ", what);
+  v1::JobHistoryEvent event;
+  *event.mutable_time() =
+      google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(absl::Now()));
+  event.set_kind(v1::JobHistoryEvent::KIND_CLIENT_ACTION);
+  event.set_message(what);
+  if (absl::Status s = store->AddEvent(job_id, event).status(); !s.ok()) {
+    LogWarning("job ", job_id, ": recording \"", what, "\": ", s.message());
+    if (absl::IsNotFound(s)) return std::nullopt;
+  }
+  return event;
+}
+
+// The answer to a client's action is the job as the action left it (a later
+// pending reason must not replace what the action said), with the action's
+// audit event in its history.
+void AnswerWithAction(v1::Job* job, const std::optional<v1::JobHistoryEvent>& action) {
+  if (action.has_value()) JobStore::AppendEvent(job, *action);
+}
+
+// Cancel and Resume act only on jobs the caller may manage (its own, or any
+// as an admin).
+absl::Status CheckManages(const JobStore& store, const Caller& caller, const std::string& job_id,
+                          absl::string_view method, absl::string_view verb) {
+  auto job = store.Get(job_id);
+  if (!job.ok()) return job.status();
+  if (caller.MayManage(job->owner())) return absl::OkStatus();
+  LogWarning(method, " of job ", job_id, " by ", caller.Describe(), " refused: owned by ",
+             job->owner());
+  return absl::PermissionDeniedError(absl::StrCat(method, ": job ", job_id, " belongs to ",
+                                                  job->owner(), "; only its owner or an admin may ",
+                                                  verb, " it"));
+}
 
 v1::JobEvent EventFor(const v1::Job& job) {
   v1::JobEvent event;
@@ -157,22 +197,27 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
   uint64_t listener_ = 0;
 };
 
-JobServiceImpl::JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks)
-    : store_(store), auth_(auth), hooks_(std::move(hooks)) {}
+JobServiceImpl::JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks,
+                               const LeaderGate* gate)
+    : store_(store), auth_(auth), gate_(gate), hooks_(std::move(hooks)) {}
 
 JobServiceImpl::~JobServiceImpl() = default;
 
 grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* context,
                                                  const v1::SubmitJobRequest* request,
                                                  v1::Job* response) {
-  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Submit"); !a.ok()) {
-    return Reply(context, a);
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Submit"); !g.ok()) return Reply(context, g);
   }
+  auto caller = auth_->Identify(*context, ClientRole::kSubmit, "Submit");
+  if (!caller.ok()) return Reply(context, caller.status());
   auto spec = NormalizeJobSpec(request->spec());
   if (!spec.ok()) return Reply(context, Annotate(spec.status(), "spec"));
-  auto job = store_->Create(*spec, absl::Now(), kStoredMessage);
+  auto job = store_->Create(*spec, absl::Now(), kStoredMessage, caller->name);
   if (!job.ok()) return Reply(context, job.status());
-  LogInfo("job ", job->id(), " (", job->spec().name(), ") submitted");
+  AnswerWithAction(&*job, RecordAction(store_, job->id(),
+                                       absl::StrCat("submitted by ", caller->Describe(), " (",
+                                                    job->spec().name(), ")")));
   if (hooks_.on_submitted) hooks_.on_submitted(job->id());
   *response = *std::move(job);
   return Reply(context, absl::OkStatus());
@@ -180,6 +225,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Submit(grpc::CallbackServerContext* co
 
 grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* context,
                                               const v1::GetJobRequest* request, v1::Job* response) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Get"); !g.ok()) return Reply(context, g);
+  }
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Get"); !a.ok()) {
     return Reply(context, a);
   }
@@ -195,12 +243,20 @@ grpc::ServerUnaryReactor* JobServiceImpl::Get(grpc::CallbackServerContext* conte
 grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* context,
                                                const v1::ListJobsRequest* request,
                                                v1::ListJobsResponse* response) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "List"); !g.ok()) return Reply(context, g);
+  }
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "List"); !a.ok()) {
     return Reply(context, a);
   }
   if (!v1::JobState_IsValid(request->state())) {
     return Reply(context, absl::InvalidArgumentError(
                               absl::StrCat("state: unknown value ", request->state())));
+  }
+  if (request->owner().size() > kMaxCallerNameBytes) {
+    return Reply(context, absl::InvalidArgumentError(
+                              absl::StrCat("owner: ", request->owner().size(),
+                                           " bytes is longer than ", kMaxCallerNameBytes)));
   }
   const std::string& token = request->page_token();
   if (!token.empty() && !ValidPageToken(token)) {
@@ -210,7 +266,8 @@ grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* cont
   }
   const uint32_t size =
       request->page_size() == 0 ? kDefaultPageSize : std::min(request->page_size(), kMaxPageSize);
-  JobStore::Page page = store_->ListPage(request->state(), token, size, kMaxPageBytes);
+  JobStore::Page page =
+      store_->ListPage(request->state(), token, size, kMaxPageBytes, request->owner());
   for (v1::Job& job : page.jobs) *response->add_jobs() = std::move(job);
   if (page.more) response->set_next_page_token(response->jobs().rbegin()->id());
   return Reply(context, absl::OkStatus());
@@ -218,6 +275,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::List(grpc::CallbackServerContext* cont
 
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(grpc::CallbackServerContext* context,
                                                               const v1::WatchJobRequest* request) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Watch"); !g.ok()) return new RefusedWatch(g);
+  }
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "Watch"); !a.ok()) {
     return new RefusedWatch(a);
   }
@@ -227,15 +287,22 @@ grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::Watch(grpc::CallbackServ
 grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* context,
                                                  const v1::CancelJobRequest* request,
                                                  v1::Job* response) {
-  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Cancel"); !a.ok()) {
-    return Reply(context, a);
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Cancel"); !g.ok()) return Reply(context, g);
   }
+  auto caller = auth_->Identify(*context, ClientRole::kSubmit, "Cancel");
+  if (!caller.ok()) return Reply(context, caller.status());
   if (request->job_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
   }
-  auto job = store_->Cancel(request->job_id(), absl::Now());
+  if (absl::Status m = CheckManages(*store_, *caller, request->job_id(), "Cancel", "cancel");
+      !m.ok()) {
+    return Reply(context, m);
+  }
+  const std::string by = absl::StrCat("cancelled by ", caller->Describe());
+  auto job = store_->Cancel(request->job_id(), absl::Now(), by);
   if (!job.ok()) return Reply(context, job.status());
-  LogInfo("job ", job->id(), " cancelled");
+  AnswerWithAction(&*job, RecordAction(store_, job->id(), by));
   if (hooks_.on_cancelled) hooks_.on_cancelled(job->id());
   *response = *std::move(job);
   return Reply(context, absl::OkStatus());
@@ -244,11 +311,17 @@ grpc::ServerUnaryReactor* JobServiceImpl::Cancel(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* context,
                                                  const v1::ResumeJobRequest* request,
                                                  v1::Job* response) {
-  if (absl::Status a = auth_->Check(*context, ClientRole::kSubmit, "Resume"); !a.ok()) {
-    return Reply(context, a);
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "Resume"); !g.ok()) return Reply(context, g);
   }
+  auto caller = auth_->Identify(*context, ClientRole::kSubmit, "Resume");
+  if (!caller.ok()) return Reply(context, caller.status());
   if (request->job_id().empty()) {
     return Reply(context, absl::InvalidArgumentError("job_id: required"));
+  }
+  if (absl::Status m = CheckManages(*store_, *caller, request->job_id(), "Resume", "resume");
+      !m.ok()) {
+    return Reply(context, m);
   }
   if (request->checkpoint().size() > SpecLimits::kMaxPathBytes) {
     return Reply(context, absl::InvalidArgumentError(
@@ -259,7 +332,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* co
   auto job =
       hooks_.on_resume(request->job_id(), request->checkpoint(), request->replicas_per_stage());
   if (!job.ok()) return Reply(context, job.status());
-  LogInfo("job ", job->id(), " resumes from ", job->spec().checkpoint().resume_from());
+  AnswerWithAction(&*job, RecordAction(store_, job->id(),
+                                       absl::StrCat("resumed by ", caller->Describe(), " from ",
+                                                    job->spec().checkpoint().resume_from())));
   *response = *std::move(job);
   return Reply(context, absl::OkStatus());
 }
@@ -267,6 +342,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::Resume(grpc::CallbackServerContext* co
 grpc::ServerUnaryReactor* JobServiceImpl::GetLinks(grpc::CallbackServerContext* context,
                                                    const v1::GetLinksRequest* request,
                                                    v1::GetLinksResponse* response) {
+  if (gate_ != nullptr) {
+    if (absl::Status g = gate_->Check(context, "GetLinks"); !g.ok()) return Reply(context, g);
+  }
   if (absl::Status a = auth_->Check(*context, ClientRole::kRead, "GetLinks"); !a.ok()) {
     return Reply(context, a);
   }

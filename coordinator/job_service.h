@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/client_auth.h"
 #include "coordinator/job_store.h"
+#include "coordinator/leader_gate.h"
 #include "detour/v1/job_service.grpc.pb.h"
 
 namespace detour {
@@ -30,9 +31,12 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
     // GetLinks: the running job's link matrix.
     std::function<absl::StatusOr<v1::GetLinksResponse>(const std::string& job_id)> on_links;
   };
-  // Does not own `store` or `auth`, which must outlive the service. Every
-  // RPC checks its caller with `auth` first.
-  JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks);
+  // Does not own `store`, `auth` or `gate`, which must outlive the service.
+  // Every RPC first asks `gate` (null = always open) whether this
+  // coordinator serves (a follower answers UNAVAILABLE naming the leader),
+  // then checks its caller with `auth`.
+  JobServiceImpl(JobStore* store, const ClientAuthorizer* auth, Hooks hooks,
+                 const LeaderGate* gate = nullptr);
   ~JobServiceImpl() override;
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
@@ -60,6 +64,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   friend class WatchReactor;
   JobStore* const store_;
   const ClientAuthorizer* const auth_;
+  const LeaderGate* const gate_;
   const Hooks hooks_;
   absl::Mutex mu_;
   std::map<WatchReactor*, bool> watches_ ABSL_GUARDED_BY(mu_);

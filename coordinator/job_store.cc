@@ -4,6 +4,9 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/files.h"
@@ -46,7 +49,7 @@ absl::StatusOr<int> JobStore::Load() {
 }
 
 absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now,
-                                         const std::string& message) {
+                                         const std::string& message, const std::string& owner) {
   absl::MutexLock write(&write_mu_);
   // Stored before it exists for anyone: a job the backend refused is not run.
   auto record = backend_->Create([&](uint64_t number) {
@@ -55,6 +58,7 @@ absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now
     *job.mutable_spec() = spec;
     job.set_state(v1::JOB_STATE_PENDING);
     job.set_message(message);
+    job.set_owner(owner);
     *job.mutable_create_time() = ToProto(now);
     job.mutable_progress()->set_total_iterations(spec.iterations());
     return job;
@@ -71,7 +75,21 @@ absl::StatusOr<v1::Job> JobStore::Create(const v1::JobSpec& spec, absl::Time now
 absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job \"", id, "\""));
+  if (it == jobs_.end()) {
+    // "7", "job-7" or "job7" for job-000007: the digits name the job.
+    std::string hint;
+    std::string digits;
+    for (char c : id.substr(0, 64)) {
+      if (absl::ascii_isdigit(c)) digits.push_back(c);
+    }
+    uint64_t number = 0;
+    if (!digits.empty() && digits.size() <= 9 && absl::SimpleAtoi(digits, &number)) {
+      const std::string near = absl::StrFormat("job-%06d", number);
+      if (near != id && jobs_.count(near)) hint = absl::StrCat(" (did you mean ", near, "?)");
+    }
+    return absl::NotFoundError(
+        absl::StrCat("no job \"", absl::CHexEscape(id.substr(0, 64)), "\"", hint));
+  }
   return it->second.job;
 }
 
@@ -90,7 +108,7 @@ std::vector<v1::Job> JobStore::List(v1::JobState state) const {
 }
 
 JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs,
-                                  size_t max_bytes) const {
+                                  size_t max_bytes, const std::string& owner) const {
   Page page;
   size_t bytes = 0;
   absl::MutexLock lock(&mu_);
@@ -101,6 +119,7 @@ JobStore::Page JobStore::ListPage(v1::JobState state, const std::string& after_i
     --it;
     const v1::Job& job = it->second.job;
     if (state != v1::JOB_STATE_UNSPECIFIED && job.state() != state) continue;
+    if (!owner.empty() && job.owner() != owner) continue;
     if (page.jobs.size() >= std::max<size_t>(1, max_jobs)) {
       page.more = true;
       break;
@@ -152,7 +171,8 @@ absl::StatusOr<v1::Job> JobStore::Update(const std::string& id,
   return updated;
 }
 
-absl::StatusOr<v1::Job> JobStore::Cancel(const std::string& id, absl::Time now) {
+absl::StatusOr<v1::Job> JobStore::Cancel(const std::string& id, absl::Time now,
+                                         const std::string& message) {
   {
     auto current = Get(id);
     if (!current.ok()) return current.status();
@@ -168,13 +188,25 @@ absl::StatusOr<v1::Job> JobStore::Cancel(const std::string& id, absl::Time now) 
       return;
     }
     job->set_state(v1::JOB_STATE_CANCELLED);
-    job->set_message("cancelled by request");
+    job->set_message(message);
     *job->mutable_end_time() = ToProto(now);
   });
   if (job.ok() && already_final) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " already ended"));
   }
   return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::AddEvent(const std::string& id,
+                                           const v1::JobHistoryEvent& event) {
+  return Update(id, [&](v1::Job* job) { AppendEvent(job, event); });
+}
+
+void JobStore::AppendEvent(v1::Job* job, const v1::JobHistoryEvent& event) {
+  *job->add_history() = event;
+  if (job->history_size() > kMaxHistory) {
+    job->mutable_history()->DeleteSubrange(0, job->history_size() - kMaxHistory);
+  }
 }
 
 uint64_t JobStore::AddListener(const std::string& id, Listener listener) {

@@ -39,28 +39,38 @@ class JobStore {
   // never deleted. Returns how many jobs were loaded.
   absl::StatusOr<int> Load();
 
-  // Stores a new PENDING job for an already validated spec.
+  // The newest events a job's history keeps.
+  static constexpr int kMaxHistory = 200;
+
+  // Stores a new PENDING job for an already validated spec, owned by
+  // `owner` (who submitted it; "" = no one in particular).
   absl::StatusOr<v1::Job> Create(const v1::JobSpec& spec, absl::Time now,
-                                 const std::string& message);
+                                 const std::string& message, const std::string& owner = "");
   absl::StatusOr<v1::Job> Get(const std::string& id) const;
   // Newest first; `state` JOB_STATE_UNSPECIFIED = all.
   std::vector<v1::Job> List(v1::JobState state) const;
 
-  // One page of List: jobs older than `after_id` ("" = from the newest), at
-  // most `max_jobs` (>= 1) of them, and stopping before the job that would
-  // take the page's serialized size past `max_bytes` (the first job is always
+  // One page of List: jobs older than `after_id` ("" = from the newest) and
+  // owned by `owner` ("" = anyone's), at most `max_jobs` (>= 1) of them, and stopping before the
+  // job that would take the page's serialized size past `max_bytes` (the first job is always
   // taken). `more` says whether a matching job follows the page. Copies only
   // the page.
   struct Page {
     std::vector<v1::Job> jobs;
     bool more = false;
   };
-  Page ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs,
-                size_t max_bytes) const;
+  Page ListPage(v1::JobState state, const std::string& after_id, size_t max_jobs, size_t max_bytes,
+                const std::string& owner = "") const;
 
-  // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION when it
-  // already ended, NOT_FOUND when unknown.
-  absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now);
+  // Moves a job that has not ended to CANCELLED with `message`.
+  // FAILED_PRECONDITION when it already ended, NOT_FOUND when unknown.
+  absl::StatusOr<v1::Job> Cancel(const std::string& id, absl::Time now,
+                                 const std::string& message = "cancelled by request");
+
+  // Appends `event` to the job's history (the newest kMaxHistory stay).
+  absl::StatusOr<v1::Job> AddEvent(const std::string& id, const v1::JobHistoryEvent& event);
+  // Appends `event` to `job`'s history as AddEvent does to a stored job's.
+  static void AppendEvent(v1::Job* job, const v1::JobHistoryEvent& event);
 
   // Applies `mutate` to a stored job, persists it and tells listeners. When
   // the backend refuses the write (a full disk: RESOURCE_EXHAUSTED; the

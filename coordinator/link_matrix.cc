@@ -1,8 +1,36 @@
 #include "coordinator/link_matrix.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace detour {
+
+void LinkMatrix::Ranges::AddLatency(double s) {
+  min_latency_s = latencies == 0 ? s : std::min(min_latency_s, s);
+  max_latency_s = latencies == 0 ? s : std::max(max_latency_s, s);
+  ++latencies;
+}
+
+void LinkMatrix::Ranges::AddRate(double bytes_per_s) {
+  min_rate = rates == 0 ? bytes_per_s : std::min(min_rate, bytes_per_s);
+  max_rate = rates == 0 ? bytes_per_s : std::max(max_rate, bytes_per_s);
+  ++rates;
+}
+
+void LinkMatrix::Ranges::Merge(const Ranges& other) {
+  if (other.latencies > 0) {
+    min_latency_s =
+        latencies == 0 ? other.min_latency_s : std::min(min_latency_s, other.min_latency_s);
+    max_latency_s =
+        latencies == 0 ? other.max_latency_s : std::max(max_latency_s, other.max_latency_s);
+    latencies += other.latencies;
+  }
+  if (other.rates > 0) {
+    min_rate = rates == 0 ? other.min_rate : std::min(min_rate, other.min_rate);
+    max_rate = rates == 0 ? other.max_rate : std::max(max_rate, other.max_rate);
+    rates += other.rates;
+  }
+}
 
 LinkMatrix::Applied LinkMatrix::AddReport(const std::string& from, const v1::LinkReport& report,
                                           const std::set<std::string>& peers, absl::Time now) {
@@ -25,11 +53,13 @@ LinkMatrix::Applied LinkMatrix::AddReport(const std::string& from, const v1::Lin
       e.latency_source = v1::JobLink::SOURCE_PROBE;
       e.latency_time = now;
       applied.answered.push_back(m.peer());
+      applied.measured.AddLatency(*e.latency_s);
     }
     if (rate_ok) {
       e.bandwidth = rate;
       e.bandwidth_source = v1::JobLink::SOURCE_PROBE;
       e.bandwidth_time = now;
+      applied.measured.AddRate(rate);
     }
     // Bounded like any string a peer sends.
     e.probe_error = m.error().substr(0, 512);

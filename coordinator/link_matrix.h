@@ -41,6 +41,19 @@ class LinkMatrix {
     absl::Time probe_time = absl::InfinitePast();  // last report about it
   };
 
+  // How many links reports measured, and the ranges of what they measured
+  // (one-way latency, bandwidth); the ranges are 0 while their count is.
+  struct Ranges {
+    int latencies = 0;
+    double min_latency_s = 0, max_latency_s = 0;
+    int rates = 0;
+    double min_rate = 0, max_rate = 0;  // bytes/s
+
+    void AddLatency(double s);
+    void AddRate(double bytes_per_s);
+    void Merge(const Ranges& other);
+  };
+
   // Applies `from`'s report; measurements about peers not in `peers` (the
   // ones it was asked about) are ignored. Latency is half the round trip.
   // Returns the peers whose link answered (latency measured) this time.
@@ -48,6 +61,7 @@ class LinkMatrix {
     std::vector<std::string> answered;
     std::vector<std::string> failed;  // the probe reported an error
     int rejected = 0;                 // out of bounds or not asked about
+    Ranges measured;                  // what this report measured
   };
   Applied AddReport(const std::string& from, const v1::LinkReport& report,
                     const std::set<std::string>& peers, absl::Time now);

@@ -25,6 +25,11 @@
 namespace detour {
 namespace {
 
+constexpr int kExitLostLeadership = 3;
+// The largest --replan_every: a million iterations, far beyond any job's
+// useful interval, and well inside an int.
+constexpr int64_t kMaxReplanEvery = 1'000'000;
+
 // The flags, with their defaults; CoordinatorOptions gets them only after
 // their checks.
 struct CoordinatorFlagValues {
@@ -41,6 +46,8 @@ struct CoordinatorFlagValues {
   std::string store_prefix = "/detour/";
   TlsFiles etcd_tls;
   absl::Duration etcd_timeout = absl::Seconds(5);
+  std::string advertise_address;
+  absl::Duration leader_ttl = absl::Seconds(5);
   absl::Duration worker_silence = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   std::string cluster_file;
@@ -87,6 +94,14 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
   flags->String("etcd_key", &v->etcd_tls.key, "TLS to etcd: PEM private key of --etcd_cert");
   flags->Duration("etcd_timeout", &v->etcd_timeout,
                   "deadline of each call to etcd, every member tried included");
+  flags->String("advertise_address", &v->advertise_address,
+                "with --store=etcd://...: host:port clients and workers reach this coordinator "
+                "at, as followers name it when it leads (default: --listen's host, the host "
+                "name for 0.0.0.0, and the bound port)");
+  flags->Duration("leader_ttl", &v->leader_ttl,
+                  "with --store=etcd://...: the leader's lease; a leader that cannot renew it "
+                  "within this time stops driving jobs and exits (status 3), and a follower "
+                  "takes over after it runs out (2s..300s)");
   flags->Duration("worker_silence", &v->worker_silence,
                   "a worker with no heartbeat for this long is marked lost");
   flags->Duration("heartbeat_interval", &v->heartbeat_interval,
@@ -106,14 +121,15 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
                   "fail a job when its workers take longer than this to build their stages");
   flags->Int("replan_every", &v->replan_every,
              "every this many iterations, plan with node speeds measured from the workers' "
-             "timing reports (0 = keep the declared speeds)");
+             "timing reports (0 = keep the declared speeds; at most 1000000)");
   flags->Bool("link_probe", &v->link_probe,
               "before a job's first plan, workers measure their links to each other over the "
               "tensor transport (latency, then bandwidth link by link) and the planner plans on "
               "what they measured; false = plan on --cluster's region table alone");
   flags->Duration("link_probe_budget", &v->link_probe_budget,
-                  "time the workers have for those measurements (links not measured by then "
-                  "keep the region table's figures)");
+                  "time the workers have for the bandwidth measurements, at least: it grows "
+                  "with the measured round trips (1 s + 60 round trips per link, at most 120 s; "
+                  "links not measured by then keep the region table's figures)");
   flags->Int("link_probe_mib", &v->link_probe_mib,
              "largest bulk probe per link, in MiB (1..64; a long fat link needs several "
              "bandwidth-delay products)");
@@ -124,7 +140,8 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
   flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
       "start (port in use, unwritable --data_dir), 2 for bad flags (also: no TLS flags\n"
-      "and no --insecure, unusable certificate, key or --auth_tokens files).");
+      "and no --insecure, unusable certificate, key or --auth_tokens files), 3 when it\n"
+      "led over etcd and lost its lease (restart it: it comes back as a follower).");
 }
 
 absl::Status CheckHeartbeatTiming(absl::Duration worker_silence,
@@ -150,9 +167,7 @@ absl::Status ApplyMetricsFlags(const CoordinatorFlagValues& v, CoordinatorOption
                         .status());
     options->metrics_advertise = v.metrics_advertise;
   }
-  if (v.job_metrics_retention < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--job_metrics_retention must not be negative");
-  }
+  RETURN_IF_ERROR(CheckFlagNotNegative("job_metrics_retention", v.job_metrics_retention));
   options->job_metrics.retention = v.job_metrics_retention;
   options->metrics_port = static_cast<int>(v.common.metrics_port);
   return absl::OkStatus();
@@ -172,23 +187,14 @@ absl::Status ApplyJobFlags(const CoordinatorFlagValues& v, JobManagerOptions* jo
   jobs->checkpoint_root = v.checkpoint_root;
   jobs->iteration_timeout = v.iteration_timeout;
   jobs->assign_timeout = v.assign_timeout;
-  if (v.replan_every < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--replan_every: ", v.replan_every, " is negative"));
-  }
+  // Bounded before the cast to int, which would wrap (2^32 to 0: re-planning
+  // silently off).
+  RETURN_IF_ERROR(CheckFlagRange("replan_every", v.replan_every, 0, kMaxReplanEvery));
   jobs->replan_every = static_cast<int>(v.replan_every);
-  if (v.link_probe_mib < 1 || v.link_probe_mib > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--link_probe_mib: ", v.link_probe_mib, " is not in [1, 64]"));
-  }
-  if (v.link_probe_budget < absl::Seconds(1) || v.link_probe_budget > absl::Seconds(600)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--link_probe_budget: ", absl::FormatDuration(v.link_probe_budget),
-                     " is not in [1s, 600s]"));
-  }
-  if (v.link_probe_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--link_probe_interval: negative");
-  }
+  RETURN_IF_ERROR(CheckFlagRange("link_probe_mib", v.link_probe_mib, 1, 64));
+  RETURN_IF_ERROR(CheckFlagRange("link_probe_budget", v.link_probe_budget, absl::Seconds(1),
+                                 absl::Seconds(600)));
+  RETURN_IF_ERROR(CheckFlagNotNegative("link_probe_interval", v.link_probe_interval));
   jobs->link_probe = v.link_probe;
   jobs->link_probe_budget = v.link_probe_budget;
   jobs->link_probe_bytes = static_cast<uint64_t>(v.link_probe_mib) << 20;
@@ -209,19 +215,30 @@ absl::Status ApplyCredentials(const CoordinatorFlagValues& v, CoordinatorOptions
 absl::Status ApplyStoreFlags(const CoordinatorFlagValues& v, CoordinatorOptions* options) {
   const bool tls = !v.etcd_tls.ca.empty() || !v.etcd_tls.cert.empty() || !v.etcd_tls.key.empty();
   if (v.store == "file") {
-    if (tls || v.store_prefix != "/detour/") {
+    if (tls || v.store_prefix != "/detour/" || !v.advertise_address.empty() ||
+        v.leader_ttl != absl::Seconds(5)) {
       return absl::InvalidArgumentError(
-          "--store_prefix and --etcd_* need --store=etcd://host:port[,...]");
+          "--store_prefix, --etcd_*, --advertise_address and --leader_ttl need "
+          "--store=etcd://host:port[,...]");
     }
     return absl::OkStatus();
   }
+  if (!v.advertise_address.empty()) {
+    RETURN_IF_ERROR(ParseHostPort(v.advertise_address, "--advertise_address",
+                                  /*allow_port_zero=*/false)
+                        .status());
+    options->advertise_address = v.advertise_address;
+  }
+  if (v.leader_ttl < absl::Seconds(2) || v.leader_ttl > absl::Seconds(300)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--leader_ttl: ", absl::FormatDuration(v.leader_ttl), " is not in [2s, 300s]"));
+  }
+  options->leader_ttl = v.leader_ttl;
   ASSIGN_OR_RETURN(options->etcd.endpoints, ParseEtcdUrl(v.store, "--store"));
   RETURN_IF_ERROR(EtcdJobBackend::CheckPrefix(v.store_prefix));
   options->store_prefix = v.store_prefix;
-  if (v.etcd_timeout < absl::Milliseconds(100) || v.etcd_timeout > absl::Seconds(120)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--etcd_timeout: ", absl::FormatDuration(v.etcd_timeout), " is not in [100ms, 120s]"));
-  }
+  RETURN_IF_ERROR(
+      CheckFlagRange("etcd_timeout", v.etcd_timeout, absl::Milliseconds(100), absl::Seconds(120)));
   options->etcd.call_timeout = v.etcd_timeout;
   if (tls) {
     if (v.etcd_tls.ca.empty()) {
@@ -273,7 +290,14 @@ void AnnounceServing(const Coordinator& coordinator, const CoordinatorOptions& o
 
 // Starts the coordinator and serves until SIGTERM/SIGINT. Returns the exit
 // status.
-int RunCoordinator(const CoordinatorOptions& options, const DaemonFlags& common) {
+int RunCoordinator(CoordinatorOptions options, const DaemonFlags& common) {
+  // A leader that lost its lease has stale jobs in memory: it exits at once
+  // (its gate is closed, nothing more reached the workers) and comes back as
+  // a follower under its supervisor, loading the jobs afresh if elected.
+  options.on_leadership_lost = [](const absl::Status&) {
+    LogError("exiting: a coordinator that lost its lease restarts as a follower");
+    std::_Exit(kExitLostLeadership);
+  };
   if (absl::Status dir = EnsureWritableDirectory(options.data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());
     return 1;

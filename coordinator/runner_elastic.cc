@@ -18,22 +18,32 @@ void RunnerElastic::Started() { reassign_epoch_ = epoch(); }
 
 // The live members cannot train: abort the iteration, wait for workers to
 // fill the gaps (pause_timeout_s), then run the iteration again.
-std::optional<JobEnd> RunnerElastic::Pause(uint64_t iteration, const std::string& why) {
+std::optional<JobEnd> RunnerElastic::Pause(uint64_t iteration, const std::string& why,
+                                           const std::function<bool()>& blocked) {
   link_.AbortIteration(iteration, absl::StrCat("paused: ", why));
+  // The iteration in flight is over: a worker lost in it may join again
+  // once it is back and idle. It is often the only one there is (all the
+  // workers cut off from the leader and back), and the paused job would
+  // otherwise wait for a replacement that never comes until it times out.
+  membership_.IterationAborted();
   const uint32_t timeout_s = spec_.elastic().pause_timeout_s();
   // The state first: whoever sees the event also sees the paused state.
   record_.SetState(v1::JOB_STATE_RUNNING, absl::StrCat("paused: ", why, "; waiting for workers"));
   AddEvent(v1::JobHistoryEvent::KIND_PAUSED, iteration, "",
            absl::StrCat("paused at iteration ", iteration, ": ", why, "; waiting up to ", timeout_s,
                         " s for workers to join"));
-  if (spec_.elastic().never_join()) {
+  // A lost stage's holder coming back (STAGE_LOSS_PAUSE) is no replacement.
+  const bool holder_may_return =
+      spec_.elastic().on_stage_loss() == v1::STAGE_LOSS_PAUSE && !lost_stages_.empty();
+  if (spec_.elastic().never_join() && !holder_may_return) {
     return Failed(absl::StrCat(why, " and elastic.never_join forbids replacements"));
   }
   const absl::Time deadline = Now() + absl::Seconds(timeout_s);
-  while (!plan_.Infeasible().empty()) {
+  auto paused = [&] { return !plan_.Infeasible().empty() || (blocked && blocked()); };
+  while (paused()) {
     if (auto e = Grow(); e) return e;
     if (auto e = Reassign(); e) return e;
-    if (plan_.Infeasible().empty()) break;
+    if (!paused()) break;
     RunnerEvent ev = Wait(
         deadline, [&] { return absl::StrCat("workers to join (", why, ")"); },
         /*detect_loss=*/true, /*return_on_change=*/true);
@@ -52,6 +62,10 @@ std::optional<JobEnd> RunnerElastic::Pause(uint64_t iteration, const std::string
 std::optional<JobEnd> RunnerElastic::Grow() {
   if (spec_.elastic().never_join() || !elastic()) return std::nullopt;
   std::map<int, int> deficit = RunnerMembership::Deficit(spec_.pipeline(), plan_.StageSizes());
+  if (spec_.elastic().on_stage_loss() == v1::STAGE_LOSS_PAUSE) {
+    // Only a worker holding a lost stage's state may fill it.
+    for (int s : lost_stages_) deficit.erase(s);
+  }
   int wanted = 0;
   for (const auto& [s, n] : deficit) wanted += n;
   if (wanted == 0) return std::nullopt;
@@ -181,10 +195,16 @@ std::optional<JobEnd> RunnerElastic::Join(const v1::WorkerInfo& w, int stage,
                                   ", its replicas ", last_checksum_.at(stage)));
   }
   RecordStages();
-  const std::string source =
-      donor.empty() ? (restore.empty() ? " (fresh parameters: no replica or checkpoint was left)"
-                                       : absl::StrCat(" from checkpoint ", restore))
-                    : absl::StrCat(" with the state of ", donor);
+  std::string source = absl::StrCat(" with the state of ", donor);
+  if (donor.empty() && lost_stages_.count(stage) &&
+      spec_.elastic().on_stage_loss() == v1::STAGE_LOSS_ROLLBACK) {
+    source = " (the stage's state was lost: the job rolls back before it trains)";
+  } else if (donor.empty()) {
+    source = restore.empty() ? " (fresh parameters: no replica or checkpoint was left)"
+                             : absl::StrCat(" from checkpoint ", restore);
+    // REINITIALIZE: the stage starts again here (the loss was recorded).
+    lost_stages_.erase(stage);
+  }
   if (move == nullptr) {
     host_->runner_metrics().WorkerJoined();
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_JOINED, next_iteration_, id,
@@ -223,6 +243,12 @@ std::optional<JobEnd> RunnerElastic::Reassign() {
     return n < 0 ? 0.0 : plan_.cost().ForwardTime(n, stage) + plan_.cost().BackwardTime(n, stage);
   };
   std::vector<StageMove> moves = CandidateMoves(stages, seconds, /*limit=*/-1);
+  if (spec_.elastic().on_stage_loss() == v1::STAGE_LOSS_PAUSE) {
+    // A lost stage waits for a worker holding its state.
+    moves.erase(std::remove_if(moves.begin(), moves.end(),
+                               [&](const StageMove& m) { return lost_stages_.count(m.to) > 0; }),
+                moves.end());
+  }
   if (moves.empty()) return std::nullopt;
   // Every candidate is judged by the same quick route search.
   const uint64_t seed = spec_.seed() + next_iteration_;

@@ -10,6 +10,7 @@
 #define DETOUR_COORDINATOR_RUNNER_ELASTIC_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -30,7 +31,10 @@ class RunnerElastic : private RunnerPart {
 
   // The live members cannot train: abort the iteration, wait for workers to
   // fill the gaps (pause_timeout_s), then run the iteration again.
-  std::optional<JobEnd> Pause(uint64_t iteration, const std::string& why);
+  // `blocked` (optional): the pause also lasts while it holds (a lost
+  // stage waits for a worker, elastic.on_stage_loss).
+  std::optional<JobEnd> Pause(uint64_t iteration, const std::string& why,
+                              const std::function<bool()>& blocked = nullptr);
   // At an iteration boundary: idle workers join where the job lacks
   // capacity, the empty stages first, then the stage whose new replica the
   // planner predicts the shortest iteration for.

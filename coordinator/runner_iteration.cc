@@ -75,6 +75,8 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   if (!std::isfinite(loss)) {
     return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
   }
+  // The next re-plan's warm start, kept with the checkpoint too.
+  plan_.KeepRoutes(*planned);
   if (plan.checkpoint()) {
     if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
         s) {
@@ -90,7 +92,6 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   rerun_total_ += collected.rerun;
   dropped_total_ += round.dropped().size();
   if (auto e = RecordProgress(iteration, loss, round, plan, collected, begin); e) return End(*e);
-  plan_.KeepRoutes(*planned);
   AdaptCosts(iteration, plan, collected.timings);
   return Done(Outcome::kDone);
 }
@@ -219,7 +220,11 @@ std::optional<JobEnd> RunnerIteration::RecordProgress(uint64_t iteration, double
   r.rerun_total = rerun_total_;
   r.dropped_total = dropped_total_;
   r.epoch = epoch();
-  if (absl::Status recorded = record_.Iteration(r); !recorded.ok()) {
+  absl::Status recorded = record_.Iteration(r);
+  // A replicated store out of reach: hold until it is back (or this leader
+  // is replaced: the next one re-attaches from the stored record).
+  recorded = record_.Hold(recorded, [this] { return StopRequested(); });
+  if (!recorded.ok()) {
     // Training on without a durable record would leave the job's state to
     // chance after a restart: stop, with the reason.
     return Failed(absl::StrCat("cannot write the job record: ", recorded.message()));
@@ -319,7 +324,8 @@ std::optional<JobEnd> RunnerIteration::CommitCheckpoint(
   }
   LogInfo("job ", job_id_, ": checkpoint ", dir);
   checkpoints_.Committed(dir, spec_.checkpoint().keep_last());
-  record_.LastCheckpoint(dir);
+  // What the next plan starts from, for a resume from this checkpoint.
+  record_.LastCheckpoint(dir, plan_.WarmStart(dir, iterations_done));
   return std::nullopt;
 }
 

@@ -53,6 +53,8 @@ class RunnerIteration : private RunnerPart {
   void ForgetWorker(const std::string& id);
 
   IterationOutcome RunIteration(uint64_t iteration);
+  // The routes of the iteration in flight (re-runs replace theirs).
+  const std::map<uint32_t, v1::Route>& routes() const { return routes_; }
 
  private:
   absl::StatusOr<v1::CoordinatorMessage> PlanMessage(uint64_t iteration,

@@ -56,15 +56,19 @@ void RunnerLink::Replay(const std::string& worker) {
   for (const v1::CoordinatorMessage& m : sent->second) send_(worker, m).IgnoreError();
 }
 
+v1::Peer PeerOf(const std::string& id, const v1::WorkerInfo& info) {
+  v1::Peer p;
+  p.set_worker_id(id);
+  p.set_address(info.address());
+  p.set_data_address(info.data_address());
+  p.set_region(info.region());
+  return p;
+}
+
 std::vector<v1::Peer> MemberPeers(const RunnerMembership& membership) {
   std::vector<v1::Peer> peers;
   for (const auto& [id, stage] : membership.members()) {
-    const v1::WorkerInfo& w = membership.infos().at(id);
-    v1::Peer p;
-    p.set_worker_id(id);
-    p.set_address(w.address());
-    p.set_data_address(w.data_address());
-    p.set_region(w.region());
+    v1::Peer p = PeerOf(id, membership.infos().at(id));
     p.set_stage(stage);
     peers.push_back(std::move(p));
   }

@@ -56,6 +56,8 @@ class RunnerLink {
   std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_;
 };
 
+// Worker `id` as a peer (address, data address, region; no stage).
+v1::Peer PeerOf(const std::string& id, const v1::WorkerInfo& info);
 // The live members as peers (address, data address, region, stage).
 std::vector<v1::Peer> MemberPeers(const RunnerMembership& membership);
 

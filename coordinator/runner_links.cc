@@ -1,12 +1,15 @@
 #include "coordinator/runner_links.h"
 
 #include <algorithm>
+#include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/link_probe_need.h"
 #include "common/log.h"
 
 namespace detour {
@@ -18,6 +21,13 @@ constexpr uint32_t kPings = 3;
 constexpr absl::Duration kReportSlack = absl::Seconds(5);
 // Budget of a latency round while the job runs.
 constexpr absl::Duration kLatencyBudget = absl::Seconds(15);
+// The start's latency round, before the bulk round (at most the bulk
+// round's own budget).
+constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
+// A worker measures its links one after another; the bulk round's budget is
+// the most any worker's links need (LinkProbeNeed; at least
+// link_probe_budget, at most kMaxBulkBudget).
+constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
 
 }  // namespace
 
@@ -29,80 +39,167 @@ std::map<std::string, v1::Peer> RunnerLinks::MemberPeerMap() const {
   return out;
 }
 
-void RunnerLinks::SendRound(const std::map<std::string, v1::Peer>& workers, uint64_t bulk_bytes,
-                            absl::Duration budget) {
+void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& asked,
+                            const std::map<std::string, std::vector<std::string>>& accept,
+                            uint64_t bulk_bytes, absl::Duration budget) {
   ++round_;
   waiting_.clear();
   asked_.clear();
-  v1::CoordinatorMessage m;
-  v1::LinkProbe* p = m.mutable_probe();
-  p->set_job_id(job_id_);
-  p->set_round(round_);
-  p->set_pings(kPings);
-  p->set_bulk_max_bytes(bulk_bytes);
-  p->set_budget_ms(static_cast<uint32_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(budget))));
-  if (options().emulate_network) *p->mutable_emulate_network() = plan_.cluster();
-  for (const auto& [id, peer] : workers) *p->add_peers() = peer;
-  for (const auto& [id, peer] : workers) {
-    if (!link_.SendTo(id, m)) continue;
+  measured_ = LinkMatrix::Ranges();
+  std::set<std::string> ids;
+  for (const auto& [id, unused] : asked) ids.insert(id);
+  for (const auto& [id, unused] : accept) ids.insert(id);
+  static const std::vector<v1::Peer> kNone;
+  static const std::vector<std::string> kNoIds;
+  for (const std::string& id : ids) {
+    auto a = asked.find(id);
+    const std::vector<v1::Peer>& peers = a == asked.end() ? kNone : a->second;
+    auto from = accept.find(id);
+    const std::vector<std::string>& takes = from == accept.end() ? kNoIds : from->second;
+    v1::CoordinatorMessage m;
+    v1::LinkProbe* p = m.mutable_probe();
+    p->set_job_id(job_id_);
+    p->set_round(round_);
+    p->set_pings(kPings);
+    p->set_bulk_max_bytes(bulk_bytes);
+    p->set_budget_ms(
+        static_cast<uint32_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(budget))));
+    if (options().emulate_network) *p->mutable_emulate_network() = plan_.cluster();
+    for (const v1::Peer& peer : peers) *p->add_peers() = peer;
+    for (const std::string& other : takes) p->add_accept_from(other);
+    if (!link_.SendTo(id, m) || peers.empty()) continue;
     waiting_.insert(id);
-    for (const auto& [other, unused] : workers) {
-      if (other != id) asked_[id].insert(other);
-    }
+    for (const v1::Peer& peer : peers) asked_[id].insert(peer.worker_id());
   }
   round_deadline_ = Now() + budget + kReportSlack;
   last_round_ = Now();
 }
 
-void RunnerLinks::ProbeAtStart() {
-  if (!options().link_probe || membership_.infos().size() < 2) return;
-  std::map<std::string, v1::Peer> workers;
-  for (const auto& [id, w] : membership_.infos()) {
-    v1::Peer p;
-    p.set_worker_id(id);
-    p.set_address(w.address());
-    p.set_data_address(w.data_address());
-    p.set_region(w.region());
-    workers[id] = std::move(p);
+void RunnerLinks::SendRoundToAll(const std::map<std::string, v1::Peer>& workers,
+                                 uint64_t bulk_bytes, absl::Duration budget) {
+  std::map<std::string, std::vector<v1::Peer>> asked;
+  for (const auto& [id, unused] : workers) {
+    for (const auto& [other, peer] : workers) {
+      if (other != id) asked[id].push_back(peer);
+    }
   }
-  const absl::Time start = absl::Now();
-  SendRound(workers, options().link_probe_bytes, options().link_probe_budget);
+  SendRound(asked, {}, bulk_bytes, budget);
+}
+
+std::vector<std::vector<std::pair<std::string, std::string>>> RunnerLinks::ProbeSchedule(
+    const std::vector<std::string>& ids) {
+  const size_t n = ids.size();
+  std::vector<std::vector<std::pair<std::string, std::string>>> slots;
+  for (size_t k = 1; k < n; ++k) {
+    if (2 * k == n) {  // i -> i + k and i + k -> i at once: a slot each way
+      std::vector<std::pair<std::string, std::string>> there, back;
+      for (size_t i = 0; i < k; ++i) {
+        there.emplace_back(ids[i], ids[i + k]);
+        back.emplace_back(ids[i + k], ids[i]);
+      }
+      slots.push_back(std::move(there));
+      slots.push_back(std::move(back));
+      continue;
+    }
+    std::vector<std::pair<std::string, std::string>> slot;
+    for (size_t i = 0; i < n; ++i) slot.emplace_back(ids[i], ids[(i + k) % n]);
+    slots.push_back(std::move(slot));
+  }
+  return slots;
+}
+
+void RunnerLinks::AwaitRound() {
   while (!waiting_.empty() && Now() < round_deadline_) {
     RunnerEvent ev = Wait(
         round_deadline_, [&] { return "link probes"; }, /*detect_loss=*/false);
-    if (ev.end) break;  // stopped or timed out: plan on what came
-  }
-  size_t probed = 0, with_rate = 0, total = 0;
-  double min_latency = 0, max_latency = 0, min_rate = 0, max_rate = 0;
-  for (const auto& [from, peers] : asked_) {
-    for (const std::string& to : peers) {
-      ++total;
-      const LinkMatrix::Entry* e = plan_.links().Find({from, to});
-      if (e == nullptr) continue;
-      if (e->latency_s && e->latency_source == v1::JobLink::SOURCE_PROBE) {
-        min_latency = probed == 0 ? *e->latency_s : std::min(min_latency, *e->latency_s);
-        max_latency = std::max(max_latency, *e->latency_s);
-        ++probed;
-      }
-      if (e->bandwidth && e->bandwidth_source == v1::JobLink::SOURCE_PROBE) {
-        min_rate = with_rate == 0 ? *e->bandwidth : std::min(min_rate, *e->bandwidth);
-        max_rate = std::max(max_rate, *e->bandwidth);
-        ++with_rate;
-      }
-    }
+    if (ev.end) break;  // stopped or timed out: go on with what came
   }
   if (!waiting_.empty()) plan_.links().RoundDone(Now());  // else OnReport did
+}
+
+absl::Duration RunnerLinks::SlotNeed(
+    const std::vector<std::pair<std::string, std::string>>& slot) const {
+  absl::Duration most = absl::ZeroDuration();
+  for (const auto& [from, to] : slot) {
+    const LinkMatrix::Entry* e = plan_.links().Find({from, to});
+    const bool probed =
+        e != nullptr && e->latency_s.has_value() && e->latency_source == v1::JobLink::SOURCE_PROBE;
+    most = std::max(
+        most, LinkProbeNeed(probed ? std::optional<double>(2 * *e->latency_s) : std::nullopt));
+  }
+  return most;
+}
+
+absl::Duration RunnerLinks::BulkBudget(
+    const std::vector<std::vector<std::pair<std::string, std::string>>>& slots) const {
+  absl::Duration total = absl::ZeroDuration();
+  for (const auto& slot : slots) total += SlotNeed(slot);
+  return std::clamp(total, options().link_probe_budget,
+                    std::max(options().link_probe_budget, kMaxBulkBudget));
+}
+
+void RunnerLinks::ProbeAtStart() {
+  if (!options().link_probe || membership_.infos().size() < 2) return;
+  std::map<std::string, v1::Peer> workers;
+  for (const auto& [id, w] : membership_.infos()) workers[id] = PeerOf(id, w);
+  const absl::Time start = absl::Now();
+  const uint64_t bulk_bytes = options().link_probe_bytes;
+  // Round trips first, every link at once: the bulk rounds' budget grows
+  // with them.
+  SendRoundToAll(workers, /*bulk_bytes=*/0,
+                 bulk_bytes > 0 ? std::min(kStartLatencyBudget, options().link_probe_budget)
+                                : options().link_probe_budget);
+  AwaitRound();
+  size_t total = 0;
+  for (const auto& [from, peers] : asked_) total += peers.size();
+  LinkMatrix::Ranges m = measured_;
+  const size_t silent = waiting_.size();
+  absl::Duration budget = absl::ZeroDuration();
+  if (bulk_bytes > 0) {
+    // Then bandwidth, in slots: a worker sends one probe and takes one at a
+    // time, no link carries probes both ways, and each slot gets what is
+    // left of the budget in proportion to its need.
+    std::vector<std::string> ids;
+    for (const auto& [id, unused] : workers) ids.push_back(id);
+    const auto slots = ProbeSchedule(ids);
+    budget = BulkBudget(slots);
+    std::vector<absl::Duration> needs;
+    absl::Duration needed = absl::ZeroDuration();
+    for (const auto& slot : slots) {
+      needs.push_back(SlotNeed(slot));
+      needed += needs.back();
+    }
+    const absl::Time end = Now() + budget;
+    for (size_t i = 0; i < slots.size() && !StopRequested() && Now() < end; ++i) {
+      std::map<std::string, std::vector<v1::Peer>> asked;
+      std::map<std::string, std::vector<std::string>> accept;
+      for (const auto& [from, to] : slots[i]) {
+        asked[from].push_back(workers[to]);
+        accept[to].push_back(from);
+      }
+      SendRound(asked, accept, bulk_bytes, (end - Now()) * absl::FDivDuration(needs[i], needed));
+      needed -= needs[i];
+      AwaitRound();
+      LinkMatrix::Ranges rates = measured_;
+      rates.latencies = 0;  // the latency round counted the links
+      m.Merge(rates);
+    }
+  }
   std::string what =
       absl::StrFormat("link probes: %d of %d links answered (%d with a bulk rate) in %.1f s",
-                      probed, total, with_rate, absl::ToDoubleSeconds(absl::Now() - start));
-  if (probed > 0) {
-    absl::StrAppendFormat(&what, "; one-way latency %.1f-%.1f ms", min_latency * 1e3,
-                          max_latency * 1e3);
+                      m.latencies, total, m.rates, absl::ToDoubleSeconds(absl::Now() - start));
+  if (m.latencies > 0) {
+    absl::StrAppendFormat(&what, "; one-way latency %.1f-%.1f ms", m.min_latency_s * 1e3,
+                          m.max_latency_s * 1e3);
   }
-  if (with_rate > 0) {
-    absl::StrAppendFormat(&what, ", bandwidth %.1f-%.1f MB/s", min_rate / 1e6, max_rate / 1e6);
+  if (m.rates > 0) {
+    absl::StrAppendFormat(&what, ", bandwidth %.1f-%.1f MB/s", m.min_rate / 1e6, m.max_rate / 1e6);
   }
-  if (!waiting_.empty()) absl::StrAppend(&what, "; no report from ", waiting_.size(), " worker(s)");
+  if (budget > options().link_probe_budget) {
+    absl::StrAppendFormat(&what, " (bulk budget %.0f s for the round trips)",
+                          absl::ToDoubleSeconds(budget));
+  }
+  if (silent > 0) absl::StrAppend(&what, "; no report from ", silent, " worker(s)");
   AddEvent(v1::JobHistoryEvent::KIND_LINKS_MEASURED, next_iteration_, "", what);
   waiting_.clear();
   dirty_ = false;  // the first cost model is built from the matrix
@@ -117,6 +214,7 @@ void RunnerLinks::OnReport(const std::string& worker, const v1::LinkReport& repo
     LogWarning("job ", job_id_, ": ignored ", applied.rejected, " link measurement(s) from ",
                worker, " (out of bounds or not asked for)");
   }
+  measured_.Merge(applied.measured);
   for (const std::string& peer : applied.answered) answered_[{worker, peer}] = round_;
   dirty_ = dirty_ || !applied.answered.empty();
   if (waiting_.empty()) plan_.links().RoundDone(Now());
@@ -170,7 +268,7 @@ void RunnerLinks::AtBoundary() {
   }
   const std::map<std::string, v1::Peer> members = MemberPeerMap();
   if (members.size() < 2) return;
-  SendRound(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
+  SendRoundToAll(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
 }
 
 void RunnerLinks::Publish() {

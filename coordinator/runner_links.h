@@ -15,9 +15,12 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/link_matrix.h"
 #include "coordinator/runner_part.h"
 #include "detour/v1/job_service.pb.h"
 
@@ -27,11 +30,26 @@ class RunnerLinks : private RunnerPart {
  public:
   RunnerLinks(RunnerShared* shared, RunnerLoop* loop);
 
-  // Before the first plan: every reserved worker probes every other (within
-  // options().link_probe_budget, plus slack for the reports); the cost
-  // model is built afterwards with what they measured. Workers that do not
-  // answer keep the region table's figures. Off with link_probe = false.
+  // Before the first plan: every reserved worker probes every other, first
+  // a latency round, all at once, then the bulk rounds in slots
+  // (ProbeSchedule: each worker sends to one peer and takes one other's
+  // probes at a time, and no link carries probes both ways at once), within
+  // options().link_probe_budget or longer where the measured round trips
+  // need it (BulkBudget), plus slack for the reports; the cost model is
+  // built afterwards with what they measured. Workers that do not answer
+  // keep the region table's figures. Off with link_probe = false.
   void ProbeAtStart();
+
+  // The bulk rounds' schedule over `ids`: slots of directed links (from,
+  // to), every ordered pair in exactly one slot; in a slot each id sends to
+  // at most one and takes probes from at most one, and no pair is probed
+  // both ways (the reverse direction carries the probe's acknowledgements:
+  // data queued there delays them, and a window opened by delayed
+  // acknowledgements reads a fraction of the link). Slot k sends from the
+  // i-th id to the (i + k)-th (mod n), k = 1..n-1; for an even n the slot
+  // k = n/2 would pair ids both ways and is split into its two directions.
+  static std::vector<std::vector<std::pair<std::string, std::string>>> ProbeSchedule(
+      const std::vector<std::string>& ids);
   // At an iteration boundary: a latency round when link_probe_interval has
   // passed since the last one (and none is outstanding); what rounds
   // brought is laid into the cost model; cut links that answered are
@@ -46,16 +64,31 @@ class RunnerLinks : private RunnerPart {
   std::optional<v1::GetLinksResponse> Published() const;
 
  private:
-  // Sends round `round_` to `workers`, each asked about the others.
-  void SendRound(const std::map<std::string, v1::Peer>& workers, uint64_t bulk_bytes,
+  // Sends round `round_` to every worker of `asked` (each asked about the
+  // peers it maps to) and of `accept` (each taking probes from the ids it
+  // maps to); a worker with no peer to probe is not waited for.
+  void SendRound(const std::map<std::string, std::vector<v1::Peer>>& asked,
+                 const std::map<std::string, std::vector<std::string>>& accept, uint64_t bulk_bytes,
                  absl::Duration budget);
+  // The same, each worker of `workers` asked about all the others.
+  void SendRoundToAll(const std::map<std::string, v1::Peer>& workers, uint64_t bulk_bytes,
+                      absl::Duration budget);
   std::map<std::string, v1::Peer> MemberPeerMap() const;
+  // Waits for the round in flight's reports until its deadline.
+  void AwaitRound();
+  // What a slot needs (its neediest link, LinkProbeNeed of the round trips
+  // the matrix has), and the bulk rounds' budget: what the slots need
+  // together, at least link_probe_budget, at most kMaxBulkBudget.
+  absl::Duration SlotNeed(const std::vector<std::pair<std::string, std::string>>& slot) const;
+  absl::Duration BulkBudget(
+      const std::vector<std::vector<std::pair<std::string, std::string>>>& slots) const;
 
   uint64_t round_ = 0;
   // Workers of the round in flight that have not answered, and whom each
   // was asked about.
   std::set<std::string> waiting_;
   std::map<std::string, std::set<std::string>> asked_;
+  LinkMatrix::Ranges measured_;  // by the round in flight's reports
   absl::Time round_deadline_ = absl::InfinitePast();
   absl::Time last_round_ = absl::InfinitePast();
   bool dirty_ = false;  // reports not yet in the cost model

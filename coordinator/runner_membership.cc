@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/time_util.h"
@@ -24,6 +25,7 @@ int RunnerMembership::Remove(const std::string& id) {
   if (it == members_.end()) return -1;
   const int stage = it->second;
   members_.erase(it);
+  exclusion_pending_.erase(id);
   return stage;
 }
 
@@ -118,7 +120,9 @@ std::vector<std::pair<std::string, std::string>> RunnerMembership::Judge(
   for (const auto& [id, stage] : members_) {
     auto r = registry.find(id);
     std::string why;
-    if (r == registry.end()) {
+    if (auto e = excluded_.find(id); e != excluded_.end() && now < e->second.first) {
+      why = e->second.second;
+    } else if (r == registry.end()) {
       why = "it is no longer registered";
     } else if (r->second->state() == v1::WORKER_STATE_LOST) {
       why = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
@@ -142,6 +146,71 @@ std::vector<std::pair<std::string, std::string>> RunnerMembership::Judge(
   return gone;
 }
 
+std::optional<RunnerMembership::Exclusion> RunnerMembership::ReportBadFrame(
+    const std::string& reporter, const std::string& sender, bool sends, const std::string& what,
+    std::string* refused) {
+  if (!members_.count(reporter)) {
+    *refused = "the reporter is not a member";
+    return std::nullopt;
+  }
+  if (reporter == sender || !members_.count(sender)) {
+    *refused =
+        absl::StrCat("\"", absl::CHexEscape(sender.substr(0, 64)), "\" is not another live member");
+    return std::nullopt;
+  }
+  if (!sends) {
+    *refused = absl::StrCat(sender, " sends no such frame to ", reporter, " in this iteration");
+    return std::nullopt;
+  }
+  const std::string said = absl::CHexEscape(what.substr(0, 200));
+  auto earlier = excluded_by_.find(reporter);
+  if (earlier != excluded_by_.end() && earlier->second != sender) {
+    return Exclusion{reporter,
+                     absl::StrCat("excluded: it reported bad frames from a second member (",
+                                  earlier->second, ", then ", sender,
+                                  "); one member seeing bad frames from two senders is "
+                                  "the more likely fault")};
+  }
+  excluded_by_[reporter] = sender;
+  return Exclusion{sender, absl::StrCat("excluded: ", reporter, " received a frame from it with ",
+                                        "values no honest training sends (", said, ")")};
+}
+
+bool RunnerMembership::PlanSends(const std::map<uint32_t, v1::Route>& routes,
+                                 const std::string& sender, const std::string& receiver,
+                                 v1::Direction direction, uint32_t mb) const {
+  if (direction == v1::DIRECTION_ALLREDUCE) {
+    auto s = members_.find(sender);
+    auto r = members_.find(receiver);
+    return s != members_.end() && r != members_.end() && s->second == r->second;
+  }
+  if (direction != v1::DIRECTION_FORWARD && direction != v1::DIRECTION_BACKWARD) return false;
+  auto it = routes.find(mb);
+  if (it == routes.end()) return false;
+  const v1::Route& route = it->second;
+  const int n = route.nodes_size();
+  // The edge nodes(i) -> next carries the forward; the backward goes back.
+  for (int i = 0; n >= 2 && i < n; ++i) {
+    const std::string& next = i + 1 < n ? route.nodes(i + 1) : route.data_node();
+    const std::string& from = direction == v1::DIRECTION_FORWARD ? route.nodes(i) : next;
+    const std::string& to = direction == v1::DIRECTION_FORWARD ? next : route.nodes(i);
+    if (from == sender && to == receiver) return true;
+  }
+  return false;
+}
+
+void RunnerMembership::Exclude(const std::string& id, const std::string& why, absl::Time now) {
+  excluded_[id] = {now + kExcludeBackoff, why};
+  if (members_.count(id)) exclusion_pending_.insert(id);
+}
+
+bool RunnerMembership::Excluded(const std::string& id, absl::Time now) const {
+  auto it = excluded_.find(id);
+  return it != excluded_.end() && now < it->second.first;
+}
+
+bool RunnerMembership::ExclusionPending() const { return !exclusion_pending_.empty(); }
+
 void RunnerMembership::NoteLost(const std::vector<std::string>& ids) {
   lost_this_iteration_.insert(ids.begin(), ids.end());
 }
@@ -151,6 +220,9 @@ std::set<std::string> RunnerMembership::NotJoinable(absl::Time now) const {
   for (const auto& [id, s] : members_) out.insert(id);
   for (const auto& [id, until] : join_backoff_) {
     if (now < until) out.insert(id);
+  }
+  for (const auto& [id, e] : excluded_) {
+    if (now < e.first) out.insert(id);
   }
   return out;
 }

@@ -2,8 +2,9 @@
 // the live members (worker -> stage) of the current membership epoch, every
 // worker the job ever had (its registration and its planning node index),
 // suspicions raised by failed sends and peers' reports, the links between
-// members found cut, the workers lost in the current iteration, and the
-// back-off of workers that could not join.
+// members found cut, the workers lost in the current iteration, the
+// back-off of workers that could not join, and the members excluded for
+// sending bad frames.
 //
 // No I/O, no clock of its own: the job runner passes the registry's view and
 // the time, so a test can feed both. Thread-compatible (the runner's thread).
@@ -12,12 +13,14 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/time/time.h"
+#include "detour/v1/activation_service.pb.h"
 #include "detour/v1/control_service.pb.h"
 #include "detour/v1/spec.pb.h"
 
@@ -62,7 +65,9 @@ class RunnerMembership {
   void Suspect(const std::string& id, const std::string& why, absl::Time now);
   void ClearSuspicion(const std::string& id) { suspects_.erase(id); }
   // Suspicions or reports that Judge has still to weigh.
-  bool HasSuspects() const { return !suspects_.empty() || !unjudged_reports_.empty(); }
+  bool HasSuspects() const {
+    return !suspects_.empty() || !unjudged_reports_.empty() || ExclusionPending();
+  }
 
   // Member `reporter` could not reach member `peer` (PeerUnreachable).
   // Judge weighs it: a second reporter, or a peer without an open session,
@@ -97,10 +102,42 @@ class RunnerMembership {
       const std::vector<v1::WorkerInfo>& registry, absl::Time now, absl::Duration grace,
       absl::Duration silence);
 
-  // Workers lost during the current iteration (cleared when one starts).
+  // Member `reporter` dropped a tensor frame of member `sender` for its
+  // values (BadFrame). `sends` says whether the iteration's plan has
+  // `sender` send that frame to `reporter` (PlanSends). One report is
+  // enough: the receiver is the only witness of a point-to-point frame. What
+  // one member's reports can do is bounded: each reporter gets one member
+  // excluded per job; a reporter that reports a second member is excluded
+  // itself (one member seeing bad frames from two senders is the more
+  // likely fault). Returns the member to exclude, and why, or nullopt with
+  // why the report was refused. `what` is the reporter's text (escaped and
+  // cut to 200 bytes here).
+  struct Exclusion {
+    std::string member;
+    std::string why;
+  };
+  std::optional<Exclusion> ReportBadFrame(const std::string& reporter, const std::string& sender,
+                                          bool sends, const std::string& what,
+                                          std::string* refused);
+  // Whether `routes` (microbatch -> route) have `sender` send a
+  // `direction` frame of microbatch `mb` to `receiver`, or, for an
+  // all-reduce input, whether both are live members of one stage.
+  bool PlanSends(const std::map<uint32_t, v1::Route>& routes, const std::string& sender,
+                 const std::string& receiver, v1::Direction direction, uint32_t mb) const;
+  // `id` is excluded from the job: Judge finds it gone at once, and it is
+  // not taken as a joiner again before `now` + kExcludeBackoff.
+  static constexpr absl::Duration kExcludeBackoff = absl::Minutes(10);
+  void Exclude(const std::string& id, const std::string& why, absl::Time now);
+  bool Excluded(const std::string& id, absl::Time now) const;
+  // An excluded worker is still a member (Judge has not found it gone).
+  bool ExclusionPending() const;
+
+  // Workers lost during the current iteration (cleared when one starts, and
+  // when the job pauses: the iteration in flight is aborted then).
   const std::set<std::string>& lost_this_iteration() const { return lost_this_iteration_; }
   void NoteLost(const std::vector<std::string>& ids);
   void StartIteration() { lost_this_iteration_.clear(); }
+  void IterationAborted() { lost_this_iteration_.clear(); }
 
   // Why the last member was lost (for the failure message of a job without
   // elastic training).
@@ -141,6 +178,10 @@ class RunnerMembership {
   std::set<std::string> lost_this_iteration_;
   std::string loss_reason_;
   std::map<std::string, absl::Time> join_backoff_;
+  // Excluded workers: until when, and why (Judge's reason while a member).
+  std::map<std::string, std::pair<absl::Time, std::string>> excluded_;
+  std::map<std::string, std::string> excluded_by_;  // reporter -> the member it got excluded
+  std::set<std::string> exclusion_pending_;         // excluded, still members
 };
 
 }  // namespace detour

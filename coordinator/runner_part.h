@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +75,9 @@ struct RunnerShared {
   RunnerRecord record;
   uint64_t next_iteration = 0;
   std::map<uint32_t, uint64_t> last_checksum;  // stage -> parameters after the last step
+  // Stages that lost their last replica, and with it their state, not yet
+  // dealt with as elastic.on_stage_loss says.
+  std::set<int> lost_stages;
 };
 
 // Base of the runner's parts: the shared state under the runner's names,
@@ -99,6 +103,15 @@ class RunnerPart {
   // The job record's stage lists follow the membership.
   void RecordStages();
   void AddReplicaGroups(google::protobuf::RepeatedPtrField<v1::ReplicaGroup>* groups) const;
+  // Waits (options().assign_timeout) until every worker of `waiting` reports
+  // its stage built; a worker lost meanwhile fails the job. `what` starts
+  // the description of a timeout ("stage builds of ").
+  std::optional<JobEnd> AwaitStageReady(std::set<std::string> waiting, const char* what);
+  // K-FAC's job-wide choices once the first plan exists (a start, a resume,
+  // a re-attach): the replica sync (ResolveReplicaSync) and the bubble
+  // planner. A failure ends the job.
+  std::optional<JobEnd> ConfigureKfac();
+  std::optional<JobEnd> ResolveReplicaSync();
 
   RunnerEvent Wait(absl::Time deadline, const std::function<std::string()>& describe,
                    bool detect_loss = true, bool return_on_change = false) {
@@ -124,6 +137,7 @@ class RunnerPart {
   RunnerRecord& record_;
   uint64_t& next_iteration_;
   std::map<uint32_t, uint64_t>& last_checksum_;
+  std::set<int>& lost_stages_;
   RunnerLoop* const loop_;
 };
 

@@ -193,11 +193,170 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
   first_plan_.reset();
   // Re-planning starts from the last iteration's routes with a small
   // budget: the assignment is fixed, speeds drift slowly.
-  std::optional<v1::SchedulerKind> scheduler;
-  const uint32_t k = spec_->pipeline().full_model_every();
-  if (k > 0 && (iteration + 1) % k == 0) scheduler = v1::SCHEDULER_FULL;
   return PlanLive(spec_->seed() + iteration, total_microbatches(),
-                  last_routes_.empty() ? nullptr : &last_routes_, kReplanEvaluations, scheduler);
+                  last_routes_.empty() ? nullptr : &last_routes_, kReplanEvaluations,
+                  ReplanScheduler(iteration));
+}
+
+// Every pipeline.full_model_every-th iteration runs the full pipeline.
+std::optional<v1::SchedulerKind> RunnerPlanner::ReplanScheduler(uint64_t iteration) const {
+  const uint32_t k = spec_->pipeline().full_model_every();
+  if (k > 0 && (iteration + 1) % k == 0) return v1::SCHEDULER_FULL;
+  return std::nullopt;
+}
+
+v1::CheckpointPlan RunnerPlanner::WarmStart(const std::string& dir,
+                                            uint64_t iterations_done) const {
+  v1::CheckpointPlan out;
+  out.set_checkpoint(dir);
+  out.set_iteration(iterations_done);
+  // node index -> (stage, replica position)
+  std::map<int, std::pair<int, int>> position;
+  for (int s = 0; s < assignment_.num_stages(); ++s) {
+    v1::PlannedStage* stage = out.add_stages();
+    const std::vector<int>& nodes = assignment_.stage_nodes[s];
+    for (size_t r = 0; r < nodes.size(); ++r) {
+      stage->add_nodes(static_cast<uint32_t>(nodes[r]));
+      position[nodes[r]] = {s, static_cast<int>(r)};
+    }
+  }
+  size_t visits = 0;
+  for (const sim::Route& r : last_routes_) visits += r.nodes.size();
+  if (visits > static_cast<size_t>(kMaxKeptRouteVisits)) return out;
+  for (const sim::Route& r : last_routes_) {
+    v1::PlannedRoute* route = out.add_routes();
+    route->set_microbatch(static_cast<uint32_t>(r.microbatch));
+    for (size_t i = 0; i < r.nodes.size(); ++i) {
+      auto p = position.find(r.nodes[i]);
+      if (p == position.end() || i >= r.stages.size() || p->second.first != r.stages[i]) {
+        // A route through a node the assignment no longer has: the warm
+        // start is not one the resumed job can use (nor a re-plan: the
+        // search drops invalid warm starts), so none is kept.
+        out.clear_routes();
+        return out;
+      }
+      route->add_stages(static_cast<uint32_t>(p->second.first));
+      route->add_replicas(static_cast<uint32_t>(p->second.second));
+    }
+  }
+  return out;
+}
+
+absl::Status RunnerPlanner::CheckStored(const v1::CheckpointPlan& stored,
+                                        uint64_t iteration) const {
+  if (stored.iteration() != iteration) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "it was kept at iteration ", stored.iteration(), ", the job resumes at ", iteration));
+  }
+  const int stages = assignment_.num_stages();
+  if (stored.stages_size() != stages) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("it has ", stored.stages_size(), " stages, the job ", stages));
+  }
+  std::set<uint32_t> indices;
+  size_t assigned = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int had = stored.stages(s).nodes_size();
+    const size_t has = assignment_.stage_nodes[s].size();
+    if (static_cast<size_t>(had) != has) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("stage ", s, " had ", had, " workers, the resumed job gives it ", has));
+    }
+    for (uint32_t n : stored.stages(s).nodes()) {
+      if (!indices.insert(n).second) {
+        return absl::DataLossError(absl::StrCat("node index ", n, " holds two positions"));
+      }
+    }
+    assigned += has;
+  }
+  if (assigned != membership_->node_order().size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the first plan assigns ", assigned, " of ", membership_->node_order().size(), " workers"));
+  }
+  const int total = total_microbatches();
+  if (stored.routes_size() > total) {
+    return absl::DataLossError(
+        absl::StrCat(stored.routes_size(), " routes for ", total, " microbatches"));
+  }
+  std::set<uint32_t> microbatches;
+  for (const v1::PlannedRoute& r : stored.routes()) {
+    if (r.microbatch() >= static_cast<uint32_t>(total) ||
+        !microbatches.insert(r.microbatch()).second) {
+      return absl::DataLossError(
+          absl::StrCat("route microbatch ", r.microbatch(), " is repeated or not below ", total));
+    }
+    if (r.stages_size() == 0 || r.stages_size() > stages || r.stages_size() != r.replicas_size() ||
+        r.stages(0) != 0) {
+      return absl::DataLossError(absl::StrCat("the route of microbatch ", r.microbatch(), " has ",
+                                              r.stages_size(), " stages and ", r.replicas_size(),
+                                              " replicas, or does not start at stage 0"));
+    }
+    for (int i = 0; i < r.stages_size(); ++i) {
+      const uint32_t s = r.stages(i);
+      if (s >= static_cast<uint32_t>(stages) ||
+          r.replicas(i) >= static_cast<uint32_t>(stored.stages(static_cast<int>(s)).nodes_size())) {
+        return absl::DataLossError(absl::StrCat("the route of microbatch ", r.microbatch(),
+                                                " visits stage ", s, " replica ", r.replicas(i),
+                                                ", which the plan does not have"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> RunnerPlanner::ResumedNodeOrder(
+    const v1::CheckpointPlan& stored, uint64_t iteration) const {
+  RETURN_IF_ERROR(CheckStored(stored, iteration));
+  // stored node index -> the first plan's worker at that position
+  std::map<uint32_t, std::string> order;
+  for (int s = 0; s < assignment_.num_stages(); ++s) {
+    for (size_t r = 0; r < assignment_.stage_nodes[s].size(); ++r) {
+      order[stored.stages(s).nodes(static_cast<int>(r))] =
+          cost_->node_id(assignment_.stage_nodes[s][r]);
+    }
+  }
+  std::vector<std::string> out;
+  for (const auto& [index, id] : order) out.push_back(id);
+  return out;
+}
+
+absl::Status RunnerPlanner::PlanResumed(const v1::CheckpointPlan& stored, uint64_t iteration) {
+  RETURN_IF_ERROR(CheckStored(stored, iteration));
+  // The node order is the stored indices' order: position -> its rank.
+  std::map<uint32_t, int> rank;
+  for (const v1::PlannedStage& s : stored.stages()) {
+    for (uint32_t n : s.nodes()) rank[n] = 0;
+  }
+  int next = 0;
+  for (auto& [index, r] : rank) r = next++;
+  sim::StageAssignment assignment;
+  for (const v1::PlannedStage& s : stored.stages()) {
+    std::vector<int>& nodes = assignment.stage_nodes.emplace_back();
+    for (uint32_t n : s.nodes()) nodes.push_back(rank.at(n));
+  }
+  std::vector<sim::Route> routes;
+  for (const v1::PlannedRoute& r : stored.routes()) {
+    sim::Route& route = routes.emplace_back();
+    route.microbatch = static_cast<int>(r.microbatch());
+    for (int i = 0; i < r.stages_size(); ++i) {
+      const int s = static_cast<int>(r.stages(i));
+      route.stages.push_back(s);
+      route.nodes.push_back(
+          assignment.stage_nodes[static_cast<size_t>(s)][static_cast<size_t>(r.replicas(i))]);
+    }
+  }
+  const sim::StageAssignment fresh = assignment_;
+  assignment_ = assignment;
+  auto planned =
+      PlanLive(spec_->seed() + iteration, total_microbatches(), routes.empty() ? nullptr : &routes,
+               kReplanEvaluations, ReplanScheduler(iteration));
+  if (!planned.ok()) {
+    assignment_ = fresh;
+    return planned.status();
+  }
+  last_routes_ = std::move(routes);
+  first_plan_ = *std::move(planned);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanLive(

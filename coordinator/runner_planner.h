@@ -103,6 +103,32 @@ class RunnerPlanner {
   void KeepRoutes(const planner::PlannedIteration& planned);
   void ForgetRoutes() { last_routes_.clear(); }
 
+  // Resuming where the straight run would go on. A checkpoint's record keeps
+  // what the next re-plan starts from (the assignment and the warm-start
+  // routes, by stage and replica position); a resume from it makes its
+  // first plan that re-plan, so that it plans what the straight run would
+  // have. Most route visits (the nodes of all routes together) a kept plan
+  // holds; a plan with more is kept without its routes.
+  static constexpr int kMaxKeptRouteVisits = 1 << 16;
+  // The warm start of the plan after the checkpoint `dir`, taken after
+  // `iterations_done` iterations (KeepRoutes must have seen the last plan).
+  // No routes when there are none, when they have more visits than that, or
+  // when one visits a node the assignment does not hold (the search would
+  // not use them either).
+  v1::CheckpointPlan WarmStart(const std::string& dir, uint64_t iterations_done) const;
+  // Whether `stored` fits the first plan's assignment (PlanFirst) of a job
+  // resumed at `iteration`: the same stage sizes (so the same replica
+  // counts), every member in the assignment, routes within it. When it
+  // does: the planning node order (worker ids) that numbers the first
+  // plan's workers by position the way the stored plan numbered its nodes;
+  // otherwise an error saying why (the record is input: it is checked).
+  absl::StatusOr<std::vector<std::string>> ResumedNodeOrder(const v1::CheckpointPlan& stored,
+                                                            uint64_t iteration) const;
+  // After BuildCostModel over that order: the assignment becomes the stored
+  // one (position for position) and the first plan the re-plan of
+  // `iteration` from the stored routes, as PlanIteration would make it.
+  absl::Status PlanResumed(const v1::CheckpointPlan& stored, uint64_t iteration);
+
   // Every measured link between members: the planner keeps the link's
   // latency and takes the bandwidth that makes one activation's transfer
   // last what the workers measured. Returns how many links were fitted.
@@ -167,6 +193,8 @@ class RunnerPlanner {
                                                                   const std::vector<int>& empty,
                                                                   int count);
   v1::JobSpec LiveSpec(int microbatches) const;
+  std::optional<v1::SchedulerKind> ReplanScheduler(uint64_t iteration) const;
+  absl::Status CheckStored(const v1::CheckpointPlan& stored, uint64_t iteration) const;
   double KfacFlopsPerSecond(int node) const;
   bool kfac() const;
 

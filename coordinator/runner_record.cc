@@ -99,6 +99,34 @@ absl::Status RunnerRecord::ReplicaSync(v1::KfacReplicaSync chosen, bool sync_fac
       .status();
 }
 
+absl::Status RunnerRecord::Hold(absl::Status failed, const std::function<bool()>& stop,
+                                absl::Duration retry) {
+  auto held = [](const absl::Status& s) {
+    return s.code() == absl::StatusCode::kUnavailable ||
+           s.code() == absl::StatusCode::kDeadlineExceeded ||
+           s.code() == absl::StatusCode::kFailedPrecondition;
+  };
+  if (failed.ok() || !jobs_->backend().Replicated() || !held(failed)) return failed;
+  LogWarning("job ", job_id_, ": holding until its record can be written (", failed.message(), ")");
+  const absl::Time started = absl::Now();
+  while (held(failed)) {
+    // Polls the store: nothing here is told when it is back.
+    for (absl::Time until = absl::Now() + retry; absl::Now() < until;) {
+      if (stop()) return failed;
+      absl::SleepFor(std::min(absl::Milliseconds(100), until - absl::Now()));
+    }
+    if (stop()) return failed;
+    // The record as it stands in memory (the failed write's change
+    // included), on the revision last stored.
+    failed = jobs_->Update(job_id_, [](v1::Job*) {}).status();
+  }
+  if (failed.ok()) {
+    LogInfo("job ", job_id_, ": its record is written again after ",
+            absl::FormatDuration(absl::Now() - started), "; going on");
+  }
+  return failed;
+}
+
 absl::Status RunnerRecord::Iteration(const IterationRecord& r) {
   // Measured busy fractions, mean over the workers that reported.
   double utilization = 0, utilization_kfac = 0, max_delay = 0;
@@ -149,8 +177,14 @@ absl::Status RunnerRecord::Iteration(const IterationRecord& r) {
       .status();
 }
 
-void RunnerRecord::LastCheckpoint(const std::string& dir) {
-  jobs_->Update(job_id_, [&](v1::Job* j) { j->set_last_checkpoint(dir); }).IgnoreError();
+void RunnerRecord::LastCheckpoint(const std::string& dir, const v1::CheckpointPlan& plan) {
+  jobs_
+      ->Update(job_id_,
+               [&](v1::Job* j) {
+                 j->set_last_checkpoint(dir);
+                 *j->mutable_checkpoint_plan() = plan;
+               })
+      .IgnoreError();
 }
 
 void RunnerRecord::End(const JobEnd& end) {
@@ -161,6 +195,18 @@ void RunnerRecord::End(const JobEnd& end) {
                  j->set_state(end.state);
                  j->set_message(end.message);
                  *j->mutable_end_time() = Now();
+               })
+      .IgnoreError();
+}
+
+void RunnerRecord::Requeue(const std::string& message) {
+  jobs_
+      ->Update(job_id_,
+               [&](v1::Job* j) {
+                 if (JobStore::IsFinal(j->state())) return;
+                 j->set_state(v1::JOB_STATE_PENDING);
+                 j->set_message(message);
+                 j->clear_stages();
                })
       .IgnoreError();
 }

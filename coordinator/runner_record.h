@@ -8,6 +8,7 @@
 #define DETOUR_COORDINATOR_RUNNER_RECORD_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -70,10 +71,26 @@ class RunnerRecord {
   absl::Status ReplicaSync(v1::KfacReplicaSync chosen, bool sync_factors);
   // A finished iteration. An error when the record cannot be written.
   absl::Status Iteration(const IterationRecord& r);
-  void LastCheckpoint(const std::string& dir);
+  // After a write the job cannot go on without failed with `failed`: on a
+  // replicated store (JobBackend::Replicated) that could not be reached
+  // (UNAVAILABLE, DEADLINE_EXCEEDED) or refused a deposed leader's write
+  // (FAILED_PRECONDITION, fenced), the job holds: nothing more is run or
+  // sent, and the record as it stands is written again every `retry` until
+  // it lands (OK: the job goes on) or `stop()` (the runner is stopped: a
+  // leader that lost its lease exits, a draining one leaves the job to the
+  // next). Otherwise (files) returns `failed`: the job fails, as before.
+  absl::Status Hold(absl::Status failed, const std::function<bool()>& stop,
+                    absl::Duration retry = absl::Seconds(1));
+  // The newest checkpoint and what the planner warm-starts from after it
+  // (Job.checkpoint_plan), in one write.
+  void LastCheckpoint(const std::string& dir, const v1::CheckpointPlan& plan);
   // The end: the final state and reason, unless the job already ended (e.g.
   // cancelled by request).
   void End(const JobEnd& end);
+  // Back to PENDING with `message` and no stages, unless the job already
+  // ended: a job whose stages were still being assigned when the
+  // coordinator stopped is scheduled afresh by the next one.
+  void Requeue(const std::string& message);
 
  private:
   JobStore* const jobs_;

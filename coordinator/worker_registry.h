@@ -50,6 +50,31 @@ class WorkerRegistry {
   // before use; must not block.
   void SetListener(std::function<void()> on_change);
 
+  // Called (outside the lock, on the calling thread) after a change of what
+  // Records() returns: a registration, a worker lost or heard from again,
+  // one forgotten, records restored. Never for a mere heartbeat. Set once,
+  // before use; must not block.
+  void SetRecordListener(std::function<void()> on_change);
+
+  // Every worker's record for a WorkerDirectory, sorted by id: its
+  // registration (what Register recorded) and whether it is lost, without
+  // what every heartbeat changes (heartbeat count and time, job, session).
+  std::vector<v1::WorkerInfo> Records() const;
+
+  // OK when `record` is fit to restore: a valid id and the fields Register
+  // checks within its limits; INVALID_ARGUMENT naming the field otherwise.
+  static absl::Status CheckRecord(const v1::WorkerInfo& record);
+
+  // Takes the records a previous leader left (WorkerDirectory::Load) as
+  // workers awaiting their reconnection: WORKER_STATE_LOST, session closed,
+  // silent since `now` (so forgotten 10 x the silence later unless they
+  // register again), with no session token. Their ids stay theirs: an id is
+  // never assigned to another worker while its record is here, and the
+  // worker registering with its id takes it back. Ids already registered
+  // are kept as they are; records that fail CheckRecord, or beyond
+  // kMaxWorkers, are logged and skipped. Returns how many were taken.
+  int Restore(const std::vector<v1::WorkerInfo>& records, absl::Time now);
+
   // The coordinator itself did not run for a while (it was paused, or the
   // machine stalled): nobody's silence since `since` counts against them.
   void ForgiveSilence(absl::Time now);
@@ -81,17 +106,22 @@ class WorkerRegistry {
     absl::Time last_heartbeat;
     // Its session stream is open (set when it opens, cleared when it ends).
     bool connected = false;
+    // Taken from a previous leader's records, not registered here yet.
+    bool restored = false;
   };
 
   void Notify() const;
+  void NotifyRecords() const;
   absl::StatusOr<v1::RegisterResponse> RegisterLocked(const v1::RegisterRequest& request,
                                                       absl::Time now);
-  std::vector<std::string> MarkSilentLocked(absl::Time now);
+  // Sets `*forgot` when a lost worker was forgotten.
+  std::vector<std::string> MarkSilentLocked(absl::Time now, bool* forgot);
   void SetSession(const std::string& token, bool open, absl::Time now);
 
   const absl::Duration silence_;
   const absl::Duration heartbeat_interval_;
   std::function<void()> listener_;
+  std::function<void()> record_listener_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> token_to_worker_ ABSL_GUARDED_BY(mu_);

@@ -4,7 +4,20 @@
 #
 #   tools/install_deps.sh            install what is missing (needs root or sudo)
 #   tools/install_deps.sh --check    list what is missing; exit 1 if anything is
+#   tools/install_deps.sh --without-torch   leave Debian's (CPU-only) LibTorch out:
+#                                    the build uses another one (CMAKE_PREFIX_PATH),
+#                                    e.g. a CUDA-enabled one (docs/OPERATIONS.md §GPUs)
 set -euo pipefail
+
+check=false
+without_torch=false
+for arg in "$@"; do
+  case "$arg" in
+    --check) check=true ;;
+    --without-torch) without_torch=true ;;
+    *) echo "usage: $0 [--check] [--without-torch]" >&2; exit 2 ;;
+  esac
+done
 
 PACKAGES=(
   build-essential cmake pkg-config
@@ -22,6 +35,13 @@ PACKAGES=(
   systemd yamllint python3-yaml mypy
   etcd-server etcd-client
 )
+if $without_torch; then
+  kept=()
+  for p in "${PACKAGES[@]}"; do
+    [[ "$p" == libtorch-dev || "$p" == libgloo-dev ]] || kept+=("$p")
+  done
+  PACKAGES=("${kept[@]}")
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -35,7 +55,7 @@ if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
 
-if [[ "${1:-}" == "--check" ]]; then
+if $check; then
   echo "install_deps: missing: ${missing[*]}" >&2
   exit 1
 fi

@@ -3,16 +3,32 @@
 # programs load (ldd, then dpkg -S), one per line, sorted: what a runtime
 # image must install instead of the build stage's -dev packages.
 #
-#   tools/runtime_packages.sh /stage/usr/bin/*
+#   tools/runtime_packages.sh [--provided=DIR]... /stage/usr/bin/*
+#
+# --provided=DIR: libraries under DIR come with the runtime image's base
+# (e.g. a CUDA-enabled LibTorch in /opt/libtorch), not from a package.
 #
 # Exit status 1 when a library belongs to no package (it would be missing at
 # run time) or a program is not dynamically linked as expected.
 set -euo pipefail
 
+provided=()
+while [[ $# -gt 0 && "$1" == --provided=* ]]; do
+  provided+=("$(readlink -f "${1#--provided=}")")
+  shift
+done
 if [[ $# -eq 0 ]]; then
-  echo "usage: $0 PROGRAM..." >&2
+  echo "usage: $0 [--provided=DIR]... PROGRAM..." >&2
   exit 2
 fi
+is_provided() {
+  local real dir
+  real=$(readlink -f "$1")
+  for dir in "${provided[@]}"; do
+    [[ "$real" == "$dir"/* ]] && return 0
+  done
+  return 1
+}
 
 # Every library the programs load, once.
 declare -A libs=()
@@ -21,7 +37,7 @@ for program in "$@"; do
   # Scripts have no libraries.
   if ! head -c 4 "$program" | grep -q $'\x7fELF'; then continue; fi
   while read -r lib; do
-    libs["$lib"]=1
+    is_provided "$lib" || libs["$lib"]=1
   done < <(ldd "$program" | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}')
 done
 

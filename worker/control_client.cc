@@ -1,12 +1,15 @@
 #include "worker/control_client.h"
 
 #include <algorithm>
+#include <iterator>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/net/grpc_status.h"
+#include "common/net/leader_redirect.h"
 #include "common/net/server.h"
 #include "common/status.h"
 
@@ -26,12 +29,43 @@ bool IsPermanent(const absl::Status& s) {
   }
 }
 
+// The addresses of Options::coordinator (checked by the caller; an
+// unparsable list is used as one address, whose calls then fail).
+std::vector<std::string> Addresses(const std::string& coordinator) {
+  auto list = ParseCoordinatorList(coordinator, "coordinator");
+  if (!list.ok() || list->empty()) return {coordinator};
+  return *std::move(list);
+}
+
+// Stubs kept for addresses followers named that are not in the list, at most.
+constexpr size_t kMaxStubs = 2 * kMaxCoordinatorAddresses;
+
 }  // namespace
 
 ControlClient::ControlClient(Options options, Hooks hooks)
     : options_(std::move(options)),
       hooks_(std::move(hooks)),
-      stub_(v1::ControlService::NewStub(MakeChannel(options_.coordinator, options_.security))) {}
+      addresses_(Addresses(options_.coordinator)),
+      current_(addresses_[0]) {}
+
+v1::ControlService::Stub* ControlClient::StubFor(const std::string& address) {
+  auto it = stubs_.find(address);
+  if (it != stubs_.end()) return it->second.get();
+  if (stubs_.size() >= kMaxStubs) {
+    for (auto s = stubs_.begin(); s != stubs_.end();) {
+      const bool listed =
+          std::find(addresses_.begin(), addresses_.end(), s->first) != addresses_.end();
+      s = listed || s->first == current_ ? std::next(s) : stubs_.erase(s);
+    }
+  }
+  auto stub = v1::ControlService::NewStub(MakeChannel(address, options_.security));
+  return stubs_.emplace(address, std::move(stub)).first->second.get();
+}
+
+std::string ControlClient::coordinator() const {
+  absl::MutexLock lock(&mu_);
+  return current_;
+}
 
 ControlClient::~ControlClient() { Stop(); }
 
@@ -45,25 +79,43 @@ void ControlClient::SetCurrentJob(const std::string& job_id) {
   current_job_ = job_id;
 }
 
-absl::Status ControlClient::RegisterOnce(v1::RegisterResponse* response) {
+absl::Status ControlClient::RegisterOnce(v1::RegisterResponse* response, bool* redirected) {
+  *redirected = false;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   context.set_wait_for_ready(false);
   v1::RegisterRequest request = options_.registration;
+  v1::ControlService::Stub* stub = nullptr;
+  std::string address;
   {
     absl::MutexLock lock(&mu_);
     // Keep the id across re-registrations so the coordinator sees the same
     // worker coming back.
     if (request.worker_id().empty()) request.set_worker_id(worker_id_);
+    address = current_;
+    stub = StubFor(address);
   }
-  return FromGrpcStatus(stub_->Register(&context, request, response));
+  absl::Status status = FromGrpcStatus(stub->Register(&context, request, response));
+  if (!absl::IsUnavailable(status) && !absl::IsDeadlineExceeded(status)) return status;
+  absl::MutexLock lock(&mu_);
+  if (std::optional<std::string> leader = LeaderFromTrailers(context);
+      leader.has_value() && *leader != address) {
+    current_ = *leader;
+    *redirected = true;
+  } else if (addresses_.size() > 1) {
+    next_index_ = (next_index_ + 1) % addresses_.size();
+    current_ = addresses_[next_index_];
+  }
+  return Annotate(status, address);
 }
 
 absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
   absl::Duration backoff = options_.initial_backoff;
+  int redirections = 0;
   for (int attempt = 1;; ++attempt) {
     v1::RegisterResponse response;
-    absl::Status status = RegisterOnce(&response);
+    bool redirected = false;
+    absl::Status status = RegisterOnce(&response, &redirected);
     if (status.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -72,8 +124,16 @@ absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
         heartbeat_interval_ =
             absl::Milliseconds(std::max<uint32_t>(50, response.heartbeat_interval_ms()));
       }
-      LogInfo("registered with coordinator ", options_.coordinator, " as ", response.worker_id(),
-              " (heartbeat every ", response.heartbeat_interval_ms(), " ms)");
+      if (!fence_.Admit(response.leader_term())) {
+        LogWarning("coordinator ", coordinator(), " accepted the registration in term ",
+                   response.leader_term(), ", older than term ", fence_.newest(),
+                   " seen before; its messages will be dropped");
+      }
+      LogInfo(
+          "registered with coordinator ", coordinator(), " as ", response.worker_id(),
+          " (heartbeat every ", response.heartbeat_interval_ms(), " ms",
+          response.leader_term() > 0 ? absl::StrCat(", leader term ", response.leader_term()) : "",
+          ")");
       if (hooks_.on_registered) hooks_.on_registered(response.worker_id());
       return absl::OkStatus();
     }
@@ -81,6 +141,14 @@ absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
       return Annotate(
           status, absl::StrCat("coordinator ", options_.coordinator, " refused the registration"));
     }
+    // A follower named the leader: ask it at once, a few times in a row at
+    // most (leaders naming each other while an election settles).
+    if (redirected && ++redirections <= 3) {
+      LogInfo("coordinator redirected the registration to the leader at ", coordinator());
+      --attempt;
+      continue;
+    }
+    redirections = 0;
     // Retry until the deadline, the last wait cut short to end exactly there.
     absl::Duration wait = backoff;
     if (give_up != absl::InfiniteFuture()) {
@@ -98,7 +166,11 @@ absl::Status ControlClient::RegisterWithRetry(absl::Time give_up) {
     if (stopping_.WaitForNotificationWithTimeout(wait)) {
       return absl::CancelledError("stopped while registering");
     }
-    backoff = std::min(backoff * 2, options_.max_backoff);
+    // With several coordinators a failover is under way: the next leader is
+    // elected within a lease, and a long wait would only add to the pause.
+    backoff = std::min(backoff * 2, addresses_.size() > 1
+                                        ? std::min(options_.max_backoff, absl::Seconds(1))
+                                        : options_.max_backoff);
   }
 }
 
@@ -149,8 +221,13 @@ absl::Status ControlClient::RunSession() {
     interval = heartbeat_interval_;
     stall = StallTimeout();
   }
+  v1::ControlService::Stub* stub = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    stub = StubFor(current_);
+  }
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream =
-      stub_->Session(&context);
+      stub->Session(&context);
   {
     absl::MutexLock lock(&mu_);
     session_open_ = true;
@@ -166,6 +243,17 @@ absl::Status ControlClient::RunSession() {
   std::thread reader([&] {
     v1::CoordinatorMessage message;
     while (stream->Read(&message)) {
+      if (!fence_.Admit(message.leader_term())) {
+        // A deposed leader's: never obeyed. Logged sparsely (it may send
+        // many before it learns it lost its lease).
+        const uint64_t refused = fence_.refused();
+        if (refused == 1 || refused % 100 == 0) {
+          LogWarning("dropped a message of leader term ", message.leader_term(),
+                     ": a newer leader (term ", fence_.newest(), ") drives this worker (", refused,
+                     " dropped so far)");
+        }
+        continue;
+      }
       if (hooks_.on_message) hooks_.on_message(message);
     }
     reader_done.Notify();

@@ -17,9 +17,11 @@
 
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -27,13 +29,17 @@
 #include "absl/time/time.h"
 #include "common/net/tls.h"
 #include "detour/v1/control_service.grpc.pb.h"
+#include "worker/term_fence.h"
 
 namespace detour {
 
 class ControlClient {
  public:
   struct Options {
-    std::string coordinator;  // host:port
+    // host:port, or several comma-separated (coordinators electing a leader
+    // over etcd): registration follows a follower's redirection to the
+    // leader, else tries the next address.
+    std::string coordinator;
     // TLS (the coordinator's certificate verified, ours presented) or plaintext.
     TransportSecurity security;
     v1::RegisterRequest registration;
@@ -79,9 +85,17 @@ class ControlClient {
   void Stop();
 
   std::string worker_id() const;
+  // The coordinator of the current (or last) registration.
+  std::string coordinator() const;
+  // The newest leader term seen; messages of older ones are dropped.
+  const TermFence& fence() const { return fence_; }
 
  private:
-  absl::Status RegisterOnce(v1::RegisterResponse* response);
+  // Registers with the current coordinator. On UNAVAILABLE the next attempt
+  // goes to the leader a follower named (`*redirected` set) or the next
+  // address of the list.
+  absl::Status RegisterOnce(v1::RegisterResponse* response, bool* redirected);
+  v1::ControlService::Stub* StubFor(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RegisterWithRetry(absl::Time give_up);
   void SessionLoop();
   // Runs one session until it breaks or Stop(); returns why it ended.
@@ -94,9 +108,15 @@ class ControlClient {
 
   const Options options_;
   const Hooks hooks_;
-  std::unique_ptr<v1::ControlService::Stub> stub_;
+  const std::vector<std::string> addresses_;
+  TermFence fence_;
 
   mutable absl::Mutex mu_;
+  // Where the next registration goes; the session goes where the last one
+  // succeeded.
+  std::string current_ ABSL_GUARDED_BY(mu_);
+  size_t next_index_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::unique_ptr<v1::ControlService::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   std::string token_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);

@@ -19,10 +19,12 @@
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/net/address.h"
+#include "common/net/leader_redirect.h"
 #include "common/net/shutdown_signal.h"
 #include "common/net/tls.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "worker/model/device.h"
 #include "worker/worker.h"
 
 namespace detour {
@@ -66,7 +68,10 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
   flags->String("data_advertise", &o->data_advertise,
                 "host:port peers use for the direct transport (default: the host of "
                 "--advertise_address and the data port)");
-  flags->String("coordinator", &o->coordinator, "host:port of the coordinator");
+  flags->String("coordinator", &o->coordinator,
+                "host:port of the coordinator, or several comma-separated (coordinators "
+                "electing a leader over etcd: the worker registers with the leader, following "
+                "followers' redirections, and moves to a new one after a failover)");
   flags->String("worker_id", &o->worker_id,
                 "stable worker id (with TLS: its certificate's CN, the default; without: "
                 "assigned by the coordinator when not given)");
@@ -101,6 +106,12 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
   flags->Duration("connect_timeout", &o->connect_timeout,
                   "give up when the coordinator stays unreachable this long at start-up "
                   "(0 = retry forever)");
+  flags->Duration("peer_ack_timeout", &o->peer_ack_timeout,
+                  "a tensor a peer has not acknowledged within this time fails and the peer is "
+                  "reported unreachable; raise it for long, lossy links (1s to 1h)");
+  flags->Duration("peer_connect_timeout", &o->peer_connect_timeout,
+                  "opening a connection to a peer, TLS handshake included, gives up after this "
+                  "(1s to 10m)");
   v->common.Register(flags,
                      "{\"grpc_port\", \"metrics_port\", \"data_port\", \"worker_id\", \"pid\"}");
   flags->SetEpilog(
@@ -112,14 +123,14 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
 // --listen shifted by --port_offset, and the other addresses checked for form.
 absl::Status ApplyAddresses(const WorkerFlagValues& v, WorkerOptions* o) {
   ASSIGN_OR_RETURN(o->listen, ParseHostPort(v.listen, "--listen", /*allow_port_zero=*/true));
-  if (v.port_offset < 0 || v.port_offset > 1024 ||
-      (o->listen.port != 0 && o->listen.port + v.port_offset > 65535)) {
+  RETURN_IF_ERROR(CheckFlagRange("port_offset", v.port_offset, 0, 1024));
+  if (o->listen.port != 0 && o->listen.port + v.port_offset > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--port_offset: ", v.port_offset,
-                                                   " is outside 0..1024 or takes --listen's port ",
-                                                   o->listen.port, " past 65535"));
+                                                   " takes --listen's port ", o->listen.port,
+                                                   " past 65535"));
   }
   if (o->listen.port != 0) o->listen.port += static_cast<int>(v.port_offset);
-  RETURN_IF_ERROR(ParseHostPort(o->coordinator, "--coordinator", false).status());
+  RETURN_IF_ERROR(ParseCoordinatorList(o->coordinator, "--coordinator").status());
   if (!o->advertise_address.empty()) {
     RETURN_IF_ERROR(ParseHostPort(o->advertise_address, "--advertise_address", false).status());
   }
@@ -149,7 +160,7 @@ absl::Status ParseFaultInjection(const std::string& text,
 }
 
 // What the node computes with: speed, slowdown, injected fault, memory
-// slots and device.
+// slots and device; and the peer transfers' timeouts.
 absl::Status ApplyComputeFlags(const WorkerFlagValues& v, WorkerOptions* o) {
   if (!(o->speed > 0)) {
     return absl::InvalidArgumentError(absl::StrFormat("--speed: %g must be > 0", o->speed));
@@ -159,10 +170,11 @@ absl::Status ApplyComputeFlags(const WorkerFlagValues& v, WorkerOptions* o) {
         absl::StrFormat("--compute_slowdown: %g is outside 1..100", o->compute_slowdown));
   }
   if (!v.inject_fault.empty()) RETURN_IF_ERROR(ParseFaultInjection(v.inject_fault, &o->fault));
-  if (v.memory_slots < 1 || v.memory_slots > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--memory_slots: ", v.memory_slots, " is outside 1..1024"));
-  }
+  RETURN_IF_ERROR(CheckFlagRange("memory_slots", v.memory_slots, 1, 1024));
+  RETURN_IF_ERROR(
+      CheckFlagRange("peer_ack_timeout", o->peer_ack_timeout, absl::Seconds(1), absl::Hours(1)));
+  RETURN_IF_ERROR(CheckFlagRange("peer_connect_timeout", o->peer_connect_timeout, absl::Seconds(1),
+                                 absl::Minutes(10)));
   if (o->device != "cpu" && o->device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device: \"", o->device, "\" is not cpu or cuda"));
@@ -230,10 +242,7 @@ absl::Status BuildWorkerOptions(const FlagSet& flags, const WorkerFlagValues& v,
   RETURN_IF_ERROR(ApplyAddresses(v, o));
   RETURN_IF_ERROR(ApplyComputeFlags(v, o));
   RETURN_IF_ERROR(ApplyDerivedPorts(flags, v, o));
-  if (v.torch_threads < 0 || v.torch_threads > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--torch_threads: ", v.torch_threads, " is outside 0..1024"));
-  }
+  RETURN_IF_ERROR(CheckFlagRange("torch_threads", v.torch_threads, 0, 1024));
   o->torch_threads = static_cast<int>(v.torch_threads);
   return ApplySecurity(v.tls, o);
 }
@@ -336,6 +345,12 @@ int main(int argc, char** argv) {
   }
   if (absl::Status built = BuildWorkerOptions(flags, v, &o); !built.ok()) {
     return flags.Fail(built);
+  }
+  // A LibTorch without CUDA is a setting (exit 2, not restarted); a GPU not
+  // visible yet may be one a restart finds (exit 1).
+  if (absl::Status device = model::CheckDevice(o.device); !device.ok()) {
+    LogError("cannot start: ", device.message());
+    return absl::IsUnavailable(device) ? 1 : 2;
   }
   return RunWorker(o, v.common);
 }

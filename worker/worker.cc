@@ -95,6 +95,13 @@ absl::Status Worker::Init() {
   runtime_options.memory_slots = options_.memory_slots;
   runtime_options.metrics = &metrics_registry_;
   runtime_options.security = options_.security;
+  runtime_options.peer_ack_timeout = options_.peer_ack_timeout;
+  runtime_options.peer_connect_timeout = options_.peer_connect_timeout;
+  // direct_ is set below, before the session that brings jobs opens; the
+  // runtime is stopped before it shuts down (Drain).
+  runtime_options.peers_changed = [this](const std::vector<std::string>& addresses) {
+    if (direct_) direct_->SetKnownPeers(addresses);
+  };
   runtime_ = std::make_unique<JobRuntime>(
       runtime_options,
       [this](v1::WorkerMessage message) {

@@ -49,6 +49,9 @@ struct WorkerOptions {
   std::string data_advertise;
   std::string data_dir = "detour-data/worker";
   absl::Duration connect_timeout = absl::ZeroDuration();
+  // Peer transfers (JobRuntimeOptions::peer_ack_timeout, peer_connect_timeout).
+  absl::Duration peer_ack_timeout = absl::Seconds(60);
+  absl::Duration peer_connect_timeout = absl::Seconds(10);
   // LibTorch intra-op threads; 0 = LibTorch's default (all cores).
   int torch_threads = 0;
   // Testing aid: compute tasks take this many times longer

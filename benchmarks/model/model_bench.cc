@@ -14,6 +14,10 @@
 //   measured with mallinfo2 at two reduced context lengths and, where it
 //   fits in memory, at the preset's full context; the full-context value is
 //   extrapolated with m(T) = a·T + b·T² (attention scores grow with T²).
+// BM_OrderedAccumulation/<preset>: gradients summed in microbatch order
+//   (kept apart, then folded) against summed as the backwards run, with the
+//   backwards in reverse order; CPU time paired round by round, and what
+//   the kept gradients hold at their peak.
 // BM_ParameterChecksum/<preset>: the parameter checksum a worker sends after
 //   every step (worker/runtime/job_runtime.cc), as a fraction of the step's
 //   forward+backward over the same parameters (4 stages, full routes): the
@@ -328,6 +332,76 @@ void BM_Recompute(benchmark::State& state, const std::string& preset, int sample
   state.counters["time_ratio_paired"] = Median(ratios);
 }
 
+// Ordered gradient accumulation (Stage::SetOrderedAccumulation, on in every
+// worker) against summing as the backwards run, same stage shape and seed:
+// `microbatches` forwards, then their backwards in reverse order (the worst
+// case: every gradient is kept apart until the last, microbatch 0, comes)
+// and the fold, timed in CPU seconds, paired round by round; and the most
+// the kept gradients hold, against the stage's parameters.
+void BM_OrderedAccumulation(benchmark::State& state, const std::string& preset, int samples,
+                            int microbatches) {
+  at::set_num_threads(1);
+  v1::ModelShape shape;
+  shape.set_preset(preset);
+  auto config = ModelConfigFromShape(shape);
+  if (!config.ok()) {
+    state.SkipWithError("bad preset");
+    return;
+  }
+  ModelConfig cfg = *config;
+  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  StageOptions options;
+  options.memory_slots = microbatches;
+  auto plain = Stage::Create(cfg, 1, 2, options);
+  auto ordered = Stage::Create(cfg, 1, 2, options);
+  if (!plain.ok() || !ordered.ok()) {
+    state.SkipWithError("cannot build the stages");
+    return;
+  }
+  (*ordered)->SetOrderedAccumulation(true);
+  double param_bytes = 0;
+  for (const auto& [name, p] : (*plain)->Parameters()) param_bytes += 4.0 * p.numel();
+  const int t = cfg.context_length;
+  at::Tensor x = at::randn({samples, t, cfg.d_model});
+  at::Tensor g = at::randn({samples, t, cfg.d_model});
+  double kept_peak = 0;
+  auto step = [&](Stage& st) {
+    const double t0 = CpuSeconds();
+    for (int mb = 0; mb < microbatches; ++mb) {
+      if (!st.Forward(static_cast<uint32_t>(mb), x).ok()) return -1.0;
+    }
+    for (int mb = microbatches - 1; mb >= 0; --mb) {
+      if (!st.Backward(static_cast<uint32_t>(mb), g).ok()) return -1.0;
+    }
+    // Each kept microbatch holds a gradient of every parameter.
+    kept_peak = std::max(kept_peak, static_cast<double>(st.kept_gradients()) * param_bytes);
+    if (!st.FoldGradients().ok()) return -1.0;
+    const double seconds = CpuSeconds() - t0;
+    st.ZeroGrad();
+    return seconds;
+  };
+  std::vector<double> t_plain, t_ordered, ratios;
+  int round = 0;
+  for (auto _ : state) {
+    double a, b;
+    if (round++ % 2 == 0) {
+      a = step(**plain);
+      b = step(**ordered);
+    } else {
+      b = step(**ordered);
+      a = step(**plain);
+    }
+    t_plain.push_back(a);
+    t_ordered.push_back(b);
+    ratios.push_back(b / a);
+  }
+  state.counters["step_cpu_s_plain"] = Median(t_plain);
+  state.counters["step_cpu_s_ordered"] = Median(t_ordered);
+  state.counters["time_ratio_paired"] = Median(ratios);
+  state.counters["kept_MiB_peak"] = kept_peak / (1 << 20);
+  state.counters["param_MiB"] = param_bytes / (1 << 20);
+}
+
 // bf16 mixed precision against float32, same stage shape and seed, in one
 // process: heap bytes one microbatch holds between Forward and Backward (the
 // bf16 weight copies are made before, shared by all microbatches until the
@@ -429,6 +503,12 @@ BENCHMARK_CAPTURE(BM_ParameterChecksum, small, "small", 1, 2)
     ->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_OrderedAccumulation, tiny, "tiny", 2, 8)
+    ->Iterations(9)
+    ->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_OrderedAccumulation, small, "small", 1, 8)
+    ->Iterations(5)
+    ->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Precision, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Precision, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_SlotMemory, tiny, "tiny", true)->Iterations(1)->Unit(benchmark::kSecond);

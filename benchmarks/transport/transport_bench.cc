@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "benchmark/benchmark.h"
+#include "benchmarks/common/bench_transport.h"
 #include "common/net/server.h"
 #include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
@@ -243,23 +244,6 @@ void BM_RawTcpAesGcm(benchmark::State& state) { RunRaw<RawTcpAesGcmPeer>(state);
 
 // --- detour ActivationService ----------------------------------------------
 
-// Accepts every tensor into one reused buffer.
-class ReusingSink : public TensorSink {
- public:
-  absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) override {
-    if (buffer_->size() < h.total_bytes()) buffer_->resize(h.total_bytes());
-    MutableBuffer b;
-    b.data = buffer_->data();
-    b.bytes = buffer_->size();
-    b.keepalive = buffer_;
-    return b;
-  }
-  void Deliver(const v1::FrameHeader&, MutableBuffer) override {}
-
- private:
-  std::shared_ptr<std::vector<char>> buffer_ = std::make_shared<std::vector<char>>();
-};
-
 // Mutual TLS as two workers use it: both sides present "bench" from a
 // throwaway CA (made once per run).
 const TransportSecurity& BenchTls() {
@@ -267,15 +251,9 @@ const TransportSecurity& BenchTls() {
     const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
     const std::string script =
         (self.parent_path().parent_path().parent_path() / "tools/gen_certs.sh").string();
-    char pattern[] = "/tmp/detour-bench-certs.XXXXXX";
-    const std::string dir = ::mkdtemp(pattern);
-    const std::string command = absl::StrCat(script, " ", dir, " --worker bench");
-    if (std::system(command.c_str()) != 0) {
-      std::fprintf(stderr, "transport_bench: %s failed\n", command.c_str());
-      std::exit(1);
-    }
-    TlsFiles files{dir + "/bench.crt", dir + "/bench.key", dir + "/ca.crt", false};
-    auto loaded = TransportSecurity::Load(files, /*client=*/false);
+    const absl::StatusOr<std::string> dir = MakeBenchCerts(script);
+    const absl::StatusOr<TransportSecurity> loaded =
+        dir.ok() ? LoadBenchTls(*dir) : absl::StatusOr<TransportSecurity>(dir.status());
     if (!loaded.ok()) {
       std::fprintf(stderr, "transport_bench: %s\n", loaded.status().ToString().c_str());
       std::exit(1);

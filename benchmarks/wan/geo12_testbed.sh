@@ -13,7 +13,10 @@
 #   3. full and skip with detour-local --emulate_network on loopback (the
 #      workers delay their own frames);
 #   4. detour-sim's prediction for each, at the calibrated speed, on the spec
-#      each run's network had (the bed's with its bandwidth scale).
+#      each run's network had (the bed's with its bandwidth scale), and for the
+#      bed's runs also on the link matrix the job's first plan was made on
+#      (measured by the start's link probes: detour-local's links.json turned
+#      into a spec by links_to_cluster.py).
 #
 #   sudo benchmarks/wan/geo12_testbed.sh [BUILD_DIR] [ITERATIONS]
 # Needs root (the test bed). Writes benchmarks-out/wan/*.csv and prints a
@@ -129,6 +132,9 @@ for j in full skip; do
     >"$OUT/run-wan-$j.txt"
   cp "$OUT/run-wan-$j/loss.csv" "$OUT/wan_$j.csv"
   cp "$OUT/run-wan-$j/wan/stats.txt" "$OUT/wan_${j}_links.txt"
+  cp "$OUT/run-wan-$j/links.json" "$OUT/wan_${j}_matrix.json"
+  python3 "$ROOT/benchmarks/wan/links_to_cluster.py" "$CLUSTER" "$OUT/wan_${j}_matrix.json" \
+    "$OUT/geo12_measured_$j.json"
   echo "== $j on loopback with --emulate_network"
   "$LOCAL" --job "$OUT/$j.json" --workers 12 --cluster "$CLUSTER" --emulate_network \
     --out "$OUT/run-emu-$j" >"$OUT/run-emu-$j.txt"
@@ -145,6 +151,7 @@ for j in full skip; do
   done
   s[wan-$j]=$(sim_time "$OUT/geo12_scaled.json" "$OUT/$j.json" "$TFLOPS")
   s[emu-$j]=$(sim_time "$CLUSTER" "$OUT/$j.json" "$TFLOPS")
+  s[meas-$j]=$(sim_time "$OUT/geo12_measured_$j.json" "$OUT/$j.json" "$TFLOPS")
 done
 echo
 echo "geo12, tiny model, 6 stages, $ITERS iterations (means over 2..$ITERS), $(nproc) cores;" \
@@ -159,11 +166,17 @@ for j in full skip; do
       "$([[ $net == wan ]] && ratio "${m[wan-$j]}" "${m[emu-$j]}" || echo -)"
   done
 done
+for j in full skip; do
+  printf "%-12s %8s %8s %8.3f %9s %9s   (detour-sim on the measured link matrix)\n" \
+    "$j, wan" "${m[wan-$j]}" "${md[wan-$j]}" "${s[meas-$j]}" \
+    "$(ratio "${s[meas-$j]}" "${m[wan-$j]}")" "$(ratio "${s[meas-$j]}" "${md[wan-$j]}")"
+done
 echo "(pred_s: the coordinator's predicted_iteration_time_s, mean; wan/emu: of the means)"
 echo "skip/full of the means: test bed $(ratio "${m[wan-skip]}" "${m[wan-full]}")," \
   "emulation $(ratio "${m[emu-skip]}" "${m[emu-full]}")," \
   "simulated (bed spec) $(ratio "${s[wan-skip]}" "${s[wan-full]}")," \
-  "simulated (spec) $(ratio "${s[emu-skip]}" "${s[emu-full]}")"
+  "simulated (spec) $(ratio "${s[emu-skip]}" "${s[emu-full]}")," \
+  "simulated (measured matrix) $(ratio "${s[meas-skip]}" "${s[meas-full]}")"
 echo "skip/full of the medians: test bed $(ratio "${md[wan-skip]}" "${md[wan-full]}")," \
   "emulation $(ratio "${md[emu-skip]}" "${md[emu-full]}")"
 echo "load average before: $load_before; after: $load_after; $(($(date +%s) - start)) s in all"

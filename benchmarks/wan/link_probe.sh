@@ -66,7 +66,7 @@ JSON
 import csv, glob, re, statistics, sys
 name, ms, rate, run, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 region = {"w1": "East", "w2": "East", "w3": "West", "w4": "West"}
-rows, start_s = [], 0.0
+rows, rounds = [], {}
 for log in sorted(glob.glob(run + "/w*.log")):
     me = log.rsplit("/", 1)[1][:-4]
     for line in open(log):
@@ -78,9 +78,11 @@ for log in sorted(glob.glob(run + "/w*.log")):
             e_rate = rate if cross else 50.0
             rtt, r = float(m.group(2)), float(m.group(3))
             rows.append([name, me, peer, e_rtt, rtt, rtt / e_rtt, e_rate, r, r / e_rate, float(m.group(4))])
-        m = re.search(r"link probe round 1: \d+ peer\(s\) in ([0-9.]+) s", line)
+        # The start: round 1 (latency), then round 2 (bulk).
+        m = re.search(r"link probe round ([12]): \d+ peer\(s\) in ([0-9.]+) s", line)
         if m:
-            start_s = max(start_s, float(m.group(1)))
+            rounds[m.group(1)] = max(rounds.get(m.group(1), 0.0), float(m.group(2)))
+start_s = sum(rounds.values())
 with open(out, "a", newline="") as f:
     csv.writer(f).writerows([[f"{x:.4g}" if isinstance(x, float) else x for x in r] for r in rows])
 times = []

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/net/openssl_ptr.h"
 
 namespace detour {
 namespace {
@@ -20,16 +21,7 @@ constexpr absl::string_view kScheme = "detour://";
 // subjectAltNames looked at; a worker's certificate has a handful.
 constexpr int kMaxAltNames = 256;
 
-struct X509Free {
-  void operator()(X509* x) const { X509_free(x); }
-};
-struct NamesFree {
-  void operator()(GENERAL_NAMES* n) const { GENERAL_NAMES_free(n); }
-};
-struct BioFree {
-  void operator()(BIO* b) const { BIO_free(b); }
-};
-using Cert = std::unique_ptr<X509, X509Free>;
+using openssl::Cert;
 
 std::string CommonNameOf(X509* cert) {
   X509_NAME* subject = X509_get_subject_name(cert);
@@ -46,7 +38,7 @@ absl::StatusOr<CertificateIdentity> IdentityOf(X509* cert) {
   CertificateIdentity identity;
   identity.name = CommonNameOf(cert);
   const std::string shown = absl::CHexEscape(identity.name.substr(0, 128));
-  std::unique_ptr<GENERAL_NAMES, NamesFree> names(
+  openssl::GeneralNames names(
       static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr)));
   std::vector<std::string> marks;
   const int count = names == nullptr ? 0 : sk_GENERAL_NAME_num(names.get());
@@ -107,7 +99,7 @@ const char* IdentityKindName(IdentityKind kind) {
 }
 
 absl::StatusOr<CertificateIdentity> ReadCertificateIdentity(absl::string_view pem) {
-  std::unique_ptr<BIO, BioFree> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+  openssl::Bio bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
   Cert cert(bio == nullptr ? nullptr : PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
   if (cert == nullptr) return absl::InvalidArgumentError("no PEM certificate");
   return IdentityOf(cert.get());

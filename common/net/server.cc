@@ -1,5 +1,8 @@
 #include "common/net/server.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -32,6 +35,10 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options, absl::s
   // Bounds on what clients can make the server hold: streams per connection
   // and, when asked, buffer memory over all connections.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options.handshake_timeout), 1,
+                                           std::numeric_limits<int>::max())));
   if (options.memory_quota_bytes > 0) {
     grpc::ResourceQuota quota("detour-server");
     quota.Resize(options.memory_quota_bytes);

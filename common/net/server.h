@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/net/address.h"
 #include "common/net/tls.h"
 #include "grpcpp/generic/async_generic_service.h"
@@ -34,6 +35,10 @@ struct GrpcServerOptions {
   // Memory gRPC may use for all connections' buffers together (a
   // grpc::ResourceQuota); reads slow down at the limit. 0 = gRPC's default.
   size_t memory_quota_bytes = 0;
+  // A connection's TLS handshake must be done within this, or it is closed
+  // (gRPC's default is 120 s: a silent connection held a slot that long).
+  // Generous against long round trips: a handshake takes a few.
+  absl::Duration handshake_timeout = absl::Seconds(10);
   // Optional interceptor factories (e.g. RPC metrics); ownership moves in.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
 };

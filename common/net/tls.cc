@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/net/identity.h"
+#include "common/net/openssl_ptr.h"
 #include "common/status.h"
 
 namespace detour {
@@ -27,26 +28,8 @@ namespace {
 constexpr size_t kMaxPemBytes = size_t{1} << 20;
 constexpr size_t kMaxIdentityBytes = 128;
 
-struct BioFree {
-  void operator()(BIO* b) const { BIO_free(b); }
-};
-struct X509Free {
-  void operator()(X509* x) const { X509_free(x); }
-};
-struct KeyFree {
-  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
-};
-struct StoreFree {
-  void operator()(X509_STORE* s) const { X509_STORE_free(s); }
-};
-struct StoreCtxFree {
-  void operator()(X509_STORE_CTX* c) const { X509_STORE_CTX_free(c); }
-};
-struct StackFree {
-  void operator()(STACK_OF(X509) * s) const { sk_X509_free(s); }
-};
-using Bio = std::unique_ptr<BIO, BioFree>;
-using Cert = std::unique_ptr<X509, X509Free>;
+using openssl::Bio;
+using openssl::Cert;
 
 // The oldest queued OpenSSL error, for messages; clears the queue.
 std::string OpenSslError() {
@@ -119,11 +102,11 @@ std::string CommonName(X509* cert) {
 // Checks that `chain` (leaf first) verifies against `roots` now.
 absl::Status VerifyChain(const std::vector<Cert>& chain, const std::vector<Cert>& roots,
                          const std::string& what, const std::string& ca_what) {
-  std::unique_ptr<X509_STORE, StoreFree> store(X509_STORE_new());
+  openssl::Store store(X509_STORE_new());
   for (const Cert& root : roots) X509_STORE_add_cert(store.get(), root.get());
-  std::unique_ptr<STACK_OF(X509), StackFree> intermediates(sk_X509_new_null());
+  openssl::CertStack intermediates(sk_X509_new_null());
   for (size_t i = 1; i < chain.size(); ++i) sk_X509_push(intermediates.get(), chain[i].get());
-  std::unique_ptr<X509_STORE_CTX, StoreCtxFree> ctx(X509_STORE_CTX_new());
+  openssl::StoreCtx ctx(X509_STORE_CTX_new());
   if (X509_STORE_CTX_init(ctx.get(), store.get(), chain[0].get(), intermediates.get()) != 1) {
     return absl::InternalError(absl::StrCat("cannot check ", what, ": ", OpenSslError()));
   }
@@ -172,8 +155,7 @@ absl::StatusOr<TransportSecurity> TransportSecurity::Load(const TlsFiles& files,
     ASSIGN_OR_RETURN(std::vector<Cert> chain, ParseCertificates(material->cert_pem, cert_what));
     Bio key_bio(
         BIO_new_mem_buf(material->key_pem.data(), static_cast<int>(material->key_pem.size())));
-    std::unique_ptr<EVP_PKEY, KeyFree> key(
-        PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
+    openssl::Key key(PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
     if (key == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", files.key,
                                                      " holds no unencrypted PEM private key (",
@@ -262,8 +244,7 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> TransportSecurity::NewSslContext(bool s
   }
   Bio key_bio(
       BIO_new_mem_buf(material_->key_pem.data(), static_cast<int>(material_->key_pem.size())));
-  std::unique_ptr<EVP_PKEY, KeyFree> key(
-      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
+  openssl::Key key(PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
   if (key == nullptr || SSL_CTX_use_PrivateKey(ctx.get(), key.get()) != 1 ||
       SSL_CTX_check_private_key(ctx.get()) != 1) {
     return absl::InternalError(absl::StrCat("private key: ", OpenSslError()));

@@ -126,6 +126,7 @@ absl::StatusOr<JobRecord> EtcdJobBackend::Create(
     *txn.add_success() = EtcdPutOp(counter_key, absl::StrCat(number));
     *txn.add_success() = EtcdPutOp(key, value);
     *txn.add_failure() = EtcdGetOp(key);
+    const int64_t term = AddFence(&txn);
     auto response = client_->Txn(txn);
     if (!response.ok()) {
       return Annotate(response.status(), absl::StrCat("storing new job ", record.job.id()));
@@ -134,6 +135,7 @@ absl::StatusOr<JobRecord> EtcdJobBackend::Create(
       record.revision = response->header().revision();
       return record;
     }
+    RETURN_IF_ERROR(CheckFence(*response, term, absl::StrCat("new job ", record.job.id())));
     // Another coordinator took the number first, or a job already has it,
     // or the job is ours: an attempt of this call that timed out landed.
     const auto& found = response->responses(0).response_range();
@@ -154,8 +156,44 @@ absl::StatusOr<int64_t> EtcdJobBackend::TryWrite(const std::string& key, const s
   *txn.add_compare() = EtcdModRevisionIs(key, read_revision);
   *txn.add_success() = EtcdPutOp(key, value);
   *txn.add_failure() = EtcdGetOp(key);
+  const int64_t term = AddFence(&txn);
   ASSIGN_OR_RETURN(*response, client_->Txn(txn));
-  return response->succeeded() ? response->header().revision() : 0;
+  if (response->succeeded()) return response->header().revision();
+  RETURN_IF_ERROR(CheckFence(*response, term, key));
+  return 0;
+}
+
+void EtcdJobBackend::FenceWrites(int64_t term) {
+  absl::MutexLock lock(&mu_);
+  fence_term_ = std::max<int64_t>(0, term);
+}
+
+int64_t EtcdJobBackend::AddFence(etcdserverpb::TxnRequest* txn) {
+  int64_t term = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    term = fence_term_;
+  }
+  if (term == 0) return 0;
+  const std::string leader = LeaderKey();
+  *txn->add_compare() = EtcdCreateRevisionIs(leader, term);
+  *txn->add_failure() = EtcdGetOp(leader);
+  return term;
+}
+
+absl::Status EtcdJobBackend::CheckFence(const etcdserverpb::TxnResponse& failed, int64_t term,
+                                        absl::string_view what) const {
+  if (term == 0) return absl::OkStatus();
+  if (failed.responses_size() == 0) {
+    return absl::InternalError(
+        absl::StrCat("etcd answered a failed transaction on ", what, " without its reads"));
+  }
+  const auto& leader = failed.responses(failed.responses_size() - 1).response_range();
+  const int64_t now = leader.kvs_size() > 0 ? leader.kvs(0).create_revision() : 0;
+  if (now == term) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "fenced: ", what, " not written, this coordinator no longer leads (", LeaderKey(),
+      now == 0 ? " is gone" : absl::StrCat(" now holds term ", now), ", ours was ", term, ")"));
 }
 
 absl::StatusOr<int64_t> EtcdJobBackend::Write(const v1::Job& job, int64_t read_revision) {

@@ -2,8 +2,15 @@
 // machine. Keys under a prefix (default "/detour/"):
 //   <prefix>jobs/<job id>   the job's record (JSON, as the files hold it)
 //   <prefix>job_counter     the highest job number given out (decimal)
+//   <prefix>leader          the elected coordinator (LeaderElection); the
+//                           revision that created it is the leader's term
+//   <prefix>workers/<id>    the leader's worker records, for the next leader
+//                           (EtcdWorkerDirectory; not this class's)
 // Every write is a transaction on the mod_revision its writer read: a record
-// changed by someone else is an error (ABORTED), never overwritten. A new job
+// changed by someone else is an error (ABORTED), never overwritten. Once
+// fenced (FenceWrites), the same transaction also compares that
+// <prefix>leader was created at the writer's term: a deposed leader's write
+// is refused by etcd itself (FAILED_PRECONDITION), however late it arrives. A new job
 // takes its number from the counter and is created in the same transaction,
 // so ids stay unique across coordinators sharing the prefix. Records larger
 // than etcd's request limit are refused before they are sent. Checkpoints
@@ -43,9 +50,13 @@ class EtcdJobBackend : public JobBackend {
   absl::StatusOr<std::vector<JobRecord>> LoadAll() override;
   absl::StatusOr<JobRecord> Create(const std::function<v1::Job(uint64_t number)>& make) override;
   absl::StatusOr<int64_t> Write(const v1::Job& job, int64_t read_revision) override;
+  void FenceWrites(int64_t term) override;
+  bool Replicated() const override { return true; }
 
   std::string JobKey(const std::string& id) const;
   std::string CounterKey() const { return prefix_ + "job_counter"; }
+  // The election's key, whose create_revision fenced writes compare.
+  std::string LeaderKey() const { return prefix_ + "leader"; }
   EtcdClient& client() { return *client_; }
 
  private:
@@ -59,6 +70,14 @@ class EtcdJobBackend : public JobBackend {
                                           const etcdserverpb::TxnResponse& failed);
   absl::StatusOr<int64_t> TryWrite(const std::string& key, const std::string& value,
                                    int64_t read_revision, etcdserverpb::TxnResponse* response);
+  // The fence's term (0 = none). With one, adds its compare to `txn` and a
+  // read of the leader key as the failure's last operation.
+  int64_t AddFence(etcdserverpb::TxnRequest* txn);
+  // OK unless `failed` (a transaction AddFence fenced with `term`) failed
+  // because the leader key is no longer that term's: then FAILED_PRECONDITION
+  // naming `what`.
+  absl::Status CheckFence(const etcdserverpb::TxnResponse& failed, int64_t term,
+                          absl::string_view what) const;
 
   const std::unique_ptr<EtcdClient> client_;
   const std::string prefix_;
@@ -66,6 +85,7 @@ class EtcdJobBackend : public JobBackend {
   // Job id -> the value of a write whose outcome is unknown (no answer in
   // time): if it landed after all, the next write finds it there.
   std::map<std::string, std::string> unknown_writes_ ABSL_GUARDED_BY(mu_);
+  int64_t fence_term_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace detour

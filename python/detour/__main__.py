@@ -1,9 +1,9 @@
 """python3 -m detour: a small command line over detour.Client.
 
     python3 -m detour [--coordinator HOST:PORT] [--tls_ca CA] [--tls_cert C --tls_key K]
-                      [--insecure] [--token_file F] [--json] COMMAND ...
+                      [--insecure] [--token_file F] [--json] [--reconnect_for S] COMMAND ...
 
-Commands: submit SPEC.json [--watch], get JOB_ID, list [--state S],
+Commands: submit SPEC.json [--watch], get JOB_ID, list [--state S] [--owner NAME],
 watch JOB_ID, cancel JOB_ID, resume JOB_ID [--checkpoint DIR] [--replicas_per_stage N],
 events JOB_ID [--follow], workers [--all]. The flags and the exit status
 follow detourctl's: 0 success, 1 the coordinator refused (or a watched job
@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token_file", help="file holding the bearer token (default $DETOUR_TOKEN)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the proto3 JSON mapping")
+    p.add_argument("--reconnect_for", type=float, default=300.0,
+                   help="seconds a broken watch (events --follow) keeps reconnecting (0: never)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("submit", help="submit a JSON job spec")
     s.add_argument("spec")
@@ -53,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="replicas per stage of the resumed job (default 0: the job's own)")
     s = sub.add_parser("list", help="list jobs, newest first")
     s.add_argument("--state", help="pending, assigning, running, succeeded, failed, cancelled")
+    s.add_argument("--owner", help="only the jobs of this owner (a token's name or a CN)")
     s = sub.add_parser("events", help="a job's elastic-training history")
     s.add_argument("job_id")
     s.add_argument("--follow", action="store_true")
@@ -77,9 +80,9 @@ def _line(job: Job) -> str:
     return text
 
 
-def _watch(client: Client, job_id: str, as_json: bool) -> int:
+def _watch(client: Client, job_id: str, as_json: bool, reconnect_for: float) -> int:
     last: Optional[JobEvent] = None
-    for last in client.watch(job_id):
+    for last in client.watch(job_id, reconnect_for=reconnect_for):
         print(_json(last.job.proto) if as_json else _line(last.job), flush=True)
     assert last is not None
     if not as_json:
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             job_id = client.submit(args.spec)
             if not args.json:
                 print("submitted %s" % job_id)
-            return _watch(client, job_id, args.json) if args.watch else EXIT_OK
+            return (_watch(client, job_id, args.json, args.reconnect_for) if args.watch else
+                    EXIT_OK)
         if args.command == "get":
             job = client.get(args.job_id)
             if args.json:
@@ -110,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
                     print("  stage %d: %s" % (i, ", ".join(nodes)))
             return EXIT_OK
         if args.command == "list":
-            for job in client.list(args.state):
+            for job in client.list(args.state, owner=args.owner):
                 print(_json(job.proto) if args.json else
                       "%-12s %-24s %s" % (job.id, job.name, _line(job)[len(job.id) + 1:]))
             return EXIT_OK
         if args.command == "watch":
-            return _watch(client, args.job_id, args.json)
+            return _watch(client, args.job_id, args.json, args.reconnect_for)
         if args.command in ("cancel", "resume"):
             job = (client.cancel(args.job_id) if args.command == "cancel" else
                    client.resume(args.job_id, args.checkpoint,
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
             print(_json(job.proto) if args.json else "%s: %s" % (job.id, job.state))
             return EXIT_OK
         if args.command == "events":
-            for e in client.events(args.job_id, follow=args.follow):
+            for e in client.events(args.job_id, follow=args.follow,
+                                   reconnect_for=args.reconnect_for):
                 if args.json:
                     print(json.dumps({"time": e.time.isoformat() if e.time else None,
                                       "kind": e.kind, "iteration": e.iteration,

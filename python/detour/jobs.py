@@ -146,7 +146,10 @@ class Job:
     ``spec`` is the spec after the coordinator applied its defaults, as a
     ``detour.v1.JobSpec`` message (``spec_dict()`` gives it as a dict in the
     JSON form). ``stages`` lists the node ids of each stage, stage 0 first,
-    once assigned. ``proto`` is the message itself.
+    once assigned. ``owner`` is who submitted it (a token's name or a client
+    certificate's CN; "" for an unnamed token or an open coordinator): only
+    the owner or an admin may cancel or resume it. ``proto`` is the message
+    itself.
     """
 
     id: str
@@ -162,6 +165,7 @@ class Job:
     history: Tuple[HistoryEvent, ...]
     epoch: int
     resumes: int
+    owner: str
     spec: spec_pb2.JobSpec = dataclasses.field(repr=False, compare=False)
     proto: job_service_pb2.Job = dataclasses.field(repr=False, compare=False)
 
@@ -189,7 +193,7 @@ class Job:
             end_time=_time(j.end_time), progress=Progress.from_proto(j.progress),
             stages=tuple(tuple(s.nodes) for s in j.stages), last_checkpoint=j.last_checkpoint,
             history=tuple(HistoryEvent.from_proto(e) for e in j.history), epoch=j.epoch,
-            resumes=j.resumes, spec=j.spec, proto=j)
+            resumes=j.resumes, owner=j.owner, spec=j.spec, proto=j)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,5 +117,35 @@ TEST(FlagSet, ValueFlagsTakeBothFormsAfterPositionals) {
   EXPECT_THAT(missing.status().message(), HasSubstr("--listen: missing value"));
 }
 
+// The range checks programs make after parsing name the flag, the value
+// and the range.
+TEST(FlagRange, NamesTheFlagTheValueAndTheRange) {
+  EXPECT_TRUE(CheckFlagRange("mib", 1, 1, 64).ok());
+  EXPECT_TRUE(CheckFlagRange("mib", 64, 1, 64).ok());
+  absl::Status s = CheckFlagRange("mib", 65, 1, 64);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "--mib: 65 is not in [1, 64]");
+  EXPECT_TRUE(
+      CheckFlagRange("budget", absl::Seconds(600), absl::Seconds(1), absl::Seconds(600)).ok());
+  s = CheckFlagRange("budget", absl::Milliseconds(500), absl::Seconds(1), absl::Seconds(600));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "--budget: 500ms is not in [1s, 10m]");
+  EXPECT_TRUE(CheckFlagNotNegative("every", 0).ok());
+  EXPECT_EQ(CheckFlagNotNegative("every", -3).message(), "--every: -3 is negative");
+  EXPECT_TRUE(CheckFlagNotNegative("interval", absl::ZeroDuration()).ok());
+  EXPECT_EQ(CheckFlagNotNegative("interval", absl::Seconds(-1)).message(),
+            "--interval: -1s is negative");
+}
+
+TEST(ClosestMatch, SuggestsOnlyNearCandidates) {
+  const std::vector<std::string> commands = {"list", "links", "get", "cancel"};
+  EXPECT_EQ(EditDistance("lsit", "list"), 2u);
+  EXPECT_EQ(ClosestMatch("lsit", commands), "list");
+  EXPECT_EQ(ClosestMatch("cancle", commands), "cancel");
+  EXPECT_EQ(ClosestMatch("list", commands), "");  // already one
+  EXPECT_EQ(ClosestMatch("submitt-everything", commands), "");
+  EXPECT_EQ(ClosestMatch(std::string(300, 'l'), commands, 1000), "");  // too long to compare
+}
+
 }  // namespace
 }  // namespace detour

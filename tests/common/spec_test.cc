@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "common/spec_json_error.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
@@ -76,6 +77,31 @@ TEST(JobSpec, UnknownFieldIsNamed) {
       JobStatus(Replace(kGoodJob, R"("iterations": 10)", R"("iterations": 10, "iteratons": 5)"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("iteratons"));
+}
+
+// JSON mistakes say where they are: the line and column of a syntax
+// error, the valid names of an enum, the field meant.
+TEST(JobSpec, JsonErrorsSayWhereAndWhatIsValid) {
+  absl::Status s = JobStatus(Replace(kGoodJob, R"("iterations": 10)", R"("iterations" 10)"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("line 6, column 16: "));
+  s = JobStatus(Replace(kGoodJob, R"("name": "t",)", R"("name": "t" "x",)"));
+  EXPECT_THAT(s.message(), HasSubstr("line 2, column 15: "));
+  s = JobStatus(Replace(kGoodJob, R"("skip_ratio": 0.25)",
+                        R"("skip_ratio": 0.25, "scheduler": "SCHEDULER_FAST")"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("pipeline.scheduler: \"SCHEDULER_FAST\" is not one of "
+                                     "SCHEDULER_"));
+  EXPECT_THAT(s.message(), HasSubstr("SCHEDULER_FULL"));
+  EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("UNSPECIFIED")));
+  s = JobStatus(Replace(kGoodJob, R"("iterations": 10)", R"("iterations": 10, "iteratons": 5)"));
+  EXPECT_THAT(s.message(), HasSubstr("unknown field \"iteratons\" (did you mean iterations?)"));
+  s = JobStatus(Replace(kGoodJob, R"("num_stages": 4)", R"("num_stagse": 4)"));
+  EXPECT_THAT(s.message(),
+              HasSubstr("pipeline: unknown field \"num_stagse\" (did you mean num_stages?)"));
+  EXPECT_EQ(LineAndColumn("ab\ncd", 4), "line 2, column 2");
+  EXPECT_EQ(LineAndColumn("ab", 0), "line 1, column 1");
+  EXPECT_EQ(LineAndColumn("ab", 99), "line 1, column 3");
 }
 
 TEST(JobSpec, WrongTypeIsNamed) {
@@ -357,6 +383,18 @@ TEST(JobSpec, ElasticDefaultsAndBounds) {
   EXPECT_EQ(horizon->elastic().reassign_horizon_iterations(), 100000u);
   EXPECT_TRUE(horizon->elastic().reassign_disabled());
   EXPECT_TRUE(with("\"disabled\": true, \"never_join\": true").ok());
+  // What a stage's loss does: ROLLBACK unless the spec says otherwise; a
+  // number outside the enum (a binary spec) is refused, naming the values.
+  EXPECT_EQ(spec->elastic().on_stage_loss(), v1::STAGE_LOSS_ROLLBACK);
+  auto pause = with("\"on_stage_loss\": \"STAGE_LOSS_PAUSE\"");
+  ASSERT_TRUE(pause.ok()) << pause.status();
+  EXPECT_EQ(pause->elastic().on_stage_loss(), v1::STAGE_LOSS_PAUSE);
+  v1::JobSpec bad = *spec;
+  bad.mutable_elastic()->set_on_stage_loss(static_cast<v1::StageLossAction>(9));
+  auto refused = NormalizeJobSpec(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("elastic.on_stage_loss: 9 is not one of STAGE_LOSS_ROLLBACK"));
 }
 
 TEST(JobSpec, KfacBadValuesAreNamed) {

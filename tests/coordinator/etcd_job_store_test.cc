@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/spec.h"
 #include "coordinator/coordinator.h"
@@ -42,10 +43,21 @@ class EtcdJobStoreTest : public ::testing::Test {
   }
   void SetUp() override { StartCluster(1); }
 
-  std::unique_ptr<JobStore> NewStore(absl::Duration timeout = absl::Seconds(3)) {
+  std::unique_ptr<JobStore> NewStore(absl::Duration timeout = absl::Seconds(3),
+                                     int64_t fence_term = 0) {
     auto backend = EtcdJobBackend::Create(cluster_.Client(timeout), "/detour/");
     EXPECT_TRUE(backend.ok()) << backend.status();
+    (*backend)->FenceWrites(fence_term);
     return std::make_unique<JobStore>(std::move(*backend));
+  }
+
+  // Makes `address` the leader as an election would (a new /detour/leader),
+  // and returns its term: the revision that created the key.
+  int64_t Elect(EtcdClient* client, const std::string& address) {
+    EXPECT_TRUE(client->DeleteRange("/detour/leader", "").ok());
+    auto written = client->Put("/detour/leader", address);
+    EXPECT_TRUE(written.ok()) << written.status();
+    return written.ok() ? *written : 0;
   }
 
   testing::EtcdCluster cluster_;
@@ -91,6 +103,78 @@ TEST_F(EtcdJobStoreTest, AWriteOnAStaleRevisionIsAnErrorAndOverwritesNothing) {
   auto c = NewStore();
   ASSERT_EQ(*c->Load(), 1);
   EXPECT_EQ(c->Get(job->id())->message(), "by a");
+}
+
+// A leader's writes are fenced by its term inside etcd: once the leader key
+// is gone or another's, a write on the current revision (which the
+// compare-and-swap alone would let through) is refused, and so is a create.
+TEST_F(EtcdJobStoreTest, ADeposedLeadersWritesAreRefusedByEtcd) {
+  auto client = cluster_.Client();
+  const int64_t term_a = Elect(client.get(), "a:1");
+  ASSERT_GT(term_a, 0);
+  auto a = NewStore(absl::Seconds(3), term_a);
+  ASSERT_EQ(*a->Load(), 0);
+  auto job = a->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(a->Update(job->id(), [](v1::Job* j) { j->set_message("by a"); }).ok());
+
+  // a's lease ends: the key is gone, and no one leads yet.
+  ASSERT_TRUE(client->DeleteRange("/detour/leader", "").ok());
+  auto gone = a->Update(job->id(), [](v1::Job* j) { j->set_message("a, deposed"); });
+  ASSERT_EQ(gone.status().code(), absl::StatusCode::kFailedPrecondition) << gone.status();
+  EXPECT_THAT(gone.status().message(), HasSubstr("fenced"));
+  EXPECT_THAT(gone.status().message(), HasSubstr("/detour/leader is gone"));
+
+  // b is elected; a, paused until now, still holds the current revision.
+  const int64_t term_b = Elect(client.get(), "b:1");
+  ASSERT_GT(term_b, term_a);
+  auto late = a->Update(job->id(), [](v1::Job* j) { j->set_message("a, late"); });
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition) << late.status();
+  EXPECT_THAT(late.status().message(), HasSubstr(job->id()));
+  EXPECT_THAT(late.status().message(),
+              HasSubstr(absl::StrCat("now holds term ", term_b, ", ours was ", term_a)));
+  auto created = a->Create(Spec("a2"), absl::FromUnixSeconds(1001), "stored");
+  ASSERT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition) << created.status();
+  EXPECT_THAT(created.status().message(), HasSubstr("no longer leads"));
+
+  auto b = NewStore(absl::Seconds(3), term_b);
+  ASSERT_EQ(*b->Load(), 1);
+  EXPECT_EQ(b->Get(job->id())->message(), "by a");
+  ASSERT_TRUE(b->Update(job->id(), [](v1::Job* j) { j->set_message("by b"); }).ok());
+  auto next = b->Create(Spec("b"), absl::FromUnixSeconds(1002), "stored");
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->id(), "job-000002");  // a's refused create took no number
+
+  auto reloaded = NewStore();
+  ASSERT_EQ(*reloaded->Load(), 2);
+  EXPECT_EQ(reloaded->Get(job->id())->message(), "by b");
+}
+
+// The daemon's wiring: an elected coordinator fences its writes with its
+// term, so once another coordinator holds the leader key its writes fail.
+TEST_F(EtcdJobStoreTest, AnElectedCoordinatorsWritesAreFencedByItsTerm) {
+  CoordinatorOptions options;
+  options.listen = HostPort{"127.0.0.1", 0};
+  options.metrics_port = -1;
+  options.data_dir = testing::MakeTempDir("coordinator_fenced");
+  options.etcd.endpoints = cluster_.endpoints();
+  options.leader_ttl = absl::Seconds(30);
+  auto coordinator = Coordinator::Start(options);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  auto job = (*coordinator)->jobs().Create(Spec("fenced"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok()) << job.status();
+  // Another leader, as if this one's lease had run out while it was paused
+  // (its keep-alive thread has not noticed yet: the TTL is long).
+  auto client = cluster_.Client();
+  ASSERT_GT(Elect(client.get(), "elsewhere:1"), 0);
+  auto refused = (*coordinator)->jobs().Cancel(job->id(), absl::FromUnixSeconds(1001));
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("fenced"));
+  auto reloaded = NewStore();
+  ASSERT_EQ(*reloaded->Load(), 1);
+  EXPECT_NE(reloaded->Get(job->id())->state(), v1::JOB_STATE_CANCELLED);
+  // Its lease is not the key's any more: it would step down; end it here.
+  (*coordinator)->Drain(absl::Seconds(1));
 }
 
 TEST_F(EtcdJobStoreTest, IdsStayUniqueAcrossStoresCreatingAtOnce) {

@@ -11,6 +11,7 @@
 #include "common/spec.h"
 #include "coordinator/file_job_backend.h"
 #include "coordinator/job_store.h"
+#include "coordinator/runner_record.h"
 #include "common/files.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -37,12 +38,14 @@ struct Shelf {
   uint64_t last_number = 0;
   int64_t revision = 0;
   absl::Status refuse = absl::OkStatus();
+  bool replicated = false;  // as etcd: RunnerRecord::Hold holds
 };
 
 class FakeJobBackend : public JobBackend {
  public:
   explicit FakeJobBackend(std::shared_ptr<Shelf> shelf) : shelf_(std::move(shelf)) {}
   std::string Describe() const override { return "fake"; }
+  bool Replicated() const override { return shelf_->replicated; }
   absl::StatusOr<std::vector<JobRecord>> LoadAll() override {
     absl::MutexLock lock(&shelf_->mu);
     std::vector<JobRecord> out;
@@ -110,6 +113,68 @@ TEST(JobBackend, RefusedWritesShowInMemoryAndTheNextWriteUsesTheStoredRevision) 
   ASSERT_TRUE(store.Update(job->id(), [](v1::Job* j) { j->set_message("back"); }).ok());
   EXPECT_EQ(shelf->records[job->id()].job.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(shelf->records[job->id()].job.message(), "back");
+}
+
+// A job whose record cannot be written holds on a replicated store while it
+// is out of reach (or the write is fenced), writing the record again until
+// it lands or the runner stops; on files it fails at once, as before.
+TEST(JobBackend, AJobHoldsWhileAReplicatedStoreIsOut) {
+  auto shelf = std::make_shared<Shelf>();
+  shelf->replicated = true;
+  JobStore store(std::make_unique<FakeJobBackend>(shelf));
+  auto job = store.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  ASSERT_TRUE(job.ok());
+  RunnerRecord record(&store, job->id());
+  auto refuse = [&](absl::Status s) {
+    absl::MutexLock lock(&shelf->mu);
+    shelf->refuse = std::move(s);
+  };
+  auto stored_message = [&] {
+    absl::MutexLock lock(&shelf->mu);
+    return shelf->records[job->id()].job.message();
+  };
+  refuse(absl::UnavailableError("etcd: no quorum"));
+  absl::Status failed =
+      store.Update(job->id(), [](v1::Job* j) { j->set_message("iteration 3"); }).status();
+  ASSERT_EQ(failed.code(), absl::StatusCode::kUnavailable);
+
+  // The store comes back while the job holds: the held change lands.
+  int polls = 0;
+  absl::Status held = record.Hold(
+      failed,
+      [&] {
+        if (++polls == 3) refuse(absl::OkStatus());
+        return false;
+      },
+      absl::Milliseconds(10));
+  EXPECT_TRUE(held.ok()) << held;
+  EXPECT_GE(polls, 3);
+  EXPECT_EQ(stored_message(), "iteration 3");
+
+  // Fenced (deposed) or out for good: it holds until the runner stops.
+  for (absl::Status cause : {absl::FailedPreconditionError("fenced: no longer leads"),
+                             absl::DeadlineExceededError("etcd Txn: no member answered")}) {
+    refuse(cause);
+    failed = store.Update(job->id(), [](v1::Job* j) { j->set_message("later"); }).status();
+    polls = 0;
+    held = record.Hold(
+        failed, [&] { return ++polls > 5; }, absl::Milliseconds(10));
+    EXPECT_EQ(held.code(), cause.code()) << held;
+    EXPECT_GT(polls, 5);
+  }
+  EXPECT_EQ(stored_message(), "iteration 3");
+
+  // Other errors are not held.
+  polls = 0;
+  held = record.Hold(absl::AbortedError("changed since read"), [&] { return ++polls > 0; });
+  EXPECT_EQ(held.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(polls, 0);
+
+  // Files: not replicated, the job fails at once.
+  shelf->replicated = false;
+  held = record.Hold(absl::UnavailableError("disk"), [&] { return ++polls > 0; });
+  EXPECT_EQ(held.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(polls, 0);
 }
 
 TEST(FileJobBackend, AWriteOnAStaleRevisionIsRefused) {

@@ -7,6 +7,7 @@
 // decisions from the job record, its history and the messages sent.
 #include "coordinator/job_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -23,11 +24,18 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/checkpoint_manifest.h"
 #include "common/clock.h"
 #include "common/metrics/metrics.h"
+#include "common/model_config.h"
 #include "common/spec.h"
 #include "coordinator/job_store.h"
 #include "coordinator/link_matrix.h"
+#include "coordinator/runner_elastic.h"
+#include "coordinator/runner_iteration.h"
+#include "coordinator/runner_links.h"
+#include "coordinator/runner_part.h"
+#include "coordinator/runner_stage_loss.h"
 #include "coordinator/timing_estimates.h"
 #include "coordinator/worker_registry.h"
 #include "tests/e2e/process.h"
@@ -35,7 +43,10 @@
 namespace detour {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
 
 // One fake worker's view of the job.
 struct FakeWorker {
@@ -60,6 +71,7 @@ struct KillOnPlan {
   std::string worker;
   uint64_t iteration = 0;
   int route_stage = -1;
+  bool done = false;  // once: a worker that comes back lives on
 };
 
 // `reporter` cannot reach `peer` when the plan of `iteration` arrives: it
@@ -70,6 +82,8 @@ struct UnreachableOnPlan {
   std::string peer;
   uint64_t iteration = 0;
   bool done = false;
+  bool bad_frame = false;                             // a BadFrame about the peer's frame instead
+  v1::Direction direction = v1::DIRECTION_ALLREDUCE;  // of the bad frame (microbatch 0)
 };
 
 // The runner's surroundings: the coordinator's own JobStore and
@@ -91,7 +105,8 @@ class FakeCluster : public RunnerHost {
     runner_ = runner;
   }
 
-  // Registers `id` with an open session (an idle worker).
+  // Registers `id` with an open session (an idle worker; one that died
+  // comes back as a fresh process).
   void AddWorker(const std::string& id, double speed = 1.0) {
     v1::RegisterRequest r;
     r.set_worker_id(id);
@@ -104,6 +119,7 @@ class FakeCluster : public RunnerHost {
     registry_.SessionOpened(response->session_token(), clock_->Now());
     absl::MutexLock lock(&mu_);
     FakeWorker& w = workers_[id];
+    w = FakeWorker();
     w.id = id;
     w.token = response->session_token();
     w.speed = speed;
@@ -135,10 +151,24 @@ class FakeCluster : public RunnerHost {
     absl::MutexLock lock(&mu_);
     unreachable_.push_back({reporter, peer, iteration});
   }
+  // When the plan of `iteration` reaches `reporter`, it reports `sender`'s
+  // all-reduce input as holding NaN instead of sending its norm.
+  void ReportBadFrameWhenPlanArrives(const std::string& reporter, const std::string& sender,
+                                     uint64_t iteration,
+                                     v1::Direction direction = v1::DIRECTION_ALLREDUCE) {
+    absl::MutexLock lock(&mu_);
+    unreachable_.push_back({reporter, sender, iteration, false, true, direction});
+  }
 
   // Messages ignored as coming from outside the job.
-  double OutsiderMessages() {
-    return metrics_.outsider_messages != nullptr ? metrics_.outsider_messages->Value() : -1;
+  double OutsiderMessages(const std::string& kind = "") {
+    if (metrics_.outsider_messages == nullptr) return -1;
+    double n = 0;
+    for (const char* k : {"error", "grad_norm", "peer_unreachable", "bad_frame"}) {
+      if (!kind.empty() && kind != k) continue;
+      if (auto c = metrics_.outsider_messages->WithLabels({k}); c.ok()) n += (*c)->Value();
+    }
+    return n;
   }
 
   // Every route of every plan sent, by (iteration, epoch).
@@ -150,6 +180,12 @@ class FakeCluster : public RunnerHost {
   void KillWhenPlanArrives(const std::string& worker, uint64_t iteration) {
     absl::MutexLock lock(&mu_);
     kills_.push_back({worker, iteration});
+  }
+  // `id` (dead) registers again, a new process, when `iteration`'s plan is
+  // first sent.
+  void ReviveWhenPlanArrives(const std::string& id, uint64_t iteration) {
+    absl::MutexLock lock(&mu_);
+    revivals_[iteration] = id;
   }
   // The worker of `stage` on microbatch 0's route dies with `iteration`'s plan.
   void KillOnRouteWhenPlanArrives(int stage, uint64_t iteration) {
@@ -185,10 +221,22 @@ class FakeCluster : public RunnerHost {
     links_[{from, to}] = std::move(link);
   }
 
+  // The checkpoints assignments told workers to restore, in order.
+  std::vector<std::string> Restored() {
+    absl::MutexLock lock(&mu_);
+    return restored_;
+  }
+  // The runners' metrics, as scraped.
+  std::string Scrape() { return metrics_registry_.Serialize(); }
+
   // Messages the runner sent, by kind (the oneof's field name).
   int Sent(const std::string& kind) {
     absl::MutexLock lock(&mu_);
     return sent_count_[kind];
+  }
+  std::vector<v1::LinkProbe> Probes() {
+    absl::MutexLock lock(&mu_);
+    return probes_;
   }
   std::vector<uint64_t> PlannedIterations() {
     absl::MutexLock lock(&mu_);
@@ -212,6 +260,7 @@ class FakeCluster : public RunnerHost {
     std::vector<std::pair<std::string, v1::WorkerMessage>> replies;
     JobRunner* runner = nullptr;
     bool poke = false;
+    std::string revive;
     {
       absl::MutexLock lock(&mu_);
       runner = runner_;
@@ -221,7 +270,13 @@ class FakeCluster : public RunnerHost {
       }
       ++sent_count_[m.GetDescriptor()->FindFieldByNumber(m.kind_case())->name()];
       poke = Answer(it->second, m, &replies);
+      if (auto r = revivals_.find(m.has_plan() ? m.plan().iteration() : 0);
+          m.has_plan() && r != revivals_.end()) {
+        revive = r->second;
+        revivals_.erase(r);
+      }
     }
+    if (!revive.empty()) AddWorker(revive);
     if (poke) {
       std::string token;
       {
@@ -275,6 +330,8 @@ class FakeCluster : public RunnerHost {
     switch (m.kind_case()) {
       case v1::CoordinatorMessage::kAssignment: {
         const v1::StageAssignment& a = m.assignment();
+        spec_ = a.spec();
+        if (!a.restore_from().empty()) restored_.push_back(a.restore_from());
         w.stage = static_cast<int>(a.stage());
         w.epoch = a.epoch();
         w.routes.clear();
@@ -298,7 +355,8 @@ class FakeCluster : public RunnerHost {
       case v1::CoordinatorMessage::kPlan: {
         const v1::IterationPlan& p = m.plan();
         planned_iterations_.push_back(p.iteration());
-        for (const KillOnPlan& k : kills_) {
+        for (KillOnPlan& k : kills_) {
+          if (k.done) continue;
           std::string victim = k.worker;
           for (const v1::Route& r : p.routes()) {
             if (victim.empty() && r.microbatch() == 0) {
@@ -308,6 +366,7 @@ class FakeCluster : public RunnerHost {
             }
           }
           if (victim == w.id && k.iteration == p.iteration()) {
+            k.done = true;
             w.alive = false;
             return true;
           }
@@ -329,6 +388,16 @@ class FakeCluster : public RunnerHost {
         for (UnreachableOnPlan& u : unreachable_) {
           if (u.done || u.reporter != w.id || u.iteration != p.iteration()) continue;
           u.done = true;
+          if (u.bad_frame) {
+            v1::BadFrame* bad = reply(w.id).mutable_bad_frame();
+            bad->set_job_id(p.job_id());
+            bad->set_iteration(p.iteration());
+            bad->set_sender(u.peer);
+            bad->set_direction(u.direction);
+            bad->set_epoch(p.epoch());
+            bad->set_message("it holds NaN");
+            return false;
+          }
           v1::PeerUnreachable* report = reply(w.id).mutable_peer_unreachable();
           report->set_job_id(p.job_id());
           report->set_iteration(p.iteration());
@@ -381,6 +450,7 @@ class FakeCluster : public RunnerHost {
         return false;
       }
       case v1::CoordinatorMessage::kCommit: {
+        WriteManifest(m.commit());
         v1::CheckpointCommitted* c = reply(w.id).mutable_checkpoint_committed();
         c->set_job_id(m.commit().job_id());
         c->set_iteration(m.commit().iteration());
@@ -389,6 +459,7 @@ class FakeCluster : public RunnerHost {
       }
       case v1::CoordinatorMessage::kProbe: {
         const v1::LinkProbe& p = m.probe();
+        probes_.push_back(p);
         v1::LinkReport* r = reply(w.id).mutable_link_report();
         r->set_job_id(p.job_id());
         r->set_round(p.round());
@@ -416,6 +487,20 @@ class FakeCluster : public RunnerHost {
     }
   }
 
+  // What the workers' manifest writer leaves: the checkpoint's iteration
+  // (stage files are not needed by the coordinator).
+  void WriteManifest(const v1::CommitCheckpoint& commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    model::CheckpointManifest manifest;
+    manifest.iteration = commit.iteration();
+    auto config = model::ModelConfigFromShape(spec_.model());
+    ASSERT_TRUE(config.ok()) << config.status();
+    manifest.model = *config;
+    manifest.num_stages = static_cast<int>(spec_.pipeline().num_stages());
+    std::error_code ec;
+    std::filesystem::create_directories(commit.dir(), ec);
+    ASSERT_TRUE(model::WriteManifest(commit.dir(), manifest).ok());
+  }
+
   void Norm(const FakeWorker& w, v1::WorkerMessage& out) {
     v1::GradientNorm* n = out.mutable_grad_norm();
     n->set_job_id(w.job_id);
@@ -437,13 +522,17 @@ class FakeCluster : public RunnerHost {
   JobRunner* runner_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<std::string, FakeWorker> workers_ ABSL_GUARDED_BY(mu_);
   std::vector<KillOnPlan> kills_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::string> revivals_ ABSL_GUARDED_BY(mu_);  // iteration -> worker
   std::vector<UnreachableOnPlan> unreachable_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<uint64_t, uint64_t>, std::vector<v1::Route>> routes_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> sent_count_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::LinkProbe> probes_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, FakeLink> links_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
   bool checkpoint_ ABSL_GUARDED_BY(mu_) = false;
+  v1::JobSpec spec_ ABSL_GUARDED_BY(mu_);                   // of the last assignment
+  std::vector<std::string> restored_ ABSL_GUARDED_BY(mu_);  // restore_from of assignments
 };
 
 // A small job: the tiny model, `stages` stages, one data node, `replicas`
@@ -608,11 +697,14 @@ TEST_F(JobRunnerTest, IdleWorkerJoinsWithAReplicasState) {
 }
 
 // The full pipeline cannot skip a stage: losing the only worker of stage 2
-// pauses the job at that iteration until a worker registers; it then joins
-// with fresh parameters (no replica, no checkpoint) and the job goes on.
+// pauses the job at that iteration until a worker registers. With
+// elastic.on_stage_loss REINITIALIZE (asked for), it then joins with fresh
+// parameters (no replica, no checkpoint) and the job goes on; the loss is
+// recorded all the same.
 TEST_F(JobRunnerTest, StageWithoutWorkersPausesUntilOneJoins) {
   for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
   v1::JobSpec spec = Spec(3, 1, 0.0, 5);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_REINITIALIZE);
   Pin(&spec, {{"d0"}, {"a"}, {"b"}});
   cluster_->KillWhenPlanArrives("b", 1);
   Start(spec, {"d0", "a", "b"});
@@ -631,6 +723,170 @@ TEST_F(JobRunnerTest, StageWithoutWorkersPausesUntilOneJoins) {
                                       "parameters"));
   EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_CONTINUED), 1) << History(job);
   EXPECT_EQ(job.progress().iteration(), 5u);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("STAGE_LOSS_REINITIALIZE: a worker that joins it starts "
+                                      "from fresh parameters"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 0) << History(job);
+  EXPECT_THAT(cluster_->Scrape(),
+              HasSubstr("detour_coordinator_stage_losses_total{action=\"reinitialize\"} 1\n"));
+}
+
+// The default (elastic.on_stage_loss ROLLBACK): the only worker of stage 2
+// dies at iteration 5; a worker that registers fills the stage, and the
+// whole job goes back to its newest checkpoint (after 4 iterations) before
+// it trains again: every stage restores it, iterations 4 and on run again.
+// It used to go on with stage 2 restored alone or from fresh parameters
+// while the other stages kept theirs, visible only in the history.
+TEST_F(JobRunnerTest, StageLossRollsTheWholeJobBackToItsNewestCheckpoint) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 8);
+  spec.mutable_checkpoint()->set_disabled(false);
+  spec.mutable_checkpoint()->set_every_iterations(2);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->KillWhenPlanArrives("b", 5);
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([](const v1::Job& j) {
+    return Count(j, v1::JobHistoryEvent::KIND_PAUSED) == 1 || JobStore::IsFinal(j.state());
+  })) << History(Job());
+  EXPECT_THAT(Job().message(), HasSubstr("stage 2 has no worker left"));
+  cluster_->AddWorker("late");
+  runner_->Poke();
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("stage 2 lost its last replica (worker b) and its state; "
+                                      "elastic.on_stage_loss STAGE_LOSS_ROLLBACK"));
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("rolled back from iteration 5 to checkpoint"));
+  EXPECT_THAT(History(job), HasSubstr("(iteration 4) on 3 workers"));
+  EXPECT_THAT(History(job), Not(HasSubstr("fresh parameters")));
+  // The joiner's assignment, then all three members' restore the checkpoint.
+  const std::vector<std::string> restored = cluster_->Restored();
+  ASSERT_EQ(restored.size(), 4u);
+  for (const std::string& dir : restored) EXPECT_EQ(dir, restored.back());
+  const std::vector<uint64_t> planned = cluster_->PlannedIterations();
+  ASSERT_GE(planned.size(), 2u);
+  // Each plan is counted once per worker it reaches (3).
+  EXPECT_EQ(std::count(planned.begin(), planned.end(), 4u), 2 * 3) << "iteration 4 ran again";
+  EXPECT_EQ(job.progress().iteration(), 8u);
+  EXPECT_THAT(cluster_->Scrape(),
+              HasSubstr("detour_coordinator_stage_losses_total{action=\"rollback\"} 1\n"));
+}
+
+// ROLLBACK without a checkpoint: the whole job starts again at iteration 0
+// with the seeded parameters in every stage (one model version), and says so.
+TEST_F(JobRunnerTest, StageLossWithoutACheckpointRollsBackToIterationZero) {
+  for (const char* id : {"d0", "a", "b", "spare"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 5);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->KillWhenPlanArrives("b", 3);
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("the whole job starts again at iteration 0 with fresh "
+                                      "parameters (there is no checkpoint)"));
+  EXPECT_THAT(History(job), HasSubstr("rolled back from iteration 3 to iteration 0 (no "
+                                      "checkpoint: fresh parameters in every stage) on 3 workers"));
+  const std::vector<uint64_t> planned = cluster_->PlannedIterations();
+  EXPECT_EQ(std::count(planned.begin(), planned.end(), 0u), 2 * 3) << "iteration 0 ran again";
+  EXPECT_EQ(cluster_->Sent("assignment"), 3 + 1 + 3);
+  EXPECT_EQ(job.progress().iteration(), 5u);
+}
+
+// ROLLBACK, and the only worker of stage 2 is lost in iteration 2 (cut off
+// from the coordinator): the job pauses, with no other worker to fill the
+// stage. The lost worker itself comes back idle (it dropped its part) and
+// fills it; the job rolls back and completes. A worker lost in the
+// iteration a job paused in used to be kept out of the job until that
+// iteration ended, which a paused job's never does: it failed when the
+// pause timed out.
+TEST_F(JobRunnerTest, AWorkerLostInThePausedIterationMayFillItsStageAgain) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 5);
+  spec.mutable_elastic()->set_pause_timeout_s(20);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->KillWhenPlanArrives("b", 2);
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([](const v1::Job& j) {
+    return Count(j, v1::JobHistoryEvent::KIND_PAUSED) == 1 || JobStore::IsFinal(j.state());
+  })) << History(Job());
+  ASSERT_EQ(Job().state(), v1::JOB_STATE_RUNNING) << History(Job());
+  EXPECT_THAT(Job().message(), HasSubstr("stage 2 has no worker left"));
+  cluster_->AddWorker("b");  // back, idle
+  runner_->Poke();
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b joined stage 2 at iteration 2"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 1) << History(job);
+  EXPECT_EQ(job.progress().iteration(), 5u);
+}
+
+// PAUSE: the stage's last worker is lost (its session closes) at iteration
+// 2; an idle worker is there but may not take the stage from fresh
+// parameters. The lost worker comes back holding the stage at the job's
+// iteration: it takes its stage again and the job goes on from there.
+TEST_F(JobRunnerTest, StageLossPausedUntilItsHolderComesBack) {
+  for (const char* id : {"d0", "a", "b", "spare"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 6);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_PAUSE);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->KillWhenPlanArrives("b", 2);
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([](const v1::Job& j) {
+    return Count(j, v1::JobHistoryEvent::KIND_PAUSED) == 1 || JobStore::IsFinal(j.state());
+  })) << History(Job());
+  ASSERT_EQ(Job().state(), v1::JOB_STATE_RUNNING) << History(Job());
+  EXPECT_THAT(Job().message(), HasSubstr("stage 2 has no worker left"));
+  runner_->Poke();  // the spare is idle all along: it is not taken
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(cluster_->Sent("assignment"), 3) << History(Job());
+  // b's process survived: it registers again and reports the stage it holds.
+  cluster_->AddWorker("b");
+  cluster_->Hold("b", 2, 1002);
+  v1::WorkerMessage m;
+  v1::JobStatus* s = m.mutable_job_status();
+  s->set_job_id(job_id_);
+  s->set_stage(2);
+  s->set_completed_iterations(2);
+  runner_->Post("b", m);
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("STAGE_LOSS_PAUSE: the job pauses until a worker holding "
+                                      "its state (b) comes back"));
+  EXPECT_THAT(History(job), HasSubstr("worker b came back holding stage 2's state at iteration 2"));
+  EXPECT_EQ(cluster_->Sent("assignment"), 3) << "nobody rebuilt a stage";
+  EXPECT_EQ(cluster_->StageOf("spare"), -1);
+  EXPECT_EQ(job.progress().iteration(), 6u);
+  EXPECT_THAT(cluster_->Scrape(),
+              HasSubstr("detour_coordinator_stage_losses_total{action=\"pause\"} 1\n"));
+}
+
+// PAUSE, and the stage's last worker is excluded for a bad forward frame
+// (b reports a's activation of microbatch 0): the job pauses, and a coming
+// back with the stage's state is not taken back; the job fails when the
+// pause times out instead of training on with the excluded worker.
+TEST_F(JobRunnerTest, AnExcludedHolderOfAPausedStageIsNotTakenBack) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 6);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_PAUSE);
+  spec.mutable_elastic()->set_pause_timeout_s(3);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->ReportBadFrameWhenPlanArrives("b", "a", 2, v1::DIRECTION_FORWARD);
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([](const v1::Job& j) {
+    return Count(j, v1::JobHistoryEvent::KIND_PAUSED) == 1 || JobStore::IsFinal(j.state());
+  })) << History(Job());
+  ASSERT_EQ(Job().state(), v1::JOB_STATE_RUNNING) << History(Job());
+  EXPECT_THAT(History(Job()), HasSubstr("worker a (stage 1) lost: excluded: b received"));
+  v1::WorkerMessage m;
+  v1::JobStatus* s = m.mutable_job_status();
+  s->set_job_id(job_id_);
+  s->set_stage(1);
+  s->set_completed_iterations(2);
+  runner_->Post("a", m);
+  const v1::Job job = AwaitEnd();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), Not(HasSubstr("worker a came back"))) << History(job);
 }
 
 // The coordinator restarted while the job ran: the runner re-attaches to
@@ -688,6 +944,77 @@ TEST_F(JobRunnerTest, ReattachesAfterACoordinatorRestart) {
   ASSERT_FALSE(planned.empty());
   EXPECT_EQ(planned.front(), 3u);
   EXPECT_EQ(job.progress().iteration(), 7u);
+}
+
+// A graceful stop of the coordinator (JobManager::Shutdown detaches every
+// runner): the job stays RUNNING with its stages recorded and its workers
+// untold, and a runner started on the same store re-attaches to them and
+// finishes the job, as after a crash. It used to end FAILED ("coordinator
+// stopped while the job was running") with every worker told to drop it.
+TEST_F(JobRunnerTest, DetachLeavesTheJobRunningForTheNextCoordinator) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 100000);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([](const v1::Job& j) {
+    return j.progress().iteration() >= 3 || JobStore::IsFinal(j.state());
+  })) << History(Job());
+  runner_->Detach();
+  runner_->RequestStop(JobEnd{v1::JOB_STATE_FAILED, "a later stop changes nothing"});
+  runner_.reset();
+  cluster_->set_runner(nullptr);
+  v1::Job left = Job();
+  ASSERT_EQ(left.state(), v1::JOB_STATE_RUNNING) << left.message() << "\n" << History(left);
+  ASSERT_EQ(left.stages_size(), 3);
+  EXPECT_FALSE(left.has_end_time());
+  EXPECT_EQ(cluster_->Sent("cancel"), 0) << "the workers keep their stages";
+  const uint64_t done = left.progress().iteration();
+  ASSERT_LT(done, 100000u);
+
+  // The next coordinator: a runner re-attaching to what the store holds,
+  // with a short job left so that the test ends.
+  ASSERT_TRUE(cluster_->jobs()
+                  .Update(job_id_, [&](v1::Job* j) { j->mutable_spec()->set_iterations(done + 3); })
+                  .ok());
+  spec.set_iterations(done + 3);
+  auto normalized = NormalizeJobSpec(spec);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  Start(*normalized, {}, JobRunner::StartMode::kReattach);
+  for (const auto& [id, stage] :
+       std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a", 1}, {"b", 2}}) {
+    v1::WorkerMessage m;
+    v1::JobStatus* s = m.mutable_job_status();
+    s->set_job_id(job_id_);
+    s->set_stage(static_cast<uint32_t>(stage));
+    s->set_completed_iterations(done);
+    s->set_epoch(left.epoch());
+    runner_->Post(id, m);
+  }
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_REATTACHED), 1) << History(job);
+  EXPECT_EQ(job.progress().iteration(), done + 3);
+  EXPECT_EQ(cluster_->Sent("assignment"), 3) << "only the first runner assigned stages";
+}
+
+// PAUSE when the holder never comes back: the job fails once
+// elastic.pause_timeout_s has passed, naming what it waited for; never_join
+// does not fail it sooner (the holder's return is no replacement).
+TEST_F(JobRunnerTest, StageLossPauseFailsWhenTheHolderDoesNotComeBack) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 6);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_PAUSE);
+  spec.mutable_elastic()->set_never_join(true);
+  spec.mutable_elastic()->set_pause_timeout_s(1);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->KillWhenPlanArrives("b", 2);
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED) << History(job);
+  EXPECT_THAT(job.message(), HasSubstr("timed out waiting for workers to join (stage 2 has no "
+                                       "worker left)"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+  EXPECT_EQ(job.progress().iteration(), 2u);
 }
 
 // Routes that skip stages go on around a stage left without workers; at the
@@ -866,6 +1193,83 @@ TEST_F(JobRunnerTest, TwoReportersAgainstAWorkerMakeItLost) {
   EXPECT_EQ(job.progress().iteration(), 4u);
 }
 
+// A member reports a replica's all-reduce input as holding NaN: the sender
+// leaves the job as a lost worker would (the event says it was excluded and
+// why), the iteration runs again among the survivors and the job succeeds
+// instead of failing on a non-finite gradient; the sender is not taken
+// back. A report about a member that sends the reporter nothing in the
+// plan (d0 about b1, of another stage) excludes nobody.
+TEST_F(JobRunnerTest, AMemberThatSendsBadFramesIsExcludedAndTheJobGoesOn) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportBadFrameWhenPlanArrives("a2", "a1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return !cluster_->PlannedIterations().empty(); }));
+  for (uint64_t iteration = 0; iteration < 4; ++iteration) {  // whichever is in flight
+    v1::WorkerMessage forged;
+    forged.mutable_bad_frame()->set_job_id(job_id_);
+    forged.mutable_bad_frame()->set_iteration(iteration);
+    forged.mutable_bad_frame()->set_sender("b1");
+    forged.mutable_bad_frame()->set_direction(v1::DIRECTION_ALLREDUCE);
+    runner_->Post("d0", forged);
+  }
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job),
+              HasSubstr("worker a1 (stage 1) lost: excluded: a2 received a frame from it with "
+                        "values no honest training sends (it holds NaN)"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+  for (const auto& [key, routes] : cluster_->Routes()) {
+    if (key.first < 2) continue;
+    for (const v1::Route& r : routes) {
+      for (const std::string& n : r.nodes()) EXPECT_NE(n, "a1") << "iteration " << key.first;
+    }
+  }
+}
+
+// A member excluded for its bad frames keeps talking about the job (a
+// JobError, a report against its accuser, a NaN norm): the job neither
+// fails nor loses anyone else, and the messages are counted by kind. b1
+// turns mute once a1 is gone, so the job waits while they arrive.
+TEST_F(JobRunnerTest, MessagesFromAnExcludedMemberAreIgnoredAndCounted) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 1000);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportBadFrameWhenPlanArrives("a2", "a1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  ASSERT_TRUE(AwaitJob(
+      [](const v1::Job& j) { return Count(j, v1::JobHistoryEvent::KIND_WORKER_LOST) == 1; }));
+  cluster_->Mute("b1");
+  v1::WorkerMessage error;
+  error.mutable_error()->set_job_id(job_id_);
+  error.mutable_error()->set_message("forged failure");
+  v1::WorkerMessage report;
+  report.mutable_bad_frame()->set_job_id(job_id_);
+  report.mutable_bad_frame()->set_sender("a2");
+  report.mutable_bad_frame()->set_direction(v1::DIRECTION_ALLREDUCE);
+  v1::WorkerMessage norm;
+  norm.mutable_grad_norm()->set_job_id(job_id_);
+  norm.mutable_grad_norm()->set_squared_norm(std::numeric_limits<double>::quiet_NaN());
+  for (uint64_t iteration = 0; iteration < 1000; iteration += 100) {
+    report.mutable_bad_frame()->set_iteration(iteration);
+    runner_->Post("a1", report);
+  }
+  runner_->Post("a1", error);
+  runner_->Post("a1", norm);
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return cluster_->OutsiderMessages() == 12; },
+                       absl::Seconds(20)))
+      << cluster_->OutsiderMessages();
+  EXPECT_EQ(cluster_->OutsiderMessages("bad_frame"), 10);
+  EXPECT_EQ(cluster_->OutsiderMessages("error"), 1);
+  const v1::Job job = Job();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  runner_->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "the test is done"});
+  EXPECT_EQ(AwaitEnd().state(), v1::JOB_STATE_CANCELLED);
+}
+
 // A registered worker that was never part of the job sends it a JobError,
 // a NaN gradient norm and a report against a member while the job waits for
 // b's norm (b is mute): all are dropped and counted, and the forged error
@@ -913,10 +1317,46 @@ TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
   EXPECT_THAT(History(job), HasSubstr("link probes: 5 of 6 links answered (5 with a bulk rate)"));
   EXPECT_THAT(History(job), HasSubstr("one-way latency 10.0-100.0 ms, bandwidth 5.0-100.0 MB/s"));
-  EXPECT_EQ(cluster_->Sent("probe"), 3);  // one each, at the start (interval 60 s)
+  // At the start a latency round to all three, each asked about the other
+  // two, then two bulk rounds (the interval is 60 s: nothing more), in each
+  // of which every worker probes one other and takes one other's probes,
+  // a -> b, b -> d0, d0 -> a, then a -> d0, b -> a, d0 -> b.
+  EXPECT_EQ(cluster_->Sent("probe"), 9);
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_EQ(probes.size(), 9u);
+  std::map<std::string, int> named, taken;  // in the bulk rounds
+  for (size_t i = 0; i < probes.size(); ++i) {
+    SCOPED_TRACE(probes[i].ShortDebugString());
+    if (i < 3) {
+      EXPECT_EQ(probes[i].bulk_max_bytes(), 0u);
+      EXPECT_EQ(probes[i].peers_size(), 2);  // the other two
+      EXPECT_EQ(probes[i].accept_from_size(), 0);
+      EXPECT_EQ(probes[i].round(), probes[0].round());
+      continue;
+    }
+    EXPECT_EQ(probes[i].bulk_max_bytes(), uint64_t{32} << 20);
+    ASSERT_EQ(probes[i].peers_size(), 1);
+    ASSERT_EQ(probes[i].accept_from_size(), 1);
+    EXPECT_NE(probes[i].peers(0).worker_id(), probes[i].accept_from(0));
+    named[probes[i].peers(0).worker_id()]++;
+    taken[probes[i].accept_from(0)]++;
+    // A slot's three requests share a round, one round after another.
+    EXPECT_EQ(probes[i].round(), probes[0].round() + 1 + (i - 3) / 3);
+  }
+  // Every worker is probed by both others, and probes both.
+  const std::map<std::string, int> twice = {{"a", 2}, {"b", 2}, {"d0", 2}};
+  EXPECT_EQ(named, twice);
+  EXPECT_EQ(taken, twice);
+  // The bulk rounds share link_probe_budget (their needs, 15.2 s, are
+  // less), each slot by its need against what is left when it starts: the
+  // first holds a -> b (1 s + 60 x 200 ms = 13 s), the second none over
+  // 2.2 s (b -> a did not answer: 1 s). As the fakes answer at once, the
+  // second gets what the first left.
+  EXPECT_NEAR(probes[3].budget_ms(), 20000 * 13 / 15.2, 200);
+  EXPECT_NEAR(probes[6].budget_ms(), 20000, 200);
   const std::optional<v1::GetLinksResponse> links = runner_->Links();
   ASSERT_TRUE(links.has_value());
-  EXPECT_EQ(links->probe_rounds(), 1u);
+  EXPECT_EQ(links->probe_rounds(), 3u);
   ASSERT_EQ(links->links_size(), 6);
   for (const v1::JobLink& l : links->links()) {
     SCOPED_TRACE(l.ShortDebugString());
@@ -935,6 +1375,94 @@ TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
     EXPECT_DOUBLE_EQ(l.latency_seconds(), slow ? 0.1 : 0.01);
     EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), slow ? 5e6 : 1e8);
   }
+}
+
+// The bulk rounds' schedule: every ordered pair of workers exactly once; in
+// a slot a worker sends to at most one and takes from at most one, and no
+// pair is probed both ways at once.
+TEST(ProbeScheduleTest, EveryLinkOnceOneProbeInAndOutAndNoPairBothWays) {
+  for (size_t n = 0; n <= 9; ++n) {
+    SCOPED_TRACE(n);
+    std::vector<std::string> ids;
+    for (size_t i = 0; i < n; ++i) ids.push_back(absl::StrCat("w", i));
+    const auto slots = RunnerLinks::ProbeSchedule(ids);
+    EXPECT_EQ(slots.size(), n < 2 ? 0 : (n % 2 == 0 ? n : n - 1));
+    std::set<std::pair<std::string, std::string>> probed;
+    for (const auto& slot : slots) {
+      std::set<std::string> senders, takers;
+      std::set<std::pair<std::string, std::string>> pairs;
+      for (const auto& [from, to] : slot) {
+        EXPECT_NE(from, to);
+        EXPECT_TRUE(senders.insert(from).second) << from;
+        EXPECT_TRUE(takers.insert(to).second) << to;
+        EXPECT_TRUE(pairs.insert(std::minmax(from, to)).second) << from << " <-> " << to;
+        EXPECT_TRUE(probed.insert({from, to}).second) << from << " -> " << to;
+      }
+    }
+    EXPECT_EQ(probed.size(), n * (n - 1));
+  }
+}
+
+// Over long round trips a TCP window takes long to open: the bulk rounds'
+// budget grows with the round trips the latency round measured (1 s and 60
+// round trips per link, the neediest link of each slot of pairs).
+TEST_F(JobRunnerTest, TheBulkRoundsBudgetGrowsWithTheRoundTrips) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->SetLink("a", "b", {1.0, 5e6, ""});
+  cluster_->SetLink("a", "d0", {0.5, 5e6, ""});
+  Start(Spec(3, 1, 0.0, 2), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_GE(probes.size(), 9u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(probes[i].bulk_max_bytes(), 0u);
+    EXPECT_EQ(probes[i].budget_ms(), 5000u);
+  }
+  // Two slots: a -> b (1 s + 60 x 1.0 s = 61 s) with b -> d0, d0 -> a
+  // (2.2 s each), then a -> d0 (31 s) with b -> a, d0 -> b: 92 s in all,
+  // shared by need.
+  EXPECT_THAT(History(job), HasSubstr("(bulk budget 92 s for the round trips)"));
+  ASSERT_EQ(probes.size(), 9u);
+  for (size_t i = 3; i < 9; ++i) EXPECT_EQ(probes[i].budget_ms(), probes[3 * (i / 3)].budget_ms());
+  // What a slot ends early leaves goes to the later one: at least its share,
+  // at most all that is left.
+  EXPECT_GE(probes[3].budget_ms(), 61000u - 100);
+  EXPECT_GE(probes[6].budget_ms(), 31000u - 100);
+  EXPECT_LE(probes[6].budget_ms(), 92000u);
+}
+
+// A lost worker's measured links go with it: when it comes back and joins
+// again, the planner has the region table's figures for its links (until a
+// probe measures them), not what was measured of the process that died.
+TEST_F(JobRunnerTest, ALostWorkersMeasuredLinksAreForgotten) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  for (const char* id : {"d0", "a1", "a2", "b2"}) {
+    cluster_->SetLink("b1", id, {0.2, 5e6, ""});
+    cluster_->SetLink(id, "b1", {0.2, 5e6, ""});
+  }
+  v1::JobSpec spec = Spec(3, 2, 0.0, 6);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->KillWhenPlanArrives("b1", 1);    // routed around
+  cluster_->ReviveWhenPlanArrives("b1", 3);  // the same id, a new process
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_THAT(History(job), HasSubstr("worker b1 joined stage 2"));
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int with_b1 = 0;
+  for (const v1::JobLink& l : links->links()) {
+    SCOPED_TRACE(l.ShortDebugString());
+    if (l.from() != "b1" && l.to() != "b1") {
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_PROBE);
+      continue;
+    }
+    ++with_b1;
+    EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_REGION_TABLE);
+    EXPECT_NE(l.latency_seconds(), 0.1);
+  }
+  EXPECT_EQ(with_b1, 8);  // to and from d0, a1, a2 and b2
 }
 
 // Reports are bounded: a round trip or rate out of bounds, a peer the
@@ -958,6 +1486,12 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   const LinkMatrix::Applied a = m.AddReport("a", r, {"b", "c", "d"}, now);
   EXPECT_EQ(a.answered, std::vector<std::string>({"b"}));
   EXPECT_EQ(a.rejected, 4);
+  EXPECT_EQ(a.measured.latencies, 1);
+  EXPECT_DOUBLE_EQ(a.measured.min_latency_s, 0.02);
+  EXPECT_DOUBLE_EQ(a.measured.max_latency_s, 0.02);
+  EXPECT_EQ(a.measured.rates, 2);  // b's and d's
+  EXPECT_DOUBLE_EQ(a.measured.min_rate, 1e6);
+  EXPECT_DOUBLE_EQ(a.measured.max_rate, 2e8);
   const LinkMatrix::Entry* b = m.Find({"a", "b"});
   ASSERT_NE(b, nullptr);
   EXPECT_DOUBLE_EQ(*b->latency_s, 0.02);
@@ -1000,5 +1534,262 @@ TEST_F(JobRunnerTest, ACutLinkThatAnswersItsProbeAgainIsRestored) {
   ASSERT_TRUE(links.has_value());
   for (const v1::JobLink& l : links->links()) EXPECT_FALSE(l.cut()) << l.ShortDebugString();
 }
+
+namespace {
+
+// --- RunnerStageLoss on its own ----------------------------------------------------
+
+// The drive loop's services to a part on its own: assignments are built and
+// counted, and every worker sent one reports its stage built at the next
+// wait. A wait with nothing to wait for ends the job, so nothing wedges.
+class FakeLoop : public RunnerLoop {
+ public:
+  explicit FakeLoop(const std::string& job_id) : job_id_(job_id) {}
+
+  RunnerEvent Wait(absl::Time, const std::function<std::string()>& describe, bool, bool) override {
+    RunnerEvent ev;
+    if (building_.empty()) {
+      ev.end = JobEnd{v1::JOB_STATE_FAILED, absl::StrCat("nothing to wait for: ", describe())};
+      return ev;
+    }
+    for (const std::string& id : building_) {
+      v1::WorkerMessage m;
+      m.mutable_stage_ready()->set_job_id(job_id_);
+      ev.messages.emplace_back(id, m);
+    }
+    building_.clear();
+    return ev;
+  }
+  bool StopRequested() const override { return false; }
+  void RemoveMember(const std::string&, const std::string&, uint64_t) override {}
+  v1::CoordinatorMessage AssignmentFor(const std::string& id, int stage, uint64_t start,
+                                       const std::string&,
+                                       const std::string& restore_from) override {
+    building_.push_back(id);
+    starts.push_back(start);
+    v1::CoordinatorMessage m;
+    v1::StageAssignment* a = m.mutable_assignment();
+    a->set_job_id(job_id_);
+    a->set_worker_id(id);
+    a->set_stage(static_cast<uint32_t>(stage));
+    a->set_start_iteration(start);
+    a->set_restore_from(restore_from);
+    return m;
+  }
+
+  std::vector<uint64_t> starts;  // start_iteration of each assignment built
+
+ private:
+  const std::string job_id_;
+  std::vector<std::string> building_;
+};
+
+// The stage-loss part over the state a runner holds after its first plan:
+// a full pipeline of d0, a and b (one worker per stage) at iteration 3.
+class RunnerStageLossTest : public JobRunnerTest {
+ protected:
+  void SetUp() override {
+    JobRunnerTest::SetUp();
+    for (const char* id : {"d0", "a", "b", "late"}) cluster_->AddWorker(id);
+  }
+  void TearDown() override {
+    Reset();
+    JobRunnerTest::TearDown();
+  }
+  void Reset() {
+    loss_.reset();
+    iteration_.reset();
+    elastic_.reset();
+    loop_.reset();
+    shared_.reset();
+  }
+
+  void Build(v1::StageLossAction action, bool never_join = false) {
+    Reset();
+    v1::JobSpec spec = Spec(3, 1, 0.0, 8);
+    spec.mutable_elastic()->set_on_stage_loss(action);
+    spec.mutable_elastic()->set_never_join(never_join);
+    Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+    auto normalized = NormalizeJobSpec(std::move(spec));
+    ASSERT_TRUE(normalized.ok()) << normalized.status();
+    auto job = cluster_->jobs().Create(*normalized, absl::Now(), "submitted");
+    ASSERT_TRUE(job.ok()) << job.status();
+    job_id_ = job->id();
+    shared_ = std::make_unique<RunnerShared>(cluster_.get(), job_id_, *normalized);
+    loop_ = std::make_unique<FakeLoop>(job_id_);
+    for (const v1::WorkerInfo& w : cluster_->Infos({"d0", "a", "b"})) {
+      shared_->membership.Admit(w);
+    }
+    for (const auto& [id, stage] :
+         std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a", 1}, {"b", 2}}) {
+      shared_->membership.Set(id, stage);
+    }
+    ASSERT_TRUE(shared_->plan.BuildCostModel().ok());
+    shared_->plan.RebuildAssignment();
+    shared_->next_iteration = 3;
+    elastic_ = std::make_unique<RunnerElastic>(shared_.get(), loop_.get());
+    iteration_ = std::make_unique<RunnerIteration>(shared_.get(), loop_.get(), elastic_.get());
+    loss_ = std::make_unique<RunnerStageLoss>(shared_.get(), loop_.get(), elastic_.get(),
+                                              iteration_.get());
+  }
+
+  // b, stage 2's only worker, leaves the membership as a lost member does.
+  void LoseB() {
+    ASSERT_EQ(shared_->membership.Remove("b"), 2);
+    shared_->membership.BumpEpoch();
+    shared_->plan.RebuildAssignment();
+  }
+
+  // `id` fills stage `stage` as a joiner does (RunnerElastic::Join).
+  void Fill(const std::string& id, int stage) {
+    shared_->membership.Admit(cluster_->Infos({id}).at(0));
+    ASSERT_TRUE(shared_->plan.BuildCostModel().ok());
+    shared_->membership.Set(id, stage);
+    shared_->membership.BumpEpoch();
+    shared_->plan.RebuildAssignment();
+  }
+
+  v1::JobStatus Holding(int stage, uint64_t completed) {
+    v1::JobStatus s;
+    s.set_job_id(job_id_);
+    s.set_stage(static_cast<uint32_t>(stage));
+    s.set_completed_iterations(completed);
+    return s;
+  }
+
+  std::unique_ptr<RunnerShared> shared_;
+  std::unique_ptr<FakeLoop> loop_;
+  std::unique_ptr<RunnerElastic> elastic_;
+  std::unique_ptr<RunnerIteration> iteration_;
+  std::unique_ptr<RunnerStageLoss> loss_;
+};
+
+TEST_F(RunnerStageLossTest, EachActionRecordsTheLossOnceWithWhatItWillDo) {
+  const std::vector<std::pair<v1::StageLossAction, std::string>> cases = {
+      {v1::STAGE_LOSS_ROLLBACK,
+       "STAGE_LOSS_ROLLBACK: once every stage has a worker, the whole job starts again at "
+       "iteration 0 with fresh parameters (there is no checkpoint)"},
+      {v1::STAGE_LOSS_PAUSE,
+       "STAGE_LOSS_PAUSE: the job pauses until a worker holding its state (b) comes back, for "
+       "up to 60 s; then it fails"},
+      {v1::STAGE_LOSS_REINITIALIZE,
+       "STAGE_LOSS_REINITIALIZE: a worker that joins it starts from fresh parameters while the "
+       "other stages keep theirs"}};
+  for (const auto& [action, what] : cases) {
+    Build(action);
+    LoseB();
+    loss_->Lost(2, "b", 3);
+    loss_->Lost(2, "b", 3);  // recorded already
+    const v1::Job job = Job();
+    EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+    EXPECT_THAT(History(job), HasSubstr(absl::StrCat("stage 2 lost its last replica (worker b) "
+                                                     "and its state; elastic.on_stage_loss ",
+                                                     what)));
+    EXPECT_THAT(shared_->lost_stages, ElementsAre(2));
+  }
+  const std::string scraped = cluster_->Scrape();
+  for (const char* action : {"rollback", "pause", "reinitialize"}) {
+    EXPECT_THAT(scraped, HasSubstr(absl::StrCat("detour_coordinator_stage_losses_total{action=\"",
+                                                action, "\"} 1\n")));
+  }
+}
+
+TEST_F(RunnerStageLossTest, NothingIsRecordedForAJobWithoutElasticTraining) {
+  Build(v1::STAGE_LOSS_PAUSE);
+  shared_->spec.mutable_elastic()->set_disabled(true);
+  LoseB();
+  EXPECT_FALSE(loss_->KeepHolder(2, "b"));
+  loss_->Lost(2, "b", 3);
+  EXPECT_EQ(Count(Job(), v1::JobHistoryEvent::KIND_STAGE_LOST), 0) << History(Job());
+  EXPECT_THAT(shared_->lost_stages, IsEmpty());
+}
+
+// PAUSE: only the lost holder, with an open session and at the job's
+// iteration, takes its stage back; the others are ignored.
+TEST_F(RunnerStageLossTest, OnlyThePausedStagesHolderComesBackAndOnlyInStep) {
+  Build(v1::STAGE_LOSS_ROLLBACK);
+  LoseB();
+  EXPECT_FALSE(loss_->KeepHolder(2, "b")) << "a rollback keeps no holder";
+
+  Build(v1::STAGE_LOSS_PAUSE);
+  LoseB();
+  EXPECT_TRUE(loss_->KeepHolder(2, "b"));
+  loss_->Lost(2, "b", 3);
+  EXPECT_FALSE(loss_->KeepHolder(2, "b")) << "the stage's loss is recorded already";
+  cluster_->Kill("b");
+  loss_->Readmit("a", Holding(2, 3));  // not the holder
+  loss_->Readmit("b", Holding(2, 2));  // an iteration behind the job
+  loss_->Readmit("b", Holding(1, 3));  // another stage
+  loss_->Readmit("b", Holding(2, 3));  // its session is closed
+  EXPECT_FALSE(shared_->membership.IsMember("b"));
+  EXPECT_THAT(shared_->lost_stages, ElementsAre(2));
+  const int aborts = cluster_->Sent("abort");
+
+  cluster_->AddWorker("b");  // the process kept the state and registers again
+  const uint64_t epoch = shared_->membership.epoch();
+  loss_->Readmit("b", Holding(2, 3));
+  ASSERT_TRUE(shared_->membership.IsMember("b"));
+  EXPECT_EQ(shared_->membership.members().at("b"), 2);
+  EXPECT_THAT(shared_->lost_stages, IsEmpty());
+  EXPECT_EQ(shared_->membership.epoch(), epoch + 1);
+  EXPECT_EQ(cluster_->Sent("abort"), aborts + 3) << "the iteration starts again with b";
+  EXPECT_THAT(History(Job()), HasSubstr("worker b came back holding stage 2's state at "
+                                        "iteration 3"));
+  ASSERT_EQ(Job().stages_size(), 3);
+  EXPECT_THAT(Job().stages(2).nodes(), ElementsAre("b"));
+  loss_->Readmit("b", Holding(2, 3));
+  EXPECT_EQ(Count(Job(), v1::JobHistoryEvent::KIND_WORKER_JOINED), 1) << "once";
+  EXPECT_FALSE(loss_->Recover().has_value());
+  EXPECT_TRUE(loop_->starts.empty()) << "nobody rebuilds a stage";
+}
+
+// ROLLBACK once the lost stage has a worker again: every member rebuilds
+// its stage at the iteration rolled back to (0 without a checkpoint).
+TEST_F(RunnerStageLossTest, RollbackRebuildsEveryStageOnceTheLostOneHasAWorker) {
+  Build(v1::STAGE_LOSS_ROLLBACK);
+  LoseB();
+  loss_->Lost(2, "b", 3);
+  Fill("late", 2);
+  const uint64_t epoch = shared_->membership.epoch();
+  const std::optional<JobEnd> end = loss_->Recover();
+  ASSERT_FALSE(end.has_value()) << end->message;
+  EXPECT_THAT(loop_->starts, ElementsAre(0, 0, 0));
+  EXPECT_EQ(shared_->next_iteration, 0u);
+  EXPECT_THAT(shared_->lost_stages, IsEmpty());
+  EXPECT_EQ(shared_->membership.epoch(), epoch + 1);
+  const v1::Job job = Job();
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("rolled back from iteration 3 to iteration 0 (no "
+                                      "checkpoint: fresh parameters in every stage) on 3 "
+                                      "workers"));
+  EXPECT_FALSE(loss_->Recover().has_value());
+  EXPECT_EQ(loop_->starts.size(), 3u) << "nothing lost is left to roll back";
+}
+
+// A lost stage without a worker pauses the job (here it fails at once:
+// never_join forbids the replacement a rollback needs); REINITIALIZE does
+// not wait at the boundary at all.
+TEST_F(RunnerStageLossTest, ALostStageWithoutAWorkerPausesUnlessItIsReinitialized) {
+  Build(v1::STAGE_LOSS_ROLLBACK, /*never_join=*/true);
+  LoseB();
+  loss_->Lost(2, "b", 3);
+  std::optional<JobEnd> end = loss_->Recover();
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->state, v1::JOB_STATE_FAILED);
+  EXPECT_THAT(end->message, HasSubstr("stage 2 lost its state; waiting for a worker to roll back "
+                                      "with and elastic.never_join forbids replacements"));
+  EXPECT_EQ(Count(Job(), v1::JobHistoryEvent::KIND_PAUSED), 1) << History(Job());
+  EXPECT_TRUE(loop_->starts.empty());
+
+  Build(v1::STAGE_LOSS_REINITIALIZE, /*never_join=*/true);
+  LoseB();
+  loss_->Lost(2, "b", 3);
+  end = loss_->Recover();
+  EXPECT_FALSE(end.has_value()) << end->message;
+  EXPECT_EQ(Count(Job(), v1::JobHistoryEvent::KIND_PAUSED), 0) << History(Job());
+  EXPECT_THAT(shared_->lost_stages, ElementsAre(2)) << "a joiner reinitializes it";
+}
+
+}  // namespace
 
 }  // namespace detour

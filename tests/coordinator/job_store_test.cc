@@ -6,6 +6,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/files.h"
@@ -48,6 +49,14 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
     EXPECT_EQ(store.Cancel("job-000001", t0).status().code(),
               absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(store.Cancel("job-9", t0).status().code(), absl::StatusCode::kNotFound);
+    // An id that names a job by its number gets the job's id as a hint.
+    for (const char* near : {"2", "job-2", "job2", "jb-000002"}) {
+      EXPECT_EQ(store.Get(near).status().message(),
+                absl::StrCat("no job \"", near, "\" (did you mean job-000002?)"));
+    }
+    EXPECT_EQ(store.Get("job-000003").status().message(), "no job \"job-000003\"");
+    EXPECT_EQ(store.Get(std::string(100, '7')).status().message(),
+              absl::StrCat("no job \"", std::string(64, '7'), "\""));
     EXPECT_EQ(store.List(v1::JOB_STATE_PENDING).size(), 1u);
   }
   // A new store over the same directory sees the same jobs and continues

@@ -1,6 +1,7 @@
 // The job runner's parts on their own: membership and loss evidence, the
 // planning model over a membership, checkpoints, the message link and the
 // job record (coordinator/runner_*.h). No threads, no processes.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -191,6 +192,63 @@ TEST_F(MembershipTest, ReportsFromOrAboutOutsidersAreIgnored) {
   EXPECT_FALSE(m_.HasSuspects());
   EXPECT_THAT(m_.Judge(Registry(), kT0 + absl::Seconds(5), grace_, silence_), IsEmpty());
   EXPECT_THAT(m_.TakeNewCuts(), IsEmpty());
+}
+
+// Members d0 (stage 0), a1 and a2 (stage 1), b (stage 2); microbatch 0
+// goes d0 -> a1 -> b and back to d0 for the loss.
+std::map<uint32_t, v1::Route> RouteD0A1B() {
+  v1::Route r;
+  r.set_microbatch(0);
+  r.set_data_node("d0");
+  for (const char* n : {"d0", "a1", "b"}) r.add_nodes(n);
+  for (uint32_t s : {0u, 1u, 2u}) r.add_stages(s);
+  return {{0, r}};
+}
+
+TEST_F(MembershipTest, ABadFrameIsOnlyHeardFromTheMemberItWasSentTo) {
+  const auto routes = RouteD0A1B();
+  // Forwards go along the route and on to the data node; backwards the
+  // other way; all-reduce inputs between replicas of one stage.
+  EXPECT_TRUE(m_.PlanSends(routes, "d0", "a1", v1::DIRECTION_FORWARD, 0));
+  EXPECT_TRUE(m_.PlanSends(routes, "b", "d0", v1::DIRECTION_FORWARD, 0));
+  EXPECT_TRUE(m_.PlanSends(routes, "d0", "b", v1::DIRECTION_BACKWARD, 0));
+  EXPECT_TRUE(m_.PlanSends(routes, "a1", "d0", v1::DIRECTION_BACKWARD, 0));
+  EXPECT_TRUE(m_.PlanSends(routes, "a1", "a2", v1::DIRECTION_ALLREDUCE, 0));
+  EXPECT_FALSE(m_.PlanSends(routes, "a2", "b", v1::DIRECTION_FORWARD, 0)) << "not on the route";
+  EXPECT_FALSE(m_.PlanSends(routes, "a1", "b", v1::DIRECTION_BACKWARD, 0)) << "wrong way";
+  EXPECT_FALSE(m_.PlanSends(routes, "d0", "a1", v1::DIRECTION_FORWARD, 1)) << "no microbatch 1";
+  EXPECT_FALSE(m_.PlanSends(routes, "d0", "b", v1::DIRECTION_ALLREDUCE, 0)) << "other stages";
+  std::string refused;
+  EXPECT_FALSE(m_.ReportBadFrame("stranger", "a1", true, "NaN", &refused));
+  EXPECT_THAT(refused, HasSubstr("not a member"));
+  EXPECT_FALSE(m_.ReportBadFrame("a1", "a1", true, "NaN", &refused));
+  EXPECT_FALSE(m_.ReportBadFrame("a1", "stranger", true, "NaN", &refused));
+  EXPECT_THAT(refused, HasSubstr("not another live member"));
+  EXPECT_FALSE(m_.ReportBadFrame("b", "a2", false, "NaN", &refused));
+  EXPECT_THAT(refused, HasSubstr("a2 sends no such frame to b"));
+  EXPECT_FALSE(m_.HasSuspects());
+}
+
+TEST_F(MembershipTest, AnExcludedMemberIsGoneAtOnceAndNotTakenBack) {
+  std::string refused;
+  auto e = m_.ReportBadFrame("b", "a1", true, std::string(1000, 'x'), &refused);
+  ASSERT_TRUE(e.has_value()) << refused;
+  EXPECT_EQ(e->member, "a1");
+  EXPECT_THAT(e->why, HasSubstr("excluded: b received a frame from it with values no honest"));
+  EXPECT_LT(e->why.size(), 400u) << "the reporter's text is bounded";
+  m_.Exclude(e->member, e->why, kT0);
+  EXPECT_TRUE(m_.HasSuspects()) << "the loss check runs at once";
+  // No grace: gone at the next judgement, with the reason.
+  EXPECT_THAT(m_.Judge(Registry(), kT0, grace_, silence_), ElementsAre(Pair("a1", e->why)));
+  EXPECT_EQ(m_.Remove("a1"), 1);
+  EXPECT_FALSE(m_.HasSuspects());
+  EXPECT_TRUE(m_.NotJoinable(kT0 + absl::Minutes(9)).count("a1"));
+  EXPECT_FALSE(m_.NotJoinable(kT0 + RunnerMembership::kExcludeBackoff).count("a1"));
+  // One exclusion per reporter: b reporting a second member is excluded itself.
+  e = m_.ReportBadFrame("b", "a2", true, "NaN", &refused);
+  ASSERT_TRUE(e.has_value()) << refused;
+  EXPECT_EQ(e->member, "b");
+  EXPECT_THAT(e->why, HasSubstr("a second member (a1, then a2)"));
 }
 
 TEST(RunnerMembershipDeficitTest, SpecCountsMinusLiveOnes) {
@@ -386,6 +444,203 @@ TEST(PlannerCutLinkTest, TheRouteSearchFindsWhatTheFullSchedulersColumnsMiss) {
   for (const sim::Route& r : around->plan.routes) {
     EXPECT_EQ(r.stages, (std::vector<int>{0, 1, 2})) << "still the full model";
   }
+}
+
+// --- resuming the plan ----------------------------------------------------------
+
+// A job's planner as the coordinator starts it: `ids` in node order, the
+// first plan a fresh search seeded with seed + `first_iteration`, the
+// members placed by it.
+struct PlannedJob {
+  PlannedJob(const v1::JobSpec& job_spec, const std::vector<std::string>& ids,
+             uint64_t first_iteration)
+      : spec(job_spec) {
+    for (const std::string& id : ids) membership.Admit(Info(id, kT0));
+    planner = std::make_unique<RunnerPlanner>("job-1", &spec, &network, &membership);
+    EXPECT_TRUE(planner->BuildCostModel().ok());
+    auto first = planner->PlanFirst(spec.seed() + first_iteration);
+    EXPECT_TRUE(first.ok()) << first.status();
+    const sim::StageAssignment& a = planner->assignment();
+    for (int s = 0; s < a.num_stages(); ++s) {
+      for (int n : a.stage_nodes[s]) membership.Set(planner->cost().node_id(n), s);
+    }
+  }
+  v1::JobSpec spec;
+  v1::ClusterSpec network;
+  RunnerMembership membership;
+  std::unique_ptr<RunnerPlanner> planner;
+};
+
+// A plan's routes by microbatch as (stage, replica position) visits: what
+// the workers compute does not depend on which worker holds a position.
+std::map<int, std::vector<std::pair<int, int>>> Positions(const sim::Plan& plan) {
+  std::map<int, std::vector<std::pair<int, int>>> out;
+  for (const sim::Route& r : plan.routes) {
+    std::vector<std::pair<int, int>>& visits = out[r.microbatch];
+    for (size_t i = 0; i < r.nodes.size(); ++i) {
+      const std::vector<int>& nodes = plan.assignment.stage_nodes.at(r.stages[i]);
+      visits.emplace_back(
+          r.stages[i],
+          static_cast<int>(std::find(nodes.begin(), nodes.end(), r.nodes[i]) - nodes.begin()));
+    }
+  }
+  return out;
+}
+
+// The e2e tests' small model (tests/e2e/micro_job.h) on 4 stages with
+// routes that skip a quarter of them.
+v1::JobSpec ResumeSpec(int data_nodes, int microbatches, int replicas, bool tiny) {
+  v1::JobSpec spec;
+  spec.set_name("resume");
+  spec.set_iterations(16);
+  spec.set_seed(11);
+  if (tiny) {
+    spec.mutable_model()->set_preset("tiny");
+  } else {
+    v1::ModelShape* m = spec.mutable_model();
+    m->set_num_layers(4);
+    m->set_d_model(32);
+    m->set_num_heads(2);
+    m->set_ffn_dim(64);
+    m->set_context_length(16);
+  }
+  v1::PipelineSpec* p = spec.mutable_pipeline();
+  p->set_num_stages(4);
+  p->set_data_nodes(data_nodes);
+  p->set_replicas_per_stage(replicas);
+  p->set_microbatches_per_data_node(microbatches);
+  p->set_samples_per_microbatch(2);
+  p->set_skip_ratio(0.25);
+  auto n = NormalizeJobSpec(spec);
+  EXPECT_TRUE(n.ok()) << n.status();
+  return *n;
+}
+
+std::vector<std::string> Workers(const std::string& prefix, int n) {
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) out.push_back(absl::StrCat(prefix, i));
+  return out;
+}
+
+// A job resumed at iteration `at` from the plan kept with the checkpoint
+// plans what the straight run plans at `at` and after, on other workers.
+// Both specs are ones where a fresh search at `at` (the resume before the
+// plan was kept) plans other routes than the straight run's re-plan.
+TEST(ResumedPlanTest, AResumedJobPlansWhatTheStraightRunPlans) {
+  struct Case {
+    v1::JobSpec spec;
+    int workers;
+    uint64_t at;
+  };
+  const std::vector<Case> cases = {
+      {ResumeSpec(2, 4, 1, false), 5, 6},  // as in ElasticTest.ResumeOnSkipSpecsIsBitExact
+      {ResumeSpec(2, 3, 2, true), 8, 7},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.spec.pipeline().data_nodes(), " data nodes x ",
+                              c.spec.pipeline().microbatches_per_data_node(), ", ",
+                              c.spec.pipeline().replicas_per_stage(), " replicas, resumed at ",
+                              c.at));
+    PlannedJob straight(c.spec, Workers("w", c.workers), 0);
+    std::vector<sim::Plan> plans;  // the straight run's, from `at` on
+    v1::CheckpointPlan kept;
+    for (uint64_t i = 0; i < c.at + 3; ++i) {
+      if (i == c.at) kept = straight.planner->WarmStart("ckpt", i);
+      auto p = straight.planner->PlanIteration(i, 0, 0);
+      ASSERT_TRUE(p.ok()) << p.status();
+      straight.planner->KeepRoutes(*p);
+      if (i >= c.at) plans.push_back(p->plan);
+    }
+    EXPECT_EQ(kept.checkpoint(), "ckpt");
+    EXPECT_EQ(kept.iteration(), c.at);
+    EXPECT_EQ(kept.routes_size(), straight.planner->total_microbatches());
+
+    // Other workers: one replaced, and listed in another order.
+    std::vector<std::string> ids = Workers("w", c.workers);
+    ids[1] = "spare";
+    std::reverse(ids.begin(), ids.end());
+    PlannedJob resumed(c.spec, ids, c.at);
+    ASSERT_TRUE(resumed.planner->first_plan().has_value());
+    EXPECT_NE(Positions(resumed.planner->first_plan()->plan), Positions(plans[0]))
+        << "a fresh search at the checkpoint's iteration finds the straight run's routes: this "
+           "case no longer shows what the kept plan is for";
+    auto order = resumed.planner->ResumedNodeOrder(kept, c.at);
+    ASSERT_TRUE(order.ok()) << order.status();
+    std::vector<std::string> sorted = *order;
+    std::sort(sorted.begin(), sorted.end());
+    std::sort(ids.begin(), ids.end());
+    EXPECT_EQ(sorted, ids) << "every worker once";
+    resumed.membership.mutable_node_order() = *order;
+    ASSERT_TRUE(resumed.planner->BuildCostModel().ok());
+    ASSERT_TRUE(resumed.planner->PlanResumed(kept, c.at).ok());
+    for (uint64_t i = c.at; i < c.at + 3; ++i) {
+      auto p = resumed.planner->PlanIteration(i, c.at, 0);
+      ASSERT_TRUE(p.ok()) << p.status();
+      resumed.planner->KeepRoutes(*p);
+      EXPECT_EQ(Positions(p->plan), Positions(plans[i - c.at])) << "iteration " << i;
+      EXPECT_EQ(p->plan.assignment.stage_nodes, plans[i - c.at].assignment.stage_nodes)
+          << "numbered as the straight run numbers its nodes";
+    }
+  }
+}
+
+// A kept plan is input: one that does not fit the resumed job (another
+// replica count, another iteration) or is corrupt is refused with the
+// reason, and the fresh search's plan and assignment stay.
+TEST(ResumedPlanTest, AKeptPlanThatDoesNotFitIsRefused) {
+  const v1::JobSpec spec = ResumeSpec(1, 4, 2, true);
+  PlannedJob straight(spec, Workers("w", 7), 0);
+  auto p = straight.planner->PlanIteration(0, 0, 0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  straight.planner->KeepRoutes(*p);
+  const v1::CheckpointPlan kept = straight.planner->WarmStart("ckpt", 1);
+  ASSERT_EQ(kept.stages_size(), 4);
+  ASSERT_EQ(kept.routes_size(), 4);
+
+  PlannedJob resumed(spec, Workers("x", 7), 1);
+  const sim::StageAssignment fresh = resumed.planner->assignment();
+  auto refused = [&](const v1::CheckpointPlan& plan, uint64_t at) {
+    auto order = resumed.planner->ResumedNodeOrder(plan, at);
+    EXPECT_EQ(resumed.planner->PlanResumed(plan, at).code(), order.status().code());
+    EXPECT_EQ(resumed.planner->assignment().stage_nodes, fresh.stage_nodes);
+    return order.ok() ? std::string("accepted") : std::string(order.status().message());
+  };
+  EXPECT_TRUE(resumed.planner->ResumedNodeOrder(kept, 1).ok());
+  EXPECT_EQ(refused(kept, 2), "it was kept at iteration 1, the job resumes at 2");
+
+  v1::CheckpointPlan other = kept;  // one replica per stage
+  for (int s = 1; s < 4; ++s) other.mutable_stages(s)->mutable_nodes()->RemoveLast();
+  EXPECT_EQ(refused(other, 1), "stage 1 had 1 workers, the resumed job gives it 2");
+  other = kept;
+  other.mutable_stages()->RemoveLast();
+  EXPECT_EQ(refused(other, 1), "it has 3 stages, the job 4");
+  other = kept;
+  other.mutable_stages(2)->set_nodes(0, other.stages(1).nodes(0));
+  EXPECT_THAT(refused(other, 1), HasSubstr("holds two positions"));
+  other = kept;
+  other.mutable_routes(1)->set_microbatch(other.routes(0).microbatch());
+  EXPECT_THAT(refused(other, 1), HasSubstr("is repeated or not below 4"));
+  other = kept;
+  other.mutable_routes(0)->set_microbatch(4);
+  EXPECT_THAT(refused(other, 1), HasSubstr("is repeated or not below 4"));
+  other = kept;
+  other.mutable_routes(0)->set_stages(0, 1);
+  EXPECT_THAT(refused(other, 1), HasSubstr("does not start at stage 0"));
+  other = kept;
+  other.mutable_routes(0)->add_stages(3);
+  EXPECT_THAT(refused(other, 1), HasSubstr("replicas, or does not start at stage 0"));
+  other = kept;
+  other.mutable_routes(0)->set_stages(1, 4);
+  EXPECT_THAT(refused(other, 1), HasSubstr("visits stage 4 replica"));
+  other = kept;
+  other.mutable_routes(0)->set_replicas(1, 2);
+  EXPECT_THAT(refused(other, 1), HasSubstr("replica 2, which the plan does not have"));
+  for (int i = 0; i < 4; ++i) *other.add_routes() = kept.routes(0);
+  EXPECT_THAT(refused(other, 1), HasSubstr("routes for 4 microbatches"));
+
+  // A worker the first plan left out cannot take a position.
+  PlannedJob more(spec, Workers("y", 8), 1);
+  EXPECT_FALSE(more.planner->ResumedNodeOrder(kept, 1).ok());
 }
 
 TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {

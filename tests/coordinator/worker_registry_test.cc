@@ -9,10 +9,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-v1::RegisterRequest Request(const std::string& id) {
+v1::RegisterRequest Request(const std::string& id, const std::string& region = "Oregon") {
   v1::RegisterRequest r;
   r.set_worker_id(id);
-  r.set_region("Oregon");
+  r.set_region(region);
   r.set_address("127.0.0.1:9000");
   return r;
 }
@@ -176,6 +176,128 @@ TEST(WorkerRegistry, RejectsBadRegistrations) {
   EXPECT_EQ(registry.List(false)[0].metrics_address(), "127.0.0.1:9471");
   EXPECT_EQ(registry.Heartbeat("forged", v1::Heartbeat(), t0).status().code(),
             absl::StatusCode::kUnauthenticated);
+}
+
+// What a WorkerDirectory mirrors: the registration and whether the worker is
+// lost, announced on those changes only, never for a heartbeat.
+TEST(WorkerRegistry, RecordsChangeOnRegistrationLossAndForgettingOnly) {
+  WorkerRegistry registry(absl::Seconds(10), absl::Seconds(2));
+  int changes = 0;
+  registry.SetRecordListener([&] { ++changes; });
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  auto a = registry.Register(Request("a"), t0);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(changes, 1);
+  v1::Heartbeat busy;
+  busy.set_job_id("job-000001");
+  ASSERT_TRUE(registry.Heartbeat(a->session_token(), busy, t0 + absl::Seconds(1)).ok());
+  registry.SessionOpened(a->session_token(), t0 + absl::Seconds(1));
+  EXPECT_EQ(changes, 1);
+  std::vector<v1::WorkerInfo> records = registry.Records();
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0].worker_id(), "a");
+  EXPECT_EQ(records[0].region(), "Oregon");
+  EXPECT_EQ(records[0].state(), v1::WORKER_STATE_IDLE);
+  EXPECT_EQ(records[0].heartbeats(), 0u);
+  EXPECT_TRUE(records[0].job_id().empty());
+  EXPECT_FALSE(records[0].session_open());
+  EXPECT_FALSE(records[0].has_last_heartbeat_time());
+  EXPECT_TRUE(records[0].has_registered_time());
+  EXPECT_TRUE(WorkerRegistry::CheckRecord(records[0]).ok());
+
+  ASSERT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(12)).size(), 1u);
+  EXPECT_EQ(changes, 2);
+  EXPECT_EQ(registry.Records()[0].state(), v1::WORKER_STATE_LOST);
+  ASSERT_TRUE(registry.Heartbeat(a->session_token(), {}, t0 + absl::Seconds(13)).ok());
+  EXPECT_EQ(changes, 3);  // heard from again
+  EXPECT_TRUE(registry.MarkSilentWorkersLost(t0 + absl::Seconds(14)).empty());
+  EXPECT_EQ(changes, 3);
+  registry.MarkSilentWorkersLost(t0 + absl::Seconds(24));   // lost
+  registry.MarkSilentWorkersLost(t0 + absl::Seconds(114));  // forgotten
+  EXPECT_EQ(changes, 5);
+  EXPECT_TRUE(registry.Records().empty());
+}
+
+// A new leader's registry takes the previous one's records: the workers
+// await their reconnection (lost, no session), new workers do not get
+// their ids, and each takes its own back by registering with it.
+TEST(WorkerRegistry, RestoredWorkersKeepTheirIds) {
+  WorkerRegistry before(absl::Seconds(10), absl::Seconds(2));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  ASSERT_TRUE(before.Register(Request(""), t0).ok());  // w1
+  ASSERT_TRUE(before.Register(Request(""), t0).ok());  // w2
+  ASSERT_TRUE(before.Register(Request("gpu"), t0).ok());
+
+  WorkerRegistry after(absl::Seconds(10), absl::Seconds(2));
+  int changes = 0;
+  after.SetRecordListener([&] { ++changes; });
+  const absl::Time t1 = t0 + absl::Seconds(100);
+  auto taken = after.Register(Request("gpu", "Tokyo"), t1);  // came back before the load
+  ASSERT_TRUE(taken.ok());
+  EXPECT_EQ(after.Restore(before.Records(), t1), 2);
+  EXPECT_EQ(changes, 2);
+  EXPECT_EQ(after.List(/*include_lost=*/false).size(), 1u);
+  const std::vector<v1::WorkerInfo> all = after.List(/*include_lost=*/true);
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].region(), "Tokyo");  // gpu: kept as it registered here
+  EXPECT_EQ(all[1].worker_id(), "w1");
+  EXPECT_EQ(all[1].state(), v1::WORKER_STATE_LOST);
+  EXPECT_FALSE(all[1].session_open());
+  EXPECT_FALSE(all[1].has_last_heartbeat_time());
+
+  auto fresh = after.Register(Request(""), t1);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->worker_id(), "w3");
+  auto back = after.Register(Request("w2"), t1 + absl::Seconds(1));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->worker_id(), "w2");
+  EXPECT_EQ(after.Count(v1::WORKER_STATE_IDLE), 3);
+  // Not back within 10 x the silence: forgotten like any lost worker.
+  after.MarkSilentWorkersLost(t1 + absl::Seconds(101));
+  bool has_w1 = false;
+  for (const v1::WorkerInfo& w : after.List(true)) has_w1 |= w.worker_id() == "w1";
+  EXPECT_FALSE(has_w1);
+}
+
+TEST(WorkerRegistry, RestoreSkipsRecordsThatAreNotFit) {
+  WorkerRegistry source(absl::Seconds(10), absl::Seconds(2));
+  ASSERT_TRUE(source.Register(Request("ok"), absl::FromUnixSeconds(1000)).ok());
+  const v1::WorkerInfo good = source.Records()[0];
+  std::vector<v1::WorkerInfo> records;
+  v1::WorkerInfo r = good;
+  r.set_worker_id("bad id");
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("worker_id"));
+  records.push_back(r);
+  r = good;
+  r.set_worker_id("r1");
+  r.set_device(std::string(WorkerRegistry::kMaxFieldBytes + 1, 'd'));
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("device: 257 bytes"));
+  records.push_back(r);
+  r = good;
+  r.set_worker_id("r2");
+  r.set_address("nowhere");
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("address"));
+  records.push_back(r);
+  r = good;
+  r.set_worker_id("r3");
+  r.set_speed(0);
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("speed"));
+  records.push_back(r);
+  r = good;
+  r.set_worker_id("r4");
+  r.set_state(static_cast<v1::WorkerState>(42));
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("state"));
+  records.push_back(r);
+  r = good;
+  r.set_worker_id("r5");
+  r.set_memory_slots(0);
+  EXPECT_THAT(WorkerRegistry::CheckRecord(r).message(), HasSubstr("memory_slots"));
+  records.push_back(r);
+  records.push_back(good);
+  WorkerRegistry after(absl::Seconds(10), absl::Seconds(2));
+  EXPECT_EQ(after.Restore(records, absl::FromUnixSeconds(2000)), 1);
+  ASSERT_EQ(after.List(true).size(), 1u);
+  EXPECT_EQ(after.List(true)[0].worker_id(), "ok");
 }
 
 }  // namespace

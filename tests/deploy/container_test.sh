@@ -25,6 +25,18 @@ user=$(printf '%s' "$runtime" | sed -n 's/^USER \([^: ]*\).*/\1/p' | tail -1)
 [[ -n "$user" && "$user" != root && "$user" != 0 ]] || fail "the runtime stage runs as \"${user:-root}\"; expected a non-root USER"
 printf '%s' "$runtime" | grep -q '^HEALTHCHECK .*detourctl health' || fail "no HEALTHCHECK with detourctl health (gRPC health)"
 printf '%s' "$runtime" | grep -q '^VOLUME .*/var/lib/detour' || fail "no VOLUME for /var/lib/detour"
+# A CUDA-enabled LibTorch is a build argument: its prefix reaches CMake and
+# runtime_packages.sh, and the bases are arguments too.
+joined=$(sed -e ':a' -e '/\\$/N; s/\\\n//; ta' "$file")
+grep -q '^ARG BUILD_BASE=' "$file" || fail "no ARG BUILD_BASE"
+grep -q '^ARG RUNTIME_BASE=' "$file" || fail "no ARG RUNTIME_BASE"
+grep -q '^FROM ${RUNTIME_BASE} AS runtime' "$file" || fail "the runtime stage is not FROM \${RUNTIME_BASE}"
+grep -q '^ARG TORCH_PREFIX=' "$file" || fail "no ARG TORCH_PREFIX (a CUDA-enabled LibTorch)"
+grep -q 'CMAKE_PREFIX_PATH=$TORCH_PREFIX' <<< "$joined" || fail "TORCH_PREFIX does not reach CMAKE_PREFIX_PATH"
+grep -q 'runtime_packages.sh ${TORCH_PREFIX:+--provided=$TORCH_PREFIX}' <<< "$joined" ||
+  fail "runtime_packages.sh is not told that TORCH_PREFIX's libraries come with the base"
+grep -q 'install_deps.sh ${TORCH_PREFIX:+--without-torch}' <<< "$joined" ||
+  fail "install_deps.sh installs Debian's LibTorch beside TORCH_PREFIX's"
 if printf '%s' "$runtime" | grep -Eq 'install_deps|build-essential|-dev\b|cmake --build'; then
   fail "the runtime stage installs build tools or -dev packages"
 fi
@@ -46,6 +58,13 @@ pkgs=$("$src/tools/runtime_packages.sh" "$build/coordinator/detour-coordinator" 
 grep -qx 'libgrpc++1.51' <<< "$pkgs" || fail "runtime_packages.sh misses libgrpc++1.51: $pkgs"
 if grep -q -- '-dev$' <<< "$pkgs"; then fail "runtime_packages.sh names -dev packages: $pkgs"; fi
 echo "runtime packages of the coordinator and detourctl: $(tr '\n' ' ' <<< "$pkgs")"
+# --provided: libraries under a directory the runtime base supplies are left out.
+libstdcxx=$(ldd "$build/tools/detourctl/detourctl" | awk '/libstdc\+\+/ {print $3}')
+provided=$("$src/tools/runtime_packages.sh" "--provided=$(dirname "$(readlink -f "$libstdcxx")")" \
+             "$build/tools/detourctl/detourctl") || fail "runtime_packages.sh --provided failed"
+if grep -qx 'libstdc++6' <<< "$provided"; then
+  fail "runtime_packages.sh --provided still names libstdc++6: $provided"
+fi
 
 if [[ $failures -gt 0 ]]; then
   echo "$failures failures"

@@ -42,8 +42,11 @@ expected+=(
   "$dest$sysconf/default/detour-coordinator"
   "$dest$sysconf/default/detour-worker"
   "$root/share/detour/deploy/prometheus.yml"
-  "$root/share/detour/deploy/k8s/workers.yaml"
+  "$root/share/detour/deploy/k8s/base/workers/workers.yaml"
+  "$root/share/detour/deploy/k8s/overlays/single-cluster/kustomization.yaml"
   "$root/share/detour/examples/jobs/tiny_local.json"
+  "$root/share/detour/deploy/grafana/detour-dashboard.json"
+  "$root/share/detour/deploy/etcd/etcd.default.example"
   "$root/share/doc/detour/OPERATIONS.md"
 )
 for f in "${expected[@]}"; do
@@ -130,6 +133,18 @@ fi
 [[ -d "$dest$sysconf/detour/tls" ]] || fail "tmpfiles.d did not create $sysconf/detour/tls"
 perm=$(stat -c %a "$dest$sysconf/detour/tls" 2>/dev/null || echo missing)
 [[ "$perm" == 750 ]] || fail "$sysconf/detour/tls has mode $perm, expected 750"
+
+# 4b. The units and defaults files name the configured prefix's paths (and
+# /etc only where the prefix puts its configuration there): what they say
+# is where the files are (docs/OPERATIONS.md §Install, the table).
+for f in "$root"/lib/systemd/system/detour*.service "$dest$sysconf"/default/detour-*; do
+  while read -r path; do
+    case "$path" in
+      "$prefix"/* | "$sysconf"/* | /var/lib/* | /run/* | /srv/*) ;;
+      *) fail "${f#$dest} names $path, outside the prefix $prefix and $sysconf" ;;
+    esac
+  done < <(grep -o '/\(usr\|etc\)/[A-Za-z0-9_./@%-]*detour[A-Za-z0-9_./@%-]*' "$f" | sort -u)
+done
 
 # 5. systemd-analyze verify and security, on copies whose ExecStart points
 # into the DESTDIR (verify checks the binary exists). Any word from verify is

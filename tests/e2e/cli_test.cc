@@ -95,7 +95,9 @@ TEST_F(CliTest, EveryProgramTakesBothFlagForms) {
             "--worker_silence: \"never\" is not a duration");
   BothForms({Bin(kWorker), "--device", "tpu"}, 1, 2, "--device: \"tpu\" is not cpu or cuda");
   BothForms({Bin(kWorker), "--port_offset", "5000", "--listen=127.0.0.1:65000"}, 1, 2,
-            "--port_offset: 5000 is outside");
+            "--port_offset: 5000 is not in [0, 1024]");
+  BothForms({Bin(kWorker), "--port_offset", "600", "--listen=127.0.0.1:65000"}, 1, 2,
+            "--port_offset: 600 takes --listen's port 65000 past 65535");
   // The tools.
   BothForms({Bin(kLocal), "--job", "/nonexistent/job.json", "--out", dir_ + "/local"}, 1, 2,
             "nonexistent");

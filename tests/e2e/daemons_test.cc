@@ -12,7 +12,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/json.h"
 #include "common/net/server.h"
 #include "detour/v1/control_service.grpc.pb.h"
 #include "detour/v1/job_service.grpc.pb.h"
@@ -26,6 +28,7 @@ namespace detour::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using DaemonsTest = E2eTest;
 
@@ -160,6 +163,12 @@ TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
   const std::string target2 = absl::StrCat("--coordinator=127.0.0.1:", c2.grpc_port);
   ASSERT_EQ(Run({Bin(kCtl), target2, "get", "job-000001"}, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr("cancelled"));
+  // So do its state series, though it ended before the restart (the
+  // alerts on ended jobs need them).
+  auto scrape = HttpGet(c2.metrics_port, "/metrics");
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_THAT(*scrape, HasSubstr("detour_coordinator_job_state{job_id=\"job-000001\","
+                                 "state=\"cancelled\"} 1\n"));
 }
 
 // Before its first plan a job's workers probe each other over the tensor
@@ -191,7 +200,8 @@ TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
     absl::SleepFor(absl::Milliseconds(200));
   }
   ASSERT_EQ(rc, 0) << out << c.process->Log();
-  EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 1 probe round(s)"));
+  // The start's latency round, then its bulk round.
+  EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 2 probe round(s)"));
   EXPECT_THAT(out, ::testing::ContainsRegex("w1 +w2 +[0-9.]+ ms +probe +(now|[0-9]+s ago)"));
   EXPECT_THAT(out, ::testing::ContainsRegex("w2 +w1 +[0-9.]+ ms +probe"));
   ASSERT_EQ(Run({Bin(kCtl), target, "--json", "links", "job-000001"}, &out), 0) << out;
@@ -344,10 +354,18 @@ TEST_F(DaemonsTest, FlagErrorsNameTheFlag) {
       {kCoordinator, "--listen=nowhere", "--listen: \"nowhere\" is not host:port"},
       {kCoordinator, "--worker_silence=soon", "--worker_silence: \"soon\" is not a duration"},
       {kCoordinator, "--metrics_port=70000", "--metrics_port: 70000 is outside"},
+      // 2^32 would wrap to 0 in a cast to int, turning re-planning off.
+      {kCoordinator, "--replan_every=4294967296",
+       "--replan_every: 4294967296 is not in [0, 1000000]"},
+      {kCoordinator, "--replan_every=-1", "--replan_every: -1 is not in [0, 1000000]"},
       {kWorker, "--speed=-1", "--speed: -1 must be > 0"},
       {kWorker, "--device=tpu", "--device: \"tpu\" is not cpu or cuda"},
       {kWorker, "--coordinator=host", "--coordinator: \"host\" is not host:port"},
       {kWorker, "--memory_slots=x", "--memory_slots: \"x\" is not an integer"},
+      {kWorker, "--peer_ack_timeout=0s", "--peer_ack_timeout: 0 is not in [1s, 1h]"},
+      {kWorker, "--peer_connect_timeout=2h", "--peer_connect_timeout: 2h is not in [1s, 10m]"},
+      {kWorker, "--memory_slots=0", "--memory_slots: 0 is not in [1, 1024]"},
+      {kWorker, "--torch_threads=1025", "--torch_threads: 1025 is not in [0, 1024]"},
   };
   for (const Case& c : cases) {
     std::string out;
@@ -357,6 +375,26 @@ TEST_F(DaemonsTest, FlagErrorsNameTheFlag) {
   std::string out;
   EXPECT_EQ(Run({Bin(kCoordinator), "--help"}, &out), 0);
   EXPECT_THAT(out, HasSubstr("--worker_silence"));
+}
+
+// --device=cuda on a LibTorch without CUDA (Debian's) used to start and fail
+// the first job it was given; it must refuse at once, naming the cause.
+TEST_F(DaemonsTest, WorkerRefusesCudaWithoutCuda) {
+  std::string libraries;
+  ASSERT_EQ(Run({"/bin/sh", "-c", "ldd " + Bin(kWorker)}, &libraries), 0) << libraries;
+  if (libraries.find("_cuda") != std::string::npos) {
+    GTEST_SKIP() << "this worker links a CUDA-enabled LibTorch: nothing to refuse";
+  }
+  auto [fd, port] = OccupyPort();
+  ::close(fd);  // nothing listens there: a worker that did start would retry
+  std::string out;
+  EXPECT_EQ(Run({Bin(kWorker), "--device=cuda", "--listen=127.0.0.1:0", "--metrics_port=-1",
+                 absl::StrCat("--coordinator=127.0.0.1:", port),
+                 absl::StrCat("--data_dir=", dir_, "/w"), "--connect_timeout=1s"},
+                &out),
+            2);
+  EXPECT_THAT(out, HasSubstr("--device=cuda: this worker's LibTorch was built without CUDA"));
+  EXPECT_THAT(out, Not(HasSubstr("retrying in")));
 }
 
 TEST_F(DaemonsTest, UnreachableCoordinatorIsRetriedThenReported) {
@@ -448,7 +486,8 @@ TEST_F(DaemonsTest, WorkersDropJobsARestartedCoordinatorNoLongerRuns) {
   EXPECT_TRUE(Eventually([&] { return GetJob(port, next.id()).state() == v1::JOB_STATE_SUCCEEDED; },
                          absl::Seconds(60)))
       << GetJob(port, next.id()).DebugString() << c2.process->Log();
-  EXPECT_THAT(c2.process->Log(), HasSubstr("which this coordinator does not run"));
+  // The log says what happened to the job the worker still held.
+  EXPECT_THAT(c2.process->Log(), HasSubstr(absl::StrCat(long_job.id(), ", which ended (failed")));
 }
 
 int ThreadCount(pid_t pid) {
@@ -505,6 +544,48 @@ TEST_F(DaemonsTest, InvalidStoredJobFailsOnRecoveryInsteadOfCrashing) {
   EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED) << j.DebugString();
   EXPECT_THAT(j.message(), HasSubstr("stored spec is invalid: pipeline.data_nodes: 4294967295"));
   EXPECT_FALSE(c.process->Wait(absl::Milliseconds(200)).has_value()) << c.process->Log();
+}
+
+// --log_format=json: every line the coordinator and a worker write (TLS on,
+// a worker registering, a plaintext client refused by gRPC core, a stop) is
+// one JSON object with the six fields, and gRPC core's line is among them.
+TEST_F(DaemonsTest, JsonLogLinesAreJsonObjects) {
+  Daemon c = StartCoordinator({"--log_format=json"});
+  ASSERT_GT(c.grpc_port, 0) << c.process->Log();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 1, {"--log_format=json"});
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return c.process->Log().find("\"message\":\"worker w0 registered") != std::string::npos;
+      },
+      absl::Seconds(60)))
+      << c.process->Log();
+  std::string out;
+  // Plaintext to the TLS port: gRPC core logs the failed handshake.
+  Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port), "--insecure",
+       "--timeout=2s", "list"},
+      &out, absl::Seconds(30), /*add_security=*/false);
+  ASSERT_TRUE(
+      Eventually([&] { return c.process->Log().find("\"message\":\"grpc: ") != std::string::npos; },
+                 absl::Seconds(30)))
+      << c.process->Log();
+  workers[0].process->Stop(absl::Seconds(10));
+  c.process->Stop(absl::Seconds(10));
+  for (const Daemon* d : {&c, &workers[0]}) {
+    const std::string log = d->process->Log();
+    int lines = 0;
+    for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+      ++lines;
+      auto parsed = ParseJson(line);
+      ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << line;
+      ASSERT_TRUE(parsed->is_object()) << line;
+      EXPECT_EQ(parsed->keys(), (std::vector<std::string>{"time", "level", "component", "message",
+                                                          "job", "worker"}))
+          << line;
+    }
+    EXPECT_GE(lines, 2) << log;
+  }
+  EXPECT_THAT(c.process->Log(), HasSubstr("\"worker\":\"w0\""));
+  EXPECT_THAT(workers[0].process->Log(), HasSubstr("\"component\":\"worker w0\""));
 }
 
 }  // namespace

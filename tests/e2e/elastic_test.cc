@@ -267,6 +267,19 @@ TEST_F(ElasticTest, StalledWorkerIsRoutedAroundAndMayComeBack) {
   EXPECT_THAT(History(job), HasSubstr(victim));
   // The woken worker is alive and registered again.
   EXPECT_FALSE(stalled->process->Wait(absl::Milliseconds(100)).has_value());
+  // The coordinator's log says what happened to it: it was heard again
+  // after being marked lost, and the job runs on without it (it used to say
+  // the coordinator "does not run" the job).
+  const std::string log = c.process->Log();
+  EXPECT_THAT(log, ::testing::AnyOf(
+                       HasSubstr(absl::StrCat("worker ", victim, " is back holding job ", job.id(),
+                                              ", which runs on without it")),
+                       // Heard again only after the job ended.
+                       HasSubstr(absl::StrCat("still holds job ", job.id(), ", which ended"))));
+  EXPECT_THAT(log,
+              ::testing::AnyOf(HasSubstr(absl::StrCat("worker ", victim, " heartbeats again")),
+                               HasSubstr(absl::StrCat("worker ", victim, " registers again"))));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("does not run")));
 }
 
 // Replicas of two stages stall at once and come back: each is lost, drops
@@ -320,8 +333,9 @@ TEST_F(ElasticTest, TwoStallsComeBackAndRefillTwoShortStages) {
 }
 
 // Both replicas of a stage die: the full pipeline cannot skip it, so the job
-// pauses; a worker started then joins the empty stage from the newest
-// checkpoint and the job finishes.
+// pauses; a worker started then joins the empty stage, and the whole job
+// goes back to its newest checkpoint (elastic.on_stage_loss ROLLBACK, the
+// default) and finishes.
 TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 10);
   spec.mutable_checkpoint()->set_every_iterations(2);
@@ -346,14 +360,17 @@ TEST_F(ElasticTest, StageLosingAllReplicasPausesUntilANewWorkerJoins) {
   ExpectHealthyEnd(job, c);
   EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_WORKER_JOINED), 1) << History(job);
   EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_CONTINUED), 1) << History(job);
-  EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("to checkpoint"));
+  EXPECT_EQ(job.progress().iteration(), 10u);
   ASSERT_EQ(job.stages(2).nodes_size(), 1);
   EXPECT_EQ(NodeOf(job, 2, 0), fresh.id);
 }
 
 // Both replicas of stage 2 die while stage 1 has two: instead of waiting
-// for a new worker, a replica of stage 1 moves to the empty stage (from the
-// newest checkpoint) and the job finishes on the four workers left.
+// for a new worker, a replica of stage 1 moves to the empty stage, the job
+// goes back to its newest checkpoint and finishes on the four workers left.
 TEST_F(ElasticTest, StageLosingAllReplicasTakesASpareReplica) {
   v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 10);
   spec.mutable_checkpoint()->set_every_iterations(2);
@@ -369,7 +386,8 @@ TEST_F(ElasticTest, StageLosingAllReplicasTakesASpareReplica) {
   ExpectHealthyEnd(job, c);
   ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_REASSIGNED), 1) << History(job);
   EXPECT_THAT(History(job), HasSubstr("from stage 1 to stage 2"));
-  EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("to checkpoint"));
   EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_JOINED), 0) << History(job);
   ASSERT_EQ(job.stages(1).nodes_size(), 1);
   ASSERT_EQ(job.stages(2).nodes_size(), 1);
@@ -498,12 +516,14 @@ TEST_F(ElasticTest, SpareReplicaMovesToAThinSlowStage) {
   EXPECT_EQ(MetricValue(c, "detour_coordinator_job_workers_reassigned_total"), 1);
 }
 
-// With skip routes a stage that lost its only worker is skipped by every
-// route (no pause); a worker started later fills it again from the newest
-// checkpoint.
+// With skip routes and elastic.on_stage_loss REINITIALIZE, a stage that
+// lost its only worker is skipped by every route (no pause); a worker
+// started later fills it again from the newest checkpoint. (ROLLBACK, the
+// default, pauses instead: what trains meanwhile would be rolled back.)
 TEST_F(ElasticTest, EmptyStageIsSkippedThenRefilled) {
   v1::JobSpec spec = ElasticJob(4, 1, 1, 0.25, 150);  // routes visit 3 of 4 stages
   spec.mutable_checkpoint()->set_every_iterations(2);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_REINITIALIZE);
   RunSkipThenRefill(spec);
 }
 
@@ -515,6 +535,7 @@ TEST_F(ElasticTest, EmptyStageOfAKfacJobIsSkippedThenRefilled) {
   spec.mutable_checkpoint()->set_every_iterations(2);
   spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_KFAC);
   spec.mutable_optimizer()->mutable_kfac()->set_lr(3e-3);
+  spec.mutable_elastic()->set_on_stage_loss(v1::STAGE_LOSS_REINITIALIZE);
   spec = *NormalizeJobSpec(spec);
   RunSkipThenRefill(spec);
 }
@@ -543,6 +564,8 @@ void ElasticTest::RunSkipThenRefill(const v1::JobSpec& spec) {
   ASSERT_EQ(job.stages(2).nodes_size(), 1);
   EXPECT_EQ(NodeOf(job, 2, 0), fresh.id);
   EXPECT_THAT(History(job), HasSubstr("from checkpoint"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_STAGE_LOST), 1) << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_ROLLED_BACK), 0) << History(job);
   if (spec.optimizer().kind() == v1::OPTIMIZER_KFAC) {
     EXPECT_GT(job.progress().kfac_refreshes(), 0u);
   }
@@ -603,6 +626,32 @@ TEST_F(ElasticTest, CoordinatorKillKeepsTheJob) {
   EXPECT_EQ(job.progress().iteration(), 12u);
 }
 
+// A graceful stop (SIGTERM: `systemctl restart`, a rollout) keeps the job
+// as kill -9 does: the coordinator exits 0 within its drain timeout leaving
+// the job RUNNING and its workers holding their stages; the restarted one
+// re-attaches to them. SIGTERM used to FAIL every running job.
+TEST_F(ElasticTest, CoordinatorTermKeepsTheJob) {
+  const v1::JobSpec spec = ElasticJob(3, 1, 1, 0.0, 12);
+  Daemon c = StartCoordinator({"--drain_timeout=5s"});
+  const int port = c.grpc_port;
+  std::vector<Daemon> workers = StartWorkers(port, 3, WorkerFlags());
+  ElasticRun run(this, port, spec);
+  ASSERT_TRUE(run.ReachIteration(3, absl::Seconds(90))) << c.process->Log();
+  const absl::Time stop = absl::Now();
+  c.process->Signal(SIGTERM);
+  ASSERT_EQ(c.process->Wait(absl::Seconds(15)), 0) << c.process->Log();
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(7)) << "the drain timeout is 5 s";
+  EXPECT_THAT(c.process->Log(), HasSubstr("left RUNNING at iteration"));
+  EXPECT_THAT(c.process->Log(), Not(HasSubstr("failed: ")));
+  Daemon c2 = StartCoordinator({absl::StrCat("--listen=127.0.0.1:", port)}, "c2");
+  ASSERT_EQ(c2.grpc_port, port) << c2.process->Log();
+  const v1::Job job = run.AwaitEnd(absl::Seconds(120));
+  ExpectHealthyEnd(job, c2);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_REATTACHED), 1) << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  EXPECT_EQ(job.progress().iteration(), 12u);
+}
+
 // The coordinator stops (SIGSTOP) for longer than the workers' heartbeat
 // silence: after SIGCONT nobody counts as lost and the job goes on at once
 // (it used to hang until the 10-minute iteration timeout).
@@ -633,11 +682,13 @@ std::vector<std::string> StageChecksums(const std::string& dir) {
 
 // Trains `spec` on `workers` fresh workers (one run), or with a failure
 // after the checkpoint halfway and `detourctl resume` on other workers;
-// returns the final checkpoint's stage checksums.
+// returns the final checkpoint's stage checksums (and the ended job in
+// `end` when not null).
 std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::JobSpec& spec,
                                                 bool interrupt, int port,
                                                 std::vector<Daemon>& workers,
-                                                const std::string& ctl, const Daemon& c) {
+                                                const std::string& ctl, const Daemon& c,
+                                                v1::Job* end = nullptr) {
   ElasticRun run(test, port, spec);
   if (interrupt) {
     const uint64_t half = spec.checkpoint().every_iterations();
@@ -664,6 +715,7 @@ std::vector<std::string> TrainStraightOrResumed(ElasticTest* test, const v1::Job
     EXPECT_EQ(job.resumes(), 1u);
     EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_RESUMED), 1) << History(job);
   }
+  if (end != nullptr) *end = job;
   return StageChecksums(job.last_checkpoint());
 }
 
@@ -704,6 +756,77 @@ TEST_F(ElasticTest, ResumeEqualsAStraightRunBitForBit) {
     const auto resumed = TrainStraightOrResumed(this, spec, true, c.grpc_port, workers, ctl, c);
     ASSERT_EQ(straight.size(), 3u);
     EXPECT_EQ(straight, resumed);
+  }
+}
+
+// The same on skip specs: SKIPPIPE routes that visit three of four stages,
+// two data nodes and three activation slots, so a stage's backwards (and
+// its replicas' all-reduce contributions) arrive in an order that varies
+// from run to run. Gradients join a stage's sum in microbatch order and
+// replicas sum in rank order, so the bits depend on the plan alone (with
+// the sums in arrival order instead, even two straight runs end with other
+// checksums). The plan must then be the same in both runs: the coordinator
+// neither re-plans from measured timings (--replan_every=0: at the default,
+// the routes change at the fifth iteration, differently in every run) nor
+// from measured links (--link_probe=false: probed latencies pick other
+// routes and stage assignments), and the resumed coordinator's first plan
+// continues the plan kept with the checkpoint (Job.checkpoint_plan): the
+// re-plan the straight run makes there, from the routes it used last. The
+// second spec is one where a fresh search at the checkpoint's iteration,
+// which the resumed coordinator made before, plans other routes (microbatch
+// 0 visits stages 2 and 3 instead of 1 and 2) and the final stage files
+// differed. The manifest names one file per stage, the first replica's; the
+// coordinator checks every iteration that the replicas' parameters agree,
+// so a job that succeeds has them equal.
+TEST_F(ElasticTest, ResumeOnSkipSpecsIsBitExact) {
+  Daemon c = StartCoordinator({"--replan_every=0", "--link_probe=false"});
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 8, WorkerFlags());
+  const std::string ctl = Bin(kCtl);
+  struct Case {
+    int replicas;
+    int microbatches;  // per data node
+    int checkpoint_every;
+  };
+  for (const Case& k : {Case{2, 3, 8}, Case{1, 4, 6}}) {
+    v1::JobSpec spec = MicroJob(4, 2, k.replicas, 0.25, 2 * k.checkpoint_every);
+    spec.set_name(absl::StrCat("skip-", k.replicas, "-replicas"));
+    SCOPED_TRACE(spec.name());
+    spec.mutable_pipeline()->set_microbatches_per_data_node(k.microbatches);
+    spec.mutable_pipeline()->set_memory_slots(3);
+    spec.mutable_checkpoint()->set_every_iterations(k.checkpoint_every);
+    spec.mutable_checkpoint()->set_keep_last(4);
+    spec.mutable_elastic()->set_disabled(true);
+    spec = *NormalizeJobSpec(spec);
+    ASSERT_EQ(spec.pipeline().scheduler(), v1::SCHEDULER_SKIPPIPE);
+    std::vector<std::vector<std::string>> results;  // straight, resumed
+    for (const bool interrupt : {false, true}) {
+      SCOPED_TRACE(interrupt ? "resumed" : "straight");
+      v1::Job job;
+      results.push_back(
+          TrainStraightOrResumed(this, spec, interrupt, c.grpc_port, workers, ctl, c, &job));
+      if (interrupt) {
+        EXPECT_THAT(History(job), HasSubstr("the plan continues the one kept with the checkpoint"));
+      }
+      // The last plan: every replica of every stage takes microbatches, and
+      // every route visits 2 of the 3 stages after the data nodes.
+      ASSERT_EQ(job.stages_size(), 4);
+      int visits = 0;
+      for (int s = 0; s < 4; ++s) {
+        ASSERT_EQ(job.stages(s).nodes_size(), s == 0 ? 2 : k.replicas) << s;
+        for (const std::string& id : job.stages(s).nodes()) {
+          const auto found = job.progress().planned_visits().find(id);
+          ASSERT_NE(found, job.progress().planned_visits().end()) << id;
+          EXPECT_GT(found->second, 0u) << "worker " << id << " of stage " << s;
+          if (s > 0) visits += static_cast<int>(found->second);
+        }
+      }
+      EXPECT_EQ(visits, 2 * 2 * k.microbatches);
+    }
+    ASSERT_EQ(results[0].size(), 4u);
+    EXPECT_EQ(results[0], results[1])
+        << "if the resumed run planned other routes than the straight one, the planner or the "
+           "plan kept with the checkpoint changed, not the arithmetic: docs/RUNTIME.md, "
+           "\"Resume from a checkpoint\"";
   }
 }
 
@@ -845,6 +968,10 @@ TEST_F(ElasticTest, ResumeOnOtherReplicaCounts) {
     EXPECT_EQ(job.stages(2).nodes_size(), resumed);
     EXPECT_THAT(History(job), HasSubstr(absl::StrCat("at iteration 4 on ", 1 + 2 * resumed,
                                                      " workers (", resumed, " per stage)")));
+    // The plan kept with the checkpoint is for other replica counts (or,
+    // when the job got past iteration 8 before the cancel, for another
+    // checkpoint): the resumed job plans afresh.
+    EXPECT_THAT(History(job), HasSubstr("a new plan (none kept with the checkpoint fits: "));
     // Iteration 4 (progress 5) runs on the checkpoint's parameters: the same
     // loss as the first run's, which had those parameters then.
     ASSERT_TRUE(second.count(5)) << "the resumed run logged no loss for iteration 4";

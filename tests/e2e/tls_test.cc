@@ -3,6 +3,8 @@
 // only under its certificate's name and with a certificate from the cluster
 // CA; a worker's ActivationService takes frames only from certified members
 // of its job.
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -47,18 +49,22 @@ class TlsTest : public E2eTest {
     return loaded.ok() ? *loaded : TransportSecurity::Insecure();
   }
 
+  // Written 0600: detourctl refuses a token file that others may read.
   std::string WriteFile(const std::string& name, const std::string& text) {
     const std::string path = dir_ + "/" + name;
     std::ofstream(path) << text;
+    ::chmod(path.c_str(), 0600);
     return path;
   }
 
   // A coordinator with --auth_tokens: kReadToken (read, also the role of
   // certificate "reader") and kSubmitToken (submit).
   Daemon StartCoordinatorWithTokens() {
-    const std::string tokens = WriteFile(
-        "tokens",
-        absl::StrCat("# test tokens\n", kReadToken, " read reader\n", kSubmitToken, " submit\n"));
+    const std::string tokens =
+        WriteFile("tokens", absl::StrCat("# test tokens\n", kReadToken, " read reader\n",
+                                         kSubmitToken, " submit\n",
+                                         // names a worker: its certificate still gets no role
+                                         "worker-named-token-0123456789 read w1\n"));
     return StartCoordinator({"--auth_tokens=" + tokens});
   }
 
@@ -187,6 +193,19 @@ TEST_F(TlsTest, ClientsNeedATokenOrCertificateWithTheRole) {
   EXPECT_EQ(SubmitCode(reader.get(), ""), grpc::StatusCode::PERMISSION_DENIED);
   auto unnamed = v1::JobService::NewStub(MakeChannel(address, Client("e2e-client")));
   EXPECT_EQ(ListCode(unnamed.get(), ""), grpc::StatusCode::PERMISSION_DENIED);
+  // A worker's certificate is no client's, even when the tokens file names
+  // its CN; with a token the token decides.
+  auto worker = v1::JobService::NewStub(MakeChannel(address, Client("w1")));
+  EXPECT_EQ(ListCode(worker.get(), ""), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(ListCode(worker.get(), kReadToken), grpc::StatusCode::OK);
+  std::string denied;
+  EXPECT_EQ(
+      Run({Bin(kCtl), "--coordinator=" + address, "--tls_ca=" + CertsDir() + "/ca.crt",
+           "--tls_cert=" + CertFor("w1") + ".crt", "--tls_key=" + CertFor("w1") + ".key", "list"},
+          &denied, absl::Seconds(30), false),
+      1)
+      << denied;
+  EXPECT_THAT(denied, HasSubstr("certificate CN=w1 is a worker's, not a client's"));
 
   // detourctl: --token_file, $DETOUR_TOKEN, and the error it prints.
   const std::string read_file = WriteFile("read.token", absl::StrCat(kReadToken, "\n"));
@@ -221,6 +240,47 @@ TEST_F(TlsTest, ClientsNeedATokenOrCertificateWithTheRole) {
   ::unsetenv("DETOUR_TOKEN");
   // Plaintext to a TLS port does not get through.
   EXPECT_EQ(Run({Bin(kCtl), target, "--insecure", "list"}, &out, absl::Seconds(30), false), 3);
+}
+
+// Jobs belong to their submitter, a named token's or a certificate's:
+// another submitter cannot cancel them, an admin can, the events say who,
+// and `detourctl list --owner` finds them.
+TEST_F(TlsTest, JobsBelongToWhoeverSubmittedThem) {
+  constexpr char kAlice[] = "alice-token-0123456789abcdef";
+  constexpr char kRoot[] = "root-token-0123456789abcdef";
+  const std::string tokens = WriteFile(
+      "owner_tokens",
+      absl::StrCat(kAlice, " submit alice\n", kSubmitToken, " submit\n", kRoot, " admin root\n"));
+  Daemon c = StartCoordinator({"--auth_tokens=" + tokens});
+  ASSERT_GT(c.grpc_port, 0);
+  const std::string address = absl::StrCat("127.0.0.1:", c.grpc_port);
+  auto stub = v1::JobService::NewStub(MakeChannel(address, Client()));
+  std::string id;
+  ASSERT_EQ(SubmitCode(stub.get(), kAlice, &id), grpc::StatusCode::OK);
+  EXPECT_EQ(CancelCode(stub.get(), kSubmitToken, id), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(CancelCode(stub.get(), kRoot, id), grpc::StatusCode::OK);
+  EXPECT_THAT(c.process->Log(), HasSubstr(absl::StrCat("job ", id, " cancelled by root")));
+
+  const std::string target = "--coordinator=" + address;
+  const std::string ca = absl::StrCat("--tls_ca=", CertsDir(), "/ca.crt");
+  const std::string token_file = WriteFile("alice.token", absl::StrCat(kAlice, "\n"));
+  std::string out;
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + token_file, "events", id}, &out,
+                absl::Seconds(30), false),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("submitted by alice"));
+  EXPECT_THAT(out, HasSubstr("cancelled by root"));
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + token_file, "list", "--owner=alice"},
+                &out, absl::Seconds(30), false),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr(id));
+  EXPECT_EQ(Run({Bin(kCtl), target, ca, "--token_file=" + token_file, "list", "--owner=bob"}, &out,
+                absl::Seconds(30), false),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("no jobs"));
 }
 
 TEST_F(TlsTest, WorkerWithACertificateFromAnotherCaCannotRegister) {

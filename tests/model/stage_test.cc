@@ -168,6 +168,64 @@ TEST_F(StageTest, RecomputedActivationsGiveIdenticalGradients) {
   }
 }
 
+// The gradients of four microbatches summed with their backwards in two
+// different orders: ordered accumulation gives the same bits, on stage 0
+// (the loss's pass, then the blocks' pass of each microbatch, interleaved
+// with the others') and on a middle stage; summed as they run, they differ
+// (float addition does not associate).
+TEST_F(StageTest, OrderedAccumulationSumsInMicrobatchOrderWhateverTheRunOrder) {
+  auto run = [](int index, bool ordered, const std::vector<uint32_t>& order) {
+    v1::JobSpec spec = SmallSpec();
+    spec.mutable_pipeline()->set_memory_slots(4);
+    auto stage = Stage::FromJobSpec(spec, index, at::Device(at::kCPU));
+    EXPECT_TRUE(stage.ok()) << stage.status();
+    (*stage)->SetOrderedAccumulation(ordered);
+    at::manual_seed(11);
+    std::map<uint32_t, at::Tensor> grad, targets, hidden;
+    for (uint32_t mb = 0; mb < 4; ++mb) {
+      const at::Tensor in =
+          index == 0 ? at::randint(0, 256, {2, 16}, at::kLong) : at::randn({2, 16, 32});
+      grad[mb] = at::randn({2, 16, 32}) * static_cast<double>(mb + 1) * 1e3;
+      targets[mb] = at::randint(0, 256, {2, 16}, at::kLong);
+      hidden[mb] = at::randn({2, 16, 32}) * static_cast<double>(mb + 1);
+      EXPECT_TRUE((*stage)->Forward(mb, in).ok());
+    }
+    for (uint32_t mb : order) {
+      if (index == 0) {
+        auto loss = (*stage)->LossAndBackward(mb, hidden[mb], targets[mb]);
+        EXPECT_TRUE(loss.ok()) << loss.status();
+      }
+    }
+    for (uint32_t mb : order) EXPECT_TRUE((*stage)->Backward(mb, grad[mb]).ok());
+    EXPECT_EQ((*stage)->kept_gradients(), ordered ? 4u : 0u);
+    EXPECT_TRUE((*stage)->FoldGradients(2).ok());
+    EXPECT_EQ((*stage)->kept_gradients(), ordered ? 2u : 0u);
+    EXPECT_TRUE((*stage)->FoldGradients().ok());
+    EXPECT_EQ((*stage)->kept_gradients(), 0u);
+    EXPECT_EQ((*stage)->visits(), 4);
+    std::vector<at::Tensor> out;
+    for (const auto& [name, p] : (*stage)->Parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i].defined() != b[i].defined()) return false;
+      if (a[i].defined() && !at::equal(a[i], b[i])) return false;
+    }
+    return true;
+  };
+  for (int index : {0, 2}) {
+    SCOPED_TRACE(index);
+    const std::vector<uint32_t> forward = {0, 1, 2, 3};
+    const std::vector<uint32_t> shuffled = {3, 1, 0, 2};
+    EXPECT_TRUE(same(run(index, true, forward), run(index, true, shuffled)));
+    EXPECT_FALSE(same(run(index, false, forward), run(index, false, shuffled)));
+    // In order, ordered accumulation is the plain sum.
+    EXPECT_TRUE(same(run(index, true, forward), run(index, false, forward)));
+  }
+}
+
 TEST_F(StageTest, BadInputsAreStatusesWithContext) {
   v1::JobSpec spec = SmallSpec();
   auto s2 = Stage::FromJobSpec(spec, 2, at::Device(at::kCPU));

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/test_paths.h"
 
 namespace detour {
 namespace {
@@ -182,6 +185,61 @@ TEST(GrpcServer, ASlowHandshakeStillConnects) {
     EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));  // the proxy did delay it
   }
   server->server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+// A connection that never does its TLS handshake is closed after the
+// server's handshake_timeout (gRPC's own default held it 120 s), and one
+// that does it is served.
+TEST(GrpcServer, ASilentConnectionIsClosedAfterTheHandshakeTimeout) {
+  char pattern[] = "/tmp/detour-server-test.XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  const std::string gen = absl::StrCat(testing::SourceDir(), "/tools/gen_certs.sh ", dir,
+                                       " --coordinator coordinator --client alice > /dev/null");
+  ASSERT_EQ(std::system(gen.c_str()), 0) << gen;
+  TlsFiles files;
+  files.ca = dir + "/ca.crt";
+  files.cert = dir + "/coordinator.crt";
+  files.key = dir + "/coordinator.key";
+  auto security = TransportSecurity::Load(files, /*client=*/false);
+  ASSERT_TRUE(security.ok()) << security.status();
+  GrpcServerOptions options;
+  options.listen = HostPort{"127.0.0.1", 0};
+  options.security = *security;
+  options.handshake_timeout = absl::Seconds(1);
+  auto server = StartGrpcServer(std::move(options), "test");
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server->port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const absl::Time start = absl::Now();
+  pollfd p{fd, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 30000), 1) << "still open after 30 s";
+  char byte;
+  EXPECT_LE(::recv(fd, &byte, 1, 0), 0);  // closed, nothing sent
+  const absl::Duration open = absl::Now() - start;
+  EXPECT_GE(open, absl::Milliseconds(900));
+  EXPECT_LT(open, absl::Seconds(30));
+  ::close(fd);
+
+  TlsFiles client;
+  client.ca = files.ca;
+  client.cert = dir + "/alice.crt";
+  client.key = dir + "/alice.key";
+  auto client_security = TransportSecurity::Load(client, /*client=*/true);
+  ASSERT_TRUE(client_security.ok()) << client_security.status();
+  auto stub = Health::NewStub(
+      MakeChannel(absl::StrCat("127.0.0.1:", server->port), *client_security, "coordinator"));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, HealthCheckRequest(), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  server->server->Shutdown(absl::ToChronoTime(absl::Now()));
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
 }
 
 }  // namespace

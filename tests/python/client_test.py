@@ -14,15 +14,18 @@ whatever the outcome.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 from unittest import mock
@@ -38,6 +41,7 @@ except ImportError as e:
 READ_TOKEN = "py-test-read-token-0001"
 SUBMIT_TOKEN = "py-test-submit-token-0001"
 CERT_READER_TOKEN = "py-test-cert-reader-token"  # gives certificate CN py-reader the read role
+OWNER_TOKEN = "py-test-owner-token-0001"  # submit, named py-alice: her jobs' owner
 
 SOURCE_DIR = ""
 BUILD_DIR = ""
@@ -128,6 +132,39 @@ class Daemon:
                 self.process.wait(timeout=5)
 
 
+class FakeFollower:
+    """A gRPC server on 127.0.0.1 that answers every unary call as a
+    coordinator following `leader` does: UNAVAILABLE naming the leader in the
+    message and in the detour-leader trailing metadata. TLS with
+    `credentials` (grpc.ssl_server_credentials), else plaintext."""
+
+    def __init__(self, leader, credentials=None):
+        self.calls = 0
+
+        def refuse(request, context):
+            del request
+            self.calls += 1
+            context.set_trailing_metadata(((detour.client.LEADER_METADATA, leader),))
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "this coordinator is not the leader; the leader is at " + leader)
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, handler_call_details):
+                del handler_call_details
+                return grpc.unary_unary_rpc_method_handler(refuse)
+
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        self.server.add_generic_rpc_handlers((Handler(),))
+        if credentials is None:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            self.port = self.server.add_secure_port("127.0.0.1:0", credentials)
+        self.server.start()
+
+    def stop(self):
+        self.server.stop(grace=None)
+
+
 def gen_certs(out, *names):
     subprocess.run([os.path.join(SOURCE_DIR, "tools/gen_certs.sh"), out] + list(names),
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
@@ -143,6 +180,43 @@ class OfflineTest(unittest.TestCase):
         self.assertEqual(job_service_pb2.Job.DESCRIPTOR.file.name, "detour/v1/job_service.proto")
         with self.assertRaises(ImportError):
             __import__("detour.v1")  # no top-level copies of the generated packages
+
+    def test_a_single_name_is_resolved_to_every_address(self):
+        """One host:port whose host is a DNS name stands for every address it
+        resolves to; the certificate is verified against the name."""
+        answer = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 7070)),
+                  (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::2", 7070, 0, 0)),
+                  (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 7070))]
+        with mock.patch("socket.getaddrinfo", return_value=answer) as lookup, \
+                mock.patch("grpc.secure_channel") as channel:
+            c = detour.Client("coordinators.example:7070")
+            lookup.assert_called_once_with("coordinators.example", 7070, type=socket.SOCK_STREAM)
+            self.assertEqual(c._addresses, ["10.0.0.1:7070", "[fd00::2]:7070"])
+            self.assertEqual(c.address, "10.0.0.1:7070")
+            self.assertEqual(channel.call_args.args[0], "10.0.0.1:7070")
+            self.assertIn(("grpc.ssl_target_name_override", "coordinators.example"),
+                          channel.call_args.kwargs["options"])
+            # A leader named by a redirection is verified against its own host.
+            c._connect("leader.example:7070")
+            self.assertNotIn("grpc.ssl_target_name_override",
+                             [k for k, _ in channel.call_args.kwargs["options"]])
+            # An explicit server_name wins.
+            c = detour.Client("coordinators.example:7070", server_name="other.example")
+            overrides = [v for k, v in channel.call_args.kwargs["options"]
+                         if k == "grpc.ssl_target_name_override"]
+            self.assertEqual(overrides, ["other.example"])
+            # IP literals and lists are taken as they are.
+            lookup.reset_mock()
+            for address in ("127.0.0.1:7070", "[::1]:7070", "a.example:1,b.example:2",
+                            "unix:/tmp/socket"):
+                c = detour.Client(address, insecure=True)
+                self.assertEqual(c.address, address.split(",")[0])
+            lookup.assert_not_called()
+        # A name that does not resolve is kept (the first call fails).
+        with mock.patch("socket.getaddrinfo", side_effect=socket.gaierror(-2, "unknown")):
+            c = detour.Client("nowhere.invalid:7070", insecure=True)
+            self.assertEqual(c._addresses, ["nowhere.invalid:7070"])
+            c.close()
 
     def test_views_cover_every_proto_field(self):
         proto = {f.name for f in detour.pb.JobProgress.DESCRIPTOR.fields}
@@ -180,6 +254,43 @@ class OfflineTest(unittest.TestCase):
         stream = [event(), event(1, 2, 3), event(2, 3, 4), event(2, 3, 4), event(4, 5, 6)]
         got = [e.iteration for e in detour.Client._new_history(stream)]
         self.assertEqual(got, [1, 2, 3, 4, 5, 6])
+
+    def test_import_errors_name_their_cause(self):
+        # Each missing dependency is named with the package that brings it,
+        # not hidden behind "No module named 'google'".
+        cases = [("google.protobuf", "protobuf runtime (module google.protobuf)",
+                  "pip install protobuf"),
+                 ("grpc", "gRPC (module grpc)", "pip install grpcio"),
+                 ("detour._proto", "generated modules (detour._proto) are missing",
+                  "detour_python")]
+        for blocked, named, remedy in cases:
+            code = "import sys; sys.modules[%r] = None; import detour" % blocked
+            result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    text=True, timeout=60)
+            self.assertNotEqual(result.returncode, 0, blocked)
+            self.assertIn(named, result.stderr, blocked)
+            self.assertIn(remedy, result.stderr, blocked)
+
+    def test_token_files_others_may_read_are_refused(self):
+        directory = tempfile.mkdtemp(prefix="detour-pytest-token-")
+        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+        token_file = os.path.join(directory, "token")
+        with open(token_file, "w", encoding="utf-8") as f:
+            f.write(READ_TOKEN + "\n")
+        for mode in (0o644, 0o640, 0o604, 0o620):
+            os.chmod(token_file, mode)
+            with self.assertRaises(detour.ConfigError) as e:
+                detour.Client("127.0.0.1:1", insecure=True, token_file=token_file)
+            self.assertIn("%s has mode %04o" % (token_file, mode), e.exception.message)
+            self.assertIn("chmod 600 " + token_file, e.exception.message)
+        for mode in (0o600, 0o400):
+            os.chmod(token_file, mode)
+            detour.Client("127.0.0.1:1", insecure=True, token_file=token_file).close()
+
+    def test_job_view_has_the_owner(self):
+        job = detour.Job.from_proto(detour.pb.Job(id="j", owner="alice"))
+        self.assertEqual(job.owner, "alice")
+        self.assertEqual(detour.Job.from_proto(detour.pb.Job(id="j")).owner, "")
 
     def test_error_messages_name_the_field(self):
         from detour.errors import spec_field
@@ -245,7 +356,9 @@ class TlsCoordinatorTest(ClusterTest):
         tokens = os.path.join(cls.dir, "tokens")
         with open(tokens, "w", encoding="utf-8") as f:
             f.write("# python client test\n%s read\n%s submit\n%s read py-reader\n"
-                    % (READ_TOKEN, SUBMIT_TOKEN, CERT_READER_TOKEN))
+                    "%s submit py-alice\n"
+                    % (READ_TOKEN, SUBMIT_TOKEN, CERT_READER_TOKEN, OWNER_TOKEN))
+        os.chmod(tokens, 0o600)  # the coordinator refuses a tokens file others may read
         cls.coordinator = cls.start_coordinator(cls.tls("coordinator") +
                                                 ["--auth_tokens=" + tokens])
         cls.address = "127.0.0.1:%d" % cls.coordinator.port
@@ -428,6 +541,7 @@ class TlsCoordinatorTest(ClusterTest):
         token_file = os.path.join(self.dir, "token")
         with open(token_file, "w", encoding="utf-8") as f:
             f.write("  %s\n" % READ_TOKEN)
+        os.chmod(token_file, 0o600)  # others may not read a token file
         self.assertIsInstance(self.client(token_file=token_file).list(), list)
         os.environ["DETOUR_TOKEN"] = SUBMIT_TOKEN
         c = self.client()
@@ -443,6 +557,25 @@ class TlsCoordinatorTest(ClusterTest):
             self.client(token="a", token_file=token_file)
         with self.assertRaisesRegex(detour.ConfigError, "cannot read"):
             self.client(token_file=os.path.join(self.dir, "no-such-token"))
+
+    def test_a_name_finds_the_leader_over_tls(self):
+        """A TLS follower reached through "localhost": the certificate is
+        verified against the name, and the client follows the follower to the
+        leader."""
+        prefix = os.path.join(self.certs, "coordinator")
+        with open(prefix + ".key", "rb") as key, open(prefix + ".crt", "rb") as crt:
+            credentials = grpc.ssl_server_credentials(((key.read(), crt.read()),))
+        follower = FakeFollower(self.address, credentials)
+        self.addCleanup(follower.stop)
+        c = self.client("localhost:%d" % follower.port, token=READ_TOKEN)
+        self.assertIsInstance(c.list(), list)
+        self.assertEqual(c.address, self.address)
+        self.assertGreaterEqual(follower.calls, 1)
+        # A certificate for another name is refused.
+        c = self.client("localhost:%d" % follower.port, token=READ_TOKEN,
+                        server_name="elsewhere.example", timeout=5)
+        with self.assertRaises(detour.Unavailable):
+            c.list()
 
     def test_transport_errors(self):
         # A server certificate from another CA: the handshake fails.
@@ -495,6 +628,38 @@ class TlsCoordinatorTest(ClusterTest):
         stream.close()  # cancels the call; nothing hangs
         with self.assertRaises(detour.NotFound):
             next(c.watch("job-999999"))
+
+    def test_streams_carry_the_credentials(self):
+        # watch and events(follow=True) send the token as unary calls do:
+        # a read token may follow, no credentials may not.
+        job_id = self.submitter().submit(pending_spec("py-stream-token"))
+        self.addCleanup(lambda: self.submitter().cancel(job_id))
+        reader = self.client(token=READ_TOKEN)
+        stream = reader.watch(job_id)
+        self.assertEqual(next(stream).state, detour.JobState.PENDING)
+        stream.close()
+        history = reader.events(job_id, follow=True)
+        self.assertEqual(next(history).kind, "client_action")  # "submitted by ..."
+        history.close()
+        with self.assertRaises(detour.Unauthenticated):
+            next(self.client().watch(job_id))
+        with self.assertRaises(detour.Unauthenticated):
+            next(self.client().events(job_id, follow=True))
+
+    def test_jobs_have_owners(self):
+        alice = self.client(token=OWNER_TOKEN)
+        job_id = alice.submit(pending_spec("py-owned"))
+        self.addCleanup(lambda: alice.cancel(job_id))
+        self.assertEqual(alice.get(job_id).owner, "py-alice")
+        self.assertIn(job_id, [j.id for j in alice.list(owner="py-alice")])
+        self.assertTrue(all(j.owner == "py-alice" for j in alice.list(owner="py-alice")))
+        self.assertNotIn(job_id, [j.id for j in alice.list(owner="py-nobody")])
+        # Another submitter may not cancel her job.
+        with self.assertRaises(detour.PermissionDenied) as e:
+            self.submitter().cancel(job_id)
+        self.assertIn("py-alice", e.exception.message)
+        with self.assertRaises(ValueError):
+            alice.list(owner="x" * 129)
 
     def test_watch_until_succeeded(self):
         if not self.workers:
@@ -562,6 +727,20 @@ class InsecureCoordinatorTest(ClusterTest):
         with self.assertRaises(detour.Unavailable), detour.Client(self.address, timeout=5) as c:
             c.list()
 
+    def test_a_name_finds_the_leader(self):
+        """"localhost" (as a DNS name with an A record per coordinator would
+        be) at a follower's port: the client follows it to the leader, where
+        the follower's IP literal alone is refused as before."""
+        follower = FakeFollower(self.address)
+        self.addCleanup(follower.stop)
+        with detour.Client("localhost:%d" % follower.port, insecure=True) as c:
+            self.assertIsInstance(c.list(), list)
+            self.assertEqual(c.address, self.address)
+        self.assertGreaterEqual(follower.calls, 1)
+        with detour.Client("127.0.0.1:%d" % follower.port, insecure=True) as c:
+            with self.assertRaisesRegex(detour.Unavailable, "not the leader"):
+                c.list()
+
     def test_command_line(self):
         spec = os.path.join(self.dir, "cli.json")
         with open(spec, "w", encoding="utf-8") as f:
@@ -590,6 +769,74 @@ class InsecureCoordinatorTest(ClusterTest):
                                  "list"], capture_output=True, text=True, timeout=30, check=False)
         self.assertEqual(result.returncode, 2, result.stderr)
         self.assertIn("give --tls_ca", result.stderr)
+
+
+class WatchAcrossRestartTest(ClusterTest):
+    """watch() follows a job through a coordinator killed and started again."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.make_dir()
+        cls.coordinator = cls.start_coordinator(["--insecure"])
+        cls.address = "127.0.0.1:%d" % cls.coordinator.port
+
+    def restart(self):
+        """SIGKILL, then the same coordinator (data, port) again."""
+        old = self.coordinator
+        old.process.kill()
+        old.process.wait(timeout=30)
+        type(self).coordinator = self.start("coordinator-again", [
+            binary(COORDINATOR), "--listen=" + self.address, "--metrics_port=0",
+            "--metrics_bind=127.0.0.1", "--data_dir=" + os.path.join(self.dir, "coordinator"),
+            "--worker_silence=1500ms", "--heartbeat_interval=200ms", "--insecure"])
+
+    def test_watch_reconnects_and_repeats_nothing(self):
+        c = detour.Client(self.address, insecure=True)
+        self.addCleanup(c.close)
+        job_id = c.submit(pending_spec("py-restart"))
+        # The timeout keeps a broken reconnection from hanging the test.
+        stream = c.watch(job_id, timeout=120, reconnect_for=90)
+        events = [next(stream)]
+        self.assertEqual(events[0].state, detour.JobState.PENDING)
+        failures = []
+
+        def restart_and_cancel():
+            try:
+                self.restart()
+                with detour.Client(self.address, insecure=True) as other:
+                    other.cancel(job_id)
+            except Exception as e:  # pylint: disable=broad-except
+                failures.append(e)
+
+        thread = threading.Thread(target=restart_and_cancel)
+        with self.assertLogs("detour", "WARNING") as logs:
+            thread.start()
+            try:
+                events.extend(stream)
+            finally:
+                thread.join(timeout=120)
+        self.assertEqual(failures, [])
+        self.assertEqual(events[-1].state, detour.JobState.CANCELLED, events[-1].job.message)
+        self.assertTrue(all(not e.job.ended for e in events[:-1]))
+        for before, after in zip(events, events[1:]):
+            self.assertNotEqual(before.job.proto, after.job.proto)  # nothing repeated
+        self.assertTrue(any("reconnecting in" in line and job_id in line for line in logs.output),
+                        logs.output)
+        # The history continues across the restart: each event once.
+        history = list(c.events(job_id, follow=True, timeout=30))
+        self.assertEqual(len(history), len(set((e.time, e.message) for e in history)))
+        self.assertTrue(any("cancelled" in e.message for e in history), history)
+
+    def test_gives_up_after_reconnect_for(self):
+        c = detour.Client("127.0.0.1:1", insecure=True)
+        self.addCleanup(c.close)
+        # Never reached: at once, not after reconnect_for.
+        start = time.monotonic()
+        with self.assertRaises(detour.Unavailable):
+            next(c.watch("job-000001", reconnect_for=60))
+        self.assertLess(time.monotonic() - start, 30)
+        with self.assertRaises(ValueError):
+            c.watch("job-000001", reconnect_for=-1)
 
 
 def main():

@@ -45,6 +45,20 @@ v1::FrameHeader Frame(uint32_t mb, v1::Direction d, uint32_t hop, uint64_t epoch
   return h;
 }
 
+// The peers whose connections a worker opens when a plan arrives: its
+// neighbours on each of its routes, both ways, and its replicas.
+TEST(PlanSendTargets, NeighboursOnEveryRouteAndTheReplicaGroup) {
+  const v1::IterationPlan plan = Plan();
+  using V = std::vector<std::string>;
+  // d0 sends activations to a and b; c's go back to it and its gradients go
+  // to c (the last stage).
+  EXPECT_EQ(PlanSendTargets(plan, "d0", {}), (V{"a", "b", "c"}));
+  EXPECT_EQ(PlanSendTargets(plan, "a", {"a", "b"}), (V{"b", "c", "d0", "d1"}));
+  EXPECT_EQ(PlanSendTargets(plan, "c", {}), (V{"a", "b", "d0", "d1"}));
+  EXPECT_EQ(PlanSendTargets(plan, "d1", {}), (V{"a", "c"}));
+  EXPECT_EQ(PlanSendTargets(plan, "spare", {}), V{});
+}
+
 TEST(IterationTracker, AcceptsOnlyThisNodesHopsOnce) {
   IterationTracker a(Plan(), "a");
   EXPECT_EQ(a.Accept(Frame(0, v1::DIRECTION_FORWARD, 1)).verdict, Verdict::kRun);
@@ -61,6 +75,21 @@ TEST(IterationTracker, AcceptsOnlyThisNodesHopsOnce) {
   EXPECT_EQ(loss.verdict, Verdict::kRun);
   EXPECT_TRUE(loss.loss);
   EXPECT_THAT(d0.Own(), ElementsAre(0, 1));
+}
+
+// The first microbatch still owing a backward here: gradients of those
+// below it are final and may join the stage's sum, in order.
+TEST(IterationTracker, FirstBackwardOwedSkipsWhatRanAndWhatFroze) {
+  IterationTracker c(Plan(), "c");
+  EXPECT_EQ(c.FirstBackwardOwed(), 0u);
+  c.BackwardRan(1, 2);
+  EXPECT_EQ(c.FirstBackwardOwed(), 0u);  // 1 ran out of order
+  c.BackwardRan(0, 2);
+  EXPECT_EQ(c.FirstBackwardOwed(), 2u);
+  c.Freeze({"d1"}, 1);  // 2 crossed the lost data node
+  EXPECT_EQ(c.FirstBackwardOwed(), std::nullopt);
+  IterationTracker b(Plan(), "b");
+  EXPECT_EQ(b.FirstBackwardOwed(), 1u);  // b visits microbatch 1 only
 }
 
 TEST(IterationTracker, LocalWorkIsDoneWhenEveryOwedBackwardRan) {

@@ -6,9 +6,12 @@
 // with the state of a live one.
 #include "worker/runtime/job_runtime.h"
 
+#include <ATen/ATen.h>
+
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <memory>
@@ -23,6 +26,7 @@
 #include "common/spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/runtime/runtime_part.h"
 
 namespace detour {
 namespace {
@@ -39,9 +43,12 @@ class FakeNetwork {
    public:
     Transport(FakeNetwork* net) : net_(net) {}
     void SetPeers(const std::vector<PeerEndpoint>& peers) override {
-      absl::MutexLock lock(&mu_);
-      peers_.clear();
-      for (const PeerEndpoint& p : peers) peers_.insert(p.worker_id);
+      {
+        absl::MutexLock lock(&mu_);
+        peers_.clear();
+        for (const PeerEndpoint& p : peers) peers_.insert(p.worker_id);
+      }
+      for (const PeerEndpoint& p : peers) net_->SawLink(p.worker_id, p.link);
     }
     void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) override {
       {
@@ -50,6 +57,11 @@ class FakeNetwork {
           done(absl::NotFoundError(absl::StrCat("no peer ", to)), 0);
           return;
         }
+      }
+      header.set_total_bytes(data.bytes);
+      if (net_->MaybeHold(to, header, data)) {
+        done(absl::OkStatus(), 0.001);
+        return;
       }
       JobRuntime* peer = net_->Alive(to);
       if (peer == nullptr) {
@@ -94,6 +106,39 @@ class FakeNetwork {
     return raw;
   }
 
+  // Tensors of `direction` to `to` are held until one came for every
+  // microbatch of `order`, then delivered in that order.
+  void HoldThenDeliver(const std::string& to, v1::Direction direction,
+                       std::vector<uint32_t> order) {
+    absl::MutexLock lock(&mu_);
+    holds_[{to, direction}].order = std::move(order);
+  }
+  bool MaybeHold(const std::string& to, const v1::FrameHeader& header, const TensorView& data) {
+    std::vector<std::pair<v1::FrameHeader, std::vector<uint8_t>>> deliver;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = holds_.find({to, header.direction()});
+      if (it == holds_.end()) return false;
+      Hold& h = it->second;
+      const auto* bytes = static_cast<const uint8_t*>(data.data);
+      h.held[header.microbatch()] = {header, std::vector<uint8_t>(bytes, bytes + data.bytes)};
+      if (h.held.size() < h.order.size()) return true;
+      for (uint32_t mb : h.order) deliver.push_back(std::move(h.held[mb]));
+      holds_.erase(it);
+    }
+    JobRuntime* peer = Alive(to);
+    for (auto& [header, bytes] : deliver) {
+      auto buffer = peer == nullptr ? absl::UnavailableError("gone") : peer->Allocate(header);
+      if (!buffer.ok()) {
+        ADD_FAILURE() << "held tensor for " << to << ": " << buffer.status();
+        continue;
+      }
+      std::memcpy(buffer->data, bytes.data(), bytes.size());
+      peer->Deliver(header, *std::move(buffer));
+    }
+    return true;
+  }
+
   JobRuntime* Alive(const std::string& id) {
     absl::MutexLock lock(&mu_);
     if (dead_.count(id) || !runtimes_.count(id)) return nullptr;
@@ -102,6 +147,15 @@ class FakeNetwork {
   void Kill(const std::string& id) {
     absl::MutexLock lock(&mu_);
     dead_.insert(id);
+  }
+  // The longest round trip any transport was told for links to `to`.
+  void SawLink(const std::string& to, const LinkHint& hint) {
+    absl::MutexLock lock(&mu_);
+    links_to_[to] = std::max(links_to_[to], hint.rtt);
+  }
+  absl::Duration LinkTo(const std::string& to) {
+    absl::MutexLock lock(&mu_);
+    return links_to_[to];
   }
 
   // Waits until `from` sent a message `match` accepts; returns it.
@@ -186,7 +240,13 @@ class FakeNetwork {
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> dead_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Duration> links_to_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::deque<v1::WorkerMessage>> inbox_ ABSL_GUARDED_BY(mu_);
+  struct Hold {
+    std::vector<uint32_t> order;
+    std::map<uint32_t, std::pair<v1::FrameHeader, std::vector<uint8_t>>> held;
+  };
+  std::map<std::pair<std::string, v1::Direction>, Hold> holds_ ABSL_GUARDED_BY(mu_);
 };
 
 // 2 stages: data nodes d0, d1 (stage 0), replicas r0, r1 (stage 1); four
@@ -350,6 +410,98 @@ TEST_F(JobRuntimeTest, AnIterationTrainsAndReplicasStayIdentical) {
   EXPECT_GT(results["d0"].loss_sum(), 0);
 }
 
+// The same plan with the tensors arriving in other orders gives the same
+// bits: each stage sums its microbatches' gradients in microbatch order,
+// whatever order their backwards ran in. r0 takes three microbatches and
+// gets their gradients in either order (with two, the order would not
+// matter: float addition commutes, it does not associate).
+TEST(JobRuntimeOrderTest, ArrivalOrderDoesNotChangeTheBits) {
+  std::vector<std::map<std::string, uint64_t>> checksums;
+  for (bool reversed : {false, true}) {
+    SCOPED_TRACE(reversed);
+    FakeNetwork net;
+    std::map<std::string, JobRuntime*> runtime;
+    const std::vector<std::string> all = {"d0", "d1", "r0", "r1"};
+    for (const auto& [id, s] : kStage) runtime[id] = net.Add(id);
+    for (const auto& [id, s] : kStage) {
+      runtime[id]->OnCoordinatorMessage(Assignment(
+          id, s, all,
+          s == 0 ? std::vector<std::string>{"d0", "d1"} : std::vector<std::string>{"r0", "r1"}));
+    }
+    for (const auto& [id, s] : kStage) {
+      ASSERT_TRUE(net.Await(id, [](const v1::WorkerMessage& m) { return m.has_stage_ready(); }));
+    }
+    net.HoldThenDeliver("r0", v1::DIRECTION_BACKWARD,
+                        reversed ? std::vector<uint32_t>{2, 0, 1} : std::vector<uint32_t>{0, 1, 2});
+    v1::CoordinatorMessage plan;
+    v1::IterationPlan* p = plan.mutable_plan();
+    p->set_job_id("job");
+    p->set_iteration(0);
+    *p->add_routes() = Route(0, "d0", "r0");
+    *p->add_routes() = Route(1, "d0", "r0");
+    *p->add_routes() = Route(2, "d1", "r0");
+    *p->add_routes() = Route(3, "d1", "r1");
+    AddGroups(p->mutable_replica_groups(), {"d0", "d1"}, {"r0", "r1"});
+    for (const std::string& id : all) runtime[id]->OnCoordinatorMessage(plan);
+    double sum = 0;
+    for (const std::string& id : all) {
+      auto n = net.Await(id, [](const v1::WorkerMessage& m) { return m.has_grad_norm(); });
+      ASSERT_TRUE(n.has_value());
+      sum += n->grad_norm().squared_norm() / 2;  // each stage's norm comes from both replicas
+    }
+    v1::CoordinatorMessage step;
+    step.mutable_step()->set_job_id("job");
+    step.mutable_step()->set_iteration(0);
+    step.mutable_step()->set_squared_norm(sum);
+    for (const std::string& id : all) runtime[id]->OnCoordinatorMessage(step);
+    std::map<std::string, uint64_t>& out = checksums.emplace_back();
+    for (const std::string& id : all) {
+      auto r = net.Await(id, [](const v1::WorkerMessage& m) { return m.has_result(); });
+      ASSERT_TRUE(r.has_value());
+      out[id] = r->result().parameter_checksum();
+    }
+  }
+  ASSERT_EQ(checksums.size(), 2u);
+  EXPECT_EQ(checksums[0], checksums[1]);
+}
+
+// What a worker's link probes measured becomes its transport's link hints:
+// the peers of the job's plans carry the probed round trip (the fake
+// network answers every tensor in 1 ms), so the direct transport plans its
+// connections on the measured link.
+TEST_F(JobRuntimeTest, ProbedLinksAreTheTransportsHints) {
+  const std::vector<std::string> all = {"d0", "d1", "r0", "r1"};
+  for (const std::string& id : all) {
+    runtime_[id]->OnRegistered(id);
+    v1::CoordinatorMessage m;
+    v1::LinkProbe* p = m.mutable_probe();
+    p->set_job_id("job");
+    p->set_round(1);
+    p->set_pings(2);
+    p->set_budget_ms(10000);
+    for (const std::string& peer : all) {
+      v1::Peer* e = p->add_peers();
+      e->set_worker_id(peer);
+      e->set_address(peer + ":1");
+    }
+    runtime_[id]->OnCoordinatorMessage(m);
+  }
+  for (const std::string& id : all) {
+    auto report = net_.Await(id, [](const v1::WorkerMessage& m) { return m.has_link_report(); });
+    ASSERT_TRUE(report.has_value());
+    for (const v1::LinkMeasurement& l : report->link_report().links()) {
+      EXPECT_TRUE(l.error().empty()) << id << " -> " << l.peer() << ": " << l.error();
+    }
+  }
+  EXPECT_EQ(net_.LinkTo("r0"), absl::ZeroDuration());  // no job transport yet
+  AssignAll();
+  for (const std::string& id : all) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  ASSERT_EQ(Step(0, all, 0).size(), 4u);
+  for (const std::string& id : all) {
+    EXPECT_NEAR(absl::ToDoubleSeconds(net_.LinkTo(id)), 0.001, 1e-9) << id;
+  }
+}
+
 // r1 dies before the iteration: transfers to it fail and are reported at
 // once; the coordinator freezes the microbatches that crossed it, the
 // survivors re-run them on r0, and the replicas of stage 0 still agree.
@@ -461,7 +613,9 @@ TEST_F(JobRuntimeTest, FramesFromNonMembersAreRefused) {
 }
 
 // Plausible frames that are allocated and never consumed (a flood) hit the
-// worker's bound on held tensor bytes; freeing them makes room again.
+// sender's quota of held tensor bytes; another member's tensor is still
+// taken (one member's flood refused its peers' real tensors, and the
+// receiver was evicted); freeing them makes room again.
 TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {
   AssignAll();
   v1::FrameHeader h;
@@ -482,8 +636,99 @@ TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
   EXPECT_GT(held.size(), 8u);
   EXPECT_LT(held.size(), 100000u);
+  h.set_sender("d1");
+  EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok()) << "d0's flood took d1's share";
+  h.set_sender("d0");
   held.clear();
   EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
+}
+
+// A member's NaN or huge activation is dropped by its receiver, which
+// reports the sender to the coordinator instead of failing the job on a
+// non-finite gradient (FakeNetwork::Await fails the test on a JobError).
+TEST_F(JobRuntimeTest, BadValuesInAFrameAreReportedAgainstTheirSender) {
+  AssignAll();
+  runtime_["r0"]->OnCoordinatorMessage(Plan(0));
+  auto send = [&](const std::string& from, uint32_t mb, float value) {
+    v1::FrameHeader h;
+    h.set_job_id("job");
+    h.set_iteration(0);
+    h.set_microbatch(mb);
+    h.set_direction(v1::DIRECTION_FORWARD);
+    h.set_sender(from);
+    h.set_hop(1);
+    for (int64_t d : {2, 16, 32}) h.add_shape(d);
+    h.set_dtype(v1::DTYPE_FP32);
+    h.set_total_bytes(2 * 16 * 32 * 4);
+    auto b = runtime_["r0"]->Allocate(h);
+    ASSERT_TRUE(b.ok()) << b.status();
+    float* data = static_cast<float*>(b->data);
+    for (int i = 0; i < 2 * 16 * 32; ++i) data[i] = 0.5f;
+    data[100] = value;
+    runtime_["r0"]->Deliver(h, *std::move(b));
+  };
+  send("d0", 0, std::numeric_limits<float>::quiet_NaN());
+  send("d1", 2, 3e38f);
+  struct Expected {
+    std::string from;
+    uint32_t mb;
+    std::string what;
+  };
+  for (const Expected& e : {Expected{"d0", 0, "NaN"}, Expected{"d1", 2, "magnitude 3"}}) {
+    auto report = net_.Await("r0", [&e](const v1::WorkerMessage& m) {
+      return m.has_bad_frame() && m.bad_frame().sender() == e.from;
+    });
+    ASSERT_TRUE(report.has_value()) << e.from;
+    EXPECT_EQ(report->bad_frame().job_id(), "job");
+    EXPECT_EQ(report->bad_frame().iteration(), 0u);
+    EXPECT_EQ(report->bad_frame().microbatch(), e.mb);
+    EXPECT_EQ(report->bad_frame().direction(), static_cast<int>(v1::DIRECTION_FORWARD));
+    EXPECT_THAT(report->bad_frame().message(), ::testing::HasSubstr(e.what));
+  }
+  // The finite check itself: one bad value anywhere, in any float type.
+  EXPECT_TRUE(CheckFrameValues(at::ones({3, 4})).ok());
+  at::Tensor t = at::zeros({1000}, at::kBFloat16);
+  t[999] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(std::string(CheckFrameValues(t).message()), ::testing::HasSubstr("infinity"));
+  EXPECT_TRUE(CheckFrameValues(at::full({4}, -1e19)).ok());
+  EXPECT_FALSE(CheckFrameValues(at::full({4}, -1e20)).ok());
+}
+
+// A replica's all-reduce input holding NaN: the receiving replica's check of
+// the sum finds it, names the replica whose input is bad and reports it
+// instead of failing the job. (r1 gets no plan: the NaN input r0 takes from
+// "r1" is the test's.)
+TEST_F(JobRuntimeTest, ABadAllReduceInputIsReportedAgainstItsReplica) {
+  AssignAll();
+  // The stage's gradient count, from the admission's refusal of a wrong one.
+  v1::FrameHeader h;
+  h.set_job_id("job");
+  h.set_iteration(0);
+  h.set_direction(v1::DIRECTION_ALLREDUCE);
+  h.set_sender("r1");
+  h.add_shape(1);
+  h.set_dtype(v1::DTYPE_FP32);
+  h.set_total_bytes(4);
+  const absl::Status refused = runtime_["r0"]->Allocate(h).status();
+  const std::string text(refused.message());
+  const size_t at = text.find("this stage's ");
+  ASSERT_NE(at, std::string::npos) << refused;
+  const int64_t numel = std::stoll(text.substr(at + 13));
+  ASSERT_GT(numel, 0) << refused;
+  h.set_shape(0, numel);
+  h.set_total_bytes(4 * numel);
+  auto b = runtime_["r0"]->Allocate(h);
+  ASSERT_TRUE(b.ok()) << b.status();
+  float* data = static_cast<float*>(b->data);
+  for (int64_t i = 0; i < numel; ++i) data[i] = 0.0f;
+  data[numel / 2] = std::numeric_limits<float>::quiet_NaN();
+  for (const std::string id : {"d0", "d1", "r0"}) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  runtime_["r0"]->Deliver(h, *std::move(b));
+  auto report = net_.Await("r0", [](const v1::WorkerMessage& m) { return m.has_bad_frame(); });
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->bad_frame().sender(), "r1");
+  EXPECT_EQ(report->bad_frame().direction(), static_cast<int>(v1::DIRECTION_ALLREDUCE));
+  EXPECT_THAT(report->bad_frame().message(), ::testing::HasSubstr("NaN"));
 }
 
 // --- the parts' own rules, through the runtime ------------------------------

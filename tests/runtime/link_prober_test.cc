@@ -30,11 +30,15 @@ struct FakeLink {
   // open.
   double ramp_bytes = 0;
   bool down = false;
+  // The first this many tensors are refused, as by a peer that has not yet
+  // been asked for the round.
+  int refuse = 0;
 };
 
 // Completes each tensor after the time its link would take (a real sleep,
 // so the prober's deadlines and its thread are exercised), reporting that
-// time as the transfer's duration.
+// time as the transfer's duration. Tensors in flight at once share their
+// link: each waits for the ones queued before it.
 class FakeTransport final : public PeerTransport {
  public:
   explicit FakeTransport(std::map<std::string, FakeLink> links) : links_(std::move(links)) {}
@@ -55,13 +59,23 @@ class FakeTransport final : public PeerTransport {
     EXPECT_EQ(header.shape(0), static_cast<int64_t>(data.bytes));
     FakeLink& l = it->second;
     sent_[to] += data.bytes;
+    if (l.refuse > 0) {
+      --l.refuse;
+      done(
+          absl::PermissionDeniedError("link probe from me for job j1: not a peer of a probe round"),
+          0.001);
+      return;
+    }
     double seconds = l.rtt;
     double rate = l.rate;
     // Small tensors fit the initial window whatever the ramp.
     if (l.ramp_bytes > 0 && data.bytes > (64 << 10)) {
       rate *= std::min(1.0, static_cast<double>(sent_[to]) / l.ramp_bytes);
     }
-    seconds += static_cast<double>(data.bytes) / rate;
+    const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+    double& free_at = free_at_[to];
+    free_at = std::max(free_at, now) + static_cast<double>(data.bytes) / rate;
+    seconds += free_at - now;
     const bool down = l.down;
     threads_.emplace_back([seconds, down, done = std::move(done)] {
       absl::SleepFor(absl::Seconds(down ? 0.005 : seconds));
@@ -90,6 +104,7 @@ class FakeTransport final : public PeerTransport {
   absl::Mutex mu_;
   std::map<std::string, FakeLink> links_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> sent_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, double> free_at_ ABSL_GUARDED_BY(mu_);  // seconds since the epoch
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -154,10 +169,12 @@ class LinkProberTest : public ::testing::Test {
   std::vector<v1::LinkReport> reports_ ABSL_GUARDED_BY(mu_);
 };
 
-// Latency is the smallest ping round trip; bandwidth the best bulk rate,
-// found by growing probes that follow an opening window up to the link's
-// rate and stop once it stops growing. A peer that cannot be reached is
-// reported with the error; the worker itself is not probed.
+// Latency is the smallest ping round trip; bandwidth the best bulk rate:
+// single probes of 1, 2 and 4 MiB, then one of the largest size and a stream
+// of more (two queued at a time), which reaches the rate of a link whose
+// window opens slowly. A
+// peer that cannot be reached is reported with the error; the worker itself
+// is not probed. The measurements become the worker's link hints.
 TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   Make({{"fast", {0.004, 400e6, 0, false}},
         {"long", {0.050, 100e6, 12e6, false}},
@@ -173,18 +190,49 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   ASSERT_TRUE(fast && slow && down) << r.ShortDebugString();
   EXPECT_NEAR(fast->rtt_seconds(), 0.004, 1e-6);
   // The rate less the ping's own transfer time in the round trip.
-  EXPECT_NEAR(fast->bandwidth_bytes_per_s(), 400e6, 400e6 * 1e-3);
+  EXPECT_NEAR(fast->bandwidth_bytes_per_s(), 400e6, 400e6 * 2e-2);
   EXPECT_TRUE(fast->error().empty()) << fast->error();
   EXPECT_NEAR(slow->rtt_seconds(), 0.05, 1e-6);
-  // 1, 2, 4 MiB see the window opening; 8 MiB gets the full rate, and 16
-  // and 32 MiB, two sizes that add nothing, end the search.
-  EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 100e6, 100e6 * 1e-3);
-  EXPECT_EQ(slow->probe_bytes(), 3 * LinkProber::kPingBytes + (uint64_t{63} << 20));
-  // Without a ramp, three sizes: the first rate, then two that add nothing.
-  EXPECT_EQ(fast->probe_bytes(), 3 * LinkProber::kPingBytes + (uint64_t{7} << 20));
+  // 1, 2, 4 MiB see the window opening (at most 7 MiB / 12 MB of the
+  // rate); 32 MiB and the stream of 2 × 32 MiB after it get the full rate.
+  EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 100e6, 100e6 * 2e-2);
+  // Pings, the single probes, the 32 MiB one that opens the windows, then
+  // the stream: at least three more, at most 256 MiB of them.
+  const uint64_t before_stream =
+      3 * LinkProber::kPingBytes + (uint64_t{7} << 20) + (uint64_t{32} << 20);
+  for (const v1::LinkMeasurement* m : {slow, fast}) {
+    EXPECT_GE(m->probe_bytes(), before_stream + (uint64_t{96} << 20)) << m->peer();
+    EXPECT_LE(m->probe_bytes(), before_stream + (uint64_t{256} << 20)) << m->peer();
+  }
   EXPECT_THAT(down->error(), HasSubstr("connection refused"));
   EXPECT_EQ(down->rtt_seconds(), 0);
   EXPECT_EQ(down->bandwidth_bytes_per_s(), 0);
+  // What the job's transport plans its connections from.
+  const LinkHint hint = prober_->Hint("j1", "long");
+  EXPECT_NEAR(absl::ToDoubleSeconds(hint.rtt), 0.05, 1e-6);
+  EXPECT_NEAR(hint.rate_bytes_per_s, 100e6, 100e6 * 2e-2);
+  EXPECT_EQ(prober_->Hint("j1", "down").rate_bytes_per_s, 0);
+  EXPECT_EQ(prober_->Hint("j1", "down").rtt, absl::ZeroDuration());
+  EXPECT_EQ(prober_->Hint("j2", "long").rate_bytes_per_s, 0);  // another job's
+  // A latency round refreshes the round trip and keeps the rate.
+  links_["long"].rtt = 0.08;
+  prober_->OnProbe(Probe({"long"}, 0, 5000));
+  AwaitReport();
+  EXPECT_NEAR(absl::ToDoubleSeconds(prober_->Hint("j1", "long").rtt), 0.08, 1e-6);
+  EXPECT_NEAR(prober_->Hint("j1", "long").rate_bytes_per_s, 100e6, 100e6 * 2e-2);
+}
+
+// Under in-process emulation the delays are the sender's, not the network's:
+// such rounds give no hints.
+TEST_F(LinkProberTest, EmulatedRoundsLeaveNoHints) {
+  Make({{"a", {0.004, 400e6, 0, false}}});
+  v1::LinkProbe p = Probe({"a"}, 0, 5000);
+  p.mutable_emulate_network()->set_name("emulated");
+  prober_->OnProbe(p);
+  const v1::LinkReport r = AwaitReport();
+  ASSERT_EQ(r.links_size(), 1);
+  EXPECT_GT(r.links(0).rtt_seconds(), 0);
+  EXPECT_EQ(prober_->Hint("j1", "a").rtt, absl::ZeroDuration());
 }
 
 // A latency round (bulk 0) sends pings only; a budget too short for the
@@ -202,6 +250,25 @@ TEST_F(LinkProberTest, ALatencyRoundSendsOnlyPingsAndABudgetBoundsTheRound) {
   EXPECT_EQ(Find(r, "a")->bandwidth_bytes_per_s(), 0);
   EXPECT_EQ(Find(r, "a")->probe_bytes(), 3 * LinkProber::kPingBytes);
   EXPECT_THAT(Find(r, "slow")->error(), HasSubstr("no answer to a ping"));
+}
+
+// Workers get the coordinator's request at slightly different times: a peer
+// that refuses the first pings because its own request has not come yet is
+// pinged again, and the link is measured.
+TEST_F(LinkProberTest, APeerAskedLaterIsPingedAgain) {
+  FakeLink late{0.003, 1e9, 0, false};
+  late.refuse = 3;
+  Make({{"late", late}, {"down", {0.01, 1e6, 0, true}}});
+  prober_->OnProbe(Probe({"late", "down"}, 0, 4000));
+  const v1::LinkReport r = AwaitReport();
+  ASSERT_EQ(r.links_size(), 2);
+  EXPECT_TRUE(Find(r, "late")->error().empty()) << Find(r, "late")->error();
+  EXPECT_NEAR(Find(r, "late")->rtt_seconds(), 0.003, 1e-6);
+  EXPECT_EQ(Find(r, "late")->probe_bytes(), (3 + 3) * LinkProber::kPingBytes);
+  // A link that never answers is retried only within the round's first
+  // quarter (here 1 s), then reported with its error.
+  EXPECT_THAT(Find(r, "down")->error(), HasSubstr("connection refused"));
+  EXPECT_LT(r.seconds(), 3.0);
 }
 
 TEST_F(LinkProberTest, RefusesRequestsOutOfBounds) {
@@ -225,6 +292,26 @@ TEST_F(LinkProberTest, RefusesRequestsOutOfBounds) {
   q = p;
   q.add_peers()->set_worker_id("x");
   EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("without id or address"));
+}
+
+// A round's bulk budget is shared by need (1 s + 60 round trips a link), the
+// measure the coordinator sized it by: a 300 ms link is not left the crumbs
+// of an even split after the links before it took theirs.
+TEST_F(LinkProberTest, BulkSharesFollowEachLinksNeed) {
+  using Rtts = std::vector<std::optional<double>>;
+  const absl::Duration left = absl::Milliseconds(39120);  // what the three need
+  // 2 ms within a region (1.12 s), two 300 ms links (19 s each).
+  EXPECT_NEAR(absl::ToDoubleSeconds(LinkProber::BulkShare(left, {0.002, 0.3, 0.3})), 1.12, 1e-9);
+  EXPECT_NEAR(absl::ToDoubleSeconds(LinkProber::BulkShare(left, {0.3, 0.002, 0.3})), 19.0, 1e-9);
+  // Unspent time goes to the links after: the last one gets all that is left.
+  EXPECT_EQ(LinkProber::BulkShare(absl::Seconds(25), {0.3}), absl::Seconds(25));
+  // Equal links split evenly; a link that did not answer needs the base.
+  EXPECT_EQ(LinkProber::BulkShare(absl::Seconds(9), {0.1, 0.1, 0.1}), absl::Seconds(3));
+  const Rtts unanswered_first = {std::nullopt, 0.05};  // needs 1 s of 1 + 4 s
+  EXPECT_NEAR(absl::ToDoubleSeconds(LinkProber::BulkShare(absl::Seconds(8), unanswered_first)), 1.6,
+              1e-9);
+  EXPECT_EQ(LinkProber::BulkShare(absl::ZeroDuration(), {0.1}), absl::ZeroDuration());
+  EXPECT_EQ(LinkProber::BulkShare(absl::Seconds(1), {}), absl::ZeroDuration());
 }
 
 // Probes are taken only from the peers of the newest round of the same job,
@@ -267,6 +354,35 @@ TEST_F(LinkProberTest, TakesProbesOnlyFromPeersOfItsRoundWithinBounds) {
   *ok = MutableBuffer();
   EXPECT_TRUE(prober_->Allocate(full).ok());
   AwaitReport();  // the round with p1 (which the fake cannot reach)
+
+  // A bulk round of the start: this worker probes p3 and takes p2's probes
+  // (accept_from), no longer p1's.
+  v1::LinkProbe slot = Probe({"p3"}, 0, 1000);
+  slot.add_accept_from("p2");
+  prober_->OnProbe(slot);
+  other = h;
+  other.set_sender("p2");
+  EXPECT_TRUE(prober_->Allocate(other).ok());
+  EXPECT_EQ(prober_->Allocate(h).status().code(), absl::StatusCode::kPermissionDenied);
+  AwaitReport();
+}
+
+TEST_F(LinkProberTest, RefusesAcceptListsOutOfBounds) {
+  v1::LinkProbe p;
+  p.set_job_id("j");
+  p.set_pings(3);
+  p.set_budget_ms(1000);
+  p.add_accept_from("w2");
+  EXPECT_TRUE(LinkProber::Validate(p).ok());
+  v1::LinkProbe q = p;
+  q.add_accept_from("");
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("an id of 0 bytes"));
+  q = p;
+  q.add_accept_from(std::string(LinkProber::kMaxWorkerIdBytes + 1, 'w'));
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("a worker to accept"));
+  q = p;
+  for (int i = 0; i < LinkProber::kMaxPeers; ++i) q.add_accept_from("w");
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("workers to accept"));
 }
 
 }  // namespace

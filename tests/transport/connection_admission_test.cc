@@ -143,6 +143,73 @@ TEST(ConnectionAdmissionTest, ATrustedSourceHandshakesManyAtOnceAndIsDisplacedLa
   EXPECT_EQ(v.reason, RefusalReason::kSourceLimit);
 }
 
+// The job's known peers (their addresses, from the coordinator's peer
+// lists) handshake in a reserve of their own: a flood from any number of
+// other sources can neither fill it nor evict from it, and a known source
+// is trusted (past the per-source limit) before it ever authenticated.
+TEST(ConnectionAdmissionTest, KnownPeersHandshakeInAReserveNoStrangerTakes) {
+  AdmissionLimits limits = SmallLimits();  // 4 unauthenticated, 2 per source
+  limits.max_unauthenticated_known = 3;
+  ConnectionAdmission a(limits);
+  a.SetKnownSources({"10.0.0.9"});
+  EXPECT_TRUE(a.known("10.0.0.9"));
+  EXPECT_TRUE(a.trusted("10.0.0.9"));
+  uint64_t id = 0;
+  // A flood from many sources fills the shared pool.
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(a.Arrive(++id, absl::StrCat("10.9.0.", i)).admit);
+  // The known peer's stripes take the reserve: nobody is evicted, and more
+  // than the per-source limit handshake at once.
+  std::vector<uint64_t> peer;
+  for (int i = 0; i < 3; ++i) {
+    const ConnectionAdmission::Verdict v = a.Arrive(++id, "10.0.0.9");
+    ASSERT_TRUE(v.admit) << i;
+    EXPECT_FALSE(v.evict.has_value()) << i;
+    peer.push_back(id);
+  }
+  EXPECT_EQ(a.reserved(), 3);
+  EXPECT_EQ(a.unauthenticated(), 7);
+  // Strangers keep displacing strangers, never the reserve.
+  for (int i = 0; i < 4; ++i) {
+    const ConnectionAdmission::Verdict v = a.Arrive(++id, absl::StrCat("10.8.0.", i));
+    ASSERT_TRUE(v.admit) << i;
+    ASSERT_TRUE(v.evict.has_value()) << i;
+    EXPECT_LE(*v.evict, 4u) << "evicted a known peer's handshake";
+    EXPECT_TRUE(a.Closed(*v.evict));  // its thread ended
+  }
+  for (uint64_t p : peer) EXPECT_FALSE(a.evicted(p));
+  EXPECT_EQ(a.reserved(), 3);
+  // Beyond its reserve, a known newcomer is trusted in the shared pool:
+  // it displaces a stranger.
+  ConnectionAdmission::Verdict v = a.Arrive(++id, "10.0.0.9");
+  ASSERT_TRUE(v.admit);
+  ASSERT_TRUE(v.evict.has_value());
+  EXPECT_GT(*v.evict, 7u);
+  // Authenticated, the reserve's connections make room in it again.
+  for (uint64_t p : peer) ASSERT_TRUE(a.Authenticate(p));
+  EXPECT_EQ(a.reserved(), 0);
+  // A new peer set replaces the old: 10.0.0.9 is trusted now for its
+  // authenticated connections only, and the next known source has the
+  // reserve.
+  a.SetKnownSources({"10.0.0.10"});
+  EXPECT_FALSE(a.known("10.0.0.9"));
+  v = a.Arrive(++id, "10.0.0.10");
+  ASSERT_TRUE(v.admit);
+  EXPECT_FALSE(v.evict.has_value());
+  EXPECT_EQ(a.reserved(), 1);
+  EXPECT_FALSE(a.Closed(id));
+  EXPECT_EQ(a.reserved(), 0);
+}
+
+TEST(ConnectionAdmissionTest, HostsWrittenAsAddressesAreSources) {
+  EXPECT_EQ(HostSource("10.1.2.3"), std::optional<std::string>("10.1.2.3"));
+  EXPECT_EQ(HostSource("2001:db8:1:2::7"), std::optional<std::string>("2001:db8:1:2::/64"));
+  EXPECT_EQ(HostSource("[2001:db8:1:2::7]"), std::optional<std::string>("2001:db8:1:2::/64"));
+  EXPECT_EQ(HostSource("::ffff:10.1.2.3"), std::optional<std::string>("10.1.2.3"));
+  EXPECT_EQ(HostSource("worker-3.example"), std::nullopt);  // a name: not resolved
+  EXPECT_EQ(HostSource("[10.1.2.3"), std::nullopt);
+  EXPECT_EQ(HostSource(""), std::nullopt);
+}
+
 TEST(ConnectionAdmissionTest, EvictedConnectionsStillClosingAreBounded) {
   ConnectionAdmission a(SmallLimits());
   uint64_t id = 0;
@@ -406,6 +473,11 @@ TEST_P(ConnectionFloodTest, OneSourceIsRefusedBeyondItsShare) {
   if (tls) d.security = TestCerts().Load("w2");
   auto started = DirectServer::Start(&activations, d);
   ASSERT_TRUE(started.ok()) << started.status();
+  // The job's peers are known by address; names are not resolved. None of
+  // them is the flooding source, which keeps its limit.
+  EXPECT_EQ((*started)->SetKnownPeers(
+                {"127.0.0.9:7000", "[::1]:7000", "worker-3.example:7000", "nonsense"}),
+            2u);
   std::vector<int> fds;
   for (int i = 0; i < 40; ++i) {
     const int fd = ConnectFrom("127.0.0.3", (*started)->port());

@@ -297,6 +297,41 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
 }
 
+// Connect() opens every stripe (handshakes and hello) before the first
+// tensor, which then goes over them; a failed early connect is no error of
+// its own, and the next tensor reports the address it could not reach.
+TEST_P(DirectTransportTest, ConnectOpensTheStripesBeforeTheFirstTensor) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.direct_connections = 3;
+  PeerSender sender("w2", o);
+  sender.Connect();
+  ASSERT_TRUE(Eventually([&] {
+    return server_->stats().accepted == 3 && server_->stats().sessions == 1 &&
+           sender.direct_info().connections == 3;
+  })) << server_->stats().accepted
+      << " " << sender.direct_info().connections;
+  sender.Connect();  // connected: nothing more opens
+  auto big = Pattern(16 << 20, 7);
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (16 << 20) / 4), View(big)).ok());
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_TRUE(sink_.received()[0].second == *big);
+  EXPECT_EQ(server_->stats().accepted, 3u);
+  EXPECT_EQ(server_->stats().sessions, 1);
+
+  const int port = server_->port();
+  sender.Close();
+  server_.reset();  // nothing listens there any more
+  PeerSenderOptions gone = SenderOptions();
+  gone.direct_address = absl::StrCat("127.0.0.1:", port);
+  PeerSender late("w2", gone);
+  late.Connect();
+  absl::SleepFor(absl::Milliseconds(200));  // let the early connect fail first
+  const absl::Status s = SendAndWait(late, Header(1, 4), View(Pattern(16, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr(gone.direct_address));
+}
+
 TEST_P(DirectTransportTest, OverLoopbackTheBandwidthDelayProductAsksForOneConnection) {
   StartServer();
   PeerSenderOptions o = SenderOptions();
@@ -583,23 +618,36 @@ TEST_F(DirectFramingTest, OversizedAndMalformedFramingEndsTheConnection) {
 
 // --- TLS identity -----------------------------------------------------------
 
-TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
-  RecordingSink sink;
-  ActivationServerOptions ao;
-  ao.require_peer_certificates = true;
-  ActivationServer activations(&sink, ao);
-  DirectServerOptions d;
-  d.listen = HostPort{"127.0.0.1", 0};
-  d.handshake_timeout = absl::Seconds(2);
-  d.security = TestCerts().Load("w2");
-  auto server = DirectServer::Start(&activations, d);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+// Worker w2's direct server over TLS, taking frames only from workers
+// whose certificates the test CA signed.
+class DirectTlsIdentityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ActivationServerOptions ao;
+    ao.require_peer_certificates = true;
+    activations_ = std::make_unique<ActivationServer>(&sink_, ao);
+    DirectServerOptions d;
+    d.listen = HostPort{"127.0.0.1", 0};
+    d.handshake_timeout = absl::Seconds(2);
+    d.security = TestCerts().Load("w2");
+    auto server = DirectServer::Start(activations_.get(), d);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    address_ = absl::StrCat("127.0.0.1:", server_->port());
+  }
+
+  RecordingSink sink_;
+  std::unique_ptr<ActivationServer> activations_;
+  std::unique_ptr<DirectServer> server_;  // stops before activations_ goes
+  std::string address_;
+};
+
+TEST_F(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
   auto data = Pattern(64, 3);
 
   {  // a certificate from another CA: the handshake fails
     PeerSenderOptions o;
-    o.direct_address = address;
+    o.direct_address = address_;
     o.peer_name = "w2";
     o.security = TestCerts().Load("intruder", /*other_ca=*/true);
     PeerSender sender("w2", o);
@@ -608,7 +656,7 @@ TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
   }
   {  // plaintext to a TLS server
     PeerSenderOptions o;
-    o.direct_address = address;
+    o.direct_address = address_;
     o.peer_name = "w2";
     o.connect_timeout = absl::Seconds(3);
     PeerSender sender("w2", o);
@@ -616,7 +664,7 @@ TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
   }
   {  // a cluster certificate, but frames sent in another worker's name
     PeerSenderOptions o;
-    o.direct_address = address;
+    o.direct_address = address_;
     o.peer_name = "w2";
     o.security = TestCerts().Load("w1");
     PeerSender sender("w2", o);
@@ -626,7 +674,7 @@ TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
   }
   {  // the server is not the worker we meant to reach
     PeerSenderOptions o;
-    o.direct_address = address;
+    o.direct_address = address_;
     o.peer_name = "w3";
     o.security = TestCerts().Load("w1");
     PeerSender sender("w3", o);
@@ -634,14 +682,17 @@ TEST(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
     EXPECT_THAT(s.message(), HasSubstr("w3"));
   }
-  ASSERT_EQ(sink.received().size(), 1u);
-  EXPECT_EQ(sink.received()[0].first.microbatch(), 3u);
-  ActivationServer::Stats s = activations.stats();
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_EQ(sink_.received()[0].first.microbatch(), 3u);
+  ActivationServer::Stats s = activations_->stats();
   EXPECT_GE(s.unauthorized, 3u);  // the foreign CA, plaintext, the impersonation
   EXPECT_EQ(s.tensors, 1u);
 }
 
-TEST(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
+// The sender checks the receiver too: a server whose certificate names the
+// peer it meant to reach but is not a worker's (here a user's, "alice") is
+// not handed a tensor.
+TEST(DirectReceiverIdentityTest, AReceiverWithoutAWorkersCertificateIsNotSentTo) {
   RecordingSink sink;
   ActivationServerOptions ao;
   ao.require_peer_certificates = true;
@@ -649,13 +700,29 @@ TEST(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
   DirectServerOptions d;
   d.listen = HostPort{"127.0.0.1", 0};
   d.handshake_timeout = absl::Seconds(2);
-  d.security = TestCerts().Load("w2");
+  d.security = TestCerts().Load("alice");
   auto server = DirectServer::Start(&activations, d);
   ASSERT_TRUE(server.ok()) << server.status();
+  PeerSenderOptions o;
+  o.direct_address = absl::StrCat("127.0.0.1:", (*server)->port());
+  o.peer_name = "alice";
+  o.connect_timeout = absl::Seconds(5);
+  o.security = TestCerts().Load("w1");
+  PeerSender sender("alice", o);
+  auto data = Pattern(64, 9);
+  const absl::Status s = SendAndWait(sender, Header(0, 16, "w1"), View(data));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("expecting worker alice"));
+  EXPECT_THAT(s.message(), HasSubstr("client"));
+  EXPECT_TRUE(sink.received().empty());
+  sender.Close();
+}
+
+TEST_F(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
   auto data = Pattern(64, 5);
   auto send_as = [&](const std::string& me, uint32_t microbatch) {
     PeerSenderOptions o;
-    o.direct_address = absl::StrCat("127.0.0.1:", (*server)->port());
+    o.direct_address = address_;
     o.peer_name = "w2";
     o.connect_timeout = absl::Seconds(5);
     o.security = TestCerts().Load(me);
@@ -666,11 +733,11 @@ TEST(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
   // a worker's: the connection ends before any frame, counted as identity.
   EXPECT_FALSE(send_as("alice", 0).ok());
   EXPECT_TRUE(send_as("w1", 1).ok());
-  ASSERT_EQ(sink.received().size(), 1u);
-  EXPECT_EQ(sink.received()[0].first.microbatch(), 1u);
-  const DirectServer::Stats stats = (*server)->stats();
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_EQ(sink_.received()[0].first.microbatch(), 1u);
+  const DirectServer::Stats stats = server_->stats();
   EXPECT_GE(stats.refused_by_reason[static_cast<int>(RefusalReason::kIdentity)], 1u);
-  EXPECT_GE(activations.stats().unauthorized, 1u);
+  EXPECT_GE(activations_->stats().unauthorized, 1u);
 }
 
 }  // namespace

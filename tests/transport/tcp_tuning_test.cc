@@ -122,7 +122,7 @@ TEST(PlanStripesTest, DefaultLimitsOverALongFastLinkUseTheMostConnectionsAndAuto
   EXPECT_EQ(p.send_buffer, 4194304);
   EXPECT_EQ(p.receive_buffer, 6291456);
   EXPECT_NEAR(p.per_connection_rate, 0.5 * 4194304 / 0.1, 1);  // 21 MB/s
-  // 116 MB in flight / 2 MiB usable per connection = 56 > 16.
+  // 1.5 × 116 MB in flight / 2 MiB usable per connection = 83 > 16.
   EXPECT_EQ(p.connections, kMaxDirectStripes);
   EXPECT_NEAR(p.total_rate, 16 * p.per_connection_rate, 1);
   EXPECT_EQ(p.sndbuf_request, 0);
@@ -130,11 +130,12 @@ TEST(PlanStripesTest, DefaultLimitsOverALongFastLinkUseTheMostConnectionsAndAuto
 }
 
 TEST(PlanStripesTest, EnoughConnectionsForTheBandwidthDelayProduct) {
-  // 250 MB/s × 50 ms = 12.5 MB in flight; 2 MiB usable per connection: 6.
+  // 250 MB/s × 50 ms = 12.5 MB in flight, planned with half again as much
+  // room (18.75 MB); 2 MiB usable per connection: 9.
   const StripePlan p = PlanStripes({250e6, absl::Milliseconds(50)}, Defaults());
-  EXPECT_EQ(p.connections, static_cast<int>(std::ceil(12.5e6 / (0.5 * 4194304))));
-  EXPECT_EQ(p.connections, 6);
-  EXPECT_GE(p.total_rate, 250e6);
+  EXPECT_EQ(p.connections, static_cast<int>(std::ceil(1.5 * 12.5e6 / (0.5 * 4194304))));
+  EXPECT_EQ(p.connections, 9);
+  EXPECT_GE(p.total_rate, kStripeHeadroom * 250e6);
   // Within a region (1 ms): one connection is plenty.
   EXPECT_EQ(PlanStripes({1.16e9, absl::Milliseconds(1)}, Defaults()).connections, 1);
   // The bound.
@@ -162,16 +163,16 @@ TEST(PlanStripesTest, RaisedCoreCapsAreRequestedExplicitlyWhenAutotuningFallsSho
   l.wmem_max = l.rmem_max = 64 << 20;
   const StripePlan p = PlanStripes({1.16e9, absl::Milliseconds(100)}, l);
   EXPECT_EQ(p.send_buffer, int64_t{128} << 20);  // the kernel doubles the request
-  // 116 MB / (0.5 × 128 MiB) = 1.7: two connections, each needing 116 MB of
-  // buffer, requested as half (58 MB), within the 64 MiB cap.
-  EXPECT_EQ(p.connections, 2);
+  // 1.5 × 116 MB / (0.5 × 128 MiB) = 2.6: three connections, each needing
+  // 116 MB of buffer, requested as half (58 MB), within the 64 MiB cap.
+  EXPECT_EQ(p.connections, 3);
   EXPECT_EQ(p.sndbuf_request, 58000000);
   EXPECT_EQ(p.rcvbuf_request, 58000000);
-  // A smaller cap: more connections (116 MB / (0.5 × 64 MiB) = 3.5), each
-  // asking for its share (116 MB / 4 / 0.5 / 2).
+  // A smaller cap: more connections (174 MB / (0.5 × 64 MiB) = 5.2), each
+  // asking for its share (174 MB / 6 / 0.5 / 2).
   l.wmem_max = 32 << 20;
   const StripePlan smaller = PlanStripes({1.16e9, absl::Milliseconds(100)}, l);
-  EXPECT_EQ(smaller.connections, 4);
+  EXPECT_EQ(smaller.connections, 6);
   EXPECT_EQ(smaller.sndbuf_request, 29000000);
   // A request never exceeds the cap.
   l.wmem_max = 16 << 20;
@@ -181,10 +182,10 @@ TEST(PlanStripesTest, RaisedCoreCapsAreRequestedExplicitlyWhenAutotuningFallsSho
   EXPECT_EQ(capped.sndbuf_request, 16 << 20);
   // Autotuning that reaches far enough is kept, whatever the core cap.
   TcpLimits tuned;
-  tuned.wmem_max = tuned.rmem_max = 256 << 20;
-  tuned.tcp_wmem[2] = tuned.tcp_rmem[2] = 256 << 20;
+  tuned.wmem_max = tuned.rmem_max = 512 << 20;
+  tuned.tcp_wmem[2] = tuned.tcp_rmem[2] = 512 << 20;
   const StripePlan t = PlanStripes({1.16e9, absl::Milliseconds(100)}, tuned);
-  EXPECT_EQ(t.connections, 1);
+  EXPECT_EQ(t.connections, 1);  // 174 MB / (0.5 × 1 GiB) = 0.3
   EXPECT_EQ(t.sndbuf_request, 0);
   EXPECT_EQ(t.rcvbuf_request, 0);
 }
@@ -209,7 +210,8 @@ TEST(TcpLimitWarningsTest, NamesTheSettingTheRateAndWhatWouldSuffice) {
   const std::vector<std::string> m =
       TcpLimitWarnings(modest, Defaults(), PlanStripes(modest, Defaults()));
   ASSERT_FALSE(m.empty());
-  EXPECT_THAT(m[0], HasSubstr("5 connections are used"));
+  // 1.5 × 10 MB in flight / 2 MiB usable = 7.2.
+  EXPECT_THAT(m[0], HasSubstr("8 connections are used"));
 }
 
 TEST(TcpLimitWarningsTest, SilentWhenNothingCapsTheLinkOrTheHintIsUnknown) {

@@ -138,6 +138,31 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
       << stats;
   EXPECT_THAT(stats, ::testing::ContainsRegex("(^|\n)w[01] e[01] delivered_packets=[1-9]"))
       << stats;
+
+  // The matrix the first plan was made on, as GetLinks showed it
+  // (links.json), becomes a spec detour-sim plans on: every pair of the
+  // job's members measured, a region per node, the East-West pairs 20 ms
+  // apart.
+  const std::string links = ReadFileToString(out + "/links.json").value_or("");
+  EXPECT_THAT(links, HasSubstr("\"latency_source\": \"SOURCE_PROBE\"")) << links;
+  const std::string spec = dir_ + "/measured.json";
+  const ShellResult converted = Sh(absl::StrCat(
+      "python3 ", testing::SourceDir(), "/benchmarks/wan/links_to_cluster.py ",
+      testing::SourceDir(), "/examples/clusters/wan2.json ", out, "/links.json ", spec));
+  ASSERT_EQ(converted.code, 0) << converted.output;
+  const std::string measured = ReadFileToString(spec).value_or("");
+  EXPECT_THAT(measured, HasSubstr("\"region\": \"n3\"")) << measured;
+  std::smatch east_west;
+  EXPECT_TRUE(std::regex_search(
+      measured, east_west,
+      std::regex("\"region_a\": \"n0\",\\s*\"region_b\": \"n2\",\\s*\"latency_ms\": "
+                 "(19\\.[5-9]|2[0-9]\\.)")))
+      << measured;
+  const ShellResult planned =
+      Sh(absl::StrCat(testing::BuildDir(), "/tools/detour_sim/detour-sim plan --cluster ", spec,
+                      " --job ", job, " --json"));
+  EXPECT_EQ(planned.code, 0) << planned.output;
+  EXPECT_THAT(planned.output, HasSubstr("\"iteration_time_s\"")) << planned.output;
 }
 
 TEST_F(LocalWanTest, WanExcludesEmulateNetwork) {

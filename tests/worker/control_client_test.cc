@@ -3,6 +3,7 @@
 // writes stall is replaced, the outbox is bounded.
 #include "worker/control_client.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "common/net/server.h"
 #include "detour/v1/control_service.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "worker/term_fence.h"
 
 namespace detour {
 namespace {
@@ -26,8 +28,14 @@ class FakeCoordinator final : public v1::ControlService::Service {
  public:
   explicit FakeCoordinator(bool stall_first) : stall_first_(stall_first) {}
 
-  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
+  grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest*,
                         v1::RegisterResponse* response) override {
+    registrations_.fetch_add(1);
+    if (!redirect_to_.empty()) {  // a follower naming the leader
+      context->AddTrailingMetadata("detour-leader", redirect_to_);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "not the leader");
+    }
+    response->set_leader_term(register_term_);
     response->set_worker_id("w1");
     response->set_session_token("token");
     response->set_heartbeat_interval_ms(100);
@@ -41,6 +49,12 @@ class FakeCoordinator final : public v1::ControlService::Service {
     {
       absl::MutexLock lock(&mu_);
       number = ++sessions_;
+    }
+    for (int64_t term : session_terms_) {  // one plan per term, in order
+      v1::CoordinatorMessage m;
+      m.set_leader_term(term);
+      m.mutable_plan()->set_iteration(static_cast<uint64_t>(term));
+      stream->Write(m);
     }
     v1::WorkerMessage message;
     if (number == 1 && stall_first_) {
@@ -74,6 +88,10 @@ class FakeCoordinator final : public v1::ControlService::Service {
   }
 
   const bool stall_first_;
+  std::string redirect_to_;
+  int64_t register_term_ = 0;
+  std::vector<int64_t> session_terms_;
+  std::atomic<int> registrations_{0};
   absl::Notification first_session_read_;
   absl::Notification stopping_;
 
@@ -84,10 +102,25 @@ class FakeCoordinator final : public v1::ControlService::Service {
   std::vector<v1::WorkerMessage> other_ ABSL_GUARDED_BY(mu_);
 };
 
+// Serves `fake` on a free loopback port; returns the server and its address.
+std::unique_ptr<grpc::Server> Serve(FakeCoordinator* fake, std::string* address) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(fake);
+  auto server = builder.BuildAndStart();
+  *address = absl::StrCat("127.0.0.1:", port);
+  return server;
+}
+
 class ControlClientTest : public ::testing::Test {
  protected:
   void Start(bool stall_first) {
     fake_ = std::make_unique<FakeCoordinator>(stall_first);
+    StartServer();
+  }
+
+  void StartServer() {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -211,6 +244,83 @@ TEST_F(ControlClientTest, SendWithoutSessionIsUnavailable) {
   Start(/*stall_first=*/false);
   ControlClient client(ClientOptions(), ControlClient::Hooks{});
   EXPECT_EQ(client.Send(BigError(1)).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(TermFenceTest, RefusesOlderTermsOnly) {
+  TermFence fence;
+  EXPECT_TRUE(fence.Admit(0));  // no election: always
+  EXPECT_TRUE(fence.Admit(7));
+  EXPECT_TRUE(fence.Admit(7));
+  EXPECT_FALSE(fence.Admit(6));  // a deposed leader
+  EXPECT_FALSE(fence.Admit(-1));
+  EXPECT_TRUE(fence.Admit(0));
+  EXPECT_TRUE(fence.Admit(9));
+  EXPECT_FALSE(fence.Admit(7));
+  EXPECT_EQ(fence.newest(), 9);
+  EXPECT_EQ(fence.refused(), 3u);
+}
+
+TEST(TermFenceTest, ConcurrentAdmitsKeepTheNewest) {
+  TermFence fence;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&fence, t] {
+      for (int64_t term = 1; term <= 1000; ++term) fence.Admit(term * 4 + t);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(fence.newest(), 4003);
+}
+
+// Messages of a term older than the newest seen (a deposed leader's) never
+// reach the worker's handler; the registration's term counts as seen.
+TEST_F(ControlClientTest, DropsMessagesOfOlderTerms) {
+  fake_ = std::make_unique<FakeCoordinator>(/*stall_first=*/false);
+  fake_->register_term_ = 4;
+  fake_->session_terms_ = {5, 3, 5, 6, 4, 2, 6};
+  StartServer();
+  absl::Mutex mu;
+  std::vector<uint64_t> got;
+  ControlClient::Hooks hooks;
+  hooks.on_message = [&](const v1::CoordinatorMessage& m) {
+    absl::MutexLock lock(&mu);
+    got.push_back(m.plan().iteration());
+  };
+  client_ = std::make_unique<ControlClient>(ClientOptions(), hooks);
+  ASSERT_TRUE(client_->Start().ok());
+  ASSERT_TRUE(Eventually([&] { return client_->fence().refused() == 3u; }));
+  ASSERT_TRUE(Eventually([&] {
+    absl::MutexLock lock(&mu);
+    return got.size() == 4u;
+  }));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(got, (std::vector<uint64_t>{5, 5, 6, 6}));
+  EXPECT_EQ(client_->fence().newest(), 6);
+}
+
+// A follower's refusal names the leader: the client registers there at
+// once. An unreachable address in the list is skipped.
+TEST_F(ControlClientTest, FollowsTheLeaderAmongSeveralCoordinators) {
+  Start(/*stall_first=*/false);  // the leader, at address_
+  FakeCoordinator follower(/*stall_first=*/false);
+  follower.redirect_to_ = address_;
+  std::string follower_address;
+  auto follower_server = Serve(&follower, &follower_address);
+  ASSERT_NE(follower_server, nullptr);
+  // A port nobody listens on: the follower's own, once it is shut down.
+  FakeCoordinator gone(false);
+  std::string gone_address;
+  Serve(&gone, &gone_address)->Shutdown();
+
+  ControlClient::Options options = ClientOptions();
+  options.coordinator = absl::StrCat(gone_address, ",", follower_address);
+  options.initial_backoff = absl::Milliseconds(10);
+  client_ = std::make_unique<ControlClient>(options, ControlClient::Hooks{});
+  ASSERT_TRUE(client_->Start().ok());
+  EXPECT_EQ(client_->coordinator(), address_);
+  EXPECT_EQ(follower.registrations_.load(), 1);
+  EXPECT_TRUE(Eventually([&] { return fake_->HeartbeatsOn(1) >= 1; }));
+  follower_server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "common/files.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/net/daemon_flags.h"
 #include "common/net/server.h"
 #include "common/net/shutdown_signal.h"
 #include "common/net/tls.h"
@@ -497,12 +498,14 @@ class Launcher {
     uint64_t last_printed = 0;
     std::string last_state;
     const absl::Time start = absl::Now();
+    int link_tries = 3;  // GetLinks, once an iteration until it answers
     while (reader->Read(&event)) {
       job = event.job();
       const v1::JobProgress& pr = job.progress();
       const std::string state = v1::JobState_Name(job.state()).substr(10);
       if (pr.iteration() > shown) {
         shown = pr.iteration();
+        if (link_tries > 0) link_tries = SaveLinks(stub.get(), job.id()) ? 0 : link_tries - 1;
         absl::StrAppendFormat(&csv, "%d,%.6f,%.4f,%.1f,%.4f,%.5f,%.4f,%.4f,%d,%.3f,%.4f\n",
                               pr.iteration(), pr.loss(), pr.iteration_time_s(), pr.tokens_per_s(),
                               pr.predicted_iteration_time_s(), pr.coordinator_overhead_s(),
@@ -557,6 +560,28 @@ class Launcher {
     return job.state() == v1::JOB_STATE_SUCCEEDED ? 0 : 1;
   }
 
+  // The link matrix the job's first plan was made on (measured by the
+  // start's probes, or the region table's where they did not answer), as
+  // GetLinks shows it, to --out/links.json: what detour-sim can be given to
+  // predict the run from (benchmarks/wan/links_to_cluster.py). False when
+  // GetLinks failed.
+  bool SaveLinks(v1::JobService::Stub* stub, const std::string& job_id) {
+    grpc::ClientContext context;
+    Authorize(&context);
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    v1::GetLinksRequest request;
+    request.set_job_id(job_id);
+    v1::GetLinksResponse links;
+    if (grpc::Status s = stub->GetLinks(&context, request, &links); !s.ok()) {
+      std::cerr << "detour-local: links of " << job_id << ": " << s.error_message() << "\n";
+      return false;
+    }
+    if (absl::Status s = WriteFileAtomically(args_.out + "/links.json", ToJson(links)); !s.ok()) {
+      std::cerr << "detour-local: " << s.message() << "\n";
+    }
+    return true;
+  }
+
   void WriteCurve(const std::string& csv, const PlotSeries& curve) {
     PlotOptions options;
     options.title = "detour-local: training loss";
@@ -588,6 +613,7 @@ class Launcher {
 
 int Main(int argc, char** argv) {
   BlockShutdownSignals();
+  QuietGrpcLogs();  // its calls' failures are reported with their status
   Args a;
   FlagSet flags("detour-local",
                 "Runs a coordinator and workers on this machine, trains a job on them with a "

@@ -4,17 +4,22 @@
 // job, invalid spec, ...) or a watched job ended unsuccessfully; 2 bad usage;
 // 3 the coordinator (or --target) is unreachable; 4 health check says not
 // serving.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -23,13 +28,18 @@
 #include "absl/time/time.h"
 #include "common/files.h"
 #include "common/flags.h"
+#include "common/net/daemon_flags.h"
+#include "common/net/address.h"
 #include "common/net/grpc_status.h"
+#include "common/net/port_probe.h"
+#include "common/net/leader_redirect.h"
 #include "common/net/server.h"
 #include "common/net/tls.h"
 #include "common/spec.h"
 #include "common/version.h"
 #include "detour/v1/control_service.grpc.pb.h"
 #include "detour/v1/job_service.grpc.pb.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/util/time_util.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -48,8 +58,11 @@ constexpr char kCommands[] = R"(Commands:
                              check gRPC health of the coordinator (or ADDR)
   submit SPEC.json [--watch] submit a job spec (JSON form of detour.v1.JobSpec)
   get JOB_ID                 show one job
-  list [--state=STATE]       list jobs, newest first (STATE: pending, running, ...)
-  watch JOB_ID               follow a job's progress until it ends
+  list [--state=STATE] [--owner=NAME]
+                             list jobs, newest first (STATE: pending, running, ...;
+                             NAME: whose jobs, a token's name or certificate's CN)
+  watch JOB_ID               follow a job's progress until it ends (through
+                             coordinator restarts: --reconnect_for, default 5m)
   cancel JOB_ID              cancel a job that has not ended
   resume JOB_ID [--checkpoint=DIR] [--replicas_per_stage=N]
                              restart a failed or cancelled job from its newest
@@ -81,6 +94,11 @@ struct Globals {
   std::string token;  // sent as "authorization: Bearer <token>"; "" = none
   bool json = false;
   absl::Duration timeout = absl::Seconds(10);
+  // Every address --coordinator named; with several, a broken stream looks
+  // for the leader again.
+  std::vector<std::string> coordinators;
+  // How long a broken stream (watch, events --follow) tries to reconnect.
+  absl::Duration reconnect_for = absl::Minutes(5);
 };
 
 // The global flags, declared on the top-level FlagSet and again on every
@@ -88,7 +106,9 @@ struct Globals {
 // (`detourctl workers --coordinator HOST:PORT`).
 void AddGlobalFlags(FlagSet* flags, Globals* g) {
   flags->String("coordinator", &g->coordinator,
-                "host:port of the coordinator (default $DETOUR_COORDINATOR, else 127.0.0.1:7070)");
+                "host:port of the coordinator, or several comma-separated (coordinators electing "
+                "a leader over etcd: the leader is found, following followers' redirections) "
+                "(default $DETOUR_COORDINATOR, else 127.0.0.1:7070)");
   flags->Bool("json", &g->json, "print results as JSON (the proto3 JSON mapping)");
   flags->Duration("timeout", &g->timeout, "deadline for each request");
   RegisterTlsFlags(flags, &g->tls);
@@ -96,7 +116,61 @@ void AddGlobalFlags(FlagSet* flags, Globals* g) {
                 "file holding the bearer token (default: $DETOUR_TOKEN)");
 }
 
+// The streaming commands' flag (watch, submit --watch, events --follow).
+void AddReconnectFlag(FlagSet* flags, Globals* g) {
+  flags->Duration("reconnect_for", &g->reconnect_for,
+                  "when the stream breaks (the coordinator restarts, pauses or fails over), "
+                  "keep reconnecting for this long before giving up; 0s: never");
+}
+
 absl::StatusOr<std::string> ReadToken(const std::string& path);
+void PrepareCall(const Globals& g, grpc::ClientContext* context);
+
+// Of several coordinators, the leader: each is asked a cheap question (Get
+// of no job) and the first that answers anything but UNAVAILABLE leads; a
+// follower's refusal names the leader, asked next. At most 2 rounds over the
+// list plus the redirections among them.
+absl::StatusOr<std::string> FindLeader(const Globals& g, const std::vector<std::string>& list) {
+  std::vector<std::string> errors;
+  std::string next = list[0];
+  size_t index = 0;
+  const size_t max_probes = 2 * list.size() + 2;
+  for (size_t probe = 0; probe < max_probes; ++probe) {
+    const std::string address = next;
+    auto stub = v1::JobService::NewStub(MakeChannel(address, g.security));
+    grpc::ClientContext context;
+    PrepareCall(g, &context);
+    v1::GetJobRequest request;
+    v1::Job job;
+    const grpc::Status status = stub->Get(&context, request, &job);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return address;  // it answered: it leads
+    }
+    errors.push_back(absl::StrCat(address, ": ", status.error_message()));
+    if (std::optional<std::string> leader = LeaderFromTrailers(context);
+        leader.has_value() && *leader != address) {
+      next = *leader;
+      continue;
+    }
+    index = (index + 1) % list.size();
+    next = list[index];
+  }
+  return absl::UnavailableError(absl::StrCat("no leader found among ", absl::StrJoin(list, ","),
+                                             " (", absl::StrJoin(errors, "; "), ")"));
+}
+
+// A single address whose host is a name, not an IP literal: the name may
+// resolve to several coordinators (one DNS name with an A record per
+// coordinator), and the one gRPC connects to may follow.
+bool IsHostName(const std::string& address) {
+  auto parsed = ParseHostPort(address, "--coordinator", /*allow_port_zero=*/false);
+  if (!parsed.ok()) return false;
+  in6_addr v6;
+  in_addr v4;
+  return ::inet_pton(AF_INET, parsed->host.c_str(), &v4) != 1 &&
+         ::inet_pton(AF_INET6, parsed->host.c_str(), &v6) != 1;
+}
 
 // After parsing: the transport security (TLS files or an explicit
 // --insecure) and the bearer token.
@@ -121,13 +195,30 @@ absl::Status LoadCredentials(Globals* g) {
 
 // Parses a command's arguments (its own flags and the global ones) and checks
 // the coordinator address.
+// With `find_leader` false (a command talking to another server), several
+// coordinators are not asked which one leads.
 absl::StatusOr<std::vector<std::string>> ParseCommand(FlagSet* flags, Globals* g,
-                                                      const std::vector<std::string>& args) {
+                                                      const std::vector<std::string>& args,
+                                                      bool find_leader = true) {
   AddGlobalFlags(flags, g);
   auto rest = flags->Parse(args);
   if (!rest.ok()) return rest;
-  if (auto a = ParseHostPort(g->coordinator, "--coordinator", false); !a.ok()) return a.status();
+  auto list = ParseCoordinatorList(g->coordinator, "--coordinator");
+  if (!list.ok()) return list.status();
   if (absl::Status c = LoadCredentials(g); !c.ok()) return c;
+  if (g->reconnect_for < absl::ZeroDuration() || g->reconnect_for > absl::Hours(24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--reconnect_for: ", absl::FormatDuration(g->reconnect_for), " is outside 0s..24h"));
+  }
+  g->coordinators = *list;
+  if ((list->size() > 1 || IsHostName(list->front())) && find_leader) {
+    auto leader = FindLeader(*g, *list);
+    if (!leader.ok()) {
+      std::cerr << "detourctl: " << leader.status().message() << "\n";
+      std::exit(kExitUnreachable);
+    }
+    g->coordinator = *leader;
+  }
   return rest;
 }
 
@@ -141,15 +232,24 @@ int Usage(const std::string& message) {
   return kExitUsage;
 }
 
-// Prints an RPC failure and maps it to an exit status.
-int RpcFailed(const Globals& g, const grpc::Status& status, absl::string_view what) {
+// Prints an RPC failure and maps it to an exit status. `target`, when not
+// empty, is the server asked instead of the coordinator (health --target):
+// the message names it as such.
+int RpcFailed(const Globals& g, const grpc::Status& status, absl::string_view what,
+              const std::string& target = "") {
+  const std::string& address = target.empty() ? g.coordinator : target;
   const auto code = status.error_code();
   if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::cerr << "detourctl: " << what << ": coordinator " << g.coordinator
-              << " unreachable: " << status.error_message() << "\n";
+    std::cerr << "detourctl: " << what << ": " << (target.empty() ? "coordinator " : "target ")
+              << address << " unreachable: " << status.error_message() << "\n";
+    // Something may answer there that is not the coordinator's gRPC port.
+    const std::string hint = PortHint(address, g.security.tls(),
+                                      ProbePort(address, std::min(g.timeout, absl::Seconds(2))));
+    if (!hint.empty()) std::cerr << "detourctl: hint: " << hint << "\n";
     return kExitUnreachable;
   }
-  std::cerr << "detourctl: " << what << ": "
+  std::cerr << "detourctl: " << what << ": " << (target.empty() ? "" : "target ")
+            << (target.empty() ? "" : absl::StrCat(target, ": "))
             << absl::StatusCodeToString(FromGrpcStatus(status).code()) << ": "
             << status.error_message() << "\n";
   return kExitError;
@@ -166,8 +266,10 @@ void PrepareCall(const Globals& g, grpc::ClientContext* context) {
   PrepareStream(g, context);
 }
 
-// The token in a --token_file: the file's only word, at most 512 characters.
+// The token in a --token_file: the file's only word, at most 512 characters;
+// a file others may read is refused (CheckPrivateFile).
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  if (absl::Status s = CheckPrivateFile(path, "--token_file"); !s.ok()) return s;
   auto text = ReadFileToString(path);
   if (!text.ok())
     return absl::NotFoundError(absl::StrCat("--token_file: ", text.status().message()));
@@ -254,6 +356,7 @@ void PrintJob(const Globals& g, const v1::Job& job) {
   }
   std::cout << "id:        " << job.id() << "\n"
             << "name:      " << job.spec().name() << "\n"
+            << "owner:     " << (job.owner().empty() ? "-" : job.owner()) << "\n"
             << "state:     " << JobStateName(job.state()) << "\n"
             << "message:   " << job.message() << "\n"
             << "created:   " << Ago(job.create_time()) << "\n"
@@ -332,9 +435,19 @@ int CmdHealth(Globals g, const std::vector<std::string>& args) {
   FlagSet flags("detourctl health", "Check gRPC health (grpc.health.v1.Health/Check).");
   flags.String("target", &target, "address to check (default: the coordinator)");
   flags.String("service", &service, "service name to ask about (default: the whole server)");
-  auto rest = ParseCommand(&flags, &g, args);
+  auto rest = ParseCommand(&flags, &g, args, /*find_leader=*/false);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("health takes no arguments");
+  // --target is asked whatever the coordinators do; without it, the leader.
+  const bool other = !target.empty();
+  if (!other && g.coordinators.size() > 1) {
+    auto leader = FindLeader(g, g.coordinators);
+    if (!leader.ok()) {
+      std::cerr << "detourctl: " << leader.status().message() << "\n";
+      return kExitUnreachable;
+    }
+    g.coordinator = *leader;
+  }
   if (target.empty()) target = g.coordinator;
   auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target, g.security));
   grpc::ClientContext context;
@@ -343,11 +456,7 @@ int CmdHealth(Globals g, const std::vector<std::string>& args) {
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
   grpc::Status status = stub->Check(&context, request, &response);
-  if (!status.ok()) {
-    Globals shown = g;
-    shown.coordinator = target;
-    return RpcFailed(shown, status, "health");
-  }
+  if (!status.ok()) return RpcFailed(g, status, "health", other ? target : "");
   const std::string name =
       grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
   if (g.json) {
@@ -379,6 +488,7 @@ int CmdSubmit(Globals g, const std::vector<std::string>& args) {
   flags.Positional("SPEC.json",
                    "the job spec: the JSON form of detour.v1.JobSpec (see examples/jobs)");
   flags.Bool("watch", &watch, "follow the job until it ends");
+  AddReconnectFlag(&flags, &g);
   auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("submit needs exactly one spec file");
@@ -493,29 +603,120 @@ int CmdResume(Globals g, const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+// Follows a job's Watch stream until the job ends, calling `on_event` for
+// every event that differs from the one before (a reconnection's first
+// snapshot repeats the last event seen when nothing happened meanwhile). A
+// stream that breaks after it delivered an event (UNAVAILABLE or CANCELLED:
+// the coordinator restarted, paused past the keep-alive, failed over) is opened
+// again with a back-off from 0.2 s doubling to 5 s, each attempt noted on
+// stderr, for at most --reconnect_for since the last event; then, or on any
+// other error, the exit status of RpcFailed. `before_note` runs before a
+// note is written (a terminal's progress line ends first). Returns kExitOk
+// once the job ended, `*last` its final state.
+int FollowJob(Globals g, const std::string& job_id, absl::string_view what,
+              const std::function<void(const v1::JobEvent&)>& on_event,
+              const std::function<void()>& before_note, v1::Job* last) {
+  bool seen = false;
+  std::optional<absl::Time> broken_since;
+  absl::Duration backoff = absl::Milliseconds(200);
+  for (;;) {
+    auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
+    grpc::ClientContext context;  // no deadline: jobs run for hours
+    PrepareStream(g, &context);
+    v1::WatchJobRequest request;
+    request.set_job_id(job_id);
+    auto reader = stub->Watch(&context, request);
+    v1::JobEvent event;
+    while (reader->Read(&event)) {
+      broken_since.reset();
+      backoff = absl::Milliseconds(200);
+      if (seen && google::protobuf::util::MessageDifferencer::Equals(event.job(), *last)) {
+        continue;
+      }
+      seen = true;
+      *last = event.job();
+      on_event(event);
+    }
+    grpc::Status status = reader->Finish();
+    if (status.ok() && seen && Ended(*last)) return kExitOk;
+    if (status.ok()) {
+      status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "the coordinator ended the stream before the job ended");
+    }
+    // Never reached at all: a wrong address or a coordinator that is down
+    // is reported at once, with its hint. CANCELLED is the server's doing
+    // (this context is never cancelled): a coordinator shutting down cancels
+    // a stream it had not yet registered, so it counts as a break too.
+    const bool broke = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                       status.error_code() == grpc::StatusCode::CANCELLED;
+    if (!broke || !seen || g.reconnect_for <= absl::ZeroDuration()) {
+      return RpcFailed(g, status, what);
+    }
+    const absl::Time now = absl::Now();
+    if (!broken_since.has_value()) broken_since = now;
+    const absl::Duration left = *broken_since + g.reconnect_for - now;
+    before_note();
+    if (left <= absl::ZeroDuration()) {
+      std::cerr << "detourctl: " << what << ": gave up after "
+                << absl::FormatDuration(absl::Trunc(now - *broken_since, absl::Seconds(1)))
+                << " reconnecting (--reconnect_for=" << absl::FormatDuration(g.reconnect_for)
+                << "): coordinator " << g.coordinator << ": " << status.error_message() << "\n";
+      return kExitUnreachable;
+    }
+    const absl::Duration wait = std::min(backoff, left);
+    std::cerr << "detourctl: " << what << ": stream from coordinator " << g.coordinator
+              << " broke (" << status.error_message() << "); reconnecting in "
+              << absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(100)))
+              << " (gives up in " << absl::FormatDuration(absl::Trunc(left, absl::Seconds(1)))
+              << ")\n";
+    absl::SleepFor(wait);  // the back-off itself, not a synchronisation
+    backoff = std::min(2 * backoff, absl::Seconds(5));
+    if (g.coordinators.size() > 1) {
+      auto leader = FindLeader(g, g.coordinators);
+      if (leader.ok()) g.coordinator = *leader;
+    }
+  }
+}
+
 int CmdEvents(Globals g, const std::vector<std::string>& args) {
   bool follow = false;
   FlagSet flags("detourctl events", "Show a job's elastic-training history.");
   flags.Positional("JOB_ID", "the job whose history to show");
   flags.Bool("follow", &follow, "keep printing new events until the job ends");
+  AddReconnectFlag(&flags, &g);
   auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (rest->size() != 1) return Usage("events needs exactly one JOB_ID");
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
-  size_t shown = 0;
+  std::optional<v1::JobHistoryEvent> shown;  // the newest event printed
   auto print_new = [&](const v1::Job& job) {
-    // The record keeps the newest 200: count from the end when it rolled.
-    const size_t n = static_cast<size_t>(job.history_size());
-    for (size_t i = std::min(shown, n); i < n; ++i) {
-      if (g.json) {
-        std::cout << ToJsonLine(job.history(static_cast<int>(i))) << "\n" << std::flush;
-      } else {
-        std::cout << EventLine(job.history(static_cast<int>(i))) << "\n" << std::flush;
+    // The record keeps the newest 200: continue after the last event shown,
+    // found from the end (its time, kind and text make it unique).
+    const int n = job.history_size();
+    int start = 0;
+    if (shown.has_value()) {
+      start = -1;
+      for (int i = n - 1; i >= 0 && start < 0; --i) {
+        if (google::protobuf::util::MessageDifferencer::Equals(job.history(i), *shown)) {
+          start = i + 1;
+        }
+      }
+      if (start < 0) {
+        std::cerr << "detourctl: events: the record keeps the newest " << n
+                  << " events; some after the last one shown were not kept\n";
+        start = 0;
       }
     }
-    shown = n;
+    for (int i = start; i < n; ++i) {
+      if (g.json) {
+        std::cout << ToJsonLine(job.history(i)) << "\n" << std::flush;
+      } else {
+        std::cout << EventLine(job.history(i)) << "\n" << std::flush;
+      }
+    }
+    if (n > 0) shown = job.history(n - 1);
   };
   if (!follow) {
+    auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
     grpc::ClientContext context;
     PrepareCall(g, &context);
     v1::GetJobRequest request;
@@ -527,16 +728,10 @@ int CmdEvents(Globals g, const std::vector<std::string>& args) {
     print_new(job);
     return kExitOk;
   }
-  grpc::ClientContext context;  // no deadline: follows the job
-  PrepareStream(g, &context);
-  v1::WatchJobRequest request;
-  request.set_job_id((*rest)[0]);
-  auto reader = stub->Watch(&context, request);
-  v1::JobEvent event;
-  while (reader->Read(&event)) print_new(event.job());
-  grpc::Status status = reader->Finish();
-  if (!status.ok()) return RpcFailed(g, status, "events");
-  return kExitOk;
+  v1::Job last;
+  return FollowJob(
+      g, (*rest)[0], "events", [&](const v1::JobEvent& event) { print_new(event.job()); }, [] {},
+      &last);
 }
 
 std::string SourceName(v1::JobLink::Source s) {
@@ -598,6 +793,10 @@ int CmdList(Globals g, const std::vector<std::string>& args) {
   flags.String("state", &state_text,
                "only jobs in this state: pending, assigning, running, succeeded, failed, "
                "cancelled");
+  std::string owner;
+  flags.String("owner", &owner,
+               "only jobs of this owner (who submitted them: a token's name or a client "
+               "certificate's CN)");
   auto rest = ParseCommand(&flags, &g, args);
   if (!rest.ok()) return flags.Fail(rest.status());
   if (!rest->empty()) return Usage("list takes no arguments");
@@ -611,6 +810,7 @@ int CmdList(Globals g, const std::vector<std::string>& args) {
     }
     request.set_state(state);
   }
+  request.set_owner(owner);
   auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
   // The coordinator answers in pages; all of them make one listing. A
   // coordinator that never ends its pages (or repeats a token) is refused.
@@ -650,26 +850,30 @@ int CmdList(Globals g, const std::vector<std::string>& args) {
 }
 
 int Watch(const Globals& g, const std::string& job_id) {
-  auto stub = v1::JobService::NewStub(MakeChannel(g.coordinator, g.security));
-  grpc::ClientContext context;  // no deadline: jobs run for hours
-  PrepareStream(g, &context);
-  v1::WatchJobRequest request;
-  request.set_job_id(job_id);
-  auto reader = stub->Watch(&context, request);
-  v1::JobEvent event;
-  v1::Job last;
   const bool tty = ::isatty(STDOUT_FILENO) && !g.json;
-  while (reader->Read(&event)) {
-    last = event.job();
-    if (g.json) {
-      std::cout << ToJsonLine(event) << "\n" << std::flush;  // JSON Lines
-    } else {
-      std::cout << (tty ? "\r\033[K" : "") << WatchLine(last) << (tty ? "" : "\n") << std::flush;
-    }
-  }
-  if (tty) std::cout << "\n";
-  grpc::Status status = reader->Finish();
-  if (!status.ok()) return RpcFailed(g, status, "watch");
+  bool line_open = false;  // a terminal's progress line not ended yet
+  std::string shown;       // the last progress line: one that says nothing new is left out
+  v1::Job last;
+  const int rc = FollowJob(
+      g, job_id, "watch",
+      [&](const v1::JobEvent& event) {
+        if (g.json) {
+          std::cout << ToJsonLine(event) << "\n" << std::flush;  // JSON Lines
+          return;
+        }
+        std::string line = WatchLine(event.job());
+        if (line == shown) return;
+        std::cout << (tty ? "\r\033[K" : "") << line << (tty ? "" : "\n") << std::flush;
+        shown = std::move(line);
+        line_open = tty;
+      },
+      [&] {
+        if (line_open) std::cout << "\n" << std::flush;
+        line_open = false;
+      },
+      &last);
+  if (line_open) std::cout << "\n";
+  if (rc != kExitOk) return rc;
   if (!g.json)
     std::cout << last.id() << " ended: " << JobStateName(last.state()) << " — " << last.message()
               << "\n";
@@ -677,18 +881,22 @@ int Watch(const Globals& g, const std::string& job_id) {
 }
 
 int CmdWatch(Globals g, const std::vector<std::string>& args) {
-  std::string id;
-  if (int rc = WithJobId(&g, args, "watch",
-                         "Follow a job until it ends: one line per progress event (with --json\n"
-                         "one JSON object per line). Exit status 0 when it succeeded, 1 when not.",
-                         &id);
-      rc >= 0) {
-    return rc;
-  }
-  return Watch(g, id);
+  FlagSet flags("detourctl watch",
+                "Follow a job until it ends: one line per progress event (with --json\n"
+                "one JSON object per line). Exit status 0 when it succeeded, 1 when not.\n"
+                "A stream that breaks (the coordinator restarts, pauses or fails over) is\n"
+                "reopened for up to --reconnect_for, each attempt noted on stderr; events\n"
+                "already shown are not shown again.");
+  flags.Positional("JOB_ID", "the job's id, as submit and list print it (e.g. j1)");
+  AddReconnectFlag(&flags, &g);
+  auto rest = ParseCommand(&flags, &g, args);
+  if (!rest.ok()) return flags.Fail(rest.status());
+  if (rest->size() != 1) return Usage("watch needs exactly one JOB_ID");
+  return Watch(g, (*rest)[0]);
 }
 
 int Main(int argc, char** argv) {
+  QuietGrpcLogs();  // every failed call is reported below, with a hint
   Globals g;
   const char* env = std::getenv("DETOUR_COORDINATOR");
   g.coordinator = env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
@@ -726,7 +934,11 @@ int Main(int argc, char** argv) {
     std::cout << "detourctl " << kVersion << " (" << kGitRevision << ")\n";
     return kExitOk;
   }
-  return Usage(absl::StrCat("unknown command \"", command, "\""));
+  const std::string near =
+      ClosestMatch(command, {"workers", "health", "submit", "get", "list", "watch", "cancel",
+                             "resume", "events", "links", "version"});
+  return Usage(absl::StrCat("unknown command \"", absl::CHexEscape(command.substr(0, 64)), "\"",
+                            near.empty() ? "" : absl::StrCat(" (did you mean ", near, "?)")));
 }
 
 }  // namespace

@@ -38,6 +38,39 @@ struct Stage::Impl {
   std::map<uint32_t, Slot> slots;
   std::map<uint32_t, std::vector<std::shared_ptr<LayerCapture>>> captures;
   int visits = 0;
+  // Ordered accumulation (SetOrderedAccumulation): each microbatch's own
+  // gradients, one per parameter in Parameters() order (undefined = none).
+  bool ordered = false;
+  std::map<uint32_t, std::vector<at::Tensor>> kept;
+
+  // Runs `pass` (a backward of `mb`) with `mb`'s own gradients in the
+  // parameters' .grad when ordered, the stage's back afterwards.
+  template <typename F>
+  auto WithOwnGradients(uint32_t mb, F pass) -> decltype(pass()) {
+    if (!ordered) return pass();
+    std::vector<NamedTensor> params = Parameters();
+    std::vector<at::Tensor>& own = kept[mb];
+    own.resize(params.size());
+    std::vector<at::Tensor> stage(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      stage[i] = params[i].second.grad();
+      params[i].second.mutable_grad() = own[i];
+    }
+    auto restore = [&] {
+      for (size_t i = 0; i < params.size(); ++i) {
+        own[i] = params[i].second.grad();
+        params[i].second.mutable_grad() = stage[i];
+      }
+    };
+    try {
+      auto result = pass();
+      restore();
+      return result;
+    } catch (...) {
+      restore();
+      throw;
+    }
+  }
 
   std::string Context(absl::string_view what, uint32_t mb) const {
     return absl::StrCat("stage ", index, " ", what, " mb ", mb);
@@ -268,8 +301,11 @@ absl::StatusOr<at::Tensor> Stage::Backward(uint32_t mb, const at::Tensor& grad_o
       }
       slot.output = s.RunLayers(x);
     }
-    torch::autograd::backward({slot.output},
-                              {grad_output.to(s.options.device).to(slot.output.scalar_type())});
+    s.WithOwnGradients(mb, [&] {
+      torch::autograd::backward({slot.output},
+                                {grad_output.to(s.options.device).to(slot.output.scalar_type())});
+      return 0;
+    });
     at::Tensor grad_in;
     if (slot.input.defined()) grad_in = slot.input.grad();
     return grad_in;
@@ -297,7 +333,10 @@ absl::StatusOr<LossOutput> Stage::LossAndBackward(uint32_t mb, const at::Tensor&
     c10::AutoGradMode grad(true);
     at::Tensor h = hidden.to(s.options.device).detach().requires_grad_(true);
     at::Tensor loss = s.head->Loss(h, targets.to(s.options.device));
-    torch::autograd::backward({loss});
+    s.WithOwnGradients(mb, [&] {
+      torch::autograd::backward({loss});
+      return 0;
+    });
     LossOutput out;
     out.loss = loss.item<double>();
     out.tokens = targets.numel();
@@ -354,6 +393,34 @@ void Stage::ZeroGrad() {
     if (p.mutable_grad().defined()) p.mutable_grad() = at::Tensor();
   }
   impl_->visits = 0;
+  impl_->kept.clear();
+}
+
+void Stage::SetOrderedAccumulation(bool on) { impl_->ordered = on; }
+
+size_t Stage::kept_gradients() const { return impl_->kept.size(); }
+
+absl::Status Stage::FoldGradients(std::optional<uint32_t> below) {
+  Impl& s = *impl_;
+  if (s.kept.empty()) return absl::OkStatus();
+  return GuardTorch(absl::StrCat("stage ", s.index, " fold gradients"), [&]() -> absl::Status {
+    c10::NoGradGuard no_grad;
+    std::vector<NamedTensor> params = s.Parameters();
+    for (auto it = s.kept.begin(); it != s.kept.end() && (!below || it->first < *below);
+         it = s.kept.erase(it)) {
+      for (size_t i = 0; i < params.size() && i < it->second.size(); ++i) {
+        const at::Tensor& g = it->second[i];
+        if (!g.defined()) continue;
+        at::Tensor& sum = params[i].second.mutable_grad();
+        if (sum.defined()) {
+          sum.add_(g);
+        } else {
+          sum = g;
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::Status Stage::ScaleGradients(double factor) {

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -141,6 +142,21 @@ class Stage {
   // Sum of squared gradient elements (for global-norm clipping), leaving
   // out the parameters named in `exclude` (may be null).
   absl::StatusOr<double> SquaredGradNorm(const std::set<std::string>* exclude = nullptr) const;
+
+  // Gradient sums in a fixed order. With ordered accumulation on, each
+  // microbatch's backward passes (LossAndBackward, Backward) accumulate into
+  // gradients of its own, kept apart until FoldGradients adds them to the
+  // stage's, in ascending microbatch order: the sums have the same bits
+  // whatever order the passes ran in (float addition does not associate,
+  // and the pipeline runs backwards in the order their gradients arrive).
+  // Off (the default) they accumulate into the stage's at once. ZeroGrad
+  // drops what is kept.
+  void SetOrderedAccumulation(bool on);
+  // Adds the kept gradients of microbatches below `below` (of all with
+  // nullopt) to the stage's, ascending, and forgets them.
+  absl::Status FoldGradients(std::optional<uint32_t> below = std::nullopt);
+  // Microbatches whose gradients are kept apart.
+  size_t kept_gradients() const;
 
   // K-FAC capture (used by Kfac, kfac.h): the next Forward of `mb` fills
   // records[i] for the i-th block this stage holds (LayerCapture, in

@@ -17,14 +17,12 @@ void FrameAdmission::Open(const Stage& stage) {
   // moments; plus the archive's own bookkeeping.
   state_bytes_ =
       4 * static_cast<uint64_t>(6 * stage.flat_numel + 6 * stage.factor_numel) + (16u << 20);
-  // What an honest iteration can have in flight here at once: a forward and
-  // a backward per microbatch (and again for re-runs) and the replicas'
-  // all-reduce inputs, or one stage state.
-  uint64_t activation = 4;
-  for (int64_t d : stage.activation_shape) activation *= static_cast<uint64_t>(d);
-  const uint64_t reduce = 4 * static_cast<uint64_t>(stage.flat_numel + stage.factor_numel);
-  held_bytes_ = 4 * uint64_t{stage.microbatches} * activation +
-                (2 * static_cast<uint64_t>(stage.replicas) + 2) * reduce + state_bytes_;
+  activation_bytes_ = 4;
+  for (int64_t d : stage.activation_shape) activation_bytes_ *= static_cast<uint64_t>(d);
+  reduce_bytes_ = 4 * static_cast<uint64_t>(stage.flat_numel + stage.factor_numel);
+  routed_.clear();
+  // Tensors of an earlier job keep their own accounts alive until freed.
+  accounts_.clear();
 }
 
 void FrameAdmission::Close() {
@@ -37,6 +35,74 @@ void FrameAdmission::Close() {
 void FrameAdmission::SetMembers(std::set<std::string> members) {
   absl::MutexLock lock(&mu_);
   members_ = std::move(members);
+  // Accounts of senders no longer members go once they hold nothing.
+  for (auto it = accounts_.begin(); it != accounts_.end();) {
+    if (!members_.count(it->first) && it->second->load() == 0) {
+      it = accounts_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+namespace {
+
+// Adds to `routed` the pipeline frames each sender sends to `me` along
+// `routes`: forwards from the node before `me` (the data node receives the
+// last node's output for the loss), backwards from the node after it (the
+// data node sends the loss gradient to the last node).
+void CountRouted(const std::string& me, const std::vector<v1::Route>& routes,
+                 std::map<std::string, uint32_t>* routed) {
+  for (const v1::Route& r : routes) {
+    const int n = r.nodes_size();
+    if (n < 2) continue;  // stage 0 only: nothing crosses the wire
+    for (int i = 0; i < n; ++i) {
+      // The edge nodes(i) -> next carries the forward one way and the
+      // backward the other.
+      const std::string& next = i + 1 < n ? r.nodes(i + 1) : r.data_node();
+      if (next == me) ++(*routed)[r.nodes(i)];
+      if (r.nodes(i) == me) ++(*routed)[next];
+    }
+  }
+}
+
+}  // namespace
+
+void FrameAdmission::SetRoutes(const std::string& me, const std::vector<v1::Route>& routes) {
+  absl::MutexLock lock(&mu_);
+  routed_.clear();
+  CountRouted(me, routes, &routed_);
+}
+
+void FrameAdmission::AddRoutes(const std::string& me, const std::vector<v1::Route>& routes) {
+  absl::MutexLock lock(&mu_);
+  CountRouted(me, routes, &routed_);
+}
+
+uint32_t FrameAdmission::RoutedFrames(const std::string& sender) const {
+  absl::MutexLock lock(&mu_);
+  auto it = routed_.find(sender);
+  return it == routed_.end() ? 0 : it->second;
+}
+
+uint64_t FrameAdmission::QuotaLocked(const std::string& sender) const {
+  // The pipeline frames the routes known here have `sender` send to this
+  // worker, and one forward and one backward per microbatch of the job
+  // beyond them (the next iteration's, whose plan is not here yet, or a
+  // re-run's whose amendment is not); its all-reduce inputs of this and the
+  // next iteration, twice each (the survivors of a loss reduce again); the
+  // stage state when it is the expected donor.
+  auto it = routed_.find(sender);
+  const uint64_t frames =
+      (it == routed_.end() ? 0 : uint64_t{it->second}) + 2 * uint64_t{stage_.microbatches};
+  uint64_t quota = frames * activation_bytes_ + 4 * reduce_bytes_;
+  if (!stage_.state_from.empty() && sender == stage_.state_from) quota += state_bytes_;
+  return quota;
+}
+
+uint64_t FrameAdmission::SenderQuota(const std::string& sender) const {
+  absl::MutexLock lock(&mu_);
+  return QuotaLocked(sender);
 }
 
 void FrameAdmission::SetPosition(uint64_t iteration, uint64_t epoch) {
@@ -65,14 +131,9 @@ uint64_t FrameAdmission::state_bytes() const {
   return state_bytes_;
 }
 
-uint64_t FrameAdmission::held_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return held_bytes_;
-}
-
-FrameAdmission::Verdict FrameAdmission::Admit(const v1::FrameHeader& h, uint64_t held) const {
+FrameAdmission::Verdict FrameAdmission::Admit(const v1::FrameHeader& h) {
   auto refuse = [](absl::Status s, Refusal r = Refusal::kOther) {
-    return Verdict{std::move(s), r};
+    return Verdict{std::move(s), r, nullptr};
   };
   const std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
   absl::MutexLock lock(&mu_);
@@ -122,16 +183,35 @@ FrameAdmission::Verdict FrameAdmission::Admit(const v1::FrameHeader& h, uint64_t
                      "] ", v1::DType_Name(stage_.wire))));
   }
   // Tensors received and not yet consumed (queued, kept early, buffered by
-  // a stage) are bounded in bytes: a peer flooding plausible frames gets
-  // RESOURCE_EXHAUSTED instead of the worker's memory.
-  const uint64_t bytes = h.total_bytes();
-  if (held + bytes > held_bytes_) {
-    return refuse(absl::ResourceExhaustedError(
-                      absl::StrCat("this worker holds ", held, " bytes of received tensors; ",
-                                   bytes, " more would pass its bound of ", held_bytes_)),
-                  Refusal::kOverBudget);
+  // a stage) are bounded in bytes per sender: a peer flooding plausible
+  // frames gets RESOURCE_EXHAUSTED instead of the worker's memory, and
+  // exhausts only its own quota, so every other member's frames still fit.
+  auto& account = accounts_[h.sender()];
+  if (account == nullptr) {
+    size_t newcomers = 0;
+    for (const auto& [sender, a] : accounts_) newcomers += members_.count(sender) ? 0 : 1;
+    if (!members_.count(h.sender()) && newcomers > kMaxNewcomerAccounts) {
+      accounts_.erase(h.sender());
+      return refuse(absl::ResourceExhaustedError(absl::StrCat(
+                        "more than ", kMaxNewcomerAccounts,
+                        " senders of a newer epoch than this worker's already hold tensors here")),
+                    Refusal::kOverBudget);
+    }
+    account = std::make_shared<std::atomic<uint64_t>>(0);
   }
-  return Verdict{absl::OkStatus(), Refusal::kNone};
+  const uint64_t bytes = h.total_bytes();
+  const uint64_t quota = QuotaLocked(h.sender());
+  const uint64_t held = account->load();
+  // Deleters only lower the count, and every charge is made under mu_.
+  if (bytes > quota || held > quota - bytes) {
+    return refuse(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "worker \"", absl::CHexEscape(h.sender()), "\" holds ", held,
+            " bytes of received tensors here; ", bytes, " more would pass its quota of ", quota)),
+        Refusal::kOverBudget);
+  }
+  account->fetch_add(bytes);
+  return Verdict{absl::OkStatus(), Refusal::kNone, account};
 }
 
 }  // namespace detour

@@ -1,6 +1,9 @@
 #include "worker/runtime/iteration_tracker.h"
 
+#include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -100,6 +103,13 @@ void IterationTracker::BackwardRan(uint32_t mb, int hop) {
   it->second.backward = true;
   ++visits_;
   (void)hop;
+}
+
+std::optional<uint32_t> IterationTracker::FirstBackwardOwed() const {
+  for (const auto& [mb, m] : mbs_) {  // ascending
+    if (!m.frozen && !Finished(m)) return mb;
+  }
+  return std::nullopt;
 }
 
 bool IterationTracker::ForwardDone(uint32_t mb) const {
@@ -209,6 +219,21 @@ absl::Status IterationTracker::Amend(uint64_t epoch, const std::vector<v1::Route
   for (const v1::Route& r : routes) SetRoute(mbs_[r.microbatch()], r);
   awaiting_amendment_ = false;
   return absl::OkStatus();
+}
+
+std::vector<std::string> PlanSendTargets(const v1::IterationPlan& plan, const std::string& me,
+                                         const std::vector<std::string>& group) {
+  std::set<std::string> targets(group.begin(), group.end());
+  for (const v1::Route& r : plan.routes()) {
+    const int n = r.nodes_size();
+    for (int i = 0; i < n; ++i) {
+      if (r.nodes(i) != me) continue;
+      targets.insert(i + 1 < n ? r.nodes(i + 1) : r.data_node());
+      targets.insert(i > 0 ? r.nodes(i - 1) : r.nodes(n - 1));
+    }
+  }
+  targets.erase(me);
+  return {targets.begin(), targets.end()};
 }
 
 }  // namespace detour

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -63,6 +64,9 @@ class IterationTracker {
 
   bool ForwardDone(uint32_t mb) const;
   bool BackwardDone(uint32_t mb) const;
+  // The smallest microbatch whose backward this node still owes (not
+  // frozen); nullopt when none.
+  std::optional<uint32_t> FirstBackwardOwed() const;
   // Backward visits of this node (microbatches whose backward ran here).
   int visits() const { return visits_; }
   // Microbatches whose backward reached this node as their data node (they
@@ -126,6 +130,14 @@ class IterationTracker {
   bool awaiting_amendment_ = false;
   std::set<std::string> lost_;
 };
+
+// The workers `me` sends tensors to in `plan`: on each route it is on, the
+// next one (activations; the last stage's go back to the data node, which
+// computes the loss) and the one before (gradients; the data node's go to
+// the last stage), and `group`, its replicas (the all-reduce). Sorted, once
+// each, `me` left out.
+std::vector<std::string> PlanSendTargets(const v1::IterationPlan& plan, const std::string& me,
+                                         const std::vector<std::string>& group);
 
 }  // namespace detour
 

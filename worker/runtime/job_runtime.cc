@@ -39,8 +39,14 @@ class JobRuntime::Impl : public RuntimeCore {
         set_job_(std::move(set_job)),
         metrics_(options_.metrics, options_.region, options_.device),
         prober_(options_.transport ? options_.transport : GrpcPeerTransport::Factory(),
-                PeerTransportConfig{options_.region, {}, options_.security}, send_,
-                options_.metrics) {
+                PeerTransportConfig{options_.region,
+                                    {},
+                                    options_.security,
+                                    options_.peer_ack_timeout,
+                                    options_.peer_connect_timeout},
+                send_, options_.metrics) {
+    // Read on the executor, which alone changes job_id.
+    job_.link_hint = [this](const std::string& peer) { return prober_.Hint(job_.job_id, peer); };
     executor_ = std::thread([this] { Loop(); });
   }
 
@@ -150,33 +156,34 @@ class JobRuntime::Impl : public RuntimeCore {
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& h) {
     if (h.direction() == v1::DIRECTION_PROBE) return prober_.Allocate(h);
     std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
-    const FrameAdmission::Verdict verdict = admission_.Admit(h, received_bytes_->load());
+    FrameAdmission::Verdict verdict = admission_.Admit(h);
     if (!verdict.ok()) {
       if (verdict.refusal == FrameAdmission::Refusal::kLate) metrics_.LateFrame();
       if (verdict.refusal == FrameAdmission::Refusal::kOverBudget) metrics_.UnexpectedFrame();
       return verdict.status;
     }
     const uint64_t bytes = h.total_bytes();
-    return model::GuardTorch("allocating a received tensor",
-                             [&]() -> absl::StatusOr<MutableBuffer> {
-                               // The count drops when the tensor's memory is freed, wherever that
-                               // is.
-                               std::shared_ptr<std::atomic<uint64_t>> held = received_bytes_;
-                               held->fetch_add(bytes);
-                               auto* memory = new uint8_t[std::max<uint64_t>(1, bytes)];
-                               auto tensor = std::make_shared<at::Tensor>(at::from_blob(
-                                   memory, shape,
-                                   [held, bytes](void* p) {
-                                     delete[] static_cast<uint8_t*>(p);
-                                     held->fetch_sub(bytes);
-                                   },
-                                   at::TensorOptions().dtype(TorchType(h.dtype()))));
-                               MutableBuffer b;
-                               b.data = tensor->data_ptr();
-                               b.bytes = tensor->nbytes();
-                               b.keepalive = tensor;
-                               return b;
-                             });
+    // The sender's account is charged; it drops when the tensor's memory is
+    // freed, wherever that is (or now, when the allocation fails).
+    std::shared_ptr<std::atomic<uint64_t>> held = std::move(verdict.account);
+    auto allocated =
+        model::GuardTorch("allocating a received tensor", [&]() -> absl::StatusOr<MutableBuffer> {
+          auto* memory = new uint8_t[std::max<uint64_t>(1, bytes)];
+          auto tensor = std::make_shared<at::Tensor>(at::from_blob(
+              memory, shape,
+              [held, bytes](void* p) {
+                delete[] static_cast<uint8_t*>(p);
+                held->fetch_sub(bytes);
+              },
+              at::TensorOptions().dtype(TorchType(h.dtype()))));
+          MutableBuffer b;
+          b.data = tensor->data_ptr();
+          b.bytes = tensor->nbytes();
+          b.keepalive = tensor;
+          return b;
+        });
+    if (!allocated.ok()) held->fetch_sub(bytes);
+    return allocated;
   }
 
   void Deliver(const v1::FrameHeader& h, MutableBuffer buffer) {
@@ -343,9 +350,6 @@ class JobRuntime::Impl : public RuntimeCore {
   LinkProber prober_;
   // What Allocate accepts (read on gRPC threads).
   FrameAdmission admission_;
-  // Bytes of received tensors alive now (shared with their deleters).
-  const std::shared_ptr<std::atomic<uint64_t>> received_bytes_ =
-      std::make_shared<std::atomic<uint64_t>>(0);
 
   // Executor-only state (but for its atomics), and the parts that change it.
   RuntimeShared job_{&options_, &metrics_, &admission_};

@@ -44,6 +44,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -87,6 +88,13 @@ struct JobRuntimeOptions {
   PeerTransportFactory transport;
   // Security of the gRPC streams to peers (the default transport).
   TransportSecurity security;
+  // Peer transfers: acknowledgement and connect timeouts (PeerTransportConfig).
+  absl::Duration peer_ack_timeout = absl::Seconds(60);
+  absl::Duration peer_connect_timeout = absl::Seconds(10);
+  // Called with the addresses (gRPC and direct transport, "host:port") of
+  // the job's peers whenever the coordinator sends a new set: the worker's
+  // direct transport server keeps room for their connections. May be empty.
+  std::function<void(const std::vector<std::string>& addresses)> peers_changed;
 };
 
 class JobRuntime : public TensorSink {

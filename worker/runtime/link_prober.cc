@@ -1,13 +1,17 @@
 #include "worker/runtime/link_prober.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/link_probe_need.h"
 #include "common/log.h"
 
 namespace detour {
@@ -20,8 +24,26 @@ constexpr size_t kMaxExportedPeers = 64;
 // ones are mostly noise.
 constexpr double kMinWireShareOfRtt = 0.25;
 constexpr double kMinWireSeconds = 0.0005;
-// The rate has stopped growing when a larger probe gains less than this.
-constexpr double kGrowth = 1.10;
+// Single bulk probes go up to this size; larger ones are striped over
+// several connections (peer_sender.h) and are measured as a stream.
+constexpr uint64_t kLastSingleBytes = uint64_t{4} << 20;
+// The stream measurement (after one probe of bulk_max_bytes alone, which
+// opens the connections' windows): kStreamDepth probes of that size queued
+// at all times, one more sent as each is acknowledged, until it has run
+// kStreamTime and kStreamRtts round trips, kMaxStreamBytes were sent (but
+// never fewer than kStreamDepth + 1 probes), or the link's share of the
+// budget is spent.
+constexpr uint64_t kStreamDepth = 2;
+constexpr absl::Duration kStreamTime = absl::Milliseconds(250);
+constexpr int kStreamRtts = 10;
+constexpr uint64_t kMaxStreamBytes = uint64_t{256} << 20;
+// A failed ping is retried within this part of the round (the smaller of the
+// two), waiting kFirstPingRetry, then twice as long each time up to
+// kLastPingRetry.
+constexpr absl::Duration kPingRetryWindow = absl::Seconds(2);
+constexpr double kPingRetryShareOfBudget = 0.25;
+constexpr absl::Duration kFirstPingRetry = absl::Milliseconds(20);
+constexpr absl::Duration kLastPingRetry = absl::Milliseconds(400);
 
 // Transfers in flight, one per key, and their outcomes as they come. A
 // callback that comes after the round gave up writes into state nobody reads
@@ -31,6 +53,7 @@ class Inflight {
   struct Outcome {
     absl::Status status;
     double seconds = 0;
+    absl::Time at;  // when the outcome came
   };
 
   explicit Inflight(PeerTransport* transport) : transport_(transport) {}
@@ -46,7 +69,7 @@ class Inflight {
                      [state, key](absl::Status status, double seconds) {
                        absl::MutexLock lock(&state->mu);
                        if (!state->pending.erase(key)) return;
-                       state->done[key] = Outcome{std::move(status), seconds};
+                       state->done[key] = Outcome{std::move(status), seconds, absl::Now()};
                      });
   }
 
@@ -90,6 +113,306 @@ class Inflight {
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
+// One round's sending side: the request, the transport its probes go over
+// (its own, closed by Finish) and the report it fills in.
+class ProbeRound {
+ public:
+  ProbeRound(const v1::LinkProbe& p, std::string me, std::unique_ptr<PeerTransport> transport,
+             metrics::Counter* probe_bytes, std::function<bool()> stop)
+      : p_(p),
+        me_(std::move(me)),
+        transport_(std::move(transport)),
+        probe_bytes_(probe_bytes),
+        stop_(std::move(stop)),
+        start_(absl::Now()),
+        deadline_(start_ + absl::Milliseconds(p.budget_ms())),
+        // The in-process emulation (--emulate_network) delays frames once,
+        // on the way out, and acknowledgements not at all: a ping's round
+        // trip is then the emulated one-way latency, and a real link's
+        // round trip is twice it.
+        rtt_factor_(p.has_emulate_network() ? 2.0 : 1.0),
+        zeros_(std::make_shared<std::vector<uint8_t>>(
+            std::max<uint64_t>(LinkProber::kPingBytes, p.bulk_max_bytes()), 0)) {
+    report_.set_job_id(p.job_id());
+    report_.set_round(p.round());
+    std::vector<PeerEndpoint> endpoints;
+    for (const v1::Peer& peer : p.peers()) {
+      if (peer.worker_id() == me_ || links_.count(peer.worker_id())) continue;
+      endpoints.push_back(
+          {peer.worker_id(), peer.address(), peer.region(), peer.data_address(), LinkHint{}});
+      v1::LinkMeasurement* m = report_.add_links();
+      m->set_peer(peer.worker_id());
+      links_[peer.worker_id()] = m;
+    }
+    transport_->SetPeers(endpoints);
+  }
+
+  // Latency: every peer at once, each link's pings one after another.
+  void MeasureLatency();
+  // Bandwidth: one link at a time, each in its share of what is left of the
+  // budget.
+  void MeasureBandwidth();
+  // Closes the transport; the report.
+  v1::LinkReport Finish();
+
+ private:
+  // First single probes of growing size up to kLastSingleBytes (tensors that
+  // small travel whole on one connection), then one of bulk_max_bytes and
+  // right after it a stream of more (kStreamDepth queued at once), which
+  // finds every striped connection's window open.
+  void MeasureLink(const std::string& peer, v1::LinkMeasurement* m, absl::Time peer_deadline);
+  // Sends `count` probes of `size` to `peer` at once and waits for all: the
+  // rate of the whole (0 when too short to tell); nothing when one failed or
+  // the link's share of the budget ran out (an error is set unless `best`
+  // says an earlier size measured the link).
+  std::optional<double> Measure(const std::string& peer, v1::LinkMeasurement* m, uint64_t size,
+                                int count, absl::Time peer_deadline, double best);
+  // The stream of probes of bulk_max_bytes (kStreamDepth, kStreamTime): the
+  // rate of what was acknowledged, over its time less one round trip;
+  // nothing when a probe failed (the error is set) or none was acknowledged
+  // within the link's share of the budget (an error unless `best` > 0).
+  std::optional<double> Stream(const std::string& peer, v1::LinkMeasurement* m,
+                               absl::Time peer_deadline, double best);
+  std::pair<v1::FrameHeader, TensorView> Probe(uint64_t bytes);
+  void CountSent(v1::LinkMeasurement* m, uint64_t bytes);
+
+  const v1::LinkProbe& p_;
+  const std::string me_;
+  const std::unique_ptr<PeerTransport> transport_;
+  metrics::Counter* const probe_bytes_;
+  const std::function<bool()> stop_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  const double rtt_factor_;
+  const std::shared_ptr<std::vector<uint8_t>> zeros_;
+  uint32_t sequence_ = 0;
+  v1::LinkReport report_;
+  std::map<std::string, v1::LinkMeasurement*> links_;  // into report_
+};
+
+std::pair<v1::FrameHeader, TensorView> ProbeRound::Probe(uint64_t bytes) {
+  v1::FrameHeader h;
+  h.set_job_id(p_.job_id());
+  h.set_sender(me_);
+  h.set_direction(v1::DIRECTION_PROBE);
+  h.set_dtype(v1::DTYPE_BYTES);
+  h.add_shape(static_cast<int64_t>(bytes));
+  h.set_microbatch(sequence_++);
+  TensorView view;
+  view.data = zeros_->data();
+  view.bytes = bytes;
+  view.keepalive = zeros_;
+  return std::make_pair(h, view);
+}
+
+void ProbeRound::CountSent(v1::LinkMeasurement* m, uint64_t bytes) {
+  m->set_probe_bytes(m->probe_bytes() + bytes);
+  if (probe_bytes_ != nullptr) (void)probe_bytes_->IncrementBy(static_cast<double>(bytes));
+}
+
+void ProbeRound::MeasureLatency() {
+  // The coordinator asks every worker of a round at about the same time, so
+  // a peer may refuse the first pings ("not a peer of a probe round") until
+  // its own request arrives: a failed ping is sent again, backing off, while
+  // the link has answered none and the round is young.
+  const absl::Time retry_until =
+      start_ + std::min(kPingRetryWindow, (deadline_ - start_) * kPingRetryShareOfBudget);
+  std::map<std::string, double> rtt;
+  std::map<std::string, uint32_t> pings_sent;
+  std::map<std::string, absl::Time> retry_at;  // links waiting to ping again
+  std::map<std::string, absl::Duration> backoff;
+  std::map<std::string, std::string> failure;  // the newest failed ping's
+  Inflight pings(transport_.get());
+  auto send_ping = [&](const std::string& peer) {
+    auto [h, view] = Probe(LinkProber::kPingBytes);
+    pings.Send(peer, peer, std::move(h), std::move(view));
+    CountSent(links_[peer], LinkProber::kPingBytes);
+    ++pings_sent[peer];
+  };
+  for (auto& [peer, m] : links_) send_ping(peer);
+  while ((!pings.empty() || !retry_at.empty()) && !stop_() && absl::Now() < deadline_) {
+    absl::Time wake = deadline_;
+    for (auto it = retry_at.begin(); it != retry_at.end();) {
+      if (it->second <= absl::Now()) {
+        send_ping(it->first);
+        it = retry_at.erase(it);
+      } else {
+        wake = std::min(wake, it->second);
+        ++it;
+      }
+    }
+    if (pings.empty()) {  // only retries to wait for
+      absl::SleepFor(std::min(wake - absl::Now(), absl::Milliseconds(100)));
+      continue;
+    }
+    for (const auto& [peer, o] : pings.Next(wake, stop_)) {
+      v1::LinkMeasurement* m = links_[peer];
+      if (!o.status.ok()) {
+        failure[peer] = absl::StrCat("ping: ", o.status.message());
+        absl::Duration& wait = backoff[peer];
+        wait = wait == absl::ZeroDuration() ? kFirstPingRetry : std::min(2 * wait, kLastPingRetry);
+        if (!rtt.count(peer) && absl::Now() + wait < retry_until) {
+          --pings_sent[peer];  // a refused ping is not one of the link's pings
+          retry_at[peer] = absl::Now() + wait;
+        } else {
+          m->set_error(failure[peer]);
+        }
+        continue;
+      }
+      if (!rtt.count(peer) || o.seconds < rtt[peer]) rtt[peer] = o.seconds;
+      if (pings_sent[peer] < p_.pings() && absl::Now() < deadline_) send_ping(peer);
+    }
+  }
+  // A link that never answered within the budget; one that did keeps what
+  // its answered pings showed.
+  for (const std::string& peer : pings.Abandon()) {
+    if (!rtt.count(peer)) links_[peer]->set_error("no answer to a ping within the round's budget");
+  }
+  for (const auto& [peer, at] : retry_at) {
+    if (!rtt.count(peer)) links_[peer]->set_error(failure[peer]);
+  }
+  for (auto& [peer, m] : links_) {
+    if (m->error().empty() && rtt.count(peer)) m->set_rtt_seconds(rtt[peer] * rtt_factor_);
+  }
+}
+
+void ProbeRound::MeasureBandwidth() {
+  if (p_.bulk_max_bytes() < LinkProber::kFirstBulkBytes) return;
+  std::vector<std::pair<std::string, v1::LinkMeasurement*>> todo;
+  for (auto& [peer, m] : links_) {
+    if (m->error().empty()) todo.emplace_back(peer, m);
+  }
+  for (size_t i = 0; i < todo.size() && !stop_(); ++i) {
+    std::vector<std::optional<double>> rtts;
+    for (size_t j = i; j < todo.size(); ++j) {
+      const double rtt = todo[j].second->rtt_seconds();
+      rtts.push_back(rtt > 0 ? std::optional<double>(rtt) : std::nullopt);
+    }
+    const absl::Time now = absl::Now();
+    MeasureLink(todo[i].first, todo[i].second, now + LinkProber::BulkShare(deadline_ - now, rtts));
+  }
+}
+
+void ProbeRound::MeasureLink(const std::string& peer, v1::LinkMeasurement* m,
+                             absl::Time peer_deadline) {
+  double best = 0;
+  const uint64_t last_single = std::min(kLastSingleBytes, p_.bulk_max_bytes());
+  for (uint64_t size = LinkProber::kFirstBulkBytes; size <= last_single && !stop_(); size *= 2) {
+    const std::optional<double> rate = Measure(peer, m, size, 1, peer_deadline, best);
+    if (!rate.has_value()) {
+      if (best > 0) m->set_bandwidth_bytes_per_s(best);
+      return;
+    }
+    best = std::max(best, *rate);
+  }
+  if (p_.bulk_max_bytes() > last_single && !stop_()) {
+    // The first striped probe opens the connections' windows (and counts
+    // too); the stream follows at once, before they close again.
+    if (const std::optional<double> warm =
+            Measure(peer, m, p_.bulk_max_bytes(), 1, peer_deadline, best)) {
+      best = std::max(best, *warm);
+      if (const std::optional<double> rate = Stream(peer, m, peer_deadline, best)) {
+        best = std::max(best, *rate);
+      }
+    }
+  }
+  if (best > 0) m->set_bandwidth_bytes_per_s(best);
+}
+
+std::optional<double> ProbeRound::Measure(const std::string& peer, v1::LinkMeasurement* m,
+                                          uint64_t size, int count, absl::Time peer_deadline,
+                                          double best) {
+  const double ack = m->rtt_seconds() / rtt_factor_;  // what a transfer's ack adds
+  const absl::Time sent = absl::Now();
+  Inflight bulk(transport_.get());
+  for (int i = 0; i < count; ++i) {
+    auto [h, view] = Probe(size);
+    bulk.Send(absl::StrCat(i), peer, std::move(h), std::move(view));
+    CountSent(m, size);
+  }
+  absl::Time last = absl::InfinitePast();
+  for (int done = 0; done < count;) {
+    std::map<std::string, Inflight::Outcome> outcomes = bulk.Next(peer_deadline, stop_);
+    if (outcomes.empty()) {
+      bulk.Abandon();
+      if (best == 0) m->set_error("no bulk probe finished within the link's share of the budget");
+      return std::nullopt;
+    }
+    for (const auto& [key, o] : outcomes) {
+      if (!o.status.ok()) {
+        bulk.Abandon();
+        m->set_error(absl::StrCat("bulk probe: ", o.status.message()));
+        return std::nullopt;
+      }
+      last = std::max(last, o.at);
+      ++done;
+    }
+  }
+  const double seconds = absl::ToDoubleSeconds(last - sent);
+  LogDebug("job ", p_.job_id(), ": bulk probe to ", peer, ": ", count, " x ", size >> 20,
+           " MiB in ", absl::StrFormat("%.1f", seconds * 1e3), " ms");
+  const double wire = seconds - ack;
+  if (wire < std::max(kMinWireSeconds, kMinWireShareOfRtt * ack)) return 0.0;
+  return static_cast<double>(size) * count / wire;
+}
+
+std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasurement* m,
+                                         absl::Time peer_deadline, double best) {
+  const uint64_t size = p_.bulk_max_bytes();
+  const uint64_t most = std::max<uint64_t>(kStreamDepth + 1, kMaxStreamBytes / size);
+  const double ack = m->rtt_seconds() / rtt_factor_;  // what a transfer's ack adds
+  const absl::Time start = absl::Now();
+  const absl::Time stop_sending =
+      std::min(peer_deadline, start + std::max(kStreamTime, kStreamRtts * absl::Seconds(ack)));
+  Inflight stream(transport_.get());
+  uint64_t sent = 0;
+  uint64_t acked = 0;
+  auto send = [&] {
+    auto [h, view] = Probe(size);
+    stream.Send(absl::StrCat(sent), peer, std::move(h), std::move(view));
+    CountSent(m, size);
+    ++sent;
+  };
+  while (sent < kStreamDepth) send();
+  absl::Time last = absl::InfinitePast();
+  while (acked < sent) {
+    std::map<std::string, Inflight::Outcome> outcomes = stream.Next(peer_deadline, stop_);
+    if (outcomes.empty()) {  // the link's share is spent (or the round stops)
+      stream.Abandon();
+      break;
+    }
+    for (const auto& [key, o] : outcomes) {
+      if (!o.status.ok()) {
+        stream.Abandon();
+        m->set_error(absl::StrCat("bulk probe: ", o.status.message()));
+        return std::nullopt;
+      }
+      last = std::max(last, o.at);
+      ++acked;
+    }
+    while (sent < most && sent - acked < kStreamDepth &&
+           (sent < kStreamDepth + 1 || absl::Now() < stop_sending)) {
+      send();
+    }
+  }
+  if (acked == 0) {
+    if (best == 0) m->set_error("no bulk probe finished within the link's share of the budget");
+    return std::nullopt;
+  }
+  const double seconds = absl::ToDoubleSeconds(last - start);
+  LogDebug("job ", p_.job_id(), ": probe stream to ", peer, ": ", acked, " x ", size >> 20,
+           " MiB in ", absl::StrFormat("%.1f", seconds * 1e3), " ms");
+  const double wire = seconds - ack;
+  if (wire < std::max(kMinWireSeconds, kMinWireShareOfRtt * ack)) return 0.0;
+  return static_cast<double>(size) * static_cast<double>(acked) / wire;
+}
+
+v1::LinkReport ProbeRound::Finish() {
+  transport_->Close();
+  report_.set_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+  return std::move(report_);
+}
+
 }  // namespace
 
 LinkProber::LinkProber(PeerTransportFactory factory, PeerTransportConfig base, SendFn send,
@@ -130,6 +453,14 @@ void LinkProber::SetWorkerId(const std::string& id) {
   me_ = id;
 }
 
+absl::Duration LinkProber::BulkShare(absl::Duration left,
+                                     const std::vector<std::optional<double>>& rtts) {
+  if (rtts.empty() || left <= absl::ZeroDuration()) return absl::ZeroDuration();
+  absl::Duration total = absl::ZeroDuration();
+  for (const std::optional<double>& rtt : rtts) total += LinkProbeNeed(rtt);
+  return left * absl::FDivDuration(LinkProbeNeed(rtts[0]), total);
+}
+
 absl::Status LinkProber::Validate(const v1::LinkProbe& p) {
   if (p.job_id().empty()) return absl::InvalidArgumentError("link probe: job_id is empty");
   if (p.peers_size() > kMaxPeers) {
@@ -153,6 +484,16 @@ absl::Status LinkProber::Validate(const v1::LinkProbe& p) {
       return absl::InvalidArgumentError("link probe: a peer without id or address");
     }
   }
+  if (p.accept_from_size() > kMaxPeers) {
+    return absl::InvalidArgumentError(absl::StrCat("link probe: ", p.accept_from_size(),
+                                                   " workers to accept (at most ", kMaxPeers, ")"));
+  }
+  for (const std::string& id : p.accept_from()) {
+    if (id.empty() || id.size() > kMaxWorkerIdBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("link probe: a worker to accept with an id of ", id.size(), " bytes"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -165,6 +506,7 @@ void LinkProber::OnProbe(const v1::LinkProbe& probe) {
   allowed_job_ = probe.job_id();
   allowed_peers_.clear();
   for (const v1::Peer& peer : probe.peers()) allowed_peers_.insert(peer.worker_id());
+  allowed_peers_.insert(probe.accept_from().begin(), probe.accept_from().end());
   next_ = probe;
 }
 
@@ -227,12 +569,34 @@ void LinkProber::Loop() {
             report.links_size(), " peer(s) in ", absl::StrFormat("%.2f", report.seconds()), " s",
             failed > 0 ? absl::StrCat(", ", failed, " failed") : "");
     for (const v1::LinkMeasurement& m : report.links()) Export(m);
+    if (!probe->has_emulate_network()) RememberHints(report);
     v1::WorkerMessage message;
     *message.mutable_link_report() = std::move(report);
     if (absl::Status s = send_(std::move(message)); !s.ok()) {
       LogWarning("cannot send a link report to the coordinator: ", s.message());
     }
   }
+}
+
+void LinkProber::RememberHints(const v1::LinkReport& report) {
+  absl::MutexLock lock(&mu_);
+  if (hints_job_ != report.job_id()) {
+    hints_.clear();
+    hints_job_ = report.job_id();
+  }
+  for (const v1::LinkMeasurement& m : report.links()) {
+    LinkHint& hint = hints_[m.peer()];  // peers are bounded by kMaxPeers
+    if (m.rtt_seconds() > 0) hint.rtt = absl::Seconds(m.rtt_seconds());
+    // Latency rounds keep the rate the start round measured.
+    if (m.bandwidth_bytes_per_s() > 0) hint.rate_bytes_per_s = m.bandwidth_bytes_per_s();
+  }
+}
+
+LinkHint LinkProber::Hint(const std::string& job_id, const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  if (job_id != hints_job_) return LinkHint{};
+  auto it = hints_.find(peer);
+  return it == hints_.end() ? LinkHint{} : it->second;
 }
 
 void LinkProber::Export(const v1::LinkMeasurement& m) {
@@ -248,139 +612,20 @@ void LinkProber::Export(const v1::LinkMeasurement& m) {
 }
 
 v1::LinkReport LinkProber::Round(const v1::LinkProbe& p) {
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + absl::Milliseconds(p.budget_ms());
-  auto stop = [this] {
-    absl::MutexLock lock(&mu_);
-    return stopping_;
-  };
   std::string me;
   {
     absl::MutexLock lock(&mu_);
     me = me_;
   }
-  v1::LinkReport report;
-  report.set_job_id(p.job_id());
-  report.set_round(p.round());
-
   PeerTransportConfig config = base_;
   config.emulate_network = p.emulate_network();
-  std::unique_ptr<PeerTransport> transport = factory_(config);
-  std::vector<PeerEndpoint> endpoints;
-  std::map<std::string, v1::LinkMeasurement*> links;
-  for (const v1::Peer& peer : p.peers()) {
-    if (peer.worker_id() == me || links.count(peer.worker_id())) continue;
-    endpoints.push_back({peer.worker_id(), peer.address(), peer.region(), peer.data_address()});
-    v1::LinkMeasurement* m = report.add_links();
-    m->set_peer(peer.worker_id());
-    links[peer.worker_id()] = m;
-  }
-  transport->SetPeers(endpoints);
-
-  const uint64_t largest = std::max<uint64_t>(kPingBytes, p.bulk_max_bytes());
-  auto zeros = std::make_shared<std::vector<uint8_t>>(largest, 0);
-  uint32_t sequence = 0;
-  auto probe = [&](uint64_t bytes) {
-    v1::FrameHeader h;
-    h.set_job_id(p.job_id());
-    h.set_sender(me);
-    h.set_direction(v1::DIRECTION_PROBE);
-    h.set_dtype(v1::DTYPE_BYTES);
-    h.add_shape(static_cast<int64_t>(bytes));
-    h.set_microbatch(sequence++);
-    TensorView view;
-    view.data = zeros->data();
-    view.bytes = bytes;
-    view.keepalive = zeros;
-    return std::make_pair(h, view);
-  };
-  auto count_sent = [&](v1::LinkMeasurement* m, uint64_t bytes) {
-    m->set_probe_bytes(m->probe_bytes() + bytes);
-    if (probe_bytes_ != nullptr) (void)probe_bytes_->IncrementBy(static_cast<double>(bytes));
-  };
-
-  // Latency: every peer at once, each link's pings one after another.
-  std::map<std::string, double> rtt;
-  std::map<std::string, uint32_t> pings_sent;
-  {
-    Inflight pings(transport.get());
-    auto send_ping = [&](const std::string& peer) {
-      auto [h, view] = probe(kPingBytes);
-      pings.Send(peer, peer, std::move(h), std::move(view));
-      count_sent(links[peer], kPingBytes);
-      ++pings_sent[peer];
-    };
-    for (auto& [peer, m] : links) send_ping(peer);
-    while (!pings.empty() && !stop()) {
-      if (absl::Now() >= deadline) break;
-      for (const auto& [peer, o] : pings.Next(deadline, stop)) {
-        v1::LinkMeasurement* m = links[peer];
-        if (!o.status.ok()) {
-          m->set_error(absl::StrCat("ping: ", o.status.message()));
-          continue;
-        }
-        if (!rtt.count(peer) || o.seconds < rtt[peer]) rtt[peer] = o.seconds;
-        if (pings_sent[peer] < p.pings() && absl::Now() < deadline) send_ping(peer);
-      }
-    }
-    // A link that never answered within the budget; one that did keeps
-    // what its answered pings showed.
-    for (const std::string& peer : pings.Abandon()) {
-      if (!rtt.count(peer)) links[peer]->set_error("no answer to a ping within the round's budget");
-    }
-  }
-  // The in-process emulation (--emulate_network) delays frames once, on the
-  // way out, and acknowledgements not at all: a ping's round trip is then
-  // the emulated one-way latency, and a real link's round trip is twice it.
-  const double rtt_factor = p.has_emulate_network() ? 2.0 : 1.0;
-  for (auto& [peer, m] : links) {
-    if (m->error().empty() && rtt.count(peer)) m->set_rtt_seconds(rtt[peer] * rtt_factor);
-  }
-
-  // Bandwidth: one link at a time, growing probes.
-  size_t left = links.size();
-  for (auto& [peer, m] : links) {
-    const size_t share = left--;
-    if (p.bulk_max_bytes() < kFirstBulkBytes || !m->error().empty() || stop()) continue;
-    const absl::Time peer_deadline = absl::Now() + (deadline - absl::Now()) / share;
-    const double r = m->rtt_seconds() / rtt_factor;  // what a transfer's ack adds
-    double best = 0;
-    int samples = 0, flat = 0;
-    for (uint64_t size = kFirstBulkBytes; size <= p.bulk_max_bytes() && !stop(); size *= 2) {
-      Inflight bulk(transport.get());
-      auto [h, view] = probe(size);
-      bulk.Send(peer, peer, std::move(h), std::move(view));
-      count_sent(m, size);
-      std::map<std::string, Inflight::Outcome> done = bulk.Next(peer_deadline, stop);
-      if (done.empty()) {
-        bulk.Abandon();
-        if (best == 0) m->set_error("no bulk probe finished within the link's share of the budget");
-        break;
-      }
-      const Inflight::Outcome& o = done.begin()->second;
-      if (!o.status.ok()) {
-        m->set_error(absl::StrCat("bulk probe: ", o.status.message()));
-        break;
-      }
-      const double wire = o.seconds - r;
-      LogDebug("job ", p.job_id(), ": bulk probe to ", peer, ": ", size >> 20, " MiB in ",
-               absl::StrFormat("%.1f", o.seconds * 1e3), " ms");
-      if (wire < std::max(kMinWireSeconds, kMinWireShareOfRtt * r)) continue;
-      const double rate = static_cast<double>(size) / wire;
-      ++samples;
-      const bool growing = rate > kGrowth * best;
-      best = std::max(best, rate);
-      // Two sizes in a row without growth: the link carries what it can. (One
-      // is not enough: a tensor large enough to be striped opens the other
-      // connections cold, and is slower than the smaller one before it.)
-      flat = growing ? 0 : flat + 1;
-      if (samples >= 3 && flat >= 2) break;
-    }
-    if (best > 0) m->set_bandwidth_bytes_per_s(best);
-  }
-  transport->Close();
-  report.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  return report;
+  ProbeRound round(p, me, factory_(config), probe_bytes_, [this] {
+    absl::MutexLock lock(&mu_);
+    return stopping_;
+  });
+  round.MeasureLatency();
+  round.MeasureBandwidth();
+  return round.Finish();
 }
 
 }  // namespace detour

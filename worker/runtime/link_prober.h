@@ -5,17 +5,27 @@
 // Sending: a round runs on the prober's own thread over a transport of its
 // own (the job's factory and security, so probes take the path tensors
 // take): `pings` small probes to every peer at once, one after another (the
-// smallest round trip is the link's latency), then, one peer at a time so
-// that each link is measured alone, bulk probes of 1 MiB, 2 MiB, ... sent
-// one at a time, until the rate stops growing by 10%, the next size would
-// pass bulk_max_bytes, or the peer's share of the round's budget is spent.
-// A bulk probe's rate is its bytes over its transfer time less one round
-// trip; the link's bandwidth is the best rate seen. A long fat link needs
-// several round trips of growing windows before it carries its rate: the
-// growing sizes follow it there, and stop once it is there.
+// smallest round trip is the link's latency; a failed ping is retried early in
+// the round, since a peer refuses probes until it has the round's request
+// too), then, one peer at a time so
+// that each link is measured alone, single bulk probes of 1, 2 and 4 MiB
+// (each after the last was acknowledged: tensors that small travel whole
+// on one connection), and last one bulk_max_bytes probe, which the
+// transport stripes over its connections and which opens their windows over
+// a long round trip, and as soon as it is acknowledged a stream of more of
+// that size, two queued at all times, for at least 10 round trips and 0.25 s
+// (at most 256 MiB), which finds the windows open. A measurement's rate is
+// its bytes over its time less one round trip; the link's bandwidth is the
+// best rate. The stream ends early when the peer's share of the round's
+// budget is spent; the shares follow each link's need (BulkShare).
+//
+// The newest measurements of each peer are also this worker's link hints
+// (Hint): the job's transport plans its connections to that peer from them
+// (tcp_tuning.h's PlanStripes).
 //
 // Receiving: a probe is accepted only from a peer of the newest round the
-// coordinator asked this worker for (of the same job), only up to
+// coordinator asked this worker for, or one that round names in
+// accept_from (of the same job), only up to
 // kMaxProbeBytes each and kMaxHeldProbeBytes in all at once; its bytes are
 // dropped on arrival.
 //
@@ -27,19 +37,23 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/metrics/metrics.h"
 #include "detour/v1/activation_service.pb.h"
 #include "detour/v1/control_service.pb.h"
 #include "worker/runtime/peer_transport.h"
 #include "worker/transport/activation_server.h"
+#include "worker/transport/tcp_tuning.h"
 
 namespace detour {
 
@@ -53,6 +67,7 @@ class LinkProber {
   // Bounds on what a LinkProbe may ask for.
   static constexpr int kMaxPings = 16;
   static constexpr int kMaxPeers = 1024;
+  static constexpr size_t kMaxWorkerIdBytes = 256;
   static constexpr uint32_t kMaxBudgetMs = 600'000;
   // Bytes of one ping, and the first bulk probe's.
   static constexpr uint64_t kPingBytes = 64;
@@ -75,16 +90,30 @@ class LinkProber {
   // TensorSink for DIRECTION_PROBE tensors (gRPC threads).
   absl::StatusOr<MutableBuffer> Allocate(const v1::FrameHeader& header);
 
+  // What this worker last measured of its link to `peer` in job `job_id`:
+  // round trip and rate, zero where not measured. Rounds under in-process
+  // emulation leave no hints (their delays are not the network's).
+  LinkHint Hint(const std::string& job_id, const std::string& peer);
+
   // Ends the thread; a round in flight is cut short. Idempotent.
   void Stop();
 
   // Checks a LinkProbe's bounds (exposed for tests).
   static absl::Status Validate(const v1::LinkProbe& probe);
 
+  // The next link's share of what is `left` of a round's budget: `rtts`
+  // holds the round trips (seconds; none where unknown) of the links still
+  // to measure, the next one first, and each gets in proportion to its need
+  // (common/link_probe_need.h, the measure the coordinator sized the budget
+  // by). What a link leaves unspent goes to those after it.
+  static absl::Duration BulkShare(absl::Duration left,
+                                  const std::vector<std::optional<double>>& rtts);
+
  private:
   v1::LinkReport Round(const v1::LinkProbe& probe);
   void Loop();
   void Export(const v1::LinkMeasurement& m);
+  void RememberHints(const v1::LinkReport& report);
 
   const PeerTransportFactory factory_;
   const PeerTransportConfig base_;
@@ -97,6 +126,9 @@ class LinkProber {
   // Who may send probes here: the peers of the newest round, for its job.
   std::string allowed_job_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> allowed_peers_ ABSL_GUARDED_BY(mu_);
+  // The newest measurements per peer, of one job (hints_job_).
+  std::string hints_job_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, LinkHint> hints_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<uint64_t>> held_ = std::make_shared<std::atomic<uint64_t>>(0);
 
   metrics::GaugeFamily* rtt_ = nullptr;

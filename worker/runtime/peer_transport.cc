@@ -62,24 +62,40 @@ void GrpcPeerTransport::Send(const std::string& to, v1::FrameHeader header, Tens
       done(absl::CancelledError("the job's transport is closed"), 0);
       return;
     }
-    auto peer = peers_.find(to);
-    if (peer == peers_.end()) {
+    sender = SenderLocked(to);
+    if (sender == nullptr) {
       done(absl::NotFoundError(absl::StrCat("no peer ", to, " in the job")), 0);
       return;
     }
-    auto& slot = senders_[to];
-    if (slot == nullptr) {
-      PeerSenderOptions o;
-      o.emulation = EmulationBetween(config_.emulate_network, config_.region, peer->second.region);
-      o.security = config_.security;
-      o.peer_name = peer->second.worker_id;
-      o.direct_address = peer->second.data_address;
-      slot = std::make_unique<PeerSender>(peer->second.address, o);
-    }
-    sender = slot.get();
     // Queued under the lock: Close cannot destroy the sender meanwhile.
     sender->Send(std::move(header), std::move(data), std::move(done));
   }
+}
+
+void GrpcPeerTransport::Prepare(const std::vector<std::string>& peers) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  for (const std::string& to : peers) {
+    if (PeerSender* sender = SenderLocked(to)) sender->Connect();
+  }
+}
+
+PeerSender* GrpcPeerTransport::SenderLocked(const std::string& to) {
+  auto peer = peers_.find(to);
+  if (peer == peers_.end()) return nullptr;
+  auto& slot = senders_[to];
+  if (slot == nullptr) {
+    PeerSenderOptions o;
+    o.emulation = EmulationBetween(config_.emulate_network, config_.region, peer->second.region);
+    o.security = config_.security;
+    o.peer_name = peer->second.worker_id;
+    o.direct_address = peer->second.data_address;
+    o.link = peer->second.link;
+    o.ack_timeout = config_.ack_timeout;
+    o.connect_timeout = config_.connect_timeout;
+    slot = std::make_unique<PeerSender>(peer->second.address, o);
+  }
+  return slot.get();
 }
 
 void GrpcPeerTransport::Close() {

@@ -31,6 +31,10 @@ struct PeerEndpoint {
   std::string region;
   // host:port of its direct transport; empty = tensors go over `address`.
   std::string data_address;
+  // What the link there carries (this worker's link probes measured it;
+  // zero parts unknown): the direct transport's connections are planned
+  // from it when the first tensor opens them.
+  LinkHint link;
 };
 
 class PeerTransport {
@@ -46,6 +50,10 @@ class PeerTransport {
   // Sends a tensor; NOT_FOUND through `done` for a peer not in the set.
   // `data` must stay unmodified until `done` runs.
   virtual void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) = 0;
+  // The peers (of the set) that tensors will go to soon: their connections
+  // may be opened now, so that the first tensor does not pay for them.
+  // Never blocks; peers not in the set are ignored.
+  virtual void Prepare(const std::vector<std::string>& peers) { (void)peers; }
   // Fails what is pending (CANCELLED) and closes every stream. Idempotent.
   virtual void Close() = 0;
 };
@@ -56,6 +64,12 @@ struct PeerTransportConfig {
   v1::ClusterSpec emulate_network;
   // TLS to peers (each peer's certificate must name its worker id) or plaintext.
   TransportSecurity security;
+  // A tensor not acknowledged within `ack_timeout` fails (the peer is then
+  // reported unreachable); opening a connection to a peer, its TLS handshake
+  // included, gives up after `connect_timeout`. Long, lossy links need more
+  // than a LAN (worker flags --peer_ack_timeout, --peer_connect_timeout).
+  absl::Duration ack_timeout = absl::Seconds(60);
+  absl::Duration connect_timeout = absl::Seconds(10);
 };
 
 using PeerTransportFactory =
@@ -72,11 +86,16 @@ class GrpcPeerTransport final : public PeerTransport {
 
   void SetPeers(const std::vector<PeerEndpoint>& peers) override;
   void Send(const std::string& to, v1::FrameHeader header, TensorView data, Done done) override;
+  // Opens the connections to `peers` (PeerSender::Connect).
+  void Prepare(const std::vector<std::string>& peers) override;
   void Close() override;
 
   static PeerTransportFactory Factory();
 
  private:
+  // The sender to `to` (made on first use); null when `to` is not a peer.
+  PeerSender* SenderLocked(const std::string& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const PeerTransportConfig config_;
   absl::Mutex mu_;
   std::map<std::string, PeerEndpoint> peers_ ABSL_GUARDED_BY(mu_);

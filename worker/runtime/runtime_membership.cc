@@ -66,6 +66,7 @@ void RuntimeMembership::OnReroute(const v1::RouteAmendment& amendment) {
   if (!it.tracker->awaiting_amendment() && amendment.epoch() == it.tracker->epoch()) return;
   std::vector<v1::Route> routes(amendment.routes().begin(), amendment.routes().end());
   if (absl::Status s = it.tracker->Amend(amendment.epoch(), routes); !s.ok()) return Fail(s);
+  admission_.AddRoutes(me_, routes);
   std::vector<uint32_t> own;
   core_->WithQueue([&](WorkQueue& queue) {
     for (const v1::Route& r : routes) {

@@ -2,12 +2,37 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "worker/model/torch_status.h"
 
 namespace detour {
+
+absl::Status CheckFrameValues(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return absl::OkStatus();
+  double lo = 0;
+  double hi = 0;
+  absl::Status s = model::GuardTorch("checking a received tensor", [&]() -> absl::Status {
+    auto [min, max] = at::aminmax(t);
+    lo = min.item<double>();
+    hi = max.item<double>();
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  if (std::isnan(lo) || std::isnan(hi)) return absl::InvalidArgumentError("it holds NaN");
+  const double most = std::max(std::fabs(lo), std::fabs(hi));
+  if (std::isinf(most)) return absl::InvalidArgumentError("it holds an infinity");
+  if (most > kMaxFrameMagnitude) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("it holds a value of magnitude ", most, ", beyond ", kMaxFrameMagnitude));
+  }
+  return absl::OkStatus();
+}
 
 at::ScalarType TorchType(v1::DType dtype) {
   switch (dtype) {
@@ -59,16 +84,23 @@ RuntimePart::RuntimePart(RuntimeShared* shared, RuntimeCore* core)
       wire_(shared->wire),
       transport_(shared->transport),
       peers_(shared->peers),
+      link_hint_(shared->link_hint),
       state_from_(shared->state_from),
       it_(shared->it),
       early_(shared->early),
       replay_(shared->replay) {}
 
+PeerEndpoint RuntimePart::Endpoint(const v1::Peer& p) const {
+  PeerEndpoint e{p.worker_id(), p.address(), p.region(), p.data_address(), LinkHint{}};
+  if (link_hint_) e.link = link_hint_(p.worker_id());
+  return e;
+}
+
 void RuntimePart::SetPeers(const google::protobuf::RepeatedPtrField<v1::Peer>& peers) {
   peers_.clear();
   for (const v1::Peer& p : peers) {
     if (p.worker_id() == me_) continue;
-    peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
+    peers_[p.worker_id()] = Endpoint(p);
   }
   PushPeers();
 }
@@ -82,6 +114,15 @@ void RuntimePart::PushPeers() {
   }
   admission_.SetMembers(std::move(members));
   transport_->SetPeers(endpoints);
+  if (options_.peers_changed) {
+    std::vector<std::string> addresses;
+    for (const PeerEndpoint& p : endpoints) {
+      for (const std::string* a : {&p.address, &p.data_address}) {
+        if (!a->empty()) addresses.push_back(*a);
+      }
+    }
+    options_.peers_changed(addresses);
+  }
 }
 
 void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uint32_t mb,
@@ -163,6 +204,24 @@ void RuntimePart::ReportUnreachable(uint64_t iteration, const std::string& peer,
   u->set_peer(peer);
   u->set_message(std::string(why.message()));
   Send(std::move(m), /*replay=*/false);
+}
+
+void RuntimePart::ReportBadFrame(const std::string& sender, v1::Direction direction, uint32_t mb,
+                                 uint64_t epoch, const absl::Status& why) {
+  metrics_.UnexpectedFrame();
+  if (it_ == nullptr || !it_->bad_frames_reported.insert(sender).second) return;
+  LogWarning("job ", job_id_, ": dropped a ", v1::Direction_Name(direction), " tensor (microbatch ",
+             mb, ") from ", sender, ": ", why.message(), "; reporting the sender");
+  v1::WorkerMessage m;
+  v1::BadFrame* b = m.mutable_bad_frame();
+  b->set_job_id(job_id_);
+  b->set_iteration(it_->plan.iteration());
+  b->set_sender(sender);
+  b->set_direction(static_cast<int32_t>(direction));
+  b->set_microbatch(mb);
+  b->set_epoch(epoch);
+  b->set_message(std::string(why.message()));
+  Send(std::move(m), /*replay=*/true);
 }
 
 void RuntimePart::Record(v1::TaskTiming::Kind kind, uint32_t mb, absl::Time start) {

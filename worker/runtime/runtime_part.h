@@ -63,7 +63,8 @@ struct RunningIteration {
   // (the payload holds the preconditioned one) for putting back.
   at::Tensor raw_local;
   std::set<std::string> unreachable_reported;
-  double max_delay_s = 0;  // pipeline work waiting for a bubble task
+  std::set<std::string> bad_frames_reported;  // senders, once per iteration
+  double max_delay_s = 0;                     // pipeline work waiting for a bubble task
 };
 
 // The job this worker holds; empty job_id = none.
@@ -99,7 +100,10 @@ struct RuntimeShared {
   v1::DType wire = v1::DTYPE_FP32;
   std::unique_ptr<PeerTransport> transport;
   std::map<std::string, PeerEndpoint> peers;  // the transport's peers
-  std::string state_from;                     // joining: the replica whose state we wait for
+  // What this worker measured of its link to a peer (the link prober's
+  // hints); unset = nothing known.
+  std::function<LinkHint(const std::string& peer)> link_hint;
+  std::string state_from;  // joining: the replica whose state we wait for
   std::unique_ptr<RunningIteration> it;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
   std::vector<v1::WorkerMessage> replay;
@@ -137,6 +141,8 @@ class RuntimePart {
   }
   void Fail(const absl::Status& status) { core_->Fail(status); }
 
+  // `p` as the transport's peer, with what this worker measured of the link.
+  PeerEndpoint Endpoint(const v1::Peer& p) const;
   // The transport's peers: everyone in `peers` but this worker.
   void SetPeers(const google::protobuf::RepeatedPtrField<v1::Peer>& peers);
   // Tells the admission and the transport who the peers are now.
@@ -147,6 +153,10 @@ class RuntimePart {
                   const at::Tensor& tensor, uint64_t epoch);
   // A transfer to `peer` failed: the coordinator decides whether it is lost.
   void ReportUnreachable(uint64_t iteration, const std::string& peer, const absl::Status& why);
+  // A tensor from `sender` failed CheckFrameValues and was dropped: the
+  // coordinator excludes the sender (once per sender and iteration).
+  void ReportBadFrame(const std::string& sender, v1::Direction direction, uint32_t mb,
+                      uint64_t epoch, const absl::Status& why);
   // Times a task that started at `start` and just ended. With
   // --compute_slowdown F, a compute task first takes F times as long (the
   // executor sleeps the difference), as on a slower node.
@@ -177,6 +187,7 @@ class RuntimePart {
   v1::DType& wire_;
   std::unique_ptr<PeerTransport>& transport_;
   std::map<std::string, PeerEndpoint>& peers_;
+  const std::function<LinkHint(const std::string& peer)>& link_hint_;
   std::string& state_from_;
   std::unique_ptr<RunningIteration>& it_;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>>& early_;
@@ -187,6 +198,14 @@ class RuntimePart {
                       v1::Direction direction, uint64_t bytes, const absl::Status& status,
                       double seconds);
 };
+
+// Whether a received tensor holds only values honest training sends: no NaN,
+// no infinity, no magnitude above kMaxFrameMagnitude (whose square overflows
+// float32: a norm or LayerNorm's variance of it is infinite). One read pass
+// (a min and max reduction, which NaN propagates through); INVALID_ARGUMENT
+// naming what was found otherwise.
+inline constexpr double kMaxFrameMagnitude = 1.8e19;
+absl::Status CheckFrameValues(const at::Tensor& t);
 
 // The wire's element type as LibTorch's, and the spec's wire dtype name as
 // the wire's.

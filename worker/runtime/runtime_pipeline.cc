@@ -51,6 +51,11 @@ void RuntimePipeline::OnPlan(const v1::IterationPlan& plan) {
   it.timing.set_iteration(plan.iteration());
   it.timing.set_node(me_);
   it.tracker = std::make_unique<IterationTracker>(it.plan, me_);
+  // Connections to the peers of this plan open now, while the first
+  // microbatches compute; over a long round trip the handshakes of a new
+  // pair (TCP, TLS, every stripe) cost seconds.
+  if (transport_ != nullptr) transport_->Prepare(PlanSendTargets(it.plan, me_, group_));
+  admission_.SetRoutes(me_, {plan.routes().begin(), plan.routes().end()});
   admission_.SetPosition(plan.iteration(), epoch_);
   const std::vector<uint32_t> own = it.tracker->Own();
   if (absl::Status s = LoadMicrobatches(own); !s.ok()) return Fail(s);
@@ -171,6 +176,11 @@ void RuntimePipeline::RunBackward(uint32_t mb, int pos, const at::Tensor& grad) 
   Record(v1::TaskTiming::KIND_BACKWARD, mb, start);
   it.tracker->BackwardRan(mb, pos);
   core_->WithQueue([&](WorkQueue& queue) { queue.Release(it.plan.iteration(), mb); });
+  // Every microbatch below the first one still owed here is done: their
+  // gradients join the stage's sum, in order.
+  if (absl::Status s = stage_->FoldGradients(it.tracker->FirstBackwardOwed()); !s.ok()) {
+    return Fail(s);
+  }
   if (pos > 0) SendTensor(r.nodes(pos - 1), v1::DIRECTION_BACKWARD, mb, pos - 1, *gin, r.epoch());
 }
 
@@ -197,6 +207,11 @@ void RuntimePipeline::OnTensor(const v1::FrameHeader& h, at::Tensor t) {
       return;
   }
   at::Tensor x = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+  // A member's NaN or huge activation would fail the job on a non-finite
+  // gradient: the frame is dropped and its sender reported instead.
+  if (absl::Status bad = CheckFrameValues(x); !bad.ok()) {
+    return ReportBadFrame(h.sender(), h.direction(), h.microbatch(), h.epoch(), bad);
+  }
   if (device_ != c10::Device(c10::kCPU)) x = x.to(device_);
   if (h.direction() == v1::DIRECTION_FORWARD) {
     if (in.loss) {
@@ -211,10 +226,13 @@ void RuntimePipeline::OnTensor(const v1::FrameHeader& h, at::Tensor t) {
 }
 
 void RuntimePipeline::KeepEarly(const v1::FrameHeader& h, const at::Tensor& t) {
+  // Per sender: one member's flood must not crowd out another's real frame.
   const size_t most = 4 * static_cast<size_t>(spec_.pipeline().data_nodes()) *
                           spec_.pipeline().microbatches_per_data_node() +
                       2 * group_.size() + 16;
-  if (early_.size() >= most) {
+  size_t kept = 0;
+  for (const auto& e : early_) kept += e.first.sender() == h.sender() ? 1 : 0;
+  if (kept >= most) {
     metrics_.UnexpectedFrame();
     return;
   }

@@ -42,8 +42,8 @@ class RuntimePipeline : private RuntimePart {
   // A tensor that belongs to work not known yet (the next iteration's plan
   // or a newer route is on the way). An honest iteration sends this node at
   // most a forward and a backward per microbatch plus the replicas'
-  // all-reduce inputs (and the same again for re-runs); more is a flood and
-  // is dropped.
+  // all-reduce inputs (and the same again for re-runs); more from one
+  // sender is a flood and is dropped, without touching other senders' share.
   void KeepEarly(const v1::FrameHeader& h, const at::Tensor& t);
 
   RuntimeReduce* const reduce_;

@@ -4,6 +4,8 @@
 
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -17,6 +19,9 @@ namespace detour {
 void RuntimeReduce::MaybeFinishLocal() {
   RunningIteration& it = *it_;
   if (it.phase != IterationPhase::kRunning || !it.tracker->LocalWorkDone()) return;
+  // What is still kept apart (microbatches frozen after their loss ran
+  // here) joins the sum, in order.
+  if (absl::Status s = stage_->FoldGradients(); !s.ok()) return Fail(s);
   it.phase = IterationPhase::kReducing;
   const bool precondition = kfac_ != nullptr && kfac_->replicas_precondition();
   // Share this replica's summed gradient with the other replicas.
@@ -147,6 +152,29 @@ void RuntimeReduce::TryReduce() {
       }
       return absl::OkStatus();
     });
+    if (s.ok() && !CheckFrameValues(sum).ok()) {
+      // The sum is checked in one pass; only a bad one has its inputs
+      // checked, to name the replicas that sent bad values. They are
+      // reported and the round waits for the coordinator to exclude them
+      // (the survivors then reduce again). Bad values of this replica's own
+      // are its own training diverging: that fails the job, as before.
+      std::vector<std::pair<std::string, absl::Status>> senders;
+      for (size_t r = 0; r < inputs.size(); ++r) {
+        const std::string& from = reducer_.members()[r];
+        if (from == me_) continue;
+        if (absl::Status bad = CheckFrameValues(inputs[r]->payload); !bad.ok()) {
+          senders.emplace_back(from, bad);
+        }
+      }
+      if (senders.empty()) {
+        s = absl::InvalidArgumentError(
+            absl::StrCat("the replicas' summed gradients: ", CheckFrameValues(sum).message()));
+      }
+      for (const auto& bad : senders) {
+        ReportBadFrame(bad.first, v1::DIRECTION_ALLREDUCE, 0, epoch_, bad.second);
+      }
+      if (!senders.empty()) return;
+    }
     if (s.ok()) s = Unflatten(sum, total_visits > 0);
     if (!s.ok()) return Fail(s);
     it.reduced = true;

@@ -78,6 +78,9 @@ absl::Status RuntimeSetup::Build(const v1::StageAssignment& a) {
       spec.pipeline().data_nodes() * spec.pipeline().microbatches_per_data_node();
   stage_spec.mutable_pipeline()->set_memory_slots(std::max(spec.pipeline().memory_slots(), total));
   ASSIGN_OR_RETURN(stage_, model::Stage::FromJobSpec(stage_spec, stage_index_, device));
+  // Gradient sums in microbatch order, whatever order the backwards run in
+  // (RuntimePipeline folds them as the order allows).
+  stage_->SetOrderedAccumulation(true);
   optimizer_ = std::make_unique<model::AdamW>(stage_->Parameters(), spec.optimizer().adamw());
   flat_numel_ = 0;
   for (const auto& [name, t] : stage_->Parameters()) flat_numel_ += t.numel();
@@ -111,6 +114,8 @@ absl::Status RuntimeSetup::Build(const v1::StageAssignment& a) {
   config.region = options_.region;
   config.emulate_network = a.emulate_network();
   config.security = options_.security;
+  config.ack_timeout = options_.peer_ack_timeout;
+  config.connect_timeout = options_.peer_connect_timeout;
   transport_ =
       options_.transport ? options_.transport(config) : GrpcPeerTransport::Factory()(config);
   SetPeers(a.peers());

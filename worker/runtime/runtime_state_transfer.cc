@@ -22,7 +22,7 @@ void RuntimeStateTransfer::OnSendState(const v1::SendState& request) {
   metrics_.StateBytes(/*sent=*/true, size);
   if (!request.peer().worker_id().empty() && request.peer().worker_id() != me_) {
     const v1::Peer& p = request.peer();
-    peers_[p.worker_id()] = PeerEndpoint{p.worker_id(), p.address(), p.region(), p.data_address()};
+    peers_[p.worker_id()] = Endpoint(p);
     PushPeers();
   }
   LogInfo("job ", job_id_, ": sending the stage state (", size, " bytes) to ", request.to());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
 
 namespace detour {
@@ -53,6 +54,22 @@ std::string ConnectionSource(const sockaddr* address) {
   return "unknown";
 }
 
+std::optional<std::string> HostSource(absl::string_view host) {
+  if (absl::ConsumePrefix(&host, "[") && !absl::ConsumeSuffix(&host, "]")) return std::nullopt;
+  const std::string text(host);
+  sockaddr_in v4{};
+  if (::inet_pton(AF_INET, text.c_str(), &v4.sin_addr) == 1) {
+    v4.sin_family = AF_INET;
+    return ConnectionSource(reinterpret_cast<const sockaddr*>(&v4));
+  }
+  sockaddr_in6 v6{};
+  if (::inet_pton(AF_INET6, text.c_str(), &v6.sin6_addr) == 1) {
+    v6.sin6_family = AF_INET6;
+    return ConnectionSource(reinterpret_cast<const sockaddr*>(&v6));
+  }
+  return std::nullopt;
+}
+
 ConnectionAdmission::ConnectionAdmission(AdmissionLimits limits) : limits_(limits) {}
 
 ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std::string& source) {
@@ -64,12 +81,21 @@ ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std:
     verdict.reason = RefusalReason::kSourceLimit;
     return verdict;
   }
-  const bool full =
-      unauthenticated() >= limits_.max_unauthenticated || open() >= limits_.max_connections;
+  if (known(source) && reserved() < limits_.max_unauthenticated_known &&
+      open() < limits_.max_connections) {
+    reserve_.insert(id);
+    pending_[id] = source;
+    ++per_source_[source];
+    verdict.admit = true;
+    return verdict;
+  }
+  const bool full = unauthenticated() - reserved() >= limits_.max_unauthenticated ||
+                    open() >= limits_.max_connections;
   if (full) {
-    // Room is made only from unauthenticated connections, and only while
-    // the evicted ones (whose threads are ending) stay bounded.
-    if (pending_.empty()) {
+    // Room is made only from unauthenticated connections outside the
+    // reserve, and only while the evicted ones (whose threads are ending)
+    // stay bounded.
+    if (pending_.size() == reserve_.size()) {
       verdict.reason = RefusalReason::kConnectionLimit;
       return verdict;
     }
@@ -91,13 +117,17 @@ ConnectionAdmission::Verdict ConnectionAdmission::Arrive(uint64_t id, const std:
 }
 
 std::optional<uint64_t> ConnectionAdmission::Busiest(bool trusted_sources) const {
+  // Counted outside the reserve, whose connections are never evicted.
+  std::map<std::string, int> evictable;
   int most = 0;
-  for (const auto& [source, count] : per_source_) {
-    if (trusted(source) == trusted_sources) most = std::max(most, count);
+  for (const auto& [id, source] : pending_) {
+    if (reserve_.count(id) || trusted(source) != trusted_sources) continue;
+    most = std::max(most, ++evictable[source]);
   }
   if (most == 0) return std::nullopt;
   for (const auto& [id, source] : pending_) {  // oldest first
-    if (trusted(source) == trusted_sources && per_source_.at(source) == most) return id;
+    if (reserve_.count(id) || trusted(source) != trusted_sources) continue;
+    if (evictable[source] == most) return id;
   }
   return std::nullopt;
 }
@@ -116,6 +146,7 @@ bool ConnectionAdmission::Authenticate(uint64_t id) {
   const std::string source = it->second;
   if (--per_source_[source] == 0) per_source_.erase(source);
   pending_.erase(it);
+  reserve_.erase(id);
   ++authenticated_per_source_[source];
   authenticated_ids_[id] = source;
   ++authenticated_;
@@ -134,6 +165,7 @@ bool ConnectionAdmission::Closed(uint64_t id) {
   if (it != pending_.end()) {
     if (--per_source_[it->second] == 0) per_source_.erase(it->second);
     pending_.erase(it);
+    reserve_.erase(id);
   }
   return false;
 }

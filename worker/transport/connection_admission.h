@@ -14,6 +14,14 @@
 // others at once (peer_sender.h), and several workers may share a host, so
 // a trusted source's handshakes are not held to the per-source limit, and
 // they make room for newcomers only when no stranger's handshake is left.
+//
+// The job's *known* peers (their addresses, from the peer lists the
+// coordinator sends: SetKnownSources) are trusted before they ever
+// authenticated, and their handshakes first take a reserve of their own
+// (max_unauthenticated_known) that no stranger can fill: a flood from
+// anywhere else, however many sources it comes from, cannot keep a peer of
+// the job from connecting. Known is an address, not an identity: a known
+// source still has to present a worker's certificate.
 #ifndef DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
 #define DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
 
@@ -56,12 +64,19 @@ struct AdmissionLimits {
   int max_unauthenticated = 64;
   // Unauthenticated connections from one source address at once.
   int max_unauthenticated_per_source = 8;
+  // Unauthenticated connections of known sources (SetKnownSources) held
+  // apart from max_unauthenticated, which they use only once these are
+  // taken.
+  int max_unauthenticated_known = 32;
 };
 
 // The source a connection is counted against: the IPv4 address ("10.0.0.7"),
 // the /64 of an IPv6 one ("2001:db8:1:2::/64"; an IPv4-mapped address counts
 // as IPv4), "unknown" for anything else.
 std::string ConnectionSource(const sockaddr* address);
+// The same for a host written as an IP literal ("10.0.0.7", "::1",
+// "[2001:db8::5]"); nullopt for a name (not resolved here) or anything else.
+std::optional<std::string> HostSource(absl::string_view host);
 
 // Not thread-safe.
 class ConnectionAdmission {
@@ -90,10 +105,16 @@ class ConnectionAdmission {
   }
   int unauthenticated() const { return static_cast<int>(pending_.size()); }
   int authenticated() const { return authenticated_; }
-  // Whether `source` has an authenticated connection open.
+  // Whether `source` has an authenticated connection open, or is known.
   bool trusted(const std::string& source) const {
-    return authenticated_per_source_.count(source) > 0;
+    return authenticated_per_source_.count(source) > 0 || known_.count(source) > 0;
   }
+  // The job's peers' sources (ConnectionSource form), replacing the last
+  // set. Connections already admitted keep their place.
+  void SetKnownSources(std::set<std::string> sources) { known_ = std::move(sources); }
+  bool known(const std::string& source) const { return known_.count(source) > 0; }
+  // Unauthenticated connections in the known sources' reserve.
+  int reserved() const { return static_cast<int>(reserve_.size()); }
   int closing() const { return static_cast<int>(closing_.size()); }
   const AdmissionLimits& limits() const { return limits_; }
 
@@ -114,6 +135,10 @@ class ConnectionAdmission {
   int authenticated_ = 0;
   // Evicted, not yet closed by their threads; at most max_unauthenticated.
   std::set<uint64_t> closing_;
+  std::set<std::string> known_;
+  // Pending connections in the known sources' reserve (never evicted); the
+  // rest of pending_ is the shared pool.
+  std::set<uint64_t> reserve_;
 };
 
 // Refusals as a few log lines: the first one after a quiet interval is

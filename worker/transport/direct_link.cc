@@ -42,6 +42,19 @@ std::string OpenSslErrors() {
   return text.empty() ? "no detail" : text;
 }
 
+// An SSL object on `fd` for `ctx`, or nullptr when `ctx` is (plaintext).
+// Closes `fd` when it cannot make one.
+absl::StatusOr<ssl_st*> NewSsl(const std::shared_ptr<ssl_ctx_st>& ctx, int fd) {
+  if (ctx == nullptr) return nullptr;
+  ssl_st* ssl = SSL_new(ctx.get());
+  if (ssl == nullptr) {
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("SSL_new: ", OpenSslErrors()));
+  }
+  SSL_set_fd(ssl, fd);
+  return ssl;
+}
+
 void SetSocketOptions(int fd, const DirectSocketOptions& options = {}) {
   (void)ApplyDirectSocketOptions(fd, options);
   const int one = 1;
@@ -53,6 +66,12 @@ void SetSocketOptions(int fd, const DirectSocketOptions& options = {}) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  // And a busy connection whose data stays unacknowledged as long: a cut
+  // link drops packets without a reset, and the sender would otherwise wait
+  // for the transfer's ack timeout (60 s) when no idle connection to the
+  // same peer breaks first.
+  const unsigned int user_timeout_ms = 25000;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
   const int flags = ::fcntl(fd, F_GETFL, 0);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
@@ -324,14 +343,10 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Open(const std::string& 
     return absl::UnavailableError(
         absl::StrCat("direct transport: cannot connect to ", address, ": ", last_error));
   }
-  ssl_st* ssl = nullptr;
-  if (ctx != nullptr) {
-    ssl = SSL_new(ctx.get());
-    if (ssl == nullptr) {
-      ::close(fd);
-      return absl::InternalError(absl::StrCat("SSL_new: ", OpenSslErrors()));
-    }
-    SSL_set_fd(ssl, fd);
+  auto new_ssl = NewSsl(ctx, fd);
+  if (!new_ssl.ok()) return new_ssl.status();
+  ssl_st* ssl = *new_ssl;
+  if (ssl != nullptr) {
     SSL_set_hostflags(ssl, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
     if (SSL_set1_host(ssl, peer_name.c_str()) != 1) {
       SSL_free(ssl);
@@ -409,15 +424,9 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
                                                                int wake_fd) {
   const absl::Time deadline = absl::Now() + timeout;
   SetSocketOptions(fd);
-  ssl_st* ssl = nullptr;
-  if (ctx != nullptr) {
-    ssl = SSL_new(ctx.get());
-    if (ssl == nullptr) {
-      ::close(fd);
-      return absl::InternalError(absl::StrCat("SSL_new: ", OpenSslErrors()));
-    }
-    SSL_set_fd(ssl, fd);
-  }
+  auto new_ssl = NewSsl(ctx, fd);
+  if (!new_ssl.ok()) return new_ssl.status();
+  ssl_st* ssl = *new_ssl;
   std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
   if (ssl != nullptr) {
     if (absl::Status s = link->Handshake(/*client=*/false, deadline); !s.ok()) {

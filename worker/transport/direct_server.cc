@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
+#include <set>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -18,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/net/address.h"
 #include "common/net/identity.h"
 
 namespace detour {
@@ -155,6 +158,19 @@ void DirectServer::AcceptLoop() {
     if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
     AcceptOne();
   }
+}
+
+size_t DirectServer::SetKnownPeers(const std::vector<std::string>& addresses) {
+  std::set<std::string> sources;
+  for (const std::string& address : addresses) {
+    auto parsed = ParseHostPort(address, "peer address", /*allow_port_zero=*/false);
+    if (!parsed.ok()) continue;
+    if (std::optional<std::string> source = HostSource(parsed->host)) sources.insert(*source);
+  }
+  const size_t known = sources.size();
+  absl::MutexLock lock(&mu_);
+  admission_.SetKnownSources(std::move(sources));
+  return known;
 }
 
 void DirectServer::AcceptOne() {

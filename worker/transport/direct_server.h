@@ -94,6 +94,14 @@ class DirectServer {
   DirectServer& operator=(const DirectServer&) = delete;
 
   int port() const { return port_; }
+  // The addresses ("host:port") of the job's peers, as the coordinator
+  // sent them, replacing the last set: connections from their hosts are
+  // known (ConnectionAdmission: trusted, with a reserve of handshakes no
+  // stranger can take). A host given by name is left out (resolving it
+  // here could block): such a peer connects as a stranger, and is trusted
+  // once one of its connections authenticated. Returns how many sources
+  // are known now.
+  size_t SetKnownPeers(const std::vector<std::string>& addresses);
   // Stops accepting, ends every connection and joins their threads.
   // Idempotent.
   void Shutdown();

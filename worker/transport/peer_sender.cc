@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/net/identity.h"
 #include "common/net/server.h"
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -321,6 +322,15 @@ PeerSender::~PeerSender() {
   if (wake_pipe_[1] >= 0) ::close(wake_pipe_[1]);
 }
 
+void PeerSender::Connect() {
+  if (!direct()) {
+    if (channel_ != nullptr) channel_->GetState(/*try_to_connect=*/true);
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (stream_ == nullptr && !closing_) connect_wanted_ = true;
+}
+
 void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
   const size_t chunk = std::max<size_t>(kMinChunkBytes, options_.chunk_bytes);
   const uint32_t chunks =
@@ -392,7 +402,8 @@ void PeerSender::WriterLoop() {
     // transfers.
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (write_in_flight_) return false;
-      return closing_ || stream_broken_ || !queue_.empty();
+      return closing_ || stream_broken_ || !queue_.empty() ||
+             (connect_wanted_ && stream_ == nullptr);
     };
     absl::Duration wait = absl::Milliseconds(500);
     if (!queue_.empty() && !write_in_flight_) {
@@ -438,10 +449,13 @@ void PeerSender::WriterLoop() {
       mu_.Unlock();
       continue;
     }
-    if (queue_.empty() || queue_.front().release > absl::Now()) {
+    const bool chunk_ready = !queue_.empty() && queue_.front().release <= absl::Now();
+    if (!chunk_ready && !(connect_wanted_ && stream_ == nullptr && direct())) {
+      connect_wanted_ = false;  // connected already, or over gRPC (Connect did it)
       mu_.Unlock();
       continue;
     }
+    connect_wanted_ = false;
     if (stream_ == nullptr && direct()) {
       // Connecting blocks (up to connect_timeout, or until Close wakes it):
       // without the lock, before the chunk leaves the queue.
@@ -462,6 +476,10 @@ void PeerSender::WriterLoop() {
       read_ended_ = false;
       ++live_streams_;
       stream_ = new DirectStream(this, *std::move(links));
+    }
+    if (queue_.empty() || queue_.front().release > absl::Now()) {  // connected ahead
+      mu_.Unlock();
+      continue;
     }
     Chunk chunk = std::move(queue_.front());
     queue_.pop_front();
@@ -484,6 +502,15 @@ void PeerSender::WriterLoop() {
   }
 }
 
+absl::Status PeerSender::ReceiverIsWorker(const DirectLink& link) const {
+  if (link.ssl() == nullptr) return absl::OkStatus();  // plaintext: nothing to check
+  absl::Status kind = CheckWorkerPeer(link.ssl(), options_.security.allow_unmarked_worker_certs());
+  if (kind.ok()) return kind;
+  return absl::Status(
+      kind.code(), absl::StrCat("direct transport: ", options_.direct_address,
+                                " (expecting worker ", options_.peer_name, "): ", kind.message()));
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDirect() {
   if (!ssl_ctx_status_.ok()) return ssl_ctx_status_;
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
@@ -497,6 +524,10 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   auto first = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
                                 options_.connect_timeout, wake_pipe_[0], socket);
   if (!first.ok()) return first.status();
+  // The receiver's certificate names the peer (checked in the handshake) and
+  // must be a worker's: a coordinator's or a user's certificate with the
+  // same name is not one to hand activations to.
+  if (absl::Status kind = ReceiverIsWorker(**first); !kind.ok()) return kind;
   // The number of stripes: asked for, or what the link's bandwidth-delay
   // product needs under this machine's socket-buffer limits (the RTT, when
   // not given, is the kernel's estimate from this connection's handshake).
@@ -530,6 +561,7 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
       return absl::Status(link.status().code(),
                           absl::StrCat("stripe connection: ", link.status().message()));
     }
+    if (absl::Status kind = ReceiverIsWorker(**link); !kind.ok()) return kind;
     links.push_back(*std::move(link));
   }
   absl::MutexLock lock(&mu_);

@@ -101,6 +101,14 @@ class PeerSender {
   // here. `data` must stay unmodified until `done` runs.
   void Send(v1::FrameHeader header, TensorView data, Done done);
 
+  // Connects now, before the first tensor needs it: the direct transport's
+  // connections (every stripe, TLS handshakes and hello included) are opened
+  // on the writer thread, or the gRPC channel starts connecting, so that
+  // their round trips overlap whatever comes before the first tensor. A
+  // no-op while connected; a failure is not reported here (the next tensor
+  // tries again and reports it). Never blocks.
+  void Connect();
+
   // Fails what is pending with CANCELLED, closes the stream (cancels it when
   // the peer does not end it within 2 s), joins the thread and waits until
   // gRPC has released every stream this sender opened: afterwards nothing of
@@ -143,6 +151,10 @@ class PeerSender {
   void OnStreamBroken();
   // Opens the stripes of a new direct session (blocking; without mu_).
   absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> ConnectDirect();
+  // PERMISSION_DENIED unless a TLS link's receiver presented a worker's
+  // certificate (common/net/identity.h; unmarked ones when the security
+  // allows them).
+  absl::Status ReceiverIsWorker(const DirectLink& link) const;
   // A stream could not be opened or broke: its reason, for the failures.
   void OnStreamError(const absl::Status& status);
   void FailAll(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -161,6 +173,7 @@ class PeerSender {
   std::string broken_reason_ ABSL_GUARDED_BY(mu_);
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool connect_wanted_ ABSL_GUARDED_BY(mu_) = false;  // Connect() before a tensor
   Chunk current_;  // the chunk being written; writer thread and OnWriteDone
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time link_free_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -106,12 +106,13 @@ StripePlan PlanStripes(const LinkHint& hint, const TcpLimits& limits, int max_co
   const double buffer =
       static_cast<double>(std::max<int64_t>(1, std::min(plan.send_buffer, plan.receive_buffer)));
   plan.per_connection_rate = kUsableBufferFraction * buffer / rtt_s;
-  const double bdp = hint.rate_bytes_per_s * rtt_s;
-  const double wanted = std::ceil(bdp / (kUsableBufferFraction * buffer));
+  // The bytes in flight to plan for: the bandwidth-delay product, with headroom.
+  const double in_flight = kStripeHeadroom * hint.rate_bytes_per_s * rtt_s;
+  const double wanted = std::ceil(in_flight / (kUsableBufferFraction * buffer));
   plan.connections = static_cast<int>(std::clamp(wanted, 1.0, double(max_connections)));
   plan.total_rate = plan.per_connection_rate * plan.connections;
   // What each connection's buffer must hold for its share of the link.
-  const double need = bdp / plan.connections / kUsableBufferFraction;
+  const double need = in_flight / plan.connections / kUsableBufferFraction;
   auto request = [need](int64_t autotune_max, int64_t core_max) -> int64_t {
     if (need <= static_cast<double>(autotune_max) || 2 * core_max <= autotune_max) return 0;
     return std::min<int64_t>(core_max, static_cast<int64_t>(std::ceil(need / 2)));

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Tensor transfers over the direct transport against the link's ceiling, on
+# the WAN test bed: two namespaces joined by detour-wanem, one link per case
+# (round trip, rate, loss). Per case, in the same run:
+#   - ceiling: iperf3 -P 16 (and one stream beside it);
+#   - wan_transfer over plaintext and over TLS, 16 and 64 MiB tensors: the
+#     first tensor, isolated tensors (one at a time, after a pause) and a
+#     stream of --count tensors queued at once (benchmarks/wan/wan_transfer.cc).
+# Prints one table row per case and transport, and the load average.
+# docs/BENCHMARKS.md §WAN "Transfers over long fat links". Needs root.
+#
+#   sudo benchmarks/wan/transfer.sh [--build DIR] [--cases 'RTT_MS:MBPS:LOSS ...']
+#       [--seconds N] [--mib 16,64] [--tune] [--out DIR] [--send_args 'ARGS']
+#
+# --tune sets, inside the two namespaces only, the settings docs/OPERATIONS.md
+# §"Tuning the network for long links" recommends (tcp_wmem/tcp_rmem max,
+# tcp_slow_start_after_idle=0); net.core.{w,r}mem_max are global and are
+# reported, not changed. Rate 0 = no cap (the forwarder's own ceiling): the
+# sender then has no rate hint, as a worker before its first probe. --send_args
+# go to every `wan_transfer send` (e.g. '--connections 4').
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build="$root/build"
+cases="20:100:0 100:100:0 300:100:0 20:0:0 100:0:0 300:0:0 100:100:0.01"
+seconds=6
+mib=16,64
+tune=0
+out=""
+send_args=""
+prefix="wanxfer$$"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build) build=${2:?--build needs a directory}; shift 2 ;;
+    --cases) cases=${2:?--cases needs a list}; shift 2 ;;
+    --seconds) seconds=${2:?--seconds needs a number}; shift 2 ;;
+    --mib) mib=${2:?--mib needs sizes}; shift 2 ;;
+    --tune) tune=1; shift ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+die() { echo "transfer: $*" >&2; exit 1; }
+[[ "$seconds" =~ ^[0-9]+$ ]] && (( seconds >= 2 && seconds <= 60 )) ||
+  die "--seconds must be a whole number in [2, 60]"
+for c in $cases; do
+  [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)$ ]] || die "--cases: '$c' is not RTT_MS:MBPS:LOSS"
+done
+tool="$build/benchmarks/wan/wan_transfer"
+wanem="$build/tools/detour_wanem/detour-wanem"
+[[ -x "$tool" ]] || die "$tool is missing: cmake --build $build --target wan_transfer"
+[[ -x "$wanem" ]] || die "$wanem is missing: cmake --build $build --target detour-wanem"
+command -v iperf3 >/dev/null || die "iperf3 is missing (tools/install_deps.sh)"
+(( EUID == 0 )) || die "needs root (network namespaces, TUN devices)"
+
+testbed="$root/tools/wan_testbed.sh"
+work=$(mktemp -d)
+[[ -n "$out" ]] || out="$work"
+mkdir -p "$out"
+cleanup() {
+  "$testbed" down --prefix "$prefix" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+"$root/tools/gen_certs.sh" "$work/certs" --worker bench >/dev/null
+
+cat >"$work/cluster.json" <<'JSON'
+{"name": "transfer", "nodes": [{"id": "a", "region": "X"}, {"id": "b", "region": "Y"}],
+ "links": [{"region_a": "X", "region_b": "Y", "latency_ms": 0, "bandwidth_gbytes_per_s": 1}]}
+JSON
+
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+# 64k packets in flight: a 300 ms round trip at 100 MB/s holds ~20k data
+# packets, plus the queue and the acknowledgements.
+"$testbed" up --cluster "$work/cluster.json" --prefix "$prefix" --binary "$wanem" \
+  -- --pool_packets 65536 >/dev/null
+A="$prefix-a" B="$prefix-b"
+if (( tune )); then
+  for ns in "$A" "$B"; do
+    ip netns exec "$ns" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0 \
+      net.ipv4.tcp_wmem="4096 131072 67108864" net.ipv4.tcp_rmem="4096 131072 67108864"
+  done
+fi
+sysctls=$(ip netns exec "$A" sh -c 'echo "wmem_max=$(cat /proc/sys/net/core/wmem_max) rmem_max=$(cat /proc/sys/net/core/rmem_max) tcp_wmem=\"$(cat /proc/sys/net/ipv4/tcp_wmem)\" tcp_rmem=\"$(cat /proc/sys/net/ipv4/tcp_rmem)\" slow_start_after_idle=$(cat /proc/sys/net/ipv4/tcp_slow_start_after_idle) cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control)"' | tr '\t' ' ')
+
+ip netns exec "$B" iperf3 -s -D -p 5201
+ip netns exec "$B" "$tool" serve --listen 10.77.0.2:7700 >"$work/serve_plain.log" 2>&1 &
+ip netns exec "$B" "$tool" serve --listen 10.77.0.2:7701 --certs "$work/certs" \
+  >"$work/serve_tls.log" 2>&1 &
+for i in $(seq 50); do
+  ip netns exec "$B" ss -ltn | grep -q ':7701 ' &&
+    ip netns exec "$B" ss -ltn | grep -q ':5201 ' && break
+  sleep 0.1
+done
+
+# MB/s (1e6) the receiver saw, from iperf3's text summary; -O 2 leaves out
+# the first two seconds (slow start over the long round trips).
+iperf() {  # iperf STREAMS
+  timeout $((seconds + 30)) ip netns exec "$A" iperf3 -c 10.77.0.2 -p 5201 -t "$seconds" \
+    -O 2 -P "$1" -f m 2>/dev/null |
+    awk '/receiver/ { for (i = 1; i < NF; i++) if ($(i + 1) == "Mbits/sec") v = $i }
+         END { if (v == "") print "0"; else printf "%.1f", v / 8 }'
+}
+field() { sed -n "s/.*\b$2=\([^ ]*\).*/\1/p" <<<"$1"; }
+
+printf '%s\n' "case rtt_ms=RTT rate=MB/s loss: transport, tensor, rates in MB/s (ratio to -P 16)"
+printf '%-22s %-9s %5s %8s %8s %15s %15s %15s %11s\n' case transport MiB "-P 16" "1 stream" \
+  first isolated stream connections
+for c in $cases; do
+  IFS=: read -r rtt rate loss <<<"$c"
+  half=$(awk -v r="$rtt" 'BEGIN { printf "%g", r / 2 }')
+  "$testbed" ctl --prefix "$prefix" set a b both "delay_ms=$half" "rate_mbytes=$rate" \
+    "loss=$loss" >/dev/null
+  p16=$(iperf 16)
+  p1=$(iperf 1)
+  hint=()
+  (( rate > 0 )) && hint=(--rate_mbytes "$rate")
+  for mode in plain tls; do
+    port=7700 certs=()
+    [[ "$mode" == tls ]] && port=7701 certs=(--certs "$work/certs")
+    log="$out/transfer_${rtt}_${rate}_${loss}_$mode.txt"
+    if ! timeout 600 ip netns exec "$A" "$tool" send --to "10.77.0.2:$port" --mib "$mib" \
+        "${certs[@]}" "${hint[@]}" $send_args >"$log" 2>"$log.err"; then
+      echo "transfer: case $c $mode failed: $(tail -n 3 "$log.err")" >&2
+      continue
+    fi
+    conn=$(field "$(grep '^rtt ' "$log")" connections)
+    while read -r line; do
+      [[ "$line" == size* ]] || continue
+      ratio() { awk -v v="$1" -v c="$p16" 'BEGIN { if (c > 0) printf "%.1f (%.2f)", v, v / c; else printf "%.1f", v }'; }
+      printf '%-22s %-9s %5s %8s %8s %15s %15s %15s %11s\n' "$rtt ms $rate MB/s $loss" "$mode" \
+        "$(field "$line" mib)" "$p16" "$p1" "$(ratio "$(field "$line" first_mbps)")" \
+        "$(ratio "$(field "$line" isolated_mbps)")" "$(ratio "$(field "$line" stream_mbps)")" \
+        "$conn"
+    done <"$log"
+  done
+done
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "namespace settings: $sysctls"
+echo "load average before: $load_before; after: $load_after; $(nproc) cores"
