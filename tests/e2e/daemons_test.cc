@@ -200,8 +200,9 @@ TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
     absl::SleepFor(absl::Milliseconds(200));
   }
   ASSERT_EQ(rc, 0) << out << c.process->Log();
-  // The start's latency round, then its bulk round.
-  EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 2 probe round(s)"));
+  // The start's latency round, then a bulk round each way (no link carries
+  // probes both ways at once).
+  EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 3 probe round(s)"));
   EXPECT_THAT(out, ::testing::ContainsRegex("w1 +w2 +[0-9.]+ ms +probe +(now|[0-9]+s ago)"));
   EXPECT_THAT(out, ::testing::ContainsRegex("w2 +w1 +[0-9.]+ ms +probe"));
   ASSERT_EQ(Run({Bin(kCtl), target, "--json", "links", "job-000001"}, &out), 0) << out;
