@@ -27,8 +27,9 @@ from detour._proto.detour.v1 import control_service_pb2
 from detour._proto.detour.v1 import control_service_pb2_grpc
 from detour._proto.detour.v1 import job_service_pb2
 from detour._proto.detour.v1 import job_service_pb2_grpc
-from detour.errors import (ConfigError, DetourError, InvalidArgument, Unavailable,
-                           from_rpc_error)
+from detour._probe import port_hint, probe_port
+from detour.errors import (ConfigError, DeadlineExceeded, DetourError, InvalidArgument,
+                           Unavailable, from_rpc_error)
 from detour.jobs import HistoryEvent, Job, JobEvent, JobState, Worker
 from detour.spec import SpecLike, load_spec
 
@@ -55,6 +56,9 @@ _MAX_LIST_PAGES = 100000
 _MAX_ADDRESSES = 16
 # The trailing metadata a follower names the leader in (UNAVAILABLE).
 LEADER_METADATA = "detour-leader"
+# At most this long is spent finding out what answers at an unreachable
+# coordinator's address (the hint of Unavailable and DeadlineExceeded).
+_PROBE_SECONDS = 2.0
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -525,10 +529,20 @@ class Client:
                 return result
             except grpc.RpcError as e:
                 if attempt + 1 == tries or not self._next_coordinator(e):
-                    raise from_rpc_error(e, method, spec=spec) from e
+                    raise self._with_hint(from_rpc_error(e, method, spec=spec)) from e
             except ValueError as e:  # gRPC's answer for a channel closed meanwhile
                 raise DetourError(str(e), method=method) from e
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _with_hint(self, error: DetourError) -> DetourError:
+        """`error`, with a hint when the coordinator was unreachable and what
+        answers at its address is recognisable (a metrics port, TLS against
+        plaintext or the reverse)."""
+        if isinstance(error, (Unavailable, DeadlineExceeded)):
+            seconds = min(self.timeout or _PROBE_SECONDS, _PROBE_SECONDS)
+            error.hint = port_hint(self.address, not self.insecure,
+                                   probe_port(self.address, seconds))
+        return error
 
     def _next_coordinator(self, error: grpc.RpcError) -> bool:
         """After a failed call: moves to the leader a follower named, or to the

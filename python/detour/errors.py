@@ -39,6 +39,9 @@ class DetourError(Exception):
         code: the gRPC status code of a failed call; None for errors found
             before any call was made.
         method: the client method that failed ("submit", "get", ...), or "".
+        hint: for a coordinator that could not be reached, what answers at
+            its address instead when that is recognisable (a metrics port, a
+            TLS or a plaintext server), else "".
     """
 
     def __init__(self, message: str, *, code: Optional[grpc.StatusCode] = None,
@@ -47,6 +50,7 @@ class DetourError(Exception):
         self.message = message
         self.code = code
         self.method = method
+        self.hint = ""
 
     def __str__(self) -> str:
         parts = []
@@ -55,7 +59,8 @@ class DetourError(Exception):
         if self.code is not None:
             parts.append(self.code.name)
         parts.append(self.message)
-        return ": ".join(parts)
+        text = ": ".join(parts)
+        return "%s (hint: %s)" % (text, self.hint) if self.hint else text
 
 
 class ConfigError(DetourError, ValueError):

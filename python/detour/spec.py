@@ -9,6 +9,7 @@ is given and names the offending field.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
@@ -74,6 +75,8 @@ def _parse(parse: Callable[[spec_pb2.JobSpec], Any], what: str) -> spec_pb2.JobS
 _NESTED = re.compile(r"Failed to parse (\w+) field: ")
 _UNKNOWN = re.compile(r'Message type "([\w.]+)" has no field named "([^"]*)"')
 _TRAILER = re.compile(r"\s+at [\"']?[\w.\[\]]+[\"']?\.*$")
+_ENUM = re.compile(r"Invalid enum value (\S+) for enum type ([\w.]+)")
+_MAX_LISTED_VALUES = 32  # an enum's values named in an error
 
 
 def describe_parse_error(text: str) -> Tuple[Optional[str], str]:
@@ -91,11 +94,38 @@ def describe_parse_error(text: str) -> Tuple[Optional[str], str]:
         path.append(m.group(1))
         rest = rest[m.end():]
     unknown = _UNKNOWN.match(rest)
+    enum = _ENUM.match(rest)
     if unknown:
         path.append(unknown.group(2))
-        problem = "no such field in %s" % unknown.group(1)
+        problem = "no such field in %s%s" % (unknown.group(1),
+                                             _did_you_mean(unknown.group(1), unknown.group(2)))
+    elif enum:
+        problem = "%s is not one of %s" % (enum.group(1), _enum_values(enum.group(2)))
     else:
         problem = _TRAILER.sub("", rest.splitlines()[0] if rest else rest).rstrip(".")
         if problem.startswith("Failed to load JSON: "):
             problem = "not valid JSON: " + problem[len("Failed to load JSON: "):]
     return (".".join(path) or None), problem or text
+
+
+def _did_you_mean(message_type: str, name: str) -> str:
+    """" (did you mean F?)" for the field of `message_type` nearest `name`."""
+    try:
+        descriptor = spec_pb2.DESCRIPTOR.pool.FindMessageTypeByName(message_type)
+    except KeyError:
+        return ""
+    fields = [f.name for f in descriptor.fields]
+    near = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    return " (did you mean %s?)" % near[0] if near else ""
+
+
+def _enum_values(enum_type: str) -> str:
+    """The values a spec may name for `enum_type` (the _UNSPECIFIED zero left
+    out), or the type's name when it is unknown."""
+    try:
+        descriptor = spec_pb2.DESCRIPTOR.pool.FindEnumTypeByName(enum_type)
+    except KeyError:
+        return "the values of " + enum_type
+    names = [v.name for v in descriptor.values[:_MAX_LISTED_VALUES]
+             if not v.name.endswith("_UNSPECIFIED")]
+    return ", ".join(names)

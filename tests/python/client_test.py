@@ -306,6 +306,77 @@ class OfflineTest(unittest.TestCase):
         self.assertIsInstance(error, detour.DetourError)
 
 
+    def test_spec_errors_say_where_and_what_is_valid(self):
+        from detour.spec import load_spec
+        # An enum value that does not exist: the valid ones are listed,
+        # the _UNSPECIFIED zero left out.
+        with self.assertRaises(detour.InvalidSpec) as e:
+            load_spec({"name": "x", "pipeline": {"scheduler": "SCHEDULER_NOPE"}})
+        self.assertEqual(e.exception.field, "pipeline.scheduler")
+        self.assertIn("SCHEDULER_NOPE is not one of SCHEDULER_SKIPPIPE, SCHEDULER_FULL",
+                      str(e.exception))
+        self.assertNotIn("UNSPECIFIED", str(e.exception))
+        # A misspelt field: the nearest one is suggested.
+        with self.assertRaises(detour.InvalidSpec) as e:
+            load_spec({"name": "x", "pipeline": {"skip_ration": 0.1}})
+        self.assertEqual(e.exception.field, "pipeline.skip_ration")
+        self.assertIn("did you mean skip_ratio?", str(e.exception))
+        # Bad JSON in a file: the line and column of the fault.
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "bad.json")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write('{"name": "x",\n "iterations": 3,,\n}')
+            with self.assertRaisesRegex(detour.InvalidSpec,
+                                        r"bad.json: not valid JSON: .*line 2 column 18"):
+                load_spec(path)
+
+    def test_the_port_probe_tells_servers_apart(self):
+        from detour import _probe
+        self.assertEqual(_probe.classify(b"HTTP/1.0 200 OK\r\n"), _probe.HTTP1)
+        self.assertEqual(_probe.classify(bytes([21, 3, 3, 0, 2])), _probe.TLS)
+        self.assertEqual(_probe.classify(bytes([0, 0, 18, 4, 0, 0, 0, 0, 0])), _probe.HTTP2_PLAIN)
+        self.assertIsNone(_probe.classify(b""))
+        self.assertIsNone(_probe.classify(b"SSH-2.0-OpenSSH"))
+        self.assertIsNone(_probe.probe_port("not-an-address", 1.0))
+        self.assertIsNone(_probe.probe_port("127.0.0.1:1", 1.0))  # nobody listens
+        self.assertIn("drop insecure=True", _probe.port_hint("h:1", False, _probe.TLS))
+        self.assertEqual(_probe.port_hint("h:1", True, _probe.TLS), "")
+        self.assertIn("use insecure=True", _probe.port_hint("h:1", True, _probe.HTTP2_PLAIN))
+        self.assertEqual(_probe.port_hint("h:1", True, None), "")
+
+    def test_a_metrics_port_given_as_the_coordinator_gets_a_hint(self):
+        import http.server
+
+        class Metrics(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the handler's name is http.server's)
+                body = b"# HELP up whether it is up\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        class Quiet(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                pass  # gRPC hangs up on the HTTP/1 answer: expected, not news
+
+        server = Quiet(("127.0.0.1", 0), Metrics)
+        self.addCleanup(server.server_close)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.addCleanup(server.shutdown)
+        address = "127.0.0.1:%d" % server.server_address[1]
+        for insecure in (True, False):
+            with self.subTest(insecure=insecure):
+                kwargs = {"insecure": True} if insecure else {}
+                with detour.Client(address, timeout=3, **kwargs) as c:
+                    with self.assertRaises((detour.Unavailable, detour.DeadlineExceeded)) as e:
+                        c.list()
+                self.assertIn("is it a metrics port?", e.exception.hint)
+                self.assertIn("(hint: %s answers plain HTTP/1" % address, str(e.exception))
+
+
 class ClusterTest(unittest.TestCase):
     """Starts daemons once per class; cleanups run even when set-up fails."""
 
@@ -583,9 +654,10 @@ class TlsCoordinatorTest(ClusterTest):
         with self.assertRaises(detour.Unavailable) as e:
             c.list()
         self.assertRegex(e.exception.message.lower(), "ssl|handshake|certificate")
-        # Plaintext to a TLS port.
-        with self.assertRaises(detour.Unavailable):
+        # Plaintext to a TLS port: the hint says so.
+        with self.assertRaises(detour.Unavailable) as e:
             self.client(insecure=True, token=SUBMIT_TOKEN, timeout=5).list()
+        self.assertIn("speaks TLS: drop insecure=True", e.exception.hint)
         # Nobody listening.
         with self.assertRaises(detour.Unavailable):
             self.client(address="127.0.0.1:1", timeout=5).list()
@@ -723,9 +795,11 @@ class InsecureCoordinatorTest(ClusterTest):
         with detour.Client(insecure=True) as c:
             self.assertEqual(c.address, self.address)
             self.assertIn(job_id, [j.id for j in c.list("cancelled")])
-        # TLS to a plaintext port fails the handshake.
-        with self.assertRaises(detour.Unavailable), detour.Client(self.address, timeout=5) as c:
+        # TLS to a plaintext port fails the handshake; the hint says why.
+        with self.assertRaises(detour.Unavailable) as e, \
+                detour.Client(self.address, timeout=5) as c:
             c.list()
+        self.assertIn("speaks plaintext HTTP/2", e.exception.hint)
 
     def test_a_name_finds_the_leader(self):
         """"localhost" (as a DNS name with an A record per coordinator would
