@@ -2,12 +2,15 @@
 
 #include <fcntl.h>
 #include <netdb.h>
+#include <openssl/bio.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -35,6 +38,55 @@ PortAnswer Classify(const unsigned char* b, size_t n) {
   return PortAnswer::kNothing;
 }
 
+// A TLS ClientHello, as OpenSSL writes it for a client that verifies
+// nothing (the probe only tells protocols apart); empty on failure.
+std::string ClientHello() {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
+                                                        &SSL_CTX_free);
+  if (ctx == nullptr) return "";
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(ctx.get()), &SSL_free);
+  if (ssl == nullptr) return "";
+  BIO* in = BIO_new(BIO_s_mem());
+  BIO* out = BIO_new(BIO_s_mem());
+  if (in == nullptr || out == nullptr) {
+    BIO_free(in);
+    BIO_free(out);
+    return "";
+  }
+  SSL_set_bio(ssl.get(), in, out);  // ssl owns both from here
+  SSL_set_connect_state(ssl.get());
+  (void)SSL_do_handshake(ssl.get());  // wants to read the answer: expected
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(out, &data);
+  return n > 0 && data != nullptr ? std::string(data, static_cast<size_t>(n)) : "";
+}
+
+// Sends `request` on a new connection to `a` and classifies the first bytes
+// of the answer before `deadline`.
+PortAnswer Ask(const addrinfo& a, const std::string& request, absl::Time deadline) {
+  const int fd = ::socket(a.ai_family, a.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return PortAnswer::kNothing;
+  if (::connect(fd, a.ai_addr, a.ai_addrlen) != 0 && errno != EINPROGRESS) {
+    ::close(fd);
+    return PortAnswer::kNothing;
+  }
+  int error = 0;
+  socklen_t len = sizeof(error);
+  unsigned char buffer[16];
+  size_t got = 0;
+  if (WaitFor(fd, POLLOUT, deadline) && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 &&
+      error == 0 && ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) > 0) {
+    while (got < sizeof(buffer) && WaitFor(fd, POLLIN, deadline)) {
+      const ssize_t n = ::recv(fd, buffer + got, sizeof(buffer) - got, 0);
+      if (n <= 0) break;
+      got += static_cast<size_t>(n);
+      if (Classify(buffer, got) != PortAnswer::kNothing) break;
+    }
+  }
+  ::close(fd);
+  return Classify(buffer, got);
+}
+
 }  // namespace
 
 PortAnswer ProbePort(absl::string_view address, absl::Duration timeout) {
@@ -50,29 +102,13 @@ PortAnswer ProbePort(absl::string_view address, absl::Duration timeout) {
   }
   PortAnswer answer = PortAnswer::kNothing;
   for (addrinfo* a = found; a != nullptr && answer == PortAnswer::kNothing; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
-      ::close(fd);
-      continue;
+    answer = Ask(*a, "GET / HTTP/1.0\r\n\r\n", deadline);
+    // gRPC's TLS server hangs up on a plain request without a word: offer
+    // it a TLS handshake instead.
+    if (answer == PortAnswer::kNothing && absl::Now() < deadline) {
+      const std::string hello = ClientHello();
+      if (!hello.empty()) answer = Ask(*a, hello, deadline);
     }
-    int error = 0;
-    socklen_t len = sizeof(error);
-    constexpr char kRequest[] = "GET / HTTP/1.0\r\n\r\n";
-    if (WaitFor(fd, POLLOUT, deadline) &&
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0 &&
-        ::send(fd, kRequest, sizeof(kRequest) - 1, MSG_NOSIGNAL) > 0) {
-      unsigned char buffer[16];
-      size_t got = 0;
-      while (got < sizeof(buffer) && WaitFor(fd, POLLIN, deadline)) {
-        const ssize_t n = ::recv(fd, buffer + got, sizeof(buffer) - got, 0);
-        if (n <= 0) break;
-        got += static_cast<size_t>(n);
-        if (Classify(buffer, got) != PortAnswer::kNothing) break;
-      }
-      answer = Classify(buffer, got);
-    }
-    ::close(fd);
   }
   ::freeaddrinfo(found);
   return answer;

@@ -238,8 +238,9 @@ TEST_F(TlsTest, ClientsNeedATokenOrCertificateWithTheRole) {
   ::setenv("DETOUR_TOKEN", kReadToken, 1);
   EXPECT_EQ(Run({Bin(kCtl), target, ca, "workers"}, &out, absl::Seconds(30), false), 0) << out;
   ::unsetenv("DETOUR_TOKEN");
-  // Plaintext to a TLS port does not get through.
+  // Plaintext to a TLS port does not get through; the hint says why.
   EXPECT_EQ(Run({Bin(kCtl), target, "--insecure", "list"}, &out, absl::Seconds(30), false), 3);
+  EXPECT_THAT(out, HasSubstr("speaks TLS: drop --insecure")) << out;
 }
 
 // Jobs belong to their submitter, a named token's or a certificate's:
