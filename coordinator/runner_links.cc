@@ -1,6 +1,7 @@
 #include "coordinator/runner_links.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <set>
 #include <utility>
@@ -28,6 +29,9 @@ constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
 // the most any worker's links need (LinkProbeNeed; at least
 // link_probe_budget, at most kMaxBulkBudget).
 constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
+// Bounds a worker holds expected links to (LinkExpectation).
+constexpr double kMaxExpectedRttS = 60;
+constexpr double kMaxRate = 1e13;
 
 }  // namespace
 
@@ -65,7 +69,12 @@ void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& 
     p->set_budget_ms(
         static_cast<uint32_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(budget))));
     if (options().emulate_network) *p->mutable_emulate_network() = plan_.cluster();
-    for (const v1::Peer& peer : peers) *p->add_peers() = peer;
+    for (const v1::Peer& peer : peers) {
+      *p->add_peers() = peer;
+      // What the planner expects of the link: the worker checks its socket
+      // limits against it.
+      if (auto x = Expectation(id, peer.worker_id())) *p->add_expected() = *std::move(x);
+    }
     for (const std::string& other : takes) p->add_accept_from(other);
     if (!link_.SendTo(id, m) || peers.empty()) continue;
     waiting_.insert(id);
@@ -73,6 +82,48 @@ void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& 
   }
   round_deadline_ = Now() + budget + kReportSlack;
   last_round_ = Now();
+}
+
+std::optional<v1::LinkExpectation> RunnerLinks::Expectation(const std::string& from,
+                                                            const std::string& to) const {
+  std::optional<double> rtt_s, rate;
+  if (const LinkMatrix::Entry* e = plan_.links().Find({from, to}); e != nullptr) {
+    if (e->latency_s) rtt_s = 2 * *e->latency_s;
+    if (e->bandwidth) rate = *e->bandwidth;
+  }
+  const auto& infos = membership_.infos();
+  auto a = infos.find(from);
+  auto b = infos.find(to);
+  if ((!rtt_s || !rate) && a != infos.end() && b != infos.end()) {
+    const v1::ClusterSpec& net = plan_.network();
+    const std::string& ra = a->second.region();
+    const std::string& rb = b->second.region();
+    std::optional<double> latency_ms, gbytes;
+    if (ra == rb) {
+      if (net.intra_region_latency_ms() > 0) latency_ms = net.intra_region_latency_ms();
+      if (net.intra_region_bandwidth_gbytes_per_s() > 0) {
+        gbytes = net.intra_region_bandwidth_gbytes_per_s();
+      }
+    } else {
+      for (const v1::RegionLink& l : net.links()) {
+        if ((l.region_a() == ra && l.region_b() == rb) ||
+            (l.region_a() == rb && l.region_b() == ra)) {
+          latency_ms = l.latency_ms();
+          gbytes = l.bandwidth_gbytes_per_s();
+          break;
+        }
+      }
+    }
+    if (!rtt_s && latency_ms) rtt_s = 2 * *latency_ms / 1e3;
+    if (!rate && gbytes) rate = *gbytes * 1e9;
+  }
+  if (!rtt_s && !rate) return std::nullopt;
+  v1::LinkExpectation x;
+  x.set_peer(to);
+  // Bounded as the worker bounds them; a value out of them is dropped.
+  if (rtt_s && std::isfinite(*rtt_s)) x.set_rtt_s(std::clamp(*rtt_s, 0.0, kMaxExpectedRttS));
+  if (rate && std::isfinite(*rate)) x.set_bandwidth_bytes_per_s(std::clamp(*rate, 0.0, kMaxRate));
+  return x;
 }
 
 void RunnerLinks::SendRoundToAll(const std::map<std::string, v1::Peer>& workers,

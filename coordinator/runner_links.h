@@ -74,6 +74,12 @@ class RunnerLinks : private RunnerPart {
   void SendRoundToAll(const std::map<std::string, v1::Peer>& workers, uint64_t bulk_bytes,
                       absl::Duration budget);
   std::map<std::string, v1::Peer> MemberPeerMap() const;
+  // What the planner expects of the link from `from` to `to`: the matrix's
+  // measurements, else the region table's figures where the job's network
+  // gives them (not the uniform network assumed for undescribed regions);
+  // nullopt when neither says anything.
+  std::optional<v1::LinkExpectation> Expectation(const std::string& from,
+                                                 const std::string& to) const;
   // Waits for the round in flight's reports until its deadline.
   void AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips

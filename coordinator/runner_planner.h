@@ -62,6 +62,8 @@ class RunnerPlanner {
   const sim::CostModel& cost() const { return *cost_; }
   const sim::StageAssignment& assignment() const { return assignment_; }
   const v1::ClusterSpec& cluster() const { return cluster_; }
+  // The network the job was given (the region table), as given.
+  const v1::ClusterSpec& network() const { return *network_; }
   // Worker id -> region, for the timing estimates.
   const std::map<std::string, std::string>& regions() const { return region_of_; }
   // The live members of `stage`, in node order.

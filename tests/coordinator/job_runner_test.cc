@@ -1312,6 +1312,9 @@ TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
   for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
   cluster_->SetLink("a", "b", {0.2, 5e6, ""});
   cluster_->SetLink("b", "a", {0, 0, "connect: timed out"});
+  // The region table (all three are in region "local"): 40 ms, 2 GB/s.
+  cluster_->mutable_options()->network.set_intra_region_latency_ms(40);
+  cluster_->mutable_options()->network.set_intra_region_bandwidth_gbytes_per_s(2);
   Start(Spec(3, 1, 0.0, 2), {"d0", "a", "b"});
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
@@ -1330,6 +1333,10 @@ TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
     if (i < 3) {
       EXPECT_EQ(probes[i].bulk_max_bytes(), 0u);
       EXPECT_EQ(probes[i].peers_size(), 2);  // the other two
+      // Nothing measured yet: the table's figures for both.
+      ASSERT_EQ(probes[i].expected_size(), 2);
+      EXPECT_DOUBLE_EQ(probes[i].expected(1).rtt_s(), 0.08);
+      EXPECT_DOUBLE_EQ(probes[i].expected(1).bandwidth_bytes_per_s(), 2e9);
       EXPECT_EQ(probes[i].accept_from_size(), 0);
       EXPECT_EQ(probes[i].round(), probes[0].round());
       continue;
@@ -1337,6 +1344,20 @@ TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
     EXPECT_EQ(probes[i].bulk_max_bytes(), uint64_t{32} << 20);
     ASSERT_EQ(probes[i].peers_size(), 1);
     ASSERT_EQ(probes[i].accept_from_size(), 1);
+    // What the planner expects of the link goes with it, for the worker's
+    // check of its socket limits: what the latency round measured, and
+    // the region table's figures for what it did not (b -> a failed).
+    ASSERT_EQ(probes[i].expected_size(), 1);
+    const v1::LinkExpectation& x = probes[i].expected(0);
+    EXPECT_EQ(x.peer(), probes[i].peers(0).worker_id());
+    EXPECT_DOUBLE_EQ(x.bandwidth_bytes_per_s(), 2e9);  // no rate measured yet: the table's
+    const bool b_to_a = x.peer() == "a" && probes[i].accept_from(0) == "d0";
+    if (b_to_a) {
+      EXPECT_DOUBLE_EQ(x.rtt_s(), 0.08);  // 2 x 40 ms, the table's
+    } else {
+      EXPECT_GT(x.rtt_s(), 0);
+      EXPECT_NE(x.rtt_s(), 0.08);  // measured by the fakes' pings
+    }
     EXPECT_NE(probes[i].peers(0).worker_id(), probes[i].accept_from(0));
     named[probes[i].peers(0).worker_id()]++;
     taken[probes[i].accept_from(0)]++;

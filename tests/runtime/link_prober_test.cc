@@ -4,6 +4,7 @@
 // takes from peers.
 #include "worker/runtime/link_prober.h"
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -383,6 +384,57 @@ TEST_F(LinkProberTest, RefusesAcceptListsOutOfBounds) {
   q = p;
   for (int i = 0; i < LinkProber::kMaxPeers; ++i) q.add_accept_from("w");
   EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("workers to accept"));
+}
+
+// The links the coordinator expects of this worker are checked against the
+// socket-buffer limits: one that no number of connections can carry at its
+// expected rate is named with the setting to raise; one the connections
+// carry, or an unknown one, is not. Expected figures are bounded.
+TEST_F(LinkProberTest, ExpectedLinksTheSocketLimitsCapAreNamed) {
+  v1::LinkProbe p;
+  p.set_job_id("j");
+  p.set_pings(3);
+  p.set_budget_ms(1000);
+  auto expect = [&p](const std::string& peer, double rtt_s, double rate) {
+    v1::LinkExpectation* e = p.add_expected();
+    e->set_peer(peer);
+    e->set_rtt_s(rtt_s);
+    e->set_bandwidth_bytes_per_s(rate);
+  };
+  expect("far", 0.3, 1.16e9);   // needs 16 x 44 MB of window: capped
+  expect("near", 0.02, 100e6);  // 1.5 x 2 MB: one 4 MiB buffer carries it
+  expect("unknown", 0, 0);
+  ASSERT_TRUE(LinkProber::Validate(p).ok());
+  TcpLimits debian;  // the kernel's defaults: wmem_max 208 KiB, tcp_wmem max 4 MiB
+  const auto capped = LinkProber::CappedLinks(p, debian);
+  ASSERT_FALSE(capped.empty());
+  for (const auto& [peer, line] : capped) {
+    EXPECT_EQ(peer, "far");
+    EXPECT_THAT(line, HasSubstr("link to far: "));
+    EXPECT_THAT(line, HasSubstr("caps one connection"));
+    EXPECT_THAT(line, HasSubstr("even 16 connections carry only"));
+  }
+  // Limits raised far enough: nothing to say.
+  TcpLimits raised;
+  raised.wmem_max = raised.rmem_max = int64_t{1} << 30;
+  raised.tcp_wmem[2] = raised.tcp_rmem[2] = int64_t{1} << 30;
+  EXPECT_TRUE(LinkProber::CappedLinks(p, raised).empty());
+  // Bounds.
+  v1::LinkProbe q = p;
+  q.mutable_expected(0)->set_rtt_s(61);
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("expected round trip 61"));
+  q = p;
+  q.mutable_expected(0)->set_bandwidth_bytes_per_s(std::nan(""));
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("expected bandwidth"));
+  q = p;
+  q.mutable_expected(0)->set_rtt_s(-1);
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("not in [0, 60]"));
+  q = p;
+  q.mutable_expected(0)->clear_peer();
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("peer id of 0 bytes"));
+  q = p;
+  for (int i = 0; i < LinkProber::kMaxPeers; ++i) q.add_expected()->set_peer("w");
+  EXPECT_THAT(LinkProber::Validate(q).message(), HasSubstr("expected links"));
 }
 
 }  // namespace

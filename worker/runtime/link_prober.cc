@@ -5,6 +5,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -494,7 +496,59 @@ absl::Status LinkProber::Validate(const v1::LinkProbe& p) {
           absl::StrCat("link probe: a worker to accept with an id of ", id.size(), " bytes"));
     }
   }
+  if (p.expected_size() > kMaxPeers) {
+    return absl::InvalidArgumentError(absl::StrCat("link probe: ", p.expected_size(),
+                                                   " expected links (at most ", kMaxPeers, ")"));
+  }
+  for (const v1::LinkExpectation& e : p.expected()) {
+    if (e.peer().empty() || e.peer().size() > kMaxWorkerIdBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("link probe: an expected link to a peer id of ", e.peer().size(), " bytes"));
+    }
+    if (!(e.rtt_s() >= 0 && e.rtt_s() <= kMaxExpectedRttS)) {
+      return absl::InvalidArgumentError(absl::StrCat("link probe: expected round trip ", e.rtt_s(),
+                                                     " s to ", e.peer(), " not in [0, ",
+                                                     kMaxExpectedRttS, "]"));
+    }
+    if (!(e.bandwidth_bytes_per_s() >= 0 && e.bandwidth_bytes_per_s() <= kMaxExpectedRate)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("link probe: expected bandwidth ", e.bandwidth_bytes_per_s(), " B/s to ",
+                       e.peer(), " not in [0, ", kMaxExpectedRate, "]"));
+    }
+  }
   return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, std::string>> LinkProber::CappedLinks(const v1::LinkProbe& probe,
+                                                                         const TcpLimits& limits) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const v1::LinkExpectation& e : probe.expected()) {
+    const LinkHint hint{e.bandwidth_bytes_per_s(), absl::Seconds(e.rtt_s())};
+    if (!(hint.rate_bytes_per_s > 0) || hint.rtt <= absl::ZeroDuration()) continue;
+    const StripePlan plan = PlanStripes(hint, limits);
+    if (plan.total_rate >= hint.rate_bytes_per_s) continue;  // the connections carry it
+    for (std::string& line : TcpLimitWarnings(hint, limits, plan)) {
+      out.emplace_back(e.peer(), absl::StrCat("link to ", e.peer(), ": ", line));
+    }
+  }
+  return out;
+}
+
+void LinkProber::WarnCappedLinks(const v1::LinkProbe& probe) {
+  if (probe.expected().empty()) return;
+  const auto capped = CappedLinks(probe, ReadTcpLimits());
+  absl::MutexLock lock(&mu_);
+  if (warned_job_ != probe.job_id()) {
+    warned_job_ = probe.job_id();
+    warned_.clear();
+  }
+  std::set<std::string> now;
+  for (const auto& [peer, line] : capped) {
+    if (warned_.count(peer)) continue;  // once per job and peer
+    LogWarning("job ", probe.job_id(), ": ", line);
+    now.insert(peer);
+  }
+  warned_.insert(now.begin(), now.end());  // peers are bounded by kMaxPeers
 }
 
 void LinkProber::OnProbe(const v1::LinkProbe& probe) {
@@ -502,6 +556,7 @@ void LinkProber::OnProbe(const v1::LinkProbe& probe) {
     LogWarning("ignoring a link probe request: ", s.message());
     return;
   }
+  WarnCappedLinks(probe);
   absl::MutexLock lock(&mu_);
   allowed_job_ = probe.job_id();
   allowed_peers_.clear();

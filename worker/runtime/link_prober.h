@@ -43,6 +43,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -72,6 +73,9 @@ class LinkProber {
   // Bytes of one ping, and the first bulk probe's.
   static constexpr uint64_t kPingBytes = 64;
   static constexpr uint64_t kFirstBulkBytes = uint64_t{1} << 20;
+  // Bounds on a LinkProbe's expected links.
+  static constexpr double kMaxExpectedRttS = 60;
+  static constexpr double kMaxExpectedRate = 1e13;  // bytes/s
 
   // `base`: this worker's transport configuration (region, security); a
   // round's emulation comes from its LinkProbe. `metrics` may be null.
@@ -101,6 +105,13 @@ class LinkProber {
   // Checks a LinkProbe's bounds (exposed for tests).
   static absl::Status Validate(const v1::LinkProbe& probe);
 
+  // The links of `probe.expected()` that `limits` cap below their expected
+  // rate however many connections the transport opens (PlanStripes): per
+  // capped link and direction, the peer and a line naming the setting to
+  // raise (TcpLimitWarnings). OnProbe logs them once per job and peer.
+  static std::vector<std::pair<std::string, std::string>> CappedLinks(const v1::LinkProbe& probe,
+                                                                      const TcpLimits& limits);
+
   // The next link's share of what is `left` of a round's budget: `rtts`
   // holds the round trips (seconds; none where unknown) of the links still
   // to measure, the next one first, and each gets in proportion to its need
@@ -114,6 +125,7 @@ class LinkProber {
   void Loop();
   void Export(const v1::LinkMeasurement& m);
   void RememberHints(const v1::LinkReport& report);
+  void WarnCappedLinks(const v1::LinkProbe& probe);
 
   const PeerTransportFactory factory_;
   const PeerTransportConfig base_;
@@ -129,6 +141,9 @@ class LinkProber {
   // The newest measurements per peer, of one job (hints_job_).
   std::string hints_job_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LinkHint> hints_ ABSL_GUARDED_BY(mu_);
+  // Peers whose capped link was logged, of one job (warned_job_).
+  std::string warned_job_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> warned_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<uint64_t>> held_ = std::make_shared<std::atomic<uint64_t>>(0);
 
   metrics::GaugeFamily* rtt_ = nullptr;
