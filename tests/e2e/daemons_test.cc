@@ -176,7 +176,12 @@ TEST_F(DaemonsTest, DetourctlListsWorkersAndManagesJobs) {
 // with its source and age, and --json the GetLinks answer. Jobs that are not
 // running have no live links: clear errors.
 TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
-  Daemon c = StartCoordinator({"--link_probe_mib=4"});
+  // A region table whose links no socket limits can carry (100 GB/s over a
+  // 2 s round trip): each worker warns about its link to the other.
+  const std::string cluster = dir_ + "/cluster.json";
+  std::ofstream(cluster) << R"({"name": "far", "nodes": [{"id": "n1", "region": "local"}],
+      "intra_region_latency_ms": 1000, "intra_region_bandwidth_gbytes_per_s": 100})";
+  Daemon c = StartCoordinator({"--link_probe_mib=4", "--cluster=" + cluster});
   Daemon a = StartWorker(c.grpc_port, "w1", {"--data_port=0"});
   Daemon b = StartWorker(c.grpc_port, "w2", {"--data_port=0"});
   const std::string target = absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port);
@@ -203,6 +208,18 @@ TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
   // The start's latency round, then a bulk round each way (no link carries
   // probes both ways at once).
   EXPECT_THAT(out, HasSubstr("job job-000001: 2 links, 3 probe round(s)"));
+  // The region table's link, checked against the socket limits, once.
+  EXPECT_THAT(a.process->Log(), HasSubstr("job job-000001: link to w2: "));
+  EXPECT_THAT(a.process->Log(), HasSubstr("caps one connection"));
+  EXPECT_THAT(b.process->Log(), HasSubstr("job job-000001: link to w1: "));
+  const std::string log = a.process->Log();
+  size_t lines = 0;
+  for (size_t at = log.find("link to w2: "); at != std::string::npos;
+       at = log.find("link to w2: ", at + 1)) {
+    const size_t end = log.find('\n', at);
+    if (log.substr(at, end - at).find(" caps one connection") != std::string::npos) ++lines;
+  }
+  EXPECT_LE(lines, 2u) << log;  // one per direction the limits cap, not per round
   EXPECT_THAT(out, ::testing::ContainsRegex("w1 +w2 +[0-9.]+ ms +probe +(now|[0-9]+s ago)"));
   EXPECT_THAT(out, ::testing::ContainsRegex("w2 +w1 +[0-9.]+ ms +probe"));
   ASSERT_EQ(Run({Bin(kCtl), target, "--json", "links", "job-000001"}, &out), 0) << out;

@@ -27,7 +27,8 @@ constexpr int64_t kMaxSysctlValue = int64_t{1} << 40;
 
 std::string Mb(double bytes_per_s) { return absl::StrFormat("%.0f MB/s", bytes_per_s / 1e6); }
 std::string Ms(absl::Duration d) {
-  return absl::StrFormat("%.3g ms", absl::ToDoubleMilliseconds(d));
+  const double ms = absl::ToDoubleMilliseconds(d);
+  return ms < 1000 ? absl::StrFormat("%.3g ms", ms) : absl::StrFormat("%.3g s", ms / 1e3);
 }
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
