@@ -187,7 +187,11 @@ absl::StatusOr<std::string> WorkerRegistry::Heartbeat(const std::string& token,
     if (entry.info.state() == v1::WORKER_STATE_LOST) was_lost = now - entry.last_heartbeat;
     const v1::WorkerState state =
         beat.job_id().empty() ? v1::WORKER_STATE_IDLE : v1::WORKER_STATE_BUSY;
-    changed = entry.info.job_id() != beat.job_id() || entry.info.state() != state;
+    // The first heartbeat since registration is a change too: only then
+    // may the worker be reserved (JobManager::ReserveIdle), and a job waiting
+    // for workers to join waits for this notification.
+    changed = entry.info.heartbeats() == 0 || entry.info.job_id() != beat.job_id() ||
+              entry.info.state() != state;
     entry.last_heartbeat = now;
     *entry.info.mutable_last_heartbeat_time() = ToProto(now);
     entry.info.set_heartbeats(entry.info.heartbeats() + 1);

@@ -124,16 +124,20 @@ TEST(WorkerRegistry, TellsItsListenerAboutChanges) {
   EXPECT_EQ(changes, 2);
   EXPECT_TRUE(registry.List(false)[0].session_open());
   v1::Heartbeat beat;
+  // The first heartbeat: only now may the worker be reserved for a job
+  // (JobManager::ReserveIdle), so a job paused for workers must hear of it.
   ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(1)).ok());
-  EXPECT_EQ(changes, 2);  // nothing changed
+  EXPECT_EQ(changes, 3);
+  ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Milliseconds(1500)).ok());
+  EXPECT_EQ(changes, 3);  // nothing changed
   beat.set_job_id("job-000001");
   ASSERT_TRUE(registry.Heartbeat(r->session_token(), beat, t0 + absl::Seconds(2)).ok());
-  EXPECT_EQ(changes, 3);  // it holds a job now
+  EXPECT_EQ(changes, 4);  // it holds a job now
   registry.SessionEnded(r->session_token(), t0 + absl::Seconds(3));
-  EXPECT_EQ(changes, 4);
+  EXPECT_EQ(changes, 5);
   EXPECT_FALSE(registry.List(false)[0].session_open());
   EXPECT_EQ(registry.MarkSilentWorkersLost(t0 + absl::Seconds(10)).size(), 1u);
-  EXPECT_EQ(changes, 5);
+  EXPECT_EQ(changes, 6);
 }
 
 // The coordinator itself was stopped: the workers' silence meanwhile is not
