@@ -29,9 +29,6 @@ constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
 // the most any worker's links need (LinkProbeNeed; at least
 // link_probe_budget, at most kMaxBulkBudget).
 constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
-// Bounds a worker holds expected links to (LinkExpectation).
-constexpr double kMaxExpectedRttS = 60;
-constexpr double kMaxRate = 1e13;
 
 }  // namespace
 
@@ -120,9 +117,14 @@ std::optional<v1::LinkExpectation> RunnerLinks::Expectation(const std::string& f
   if (!rtt_s && !rate) return std::nullopt;
   v1::LinkExpectation x;
   x.set_peer(to);
-  // Bounded as the worker bounds them; a value out of them is dropped.
-  if (rtt_s && std::isfinite(*rtt_s)) x.set_rtt_s(std::clamp(*rtt_s, 0.0, kMaxExpectedRttS));
-  if (rate && std::isfinite(*rate)) x.set_bandwidth_bytes_per_s(std::clamp(*rate, 0.0, kMaxRate));
+  // Within the bounds reports are held to (the worker holds expectations to
+  // the same ones).
+  if (rtt_s && std::isfinite(*rtt_s)) {
+    x.set_rtt_s(std::clamp(*rtt_s, 0.0, LinkMatrix::kMaxRttSeconds));
+  }
+  if (rate && std::isfinite(*rate)) {
+    x.set_bandwidth_bytes_per_s(std::clamp(*rate, 0.0, LinkMatrix::kMaxBytesPerS));
+  }
   return x;
 }
 
