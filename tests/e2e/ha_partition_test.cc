@@ -42,9 +42,6 @@ class HaPartitionTest : public HaClusterTest {
     extra.push_back("--etcd_timeout=2s");
     return StartCoordinator(extra, name);
   }
-  std::string DirectStore() const {
-    return absl::StrCat("etcd://", absl::StrJoin(etcd_.endpoints(), ","));
-  }
 
   // Three workers w0..w2 given `coordinators` (comma-separated).
   void StartWorkers(const std::string& coordinators) {
@@ -53,40 +50,6 @@ class HaPartitionTest : public HaClusterTest {
       flags.push_back("--coordinator=" + coordinators);
       workers_.push_back(StartWorker(0, absl::StrCat("w", i), flags));
     }
-  }
-
-  std::string SubmitJob(int port, int iterations) {
-    v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, iterations);
-    spec.mutable_elastic()->set_reconnect_grace_ms(500);
-    spec.mutable_elastic()->set_pause_timeout_s(120);
-    return Submit(port, spec).id();
-  }
-
-  // Waits (at most `timeout`) until coordinator `port` reports the job at
-  // iteration `at_least` or ended; returns the job as last seen.
-  std::optional<v1::Job> WaitForIteration(int port, const std::string& id, uint64_t at_least,
-                                          absl::Duration timeout) {
-    std::optional<v1::Job> seen;
-    Eventually(
-        [&] {
-          auto j = TryGet(port, id);
-          if (j.has_value()) seen = j;
-          return j.has_value() && (j->progress().iteration() >= at_least || Ended(*j));
-        },
-        timeout);
-    return seen;
-  }
-
-  std::optional<v1::Job> WaitForEnd(int port, const std::string& id, absl::Duration timeout) {
-    std::optional<v1::Job> seen;
-    Eventually(
-        [&] {
-          auto j = TryGet(port, id);
-          if (j.has_value()) seen = j;
-          return j.has_value() && Ended(*j);
-        },
-        timeout);
-    return seen;
   }
 
   // A gauge's value on the metrics port, or -1 when it cannot be read.
@@ -140,7 +103,7 @@ TEST_F(HaPartitionTest, ALeaderCutOffFromEtcdStepsDownAndTheOtherLeads) {
   to_etcd.Start(etcd_port);
   const std::string c1_store = "etcd://" + to_etcd.address();
   Daemon c1 = StartOn("c1", c1_store);
-  Daemon c2 = StartOn("c2", DirectStore());
+  Daemon c2 = StartOn("c2", EtcdStore());
   ASSERT_GT(c1.grpc_port, 0);
   ASSERT_GT(c2.grpc_port, 0);
   ASSERT_EQ(Gauge(c1.metrics_port, "detour_coordinator_is_leader"), 1) << c1.process->Log();
@@ -148,7 +111,7 @@ TEST_F(HaPartitionTest, ALeaderCutOffFromEtcdStepsDownAndTheOtherLeads) {
   ASSERT_GT(term1, 0);
   StartWorkers(absl::StrCat("127.0.0.1:", c1.grpc_port, ",127.0.0.1:", c2.grpc_port));
   constexpr int kIterations = 20;
-  const std::string id = SubmitJob(c1.grpc_port, kIterations);
+  const std::string id = Submit(c1.grpc_port, ElasticJob(kIterations)).id();
   ASSERT_FALSE(id.empty());
   auto before = WaitForIteration(c1.grpc_port, id, 2, absl::Seconds(90));
   ASSERT_TRUE(before.has_value()) << c1.process->Log();
@@ -229,10 +192,10 @@ TEST_F(HaPartitionTest, WorkersCutOffFromTheLeaderPauseTheJobUntilRestored) {
   TcpRelay to_c1;
   ASSERT_TRUE(to_c1.Listen().ok());
   // c1 advertises the relay: the follower sends workers there.
-  Daemon c1 = StartOn("c1", DirectStore(), {"--advertise_address=" + to_c1.address()});
+  Daemon c1 = StartOn("c1", EtcdStore(), {"--advertise_address=" + to_c1.address()});
   ASSERT_GT(c1.grpc_port, 0);
   to_c1.Start(c1.grpc_port);
-  Daemon c2 = StartOn("c2", DirectStore());
+  Daemon c2 = StartOn("c2", EtcdStore());
   ASSERT_GT(c2.grpc_port, 0);
   ASSERT_EQ(Gauge(c1.metrics_port, "detour_coordinator_is_leader"), 1) << c1.process->Log();
   const double term = Gauge(c1.metrics_port, "detour_coordinator_leader_term");

@@ -16,8 +16,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
-#include "tests/coordinator/etcd_cluster.h"
-#include "tests/e2e/local_cluster.h"
+#include "tests/e2e/ha_cluster.h"
 #include "tests/e2e/micro_job.h"
 
 namespace detour::testing {
@@ -26,83 +25,22 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-class HaQuorumTest : public E2eTest {
+class HaQuorumTest : public HaClusterTest {
  protected:
-  void SetUp() override {
-    E2eTest::SetUp();
-    if (FindEtcdBinary().empty()) GTEST_SKIP() << kNoEtcd;
-    absl::Status started = etcd_.Start(3);
-    ASSERT_TRUE(started.ok()) << started;
-  }
-
-  // A coordinator on the test's etcd members, campaigning with a lease of
-  // `ttl_s` and `etcd_timeout_s` per etcd call.
-  Daemon StartHaCoordinator(const std::string& name, int ttl_s = 3, int etcd_timeout_s = 2) {
-    return StartCoordinator({absl::StrCat("--store=etcd://", absl::StrJoin(etcd_.endpoints(), ",")),
-                             absl::StrCat("--leader_ttl=", ttl_s, "s"),
-                             absl::StrCat("--etcd_timeout=", etcd_timeout_s, "s")},
-                            name);
-  }
+  HaQuorumTest() : HaClusterTest(/*etcd_members=*/3) {}
 
   // Two coordinators (the first leads) and three workers given both.
-  void StartAll(int ttl_s = 3, int etcd_timeout_s = 2) {
-    c1_ = StartHaCoordinator("c1", ttl_s, etcd_timeout_s);
-    c2_ = StartHaCoordinator("c2", ttl_s, etcd_timeout_s);
+  void StartAll(int ttl_s = kTtlSeconds, int etcd_timeout_s = 2) {
+    HaCluster h = StartHaCluster(3, ttl_s, etcd_timeout_s);
+    c1_ = std::move(h.c1);
+    c2_ = std::move(h.c2);
+    workers_ = std::move(h.workers);
     ASSERT_GT(c1_.grpc_port, 0);
     ASSERT_GT(c2_.grpc_port, 0);
-    const std::string both =
-        absl::StrCat("--coordinator=127.0.0.1:", c1_.grpc_port, ",127.0.0.1:", c2_.grpc_port);
-    for (int i = 0; i < 3; ++i) {
-      std::vector<std::string> flags = WorkerFlags();
-      flags.push_back(both);
-      workers_.push_back(StartWorker(c1_.grpc_port, absl::StrCat("w", i), flags));
-    }
   }
 
   std::string SubmitJob(int iterations) {
-    v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, iterations);
-    spec.mutable_elastic()->set_reconnect_grace_ms(500);
-    spec.mutable_elastic()->set_pause_timeout_s(120);
-    return Submit(c1_.grpc_port, spec).id();
-  }
-
-  // The job as coordinator `port` answers, or nullopt while it cannot
-  // (exited, following, no quorum).
-  std::optional<v1::Job> TryGet(int port, const std::string& id) {
-    auto stub = v1::JobService::NewStub(Channel(port));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    v1::GetJobRequest request;
-    request.set_job_id(id);
-    v1::Job job;
-    if (!stub->Get(&context, request, &job).ok()) return std::nullopt;
-    return job;
-  }
-
-  static bool Ended(const v1::Job& j) {
-    return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
-           j.state() == v1::JOB_STATE_CANCELLED;
-  }
-
-  // Waits (at most `timeout`) until coordinator `port` reports the job at
-  // iteration `at_least` or ended; returns the job as last seen.
-  std::optional<v1::Job> WaitForIteration(int port, const std::string& id, uint64_t at_least,
-                                          absl::Duration timeout) {
-    std::optional<v1::Job> seen;
-    Eventually(
-        [&] {
-          auto j = TryGet(port, id);
-          if (j.has_value()) seen = j;
-          return j.has_value() && (j->progress().iteration() >= at_least || Ended(*j));
-        },
-        timeout);
-    return seen;
-  }
-
-  static int Count(const v1::Job& job, v1::JobHistoryEvent::Kind kind) {
-    int n = 0;
-    for (const auto& e : job.history()) n += e.kind() == kind;
-    return n;
+    return Submit(c1_.grpc_port, ElasticJob(iterations)).id();
   }
 
   // The job's record as etcd holds it, parsed.
@@ -117,7 +55,6 @@ class HaQuorumTest : public E2eTest {
     return job;
   }
 
-  EtcdCluster etcd_;
   Daemon c1_, c2_;
   std::vector<Daemon> workers_;
 };
@@ -140,14 +77,8 @@ TEST_F(HaQuorumTest, AKilledEtcdMemberChangesNothing) {
   auto after =
       WaitForIteration(c1_.grpc_port, id, before->progress().iteration() + 3, absl::Seconds(60));
   ASSERT_TRUE(after.has_value()) << c1_.process->Log();
-  std::optional<v1::Job> job;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        job = TryGet(c1_.grpc_port, id);
-        return job.has_value() && Ended(*job);
-      },
-      absl::Seconds(90)))
-      << c1_.process->Log();
+  const std::optional<v1::Job> job = WaitForEnd(c1_.grpc_port, id, absl::Seconds(90));
+  ASSERT_TRUE(job.has_value() && Ended(*job)) << c1_.process->Log();
   EXPECT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << job->message() << "\n" << c1_.process->Log();
   EXPECT_EQ(job->progress().iteration(), static_cast<uint64_t>(kIterations));
   EXPECT_EQ(job->resumes(), 0u);
@@ -197,14 +128,8 @@ TEST_F(HaQuorumTest, QuorumLossPausesTheJobAndItCompletesWhenQuorumReturns) {
   ASSERT_TRUE(resumed.has_value()) << c2_.process->Log();
   std::cout << "quorum restored: the new leader served the job after "
             << absl::FormatDuration(absl::Now() - restored) << "\n";
-  std::optional<v1::Job> job;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        job = TryGet(c2_.grpc_port, id);
-        return job.has_value() && Ended(*job);
-      },
-      absl::Seconds(120)))
-      << c2_.process->Log();
+  const std::optional<v1::Job> job = WaitForEnd(c2_.grpc_port, id, absl::Seconds(120));
+  ASSERT_TRUE(job.has_value() && Ended(*job)) << c2_.process->Log();
   EXPECT_EQ(job->state(), v1::JOB_STATE_SUCCEEDED) << job->message() << "\n" << c2_.process->Log();
   EXPECT_EQ(job->progress().iteration(), static_cast<uint64_t>(kIterations));
   EXPECT_EQ(job->resumes(), 0u) << "a quorum loss must not resume the job from a checkpoint";
@@ -228,8 +153,8 @@ TEST_F(HaQuorumTest, QuorumLossPausesTheJobAndItCompletesWhenQuorumReturns) {
 // leader and follows the follower it reached to it, where an IP literal of
 // a follower is refused (exit 3) as before.
 TEST_F(HaQuorumTest, DetourctlGivenANameFindsTheLeader) {
-  c1_ = StartHaCoordinator("c1");
-  c2_ = StartHaCoordinator("c2");
+  c1_ = StartHaCoordinator("c1", kTtlSeconds, /*etcd_timeout_s=*/2);
+  c2_ = StartHaCoordinator("c2", kTtlSeconds, /*etcd_timeout_s=*/2);
   ASSERT_GT(c2_.grpc_port, 0);
   std::string out;
   EXPECT_EQ(Run({Bin(kCtl), absl::StrCat("--coordinator=127.0.0.1:", c2_.grpc_port), "list"}, &out),

@@ -33,35 +33,24 @@ TEST_F(HaTest, LeaderKillKeepsTheJob) {
   ASSERT_GT(h.c2.grpc_port, 0);
   Daemon& c1 = h.c1;
   Daemon& c2 = h.c2;
-  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 12);
-  spec.mutable_elastic()->set_reconnect_grace_ms(500);
-  spec.mutable_elastic()->set_pause_timeout_s(120);
+  v1::JobSpec spec = ElasticJob(12);
   spec.mutable_checkpoint()->set_every_iterations(4);
   const std::string id = Submit(c1.grpc_port, spec).id();
   ASSERT_FALSE(id.empty());
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto j = TryGet(c1.grpc_port, id);
-        return j.has_value() && (j->progress().iteration() >= 3 || Ended(*j));
-      },
-      absl::Seconds(90)))
-      << c1.process->Log();
-  const uint64_t before = TryGet(c1.grpc_port, id).value_or(v1::Job()).progress().iteration();
-  ASSERT_LT(before, 12u) << "the job ended before the kill";
+  const std::optional<v1::Job> running = WaitForIteration(c1.grpc_port, id, 3, absl::Seconds(90));
+  ASSERT_TRUE(running.has_value() && running->progress().iteration() >= 3) << c1.process->Log();
+  const uint64_t before = running->progress().iteration();
+  ASSERT_FALSE(Ended(*running)) << "the job ended before the kill: " << running->message();
 
   const absl::Time killed = absl::Now();
   c1.process->Signal(SIGKILL);
   c1.process->Wait(absl::Seconds(10));
   // The follower leads, and the job completes an iteration beyond the one
   // in flight at the kill.
-  uint64_t seen = 0;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto j = TryGet(c2.grpc_port, id);
-        if (j.has_value()) seen = j->progress().iteration();
-        return j.has_value() && (j->progress().iteration() > before + 1 || Ended(*j));
-      },
-      absl::Seconds(60)))
+  const std::optional<v1::Job> on_c2 =
+      WaitForIteration(c2.grpc_port, id, before + 2, absl::Seconds(60));
+  const uint64_t seen = on_c2.has_value() ? on_c2->progress().iteration() : 0;
+  ASSERT_TRUE(on_c2.has_value() && (seen > before + 1 || Ended(*on_c2)))
       << "iteration " << seen << " after " << before << "\n"
       << c2.process->Log();
   const absl::Duration failover = absl::Now() - killed;
@@ -69,15 +58,9 @@ TEST_F(HaTest, LeaderKillKeepsTheJob) {
             << before << " to iteration " << seen
             << " completed on the new leader: " << absl::FormatDuration(failover) << "\n";
 
-  v1::Job job;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto j = TryGet(c2.grpc_port, id);
-        if (j.has_value()) job = *j;
-        return j.has_value() && Ended(*j);
-      },
-      absl::Seconds(120)))
-      << c2.process->Log();
+  const std::optional<v1::Job> ended = WaitForEnd(c2.grpc_port, id, absl::Seconds(120));
+  ASSERT_TRUE(ended.has_value() && Ended(*ended)) << c2.process->Log();
+  const v1::Job& job = *ended;
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << c2.process->Log();
   EXPECT_EQ(job.progress().iteration(), 12u);
   EXPECT_EQ(job.resumes(), 0u) << "the leader change must not resume from a checkpoint";
@@ -100,16 +83,9 @@ TEST_F(HaTest, PausedLeaderStepsDown) {
   ASSERT_GT(h.c2.grpc_port, 0);
   Daemon& c1 = h.c1;
   Daemon& c2 = h.c2;
-  v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, 10);
-  spec.mutable_elastic()->set_reconnect_grace_ms(500);
-  spec.mutable_elastic()->set_pause_timeout_s(120);
-  const std::string id = Submit(c1.grpc_port, spec).id();
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto j = TryGet(c1.grpc_port, id);
-        return j.has_value() && (j->progress().iteration() >= 2 || Ended(*j));
-      },
-      absl::Seconds(90)))
+  const std::string id = Submit(c1.grpc_port, ElasticJob(10)).id();
+  const std::optional<v1::Job> running = WaitForIteration(c1.grpc_port, id, 2, absl::Seconds(90));
+  ASSERT_TRUE(running.has_value() && (running->progress().iteration() >= 2 || Ended(*running)))
       << c1.process->Log();
   c1.process->Signal(SIGSTOP);
   // The follower leads once the paused leader's lease ran out.
@@ -123,15 +99,9 @@ TEST_F(HaTest, PausedLeaderStepsDown) {
   ASSERT_TRUE(took_over) << c2.process->Log();
   EXPECT_EQ(c1.process->Wait(absl::Seconds(20)), 3) << c1.process->Log();
   EXPECT_THAT(c1.process->Log(), HasSubstr("lost the leadership"));
-  v1::Job job;
-  ASSERT_TRUE(Eventually(
-      [&] {
-        auto j = TryGet(c2.grpc_port, id);
-        if (j.has_value()) job = *j;
-        return j.has_value() && Ended(*j);
-      },
-      absl::Seconds(120)))
-      << c2.process->Log();
+  const std::optional<v1::Job> ended = WaitForEnd(c2.grpc_port, id, absl::Seconds(120));
+  ASSERT_TRUE(ended.has_value() && Ended(*ended)) << c2.process->Log();
+  const v1::Job& job = *ended;
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << c2.process->Log();
   EXPECT_EQ(job.resumes(), 0u);
   EXPECT_EQ(job.progress().iteration(), 10u);
