@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Tensor transfers over the direct transport against the link's ceiling, on
 # the WAN test bed: two namespaces joined by detour-wanem, one link per case
-# (round trip, rate, loss). Per case, in the same run:
+# (round trip, rate, loss, jitter). Per case, in the same run:
 #   - ceiling: iperf3 -P 16 (and one stream beside it);
 #   - wan_transfer over plaintext and over TLS, 16 and 64 MiB tensors: the
 #     first tensor, isolated tensors (one at a time, after a pause) and a
-#     stream of --count tensors queued at once (benchmarks/wan/wan_transfer.cc).
+#     stream of 4 tensors queued at once, --stream_runs times: the median run
+#     and the slowest (benchmarks/wan/wan_transfer.cc).
 # Prints one table row per case and transport, and the load average.
 # docs/BENCHMARKS.md §WAN "Transfers over long fat links". Needs root.
 #
-#   sudo benchmarks/wan/transfer.sh [--build DIR] [--cases 'RTT_MS:MBPS:LOSS ...']
-#       [--seconds N] [--mib 16,64] [--tune] [--out DIR] [--send_args 'ARGS']
+#   sudo benchmarks/wan/transfer.sh [--build DIR]
+#       [--cases 'RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]] ...'] [--seconds N]
+#       [--mib 16,64] [--stream_runs N] [--tune] [--out DIR] [--send_args 'ARGS']
 #
+# A case's jitter adds a uniform draw in [0, JITTER_MS] to each packet's
+# one-way delay on both directions; packets keep their order unless the case
+# ends in :reorder (then a later packet may overtake an earlier one).
 # --tune sets, inside the two namespaces only, the settings docs/OPERATIONS.md
 # §"Tuning the network for long links" recommends (tcp_wmem/tcp_rmem max,
 # tcp_slow_start_after_idle=0); net.core.{w,r}mem_max are global and are
@@ -22,8 +27,9 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build="$root/build"
-cases="20:100:0 100:100:0 300:100:0 20:0:0 100:0:0 300:0:0 100:100:0.01"
+cases="20:100:0 100:100:0 300:100:0 20:0:0 100:0:0 300:0:0 100:100:0.01 100:100:0:10 100:100:0:10:reorder"
 seconds=6
+stream_runs=3
 mib=16,64
 tune=0
 out=""
@@ -35,18 +41,22 @@ while [[ $# -gt 0 ]]; do
     --cases) cases=${2:?--cases needs a list}; shift 2 ;;
     --seconds) seconds=${2:?--seconds needs a number}; shift 2 ;;
     --mib) mib=${2:?--mib needs sizes}; shift 2 ;;
+    --stream_runs) stream_runs=${2:?--stream_runs needs a number}; shift 2 ;;
     --tune) tune=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 die() { echo "transfer: $*" >&2; exit 1; }
 [[ "$seconds" =~ ^[0-9]+$ ]] && (( seconds >= 2 && seconds <= 60 )) ||
   die "--seconds must be a whole number in [2, 60]"
+[[ "$stream_runs" =~ ^[0-9]+$ ]] && (( stream_runs >= 1 && stream_runs <= 20 )) ||
+  die "--stream_runs must be a whole number in [1, 20]"
 for c in $cases; do
-  [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)$ ]] || die "--cases: '$c' is not RTT_MS:MBPS:LOSS"
+  [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)(:[0-9]+(:reorder)?)?$ ]] ||
+    die "--cases: '$c' is not RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]]"
 done
 tool="$build/benchmarks/wan/wan_transfer"
 wanem="$build/tools/detour_wanem/detour-wanem"
@@ -105,14 +115,18 @@ iperf() {  # iperf STREAMS
 }
 field() { sed -n "s/.*\b$2=\([^ ]*\).*/\1/p" <<<"$1"; }
 
-printf '%s\n' "case rtt_ms=RTT rate=MB/s loss: transport, tensor, rates in MB/s (ratio to -P 16)"
-printf '%-22s %-9s %5s %8s %8s %15s %15s %15s %11s\n' case transport MiB "-P 16" "1 stream" \
-  first isolated stream connections
+printf '%s\n' "case RTT rate loss [jitter]: transport, tensor, rates in MB/s (ratio to -P 16)"
+printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s\n' case transport MiB "-P 16" \
+  "1 stream" first isolated stream "stream worst" connections
 for c in $cases; do
-  IFS=: read -r rtt rate loss <<<"$c"
+  IFS=: read -r rtt rate loss jitter order <<<"$c"
+  jitter=${jitter:-0}
+  reorder=0 label="$rtt ms $rate MB/s $loss"
+  if (( jitter > 0 )); then label+=" +${jitter}ms"; fi
+  if [[ "$order" == reorder ]]; then reorder=1 label+=" reorder"; fi
   half=$(awk -v r="$rtt" 'BEGIN { printf "%g", r / 2 }')
   "$testbed" ctl --prefix "$prefix" set a b both "delay_ms=$half" "rate_mbytes=$rate" \
-    "loss=$loss" >/dev/null
+    "loss=$loss" "jitter_ms=$jitter" "reorder=$reorder" >/dev/null
   p16=$(iperf 16)
   p1=$(iperf 1)
   hint=()
@@ -120,9 +134,9 @@ for c in $cases; do
   for mode in plain tls; do
     port=7700 certs=()
     [[ "$mode" == tls ]] && port=7701 certs=(--certs "$work/certs")
-    log="$out/transfer_${rtt}_${rate}_${loss}_$mode.txt"
+    log="$out/transfer_${rtt}_${rate}_${loss}_${jitter}_${reorder}_$mode.txt"
     if ! timeout 600 ip netns exec "$A" "$tool" send --to "10.77.0.2:$port" --mib "$mib" \
-        "${certs[@]}" "${hint[@]}" $send_args >"$log" 2>"$log.err"; then
+        --stream_runs "$stream_runs" "${certs[@]}" "${hint[@]}" $send_args >"$log" 2>"$log.err"; then
       echo "transfer: case $c $mode failed: $(tail -n 3 "$log.err")" >&2
       continue
     fi
@@ -130,10 +144,10 @@ for c in $cases; do
     while read -r line; do
       [[ "$line" == size* ]] || continue
       ratio() { awk -v v="$1" -v c="$p16" 'BEGIN { if (c > 0) printf "%.1f (%.2f)", v, v / c; else printf "%.1f", v }'; }
-      printf '%-22s %-9s %5s %8s %8s %15s %15s %15s %11s\n' "$rtt ms $rate MB/s $loss" "$mode" \
+      printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s\n' "$label" "$mode" \
         "$(field "$line" mib)" "$p16" "$p1" "$(ratio "$(field "$line" first_mbps)")" \
         "$(ratio "$(field "$line" isolated_mbps)")" "$(ratio "$(field "$line" stream_mbps)")" \
-        "$conn"
+        "$(ratio "$(field "$line" stream_worst_mbps)")" "$conn"
     done <"$log"
   done
 done

@@ -8,7 +8,9 @@
 //     acknowledged and a pause (--idle_ms), as a pipeline stage sends one
 //     activation per microbatch;
 //   - stream: --count tensors queued at once, as a stage with several
-//     microbatches ready sends them.
+//     microbatches ready sends them; --stream_runs times, reported as the
+//     median run and the slowest (under random loss the runs differ a lot:
+//     a best-of would flatter the link).
 // A rate is bytes / (time - round trip): the acknowledgement's trip back and
 // the first byte's trip there are latency, not bandwidth. Output: one line
 // per measurement, `key=value` fields, so scripts can pick them out.
@@ -146,9 +148,13 @@ double Rate(double bytes, double seconds, double rtt) {
   return t > 0 ? bytes / t / 1e6 : 0;
 }
 
-int Send(const std::string& to, const std::string& certs, const std::vector<int64_t>& sizes_mib,
-         int64_t count, int64_t repeats, int64_t idle_ms, int64_t connections, double rate_mbytes,
-         double rtt_ms) {
+struct SendPlan {
+  std::vector<int64_t> sizes_mib;
+  int64_t count = 4, repeats = 4, stream_runs = 3, idle_ms = 500, connections = 0;
+  double rate_mbytes = 0, rtt_ms = 0;
+};
+
+int Send(const std::string& to, const std::string& certs, const SendPlan& plan) {
   auto security = Security(certs);
   if (!security.ok()) {
     std::fprintf(stderr, "wan_transfer: %s\n", security.status().ToString().c_str());
@@ -158,11 +164,11 @@ int Send(const std::string& to, const std::string& certs, const std::vector<int6
   options.security = *security;
   options.peer_name = kBenchPeerName;
   options.direct_address = to;
-  options.direct_connections = static_cast<int>(connections);
+  options.direct_connections = static_cast<int>(plan.connections);
   options.ack_timeout = absl::Seconds(120);
   options.connect_timeout = absl::Seconds(30);
-  if (rate_mbytes > 0) options.link.rate_bytes_per_s = rate_mbytes * 1e6;
-  if (rtt_ms > 0) options.link.rtt = absl::Milliseconds(rtt_ms);
+  if (plan.rate_mbytes > 0) options.link.rate_bytes_per_s = plan.rate_mbytes * 1e6;
+  if (plan.rtt_ms > 0) options.link.rtt = absl::Milliseconds(plan.rtt_ms);
   Sender sender(options);
 
   // Round trip: the connections open on the first one (not counted).
@@ -177,31 +183,34 @@ int Send(const std::string& to, const std::string& certs, const std::vector<int6
   std::printf("rtt ms=%.2f connections=%d cc=%s sndbuf_request=%lld\n", rtt * 1e3, info.connections,
               info.congestion_control.c_str(), static_cast<long long>(info.sndbuf_request));
   std::fflush(stdout);
-  for (int64_t mib : sizes_mib) {
+  for (int64_t mib : plan.sizes_mib) {
     const double bytes = static_cast<double>(mib) * (1 << 20);
     const double first = sender.Send(static_cast<size_t>(bytes), 1);
     if (first < 0) return 1;
     std::vector<double> isolated;
-    for (int64_t i = 0; i < repeats; ++i) {
-      absl::SleepFor(absl::Milliseconds(idle_ms));
+    for (int64_t i = 0; i < plan.repeats; ++i) {
+      absl::SleepFor(absl::Milliseconds(plan.idle_ms));
       const double t = sender.Send(static_cast<size_t>(bytes), 1);
       if (t < 0) return 1;
       isolated.push_back(t);
     }
     std::vector<double> stream;
-    for (int64_t i = 0; i < std::max<int64_t>(1, repeats / 2); ++i) {
-      const double t = sender.Send(static_cast<size_t>(bytes), static_cast<int>(count));
+    for (int64_t i = 0; i < plan.stream_runs; ++i) {
+      const double t = sender.Send(static_cast<size_t>(bytes), static_cast<int>(plan.count));
       if (t < 0) return 1;
       stream.push_back(t);
     }
     const double iso = Median(isolated);
-    const double best_stream = *std::min_element(stream.begin(), stream.end());
+    const double median_stream = Median(stream);
+    const double slowest_stream = *std::max_element(stream.begin(), stream.end());
+    const double stream_bytes = bytes * static_cast<double>(plan.count);
     std::printf(
         "size mib=%lld first_s=%.3f first_mbps=%.1f isolated_s=%.3f isolated_mbps=%.1f "
-        "stream_count=%lld stream_s=%.3f stream_mbps=%.1f\n",
+        "stream_count=%lld stream_runs=%lld stream_s=%.3f stream_mbps=%.1f "
+        "stream_worst_mbps=%.1f\n",
         static_cast<long long>(mib), first, Rate(bytes, first, rtt), iso, Rate(bytes, iso, rtt),
-        static_cast<long long>(count), best_stream,
-        Rate(bytes * static_cast<double>(count), best_stream, rtt));
+        static_cast<long long>(plan.count), static_cast<long long>(plan.stream_runs), median_stream,
+        Rate(stream_bytes, median_stream, rtt), Rate(stream_bytes, slowest_stream, rtt));
     std::fflush(stdout);
   }
   return 0;
@@ -212,21 +221,24 @@ int Main(int argc, char** argv) {
                 "Tensor transfers over the direct transport between two processes "
                 "(serve | send).");
   std::string listen, to, certs, sizes = "16,64";
-  int64_t count = 4, repeats = 4, idle_ms = 500, connections = 0;
-  double rate_mbytes = 0, rtt_ms = 0;
+  SendPlan plan;
   flags.String("listen", &listen, "serve: host:port to accept direct connections on");
   flags.String("to", &to, "send: the receiver's host:port");
   flags.String("certs", &certs,
                "directory with ca.crt, bench.crt, bench.key (tools/gen_certs.sh DIR --worker "
                "bench) for TLS; empty = plaintext");
   flags.String("mib", &sizes, "send: tensor sizes in MiB, comma-separated, each in [1, 512]");
-  flags.Int("count", &count, "send: tensors queued at once in the stream measurement, [1, 64]");
-  flags.Int("repeats", &repeats, "send: isolated transfers per size, [1, 100]");
-  flags.Int("idle_ms", &idle_ms, "send: pause before each isolated transfer, [0, 10000]");
-  flags.Int("connections", &connections,
+  flags.Int("count", &plan.count,
+            "send: tensors queued at once in the stream measurement, [1, 64]");
+  flags.Int("repeats", &plan.repeats, "send: isolated transfers per size, [1, 100]");
+  flags.Int("stream_runs", &plan.stream_runs,
+            "send: stream measurements per size (the median and the slowest are reported), "
+            "[1, 100]");
+  flags.Int("idle_ms", &plan.idle_ms, "send: pause before each isolated transfer, [0, 10000]");
+  flags.Int("connections", &plan.connections,
             "send: connections to stripe over; 0 = as the link hint and buffers need");
-  flags.Double("rate_mbytes", &rate_mbytes, "send: the link hint's rate (MB/s); 0 = unknown");
-  flags.Double("rtt_ms", &rtt_ms, "send: the link hint's round trip (ms); 0 = measured");
+  flags.Double("rate_mbytes", &plan.rate_mbytes, "send: the link hint's rate (MB/s); 0 = unknown");
+  flags.Double("rtt_ms", &plan.rtt_ms, "send: the link hint's round trip (ms); 0 = measured");
   auto rest = flags.Parse(argc, argv);
   if (!rest.ok()) return flags.Fail(rest.status());
   const auto usage = [&](const std::string& m) {
@@ -239,23 +251,27 @@ int Main(int argc, char** argv) {
   }
   if ((*rest)[0] != "send") return usage(absl::StrCat("unknown command '", (*rest)[0], "'"));
   if (to.empty()) return usage("send needs --to host:port");
-  std::vector<int64_t> mib;
   for (absl::string_view part : absl::StrSplit(sizes, ',')) {
     int64_t v = 0;
     if (!absl::SimpleAtoi(part, &v) || v < 1 || v > 512) {
       return usage(absl::StrCat("--mib: '", part, "' is not a whole number in [1, 512]"));
     }
-    mib.push_back(v);
+    plan.sizes_mib.push_back(v);
   }
-  if (count < 1 || count > 64) return usage("--count must be in [1, 64]");
-  if (repeats < 1 || repeats > 100) return usage("--repeats must be in [1, 100]");
-  if (idle_ms < 0 || idle_ms > 10000) return usage("--idle_ms must be in [0, 10000]");
-  if (connections < 0 || connections > kMaxDirectStripes) {
+  if (plan.count < 1 || plan.count > 64) return usage("--count must be in [1, 64]");
+  if (plan.repeats < 1 || plan.repeats > 100) return usage("--repeats must be in [1, 100]");
+  if (plan.stream_runs < 1 || plan.stream_runs > 100) {
+    return usage("--stream_runs must be in [1, 100]");
+  }
+  if (plan.idle_ms < 0 || plan.idle_ms > 10000) return usage("--idle_ms must be in [0, 10000]");
+  if (plan.connections < 0 || plan.connections > kMaxDirectStripes) {
     return usage(absl::StrCat("--connections must be in [0, ", kMaxDirectStripes, "]"));
   }
-  if (!(rate_mbytes >= 0 && rate_mbytes <= 1e5)) return usage("--rate_mbytes: [0, 1e5]");
-  if (!(rtt_ms >= 0 && rtt_ms <= 60000)) return usage("--rtt_ms: [0, 60000]");
-  return Send(to, certs, mib, count, repeats, idle_ms, connections, rate_mbytes, rtt_ms);
+  if (!(plan.rate_mbytes >= 0 && plan.rate_mbytes <= 1e5)) {
+    return usage("--rate_mbytes: [0, 1e5]");
+  }
+  if (!(plan.rtt_ms >= 0 && plan.rtt_ms <= 60000)) return usage("--rtt_ms: [0, 60000]");
+  return Send(to, certs, plan);
 }
 
 }  // namespace

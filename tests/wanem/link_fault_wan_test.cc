@@ -17,10 +17,11 @@
 //    cut both ways: w3 is lost after --worker_silence (5 s in
 //    detour-local), the job goes on over w2, and after `restore` w3
 //    registers again and joins the job.
-//  - CutLinkWithLossOnEveryLink: 1 % loss on every link and w2 <-> w4 cut
-//    before the daemons start: the first send's connect fails after the
-//    connect timeout (PeerSenderOptions::connect_timeout, 10 s), and the
-//    job succeeds around the cut link.
+//  - CutLinkWithLossAndJitterOnEveryLink: 1 % loss and up to 2 ms of
+//    jitter that reorders packets on every link, and w2 <-> w4 cut before
+//    the daemons start: the first send's connect fails after the connect
+//    timeout (PeerSenderOptions::connect_timeout, 10 s), and the job
+//    succeeds around the cut link with every iteration's loss recorded.
 //
 // Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and /dev/net/tun; skipped
 // otherwise. Every run is bounded (`timeout` around detour-local, bounded
@@ -512,7 +513,7 @@ TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
   std::cout << "run took " << Since(started_) << " s\n";
 }
 
-TEST_F(LinkFaultWanTest, CutLinkWithLossOnEveryLink) {
+TEST_F(LinkFaultWanTest, CutLinkWithLossAndJitterOnEveryLink) {
   if (const std::string why = MissingPrivileges(); !why.empty()) GTEST_SKIP() << why;
   constexpr int kIterations = 30;
   // Once the bed is up, before the daemons start: w2 has no connection to
@@ -521,7 +522,7 @@ TEST_F(LinkFaultWanTest, CutLinkWithLossOnEveryLink) {
   ShellResult loss{-1, ""}, cut{-1, ""};
   absl::Time cut_at;
   ASSERT_NO_FATAL_FAILURE(Start(kIterations, absl::Seconds(85), [&] {
-    loss = Ctl("set '*' '*' loss=0.01");
+    loss = Ctl("set '*' '*' loss=0.01 jitter_ms=2 reorder=1");
     cut = Ctl("cut w2 w4 both");
     cut_at = absl::Now();
   }));
