@@ -23,6 +23,13 @@
 //   forward+backward over the same parameters (4 stages, full routes): the
 //   byte-wise FNV-1a over a CPU copy it replaced and the runtime's own
 //   ParameterChecksum (worker/runtime/stage_state.h), paired round by round.
+// BM_FrameCheck/<preset>: the finite-value check a receiver makes on every
+//   activation and activation gradient it takes (CheckFrameValues,
+//   worker/runtime/runtime_part.h), as a fraction of the step's
+//   forward+backward (4 stages, full routes): per step, each microbatch
+//   crosses 3 stage boundaries each way, so the step pays 6 checks per
+//   microbatch, each on a tensor of its own (as a received frame is, not yet
+//   in cache); paired round by round.
 #include <chrono>
 #include <malloc.h>
 
@@ -44,6 +51,7 @@
 #include "worker/model/engine.h"
 #include "worker/model/routes.h"
 #include "worker/model/transformer.h"
+#include "worker/runtime/runtime_part.h"
 #include "worker/runtime/stage_state.h"
 
 namespace detour::model {
@@ -205,6 +213,44 @@ void BM_ParameterChecksum(benchmark::State& state, const std::string& preset, in
   state.counters["old_pct_of_step"] = 100.0 * Median(old_frac);
   state.counters["new_pct_of_step"] = 100.0 * Median(new_frac);
   state.counters["new_gb_per_s"] = bytes / Median(t_new) / 1e9;
+}
+
+void BM_FrameCheck(benchmark::State& state, const std::string& preset, int samples,
+                   int microbatches) {
+  at::set_num_threads(1);
+  auto setup = MakeFullRoutes(preset, samples, microbatches);
+  if (!setup.ok()) {
+    state.SkipWithError("cannot build the model");
+    return;
+  }
+  // One activation-shaped tensor per check of a step: 3 boundaries each
+  // way per microbatch.
+  const int checks = 6 * microbatches;
+  std::vector<at::Tensor> frames;
+  for (int i = 0; i < checks; ++i) {
+    frames.push_back(at::randn({samples, setup->config.context_length, setup->config.d_model}));
+  }
+  setup->Step();  // warm-up
+  std::vector<double> t_step, t_check;
+  for (auto _ : state) {
+    double a = CpuSeconds();
+    setup->Step();
+    t_step.push_back(CpuSeconds() - a);
+    a = CpuSeconds();
+    for (const at::Tensor& f : frames) {
+      if (!CheckFrameValues(f).ok()) std::abort();
+    }
+    t_check.push_back(CpuSeconds() - a);
+  }
+  std::vector<double> frac;
+  for (size_t i = 0; i < t_step.size(); ++i) frac.push_back(t_check[i] / t_step[i]);
+  const double frame_bytes = static_cast<double>(frames.front().nbytes());
+  state.counters["frame_mib"] = frame_bytes / (1 << 20);
+  state.counters["checks_per_step"] = checks;
+  state.counters["step_s"] = Median(t_step);
+  state.counters["check_ms"] = 1e3 * Median(t_check) / checks;
+  state.counters["checks_pct_of_step"] = 100.0 * Median(frac);
+  state.counters["check_gb_per_s"] = frame_bytes * checks / Median(t_check) / 1e9;
 }
 
 int64_t HeapInUse() {
@@ -501,6 +547,8 @@ BENCHMARK_CAPTURE(BM_ParameterChecksum, tiny, "tiny", 2, 4)
 BENCHMARK_CAPTURE(BM_ParameterChecksum, small, "small", 1, 2)
     ->Iterations(5)
     ->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_FrameCheck, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
+BENCHMARK_CAPTURE(BM_FrameCheck, small, "small", 1, 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, tiny, "tiny", 4)->Iterations(9)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_Recompute, small, "small", 2)->Iterations(5)->Unit(benchmark::kSecond);
 BENCHMARK_CAPTURE(BM_OrderedAccumulation, tiny, "tiny", 2, 8)
