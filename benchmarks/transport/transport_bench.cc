@@ -8,7 +8,9 @@
 // by <build>/tools/gen_certs.sh at start. BM_DetourDirect / BM_DetourDirectTls
 // send over the direct transport (direct_link.h) instead of the
 // ActivationService stream: same frames, sink and acknowledgements.
-// DETOUR_BENCH_CHUNK_MIB=N sets the sender's chunk size (default 4 MiB).
+// DETOUR_BENCH_CHUNK_MIB=N sets the sender's chunk size (default 4 MiB);
+// DETOUR_BENCH_NO_BBR=1 leaves the direct transport's sockets on the system's
+// default congestion control instead of BBR.
 // BM_RawTcpAesGcm is the bound for any TLS path on the machine: the raw TCP
 // transfer with AES-128-GCM records of TLS's size (16 KiB + tag) encrypted by
 // the sender and decrypted by the receiver, written and read 16 records per
@@ -278,6 +280,7 @@ struct DetourPeer {
     if (const char* chunk = std::getenv("DETOUR_BENCH_CHUNK_MIB")) {
       sender_options.chunk_bytes = static_cast<size_t>(std::atoi(chunk)) << 20;
     }
+    if (std::getenv("DETOUR_BENCH_NO_BBR") != nullptr) sender_options.bbr = false;
     if (direct) {
       DirectServerOptions direct_options;
       direct_options.listen = HostPort{"127.0.0.1", 0};
