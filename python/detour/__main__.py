@@ -13,7 +13,9 @@ did not succeed), 2 bad usage or settings, 3 coordinator unreachable.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 from typing import Any, List, Optional
 
@@ -27,8 +29,21 @@ from detour.jobs import Job, JobEvent
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a suggestion for a mistyped command or choice, as detourctl."""
+
+    def error(self, message: str) -> Any:
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            near = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)),
+                                             n=1, cutoff=0.6)
+            if near:
+                message += " (did you mean %s?)" % near[0]
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 -m detour",
+    p = _Parser(prog="python3 -m detour",
                                 description="Command-line client for the detour coordinator.")
     p.add_argument("--coordinator", help="host:port (default $DETOUR_COORDINATOR, "
                                          "else 127.0.0.1:7070)")

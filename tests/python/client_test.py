@@ -330,6 +330,25 @@ class OfflineTest(unittest.TestCase):
                                         r"bad.json: not valid JSON: .*line 2 column 18"):
                 load_spec(path)
 
+    def test_a_mistyped_command_gets_a_suggestion(self):
+        def cli(*args):
+            result = subprocess.run([sys.executable, "-m", "detour"] + list(args),
+                                    capture_output=True, text=True, timeout=30, check=False)
+            return result.returncode, result.stderr
+
+        code, err = cli("sumbit", "spec.json")
+        self.assertEqual(code, 2, err)
+        self.assertIn("invalid choice: 'sumbit'", err)
+        self.assertIn("(did you mean submit?)", err)
+        code, err = cli("--insecure", "evnets", "job-1")
+        self.assertEqual(code, 2, err)
+        self.assertIn("(did you mean events?)", err)
+        # Nothing near: the choices alone.
+        code, err = cli("frobnicate")
+        self.assertEqual(code, 2, err)
+        self.assertIn("choose from", err)
+        self.assertNotIn("did you mean", err)
+
     def test_the_port_probe_tells_servers_apart(self):
         from detour import _probe
         self.assertEqual(_probe.classify(b"HTTP/1.0 200 OK\r\n"), _probe.HTTP1)
