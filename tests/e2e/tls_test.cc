@@ -3,7 +3,11 @@
 // only under its certificate's name and with a certificate from the cluster
 // CA; a worker's ActivationService takes frames only from certified members
 // of its job.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
@@ -576,6 +581,101 @@ TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
       Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= at + 2; },
                  absl::Seconds(60)));
   EXPECT_EQ(GetJob(c.grpc_port, job.id()).state(), v1::JOB_STATE_RUNNING);
+}
+
+// The sum over reasons of detour_worker_direct_connections_refused_total,
+// or -1 when the metrics cannot be read.
+double RefusedDirectConnections(int metrics_port) {
+  auto scrape = HttpGet(metrics_port, "/metrics");
+  if (!scrape.ok()) return -1;
+  double sum = 0;
+  bool seen = false;
+  for (absl::string_view line : absl::StrSplit(*scrape, '\n')) {
+    if (!absl::StartsWith(line, "detour_worker_direct_connections_refused_total{")) continue;
+    const size_t space = line.rfind(' ');
+    double v = 0;
+    if (space == absl::string_view::npos || !absl::SimpleAtod(line.substr(space + 1), &v)) {
+      return -1;
+    }
+    sum += v;
+    seen = true;
+  }
+  return seen ? sum : -1;
+}
+
+// A connection that never says a word: the kind a flood is made of.
+int OpenSilentConnection(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A flood of unauthenticated connections against a worker's direct
+// transport while a job runs over it: the two workers go on training (the
+// peer's connections were authenticated before the flood, and admission
+// never closes an authenticated connection to make room), every flood
+// connection is refused or closed within the handshake deadline and
+// counted, and the log says so in summaries, not once per connection.
+TEST_F(TlsTest, AConnectionFloodDoesNotStopTheJob) {
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
+  ASSERT_EQ(workers.size(), 2u);
+  v1::Job job = Submit(c.grpc_port, MicroJob(2, 1, 1, 0.0, 100000));
+  ASSERT_TRUE(Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= 2; },
+                         absl::Seconds(60)))
+      << GetJob(c.grpc_port, job.id()).message();
+  const Daemon& target = workers[1];
+  ASSERT_GT(target.data_port, 0);
+  const double before = RefusedDirectConnections(target.metrics_port);
+  ASSERT_GE(before, 0);
+
+  // 200 silent connections from the peer's own address (loopback), held
+  // past the 5 s handshake deadline.
+  constexpr int kFlood = 200;
+  std::vector<int> flood;
+  for (int i = 0; i < kFlood; ++i) {
+    const int fd = OpenSilentConnection(target.data_port);
+    if (fd >= 0) flood.push_back(fd);
+  }
+  struct Closer {
+    std::vector<int>* fds;
+    ~Closer() {
+      for (int fd : *fds) ::close(fd);
+    }
+  } closer{&flood};
+  EXPECT_GE(flood.size(), static_cast<size_t>(kFlood) * 9 / 10) << "the flood could not connect";
+  const uint64_t at = GetJob(c.grpc_port, job.id()).progress().iteration();
+  // The job goes on during the flood.
+  EXPECT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= at + 2; },
+                 absl::Seconds(60)))
+      << "iteration " << GetJob(c.grpc_port, job.id()).progress().iteration() << " after " << at;
+  // Each flood connection is refused at once or closed at the deadline.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return RefusedDirectConnections(target.metrics_port) >=
+               before + static_cast<double>(flood.size());
+      },
+      absl::Seconds(20)))
+      << RefusedDirectConnections(target.metrics_port) << " refused vs " << before << " + "
+      << flood.size();
+  const v1::Job now = GetJob(c.grpc_port, job.id());
+  EXPECT_EQ(now.state(), v1::JOB_STATE_RUNNING) << now.message();
+  EXPECT_EQ(now.progress().members(), 2u);
+  int lines = 0;
+  for (absl::string_view line : absl::StrSplit(target.process->Log(), '\n')) {
+    if (absl::StrContains(line, "direct transport: refused")) ++lines;
+  }
+  EXPECT_GE(lines, 1) << target.process->Log();
+  EXPECT_LE(lines, 10) << "refusals must be logged in summaries:\n" << target.process->Log();
 }
 
 TEST_F(TlsTest, InsecureStillWorksWhenAskedFor) {
