@@ -17,6 +17,9 @@
 //    cut both ways: w3 is lost after --worker_silence (5 s in
 //    detour-local), the job goes on over w2, and after `restore` w3
 //    registers again and joins the job.
+//  - CoordinatorCutOffFromHalfTheClusterGoesOnWithTheRest: the same for w3
+//    and w5 (the second region, one replica of each stage) at once: w1, w2
+//    and w4 carry the job on, and both join again.
 //  - CutLinkWithLossAndJitterOnEveryLink: 1 % loss and up to 2 ms of
 //    jitter that reorders packets on every link, and w2 <-> w4 cut before
 //    the daemons start: the first send's connect fails after the connect
@@ -334,6 +337,14 @@ class LinkFaultWanTest : public ::testing::Test {
   }
 
   void RunCutLinkJob(const std::string& scheduler);
+  // A worker of stage 1 or 2 (w2..w5) paired with the other replica of its
+  // stage.
+  struct Replica {
+    std::string worker;
+    int stage;
+    std::string partner;
+  };
+  void RunCutOffFromTheCoordinator(const std::vector<Replica>& cut_off);
 
   std::string local_, script_, prefix_, dir_;
   pid_t pid_ = -1;
@@ -457,52 +468,80 @@ TEST_F(LinkFaultWanTest, CutLinkIsRoutedAroundUnderTheFullScheduler) {
   RunCutLinkJob("SCHEDULER_FULL");
 }
 
-TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
-  if (const std::string why = MissingPrivileges(); !why.empty()) GTEST_SKIP() << why;
-  constexpr int kIterations = 120;  // about 25 s: w3 must be back before the end
+// The coordinator cut off (both ways) from `cut_off` mid-job, each keeping
+// its links to every other worker: each is lost after --worker_silence and
+// routed around, its partner keeps the stage, the job trains on; after
+// `restore` each registers again and joins a stage, all five are members
+// again, and the job succeeds. Nothing
+// else is ever lost, and no link is judged cut.
+void LinkFaultWanTest::RunCutOffFromTheCoordinator(const std::vector<Replica>& cut_off) {
+  constexpr int kIterations = 120;  // about 25 s: the workers must be back before the end
   ASSERT_NO_FATAL_FAILURE(Start(kIterations, absl::Seconds(85)));
   ASSERT_TRUE(WaitFor(Iteration(3), absl::Seconds(30))) << History(last_);
-  ASSERT_TRUE(InStage(last_, 1, "w3")) << Stages(last_);
+  std::set<std::string> names;
+  for (const Replica& r : cut_off) {
+    ASSERT_TRUE(InStage(last_, r.stage, r.worker)) << Stages(last_);
+    names.insert(r.worker);
+  }
+  const std::string list = absl::StrJoin(names, ", ");
 
-  // w3 keeps its links to w1, w2, w4 and w5.
-  const ShellResult cut = Ctl("cut coordinator w3 both");
-  ASSERT_EQ(cut.code, 0) << cut.output;
+  for (const Replica& r : cut_off) {
+    const ShellResult cut = Ctl("cut coordinator " + r.worker + " both");
+    ASSERT_EQ(cut.code, 0) << cut.output;
+  }
   const absl::Time cut_at = absl::Now();
   // RUNTIME.md: no heartbeat for --worker_silence (5 s in detour-local), or
   // its session closed past the grace: lost, and routed around.
   ASSERT_TRUE(WaitFor(
-      [](const v1::Job& j) { return HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_LOST, "w3"); },
+      [&](const v1::Job& j) {
+        for (const Replica& r : cut_off) {
+          if (!HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_LOST, r.worker)) return false;
+        }
+        return true;
+      },
       absl::Seconds(20)))
-      << "w3 not lost " << Since(cut_at) << " s after the cut:\n"
+      << list << " not lost " << Since(cut_at) << " s after the cut:\n"
       << History(last_);
-  const double lost_s = Since(cut_at);
-  std::cout << "w3 lost " << lost_s << " s after the cut\n";
+  std::cout << list << " lost " << Since(cut_at) << " s after the cut\n";
   // Job.stages follows at the next plan, a moment after the history.
+  const uint32_t members = 5 - static_cast<uint32_t>(cut_off.size());
   EXPECT_TRUE(WaitFor(
-      [](const v1::Job& j) {
-        return !InStage(j, 1, "w3") && InStage(j, 1, "w2") && j.progress().members() == 4;
+      [&](const v1::Job& j) {
+        for (const Replica& r : cut_off) {
+          if (InStage(j, r.stage, r.worker) || !InStage(j, r.stage, r.partner)) return false;
+        }
+        return j.progress().members() == members;
       },
       absl::Seconds(10)))
       << Stages(last_) << " members " << last_.progress().members();
   EXPECT_FALSE(HasEvent(last_, v1::JobHistoryEvent::KIND_LINK_CUT)) << History(last_);
-  // Nothing wedges: the job trains on without w3.
+  // Nothing wedges: the job trains on without them.
   const uint64_t at_loss = last_.progress().iteration();
   EXPECT_TRUE(WaitFor(Iteration(at_loss + 3), absl::Seconds(15))) << History(last_);
 
-  // Healed: w3 reaches the coordinator again, is idle and joins (the job is
-  // one worker short of its spec).
-  const ShellResult restore = Ctl("restore coordinator w3 both");
-  ASSERT_EQ(restore.code, 0) << restore.output;
+  // Healed: they reach the coordinator again, are idle and join (the job
+  // is short of its spec's workers), each into a stage short of a replica
+  // (with two back at once, either may take either stage).
+  for (const Replica& r : cut_off) {
+    const ShellResult restore = Ctl("restore coordinator " + r.worker + " both");
+    ASSERT_EQ(restore.code, 0) << restore.output;
+  }
   const absl::Time restored_at = absl::Now();
   EXPECT_TRUE(WaitFor(
-      [](const v1::Job& j) {
-        return HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_JOINED, "w3") && InStage(j, 1, "w3");
+      [&](const v1::Job& j) {
+        for (const Replica& r : cut_off) {
+          if (!HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_JOINED, r.worker) ||
+              !(InStage(j, 1, r.worker) || InStage(j, 2, r.worker))) {
+            return false;
+          }
+        }
+        return j.progress().members() == 5u;
       },
       absl::Seconds(30)))
-      << "w3 did not join again " << Since(restored_at) << " s after the restore:\n"
+      << list << " did not join again " << Since(restored_at) << " s after the restore:\n"
       << History(last_) << Stages(last_);
-  std::cout << "w3 joined again " << Since(restored_at) << " s after the restore\n";
-  EXPECT_EQ(ever_lost_, std::set<std::string>{"w3"}) << History(last_);
+  std::cout << list << " joined again " << Since(restored_at) << " s after the restore\n";
+  EXPECT_EQ(ever_lost_, names) << History(last_);
 
   FollowToEnd(absl::Seconds(60));
   ASSERT_TRUE(Reap(absl::Seconds(60))) << "detour-local still runs " << Since(started_) << " s in";
@@ -511,6 +550,20 @@ TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
   EXPECT_THAT(out, HasSubstr(absl::StrCat("SUCCEEDED: trained ", kIterations, " iterations")));
   EXPECT_THAT(out, HasSubstr("test bed " + prefix_ + " is down"));
   std::cout << "run took " << Since(started_) << " s\n";
+}
+
+TEST_F(LinkFaultWanTest, WorkerCutOffFromTheCoordinatorIsLostThenJoinsAgain) {
+  if (const std::string why = MissingPrivileges(); !why.empty()) GTEST_SKIP() << why;
+  // w3 keeps its links to w1, w2, w4 and w5.
+  RunCutOffFromTheCoordinator({{"w3", 1, "w2"}});
+}
+
+// Half the cluster: the second region's workers (w3 of stage 1, w5 of stage
+// 2) cut off from the coordinator at once. The first region's (w1, w2, w4)
+// carry the job on; both come back.
+TEST_F(LinkFaultWanTest, CoordinatorCutOffFromHalfTheClusterGoesOnWithTheRest) {
+  if (const std::string why = MissingPrivileges(); !why.empty()) GTEST_SKIP() << why;
+  RunCutOffFromTheCoordinator({{"w3", 1, "w2"}, {"w5", 2, "w4"}});
 }
 
 TEST_F(LinkFaultWanTest, CutLinkWithLossAndJitterOnEveryLink) {
