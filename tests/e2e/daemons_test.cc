@@ -226,6 +226,48 @@ TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
   EXPECT_THAT(out, HasSubstr("\"latency_source\": \"SOURCE_PROBE\""));
   EXPECT_THAT(out, HasSubstr("\"bandwidth_source\": \"SOURCE_PROBE\""));
   EXPECT_THAT(out, HasSubstr("\"latency_measured\""));
+  // What detourctl shows is what the sending worker's gauges say: one-way
+  // latency half the probe's round trip, bandwidth the probe's rate.
+  auto links = ParseJson(out);
+  ASSERT_TRUE(links.ok()) << links.status() << "\n" << out;
+  const JsonValue* list = links->Find("links");
+  ASSERT_TRUE(list != nullptr && list->is_array()) << out;
+  int compared = 0;
+  for (const JsonValue& link : list->items()) {
+    const JsonValue* from = link.Find("from");
+    const JsonValue* to = link.Find("to");
+    ASSERT_TRUE(from != nullptr && to != nullptr) << out;
+    const Daemon& sender = from->string_value() == "w1" ? a : b;
+    auto scrape = HttpGet(sender.metrics_port, "/metrics");
+    ASSERT_TRUE(scrape.ok()) << scrape.status();
+    const std::string peer = absl::StrCat("{peer=\"", to->string_value(), "\"} ");
+    const auto gauge = [&](const std::string& name) {
+      const size_t at = scrape->find("\n" + name + peer);
+      double v = -1;
+      if (at != std::string::npos) {
+        const size_t start = at + 1 + name.size() + peer.size();
+        (void)absl::SimpleAtod(scrape->substr(start, scrape->find('\n', start) - start), &v);
+      }
+      return v;
+    };
+    const auto source = [&](const char* key) {
+      const JsonValue* v = link.Find(key);
+      return v != nullptr ? v->string_value() : std::string();
+    };
+    const JsonValue* latency = link.Find("latency_seconds");
+    const JsonValue* bandwidth = link.Find("bandwidth_bytes_per_s");
+    if (source("latency_source") == "SOURCE_PROBE" && latency != nullptr) {
+      const double rtt = gauge("detour_worker_link_probe_rtt_seconds");
+      EXPECT_NEAR(2 * latency->number(), rtt, 1e-4 * rtt) << *scrape;
+      ++compared;
+    }
+    if (source("bandwidth_source") == "SOURCE_PROBE" && bandwidth != nullptr) {
+      const double rate = gauge("detour_worker_link_probe_bandwidth_bytes_per_second");
+      EXPECT_NEAR(bandwidth->number(), rate, 1e-4 * rate) << *scrape;
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, 2) << out;
   EXPECT_EQ(Run({Bin(kCtl), target, "links"}, &out), 2);
   ASSERT_EQ(Run({Bin(kCtl), target, "cancel", "job-000001"}, &out), 0) << out;
   EXPECT_EQ(Run({Bin(kCtl), target, "links", "job-000001"}, &out), 1);
