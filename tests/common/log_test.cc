@@ -5,12 +5,7 @@
 #include "common/log.h"
 #include "common/log_format.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <atomic>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,27 +15,12 @@
 #include "common/json.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "tests/capture_stderr.h"
 
 namespace detour {
 namespace {
 
-// Runs `fn` with stderr going to a file; returns what was written.
-template <typename Fn>
-std::string CaptureStderr(Fn fn) {
-  const std::string path = ::testing::TempDir() + "/log_test." + std::to_string(::getpid());
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  const int saved = ::dup(STDERR_FILENO);
-  ::dup2(fd, STDERR_FILENO);
-  ::close(fd);
-  fn();
-  ::dup2(saved, STDERR_FILENO);
-  ::close(saved);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  ::unlink(path.c_str());
-  return text.str();
-}
+using testing::CaptureStderr;
 
 TEST(LogTest, LinesNameTheComponentAndLevel) {
   SetLogComponent("worker w3");

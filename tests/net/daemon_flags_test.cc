@@ -3,10 +3,6 @@
 // the daemon's lines).
 #include "common/net/daemon_flags.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <fstream>
 #include <sstream>
 #include <string>
 
@@ -16,28 +12,12 @@
 #include "common/log_format.h"
 #include "grpc/support/log.h"
 #include "gtest/gtest.h"
+#include "tests/capture_stderr.h"
 
 namespace detour {
 namespace {
 
-// Runs `fn` with stderr going to a file; returns what was written.
-template <typename Fn>
-std::string CaptureStderr(Fn fn) {
-  const std::string path =
-      ::testing::TempDir() + "/daemon_flags_test." + std::to_string(::getpid());
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  const int saved = ::dup(STDERR_FILENO);
-  ::dup2(fd, STDERR_FILENO);
-  ::close(fd);
-  fn();
-  ::dup2(saved, STDERR_FILENO);
-  ::close(saved);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  ::unlink(path.c_str());
-  return text.str();
-}
+using testing::CaptureStderr;
 
 TEST(DaemonFlagsTest, LogFormatJsonAndGrpcLinesThroughOurs) {
   DaemonFlags common;
