@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/region_links.h"
 #include "common/link_probe_need.h"
 #include "common/log.h"
 
@@ -92,24 +93,13 @@ std::optional<v1::LinkExpectation> RunnerLinks::Expectation(const std::string& f
   auto a = infos.find(from);
   auto b = infos.find(to);
   if ((!rtt_s || !rate) && a != infos.end() && b != infos.end()) {
-    const v1::ClusterSpec& net = plan_.network();
     const std::string& ra = a->second.region();
     const std::string& rb = b->second.region();
     std::optional<double> latency_ms, gbytes;
-    if (ra == rb) {
-      if (net.intra_region_latency_ms() > 0) latency_ms = net.intra_region_latency_ms();
-      if (net.intra_region_bandwidth_gbytes_per_s() > 0) {
-        gbytes = net.intra_region_bandwidth_gbytes_per_s();
-      }
-    } else {
-      for (const v1::RegionLink& l : net.links()) {
-        if ((l.region_a() == ra && l.region_b() == rb) ||
-            (l.region_a() == rb && l.region_b() == ra)) {
-          latency_ms = l.latency_ms();
-          gbytes = l.bandwidth_gbytes_per_s();
-          break;
-        }
-      }
+    // Within a region, unset figures (0) say nothing.
+    if (auto link = RegionLinks(plan_.network()).Between(ra, rb)) {
+      if (ra != rb || link->latency_ms > 0) latency_ms = link->latency_ms;
+      if (ra != rb || link->bandwidth_gbytes_per_s > 0) gbytes = link->bandwidth_gbytes_per_s;
     }
     if (!rtt_s && latency_ms) rtt_s = 2 * *latency_ms / 1e3;
     if (!rate && gbytes) rate = *gbytes * 1e9;

@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/region_links.h"
 #include "common/spec.h"
 #include "common/stage_layers.h"
 #include "common/status.h"
@@ -122,7 +122,6 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
   }
 
   // Region links, both directions.
-  std::map<std::pair<std::string, std::string>, const v1::RegionLink*> links;
   for (int i = 0; i < cluster.links_size(); ++i) {
     const v1::RegionLink& l = cluster.links(i);
     if (!(l.bandwidth_gbytes_per_s() > 0)) {
@@ -135,9 +134,8 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
           absl::StrFormat("links[%d].latency_ms: %g (%s-%s) must be >= 0", i, l.latency_ms(),
                           l.region_a(), l.region_b()));
     }
-    links[{l.region_a(), l.region_b()}] = &l;
-    links[{l.region_b(), l.region_a()}] = &l;
   }
+  const RegionLinks links(cluster);
   if (!(cluster.intra_region_bandwidth_gbytes_per_s() > 0)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("intra_region_bandwidth_gbytes_per_s: %g must be > 0",
@@ -182,19 +180,14 @@ absl::StatusOr<CostModel> CostModel::Create(const v1::ClusterSpec& cluster_in,
       // The fixed per-transfer overhead behaves like latency: it delays the
       // arrival and occupies no link.
       const double overhead = cluster.transfer_overhead_ms() * kMs;
-      if (na.region() == nb.region()) {
-        t.latency_s[a][b] = cluster.intra_region_latency_ms() * kMs + overhead;
-        t.bandwidth_bytes_per_s[a][b] = cluster.intra_region_bandwidth_gbytes_per_s() * kGiga;
-        continue;
-      }
-      auto it = links.find({na.region(), nb.region()});
-      if (it == links.end()) {
+      const std::optional<RegionLinkFigures> link = links.Between(na.region(), nb.region());
+      if (!link.has_value()) {
         return absl::InvalidArgumentError(
             absl::StrFormat("links: no link between regions %s (node %s) and %s (node %s)",
                             na.region(), na.id(), nb.region(), nb.id()));
       }
-      t.latency_s[a][b] = it->second->latency_ms() * kMs + overhead;
-      t.bandwidth_bytes_per_s[a][b] = it->second->bandwidth_gbytes_per_s() * kGiga;
+      t.latency_s[a][b] = link->latency_ms * kMs + overhead;
+      t.bandwidth_bytes_per_s[a][b] = link->bandwidth_gbytes_per_s * kGiga;
     }
   }
   return FromTables(std::move(t));

@@ -1,11 +1,11 @@
 #include "tools/detour_wanem/link_table.h"
 
-#include <map>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/region_links.h"
 
 namespace detour::wanem {
 namespace {
@@ -78,11 +78,7 @@ absl::StatusOr<LinkTable> LinkTable::FromCluster(const v1::ClusterSpec& cluster,
         absl::StrFormat("nodes: %d nodes do not fit in %s/%d (%d addresses)", n,
                         FormatIpv4(options.subnet.base), options.subnet.prefix_len, hosts));
   }
-  std::map<std::pair<std::string, std::string>, const v1::RegionLink*> region_links;
-  for (const v1::RegionLink& l : cluster.links()) {
-    region_links[{l.region_a(), l.region_b()}] = &l;
-    region_links[{l.region_b(), l.region_a()}] = &l;
-  }
+  const RegionLinks region_links(cluster);
 
   LinkTable t;
   t.subnet_ = options.subnet;
@@ -107,21 +103,14 @@ absl::StatusOr<LinkTable> LinkTable::FromCluster(const v1::ClusterSpec& cluster,
         const WanNode& na = t.nodes_[static_cast<size_t>(a)];
         const WanNode& nb = t.nodes_[static_cast<size_t>(b)];
         LinkParams p;
-        double gbytes = 0;
-        if (na.region == nb.region) {
-          p.delay_ms = cluster.intra_region_latency_ms();
-          gbytes = cluster.intra_region_bandwidth_gbytes_per_s();
-        } else {
-          auto it = region_links.find({na.region, nb.region});
-          if (it == region_links.end()) {
-            return absl::InvalidArgumentError(
-                absl::StrFormat("links: no link between regions %s (node %s) and %s (node %s)",
-                                na.region, na.id, nb.region, nb.id));
-          }
-          p.delay_ms = it->second->latency_ms();
-          gbytes = it->second->bandwidth_gbytes_per_s();
+        const std::optional<RegionLinkFigures> table = region_links.Between(na.region, nb.region);
+        if (!table.has_value()) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("links: no link between regions %s (node %s) and %s (node %s)",
+                              na.region, na.id, nb.region, nb.id));
         }
-        p.rate_bytes_per_s = gbytes * 1e9 * options.bandwidth_scale;
+        p.delay_ms = table->latency_ms;
+        p.rate_bytes_per_s = table->bandwidth_gbytes_per_s * 1e9 * options.bandwidth_scale;
         link.SetParams(p);
       }
       t.links_.push_back(std::move(link));

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/region_links.h"
 
 namespace detour {
 
@@ -10,17 +11,14 @@ LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& fr
                                const std::string& to_region) {
   LinkEmulation e;
   if (net.nodes().empty() && net.links().empty()) return e;
-  double latency_ms = net.intra_region_latency_ms() > 0 ? net.intra_region_latency_ms() : 1.0;
-  double gbps = net.intra_region_bandwidth_gbytes_per_s() > 0
-                    ? net.intra_region_bandwidth_gbytes_per_s()
-                    : 5.0;
-  if (from_region != to_region) {
-    for (const v1::RegionLink& l : net.links()) {
-      if ((l.region_a() == from_region && l.region_b() == to_region) ||
-          (l.region_b() == from_region && l.region_a() == to_region)) {
-        latency_ms = l.latency_ms();
-        gbps = l.bandwidth_gbytes_per_s();
-      }
+  // Unset intra-region figures, and regions with no listed link: 1 ms and
+  // 5 GB/s (one fast site).
+  double latency_ms = 1.0;
+  double gbps = 5.0;
+  if (auto link = RegionLinks(net).Between(from_region, to_region)) {
+    if (from_region != to_region || link->latency_ms > 0) latency_ms = link->latency_ms;
+    if (from_region != to_region || link->bandwidth_gbytes_per_s > 0) {
+      gbps = link->bandwidth_gbytes_per_s;
     }
   }
   e.latency = absl::Milliseconds(latency_ms);
