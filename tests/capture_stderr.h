@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -16,13 +17,18 @@
 
 namespace detour::testing {
 
+// A number per capture in this process, for the file's name.
+inline int NextCaptureNumber() {
+  static std::atomic<int> n{0};
+  return ++n;
+}
+
 // Runs `fn` with stderr going to a file of its own; returns what was
 // written, and gives stderr back whatever `fn` did.
 template <typename Fn>
 std::string CaptureStderr(Fn fn) {
-  static int calls = 0;
   const std::string path = ::testing::TempDir() + "/stderr." + std::to_string(::getpid()) + "." +
-                           std::to_string(++calls);
+                           std::to_string(NextCaptureNumber());
   std::fflush(stderr);
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   const int saved = ::dup(STDERR_FILENO);

@@ -9,8 +9,9 @@
 // send over the direct transport (direct_link.h) instead of the
 // ActivationService stream: same frames, sink and acknowledgements.
 // DETOUR_BENCH_CHUNK_MIB=N sets the sender's chunk size (default 4 MiB);
-// DETOUR_BENCH_NO_BBR=1 leaves the direct transport's sockets on the system's
-// default congestion control instead of BBR.
+// DETOUR_BENCH_NO_BBR (set to anything) leaves the direct transport's sending
+// sockets on the system's default congestion control instead of BBR (the
+// receiver's keep BBR: it only acknowledges).
 // BM_RawTcpAesGcm is the bound for any TLS path on the machine: the raw TCP
 // transfer with AES-128-GCM records of TLS's size (16 KiB + tag) encrypted by
 // the sender and decrypted by the receiver, written and read 16 records per

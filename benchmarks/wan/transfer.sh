@@ -45,7 +45,7 @@ while [[ $# -gt 0 ]]; do
     --tune) tune=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -55,7 +55,7 @@ die() { echo "transfer: $*" >&2; exit 1; }
 [[ "$stream_runs" =~ ^[0-9]+$ ]] && (( stream_runs >= 1 && stream_runs <= 20 )) ||
   die "--stream_runs must be a whole number in [1, 20]"
 for c in $cases; do
-  [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)(:[0-9]+(:reorder)?)?$ ]] ||
+  [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)(:(0|[1-9][0-9]*)(:reorder)?)?$ ]] ||
     die "--cases: '$c' is not RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]]"
 done
 tool="$build/benchmarks/wan/wan_transfer"

@@ -33,10 +33,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped command or choice, as detourctl."""
 
     def error(self, message: str) -> Any:
-        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-        if m:
-            near = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)),
-                                             n=1, cutoff=0.6)
+        # The value is quoted (repr) in every argparse; the choices are taken
+        # from the parser itself, not from the message, whose format changed.
+        m = re.search(r"invalid choice: (['\"])(.*?)\1", message)
+        if m and "meant" not in message:
+            choices = [str(c) for a in self._actions if a.choices for c in a.choices]
+            near = difflib.get_close_matches(m.group(2), choices, n=1, cutoff=0.6)
             if near:
                 message += " (did you mean %s?)" % near[0]
         super().error(message)

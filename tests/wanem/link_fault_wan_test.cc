@@ -530,8 +530,11 @@ void LinkFaultWanTest::RunCutOffFromTheCoordinator(const std::vector<Replica>& c
   EXPECT_TRUE(WaitFor(
       [&](const v1::Job& j) {
         for (const Replica& r : cut_off) {
-          if (!HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_JOINED, r.worker) ||
-              !(InStage(j, 1, r.worker) || InStage(j, 2, r.worker))) {
+          // One back: the stage it left is the one short of a replica.
+          const bool placed = cut_off.size() == 1
+                                  ? InStage(j, r.stage, r.worker)
+                                  : InStage(j, 1, r.worker) || InStage(j, 2, r.worker);
+          if (!HasEvent(j, v1::JobHistoryEvent::KIND_WORKER_JOINED, r.worker) || !placed) {
             return false;
           }
         }
@@ -572,15 +575,21 @@ TEST_F(LinkFaultWanTest, CutLinkWithLossAndJitterOnEveryLink) {
   // Once the bed is up, before the daemons start: w2 has no connection to
   // w4 yet, so its first send fails at the connect timeout rather than the
   // ack timeout.
-  ShellResult loss{-1, ""}, cut{-1, ""};
+  ShellResult loss{-1, ""}, cut{-1, ""}, shown{-1, ""};
   absl::Time cut_at;
   ASSERT_NO_FATAL_FAILURE(Start(kIterations, absl::Seconds(85), [&] {
     loss = Ctl("set '*' '*' loss=0.01 jitter_ms=2 reorder=1");
     cut = Ctl("cut w2 w4 both");
+    shown = Ctl("show w2 w3 both");
     cut_at = absl::Now();
   }));
   ASSERT_EQ(loss.code, 0) << loss.output;
   ASSERT_EQ(cut.code, 0) << cut.output;
+  // The forwarder holds the jitter and the reordering on the links.
+  ASSERT_EQ(shown.code, 0) << shown.output;
+  EXPECT_THAT(shown.output, ::testing::ContainsRegex("w2 w3 [^\n]*jitter_ms=2 [^\n]*loss=0.01"))
+      << shown.output;
+  EXPECT_THAT(shown.output, ::testing::ContainsRegex("w3 w2 [^\n]*reorder=1")) << shown.output;
   ASSERT_TRUE(
       WaitFor([](const v1::Job& j) { return HasEvent(j, v1::JobHistoryEvent::KIND_LINK_CUT); },
               absl::Seconds(45)))

@@ -11,13 +11,15 @@ LinkEmulation EmulationBetween(const v1::ClusterSpec& net, const std::string& fr
                                const std::string& to_region) {
   LinkEmulation e;
   if (net.nodes().empty() && net.links().empty()) return e;
-  // Unset intra-region figures, and regions with no listed link: 1 ms and
-  // 5 GB/s (one fast site).
-  double latency_ms = 1.0;
-  double gbps = 5.0;
-  if (auto link = RegionLinks(net).Between(from_region, to_region)) {
-    if (from_region != to_region || link->latency_ms > 0) latency_ms = link->latency_ms;
-    if (from_region != to_region || link->bandwidth_gbytes_per_s > 0) {
+  // The intra-region figures (1 ms and 5 GB/s where unset) also stand for
+  // two regions with no listed link.
+  double latency_ms = net.intra_region_latency_ms() > 0 ? net.intra_region_latency_ms() : 1.0;
+  double gbps = net.intra_region_bandwidth_gbytes_per_s() > 0
+                    ? net.intra_region_bandwidth_gbytes_per_s()
+                    : 5.0;
+  if (from_region != to_region) {
+    if (auto link = RegionLinks(net).Between(from_region, to_region)) {
+      latency_ms = link->latency_ms;
       gbps = link->bandwidth_gbytes_per_s;
     }
   }
