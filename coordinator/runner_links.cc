@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "common/region_links.h"
 #include "common/link_probe_need.h"
 #include "common/log.h"
 
@@ -53,6 +52,7 @@ void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& 
   for (const auto& [id, unused] : accept) ids.insert(id);
   static const std::vector<v1::Peer> kNone;
   static const std::vector<std::string> kNoIds;
+  const RegionLinks table(plan_.network());
   for (const std::string& id : ids) {
     auto a = asked.find(id);
     const std::vector<v1::Peer>& peers = a == asked.end() ? kNone : a->second;
@@ -71,7 +71,7 @@ void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& 
       *p->add_peers() = peer;
       // What the planner expects of the link: the worker checks its socket
       // limits against it.
-      if (auto x = Expectation(id, peer.worker_id())) *p->add_expected() = *std::move(x);
+      if (auto x = Expectation(id, peer.worker_id(), table)) *p->add_expected() = *std::move(x);
     }
     for (const std::string& other : takes) p->add_accept_from(other);
     if (!link_.SendTo(id, m) || peers.empty()) continue;
@@ -83,7 +83,8 @@ void RunnerLinks::SendRound(const std::map<std::string, std::vector<v1::Peer>>& 
 }
 
 std::optional<v1::LinkExpectation> RunnerLinks::Expectation(const std::string& from,
-                                                            const std::string& to) const {
+                                                            const std::string& to,
+                                                            const RegionLinks& table) const {
   std::optional<double> rtt_s, rate;
   if (const LinkMatrix::Entry* e = plan_.links().Find({from, to}); e != nullptr) {
     if (e->latency_s) rtt_s = 2 * *e->latency_s;
@@ -97,7 +98,7 @@ std::optional<v1::LinkExpectation> RunnerLinks::Expectation(const std::string& f
     const std::string& rb = b->second.region();
     std::optional<double> latency_ms, gbytes;
     // Within a region, unset figures (0) say nothing.
-    if (auto link = RegionLinks(plan_.network()).Between(ra, rb)) {
+    if (auto link = table.Between(ra, rb)) {
       if (ra != rb || link->latency_ms > 0) latency_ms = link->latency_ms;
       if (ra != rb || link->bandwidth_gbytes_per_s > 0) gbytes = link->bandwidth_gbytes_per_s;
     }

@@ -20,6 +20,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/region_links.h"
 #include "coordinator/link_matrix.h"
 #include "coordinator/runner_part.h"
 #include "detour/v1/job_service.pb.h"
@@ -77,9 +78,10 @@ class RunnerLinks : private RunnerPart {
   // What the planner expects of the link from `from` to `to`: the matrix's
   // measurements, else the region table's figures where the job's network
   // gives them (not the uniform network assumed for undescribed regions);
-  // nullopt when neither says anything.
-  std::optional<v1::LinkExpectation> Expectation(const std::string& from,
-                                                 const std::string& to) const;
+  // nullopt when neither says anything. `table`: the job's network's region
+  // table, indexed once per round by the caller.
+  std::optional<v1::LinkExpectation> Expectation(const std::string& from, const std::string& to,
+                                                 const RegionLinks& table) const;
   // Waits for the round in flight's reports until its deadline.
   void AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
