@@ -240,16 +240,8 @@ TEST_F(DaemonsTest, DetourctlLinksShowsTheProbedMatrixOfARunningJob) {
     const Daemon& sender = from->string_value() == "w1" ? a : b;
     auto scrape = HttpGet(sender.metrics_port, "/metrics");
     ASSERT_TRUE(scrape.ok()) << scrape.status();
-    const std::string peer = absl::StrCat("{peer=\"", to->string_value(), "\"} ");
-    const auto gauge = [&](const std::string& name) {
-      const size_t at = scrape->find("\n" + name + peer);
-      double v = -1;
-      if (at != std::string::npos) {
-        const size_t start = at + 1 + name.size() + peer.size();
-        (void)absl::SimpleAtod(scrape->substr(start, scrape->find('\n', start) - start), &v);
-      }
-      return v;
-    };
+    const std::string peer = absl::StrCat("{peer=\"", to->string_value(), "\"}");
+    const auto gauge = [&](const std::string& name) { return MetricValue(*scrape, name + peer); };
     const auto source = [&](const char* key) {
       const JsonValue* v = link.Find(key);
       return v != nullptr ? v->string_value() : std::string();

@@ -48,17 +48,10 @@ std::string ReadFile(const std::string& path) {
 // HTTP/1.0 GET on loopback (so Prometheus answers without chunking); the
 // body, or an error for no answer or a status other than 200.
 absl::StatusOr<std::string> Get(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("connect to port ", port, " failed"));
   timeval timeout = {10, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return absl::UnavailableError(absl::StrCat("connect to port ", port, " failed"));
-  }
   const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
   if (::write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
     ::close(fd);

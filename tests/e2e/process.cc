@@ -10,21 +10,29 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace detour::testing {
 
-absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+int ConnectLoopback(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     ::close(fd);
-    return absl::UnavailableError(absl::StrCat("connect to port ", port, " failed"));
+    return -1;
   }
+  return fd;
+}
+
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("connect to port ", port, " failed"));
   const std::string request =
       absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
   if (::write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
@@ -37,6 +45,20 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
   ::close(fd);
   return response;
+}
+
+double MetricValue(const std::string& scrape, const std::string& series) {
+  const std::string key = series + " ";
+  size_t at = 0;
+  if (scrape.compare(0, key.size(), key) != 0) {
+    at = scrape.find("\n" + key);
+    if (at == std::string::npos) return -1;
+    ++at;
+  }
+  const size_t start = at + key.size();
+  double v = -1;
+  if (!absl::SimpleAtod(scrape.substr(start, scrape.find('\n', start) - start), &v)) return -1;
+  return v;
 }
 
 std::string MakeTempDir(const std::string& prefix) {

@@ -18,8 +18,16 @@ namespace detour::testing {
 using ::detour::ChildProcess;
 using ::detour::WaitForReadyField;
 
+// A TCP connection to 127.0.0.1:port (close-on-exec), or -1.
+int ConnectLoopback(int port);
+
 // GET http://127.0.0.1:port/path; returns status line + headers + body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// The value of `series` (a metric name, with its labels if it has any, e.g.
+// `name{peer="w2"}`) in a Prometheus text scrape, or -1 when it is absent or
+// unparseable.
+double MetricValue(const std::string& scrape, const std::string& series);
 
 // A fresh directory under $TMPDIR (or /tmp) for one test.
 std::string MakeTempDir(const std::string& prefix);

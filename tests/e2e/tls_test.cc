@@ -3,9 +3,6 @@
 // only under its certificate's name and with a certificate from the cluster
 // CA; a worker's ActivationService takes frames only from certified members
 // of its job.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,6 +38,25 @@ constexpr char kSubmitToken[] = "submit-token-0123456789abcdef";
 
 class TlsTest : public E2eTest {
  protected:
+  // A coordinator and two workers running a long two-stage job (both hold a
+  // stage of it and talk over mutual TLS), past its second iteration.
+  struct TwoWorkerJob {
+    Daemon c;
+    std::vector<Daemon> workers;
+    v1::Job job;
+  };
+  void StartTwoWorkerJob(TwoWorkerJob* run) {
+    run->c = StartCoordinator();
+    run->workers = StartWorkers(run->c.grpc_port, 2, WorkerFlags());
+    ASSERT_EQ(run->workers.size(), 2u);
+    run->job = Submit(run->c.grpc_port, MicroJob(2, 1, 1, 0.0, 100000));
+    const int port = run->c.grpc_port;
+    const std::string id = run->job.id();
+    ASSERT_TRUE(
+        Eventually([&] { return GetJob(port, id).progress().iteration() >= 2; }, absl::Seconds(60)))
+        << GetJob(port, id).message();
+  }
+
   // Client credentials: the test CA, optionally a certificate of `name`.
   static TransportSecurity Client(const std::string& name = "") {
     TlsFiles files;
@@ -509,21 +525,15 @@ absl::Status SendFrame(const std::string& address, const TransportSecurity& secu
 double UnauthorizedFrames(int metrics_port) {
   auto scrape = HttpGet(metrics_port, "/metrics");
   if (!scrape.ok()) return -1;
-  const std::string key = "detour_activation_frames_unauthorized_total ";
-  const size_t at = scrape->find("\n" + key);
-  if (at == std::string::npos) return -1;
-  return std::atof(scrape->c_str() + at + 1 + key.size());
+  return MetricValue(*scrape, "detour_activation_frames_unauthorized_total");
 }
 
 TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
-  Daemon c = StartCoordinator();
-  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
-  ASSERT_EQ(workers.size(), 2u);
-  // A long job: both workers hold a stage of it (and talk over mutual TLS).
-  v1::Job job = Submit(c.grpc_port, MicroJob(2, 1, 1, 0.0, 100000));
-  ASSERT_TRUE(Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= 2; },
-                         absl::Seconds(60)))
-      << GetJob(c.grpc_port, job.id()).message();
+  TwoWorkerJob run;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(&run));
+  const Daemon& c = run.c;
+  const std::vector<Daemon>& workers = run.workers;
+  const v1::Job& job = run.job;
   const Daemon& target = workers[1];
   const std::string address = absl::StrCat("127.0.0.1:", target.grpc_port);
   const double before = UnauthorizedFrames(target.metrics_port);
@@ -603,21 +613,6 @@ double RefusedDirectConnections(int metrics_port) {
   return seen ? sum : -1;
 }
 
-// A connection that never says a word: the kind a flood is made of.
-int OpenSilentConnection(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 // A flood of unauthenticated connections against a worker's direct
 // transport while a job runs over it: the two workers go on training (the
 // peer's connections were authenticated before the flood, and admission
@@ -625,13 +620,11 @@ int OpenSilentConnection(int port) {
 // connection is refused or closed within the handshake deadline and
 // counted, and the log says so in summaries, not once per connection.
 TEST_F(TlsTest, AConnectionFloodDoesNotStopTheJob) {
-  Daemon c = StartCoordinator();
-  std::vector<Daemon> workers = StartWorkers(c.grpc_port, 2, WorkerFlags());
-  ASSERT_EQ(workers.size(), 2u);
-  v1::Job job = Submit(c.grpc_port, MicroJob(2, 1, 1, 0.0, 100000));
-  ASSERT_TRUE(Eventually([&] { return GetJob(c.grpc_port, job.id()).progress().iteration() >= 2; },
-                         absl::Seconds(60)))
-      << GetJob(c.grpc_port, job.id()).message();
+  TwoWorkerJob run;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(&run));
+  const Daemon& c = run.c;
+  const std::vector<Daemon>& workers = run.workers;
+  const v1::Job& job = run.job;
   const Daemon& target = workers[1];
   ASSERT_GT(target.data_port, 0);
   const double before = RefusedDirectConnections(target.metrics_port);
@@ -642,7 +635,7 @@ TEST_F(TlsTest, AConnectionFloodDoesNotStopTheJob) {
   constexpr int kFlood = 200;
   std::vector<int> flood;
   for (int i = 0; i < kFlood; ++i) {
-    const int fd = OpenSilentConnection(target.data_port);
+    const int fd = ConnectLoopback(target.data_port);  // and never says a word
     if (fd >= 0) flood.push_back(fd);
   }
   struct Closer {
