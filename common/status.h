@@ -31,7 +31,7 @@
 namespace detour {
 
 // Returns `status` with `context` prefixed to its message ("context: message"),
-// keeping the code. OK stays OK.
+// keeping the code and the payloads. OK stays OK.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
 
 }  // namespace detour

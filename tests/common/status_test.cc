@@ -1,5 +1,8 @@
 #include "common/status.h"
 
+#include <string>
+
+#include "absl/strings/cord.h"
 #include "gtest/gtest.h"
 
 namespace detour {
@@ -34,6 +37,15 @@ TEST(Annotate, PrefixesContextAndKeepsCode) {
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(s.message(), "job.json: no such file");
   EXPECT_TRUE(Annotate(absl::OkStatus(), "x").ok());
+}
+
+TEST(Annotate, KeepsPayloads) {
+  absl::Status inner = absl::UnavailableError("closed");
+  inner.SetPayload("detour.test/mark", absl::Cord("yes"));
+  const absl::Status s = Annotate(inner, "stripe 2");
+  EXPECT_EQ(s.message(), "stripe 2: closed");
+  ASSERT_TRUE(s.GetPayload("detour.test/mark").has_value());
+  EXPECT_EQ(std::string(*s.GetPayload("detour.test/mark")), "yes");
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/tcp_relay.h"
 #include "tests/transport/recording_sink.h"
 #include "tests/transport/test_certs.h"
 #include "tests/test_paths.h"
@@ -251,6 +252,57 @@ TEST_P(DirectTransportTest, CloseDuringAHandshakeOrAWaitReturnsPromptly) {
   ASSERT_TRUE(done.HasBeenNotified());
   EXPECT_EQ(result.code(), absl::StatusCode::kCancelled);
   ::close(listener);
+}
+
+// A receiver that accepts connections and closes them at once, as its
+// connection admission does under a flood, is tried again (with a new
+// session each time) until it lets one through.
+TEST_P(DirectTransportTest, AReceiverThatClosesConnectionsIsTriedAgain) {
+  StartServer();
+  detour::testing::TcpRelay relay;
+  ASSERT_TRUE(relay.Listen().ok());
+  relay.Start(server_->port());
+  relay.Cut();  // from here every connection is accepted and closed at once
+  PeerSenderOptions o = SenderOptions();
+  o.direct_address = relay.address();
+  o.connect_timeout = absl::Seconds(20);
+  o.direct_connections = 3;
+  PeerSender sender("w2", o);
+  std::thread restore([&relay] {
+    absl::SleepFor(absl::Milliseconds(400));
+    relay.Restore();
+  });
+  const absl::Status s = SendAndWait(sender, Header(0, 4), View(Pattern(16, 0)));
+  restore.join();
+  EXPECT_TRUE(s.ok()) << s;
+  const DirectConnectionInfo info = sender.direct_info();
+  EXPECT_EQ(info.connections, 3);
+  // 50 ms, 100 ms, 200 ms, ... apart: 400 ms of refusals take 3 to 5 tries.
+  EXPECT_GE(info.connect_attempts, 2);
+  EXPECT_LE(info.connect_attempts, 8);
+  EXPECT_EQ(sink_.received().size(), 1u);
+  EXPECT_EQ(server_->stats().accepted, 3u);  // only the stripes of the last try
+}
+
+TEST_P(DirectTransportTest, AReceiverThatKeepsClosingConnectionsFailsAtTheConnectTimeout) {
+  StartServer();
+  detour::testing::TcpRelay relay;
+  ASSERT_TRUE(relay.Listen().ok());
+  relay.Start(server_->port());
+  relay.Cut();
+  PeerSenderOptions o = SenderOptions();
+  o.direct_address = relay.address();
+  o.connect_timeout = absl::Milliseconds(1500);
+  PeerSender sender("w2", o);
+  const absl::Time start = absl::Now();
+  const absl::Status s = SendAndWait(sender, Header(0, 4), View(Pattern(16, 0)));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("closed by the receiver at each of"));
+  EXPECT_THAT(s.message(), HasSubstr(relay.address()));
+  EXPECT_GE(took, absl::Milliseconds(700));
+  EXPECT_LT(took, absl::Seconds(15));
+  EXPECT_TRUE(sink_.received().empty());
 }
 
 TEST_P(DirectTransportTest, ShutdownEndsIdleConnectionsPromptly) {
@@ -660,7 +712,9 @@ TEST_F(DirectTlsIdentityTest, ForeignCaPlaintextAndImpostorsAreRefused) {
     o.peer_name = "w2";
     o.connect_timeout = absl::Seconds(3);
     PeerSender sender("w2", o);
-    EXPECT_FALSE(SendAndWait(sender, Header(1, 16), View(data)).ok());
+    const absl::Status s = SendAndWait(sender, Header(1, 16), View(data));
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(s.message(), HasSubstr("requires TLS")) << s;
   }
   {  // a cluster certificate, but frames sent in another worker's name
     PeerSenderOptions o;
@@ -730,8 +784,13 @@ TEST_F(DirectTlsIdentityTest, OnlyAWorkersCertificateMaySend) {
     return SendAndWait(sender, Header(microbatch, 16, me), View(data));
   };
   // A client's certificate from the cluster CA gets through TLS but is not
-  // a worker's: the connection ends before any frame, counted as identity.
-  EXPECT_FALSE(send_as("alice", 0).ok());
+  // a worker's: the connection ends before any frame, counted as identity,
+  // and the receiver's answer says so, so the sender does not try again.
+  const absl::Time start = absl::Now();
+  const absl::Status refused = send_as("alice", 0);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.message(), HasSubstr("refused this sender"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));  // connect_timeout is 5 s
   EXPECT_TRUE(send_as("w1", 1).ok());
   ASSERT_EQ(sink_.received().size(), 1u);
   EXPECT_EQ(sink_.received()[0].first.microbatch(), 1u);

@@ -18,12 +18,36 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/net/address.h"
+#include "common/status.h"
 
 namespace detour {
+
+namespace {
+constexpr absl::string_view kClosedByReceiverUrl = "detour.direct/closed_by_receiver";
+
+absl::Status MarkClosedByReceiver(absl::Status status) {
+  status.SetPayload(kClosedByReceiverUrl, absl::Cord("1"));
+  return status;
+}
+
+// Whether an SSL call that failed with `ssl_error` saw the peer close or
+// reset the connection (rather than refuse it with an alert). Reads the
+// calling thread's OpenSSL error queue.
+bool SslPeerHungUp(int ssl_error) {
+  if (ssl_error == SSL_ERROR_ZERO_RETURN || ssl_error == SSL_ERROR_SYSCALL) return true;
+  return ssl_error == SSL_ERROR_SSL &&
+         ERR_GET_REASON(ERR_peek_last_error()) == SSL_R_UNEXPECTED_EOF_WHILE_READING;
+}
+}  // namespace
+
+bool ClosedByReceiver(const absl::Status& status) {
+  return status.GetPayload(kClosedByReceiverUrl).has_value();
+}
 
 void IgnoreSigpipe() {
   static std::once_flag once;
@@ -227,9 +251,15 @@ absl::Status DirectLink::Handshake(bool client, absl::Time deadline) {
     ERR_clear_error();
     const int rc = client ? SSL_connect(ssl_) : SSL_accept(ssl_);
     if (rc == 1) return BufferWrites();
-    const short event = RetryEvent(SSL_get_error(ssl_, rc));
+    const int error = SSL_get_error(ssl_, rc);
+    const short event = RetryEvent(error);
     if (event == 0) {
       const long verify = SSL_get_verify_result(ssl_);
+      if (client && verify == X509_V_OK && SslPeerHungUp(error)) {
+        // Closed before it said anything: not a TLS failure of ours.
+        return MarkClosedByReceiver(absl::UnavailableError(absl::StrCat(
+            "the receiver closed the connection during the handshake (", OpenSslErrors(), ")")));
+      }
       return absl::UnauthenticatedError(
           absl::StrCat("failed: ", verify != X509_V_OK ? X509_verify_cert_error_string(verify)
                                                        : OpenSslErrors()));
@@ -291,7 +321,7 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::strin
   auto link = Open(address, std::move(ctx), peer_name, timeout, wake_fd, socket);
   if (!link.ok()) return link.status();
   if (absl::Status s = (*link)->Greet(hello, deadline - absl::Now()); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("direct transport: ", address, ": ", s.message()));
+    return Annotate(s, absl::StrCat("direct transport: ", address));
   }
   return link;
 }
@@ -357,8 +387,8 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Open(const std::string& 
   std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
   if (ssl != nullptr) {
     if (absl::Status s = link->Handshake(/*client=*/true, deadline); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("direct transport: TLS handshake with ", address,
-                                                 " (expecting ", peer_name, "): ", s.message()));
+      return Annotate(s, absl::StrCat("direct transport: TLS handshake with ", address,
+                                      " (expecting ", peer_name, ")"));
     }
     link->peer_name_ = VerifiedPeerName(ssl);
     if (!link->peer_name_.has_value()) {
@@ -380,17 +410,30 @@ absl::Status DirectLink::Greet(const DirectHello& hello, absl::Duration timeout)
   std::memcpy(out, kDirectPreface, sizeof(kDirectPreface));
   EncodeDirectHello(hello, out + sizeof(kDirectPreface));
   if (absl::Status s = Write(out, sizeof(out)); !s.ok()) {
-    return absl::UnavailableError(absl::StrCat("sending the preface: ", s.message()));
+    absl::Status failed =
+        absl::UnavailableError(absl::StrCat("sending the preface: ", s.message()));
+    // The first bytes of a new connection fail only when the receiver
+    // already closed or reset it (or the wait for room ran out).
+    return s.code() == absl::StatusCode::kUnavailable ? MarkClosedByReceiver(std::move(failed))
+                                                      : failed;
   }
   char answer[sizeof(kDirectPreface)];
   if (absl::Status s = Read(answer, sizeof(answer)); !s.ok()) {
-    if (s.code() == absl::StatusCode::kUnavailable) {
-      return absl::FailedPreconditionError(absl::StrCat(
+    if (ClosedByReceiver(s)) {
+      return MarkClosedByReceiver(absl::FailedPreconditionError(absl::StrCat(
           "the receiver closed the connection instead of accepting direct-transport v2 (",
           s.message(), "): it runs an older detour that speaks only v1, or it refused stripe ",
-          hello.stripe, " of ", hello.stripes, " (see its log)"));
+          hello.stripe, " of ", hello.stripes, " (see its log)")));
     }
     return absl::Status(s.code(), absl::StrCat("waiting for the receiver's answer: ", s.message()));
+  }
+  if (std::memcmp(answer, kDirectRefusal, sizeof(answer)) == 0) {
+    return absl::PermissionDeniedError(
+        ssl_ == nullptr
+            ? "the receiver refused this plaintext sender: it requires TLS (give this worker "
+              "the cluster's certificates)"
+            : "the receiver refused this sender after its hello (its log says why: a "
+              "certificate that is not a worker's)");
   }
   if (std::memcmp(answer, kDirectPreface, sizeof(answer)) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -402,6 +445,8 @@ absl::Status DirectLink::Greet(const DirectHello& hello, absl::Duration timeout)
 }
 
 absl::Status DirectLink::Welcome() { return Write(kDirectPreface, sizeof(kDirectPreface)); }
+
+absl::Status DirectLink::Refuse() { return Write(kDirectRefusal, sizeof(kDirectRefusal)); }
 
 void DirectLink::SetSendBuffer(int64_t bytes) {
   DirectSocketOptions options;
@@ -429,6 +474,13 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
   ssl_st* ssl = *new_ssl;
   std::unique_ptr<DirectLink> link(new DirectLink(fd, ssl, wake_fd));
   if (ssl != nullptr) {
+    if (link->PlaintextPrefaceWaiting(deadline)) {
+      // A sender without TLS: told in its own terms, so that it reports the
+      // refusal instead of trying again.
+      (void)!::send(fd, kDirectRefusal, sizeof(kDirectRefusal), MSG_NOSIGNAL);
+      return absl::UnauthenticatedError(
+          "TLS handshake: the sender speaks plaintext; this worker requires TLS");
+    }
     if (absl::Status s = link->Handshake(/*client=*/false, deadline); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("TLS handshake: ", s.message()));
     }
@@ -463,6 +515,30 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
   return link;
 }
 
+bool DirectLink::PlaintextPrefaceWaiting(absl::Time deadline) {
+  char first[sizeof(kDirectPreface)];
+  while (true) {
+    const ssize_t n = ::recv(fd_, first, sizeof(first), MSG_PEEK);
+    if (n == static_cast<ssize_t>(sizeof(first))) {
+      return std::memcmp(first, kDirectPreface, sizeof(first)) == 0 ||
+             std::memcmp(first, kDirectPrefaceV1, sizeof(first)) == 0;
+    }
+    // A TLS client's first record is longer than a preface: fewer bytes
+    // than that, or none yet, is left to the handshake when the first
+    // byte is already a TLS record's.
+    if (n > 0 && first[0] != kDirectPreface[0]) return false;
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      return false;  // closed or failed: the handshake reports it
+    }
+    if (n > 0) {  // part of what may be a preface: readable already, so poll would spin
+      if (absl::Now() >= deadline) return false;
+      absl::SleepFor(absl::Milliseconds(1));
+      continue;
+    }
+    if (!Wait(POLLIN, deadline, "the sender's first bytes").ok()) return false;
+  }
+}
+
 absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
   char* p = static_cast<char*>(data);
   size_t done = 0;
@@ -483,19 +559,24 @@ absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
         got = rc;
       } else {
         if (error == SSL_ERROR_ZERO_RETURN) {
-          return absl::UnavailableError("connection closed by the peer");
+          return MarkClosedByReceiver(absl::UnavailableError("connection closed by the peer"));
         }
         wait_for = RetryEvent(error);
         if (wait_for == 0) {
-          return absl::UnavailableError(absl::StrCat("TLS read: ", OpenSslErrors()));
+          const bool hung_up = SslPeerHungUp(error);  // before the queue is read out
+          absl::Status failed = absl::UnavailableError(absl::StrCat("TLS read: ", OpenSslErrors()));
+          return hung_up ? MarkClosedByReceiver(std::move(failed)) : failed;
         }
         got = -1;
       }
     } else {
       got = ::recv(fd_, p + done, n - done, 0);
-      if (got == 0) return absl::UnavailableError("connection closed by the peer");
+      if (got == 0) {
+        return MarkClosedByReceiver(absl::UnavailableError("connection closed by the peer"));
+      }
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return absl::UnavailableError(absl::StrCat("read: ", std::strerror(errno)));
+        absl::Status failed = absl::UnavailableError(absl::StrCat("read: ", std::strerror(errno)));
+        return errno == ECONNRESET ? MarkClosedByReceiver(std::move(failed)) : failed;
       }
     }
     if (got > 0) {

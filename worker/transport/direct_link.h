@@ -44,8 +44,20 @@ namespace detour {
 // the direct transport call it before they open a connection.
 void IgnoreSigpipe();
 
+// Whether `status` (from DirectLink::Open, Connect or Greet) says that the
+// receiver accepted the TCP connection and then closed or reset it without a
+// word: no TLS alert, no answer to the hello. A receiver does that when it
+// sheds load (connection admission refuses or evicts an unauthenticated
+// connection), while it shuts down, and when it speaks only v1. Trying again
+// a little later may succeed; a refusal in words (a TLS alert, a wrong
+// answer) or a port nobody listens on is not marked.
+bool ClosedByReceiver(const absl::Status& status);
+
 inline constexpr char kDirectPreface[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '2'};
 inline constexpr char kDirectPrefaceV1[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'v', '1'};
+// The receiver's answer to a hello it refuses for good (a certificate that is
+// not a worker's): the sender reports it and does not try again.
+inline constexpr char kDirectRefusal[8] = {'D', 'T', 'R', 'D', 'I', 'R', 'n', 'o'};
 inline constexpr size_t kDirectHelloBytes = 16;
 
 // Which session a connection belongs to and its place in it. A session is
@@ -94,7 +106,8 @@ class DirectLink {
       const DirectSocketOptions& socket = {});
   // Sends the preface and `hello` and waits (up to `timeout`) for the
   // receiver's answer. A receiver that closes instead (a v1 receiver, or one
-  // that refused the stripe) gives FAILED_PRECONDITION saying so.
+  // that refused the stripe) gives FAILED_PRECONDITION saying so, marked
+  // ClosedByReceiver.
   absl::Status Greet(const DirectHello& hello, absl::Duration timeout);
   // Takes an accepted socket (owns it from here on, also on error). With TLS,
   // handshakes within `timeout`; the client must present a certificate from
@@ -104,7 +117,10 @@ class DirectLink {
   static absl::StatusOr<std::unique_ptr<DirectLink>> Accept(int fd, std::shared_ptr<ssl_ctx_st> ctx,
                                                             absl::Duration timeout,
                                                             int wake_fd = -1);
+  // Answers the hello: accepted (the preface) or refused for good
+  // (kDirectRefusal; the caller then closes the link).
   absl::Status Welcome();
+  absl::Status Refuse();
   // The hello Accept read.
   const DirectHello& hello() const { return hello_; }
   // The kernel's smoothed round-trip estimate (TCP_INFO); zero if unknown.
@@ -144,6 +160,9 @@ class DirectLink {
   absl::Status Wait(short events, absl::Time deadline, absl::string_view what);
   // The TLS handshake (SSL_connect or SSL_accept) by `deadline`.
   absl::Status Handshake(bool client, absl::Time deadline);
+  // Whether the client's first bytes (waited for until `deadline`) are a
+  // plaintext preface rather than a TLS record: a sender without TLS.
+  bool PlaintextPrefaceWaiting(absl::Time deadline);
   // After the handshake: a buffer BIO in front of the socket gathers TLS
   // records (kWriteBufferBytes at a time) instead of one write() per record.
   absl::Status BufferWrites();

@@ -256,6 +256,7 @@ std::unique_ptr<DirectLink> DirectServer::Handshake(uint64_t id, int fd,
     absl::Status kind =
         CheckWorkerPeer((*accepted)->ssl(), options_.security.allow_unmarked_worker_certs());
     if (!kind.ok()) {
+      (void)(*accepted)->Refuse();  // the sender gives up rather than try again
       accepted = absl::PermissionDeniedError(
           absl::StrCat((*accepted)->peer_name().value_or("?"), ": ", kind.message()));
     }

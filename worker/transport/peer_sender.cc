@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <openssl/rand.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <utility>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/net/identity.h"
 #include "common/net/server.h"
+#include "common/status.h"
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -513,7 +516,50 @@ absl::Status PeerSender::ReceiverIsWorker(const DirectLink& link) const {
 
 absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDirect() {
   if (!ssl_ctx_status_.ok()) return ssl_ctx_status_;
-  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + options_.connect_timeout;
+  absl::Duration pause = absl::Milliseconds(50);
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> links = ConnectDirectOnce(deadline);
+    if (links.ok()) {
+      absl::MutexLock lock(&mu_);
+      direct_info_.connect_attempts = attempt;
+      return links;
+    }
+    // A receiver under a connection flood closes handshaking connections
+    // to make room (connection_admission.h): each try has a fair chance,
+    // and the session is new every time (the server ends a session when
+    // any of its stripes closes).
+    if (!ClosedByReceiver(links.status())) return links.status();
+    // Up to half as much again, so that senders refused together do not
+    // come back together.
+    uint16_t jitter = 0;
+    (void)RAND_bytes(reinterpret_cast<unsigned char*>(&jitter), sizeof(jitter));
+    const absl::Duration wait = pause + pause * (jitter / 131072.0);
+    if (absl::Now() + wait >= deadline) {
+      return Annotate(links.status(),
+                      absl::StrCat("closed by the receiver at each of ", attempt,
+                                   attempt == 1 ? " try" : " tries", " in ",
+                                   absl::FormatDuration(
+                                       absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))));
+    }
+    if (!PauseUnlessClosed(wait)) return absl::CancelledError("sender closed");
+    pause = std::min(pause * 2, absl::Seconds(1));
+  }
+}
+
+bool PeerSender::PauseUnlessClosed(absl::Duration pause) {
+  pollfd wake{wake_pipe_[0], POLLIN, 0};
+  const int ms = static_cast<int>(absl::ToInt64Milliseconds(pause));
+  while (true) {
+    const int n = ::poll(&wake, 1, ms);
+    if (n < 0 && errno == EINTR) continue;
+    return n == 0;
+  }
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDirectOnce(
+    absl::Time deadline) {
   DirectHello hello;
   if (RAND_bytes(reinterpret_cast<unsigned char*>(&hello.session), sizeof(hello.session)) != 1) {
     return absl::InternalError("direct transport: no random session id (RAND_bytes failed)");
@@ -522,7 +568,8 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   socket.bbr = options_.bbr && BbrUsable();
   std::vector<std::unique_ptr<DirectLink>> links;
   auto first = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
-                                options_.connect_timeout, wake_pipe_[0], socket);
+                                std::max(absl::Milliseconds(1), deadline - absl::Now()),
+                                wake_pipe_[0], socket);
   if (!first.ok()) return first.status();
   // The receiver's certificate names the peer (checked in the handshake) and
   // must be a worker's: a coordinator's or a user's certificate with the
@@ -557,10 +604,7 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   }
   for (auto& t : connecting) t.join();
   for (auto& link : more) {
-    if (!link.ok()) {
-      return absl::Status(link.status().code(),
-                          absl::StrCat("stripe connection: ", link.status().message()));
-    }
+    if (!link.ok()) return Annotate(link.status(), "stripe connection");
     if (absl::Status kind = ReceiverIsWorker(**link); !kind.ok()) return kind;
     links.push_back(*std::move(link));
   }

@@ -53,7 +53,11 @@ struct PeerSenderOptions {
   // stream. A direct connection uses `security` the same way (TLS with the
   // peer's certificate naming `peer_name`, or plaintext).
   std::string direct_address;
-  // Connecting (and the TLS handshake) of a direct connection.
+  // Connecting (and the TLS handshake) of a direct connection. A receiver
+  // that accepts and then closes a connection without a word (it sheds load
+  // under a connection flood, or is shutting down: ClosedByReceiver) is
+  // tried again, after 50 ms doubling to 1 s, until this much has passed
+  // since the first try.
   absl::Duration connect_timeout = absl::Seconds(10);
   // Striping (direct transport): how many connections carry tensors to this
   // peer. 0 = as many as the link needs (tcp_tuning.h's PlanStripes: the
@@ -78,6 +82,9 @@ struct DirectConnectionInfo {
   std::string congestion_control;
   absl::Duration rtt;  // the kernel's estimate at connect
   int64_t sndbuf_request = 0;
+  // Tries the last connect took: more than 1 when the receiver closed the
+  // connections of the earlier ones (PeerSenderOptions::connect_timeout).
+  int connect_attempts = 0;
 };
 
 class PeerSender {
@@ -149,8 +156,13 @@ class PeerSender {
   void OnStreamDone();
   // A direct stripe failed: the whole stream is given up (its tensors fail).
   void OnStreamBroken();
-  // Opens the stripes of a new direct session (blocking; without mu_).
+  // Opens the stripes of a new direct session (blocking; without mu_),
+  // trying again while the receiver closes them without a word.
   absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> ConnectDirect();
+  // One try: every stripe of a new session, opened by `deadline`.
+  absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> ConnectDirectOnce(absl::Time deadline);
+  // Waits `pause`, or less when Close() wakes it (false then).
+  bool PauseUnlessClosed(absl::Duration pause);
   // PERMISSION_DENIED unless a TLS link's receiver presented a worker's
   // certificate (common/net/identity.h; unmarked ones when the security
   // allows them).
