@@ -87,10 +87,11 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
                 "difference), to emulate a slow node; 1 = off, at most 100");
   flags->String("inject_fault", &v->inject_fault,
                 "testing aid, KIND@N: at iteration N (from 0) misbehave in a way the "
-                "coordinator must catch and fail the job for — diverge (nudge a parameter after "
-                "the step, so this replica differs from its peers), duplicate_microbatch or "
-                "missing_microbatch (a data node reports its first microbatch twice / leaves "
-                "its last out); default none");
+                "coordinator must catch — diverge (nudge a parameter after the step, so this "
+                "replica differs from its peers), duplicate_microbatch or missing_microbatch (a "
+                "data node reports its first microbatch twice / leaves its last out): the job "
+                "fails naming it; nan_activations (the forward activations sent from then on "
+                "hold NaN): the worker is excluded and the job goes on; default none");
   flags->String("metrics_bind", &o->metrics_bind,
                 "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags->String("metrics_advertise", &o->metrics_advertise,
@@ -147,12 +148,14 @@ absl::Status ParseFaultInjection(const std::string& text,
   const std::vector<std::string> parts = absl::StrSplit(text, '@');
   const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
                                              {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
-                                             {"missing_microbatch", Kind::kMissingMicrobatch}};
+                                             {"missing_microbatch", Kind::kMissingMicrobatch},
+                                             {"nan_activations", Kind::kNanActivations}};
   uint64_t iteration = 0;
   if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
     return absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", text,
                                                    "\" is not KIND@ITERATION with KIND diverge, "
-                                                   "duplicate_microbatch or missing_microbatch"));
+                                                   "duplicate_microbatch, missing_microbatch or "
+                                                   "nan_activations"));
   }
   fault->kind = kinds.at(parts[0]);
   fault->iteration = iteration;

@@ -409,16 +409,22 @@ void PinFiveWorkers(v1::JobSpec* spec) {
   two->add_nodes("w4");
 }
 
-// Starts w0..w4; `slow` runs every compute task `factor` times slower.
-std::vector<Daemon> StartFive(ElasticTest* test, int port, const std::string& slow, double factor) {
+// Starts w0..w4, giving `odd` the flag `odd_flag` on top of the others'.
+std::vector<Daemon> StartFiveWith(ElasticTest* test, int port, const std::string& odd,
+                                  const std::string& odd_flag) {
   std::vector<Daemon> workers;
   for (int i = 0; i < 5; ++i) {
     const std::string name = absl::StrCat("w", i);
     std::vector<std::string> flags = WorkerFlags();
-    if (name == slow) flags.push_back(absl::StrFormat("--compute_slowdown=%g", factor));
+    if (name == odd) flags.push_back(odd_flag);
     workers.push_back(test->AddWorker(port, name, flags));
   }
   return workers;
+}
+
+// Starts w0..w4; `slow` runs every compute task `factor` times slower.
+std::vector<Daemon> StartFive(ElasticTest* test, int port, const std::string& slow, double factor) {
+  return StartFiveWith(test, port, slow, absl::StrFormat("--compute_slowdown=%g", factor));
 }
 
 // The value of the series `series` (name and labels as exposed) on a
@@ -477,6 +483,39 @@ TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
   EXPECT_GT(slow, 0);
   EXPECT_LT(slow, fast);
   EXPECT_GE(MetricValue(c, "detour_coordinator_stragglers_total"), 1);
+}
+
+// A member whose activations hold NaN (a real worker, made to send them
+// from iteration 3 on by fault injection, as a broken or hostile node
+// would): the
+// stage-2 worker it sends to drops the frame and names it, the coordinator
+// excludes it and re-runs the iteration on its replica, and the job
+// finishes with a finite loss instead of failing on a non-finite gradient.
+TEST_F(ElasticTest, AMemberSendingNaNIsExcludedAndTheJobGoesOn) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 8);
+  // Routes that spread microbatches over both replicas (the full
+  // scheduler may send them all through one when its links measure faster).
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
+  spec.mutable_elastic()->set_reassign_disabled(true);  // the assignment stays as pinned
+  PinFiveWorkers(&spec);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers =
+      StartFiveWith(this, c.grpc_port, "w2", "--inject_fault=nan_activations@3");
+  ElasticRun run(this, c.grpc_port, spec);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+  ExpectHealthyEnd(job, c);
+  const std::string history = History(job);
+  EXPECT_GE(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << history;
+  EXPECT_THAT(history, HasSubstr("w2")) << history;
+  EXPECT_THAT(history, HasSubstr("NaN")) << history;
+  EXPECT_THAT(workers[2].process->Log(), HasSubstr("--inject_fault: sending NaN activations"));
+  // The receiver that caught it said so; nobody else was excluded.
+  EXPECT_THAT(history, Not(HasSubstr("worker w1 leaves"))) << history;
+  EXPECT_THAT(c.process->Log(), HasSubstr("worker w2 leaves the job"));
+  EXPECT_EQ(job.stages(1).nodes_size(), 1) << job.DebugString();
+  EXPECT_EQ(job.stages(1).nodes(0), "w1");
 }
 
 // Stage 2's fast replica dies and leaves a slow one (ten times slower)

@@ -76,9 +76,12 @@ struct JobRuntimeOptions {
   // coordinator's result checks must catch — kDiverge: after its step it
   // nudges one parameter, so it no longer equals its replicas; a data node
   // reports its first completed microbatch twice (kDuplicateMicrobatch) or
-  // leaves its last one out (kMissingMicrobatch).
+  // leaves its last one out (kMissingMicrobatch); kNanActivations: the
+  // forward activations it sends from that iteration on hold NaN (a broken
+  // or hostile member: its receivers must report it, and the coordinator
+  // exclude it and go on).
   struct FaultInjection {
-    enum class Kind { kNone, kDiverge, kDuplicateMicrobatch, kMissingMicrobatch };
+    enum class Kind { kNone, kDiverge, kDuplicateMicrobatch, kMissingMicrobatch, kNanActivations };
     Kind kind = Kind::kNone;
     uint64_t iteration = 0;
   };

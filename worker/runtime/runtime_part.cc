@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -136,6 +137,14 @@ void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uin
     wire = wire.to(at::kFloat);
   }
   wire = wire.to(at::kCPU).contiguous();
+  if (direction == v1::DIRECTION_FORWARD &&
+      options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kNanActivations &&
+      it_->plan.iteration() >= options_.fault.iteration && wire.numel() > 0) {
+    LogWarning("job ", job_id_, ": --inject_fault: sending NaN activations to ", to,
+               " (microbatch ", mb, " of iteration ", it_->plan.iteration(), ")");
+    wire = wire.clone();
+    wire.view({-1})[wire.numel() / 2] = std::numeric_limits<float>::quiet_NaN();
+  }
   v1::FrameHeader h;
   h.set_job_id(job_id_);
   h.set_iteration(it_->plan.iteration());
