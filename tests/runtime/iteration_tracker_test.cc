@@ -3,6 +3,7 @@
 #include "worker/runtime/iteration_tracker.h"
 
 #include <algorithm>
+#include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -36,8 +37,16 @@ v1::IterationPlan Plan() {
   return plan;
 }
 
+// A frame as the plan has it sent: from the node before `hop` (forward) or
+// after it (backward; the last node's from the data node).
 v1::FrameHeader Frame(uint32_t mb, v1::Direction d, uint32_t hop, uint64_t epoch = 0) {
   v1::FrameHeader h;
+  const v1::IterationPlan plan = Plan();
+  const v1::Route& r = plan.routes(static_cast<int>(mb % 3));
+  const int n = r.nodes_size();
+  const int from =
+      d == v1::DIRECTION_FORWARD ? static_cast<int>(hop) - 1 : static_cast<int>(hop) + 1;
+  h.set_sender(from >= 0 && from < n ? r.nodes(from) : r.data_node());
   h.set_microbatch(mb);
   h.set_direction(d);
   h.set_hop(hop);
@@ -75,6 +84,36 @@ TEST(IterationTracker, AcceptsOnlyThisNodesHopsOnce) {
   EXPECT_EQ(loss.verdict, Verdict::kRun);
   EXPECT_TRUE(loss.loss);
   EXPECT_THAT(d0.Own(), ElementsAre(0, 1));
+}
+
+// A member cannot stand in for another on a route: a copy of a hop's tensor
+// from anyone but the node the route has send it is not taken, even when it
+// comes first, and the real one still is.
+TEST(IterationTracker, AcceptsAHopOnlyFromTheNodeTheRouteHasSendIt) {
+  auto from = [](v1::FrameHeader h, const std::string& sender) {
+    h.set_sender(sender);
+    return h;
+  };
+  IterationTracker a(Plan(), "a");
+  // mb 0 is d0 -> a -> c: its forward hop 1 comes from d0, its backward hop
+  // 1 from c.
+  EXPECT_EQ(a.Accept(from(Frame(0, v1::DIRECTION_FORWARD, 1), "b")).verdict, Verdict::kUnexpected);
+  EXPECT_EQ(a.Accept(from(Frame(0, v1::DIRECTION_FORWARD, 1), "d1")).verdict, Verdict::kUnexpected);
+  EXPECT_EQ(a.Accept(Frame(0, v1::DIRECTION_FORWARD, 1)).verdict, Verdict::kRun);
+  EXPECT_EQ(a.Accept(from(Frame(0, v1::DIRECTION_BACKWARD, 1), "d0")).verdict,
+            Verdict::kUnexpected);
+  EXPECT_EQ(a.Accept(Frame(0, v1::DIRECTION_BACKWARD, 1)).verdict, Verdict::kRun);
+  // The loss's forward comes from the last node only; the last node's
+  // backward from the data node only.
+  IterationTracker d0(Plan(), "d0");
+  EXPECT_EQ(d0.Accept(from(Frame(0, v1::DIRECTION_FORWARD, 3), "a")).verdict, Verdict::kUnexpected);
+  EXPECT_EQ(d0.Accept(Frame(0, v1::DIRECTION_FORWARD, 3)).verdict, Verdict::kRun);
+  IterationTracker c(Plan(), "c");
+  EXPECT_EQ(c.Accept(from(Frame(0, v1::DIRECTION_BACKWARD, 2), "a")).verdict, Verdict::kUnexpected);
+  EXPECT_EQ(c.Accept(Frame(0, v1::DIRECTION_BACKWARD, 2)).verdict, Verdict::kRun);
+  // A hop past the route's end is nobody's.
+  EXPECT_EQ(c.Accept(from(Frame(0, v1::DIRECTION_BACKWARD, 0xffffffffu), "d0")).verdict,
+            Verdict::kUnexpected);
 }
 
 // The first microbatch still owing a backward here: gradients of those

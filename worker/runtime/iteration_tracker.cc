@@ -66,12 +66,18 @@ IterationTracker::Incoming IterationTracker::Accept(const v1::FrameHeader& h) {
   }
   const v1::Route& r = m.route;
   const int hop = static_cast<int>(h.hop());
+  const int n = r.nodes_size();
+  // This node's hop, and from the node the route has send it: a forward
+  // comes from the node before (the loss's from the last node), a backward
+  // from the node after (the last node's from the data node, which ran the
+  // loss). Another member's copy is not taken, even before the real one.
   bool expected;
   if (h.direction() == v1::DIRECTION_FORWARD) {
-    expected = (hop > 0 && hop < r.nodes_size() && r.nodes(hop) == me_) ||
-               (hop == r.nodes_size() && r.data_node() == me_);
+    expected = hop > 0 && hop <= n && h.sender() == r.nodes(hop - 1) &&
+               (hop < n ? r.nodes(hop) == me_ : r.data_node() == me_);
   } else if (h.direction() == v1::DIRECTION_BACKWARD) {
-    expected = hop < r.nodes_size() && r.nodes(hop) == me_;
+    expected = hop >= 0 && hop < n && r.nodes(hop) == me_ &&
+               h.sender() == (hop + 1 < n ? r.nodes(hop + 1) : r.data_node());
   } else {
     expected = false;
   }

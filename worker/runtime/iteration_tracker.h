@@ -53,7 +53,8 @@ class IterationTracker {
     int hop = 0;
     bool loss = false;  // a forward back at the data node: run the loss
   };
-  // Classifies a forward or backward tensor.
+  // Classifies a forward or backward tensor: kRun only for this node's hop
+  // of a live route, once, and from the node the route has send it.
   Incoming Accept(const v1::FrameHeader& header);
 
   // Work that ran here: the forward at the route's position (the data
