@@ -91,7 +91,10 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
                 "replica differs from its peers), duplicate_microbatch or missing_microbatch (a "
                 "data node reports its first microbatch twice / leaves its last out): the job "
                 "fails naming it; nan_activations (the forward activations sent from then on "
-                "hold NaN): the worker is excluded and the job goes on; default none");
+                "hold NaN): the worker is excluded and the job goes on; frame_flood (with each "
+                "forward activation from iteration N on, 64 copies labelled as the next "
+                "iteration's): the receivers' "
+                "quotas take it and the job goes on; default none");
   flags->String("metrics_bind", &o->metrics_bind,
                 "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags->String("metrics_advertise", &o->metrics_advertise,
@@ -149,13 +152,14 @@ absl::Status ParseFaultInjection(const std::string& text,
   const std::map<std::string, Kind> kinds = {{"diverge", Kind::kDiverge},
                                              {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
                                              {"missing_microbatch", Kind::kMissingMicrobatch},
-                                             {"nan_activations", Kind::kNanActivations}};
+                                             {"nan_activations", Kind::kNanActivations},
+                                             {"frame_flood", Kind::kFrameFlood}};
   uint64_t iteration = 0;
   if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
     return absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", text,
                                                    "\" is not KIND@ITERATION with KIND diverge, "
-                                                   "duplicate_microbatch, missing_microbatch or "
-                                                   "nan_activations"));
+                                                   "duplicate_microbatch, missing_microbatch, "
+                                                   "nan_activations or frame_flood"));
   }
   fault->kind = kinds.at(parts[0]);
   fault->iteration = iteration;

@@ -518,6 +518,35 @@ TEST_F(ElasticTest, AMemberSendingNaNIsExcludedAndTheJobGoesOn) {
   EXPECT_EQ(job.stages(1).nodes(0), "w1");
 }
 
+// A member that floods its receivers with plausible frames of the next
+// iteration (a real worker, by fault injection: with each forward from
+// iteration 3 on, 64 copies labelled as the next iteration's, every
+// microbatch of the job four times over): each receiver's quota for that
+// sender takes the flood and refuses the rest, the other replica's real
+// tensors still get in, nobody is evicted, and the job finishes.
+TEST_F(ElasticTest, AMemberFloodingNextIterationFramesEvictsNobody) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 8);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);  // both replicas carry
+  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
+  spec.mutable_elastic()->set_reassign_disabled(true);
+  PinFiveWorkers(&spec);
+  spec = *NormalizeJobSpec(spec);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers =
+      StartFiveWith(this, c.grpc_port, "w1", "--inject_fault=frame_flood@3");
+  ElasticRun run(this, c.grpc_port, spec);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+  ExpectHealthyEnd(job, c);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 0) << History(job);
+  EXPECT_EQ(job.progress().members(), 5u);
+  EXPECT_THAT(workers[1].process->Log(), HasSubstr("--inject_fault: flooding"));
+  // Stage 2's workers refused (or dropped) what went past w1's quota.
+  const double unexpected = MetricValue(workers[3], "detour_worker_frames_unexpected_total") +
+                            MetricValue(workers[4], "detour_worker_frames_unexpected_total");
+  EXPECT_GE(unexpected, 32) << workers[3].process->Log();
+}
+
 // Stage 2's fast replica dies and leaves a slow one (ten times slower)
 // while stage 1 has two fast replicas: at the next iteration boundary the
 // planner predicts that moving one of them to stage 2 repays its cost, so

@@ -79,9 +79,18 @@ struct JobRuntimeOptions {
   // leaves its last one out (kMissingMicrobatch); kNanActivations: the
   // forward activations it sends from that iteration on hold NaN (a broken
   // or hostile member: its receivers must report it, and the coordinator
-  // exclude it and go on).
+  // exclude it and go on); kFrameFlood: with each forward activation from
+  // that iteration on it sends the receiver 64 copies labelled as the next
+  // iteration's (its quota there must take the flood, not its peers').
   struct FaultInjection {
-    enum class Kind { kNone, kDiverge, kDuplicateMicrobatch, kMissingMicrobatch, kNanActivations };
+    enum class Kind {
+      kNone,
+      kDiverge,
+      kDuplicateMicrobatch,
+      kMissingMicrobatch,
+      kNanActivations,
+      kFrameFlood
+    };
     Kind kind = Kind::kNone;
     uint64_t iteration = 0;
   };

@@ -163,11 +163,38 @@ void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uin
   const uint64_t iteration = it_->plan.iteration();
   const uint64_t bytes = view.bytes;
   const std::string job = job_id_;
+  const bool flood = direction == v1::DIRECTION_FORWARD &&
+                     options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kFrameFlood &&
+                     iteration >= options_.fault.iteration;
+  const v1::FrameHeader sent = flood ? h : v1::FrameHeader();
   transport_->Send(
       to, std::move(h), std::move(view),
       [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
         core_->Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
       });
+  if (flood) SendFlood(to, sent, holder);
+}
+
+void RuntimePart::SendFlood(const std::string& to, const v1::FrameHeader& sent,
+                            const std::shared_ptr<at::Tensor>& tensor) {
+  // Plausible frames of the next iteration, every microbatch of the job many
+  // times over: more than any honest sender sends, and more than the
+  // receiver's quota for this sender takes. What comes back is ignored.
+  constexpr int kFloodFrames = 64;
+  const uint32_t microbatches = std::max<uint32_t>(
+      1, spec_.pipeline().data_nodes() * spec_.pipeline().microbatches_per_data_node());
+  LogWarning("job ", job_id_, ": --inject_fault: flooding ", to, " with ", kFloodFrames,
+             " frames of iteration ", sent.iteration() + 1);
+  for (int i = 0; i < kFloodFrames; ++i) {
+    v1::FrameHeader copy = sent;
+    copy.set_iteration(sent.iteration() + 1);
+    copy.set_microbatch((sent.microbatch() + static_cast<uint32_t>(i)) % microbatches);
+    TensorView view;
+    view.data = tensor->data_ptr();
+    view.bytes = tensor->nbytes();
+    view.keepalive = tensor;
+    transport_->Send(to, std::move(copy), std::move(view), [](absl::Status, double) {});
+  }
 }
 
 void RuntimePart::OnTransferDone(const std::string& job, uint64_t iteration, const std::string& to,

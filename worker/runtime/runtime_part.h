@@ -151,6 +151,10 @@ class RuntimePart {
   // back on the executor (OnTransferDone).
   void SendTensor(const std::string& to, v1::Direction direction, uint32_t mb, uint32_t hop,
                   const at::Tensor& tensor, uint64_t epoch);
+  // --inject_fault=frame_flood: copies of `sent` (carrying `tensor`) as the
+  // next iteration's frames, to `to`.
+  void SendFlood(const std::string& to, const v1::FrameHeader& sent,
+                 const std::shared_ptr<at::Tensor>& tensor);
   // A transfer to `peer` failed: the coordinator decides whether it is lost.
   void ReportUnreachable(uint64_t iteration, const std::string& peer, const absl::Status& why);
   // A tensor from `sender` failed CheckFrameValues and was dropped: the
