@@ -42,7 +42,7 @@ cat >"$OUT/link_probe_job.json" <<'JSON'
 JSON
 
 csv=$OUT/link_probe.csv
-echo "case,from,to,emulated_rtt_ms,probed_rtt_ms,rtt_ratio,emulated_mbytes_per_s,probed_mbytes_per_s,rate_ratio,probe_mib" >"$csv"
+echo "case,from,to,emulated_rtt_ms,probed_rtt_ms,rtt_ratio,emulated_mbytes_per_s,probed_mbytes_per_s,rate_ratio,probe_mib,stream_between_acks_ratio,stream_whole_ratio,before_stream_ratio" >"$csv"
 summary=()
 for c in "${CASES[@]}"; do
   read -r name ms rate <<<"$c"
@@ -66,10 +66,17 @@ JSON
 import csv, glob, re, statistics, sys
 name, ms, rate, run, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 region = {"w1": "East", "w2": "East", "w3": "West", "w4": "West"}
-rows, rounds = [], {}
+rows, rounds, streams = [], {}, {}
 for log in sorted(glob.glob(run + "/w*.log")):
     me = log.rsplit("/", 1)[1][:-4]
     for line in open(log):
+        # The stream's rate both ways (between its first and last
+        # acknowledgement, the estimate used; over the whole stream less a
+        # round trip, the one used before) and the best before it.
+        m = re.search(r"probe stream to (w\d+): .* ([0-9.]+) MB/s between its first and last ack, "
+                      r"([0-9.]+) MB/s over the whole stream; ([0-9.]+) MB/s before it", line)
+        if m:
+            streams[(me, m.group(1))] = [float(m.group(i)) for i in (2, 3, 4)]
         m = re.search(r"link to (w\d+): round trip ([0-9.]+) ms, ([0-9.]+) MB/s \(([0-9.]+) MiB", line)
         if m:
             peer = m.group(1)
@@ -77,7 +84,9 @@ for log in sorted(glob.glob(run + "/w*.log")):
             e_rtt = 2 * (ms if cross else 1.0)
             e_rate = rate if cross else 50.0
             rtt, r = float(m.group(2)), float(m.group(3))
-            rows.append([name, me, peer, e_rtt, rtt, rtt / e_rtt, e_rate, r, r / e_rate, float(m.group(4))])
+            st = streams.get((me, peer), [float("nan")] * 3)
+            rows.append([name, me, peer, e_rtt, rtt, rtt / e_rtt, e_rate, r, r / e_rate, float(m.group(4)),
+                         st[0] / e_rate, st[1] / e_rate, st[2] / e_rate])
         # The start: round 1 (latency), then round 2 (bulk).
         m = re.search(r"link probe round ([12]): \d+ peer\(s\) in ([0-9.]+) s", line)
         if m:
@@ -95,9 +104,21 @@ links = len(rows)
 ping_bytes_per_s = links * 3 * 64 / 60.0
 worst_rtt = max(abs(r[5] - 1) for r in rows) if rows else float("nan")
 worst_rate = max(abs(r[8] - 1) for r in rows) if rows else float("nan")
+def spread(values):
+    values = [v for v in values if v == v]
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+cross = [r for r in rows if r[3] > 2.5]
+within = lambda rs, col: sum(1 for r in rs if r[col] == r[col] and abs(r[col] - 1) <= 0.15)
+# What the whole-stream estimate would have given: the best of it and what came before.
+old_best = [max(r[11], r[12]) for r in cross]
 print(f"{name:10s} links {links:2d}  rtt error max {100*worst_rtt:5.1f}%  "
       f"rate error max {100*worst_rate:5.1f}%  start round {start_s:5.2f} s  "
       f"iteration {it:6.3f} s  latency round {ping_bytes_per_s:.1f} B/s")
+print(f"{'':10s} cross-region rate ratio {spread([r[8] for r in cross])} "
+      f"({within(cross, 8)} of {len(cross)} within 15 %); stream between acks "
+      f"{spread([r[10] for r in cross])}, whole stream {spread([r[11] for r in cross])}, "
+      f"best with the whole-stream rate {spread(old_best)} "
+      f"({sum(1 for v in old_best if abs(v - 1) <= 0.15)} of {len(cross)} within 15 %)")
 PY
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)

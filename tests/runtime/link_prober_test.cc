@@ -34,6 +34,10 @@ struct FakeLink {
   // The first this many tensors are refused, as by a peer that has not yet
   // been asked for the round.
   int refuse = 0;
+  // The first two tensors over 4 MiB (the striped ones: the probe that opens
+  // the windows and the stream's first) each take this much longer, as
+  // connections whose windows open over a long round trip do.
+  double opening_seconds = 0;
 };
 
 // Completes each tensor after the time its link would take (a real sleep,
@@ -73,9 +77,14 @@ class FakeTransport final : public PeerTransport {
     if (l.ramp_bytes > 0 && data.bytes > (64 << 10)) {
       rate *= std::min(1.0, static_cast<double>(sent_[to]) / l.ramp_bytes);
     }
+    double opening = 0;
+    if (data.bytes > (4 << 20) && opened_[to] < 2) {
+      ++opened_[to];
+      opening = l.opening_seconds;
+    }
     const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
     double& free_at = free_at_[to];
-    free_at = std::max(free_at, now) + static_cast<double>(data.bytes) / rate;
+    free_at = std::max(free_at, now) + opening + static_cast<double>(data.bytes) / rate;
     seconds += free_at - now;
     const bool down = l.down;
     threads_.emplace_back([seconds, down, done = std::move(done)] {
@@ -106,6 +115,7 @@ class FakeTransport final : public PeerTransport {
   std::map<std::string, FakeLink> links_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> sent_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, double> free_at_ ABSL_GUARDED_BY(mu_);  // seconds since the epoch
+  std::map<std::string, int> opened_ ABSL_GUARDED_BY(mu_);      // tensors that met opening_seconds
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -221,6 +231,26 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   AwaitReport();
   EXPECT_NEAR(absl::ToDoubleSeconds(prober_->Hint("j1", "long").rtt), 0.08, 1e-6);
   EXPECT_NEAR(prober_->Hint("j1", "long").rate_bytes_per_s, 100e6, 100e6 * 2e-2);
+}
+
+// On a long link whose connections take a while to open, the probe that
+// opens them and the stream's first probe are slow: the stream's rate is
+// taken between its acknowledgements, which leaves that out, where its bytes
+// over its whole time (less a round trip) read about 0.7 of the link.
+TEST_F(LinkProberTest, TheStreamsRateLeavesTheWindowsOpeningOut) {
+  FakeLink long_link{0.3, 100e6, 0, false};
+  long_link.opening_seconds = 1.0;
+  Make({{"far", long_link}});
+  prober_->OnProbe(Probe({"far"}, 32 << 20, 60000));
+  const v1::LinkReport r = AwaitReport();
+  const v1::LinkMeasurement* far = Find(r, "far");
+  ASSERT_NE(far, nullptr) << r.ShortDebugString();
+  EXPECT_TRUE(far->error().empty()) << far->error();
+  EXPECT_NEAR(far->bandwidth_bytes_per_s(), 100e6, 100e6 * 5e-2);
+  // At least five probes in the stream (four intervals to measure).
+  const uint64_t before_stream =
+      3 * LinkProber::kPingBytes + (uint64_t{7} << 20) + (uint64_t{32} << 20);
+  EXPECT_GE(far->probe_bytes(), before_stream + (uint64_t{5 * 32} << 20));
 }
 
 // Under in-process emulation the delays are the sender's, not the network's:

@@ -33,9 +33,12 @@ constexpr uint64_t kLastSingleBytes = uint64_t{4} << 20;
 // opens the connections' windows): kStreamDepth probes of that size queued
 // at all times, one more sent as each is acknowledged, until it has run
 // kStreamTime and kStreamRtts round trips, kMaxStreamBytes were sent (but
-// never fewer than kStreamDepth + 1 probes), or the link's share of the
+// never fewer than kStreamMinProbes), or the link's share of the
 // budget is spent.
 constexpr uint64_t kStreamDepth = 2;
+// The fewest probes a stream sends (the link's share of the budget may still
+// end it earlier): four intervals between acknowledgements to measure.
+constexpr uint64_t kStreamMinProbes = 5;
 constexpr absl::Duration kStreamTime = absl::Milliseconds(250);
 constexpr int kStreamRtts = 10;
 constexpr uint64_t kMaxStreamBytes = uint64_t{256} << 20;
@@ -170,7 +173,8 @@ class ProbeRound {
   std::optional<double> Measure(const std::string& peer, v1::LinkMeasurement* m, uint64_t size,
                                 int count, absl::Time peer_deadline, double best);
   // The stream of probes of bulk_max_bytes (kStreamDepth, kStreamTime): the
-  // rate of what was acknowledged, over its time less one round trip;
+  // rate between its first acknowledgement and its last (or, with too few,
+  // of what was acknowledged over its time less one round trip);
   // nothing when a probe failed (the error is set) or none was acknowledged
   // within the link's share of the budget (an error unless `best` > 0).
   std::optional<double> Stream(const std::string& peer, v1::LinkMeasurement* m,
@@ -361,7 +365,7 @@ std::optional<double> ProbeRound::Measure(const std::string& peer, v1::LinkMeasu
 std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasurement* m,
                                          absl::Time peer_deadline, double best) {
   const uint64_t size = p_.bulk_max_bytes();
-  const uint64_t most = std::max<uint64_t>(kStreamDepth + 1, kMaxStreamBytes / size);
+  const uint64_t most = std::max<uint64_t>(kStreamMinProbes, kMaxStreamBytes / size);
   const double ack = m->rtt_seconds() / rtt_factor_;  // what a transfer's ack adds
   const absl::Time start = absl::Now();
   const absl::Time stop_sending =
@@ -377,6 +381,7 @@ std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasur
   };
   while (sent < kStreamDepth) send();
   absl::Time last = absl::InfinitePast();
+  std::vector<absl::Time> acks;  // when each acknowledgement came
   while (acked < sent) {
     std::map<std::string, Inflight::Outcome> outcomes = stream.Next(peer_deadline, stop_);
     if (outcomes.empty()) {  // the link's share is spent (or the round stops)
@@ -390,10 +395,11 @@ std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasur
         return std::nullopt;
       }
       last = std::max(last, o.at);
+      acks.push_back(o.at);
       ++acked;
     }
     while (sent < most && sent - acked < kStreamDepth &&
-           (sent < kStreamDepth + 1 || absl::Now() < stop_sending)) {
+           (sent < kStreamMinProbes || absl::Now() < stop_sending)) {
       send();
     }
   }
@@ -402,11 +408,38 @@ std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasur
     return std::nullopt;
   }
   const double seconds = absl::ToDoubleSeconds(last - start);
-  LogDebug("job ", p_.job_id(), ": probe stream to ", peer, ": ", acked, " x ", size >> 20,
-           " MiB in ", absl::StrFormat("%.1f", seconds * 1e3), " ms");
+  const double min_wire = std::max(kMinWireSeconds, kMinWireShareOfRtt * ack);
+  // The whole stream's rate: what was acknowledged over its time less one
+  // round trip. On a long link that time counts the first probe's ramp,
+  // most of a short stream.
   const double wire = seconds - ack;
-  if (wire < std::max(kMinWireSeconds, kMinWireShareOfRtt * ack)) return 0.0;
-  return static_cast<double>(size) * static_cast<double>(acked) / wire;
+  const double whole =
+      wire < min_wire ? 0.0 : static_cast<double>(size) * static_cast<double>(acked) / wire;
+  // Once the stream runs, one probe is delivered between one acknowledgement
+  // and the next: the rate between the acknowledgements leaves the round
+  // trip and the ramp out. It starts at the last of the first kStreamDepth,
+  // which were sent together and share the connections, so they finish
+  // close together (from the first one the rate read up to 1.34× the link).
+  std::sort(acks.begin(), acks.end());
+  double between = 0;
+  if (acks.size() >= kStreamDepth + 1) {
+    const double span = absl::ToDoubleSeconds(acks.back() - acks.front());
+    if (span >= min_wire) {
+      between = static_cast<double>(size) * static_cast<double>(acks.size() - 1) / span;
+    }
+  }
+  std::string ack_ms;
+  for (absl::Time t : acks) {
+    absl::StrAppend(&ack_ms, ack_ms.empty() ? "" : " ",
+                    absl::StrFormat("%.1f", absl::ToDoubleMilliseconds(t - start)));
+  }
+  LogInfo("job ", p_.job_id(), ": probe stream to ", peer, ": acks at ", ack_ms, " ms");
+  LogInfo("job ", p_.job_id(), ": probe stream to ", peer, ": ", acked, " x ", size >> 20,
+          " MiB in ", absl::StrFormat("%.1f", seconds * 1e3), " ms; ",
+          absl::StrFormat("%.1f", between / 1e6), " MB/s between its first and last ack, ",
+          absl::StrFormat("%.1f", whole / 1e6), " MB/s over the whole stream; ",
+          absl::StrFormat("%.1f", best / 1e6), " MB/s before it");
+  return between > 0 ? between : whole;
 }
 
 v1::LinkReport ProbeRound::Finish() {

@@ -13,11 +13,12 @@
 // on one connection), and last one bulk_max_bytes probe, which the
 // transport stripes over its connections and which opens their windows over
 // a long round trip, and as soon as it is acknowledged a stream of more of
-// that size, two queued at all times, for at least 10 round trips and 0.25 s
-// (at most 256 MiB), which finds the windows open. A measurement's rate is
-// its bytes over its time less one round trip; the link's bandwidth is the
-// best rate. The stream ends early when the peer's share of the round's
-// budget is spent; the shares follow each link's need (BulkShare).
+// that size, two queued at all times, for at least 10 round trips, 0.25 s
+// and 5 probes (at most 256 MiB), which finds the windows open. A single measurement's
+// rate is its bytes over its time less one round trip; the stream's is the
+// bytes acknowledged after its first acknowledgement over the time from
+// that one to the last; the link's bandwidth is the best rate. The stream ends early when the
+// peer's share of the round's budget is spent; the shares follow each link's need (BulkShare).
 //
 // The newest measurements of each peer are also this worker's link hints
 // (Hint): the job's transport plans its connections to that peer from them
