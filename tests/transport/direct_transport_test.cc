@@ -36,6 +36,7 @@ namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // What a v2 client sends first: the preface and a one-stripe hello.
 std::string PrefaceAndHello(DirectHello hello = {}) {
@@ -453,6 +454,23 @@ TEST_F(DirectFramingTest, AVersion2SenderToAVersion1ReceiverGetsAClearError) {
   ASSERT_FALSE(link.ok());
   EXPECT_EQ(link.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(link.status().message()), HasSubstr("speaks only v1"));
+}
+
+// A TLS sender at a plaintext receiver gets a TLS alert, which it reports at
+// once instead of trying again until its connect timeout.
+TEST_F(DirectFramingTest, ATlsSenderAtAPlaintextReceiverFailsAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(StartServer());
+  PeerSenderOptions o = SenderOptions();
+  o.connect_timeout = absl::Seconds(10);
+  o.security = TestCerts().Load("w1");
+  PeerSender sender("w2", o);
+  const absl::Time start = absl::Now();
+  const absl::Status s = SendAndWait(sender, Header(0, 4), View(Pattern(16, 0)));
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("alert")) << s;
+  EXPECT_THAT(s.message(), Not(HasSubstr("closed by the receiver"))) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_TRUE(sink_.received().empty());
 }
 
 TEST_F(DirectFramingTest, StripesThatConflictWithTheirSessionAreRefused) {

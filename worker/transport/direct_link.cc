@@ -477,7 +477,7 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
     if (link->PlaintextPrefaceWaiting(deadline)) {
       // A sender without TLS: told in its own terms, so that it reports the
       // refusal instead of trying again.
-      (void)!::send(fd, kDirectRefusal, sizeof(kDirectRefusal), MSG_NOSIGNAL);
+      link->RefuseInPlace(kDirectRefusal, sizeof(kDirectRefusal));
       return absl::UnauthenticatedError(
           "TLS handshake: the sender speaks plaintext; this worker requires TLS");
     }
@@ -493,6 +493,14 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
   char preface[sizeof(kDirectPreface)];
   if (absl::Status s = link->Read(preface, sizeof(preface)); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("reading the preface: ", s.message()));
+  }
+  if (ssl == nullptr && static_cast<uint8_t>(preface[0]) == 0x16) {
+    // A TLS ClientHello at a plaintext worker: a fatal protocol_version
+    // alert, so that the sender reports it instead of trying again.
+    static constexpr char kAlert[7] = {0x15, 0x03, 0x01, 0x00, 0x02, 0x02, 0x46};
+    link->RefuseInPlace(kAlert, sizeof(kAlert));
+    return absl::UnauthenticatedError(
+        "TLS handshake: the sender speaks TLS; this worker runs without it");
   }
   if (std::memcmp(preface, kDirectPrefaceV1, sizeof(preface)) == 0) {
     return absl::FailedPreconditionError(
@@ -516,27 +524,29 @@ absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Accept(int fd,
 }
 
 bool DirectLink::PlaintextPrefaceWaiting(absl::Time deadline) {
-  char first[sizeof(kDirectPreface)];
+  // The first byte tells: a TLS record starts with its type (0x14-0x17, a
+  // ClientHello 0x16), a preface with 'D'.
   while (true) {
-    const ssize_t n = ::recv(fd_, first, sizeof(first), MSG_PEEK);
-    if (n == static_cast<ssize_t>(sizeof(first))) {
-      return std::memcmp(first, kDirectPreface, sizeof(first)) == 0 ||
-             std::memcmp(first, kDirectPrefaceV1, sizeof(first)) == 0;
-    }
-    // A TLS client's first record is longer than a preface: fewer bytes
-    // than that, or none yet, is left to the handshake when the first
-    // byte is already a TLS record's.
-    if (n > 0 && first[0] != kDirectPreface[0]) return false;
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+    char first = 0;
+    const ssize_t n = ::recv(fd_, &first, 1, MSG_PEEK);
+    if (n == 1) return first == kDirectPreface[0];
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
       return false;  // closed or failed: the handshake reports it
     }
-    if (n > 0) {  // part of what may be a preface: readable already, so poll would spin
-      if (absl::Now() >= deadline) return false;
-      absl::SleepFor(absl::Milliseconds(1));
-      continue;
-    }
+    // Nothing yet: the wait ends on data, the deadline, an eviction's
+    // shutdown (readable, then recv gives 0) or the server's shutdown.
     if (!Wait(POLLIN, deadline, "the sender's first bytes").ok()) return false;
   }
+}
+
+void DirectLink::RefuseInPlace(const void* answer, size_t bytes) {
+  // What the sender already sent is read first: closing a socket with
+  // unread data resets the connection, and the reset could overtake the
+  // answer.
+  char sink[4096];
+  while (::recv(fd_, sink, sizeof(sink), MSG_DONTWAIT) > 0) {}
+  (void)!::send(fd_, answer, bytes, MSG_NOSIGNAL);
+  ::shutdown(fd_, SHUT_WR);
 }
 
 absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
@@ -575,8 +585,9 @@ absl::Status DirectLink::Read(void* data, size_t n, bool idle_ok) {
         return MarkClosedByReceiver(absl::UnavailableError("connection closed by the peer"));
       }
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        absl::Status failed = absl::UnavailableError(absl::StrCat("read: ", std::strerror(errno)));
-        return errno == ECONNRESET ? MarkClosedByReceiver(std::move(failed)) : failed;
+        const int error = errno;
+        absl::Status failed = absl::UnavailableError(absl::StrCat("read: ", std::strerror(error)));
+        return error == ECONNRESET ? MarkClosedByReceiver(std::move(failed)) : failed;
       }
     }
     if (got > 0) {

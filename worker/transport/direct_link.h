@@ -107,7 +107,8 @@ class DirectLink {
   // Sends the preface and `hello` and waits (up to `timeout`) for the
   // receiver's answer. A receiver that closes instead (a v1 receiver, or one
   // that refused the stripe) gives FAILED_PRECONDITION saying so, marked
-  // ClosedByReceiver.
+  // ClosedByReceiver (as is UNAVAILABLE from a preface the socket would not
+  // take); an answer of kDirectRefusal gives PERMISSION_DENIED.
   absl::Status Greet(const DirectHello& hello, absl::Duration timeout);
   // Takes an accepted socket (owns it from here on, also on error). With TLS,
   // handshakes within `timeout`; the client must present a certificate from
@@ -163,6 +164,9 @@ class DirectLink {
   // Whether the client's first bytes (waited for until `deadline`) are a
   // plaintext preface rather than a TLS record: a sender without TLS.
   bool PlaintextPrefaceWaiting(absl::Time deadline);
+  // Reads what the sender sent so far, sends `answer` (a refusal the sender
+  // understands) and ends the write side; the caller then closes.
+  void RefuseInPlace(const void* answer, size_t bytes);
   // After the handshake: a buffer BIO in front of the socket gathers TLS
   // records (kWriteBufferBytes at a time) instead of one write() per record.
   absl::Status BufferWrites();
