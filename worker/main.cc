@@ -92,8 +92,8 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
                 "data node reports its first microbatch twice / leaves its last out): the job "
                 "fails naming it; nan_activations (the forward activations sent from then on "
                 "hold NaN): the worker is excluded and the job goes on; frame_flood (with each "
-                "forward activation from iteration N on, 64 copies labelled as the next "
-                "iteration's): the receivers' "
+                "forward activation from iteration N on, copies labelled as the next "
+                "iteration's, every microbatch in each of the next 4 epochs): the receivers' "
                 "quotas take it and the job goes on; default none");
   flags->String("metrics_bind", &o->metrics_bind,
                 "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");

@@ -80,8 +80,9 @@ struct JobRuntimeOptions {
   // forward activations it sends from that iteration on hold NaN (a broken
   // or hostile member: its receivers must report it, and the coordinator
   // exclude it and go on); kFrameFlood: with each forward activation from
-  // that iteration on it sends the receiver 64 copies labelled as the next
-  // iteration's (its quota there must take the flood, not its peers').
+  // that iteration on it sends the receiver copies labelled as the next
+  // iteration's, every microbatch in each of the next 4 epochs (its quota
+  // there must take the flood, not its peers').
   struct FaultInjection {
     enum class Kind {
       kNone,

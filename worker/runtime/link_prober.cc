@@ -416,10 +416,10 @@ std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasur
   const double whole =
       wire < min_wire ? 0.0 : static_cast<double>(size) * static_cast<double>(acked) / wire;
   // Once the stream runs, one probe is delivered between one acknowledgement
-  // and the next: the rate between the acknowledgements leaves the round
-  // trip and the ramp out. It starts at the last of the first kStreamDepth,
-  // which were sent together and share the connections, so they finish
-  // close together (from the first one the rate read up to 1.34× the link).
+  // and the next: the rate between the first and the last leaves the round
+  // trip and the ramp out. kStreamMinProbes gives it four intervals (over
+  // two, acknowledgements that came close together read up to 1.46× the
+  // link on the test bed).
   std::sort(acks.begin(), acks.end());
   double between = 0;
   if (acks.size() >= kStreamDepth + 1) {

@@ -177,23 +177,29 @@ void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uin
 
 void RuntimePart::SendFlood(const std::string& to, const v1::FrameHeader& sent,
                             const std::shared_ptr<at::Tensor>& tensor) {
-  // Plausible frames of the next iteration, every microbatch of the job many
-  // times over: more than any honest sender sends, and more than the
-  // receiver's quota for this sender takes. What comes back is ignored.
-  constexpr int kFloodFrames = 64;
+  // Plausible frames of the next iteration: every microbatch of the job, in
+  // each of the next epochs the receiver takes (a re-run's), more than any
+  // honest sender sends and more than the receiver's quota for this sender
+  // takes. Each is a transfer of its own (the sender keys transfers by
+  // iteration, epoch, microbatch and direction), none has the key of a real
+  // one, and what comes back is ignored.
+  constexpr uint64_t kEpochsAhead = 4;  // FrameAdmission::kMaxEpochsAhead
   const uint32_t microbatches = std::max<uint32_t>(
       1, spec_.pipeline().data_nodes() * spec_.pipeline().microbatches_per_data_node());
-  LogWarning("job ", job_id_, ": --inject_fault: flooding ", to, " with ", kFloodFrames,
-             " frames of iteration ", sent.iteration() + 1);
-  for (int i = 0; i < kFloodFrames; ++i) {
-    v1::FrameHeader copy = sent;
-    copy.set_iteration(sent.iteration() + 1);
-    copy.set_microbatch((sent.microbatch() + static_cast<uint32_t>(i)) % microbatches);
-    TensorView view;
-    view.data = tensor->data_ptr();
-    view.bytes = tensor->nbytes();
-    view.keepalive = tensor;
-    transport_->Send(to, std::move(copy), std::move(view), [](absl::Status, double) {});
+  LogWarning("job ", job_id_, ": --inject_fault: flooding ", to, " with ",
+             kEpochsAhead * microbatches, " frames of iteration ", sent.iteration() + 1);
+  for (uint64_t ahead = 1; ahead <= kEpochsAhead; ++ahead) {
+    for (uint32_t mb = 0; mb < microbatches; ++mb) {
+      v1::FrameHeader copy = sent;
+      copy.set_iteration(sent.iteration() + 1);
+      copy.set_epoch(sent.epoch() + ahead);
+      copy.set_microbatch(mb);
+      TensorView view;
+      view.data = tensor->data_ptr();
+      view.bytes = tensor->nbytes();
+      view.keepalive = tensor;
+      transport_->Send(to, std::move(copy), std::move(view), [](absl::Status, double) {});
+    }
   }
 }
 
