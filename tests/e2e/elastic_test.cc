@@ -409,6 +409,19 @@ void PinFiveWorkers(v1::JobSpec* spec) {
   two->add_nodes("w4");
 }
 
+// The five pinned workers' job: skip-pipe routes, which spread stage 1's and
+// stage 2's microbatches over both replicas (the full scheduler may send
+// them all through one when its links measure faster), 8 microbatches, and
+// the assignment kept as pinned.
+v1::JobSpec PinnedFiveJob(int iterations) {
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, iterations);
+  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);
+  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
+  spec.mutable_elastic()->set_reassign_disabled(true);
+  PinFiveWorkers(&spec);
+  return *NormalizeJobSpec(spec);
+}
+
 // Starts w0..w4, giving `odd` the flag `odd_flag` on top of the others'.
 std::vector<Daemon> StartFiveWith(ElasticTest* test, int port, const std::string& odd,
                                   const std::string& odd_flag) {
@@ -454,12 +467,7 @@ double Forwards(const Daemon& worker) {
 // ASan in CI: the tiny stage's compute is small next to the data node's and
 // the links', so an even split of its visits cost the plan nothing.)
 TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
-  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 16);
-  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);  // routes choose replicas
-  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
-  spec.mutable_elastic()->set_reassign_disabled(true);  // the assignment stays as pinned
-  PinFiveWorkers(&spec);
-  spec = *NormalizeJobSpec(spec);
+  const v1::JobSpec spec = PinnedFiveJob(16);
   Daemon c = StartCoordinator({"--replan_every=2"});
   std::vector<Daemon> workers = StartFive(this, c.grpc_port, "w2", 10);
   ElasticRun run(this, c.grpc_port, spec);
@@ -492,14 +500,7 @@ TEST_F(ElasticTest, SlowReplicaIsRoutedAroundAndNamed) {
 // excludes it and re-runs the iteration on its replica, and the job
 // finishes with a finite loss instead of failing on a non-finite gradient.
 TEST_F(ElasticTest, AMemberSendingNaNIsExcludedAndTheJobGoesOn) {
-  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 8);
-  // Routes that spread microbatches over both replicas (the full
-  // scheduler may send them all through one when its links measure faster).
-  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);
-  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
-  spec.mutable_elastic()->set_reassign_disabled(true);  // the assignment stays as pinned
-  PinFiveWorkers(&spec);
-  spec = *NormalizeJobSpec(spec);
+  const v1::JobSpec spec = PinnedFiveJob(8);
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers =
       StartFiveWith(this, c.grpc_port, "w2", "--inject_fault=nan_activations@3");
@@ -526,12 +527,7 @@ TEST_F(ElasticTest, AMemberSendingNaNIsExcludedAndTheJobGoesOn) {
 // tensors still get in, nobody is evicted (the flooder's own links are cut
 // when its real tensors no longer fit), and the job finishes.
 TEST_F(ElasticTest, AMemberFloodingNextIterationFramesEvictsNobody) {
-  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 8);
-  spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);  // both replicas carry
-  spec.mutable_pipeline()->set_microbatches_per_data_node(8);
-  spec.mutable_elastic()->set_reassign_disabled(true);
-  PinFiveWorkers(&spec);
-  spec = *NormalizeJobSpec(spec);
+  const v1::JobSpec spec = PinnedFiveJob(8);
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers =
       StartFiveWith(this, c.grpc_port, "w1", "--inject_fault=frame_flood@3");

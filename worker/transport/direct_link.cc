@@ -27,7 +27,12 @@
 
 namespace detour {
 
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::signal(SIGPIPE, SIG_IGN); });
+}
 namespace {
+
 constexpr absl::string_view kClosedByReceiverUrl = "detour.direct/closed_by_receiver";
 
 absl::Status MarkClosedByReceiver(absl::Status status) {
@@ -43,17 +48,6 @@ bool SslPeerHungUp(int ssl_error) {
   return ssl_error == SSL_ERROR_SSL &&
          ERR_GET_REASON(ERR_peek_last_error()) == SSL_R_UNEXPECTED_EOF_WHILE_READING;
 }
-}  // namespace
-
-bool ClosedByReceiver(const absl::Status& status) {
-  return status.GetPayload(kClosedByReceiverUrl).has_value();
-}
-
-void IgnoreSigpipe() {
-  static std::once_flag once;
-  std::call_once(once, [] { std::signal(SIGPIPE, SIG_IGN); });
-}
-namespace {
 
 std::string OpenSslErrors() {
   std::string text;
@@ -153,6 +147,10 @@ short RetryEvent(int ssl_error) {
 }
 
 }  // namespace
+
+bool ClosedByReceiver(const absl::Status& status) {
+  return status.GetPayload(kClosedByReceiverUrl).has_value();
+}
 
 std::string ApplyDirectSocketOptions(int fd, const DirectSocketOptions& options) {
   // Buffers before connect(): the receive buffer fixes the window scale
