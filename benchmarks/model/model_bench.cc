@@ -37,6 +37,8 @@
 #include <ctime>
 #include <memory>
 #include <cmath>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +70,70 @@ double CpuSeconds() {
   timespec ts;
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+int64_t HeapInUse() {
+  struct mallinfo2 mi = mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+// The median of a[i] / b[i], round by round: less sensitive to slow drifts
+// in machine load than the ratio of the medians.
+double MedianRatio(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) ratios.push_back(a[i] / b[i]);
+  return Median(ratios);
+}
+
+// Runs each of `steps` once, in the order given on even rounds and in
+// reverse on odd ones, so that drifts in machine load hit every side; the
+// times the steps return, in the order given.
+std::vector<double> Interleaved(int round, const std::vector<std::function<double()>>& steps) {
+  std::vector<double> times(steps.size());
+  for (size_t k = 0; k < steps.size(); ++k) {
+    const size_t i = round % 2 == 0 ? k : steps.size() - 1 - k;
+    times[i] = steps[i]();
+  }
+  return times;
+}
+
+// The model config of `preset`, with one intra-op thread; nullopt after
+// marking `state` skipped.
+std::optional<ModelConfig> PresetConfig(benchmark::State& state, const std::string& preset) {
+  at::set_num_threads(1);
+  v1::ModelShape shape;
+  shape.set_preset(preset);
+  auto config = ModelConfigFromShape(shape);
+  if (!config.ok()) {
+    state.SkipWithError("bad preset");
+    return std::nullopt;
+  }
+  return *config;
+}
+
+// Stage 1 of 2 of a four-block `config`: two blocks, no embedding or head.
+ModelConfig TwoBlockConfig(ModelConfig config) {
+  config.num_layers = 4;
+  return config;
+}
+
+// Heap bytes one microbatch `x` holds in `stage` between Forward and
+// Backward, after a warm-up Forward and Backward (with gradient `g`) so
+// that one-time allocations are not counted; -1 on failure.
+double SlotBytes(Stage& stage, const at::Tensor& x, const at::Tensor& g) {
+  if (!stage.Forward(0, x).ok() || !stage.Backward(0, g).ok()) return -1;
+  const int64_t before = HeapInUse();
+  auto out = stage.Forward(1, x);
+  const int64_t after = HeapInUse();
+  stage.DropAll();
+  return out.ok() ? static_cast<double>(after - before) : -1;
+}
+
+// Wall seconds of one Forward and Backward of `x` in `stage`; -1 on failure.
+double ForwardBackwardSeconds(Stage& stage, const at::Tensor& x, const at::Tensor& g) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!stage.Forward(2, x).ok() || !stage.Backward(2, g).ok()) return -1.0;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // The engine of `preset` in 4 stages, full routes, with `microbatches`
@@ -109,14 +175,23 @@ absl::StatusOr<FullRoutes> MakeFullRoutes(const std::string& preset, int samples
   return f;
 }
 
-void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int samples,
-                      int microbatches) {
+// MakeFullRoutes with one intra-op thread; nullopt after marking `state`
+// skipped.
+std::optional<FullRoutes> FullRoutesOrSkip(benchmark::State& state, const std::string& preset,
+                                           int samples, int microbatches) {
   at::set_num_threads(1);
   auto setup = MakeFullRoutes(preset, samples, microbatches);
   if (!setup.ok()) {
     state.SkipWithError("cannot build the model");
-    return;
+    return std::nullopt;
   }
+  return std::move(*setup);
+}
+
+void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int samples,
+                      int microbatches) {
+  auto setup = FullRoutesOrSkip(state, preset, samples, microbatches);
+  if (!setup) return;
   const v1::JobSpec& spec = setup->spec;
   Transformer plain(setup->config, spec.seed(), at::Device(at::kCPU));
   const int ctx = setup->config.context_length;
@@ -131,30 +206,25 @@ void BM_SplitOverhead(benchmark::State& state, const std::string& preset, int sa
   auto run_split = [&] { setup->Step(); };
   run_plain();  // warm-up both
   run_split();
-  std::vector<double> t_plain, t_split;
-  for (auto _ : state) {
-    // Alternate the order so drifts in machine load hit both sides.
-    const bool plain_first = t_plain.size() % 2 == 0;
-    for (int k = 0; k < 2; ++k) {
-      const bool do_plain = (k == 0) == plain_first;
+  auto timed = [](const std::function<void()>& run) {
+    return [run] {
       const double a = CpuSeconds();
-      if (do_plain)
-        run_plain();
-      else
-        run_split();
-      (do_plain ? t_plain : t_split).push_back(CpuSeconds() - a);
-    }
+      run();
+      return CpuSeconds() - a;
+    };
+  };
+  std::vector<double> t_plain, t_split;
+  int round = 0;
+  for (auto _ : state) {
+    const std::vector<double> t = Interleaved(round++, {timed(run_plain), timed(run_split)});
+    t_plain.push_back(t[0]);
+    t_split.push_back(t[1]);
   }
   const double tokens = static_cast<double>(microbatches) * samples * ctx;
   state.counters["plain_tok_per_s"] = tokens / Median(t_plain);
   state.counters["split_tok_per_s"] = tokens / Median(t_split);
   state.counters["split_overhead_pct"] = 100.0 * (Median(t_split) / Median(t_plain) - 1.0);
-  // Per-round ratios are less sensitive to slow drifts than ratio of medians.
-  std::vector<double> ratios;
-  for (size_t i = 0; i < std::min(t_plain.size(), t_split.size()); ++i) {
-    ratios.push_back(t_split[i] / t_plain[i]);
-  }
-  state.counters["split_overhead_pct_paired"] = 100.0 * (Median(ratios) - 1.0);
+  state.counters["split_overhead_pct_paired"] = 100.0 * (MedianRatio(t_split, t_plain) - 1.0);
 }
 
 // The checksum the runtime used before FastHash64: FNV-1a one byte at a time
@@ -174,12 +244,8 @@ uint64_t ByteFnvOverCopies(const std::vector<NamedTensor>& params) {
 
 void BM_ParameterChecksum(benchmark::State& state, const std::string& preset, int samples,
                           int microbatches) {
-  at::set_num_threads(1);
-  auto setup = MakeFullRoutes(preset, samples, microbatches);
-  if (!setup.ok()) {
-    state.SkipWithError("cannot build the model");
-    return;
-  }
+  auto setup = FullRoutesOrSkip(state, preset, samples, microbatches);
+  if (!setup) return;
   std::vector<NamedTensor> params;
   for (int s = 0; s < 4; ++s) {
     for (const NamedTensor& p : setup->engine->stage(s).Parameters()) params.push_back(p);
@@ -201,28 +267,19 @@ void BM_ParameterChecksum(benchmark::State& state, const std::string& preset, in
     t_new.push_back(CpuSeconds() - a);
   }
   benchmark::DoNotOptimize(sink);
-  std::vector<double> old_frac, new_frac;
-  for (size_t i = 0; i < t_step.size(); ++i) {
-    old_frac.push_back(t_old[i] / t_step[i]);
-    new_frac.push_back(t_new[i] / t_step[i]);
-  }
   state.counters["param_mib"] = bytes / (1 << 20);
   state.counters["step_s"] = Median(t_step);
   state.counters["old_ms"] = 1e3 * Median(t_old);
   state.counters["new_ms"] = 1e3 * Median(t_new);
-  state.counters["old_pct_of_step"] = 100.0 * Median(old_frac);
-  state.counters["new_pct_of_step"] = 100.0 * Median(new_frac);
+  state.counters["old_pct_of_step"] = 100.0 * MedianRatio(t_old, t_step);
+  state.counters["new_pct_of_step"] = 100.0 * MedianRatio(t_new, t_step);
   state.counters["new_gb_per_s"] = bytes / Median(t_new) / 1e9;
 }
 
 void BM_FrameCheck(benchmark::State& state, const std::string& preset, int samples,
                    int microbatches) {
-  at::set_num_threads(1);
-  auto setup = MakeFullRoutes(preset, samples, microbatches);
-  if (!setup.ok()) {
-    state.SkipWithError("cannot build the model");
-    return;
-  }
+  auto setup = FullRoutesOrSkip(state, preset, samples, microbatches);
+  if (!setup) return;
   // One activation-shaped tensor per check of a step: 3 boundaries each
   // way per microbatch.
   const int checks = 6 * microbatches;
@@ -242,47 +299,25 @@ void BM_FrameCheck(benchmark::State& state, const std::string& preset, int sampl
     }
     t_check.push_back(CpuSeconds() - a);
   }
-  std::vector<double> frac;
-  for (size_t i = 0; i < t_step.size(); ++i) frac.push_back(t_check[i] / t_step[i]);
   const double frame_bytes = static_cast<double>(frames.front().nbytes());
   state.counters["frame_mib"] = frame_bytes / (1 << 20);
   state.counters["checks_per_step"] = checks;
   state.counters["step_s"] = Median(t_step);
   state.counters["check_ms"] = 1e3 * Median(t_check) / checks;
-  state.counters["checks_pct_of_step"] = 100.0 * Median(frac);
+  state.counters["checks_pct_of_step"] = 100.0 * MedianRatio(t_check, t_step);
   state.counters["check_gb_per_s"] = frame_bytes * checks / Median(t_check) / 1e9;
-}
-
-int64_t HeapInUse() {
-  struct mallinfo2 mi = mallinfo2();
-  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
 }
 
 // Bytes held by one microbatch of one sample at context length `t` in
 // `stage` (a one-block stage built for the longest `t` measured).
 double SlotBytes(Stage& stage, int t) {
   const int d = stage.config().d_model;
-  at::Tensor x = at::randn({1, t, d});
-  at::Tensor g = at::randn({1, t, d});
-  // Warm-up so one-time allocations are not counted.
-  if (!stage.Forward(0, x).ok() || !stage.Backward(0, g).ok()) return -1;
-  const int64_t before = HeapInUse();
-  auto out = stage.Forward(1, x);
-  const int64_t after = HeapInUse();
-  stage.DropAll();
-  if (!out.ok()) return -1;
-  return static_cast<double>(after - before);
+  return SlotBytes(stage, at::randn({1, t, d}), at::randn({1, t, d}));
 }
 
 void BM_SlotMemory(benchmark::State& state, const std::string& preset, bool measure_full) {
-  at::set_num_threads(1);
-  v1::ModelShape shape;
-  shape.set_preset(preset);
-  auto config = ModelConfigFromShape(shape);
-  if (!config.ok()) {
-    state.SkipWithError("bad preset");
-    return;
-  }
+  const std::optional<ModelConfig> config = PresetConfig(state, preset);
+  if (!config) return;
   const int t_full = config->context_length;
   const int t1 = std::min(256, t_full / 2), t2 = 2 * t1;
   // Stage 1 of 2 of a two-block model: one block, no embedding or head.
@@ -317,16 +352,9 @@ void BM_SlotMemory(benchmark::State& state, const std::string& preset, bool meas
 // seed, in one process: heap bytes one microbatch holds between Forward and
 // Backward, and the time of Forward + Backward, interleaved round by round.
 void BM_Recompute(benchmark::State& state, const std::string& preset, int samples) {
-  at::set_num_threads(1);
-  v1::ModelShape shape;
-  shape.set_preset(preset);
-  auto config = ModelConfigFromShape(shape);
-  if (!config.ok()) {
-    state.SkipWithError("bad preset");
-    return;
-  }
-  ModelConfig cfg = *config;
-  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  const std::optional<ModelConfig> config = PresetConfig(state, preset);
+  if (!config) return;
+  const ModelConfig cfg = TwoBlockConfig(*config);
   StageOptions keep, again;
   keep.memory_slots = again.memory_slots = 2;
   again.recompute_activations = true;
@@ -339,43 +367,24 @@ void BM_Recompute(benchmark::State& state, const std::string& preset, int sample
   const int t = cfg.context_length;
   at::Tensor x = at::randn({samples, t, cfg.d_model});
   at::Tensor g = at::randn({samples, t, cfg.d_model});
-  auto slot_bytes = [&](Stage& st) -> double {
-    if (!st.Forward(0, x).ok() || !st.Backward(0, g).ok()) return -1;
-    const int64_t before = HeapInUse();
-    auto out = st.Forward(1, x);
-    const int64_t after = HeapInUse();
-    st.DropAll();
-    return out.ok() ? static_cast<double>(after - before) : -1;
-  };
-  auto step = [&](Stage& st) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!st.Forward(2, x).ok() || !st.Backward(2, g).ok()) return -1.0;
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  std::vector<double> t_plain, t_again, ratios;
+  std::vector<double> t_plain, t_again;
   double m_plain = 0, m_again = 0;
   int round = 0;
   for (auto _ : state) {
-    m_plain = slot_bytes(**plain);
-    m_again = slot_bytes(**recompute);
-    double a, b;
-    if (round++ % 2 == 0) {
-      a = step(**plain);
-      b = step(**recompute);
-    } else {
-      b = step(**recompute);
-      a = step(**plain);
-    }
-    t_plain.push_back(a);
-    t_again.push_back(b);
-    ratios.push_back(b / a);
+    m_plain = SlotBytes(**plain, x, g);
+    m_again = SlotBytes(**recompute, x, g);
+    const std::vector<double> t =
+        Interleaved(round++, {[&] { return ForwardBackwardSeconds(**plain, x, g); },
+                              [&] { return ForwardBackwardSeconds(**recompute, x, g); }});
+    t_plain.push_back(t[0]);
+    t_again.push_back(t[1]);
   }
   state.counters["slot_MiB_keep"] = m_plain / (1 << 20);
   state.counters["slot_MiB_recompute"] = m_again / (1 << 20);
   state.counters["memory_ratio"] = m_again / m_plain;
   state.counters["fwd_bwd_s_keep"] = Median(t_plain);
   state.counters["fwd_bwd_s_recompute"] = Median(t_again);
-  state.counters["time_ratio_paired"] = Median(ratios);
+  state.counters["time_ratio_paired"] = MedianRatio(t_again, t_plain);
 }
 
 // Ordered gradient accumulation (Stage::SetOrderedAccumulation, on in every
@@ -386,16 +395,9 @@ void BM_Recompute(benchmark::State& state, const std::string& preset, int sample
 // the kept gradients hold, against the stage's parameters.
 void BM_OrderedAccumulation(benchmark::State& state, const std::string& preset, int samples,
                             int microbatches) {
-  at::set_num_threads(1);
-  v1::ModelShape shape;
-  shape.set_preset(preset);
-  auto config = ModelConfigFromShape(shape);
-  if (!config.ok()) {
-    state.SkipWithError("bad preset");
-    return;
-  }
-  ModelConfig cfg = *config;
-  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  const std::optional<ModelConfig> config = PresetConfig(state, preset);
+  if (!config) return;
+  const ModelConfig cfg = TwoBlockConfig(*config);
   StageOptions options;
   options.memory_slots = microbatches;
   auto plain = Stage::Create(cfg, 1, 2, options);
@@ -426,24 +428,17 @@ void BM_OrderedAccumulation(benchmark::State& state, const std::string& preset, 
     st.ZeroGrad();
     return seconds;
   };
-  std::vector<double> t_plain, t_ordered, ratios;
+  std::vector<double> t_plain, t_ordered;
   int round = 0;
   for (auto _ : state) {
-    double a, b;
-    if (round++ % 2 == 0) {
-      a = step(**plain);
-      b = step(**ordered);
-    } else {
-      b = step(**ordered);
-      a = step(**plain);
-    }
-    t_plain.push_back(a);
-    t_ordered.push_back(b);
-    ratios.push_back(b / a);
+    const std::vector<double> t =
+        Interleaved(round++, {[&] { return step(**plain); }, [&] { return step(**ordered); }});
+    t_plain.push_back(t[0]);
+    t_ordered.push_back(t[1]);
   }
   state.counters["step_cpu_s_plain"] = Median(t_plain);
   state.counters["step_cpu_s_ordered"] = Median(t_ordered);
-  state.counters["time_ratio_paired"] = Median(ratios);
+  state.counters["time_ratio_paired"] = MedianRatio(t_ordered, t_plain);
   state.counters["kept_MiB_peak"] = kept_peak / (1 << 20);
   state.counters["param_MiB"] = param_bytes / (1 << 20);
 }
@@ -454,16 +449,9 @@ void BM_OrderedAccumulation(benchmark::State& state, const std::string& preset, 
 // next step, and reported apart), and the time of Forward + Backward,
 // interleaved round by round. Also bf16 with activation recomputation.
 void BM_Precision(benchmark::State& state, const std::string& preset, int samples) {
-  at::set_num_threads(1);
-  v1::ModelShape shape;
-  shape.set_preset(preset);
-  auto config = ModelConfigFromShape(shape);
-  if (!config.ok()) {
-    state.SkipWithError("bad preset");
-    return;
-  }
-  ModelConfig cfg = *config;
-  cfg.num_layers = 4;  // stage 1 of 2: two blocks
+  const std::optional<ModelConfig> config = PresetConfig(state, preset);
+  if (!config) return;
+  const ModelConfig cfg = TwoBlockConfig(*config);
   StageOptions fp32, bf16, bf16_again;
   fp32.memory_slots = bf16.memory_slots = bf16_again.memory_slots = 2;
   bf16.compute_dtype = bf16_again.compute_dtype = at::kBFloat16;
@@ -492,41 +480,20 @@ void BM_Precision(benchmark::State& state, const std::string& preset, int sample
       }
     }
   }
-  auto slot_bytes = [&](Stage& st) -> double {
-    if (!st.Forward(0, x).ok() || !st.Backward(0, g).ok()) return -1;
-    const int64_t before = HeapInUse();
-    auto out = st.Forward(1, x);
-    const int64_t after = HeapInUse();
-    st.DropAll();
-    return out.ok() ? static_cast<double>(after - before) : -1;
-  };
-  auto step = [&](Stage& st) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!st.Forward(2, x).ok() || !st.Backward(2, g).ok()) return -1.0;
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  std::vector<double> t_full, t_half, t_again, ratios, ratios_again;
+  std::vector<double> t_full, t_half, t_again;
   double m_full = 0, m_half = 0, m_again = 0;
   int round = 0;
   for (auto _ : state) {
-    m_full = slot_bytes(**full);
-    m_half = slot_bytes(**half);
-    m_again = slot_bytes(**half_again);
-    double a, b, c;
-    if (round++ % 2 == 0) {
-      a = step(**full);
-      b = step(**half);
-      c = step(**half_again);
-    } else {
-      c = step(**half_again);
-      b = step(**half);
-      a = step(**full);
-    }
-    t_full.push_back(a);
-    t_half.push_back(b);
-    t_again.push_back(c);
-    ratios.push_back(b / a);
-    ratios_again.push_back(c / a);
+    m_full = SlotBytes(**full, x, g);
+    m_half = SlotBytes(**half, x, g);
+    m_again = SlotBytes(**half_again, x, g);
+    const std::vector<double> t =
+        Interleaved(round++, {[&] { return ForwardBackwardSeconds(**full, x, g); },
+                              [&] { return ForwardBackwardSeconds(**half, x, g); },
+                              [&] { return ForwardBackwardSeconds(**half_again, x, g); }});
+    t_full.push_back(t[0]);
+    t_half.push_back(t[1]);
+    t_again.push_back(t[2]);
   }
   state.counters["slot_MiB_fp32"] = m_full / (1 << 20);
   state.counters["slot_MiB_bf16"] = m_half / (1 << 20);
@@ -535,8 +502,8 @@ void BM_Precision(benchmark::State& state, const std::string& preset, int sample
   state.counters["bf16_weight_copies_MiB"] = cast_bytes / (1 << 20);
   state.counters["fwd_bwd_s_fp32"] = Median(t_full);
   state.counters["fwd_bwd_s_bf16"] = Median(t_half);
-  state.counters["time_ratio_bf16_paired"] = Median(ratios);
-  state.counters["time_ratio_bf16_recompute_paired"] = Median(ratios_again);
+  state.counters["time_ratio_bf16_paired"] = MedianRatio(t_half, t_full);
+  state.counters["time_ratio_bf16_recompute_paired"] = MedianRatio(t_again, t_full);
 }
 
 BENCHMARK_CAPTURE(BM_SplitOverhead, tiny, "tiny", 2, 4)->Iterations(7)->Unit(benchmark::kSecond);
