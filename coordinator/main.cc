@@ -135,7 +135,8 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
              "bandwidth-delay products)");
   flags->Duration("link_probe_interval", &v->link_probe_interval,
                   "while a job runs, a latency round this often (it also re-probes links found "
-                  "cut); 0 = none");
+                  "cut), each followed by one slot of bulk probes over links the job's transfers "
+                  "do not measure, slot after slot in turn; 0 = none");
   v->common.Register(flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"

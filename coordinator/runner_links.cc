@@ -29,6 +29,12 @@ constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
 // the most any worker's links need (LinkProbeNeed; at least
 // link_probe_budget, at most kMaxBulkBudget).
 constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
+// The most a bulk slot while the job runs may take.
+constexpr absl::Duration kMaxRunningBulkBudget = absl::Seconds(30);
+// A link whose bandwidth was fitted to the job's transfers this recently
+// (or within two link_probe_intervals) is measured by its traffic; the
+// running bulk slots leave it out.
+constexpr absl::Duration kTrafficFresh = absl::Minutes(5);
 
 }  // namespace
 
@@ -306,13 +312,56 @@ void RunnerLinks::AtBoundary() {
   }
   Publish();
   const absl::Duration interval = options().link_probe_interval;
-  if (!options().link_probe || interval <= absl::ZeroDuration() || !waiting_.empty() ||
-      Now() - last_round_ < interval) {
-    return;
-  }
+  if (!options().link_probe || interval <= absl::ZeroDuration() || !waiting_.empty()) return;
+  const bool latency_due = Now() - last_round_ >= interval;
+  if (!latency_due && !bulk_due_) return;
   const std::map<std::string, v1::Peer> members = MemberPeerMap();
   if (members.size() < 2) return;
-  SendRoundToAll(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
+  if (bulk_due_) {
+    bulk_due_ = false;
+    SendBulkSlot(members);
+  } else {
+    SendRoundToAll(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
+    bulk_due_ = options().link_probe_bytes > 0;
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> RunnerLinks::UncarriedLinks(
+    const std::vector<std::pair<std::string, std::string>>& slot) const {
+  const std::set<std::pair<std::string, std::string>> cuts = membership_.cut_links();
+  // A fit newer than this is the job's own traffic measuring the link.
+  const absl::Time fresh = Now() - std::max(kTrafficFresh, 2 * options().link_probe_interval);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& link : slot) {
+    if (cuts.count(link)) continue;  // the latency rounds re-probe it
+    const LinkMatrix::Entry* e = plan_.links().Find(link);
+    if (e != nullptr && e->bandwidth_source == v1::JobLink::SOURCE_TRAFFIC &&
+        e->bandwidth_time > fresh) {
+      continue;
+    }
+    out.push_back(link);
+  }
+  return out;
+}
+
+void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members) {
+  std::vector<std::string> ids;
+  for (const auto& [id, unused] : members) ids.push_back(id);
+  const auto slots = ProbeSchedule(ids);
+  // The next slot in turn with a link to measure.
+  for (size_t tried = 0; tried < slots.size(); ++tried) {
+    const auto links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()]);
+    if (links.empty()) continue;
+    std::map<std::string, std::vector<v1::Peer>> asked;
+    std::map<std::string, std::vector<std::string>> accept;
+    for (const auto& [from, to] : links) {
+      asked[from].push_back(members.at(to));
+      accept[to].push_back(from);
+    }
+    SendRound(asked, accept, options().link_probe_bytes,
+              std::clamp(SlotNeed(links), kLinkProbeBase, kMaxRunningBulkBudget));
+    return;
+  }
 }
 
 void RunnerLinks::Publish() {

@@ -4,7 +4,9 @@
 // what they measured; while the job runs, a cheap latency round every
 // link_probe_interval keeps the matrix current and re-probes links found
 // cut: one that answers is restored (history LINK_RESTORED). Bandwidths of
-// links the job uses are refitted from its own transfers (RunnerPlanner).
+// links the job uses are refitted from its own transfers (RunnerPlanner);
+// after each latency round one bulk slot re-measures those it does not
+// carry, slot after slot in turn.
 // The matrix is published for GetLinks after every change. A part of
 // JobRunner (runner_part.h); the runner's thread only, but Published().
 #ifndef DETOUR_COORDINATOR_RUNNER_LINKS_H_
@@ -52,9 +54,11 @@ class RunnerLinks : private RunnerPart {
   static std::vector<std::vector<std::pair<std::string, std::string>>> ProbeSchedule(
       const std::vector<std::string>& ids);
   // At an iteration boundary: a latency round when link_probe_interval has
-  // passed since the last one (and none is outstanding); what rounds
-  // brought is laid into the cost model; cut links that answered are
-  // restored.
+  // passed since the last round (and none is outstanding), and at the next
+  // boundary after it (none outstanding) the next bulk slot of
+  // ProbeSchedule's in turn, its links the job's traffic does not measure
+  // (SendBulkSlot); what rounds brought is laid into the cost model; cut
+  // links that answered are restored.
   void AtBoundary();
   // A LinkReport from `worker` (from the runner's Wait).
   void OnReport(const std::string& worker, const v1::LinkReport& report);
@@ -82,6 +86,16 @@ class RunnerLinks : private RunnerPart {
   // table, indexed once per round by the caller.
   std::optional<v1::LinkExpectation> Expectation(const std::string& from, const std::string& to,
                                                  const RegionLinks& table) const;
+  // Of `slot`, the links neither cut nor measured by the job's traffic (a
+  // bandwidth fitted to its transfers within 5 minutes or two
+  // link_probe_intervals, whichever is longer).
+  std::vector<std::pair<std::string, std::string>> UncarriedLinks(
+      const std::vector<std::pair<std::string, std::string>>& slot) const;
+  // Sends the next slot (of ProbeSchedule over `members`, in turn) that has
+  // uncarried links, as one bulk round over those links, its budget their
+  // need (SlotNeed), at most 30 s (the next round waits for its reports).
+  // Nothing when no slot has any.
+  void SendBulkSlot(const std::map<std::string, v1::Peer>& members);
   // Waits for the round in flight's reports until its deadline.
   void AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
@@ -99,6 +113,9 @@ class RunnerLinks : private RunnerPart {
   LinkMatrix::Ranges measured_;  // by the round in flight's reports
   absl::Time round_deadline_ = absl::InfinitePast();
   absl::Time last_round_ = absl::InfinitePast();
+  // A bulk slot follows the latency round sent last; the slot it starts from.
+  bool bulk_due_ = false;
+  size_t next_bulk_slot_ = 0;
   bool dirty_ = false;  // reports not yet in the cost model
   // (from, to) -> the newest round in which the link answered.
   std::map<std::pair<std::string, std::string>, uint64_t> answered_;

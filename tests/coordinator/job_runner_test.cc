@@ -220,6 +220,20 @@ class FakeCluster : public RunnerHost {
     absl::MutexLock lock(&mu_);
     links_[{from, to}] = std::move(link);
   }
+  // From probe round `round` on, the link from `from` to `to` answers as
+  // `link` says.
+  void SetLinkFromRound(const std::string& from, const std::string& to, uint64_t round,
+                        FakeLink link) {
+    absl::MutexLock lock(&mu_);
+    later_links_[{from, to}] = {round, std::move(link)};
+  }
+
+  // After each step every worker reports its forward transfers (to the next
+  // node of each of its routes) as taking `seconds`; 0 = no transfers.
+  void ReportTransfers(double seconds) {
+    absl::MutexLock lock(&mu_);
+    transfer_seconds_ = seconds;
+  }
 
   // The checkpoints assignments told workers to restore, in order.
   std::vector<std::string> Restored() {
@@ -237,6 +251,11 @@ class FakeCluster : public RunnerHost {
   std::vector<v1::LinkProbe> Probes() {
     absl::MutexLock lock(&mu_);
     return probes_;
+  }
+  // The worker each of Probes() was sent to.
+  std::vector<std::string> ProbedBy() {
+    absl::MutexLock lock(&mu_);
+    return probed_by_;
   }
   std::vector<uint64_t> PlannedIterations() {
     absl::MutexLock lock(&mu_);
@@ -447,6 +466,21 @@ class FakeCluster : public RunnerHost {
           f->set_stage(static_cast<uint32_t>(w.stage));
           f->set_file(absl::StrCat("stage-", w.stage, ".bin"));
         }
+        if (transfer_seconds_ > 0) {
+          v1::TimingReport* t = reply(w.id).mutable_timing();
+          t->set_job_id(s.job_id());
+          t->set_iteration(s.iteration());
+          t->set_node(w.id);
+          for (const auto& [mb, route] : w.routes) {
+            for (int i = 0; i + 1 < route.nodes_size(); ++i) {
+              if (route.nodes(i) != w.id) continue;
+              v1::TransferTiming* x = t->add_transfers();
+              x->set_peer(route.nodes(i + 1));
+              x->set_forward(true);
+              x->set_duration_s(transfer_seconds_);
+            }
+          }
+        }
         return false;
       }
       case v1::CoordinatorMessage::kCommit: {
@@ -460,13 +494,18 @@ class FakeCluster : public RunnerHost {
       case v1::CoordinatorMessage::kProbe: {
         const v1::LinkProbe& p = m.probe();
         probes_.push_back(p);
+        probed_by_.push_back(w.id);
         v1::LinkReport* r = reply(w.id).mutable_link_report();
         r->set_job_id(p.job_id());
         r->set_round(p.round());
         for (const v1::Peer& peer : p.peers()) {
           if (peer.worker_id() == w.id) continue;
           auto it = links_.find({w.id, peer.worker_id()});
-          const FakeLink link = it != links_.end() ? it->second : FakeLink();
+          FakeLink link = it != links_.end() ? it->second : FakeLink();
+          auto later = later_links_.find({w.id, peer.worker_id()});
+          if (later != later_links_.end() && p.round() >= later->second.first) {
+            link = later->second.second;
+          }
           v1::LinkMeasurement* l = r->add_links();
           l->set_peer(peer.worker_id());
           if (!link.error.empty()) {
@@ -528,9 +567,13 @@ class FakeCluster : public RunnerHost {
   std::set<std::string> reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> sent_count_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::LinkProbe> probes_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> probed_by_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, FakeLink> links_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, std::pair<uint64_t, FakeLink>> later_links_
+      ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
   bool checkpoint_ ABSL_GUARDED_BY(mu_) = false;
+  double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   v1::JobSpec spec_ ABSL_GUARDED_BY(mu_);                   // of the last assignment
   std::vector<std::string> restored_ ABSL_GUARDED_BY(mu_);  // restore_from of assignments
 };
@@ -1532,6 +1575,113 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   EXPECT_EQ(m.Find({"a", "b"})->latency_source, v1::JobLink::SOURCE_PROBE);
   m.Forget("b");
   EXPECT_EQ(m.Find({"a", "b"}), nullptr);
+}
+
+// While the job runs, each latency round is followed by one bulk slot of the
+// start's schedule, slot after slot in turn: every worker probes one peer
+// and takes one other's probes, within a budget of the slot's need, and
+// what the probes find replaces what the start measured.
+TEST_F(JobRunnerTest, WhileTheJobRunsEachLatencyRoundIsFollowedByOneBulkSlot) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->SetLink("a", "b", {0.2, 5e6, ""});
+  // Rounds 1-3 are the start's (a latency round and two slots).
+  cluster_->SetLinkFromRound("a", "b", 4, {0.2, 7e6, ""});
+  Start(Spec(3, 1, 0.0, 24), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  std::map<uint64_t, std::vector<v1::LinkProbe>> rounds;
+  for (const v1::LinkProbe& p : cluster_->Probes()) rounds[p.round()].push_back(p);
+  ASSERT_GE(rounds.size(), 7u);  // the start's three, then two of each kind at least
+  bool bulk_expected = false;
+  int bulk_rounds = 0;
+  for (const auto& [round, probes] : rounds) {
+    if (round <= 3) continue;
+    SCOPED_TRACE(round);
+    ASSERT_EQ(probes.size(), 3u);
+    const bool bulk = probes.front().bulk_max_bytes() > 0;
+    EXPECT_EQ(bulk, bulk_expected);
+    bulk_expected = !bulk;
+    std::set<std::string> sending, taking;
+    bool holds_a_to_b = false;
+    for (const v1::LinkProbe& p : probes) {
+      SCOPED_TRACE(p.ShortDebugString());
+      EXPECT_EQ(p.bulk_max_bytes() > 0, bulk);
+      if (!bulk) {
+        EXPECT_EQ(p.peers_size(), 2);
+        EXPECT_EQ(p.accept_from_size(), 0);
+        continue;
+      }
+      EXPECT_EQ(p.bulk_max_bytes(), uint64_t{32} << 20);
+      ASSERT_EQ(p.peers_size(), 1);
+      ASSERT_EQ(p.accept_from_size(), 1);
+      sending.insert(p.peers(0).worker_id());
+      taking.insert(p.accept_from(0));
+      // a's request in the slot a -> b, b -> d0, d0 -> a.
+      holds_a_to_b |= p.peers(0).worker_id() == "b" && p.accept_from(0) == "d0";
+    }
+    if (!bulk) continue;
+    EXPECT_EQ(sending.size(), 3u);
+    EXPECT_EQ(taking.size(), 3u);
+    // The two slots in turn, the one with a -> b first; each has its need
+    // as its budget: 1 s + 60 round trips of its slowest link (a -> b 200
+    // ms, the others 20 ms).
+    EXPECT_EQ(holds_a_to_b, ++bulk_rounds % 2 == 1);
+    EXPECT_NEAR(probes.front().budget_ms(), holds_a_to_b ? 13000 : 2200, 2);
+  }
+  EXPECT_GE(bulk_rounds, 2);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  for (const v1::JobLink& l : links->links()) {
+    if (l.from() != "a" || l.to() != "b") continue;
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
+  }
+}
+
+// The running bulk slots leave out the links the job's own transfers
+// measure: with full routes d0 -> a -> b, the slot a -> b, b -> d0, d0 -> a
+// probes b -> d0 alone once the transfers are fitted (at the first re-plan).
+TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheJobsTrafficMeasures) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->ReportTransfers(0.05);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 30);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  // The bulk rounds after the start's three, as the links they probe.
+  using Links = std::set<std::pair<std::string, std::string>>;
+  std::map<uint64_t, Links> bulk;
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  const std::vector<std::string> by = cluster_->ProbedBy();
+  ASSERT_EQ(probes.size(), by.size());
+  for (size_t i = 0; i < probes.size(); ++i) {
+    if (probes[i].round() <= 3 || probes[i].bulk_max_bytes() == 0) continue;
+    Links& links = bulk[probes[i].round()];
+    for (const v1::Peer& peer : probes[i].peers()) links.insert({by[i], peer.worker_id()});
+  }
+  ASSERT_GE(bulk.size(), 4u);
+  // The last two: once the transfers are fitted, the slots in turn.
+  const Links first = {{"b", "d0"}};
+  const Links second = {{"a", "d0"}, {"b", "a"}, {"d0", "b"}};
+  auto last = bulk.rbegin();
+  const Links& one = last->second;
+  const Links& other = (++last)->second;
+  EXPECT_TRUE((one == first && other == second) || (one == second && other == first))
+      << ::testing::PrintToString(one) << " / " << ::testing::PrintToString(other);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int traffic = 0;
+  for (const v1::JobLink& l : links->links()) {
+    const bool carried = (l.from() == "d0" && l.to() == "a") || (l.from() == "a" && l.to() == "b");
+    EXPECT_EQ(l.bandwidth_source(),
+              carried ? v1::JobLink::SOURCE_TRAFFIC : v1::JobLink::SOURCE_PROBE)
+        << l.ShortDebugString();
+    traffic += carried;
+  }
+  EXPECT_EQ(traffic, 2);
 }
 
 // A cut link is re-probed by the latency rounds while the job runs; once

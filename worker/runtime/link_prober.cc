@@ -644,7 +644,8 @@ void LinkProber::Loop() {
     int failed = 0;
     for (const v1::LinkMeasurement& m : report.links()) {
       failed += m.error().empty() ? 0 : 1;
-      // Rounds with bulk probes (a job's start) are logged link by link.
+      // Rounds with bulk probes (a job's start, the slots while it runs) are
+      // logged link by link.
       if (probe->bulk_max_bytes() == 0) continue;
       LogInfo("job ", report.job_id(), ": link to ", m.peer(), ": ",
               m.error().empty()
