@@ -74,12 +74,14 @@ struct JobManagerOptions {
   // Link probes (docs/RUNTIME.md §"Measured links"): before a job's first
   // plan, within link_probe_budget, every worker measures its links to the
   // others (bulk probes up to link_probe_bytes); while it runs, a latency
-  // round every link_probe_interval, each followed by one bulk slot over
-  // links its transfers do not measure (zero = none).
+  // round every link_probe_interval, and after the first latency round once
+  // link_probe_bulk_interval has passed since the last bulk probes, one
+  // bulk slot over links its transfers do not measure (zero = none).
   bool link_probe = true;
   absl::Duration link_probe_budget = absl::Seconds(20);
   uint64_t link_probe_bytes = uint64_t{32} << 20;
   absl::Duration link_probe_interval = absl::Seconds(60);
+  absl::Duration link_probe_bulk_interval = absl::Minutes(5);
   metrics::Registry* metrics = nullptr;  // not owned; may be null
 };
 

@@ -60,6 +60,7 @@ struct CoordinatorFlagValues {
   absl::Duration link_probe_budget = absl::Seconds(20);
   int64_t link_probe_mib = 32;
   absl::Duration link_probe_interval = absl::Seconds(60);
+  absl::Duration link_probe_bulk_interval = absl::Minutes(5);
   DaemonFlags common;
 };
 
@@ -135,8 +136,11 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
              "bandwidth-delay products)");
   flags->Duration("link_probe_interval", &v->link_probe_interval,
                   "while a job runs, a latency round this often (it also re-probes links found "
-                  "cut), each followed by one slot of bulk probes over links the job's transfers "
-                  "do not measure, slot after slot in turn; 0 = none");
+                  "cut); 0 = none");
+  flags->Duration("link_probe_bulk_interval", &v->link_probe_bulk_interval,
+                  "while a job runs, one slot of bulk probes this often (after a latency round), "
+                  "over the links the job's transfers do not measure, slot after slot in turn: "
+                  "the bandwidth of links the plans avoid is measured again; 0 = none");
   v->common.Register(flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"
@@ -196,10 +200,12 @@ absl::Status ApplyJobFlags(const CoordinatorFlagValues& v, JobManagerOptions* jo
   RETURN_IF_ERROR(CheckFlagRange("link_probe_budget", v.link_probe_budget, absl::Seconds(1),
                                  absl::Seconds(600)));
   RETURN_IF_ERROR(CheckFlagNotNegative("link_probe_interval", v.link_probe_interval));
+  RETURN_IF_ERROR(CheckFlagNotNegative("link_probe_bulk_interval", v.link_probe_bulk_interval));
   jobs->link_probe = v.link_probe;
   jobs->link_probe_budget = v.link_probe_budget;
   jobs->link_probe_bytes = static_cast<uint64_t>(v.link_probe_mib) << 20;
   jobs->link_probe_interval = v.link_probe_interval;
+  jobs->link_probe_bulk_interval = v.link_probe_bulk_interval;
   return absl::OkStatus();
 }
 

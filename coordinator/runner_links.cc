@@ -253,6 +253,7 @@ void RunnerLinks::ProbeAtStart() {
   AddEvent(v1::JobHistoryEvent::KIND_LINKS_MEASURED, next_iteration_, "", what);
   waiting_.clear();
   dirty_ = false;  // the first cost model is built from the matrix
+  last_bulk_ = Now();
 }
 
 void RunnerLinks::OnReport(const std::string& worker, const v1::LinkReport& report) {
@@ -319,10 +320,13 @@ void RunnerLinks::AtBoundary() {
   if (members.size() < 2) return;
   if (bulk_due_) {
     bulk_due_ = false;
+    last_bulk_ = Now();
     SendBulkSlot(members);
   } else {
     SendRoundToAll(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
-    bulk_due_ = options().link_probe_bytes > 0;
+    const absl::Duration bulk_interval = options().link_probe_bulk_interval;
+    bulk_due_ = options().link_probe_bytes > 0 && bulk_interval > absl::ZeroDuration() &&
+                Now() - last_bulk_ >= bulk_interval;
   }
 }
 

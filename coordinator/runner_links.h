@@ -5,7 +5,7 @@
 // link_probe_interval keeps the matrix current and re-probes links found
 // cut: one that answers is restored (history LINK_RESTORED). Bandwidths of
 // links the job uses are refitted from its own transfers (RunnerPlanner);
-// after each latency round one bulk slot re-measures those it does not
+// every link_probe_bulk_interval one bulk slot re-measures those it does not
 // carry, slot after slot in turn.
 // The matrix is published for GetLinks after every change. A part of
 // JobRunner (runner_part.h); the runner's thread only, but Published().
@@ -54,11 +54,12 @@ class RunnerLinks : private RunnerPart {
   static std::vector<std::vector<std::pair<std::string, std::string>>> ProbeSchedule(
       const std::vector<std::string>& ids);
   // At an iteration boundary: a latency round when link_probe_interval has
-  // passed since the last round (and none is outstanding), and at the next
-  // boundary after it (none outstanding) the next bulk slot of
-  // ProbeSchedule's in turn, its links the job's traffic does not measure
-  // (SendBulkSlot); what rounds brought is laid into the cost model; cut
-  // links that answered are restored.
+  // passed since the last round (and none is outstanding); when
+  // link_probe_bulk_interval had passed since the last bulk probes as it was
+  // sent, at the next boundary after it (none outstanding) the next bulk
+  // slot of ProbeSchedule's in turn, its links the job's traffic does not
+  // measure (SendBulkSlot); what rounds brought is laid into the cost model;
+  // cut links that answered are restored.
   void AtBoundary();
   // A LinkReport from `worker` (from the runner's Wait).
   void OnReport(const std::string& worker, const v1::LinkReport& report);
@@ -113,8 +114,11 @@ class RunnerLinks : private RunnerPart {
   LinkMatrix::Ranges measured_;  // by the round in flight's reports
   absl::Time round_deadline_ = absl::InfinitePast();
   absl::Time last_round_ = absl::InfinitePast();
-  // A bulk slot follows the latency round sent last; the slot it starts from.
+  // A bulk slot follows the latency round sent last; when the last bulk
+  // probes were sent (the start's, then the running slots'); the slot the
+  // next one starts from.
   bool bulk_due_ = false;
+  absl::Time last_bulk_ = absl::InfinitePast();
   size_t next_bulk_slot_ = 0;
   bool dirty_ = false;  // reports not yet in the cost model
   // (from, to) -> the newest round in which the link answered.

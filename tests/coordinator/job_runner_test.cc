@@ -1577,13 +1577,15 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   EXPECT_EQ(m.Find({"a", "b"}), nullptr);
 }
 
-// While the job runs, each latency round is followed by one bulk slot of the
-// start's schedule, slot after slot in turn: every worker probes one peer
-// and takes one other's probes, within a budget of the slot's need, and
-// what the probes find replaces what the start measured.
+// While the job runs, a latency round is followed by one bulk slot of the
+// start's schedule when link_probe_bulk_interval has passed (here: always),
+// slot after slot in turn: every worker probes one peer and takes one
+// other's probes, within a budget of the slot's need, and what the probes
+// find replaces what the start measured.
 TEST_F(JobRunnerTest, WhileTheJobRunsEachLatencyRoundIsFollowedByOneBulkSlot) {
   for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
   cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
   cluster_->SetLink("a", "b", {0.2, 5e6, ""});
   // Rounds 1-3 are the start's (a latency round and two slots).
   cluster_->SetLinkFromRound("a", "b", 4, {0.2, 7e6, ""});
@@ -1645,6 +1647,7 @@ TEST_F(JobRunnerTest, WhileTheJobRunsEachLatencyRoundIsFollowedByOneBulkSlot) {
 TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheJobsTrafficMeasures) {
   for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
   cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
   cluster_->ReportTransfers(0.05);
   v1::JobSpec spec = Spec(3, 1, 0.0, 30);
   Pin(&spec, {{"d0"}, {"a"}, {"b"}});
@@ -1701,6 +1704,11 @@ TEST_F(JobRunnerTest, ACutLinkThatAnswersItsProbeAgainIsRestored) {
   ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_RESTORED), 1) << History(job);
   EXPECT_THAT(History(job), HasSubstr("link a1 -> b1 answered its probe again"));
   EXPECT_GT(cluster_->Sent("probe"), 5);  // the start, then latency rounds
+  // Bulk slots only every link_probe_bulk_interval (5 minutes): none while
+  // this job ran. The start sent 5 latency requests and 5 x 4 in its slots.
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_GT(probes.size(), 25u);
+  for (size_t i = 25; i < probes.size(); ++i) EXPECT_EQ(probes[i].bulk_max_bytes(), 0u) << i;
   const std::optional<v1::GetLinksResponse> links = runner_->Links();
   ASSERT_TRUE(links.has_value());
   for (const v1::JobLink& l : links->links()) EXPECT_FALSE(l.cut()) << l.ShortDebugString();

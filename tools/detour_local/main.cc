@@ -60,6 +60,8 @@ struct Args {
   double wan_bandwidth_scale = 1.0;
   double wan_coordinator_latency_ms = 2.0;
   std::string wan_prefix;  // "" = dl<pid>
+  absl::Duration link_probe_interval = absl::Seconds(60);
+  absl::Duration link_probe_bulk_interval = absl::Minutes(5);
 };
 
 // A random bearer token: 32 bytes from the kernel, hex.
@@ -254,6 +256,10 @@ class Launcher {
     if (!certs_.empty()) cargv.push_back(absl::StrCat("--auth_tokens=", certs_, "/tokens"));
     if (!cluster_file.empty()) cargv.push_back(absl::StrCat("--cluster=", cluster_file));
     if (args_.emulate_network) cargv.push_back("--emulate_network");
+    cargv.push_back(
+        absl::StrCat("--link_probe_interval=", absl::FormatDuration(args_.link_probe_interval)));
+    cargv.push_back(absl::StrCat("--link_probe_bulk_interval=",
+                                 absl::FormatDuration(args_.link_probe_bulk_interval)));
     if (bed_) cargv = bed_->InNamespace(bed_->coordinator(), std::move(cargv));
     if (absl::Status s = coordinator_.Start(cargv, args_.out + "/coordinator.log", true); !s.ok()) {
       std::cerr << "detour-local: " << s.message() << "\n";
@@ -647,6 +653,12 @@ int Main(int argc, char** argv) {
                "--wan: the namespaces' prefix, <prefix>-<node id> (default dl<pid>)");
   flags.Int("torch_threads", &a.torch_threads, "LibTorch threads per worker");
   flags.Int("iterations", &a.iterations, "override the job's iterations (0 = the job's)");
+  flags.Duration("link_probe_interval", &a.link_probe_interval,
+                 "the coordinator's --link_probe_interval: while the job runs, a latency round "
+                 "this often; 0 = none");
+  flags.Duration("link_probe_bulk_interval", &a.link_probe_bulk_interval,
+                 "the coordinator's --link_probe_bulk_interval: while the job runs, one slot of "
+                 "bulk probes this often; 0 = none");
   flags.Bool("insecure", &a.insecure,
              "plaintext gRPC without authentication (default: TLS with a throwaway CA)");
   flags.String("certs", &a.certs,
