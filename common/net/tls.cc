@@ -227,12 +227,13 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> TransportSecurity::NewSslContext(bool s
                                "TLS_CHACHA20_POLY1305_SHA256") != 1) {
     return absl::InternalError(absl::StrCat("SSL_CTX_set_ciphersuites: ", OpenSslError()));
   }
-  // Bulk transfers: read ahead in large buffers (one system call brings
-  // several records instead of two calls per record). Few connections per
-  // worker, so the buffers stay allocated.
+  // No read-ahead: OpenSSL moves what it read ahead to the front of its
+  // buffer before every record (to align the payload); with a 256 KiB
+  // read-ahead buffer memmove took 23 % of a loopback TLS transfer's CPU
+  // (12 % without), and reading each record with two system calls is 4-9 %
+  // faster for 16 and 64 MiB tensors, the same within noise for 1 and 4 MiB
+  // (BENCHMARKS.md §Transport).
   SSL_CTX_set_mode(ctx.get(), SSL_MODE_AUTO_RETRY);
-  SSL_CTX_set_read_ahead(ctx.get(), 1);
-  SSL_CTX_set_default_read_buffer_len(ctx.get(), 256 << 10);
   ASSIGN_OR_RETURN(std::vector<Cert> chain, ParseCertificates(material_->cert_pem, "certificate"));
   if (SSL_CTX_use_certificate(ctx.get(), chain[0].get()) != 1) {
     return absl::InternalError(absl::StrCat("SSL_CTX_use_certificate: ", OpenSslError()));
