@@ -276,7 +276,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
     iteration_.Started(next_iteration_);
     elastic_.Started();
     while (next_iteration_ < spec_.iterations()) {
-      links_.AtBoundary();
+      links_.AtBoundary(iteration_.routes());
       if (auto e = elastic_.Grow(); e) return *e;
       if (auto e = elastic_.Reassign(); e) return *e;
       if (auto e = stage_loss_.Recover(); e) return *e;

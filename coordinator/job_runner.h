@@ -76,7 +76,8 @@ struct JobManagerOptions {
   // others (bulk probes up to link_probe_bytes); while it runs, a latency
   // round every link_probe_interval, and after the first latency round once
   // link_probe_bulk_interval has passed since the last bulk probes, one
-  // bulk slot over links its transfers do not measure (zero = none).
+  // bulk slot over links its last iteration did not cross (zero = none; a
+  // zero link_probe_interval means none of either).
   bool link_probe = true;
   absl::Duration link_probe_budget = absl::Seconds(20);
   uint64_t link_probe_bytes = uint64_t{32} << 20;

@@ -138,9 +138,10 @@ void RegisterCoordinatorFlags(FlagSet* flags, CoordinatorFlagValues* v) {
                   "while a job runs, a latency round this often (it also re-probes links found "
                   "cut); 0 = none");
   flags->Duration("link_probe_bulk_interval", &v->link_probe_bulk_interval,
-                  "while a job runs, one slot of bulk probes this often (after a latency round), "
-                  "over the links the job's transfers do not measure, slot after slot in turn: "
-                  "the bandwidth of links the plans avoid is measured again; 0 = none");
+                  "while a job runs, one slot of bulk probes this often (after a latency round; "
+                  "none when --link_probe_interval is 0), over the links the job's last "
+                  "iteration did not cross, slot after slot in turn: the bandwidth of links the "
+                  "plans avoid is measured again; 0 = none");
   v->common.Register(flags, "{\"grpc_port\", \"metrics_port\", \"pid\"}");
   flags->SetEpilog(
       "Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the daemon cannot\n"

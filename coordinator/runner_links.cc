@@ -31,10 +31,6 @@ constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
 constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
 // The most a bulk slot while the job runs may take.
 constexpr absl::Duration kMaxRunningBulkBudget = absl::Seconds(30);
-// A link whose bandwidth was fitted to the job's transfers this recently
-// (or within two link_probe_intervals) is measured by its traffic; the
-// running bulk slots leave it out.
-constexpr absl::Duration kTrafficFresh = absl::Minutes(5);
 
 }  // namespace
 
@@ -271,7 +267,8 @@ void RunnerLinks::OnReport(const std::string& worker, const v1::LinkReport& repo
   if (waiting_.empty()) plan_.links().RoundDone(Now());
 }
 
-void RunnerLinks::AtBoundary() {
+void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
+  carried_ = CarriedLinks(routes);
   if (!waiting_.empty() && Now() > round_deadline_) {
     LogWarning("job ", job_id_, ": link probe round ", round_, ": no report from ", waiting_.size(),
                " worker(s)");
@@ -330,19 +327,38 @@ void RunnerLinks::AtBoundary() {
   }
 }
 
+std::set<std::pair<std::string, std::string>> RunnerLinks::CarriedLinks(
+    const std::map<uint32_t, v1::Route>& routes) const {
+  std::set<std::pair<std::string, std::string>> out;
+  auto both = [&out](const std::string& a, const std::string& b) {
+    if (a == b) return;
+    out.emplace(a, b);
+    out.emplace(b, a);
+  };
+  for (const auto& [mb, route] : routes) {
+    for (int i = 0; i + 1 < route.nodes_size(); ++i) both(route.nodes(i), route.nodes(i + 1));
+    // The loss goes back to the data node.
+    if (route.nodes_size() > 0) both(route.nodes(route.nodes_size() - 1), route.data_node());
+  }
+  // Replicas of a stage exchange their gradients.
+  std::map<int, std::vector<std::string>> by_stage;
+  for (const auto& [id, stage] : membership_.members()) by_stage[stage].push_back(id);
+  for (const auto& [stage, ids] : by_stage) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (size_t j = i + 1; j < ids.size(); ++j) both(ids[i], ids[j]);
+    }
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, std::string>> RunnerLinks::UncarriedLinks(
     const std::vector<std::pair<std::string, std::string>>& slot) const {
   const std::set<std::pair<std::string, std::string>> cuts = membership_.cut_links();
-  // A fit newer than this is the job's own traffic measuring the link.
-  const absl::Time fresh = Now() - std::max(kTrafficFresh, 2 * options().link_probe_interval);
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& link : slot) {
-    if (cuts.count(link)) continue;  // the latency rounds re-probe it
-    const LinkMatrix::Entry* e = plan_.links().Find(link);
-    if (e != nullptr && e->bandwidth_source == v1::JobLink::SOURCE_TRAFFIC &&
-        e->bandwidth_time > fresh) {
-      continue;
-    }
+    // A cut link: the latency rounds re-probe it. A carried one: the job's
+    // transfers measure it, and probes would delay them.
+    if (cuts.count(link) || carried_.count(link)) continue;
     out.push_back(link);
   }
   return out;
@@ -351,6 +367,10 @@ std::vector<std::pair<std::string, std::string>> RunnerLinks::UncarriedLinks(
 void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members) {
   std::vector<std::string> ids;
   for (const auto& [id, unused] : members) ids.push_back(id);
+  if (ids != bulk_ids_) {  // another schedule: start it from its first slot
+    bulk_ids_ = ids;
+    next_bulk_slot_ = 0;
+  }
   const auto slots = ProbeSchedule(ids);
   // The next slot in turn with a link to measure.
   for (size_t tried = 0; tried < slots.size(); ++tried) {
@@ -362,8 +382,11 @@ void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members) {
       asked[from].push_back(members.at(to));
       accept[to].push_back(from);
     }
+    // The latency rounds keep their own pace.
+    const absl::Time latency_round = last_round_;
     SendRound(asked, accept, options().link_probe_bytes,
               std::clamp(SlotNeed(links), kLinkProbeBase, kMaxRunningBulkBudget));
+    last_round_ = latency_round;
     return;
   }
 }

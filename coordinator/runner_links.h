@@ -5,8 +5,8 @@
 // link_probe_interval keeps the matrix current and re-probes links found
 // cut: one that answers is restored (history LINK_RESTORED). Bandwidths of
 // links the job uses are refitted from its own transfers (RunnerPlanner);
-// every link_probe_bulk_interval one bulk slot re-measures those it does not
-// carry, slot after slot in turn.
+// every link_probe_bulk_interval one bulk slot re-measures those its last
+// iteration's routes did not cross, slot after slot in turn.
 // The matrix is published for GetLinks after every change. A part of
 // JobRunner (runner_part.h); the runner's thread only, but Published().
 #ifndef DETOUR_COORDINATOR_RUNNER_LINKS_H_
@@ -26,6 +26,7 @@
 #include "coordinator/link_matrix.h"
 #include "coordinator/runner_part.h"
 #include "detour/v1/job_service.pb.h"
+#include "detour/v1/plan.pb.h"
 
 namespace detour {
 
@@ -60,7 +61,8 @@ class RunnerLinks : private RunnerPart {
   // slot of ProbeSchedule's in turn, its links the job's traffic does not
   // measure (SendBulkSlot); what rounds brought is laid into the cost model;
   // cut links that answered are restored.
-  void AtBoundary();
+  // `routes`: those of the iteration just run (the job's traffic).
+  void AtBoundary(const std::map<uint32_t, v1::Route>& routes);
   // A LinkReport from `worker` (from the runner's Wait).
   void OnReport(const std::string& worker, const v1::LinkReport& report);
   // Publishes the matrix as the planner sees it now.
@@ -87,9 +89,12 @@ class RunnerLinks : private RunnerPart {
   // table, indexed once per round by the caller.
   std::optional<v1::LinkExpectation> Expectation(const std::string& from, const std::string& to,
                                                  const RegionLinks& table) const;
-  // Of `slot`, the links neither cut nor measured by the job's traffic (a
-  // bandwidth fitted to its transfers within 5 minutes or two
-  // link_probe_intervals, whichever is longer).
+  // The links the job's traffic crosses, both ways: every hop of `routes`,
+  // each route's last node and its data node (the loss), and the members of
+  // each stage among themselves (their gradients).
+  std::set<std::pair<std::string, std::string>> CarriedLinks(
+      const std::map<uint32_t, v1::Route>& routes) const;
+  // Of `slot`, the links neither cut nor carried (carried_).
   std::vector<std::pair<std::string, std::string>> UncarriedLinks(
       const std::vector<std::pair<std::string, std::string>>& slot) const;
   // Sends the next slot (of ProbeSchedule over `members`, in turn) that has
@@ -115,11 +120,14 @@ class RunnerLinks : private RunnerPart {
   absl::Time round_deadline_ = absl::InfinitePast();
   absl::Time last_round_ = absl::InfinitePast();
   // A bulk slot follows the latency round sent last; when the last bulk
-  // probes were sent (the start's, then the running slots'); the slot the
-  // next one starts from.
+  // probes were sent (the start's, then the running slots'); the members
+  // the slots were last scheduled over, and the slot the next one starts
+  // from; the links the last iteration's traffic crossed.
   bool bulk_due_ = false;
   absl::Time last_bulk_ = absl::InfinitePast();
+  std::vector<std::string> bulk_ids_;
   size_t next_bulk_slot_ = 0;
+  std::set<std::pair<std::string, std::string>> carried_;
   bool dirty_ = false;  // reports not yet in the cost model
   // (from, to) -> the newest round in which the link answered.
   std::map<std::pair<std::string, std::string>, uint64_t> answered_;

@@ -441,6 +441,13 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       if (a == b) continue;
       const double seconds = estimates.Transfer(a, b);
       if (!(seconds > 0)) continue;
+      // A link no transfer crossed since the last refit keeps what it has:
+      // the plans left it, and a running bulk probe may have measured it
+      // since (RunnerLinks).
+      const uint64_t reports = estimates.TransferReports(a, b);
+      uint64_t& fitted_at = refit_reports_[{a, b}];
+      if (reports == fitted_at) continue;
+      fitted_at = reports;
       const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
       if (ia < 0 || ib < 0) continue;
       const double wire = std::max(1e-6, seconds - t.latency_s[ia][ib]);

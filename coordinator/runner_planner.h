@@ -131,9 +131,10 @@ class RunnerPlanner {
   // `iteration` from the stored routes, as PlanIteration would make it.
   absl::Status PlanResumed(const v1::CheckpointPlan& stored, uint64_t iteration);
 
-  // Every measured link between members: the planner keeps the link's
-  // latency and takes the bandwidth that makes one activation's transfer
-  // last what the workers measured. Returns how many links were fitted.
+  // Every link between members with transfers reported since its last fit:
+  // the planner keeps the link's latency and takes the bandwidth that makes
+  // one activation's transfer last what the workers measured. Returns how
+  // many links were fitted.
   int UpdateLinksFromTimings(const TimingEstimates& estimates);
   // What the job measured of its links (probes, fits); BuildCostModel lays
   // it over the region table. After changing it, RefreshLinks.
@@ -212,6 +213,8 @@ class RunnerPlanner {
   std::map<std::string, double> speeds_;  // measured relative speeds
   // Measured links: probes and fits.
   LinkMatrix links_;
+  // Link -> TimingEstimates::TransferReports when it was last fitted.
+  std::map<std::pair<std::string, std::string>, uint64_t> refit_reports_;
   std::set<std::pair<std::string, std::string>> cut_links_;
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;

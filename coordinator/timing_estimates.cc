@@ -45,6 +45,7 @@ void TimingEstimates::Add(const v1::TimingReport& report,
     if (!t.allreduce()) {
       auto [it, fresh] = transfer_.try_emplace({report.node(), t.peer()}, t.duration_s());
       if (!fresh) it->second = (1 - kAlpha) * it->second + kAlpha * t.duration_s();
+      ++transfer_reports_[{report.node(), t.peer()}];
     }
     if (transfer_seconds_ != nullptr) {
       auto region = regions.find(t.peer());
@@ -71,6 +72,12 @@ double TimingEstimates::Transfer(const std::string& from, const std::string& to)
   absl::MutexLock lock(&mu_);
   auto it = transfer_.find({from, to});
   return it == transfer_.end() ? 0 : it->second;
+}
+
+uint64_t TimingEstimates::TransferReports(const std::string& from, const std::string& to) const {
+  absl::MutexLock lock(&mu_);
+  auto it = transfer_reports_.find({from, to});
+  return it == transfer_reports_.end() ? 0 : it->second;
 }
 
 }  // namespace detour

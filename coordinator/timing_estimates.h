@@ -38,12 +38,17 @@ class TimingEstimates {
   // never seen. Latency and bandwidth are not separable from one transfer
   // size: the planner keeps the link's latency and fits its bandwidth.
   double Transfer(const std::string& from, const std::string& to) const;
+  // How many reports held such a transfer from `from` to `to` (0 = none):
+  // a link whose count has not grown since it was last read carried no
+  // activation since, whatever its mean says.
+  uint64_t TransferReports(const std::string& from, const std::string& to) const;
 
  private:
   mutable absl::Mutex mu_;
   // (node, stage, kind) -> seconds; a node of no known stage is kept under -1.
   std::map<std::tuple<std::string, int, int>, double> compute_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, double> transfer_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, uint64_t> transfer_reports_ ABSL_GUARDED_BY(mu_);
   metrics::HistogramFamily* task_seconds_ = nullptr;
   metrics::HistogramFamily* transfer_seconds_ = nullptr;
 };

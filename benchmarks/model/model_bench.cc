@@ -312,7 +312,9 @@ void BM_FrameCheck(benchmark::State& state, const std::string& preset, int sampl
 // `stage` (a one-block stage built for the longest `t` measured).
 double SlotBytes(Stage& stage, int t) {
   const int d = stage.config().d_model;
-  return SlotBytes(stage, at::randn({1, t, d}), at::randn({1, t, d}));
+  const at::Tensor x = at::randn({1, t, d});
+  const at::Tensor g = at::randn({1, t, d});
+  return SlotBytes(stage, x, g);
 }
 
 void BM_SlotMemory(benchmark::State& state, const std::string& preset, bool measure_full) {
