@@ -268,7 +268,6 @@ void RunnerLinks::OnReport(const std::string& worker, const v1::LinkReport& repo
 }
 
 void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
-  carried_ = CarriedLinks(routes);
   if (!waiting_.empty() && Now() > round_deadline_) {
     LogWarning("job ", job_id_, ": link probe round ", round_, ": no report from ", waiting_.size(),
                " worker(s)");
@@ -318,7 +317,7 @@ void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
   if (bulk_due_) {
     bulk_due_ = false;
     last_bulk_ = Now();
-    SendBulkSlot(members);
+    SendBulkSlot(members, CarriedLinks(routes));
   } else {
     SendRoundToAll(members, /*bulk_bytes=*/0, std::min(kLatencyBudget, interval));
     const absl::Duration bulk_interval = options().link_probe_bulk_interval;
@@ -352,19 +351,21 @@ std::set<std::pair<std::string, std::string>> RunnerLinks::CarriedLinks(
 }
 
 std::vector<std::pair<std::string, std::string>> RunnerLinks::UncarriedLinks(
-    const std::vector<std::pair<std::string, std::string>>& slot) const {
+    const std::vector<std::pair<std::string, std::string>>& slot,
+    const std::set<std::pair<std::string, std::string>>& carried) const {
   const std::set<std::pair<std::string, std::string>> cuts = membership_.cut_links();
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& link : slot) {
     // A cut link: the latency rounds re-probe it. A carried one: the job's
     // transfers measure it, and probes would delay them.
-    if (cuts.count(link) || carried_.count(link)) continue;
+    if (cuts.count(link) || carried.count(link)) continue;
     out.push_back(link);
   }
   return out;
 }
 
-void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members) {
+void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members,
+                               const std::set<std::pair<std::string, std::string>>& carried) {
   std::vector<std::string> ids;
   for (const auto& [id, unused] : members) ids.push_back(id);
   if (ids != bulk_ids_) {  // another schedule: start it from its first slot
@@ -374,7 +375,7 @@ void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members) {
   const auto slots = ProbeSchedule(ids);
   // The next slot in turn with a link to measure.
   for (size_t tried = 0; tried < slots.size(); ++tried) {
-    const auto links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()]);
+    const auto links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()], carried);
     if (links.empty()) continue;
     std::map<std::string, std::vector<v1::Peer>> asked;
     std::map<std::string, std::vector<std::string>> accept;

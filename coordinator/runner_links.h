@@ -94,14 +94,16 @@ class RunnerLinks : private RunnerPart {
   // each stage among themselves (their gradients).
   std::set<std::pair<std::string, std::string>> CarriedLinks(
       const std::map<uint32_t, v1::Route>& routes) const;
-  // Of `slot`, the links neither cut nor carried (carried_).
+  // Of `slot`, the links neither cut nor `carried`.
   std::vector<std::pair<std::string, std::string>> UncarriedLinks(
-      const std::vector<std::pair<std::string, std::string>>& slot) const;
+      const std::vector<std::pair<std::string, std::string>>& slot,
+      const std::set<std::pair<std::string, std::string>>& carried) const;
   // Sends the next slot (of ProbeSchedule over `members`, in turn) that has
-  // uncarried links, as one bulk round over those links, its budget their
-  // need (SlotNeed), at most 30 s (the next round waits for its reports).
-  // Nothing when no slot has any.
-  void SendBulkSlot(const std::map<std::string, v1::Peer>& members);
+  // links neither cut nor `carried`, as one bulk round over those links, its
+  // budget their need (SlotNeed), at most 30 s (the next round waits for its
+  // reports). Nothing when no slot has any.
+  void SendBulkSlot(const std::map<std::string, v1::Peer>& members,
+                    const std::set<std::pair<std::string, std::string>>& carried);
   // Waits for the round in flight's reports until its deadline.
   void AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
@@ -122,12 +124,11 @@ class RunnerLinks : private RunnerPart {
   // A bulk slot follows the latency round sent last; when the last bulk
   // probes were sent (the start's, then the running slots'); the members
   // the slots were last scheduled over, and the slot the next one starts
-  // from; the links the last iteration's traffic crossed.
+  // from.
   bool bulk_due_ = false;
   absl::Time last_bulk_ = absl::InfinitePast();
   std::vector<std::string> bulk_ids_;
   size_t next_bulk_slot_ = 0;
-  std::set<std::pair<std::string, std::string>> carried_;
   bool dirty_ = false;  // reports not yet in the cost model
   // (from, to) -> the newest round in which the link answered.
   std::map<std::pair<std::string, std::string>, uint64_t> answered_;
