@@ -32,14 +32,9 @@ CASES=(
   "far-150ms 150 50"
 )
 
-cat >"$OUT/link_probe_job.json" <<'JSON'
-{ "name": "link-probe", "model": { "preset": "tiny" },
-  "pipeline": { "num_stages": 2, "data_nodes": 2, "replicas_per_stage": 2,
-    "microbatches_per_data_node": 2, "samples_per_microbatch": 2, "memory_slots": 2 },
-  "optimizer": { "adamw": { "lr": 1e-3 } },
-  "data": { "source": "DATA_SOURCE_EMBEDDED" },
-  "iterations": 6, "checkpoint": { "disabled": true }, "seed": 5, "device": "cpu" }
-JSON
+# shellcheck source=benchmarks/wan/two_regions.sh
+. "$ROOT/benchmarks/wan/two_regions.sh"
+two_regions_job link-probe 6 "$OUT/link_probe_job.json"
 
 csv=$OUT/link_probe.csv
 echo "case,from,to,emulated_rtt_ms,probed_rtt_ms,rtt_ratio,emulated_mbytes_per_s,probed_mbytes_per_s,rate_ratio,probe_mib,stream_between_acks_ratio,stream_whole_ratio,before_stream_ratio" >"$csv"
@@ -47,14 +42,7 @@ summary=()
 for c in "${CASES[@]}"; do
   read -r name ms rate <<<"$c"
   cluster=$OUT/link_probe_$name.cluster.json
-  cat >"$cluster" <<JSON
-{ "name": "$name",
-  "nodes": [ { "id": "e0", "region": "East" }, { "id": "e1", "region": "East" },
-             { "id": "w0", "region": "West" }, { "id": "w1", "region": "West" } ],
-  "links": [ { "region_a": "East", "region_b": "West", "latency_ms": $ms,
-               "bandwidth_gbytes_per_s": $(awk -v r="$rate" 'BEGIN { print r / 1000 }') } ],
-  "intra_region_latency_ms": 1.0, "intra_region_bandwidth_gbytes_per_s": 0.05 }
-JSON
+  two_regions_cluster "$name" "$ms" "$rate" "$cluster"
   run=$OUT/link_probe_$name
   rm -rf "$run"
   echo "== $name: $ms ms one way, $rate MB/s between the regions" >&2

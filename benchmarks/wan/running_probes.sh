@@ -51,24 +51,12 @@ OUT=$ROOT/benchmarks-out/wan
 mkdir -p "$OUT"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 
+# shellcheck source=benchmarks/wan/two_regions.sh
+. "$ROOT/benchmarks/wan/two_regions.sh"
 job=$OUT/running_probes_job.json
-cat >"$job" <<JSON
-{ "name": "running-probes", "model": { "preset": "tiny" },
-  "pipeline": { "num_stages": 2, "data_nodes": 2, "replicas_per_stage": 2,
-    "microbatches_per_data_node": 2, "samples_per_microbatch": 2, "memory_slots": 2 },
-  "optimizer": { "adamw": { "lr": 1e-3 } },
-  "data": { "source": "DATA_SOURCE_EMBEDDED" },
-  "iterations": $iterations, "checkpoint": { "disabled": true }, "seed": 5, "device": "cpu" }
-JSON
+two_regions_job running-probes "$iterations" "$job"
 cluster=$OUT/running_probes.cluster.json
-cat >"$cluster" <<JSON
-{ "name": "running-probes",
-  "nodes": [ { "id": "e0", "region": "East" }, { "id": "e1", "region": "East" },
-             { "id": "w0", "region": "West" }, { "id": "w1", "region": "West" } ],
-  "links": [ { "region_a": "East", "region_b": "West", "latency_ms": $ms,
-               "bandwidth_gbytes_per_s": $(awk -v r="$rate" 'BEGIN { print r / 1000 }') } ],
-  "intra_region_latency_ms": 1.0, "intra_region_bandwidth_gbytes_per_s": 0.05 }
-JSON
+two_regions_cluster running-probes "$ms" "$rate" "$cluster"
 
 runs=()
 k=0
