@@ -126,9 +126,10 @@ class LinkProberTest : public ::testing::Test {
   void Make(std::map<std::string, FakeLink> links) {
     links_ = std::move(links);
     prober_ = std::make_unique<LinkProber>(
-        [this](const PeerTransportConfig&) {
+        [this](const PeerTransportConfig& config) {
           auto t = std::make_unique<FakeTransport>(links_);
           last_ = t.get();
+          last_config_ = config;
           return t;
         },
         PeerTransportConfig{},
@@ -176,6 +177,7 @@ class LinkProberTest : public ::testing::Test {
   std::map<std::string, FakeLink> links_;
   std::unique_ptr<LinkProber> prober_;
   FakeTransport* last_ = nullptr;
+  PeerTransportConfig last_config_;  // of the newest round's transport
   absl::Mutex mu_;
   std::vector<v1::LinkReport> reports_ ABSL_GUARDED_BY(mu_);
 };
@@ -194,6 +196,8 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   const v1::LinkReport r = AwaitReport();
   EXPECT_EQ(r.job_id(), "j1");
   EXPECT_EQ(r.round(), 7u);
+  // A bulk round's transport stripes as each link needs.
+  EXPECT_EQ(last_config_.direct_connections, 0);
   ASSERT_EQ(r.links_size(), 3) << r.ShortDebugString();
   const v1::LinkMeasurement* fast = Find(r, "fast");
   const v1::LinkMeasurement* slow = Find(r, "long");
@@ -266,8 +270,9 @@ TEST_F(LinkProberTest, EmulatedRoundsLeaveNoHints) {
   EXPECT_EQ(prober_->Hint("j1", "a").rtt, absl::ZeroDuration());
 }
 
-// A latency round (bulk 0) sends pings only; a budget too short for the
-// links ends the round with an error for the links it did not finish.
+// A latency round (bulk 0) sends pings only, over one connection per peer;
+// a budget too short for the links ends the round with an error for the
+// links it did not finish.
 TEST_F(LinkProberTest, ALatencyRoundSendsOnlyPingsAndABudgetBoundsTheRound) {
   Make({{"a", {0.002, 1e9, 0, false}}, {"slow", {0.5, 1e6, 0, false}}});
   const absl::Time start = absl::Now();
@@ -281,6 +286,7 @@ TEST_F(LinkProberTest, ALatencyRoundSendsOnlyPingsAndABudgetBoundsTheRound) {
   EXPECT_EQ(Find(r, "a")->bandwidth_bytes_per_s(), 0);
   EXPECT_EQ(Find(r, "a")->probe_bytes(), 3 * LinkProber::kPingBytes);
   EXPECT_THAT(Find(r, "slow")->error(), HasSubstr("no answer to a ping"));
+  EXPECT_EQ(last_config_.direct_connections, 1);
 }
 
 // Workers get the coordinator's request at slightly different times: a peer

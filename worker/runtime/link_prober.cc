@@ -708,6 +708,11 @@ v1::LinkReport LinkProber::Round(const v1::LinkProbe& p) {
   }
   PeerTransportConfig config = base_;
   config.emulate_network = p.emulate_network();
+  // A latency round sends pings only, every peer at once: one connection
+  // each. Striped, every worker of a round would open up to 16 TLS
+  // connections to each peer at the same moment, and the peers' admission
+  // would shed some of them and fail their pings.
+  if (p.bulk_max_bytes() < kFirstBulkBytes) config.direct_connections = 1;
   ProbeRound round(p, me, factory_(config), probe_bytes_, [this] {
     absl::MutexLock lock(&mu_);
     return stopping_;

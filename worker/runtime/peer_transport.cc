@@ -93,6 +93,7 @@ PeerSender* GrpcPeerTransport::SenderLocked(const std::string& to) {
     o.link = peer->second.link;
     o.ack_timeout = config_.ack_timeout;
     o.connect_timeout = config_.connect_timeout;
+    o.direct_connections = config_.direct_connections;
     slot = std::make_unique<PeerSender>(peer->second.address, o);
   }
   return slot.get();

@@ -70,6 +70,11 @@ struct PeerTransportConfig {
   // than a LAN (worker flags --peer_ack_timeout, --peer_connect_timeout).
   absl::Duration ack_timeout = absl::Seconds(60);
   absl::Duration connect_timeout = absl::Seconds(10);
+  // Direct connections per peer: 0 = as many as each link needs
+  // (PeerSenderOptions::direct_connections). The link prober's latency
+  // rounds take 1: their pings are 64 bytes, and stripes would cost every
+  // worker a TLS handshake per stripe and peer at once.
+  int direct_connections = 0;
 };
 
 using PeerTransportFactory =
