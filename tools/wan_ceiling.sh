@@ -4,19 +4,25 @@
 # and the same over a direct veth pair as the reference. Prints a table and
 # the load average (docs/BENCHMARKS.md §WAN). Needs root.
 #
-#   tools/wan_ceiling.sh [--binary PATH] [--seconds N] [--prefix NAME]
+#   tools/wan_ceiling.sh [--binary PATH] [--seconds N] [--prefix NAME] [--wanem_only]
+#
+# --wanem_only leaves out the veth reference: the WAN benchmarks measure the
+# forwarder's ceiling this way at the start of their own runs
+# (benchmarks/wan/ceiling.sh).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=5
 prefix="wanceil$$"
 binary_args=()
+wanem_only=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --binary) binary_args=(--binary "${2:?--binary needs a path}"); shift 2 ;;
     --seconds) seconds=${2:?--seconds needs a number}; shift 2 ;;
     --prefix) prefix=${2:?--prefix needs a name}; shift 2 ;;
-    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --wanem_only) wanem_only=1; shift ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "wan_ceiling: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -67,9 +73,23 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
   --set 'a b both delay_ms=0 rate_mbytes=0' ${binary_args[@]+"${binary_args[@]}"} >/dev/null
 ip netns exec "$prefix-b" iperf3 -s -D -p 5201
 wait_listening "$prefix-b"
+
 declare -A result
 for p in 1 8 16; do result[wanem,$p]=$(measure "$prefix-a" 10.77.0.2 "$p"); done
 "$testbed" down --prefix "$prefix" >/dev/null
+
+report() {  # the table (the veth row when it was measured) and the load
+  printf '%-28s %8s %8s %8s\n' "path (Mbit/s, ${seconds} s each)" "1 stream" "-P 8" "-P 16"
+  printf '%-28s %8s %8s %8s\n' "detour-wanem (0 ms, no cap)" "${result[wanem,1]}" "${result[wanem,8]}" "${result[wanem,16]}"
+  if [[ -n "${result[veth,1]:-}" ]]; then
+    printf '%-28s %8s %8s %8s\n' "veth pair (reference)" "${result[veth,1]}" "${result[veth,8]}" "${result[veth,16]}"
+  fi
+  echo "load average before: $load_before; after: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) cores"
+}
+if (( wanem_only )); then
+  report
+  exit 0
+fi
 
 ip netns add "$va"
 veth_made=1
@@ -83,9 +103,4 @@ ip -n "$vb" link set wcv1 up
 ip netns exec "$vb" iperf3 -s -D -p 5201
 wait_listening "$vb"
 for p in 1 8 16; do result[veth,$p]=$(measure "$va" 10.78.0.2 "$p"); done
-load_after=$(cut -d' ' -f1-3 /proc/loadavg)
-
-printf '%-28s %8s %8s %8s\n' "path (Mbit/s, ${seconds} s each)" "1 stream" "-P 8" "-P 16"
-printf '%-28s %8s %8s %8s\n' "detour-wanem (0 ms, no cap)" "${result[wanem,1]}" "${result[wanem,8]}" "${result[wanem,16]}"
-printf '%-28s %8s %8s %8s\n' "veth pair (reference)" "${result[veth,1]}" "${result[veth,8]}" "${result[veth,16]}"
-echo "load average before: $load_before; after: $load_after; $(nproc) cores"
+report

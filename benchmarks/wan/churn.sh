@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Elastic churn over the packet-level WAN test bed: a job runs on five
-# workers in two regions (detour-local --wan), and while it runs the script
-#   1. cuts the link between two live workers of different stages (both
+# workers in two regions (detour-local --wan), or with --geo12 on twelve, one
+# per node of examples/clusters/geo12.json (the tiny model in 6 stages, 2
+# replicas each, the links scaled under the forwarder's measured ceiling as
+# benchmarks/wan/geo12_testbed.sh does), and while it runs the script
+#   1. cuts the link between two live workers of neighbouring stages (both
 #      ways), the pair whose link carries the most, for --cut_s seconds,
 #      then restores it;
 #   2. gives every link 1% random loss for --loss_s seconds, then none;
@@ -12,21 +15,26 @@
 # job's events (links cut and restored, workers lost and joined, microbatches
 # re-planned or dropped). The claim checked: a cut link between two live
 # workers evicts neither of them. The cut lasts longer (40 s) than detecting
-# it takes (about 26 s, docs/RUNTIME.md §"Link faults and partitions").
+# it takes (about 26 s, docs/RUNTIME.md §"Link faults and partitions"). The
+# forwarder's own ceiling is measured first (benchmarks/wan/ceiling.sh) and
+# printed with the rest.
 # docs/BENCHMARKS.md §WAN "Churn over the test bed". Needs root.
 #
 #   sudo benchmarks/wan/churn.sh [--build DIR] [--iterations N] [--cut_s S]
 #       [--loss_s S] [--one_way_ms MS] [--rate_mbytes R] [--out DIR]
+#   sudo benchmarks/wan/churn.sh --geo12 [--build DIR] [--iterations N]
+#       [--cut_s S] [--loss_s S] [--out DIR]
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build="$root/build"
-iterations=100
+iterations=
+geo12=0
 cut_s=40
 loss_s=20
 one_way_ms=50
 rate=50
-out="$root/benchmarks-out/wan/churn"
+out=
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=${2:?--build needs a directory}; shift 2 ;;
@@ -36,11 +44,21 @@ while [[ $# -gt 0 ]]; do
     --one_way_ms) one_way_ms=${2:?}; shift 2 ;;
     --rate_mbytes) rate=${2:?}; shift 2 ;;
     --out) out=${2:?}; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --geo12) geo12=1; shift ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "churn: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 die() { echo "churn: $*" >&2; exit 1; }
+# geo12's iterations take about three times the two regions' (12 workers on
+# the same cores), so fewer of them span the phases.
+if (( geo12 )); then
+  iterations=${iterations:-60}
+  out=${out:-$root/benchmarks-out/wan/churn-geo12}
+else
+  iterations=${iterations:-100}
+  out=${out:-$root/benchmarks-out/wan/churn}
+fi
 for v in iterations cut_s loss_s one_way_ms rate; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "--$v must be a whole number"
 done
@@ -55,8 +73,25 @@ export DETOUR_WANEM="$build/tools/detour_wanem/detour-wanem"
 mkdir -p "$out"
 rm -rf "$out/run"
 prefix="churn$$"
-gb=$(awk -v r="$rate" 'BEGIN { print r / 1000 }')
-cat >"$out/cluster.json" <<JSON
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+# shellcheck source=benchmarks/wan/ceiling.sh
+. "$root/benchmarks/wan/ceiling.sh"
+measure_ceiling "$root" "$build" "$out/ceiling.txt"
+wan_args=()
+if (( geo12 )); then
+  workers=12
+  cp "$root/examples/clusters/geo12.json" "$out/cluster.json"
+  # As geo12_testbed.sh: the fastest region link under the measured ceiling.
+  scale=$(scale_under_ceiling "$out/cluster.json" "$CEILING_GBYTES")
+  wan_args=(--wan_bandwidth_scale "$scale")
+  echo "churn: geo12, bandwidth scale $scale" >&2
+  stages=6
+  microbatches=6
+  slots=3
+else
+  workers=5
+  gb=$(awk -v r="$rate" 'BEGIN { print r / 1000 }')
+  cat >"$out/cluster.json" <<JSON
 { "name": "churn",
   "nodes": [ { "id": "n1", "region": "East" }, { "id": "n2", "region": "East" },
              { "id": "n3", "region": "West" }, { "id": "n4", "region": "West" },
@@ -65,19 +100,23 @@ cat >"$out/cluster.json" <<JSON
                "bandwidth_gbytes_per_s": $gb } ],
   "intra_region_latency_ms": 1.0, "intra_region_bandwidth_gbytes_per_s": 0.05 }
 JSON
+  stages=2
+  microbatches=2
+  slots=2
+fi
 cat >"$out/job.json" <<JSON
 { "name": "churn", "model": { "preset": "tiny" },
-  "pipeline": { "num_stages": 2, "data_nodes": 2, "replicas_per_stage": 2,
-    "microbatches_per_data_node": 2, "samples_per_microbatch": 2, "memory_slots": 2 },
+  "pipeline": { "num_stages": $stages, "data_nodes": 2, "replicas_per_stage": 2,
+    "microbatches_per_data_node": $microbatches, "samples_per_microbatch": 2,
+    "memory_slots": $slots },
   "optimizer": { "adamw": { "lr": 1e-3 } },
   "data": { "source": "DATA_SOURCE_EMBEDDED" },
   "iterations": $iterations, "checkpoint": { "every_iterations": 10 }, "seed": 5,
   "device": "cpu" }
 JSON
 
-load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 "$local_bin" --wan --wan_prefix "$prefix" --cluster "$out/cluster.json" --job "$out/job.json" \
-  --workers 5 --out "$out/run" >"$out/run.out" 2>&1 &
+  --workers "$workers" ${wan_args[@]+"${wan_args[@]}"} --out "$out/run" >"$out/run.out" 2>&1 &
 local_pid=$!
 cleanup() {
   kill -INT "$local_pid" 2>/dev/null || true
@@ -106,14 +145,16 @@ mark() { phases+=("$1 $(now)"); echo "churn: $1 at iteration $(iteration)" >&2; 
 wait_iteration 3 600
 mark baseline
 sleep 15
-# The cut: one worker of stage 0 and one of stage 1 (replicas of one stage
-# must reach each other for their all-reduce: a cut between them leaves one
-# out, by design; docs/RUNTIME.md §"Link faults and partitions"), the pair
-# whose link carried the most over the last 10 s by the forwarder's
-# counters: a pair the plan does not use costs nothing to cut (an earlier
-# version cut a cross-region pair, which the plan left unused: each stage-0
-# worker sent to the stage-1 worker of its own region). Worker wN runs on
-# node nN; n1, n2 are East.
+# The cut: two workers of neighbouring stages (replicas of one stage must
+# reach each other for their all-reduce: a cut between them leaves one out,
+# by design; docs/RUNTIME.md §"Link faults and partitions"), the pair whose
+# link carried the most over the last 10 s by the forwarder's counters: a
+# pair the plan does not use costs nothing to cut (an earlier version cut a
+# cross-region pair, which the plan left unused: each stage-0 worker sent to
+# the stage-1 worker of its own region). Which node each worker runs on:
+# detour-local's table ("node region address namespace worker wN").
+awk 'NF == 6 && $5 == "worker" && $3 ~ /^[0-9.]+$/ { print $6, $1 }' "$out/run.out" >"$out/nodes.txt"
+[[ -s "$out/nodes.txt" ]] || die "no worker-to-node table in $out/run.out"
 link_bytes() {  # "from to bytes" per ordered pair of nodes, delivered so far
   "$testbed" ctl --prefix "$prefix" stats |
     awk '{ for (i = 3; i <= NF; i++) if ($i ~ /^delivered_bytes=/) { sub(/.*=/, "", $i); print $1, $2, $i } }'
@@ -121,10 +162,12 @@ link_bytes() {  # "from to bytes" per ordered pair of nodes, delivered so far
 link_bytes >"$out/bytes_before.txt"
 sleep 10
 link_bytes >"$out/bytes_after.txt"
-pair=$(python3 - "$out/run/coordinator/jobs" "$out/bytes_before.txt" "$out/bytes_after.txt" <<'PY'
+pair=$(python3 - "$out/run/coordinator/jobs" "$out/bytes_before.txt" "$out/bytes_after.txt" \
+  "$out/nodes.txt" <<'PY'
 import glob, json, sys
 job = json.load(open(sorted(glob.glob(sys.argv[1] + "/*.json"))[0]))
 stages = [s.get("nodes", []) for s in job.get("stages", [])]
+node = dict(line.split() for line in open(sys.argv[4]) if len(line.split()) == 2)
 def load(path):
     out = {}
     for line in open(path):
@@ -136,11 +179,14 @@ before, after = load(sys.argv[2]), load(sys.argv[3])
 def carried(a, b):
     return sum(after.get(k, 0) - before.get(k, 0) for k in [(a, b), (b, a)])
 best = None
-for a in stages[0]:
-    for b in stages[1] if len(stages) > 1 else []:
-        na, nb = "n" + a[1:], "n" + b[1:]
-        if best is None or carried(na, nb) > best[2]:
-            best = (na, nb, carried(na, nb))
+for k in range(len(stages) - 1):
+    for a in stages[k]:
+        for b in stages[k + 1]:
+            if a not in node or b not in node:
+                continue
+            na, nb = node[a], node[b]
+            if best is None or carried(na, nb) > best[2]:
+                best = (na, nb, carried(na, nb))
 if best is None:
     sys.exit(1)
 print(best[0], best[1], best[2])
@@ -163,13 +209,14 @@ mark no-loss
 sleep 15
 kill -0 "$local_pid" 2>/dev/null || die "the job ended before the kill: raise --iterations"
 # The kill: a worker of the last stage outside the cut pair.
-victim=$(python3 - "$out/run/coordinator/jobs" "$cut_a" "$cut_b" <<'PY'
+victim=$(python3 - "$out/run/coordinator/jobs" "$out/nodes.txt" "$cut_a" "$cut_b" <<'PY'
 import glob, json, sys
 job = json.load(open(sorted(glob.glob(sys.argv[1] + "/*.json"))[0]))
-spared = {"w" + n[1:] for n in sys.argv[2:]}
+node = dict(line.split() for line in open(sys.argv[2]) if len(line.split()) == 2)
+spared = set(sys.argv[3:])
 for w in job["stages"][-1].get("nodes", []):
-    if w not in spared:
-        print("n" + w[1:])
+    if w in node and node[w] not in spared:
+        print(node[w])
         break
 PY
 )
@@ -220,4 +267,5 @@ final = [l for l in log if "JOB_STATE_" in l]
 print()
 print("end:", final[-1][24:] if final else "no end state logged", f"(detour-local exit {rc})")
 PY
+echo "$CEILING_LINE (at the start)"
 echo "load average before: $load_before; after: $load_after; $(nproc) cores"

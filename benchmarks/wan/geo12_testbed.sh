@@ -18,32 +18,33 @@
 #      (measured by the start's link probes: detour-local's links.json turned
 #      into a spec by links_to_cluster.py).
 #
-#   sudo benchmarks/wan/geo12_testbed.sh [BUILD_DIR] [ITERATIONS]
+#   sudo benchmarks/wan/geo12_testbed.sh [BUILD_DIR] [ITERATIONS] [SCALE]
 # Needs root (the test bed). Writes benchmarks-out/wan/*.csv and prints a
 # summary table with the load average before and after.
 #
-# Bandwidth scale: detour-wanem forwards about 1.8 Gbit/s on one stream and
-# 1.4 Gbit/s over several on the 2-core development machine
-# (docs/BENCHMARKS.md §WAN). geo12's fastest link is 1.16 GB/s (9.3 Gbit/s),
-# so the links are scaled until that one fits under the several-stream
-# ceiling, 0.175 GB/s, and no further: scale = 0.175 / 1.16, rounded down to
-# two digits (0.15). The tiny model's transfers are far below that rate, so
-# the scale barely changes the run; it keeps the forwarder from being the
-# bottleneck the spec does not have. Only the region links set it: geo12's
-# one intra-region pair (w0 and w11, Oregon, 5 GB/s) would demand 0.03 and
-# shrink every WAN link five times more; at 0.15 it is configured at
-# 0.75 GB/s, above what the forwarder carries, so on that pair the forwarder
-# (about 0.2 GB/s), not the spec, is the limit: still above every scaled WAN
-# link (at most 0.17 GB/s).
+# Bandwidth scale: the run first measures the forwarder's own ceiling
+# (benchmarks/wan/ceiling.sh: iperf3 through detour-wanem, no delay, no cap;
+# the lower of its 8- and 16-stream figures). geo12's fastest link is
+# 1.16 GB/s (9.3 Gbit/s), so the links are scaled until that one fits under
+# the measured ceiling, and no further: scale = ceiling / 1.16, rounded down
+# to two digits (0.15 at 1.4 Gbit/s, 0.26 at 2.5). SCALE, when given,
+# overrides it (to repeat an earlier run's). The tiny model's transfers are
+# far below that rate, so the scale barely changes the run; it keeps the
+# forwarder from being the bottleneck the spec does not have, for one link
+# at a time: twelve probe streams at once share it (the start's bulk slots).
+# Only the region links set it: geo12's one intra-region pair (w0 and w11,
+# Oregon, 5 GB/s) would demand five times less; it is left above what the
+# forwarder carries, so on that pair the forwarder, not the spec, is the
+# limit: still above every scaled WAN link.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${1:-$ROOT/build}
 ITERS=${2:-6}
+SCALE_ARG=${3:-}
 OUT=$ROOT/benchmarks-out/wan
 LOCAL=$BUILD/tools/detour_local/detour-local
 SIM=$BUILD/tools/detour_sim/detour-sim
 CLUSTER=$ROOT/examples/clusters/geo12.json
-CEILING_GBYTES=0.175 # 1.4 Gbit/s, several streams
 
 for b in "$LOCAL" "$SIM" "$BUILD/tools/detour_wanem/detour-wanem"; do
   [[ -x "$b" ]] || { echo "$0: $b is not built" >&2; exit 1; }
@@ -51,6 +52,8 @@ done
 [[ $(id -u) -eq 0 ]] || { echo "$0: needs root for the test bed's namespaces" >&2; exit 1; }
 [[ "$ITERS" =~ ^[0-9]+$ && "$ITERS" -ge 3 && "$ITERS" -le 50 ]] ||
   { echo "$0: ITERATIONS must be 3..50" >&2; exit 2; }
+[[ -z "$SCALE_ARG" || "$SCALE_ARG" =~ ^(0\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] ||
+  { echo "$0: SCALE must be in (0, 1]" >&2; exit 2; }
 mkdir -p "$OUT"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$(date +%s)
@@ -84,13 +87,10 @@ sim_time() {  # cluster job tflops
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a/b; else print "nan"}'; }
 
-SCALE=$(python3 - "$CLUSTER" "$CEILING_GBYTES" <<'PY'
-import json, math, sys
-d = json.load(open(sys.argv[1]))
-fastest = max(l["bandwidth_gbytes_per_s"] for l in d["links"])
-print(min(1.0, math.floor(float(sys.argv[2]) / fastest * 100) / 100))
-PY
-)
+# shellcheck source=benchmarks/wan/ceiling.sh
+. "$ROOT/benchmarks/wan/ceiling.sh"
+measure_ceiling "$ROOT" "$BUILD" "$OUT/geo12_ceiling.txt"
+SCALE=${SCALE_ARG:-$(scale_under_ceiling "$CLUSTER" "$CEILING_GBYTES")}
 # The spec the bed's links ran (what detour-local --wan also gives the planner).
 python3 - "$CLUSTER" "$SCALE" "$OUT/geo12_scaled.json" <<'PY'
 import json, sys
@@ -99,7 +99,11 @@ for l in d["links"]: l["bandwidth_gbytes_per_s"] *= s
 d["intra_region_bandwidth_gbytes_per_s"] = d.get("intra_region_bandwidth_gbytes_per_s", 5.0) * s
 json.dump(d, open(sys.argv[3], "w"), indent=1)
 PY
-echo "bandwidth scale for the test bed: $SCALE (fastest region link under ${CEILING_GBYTES} GB/s)"
+if [[ -n "$SCALE_ARG" ]]; then
+  echo "bandwidth scale for the test bed: $SCALE (given; the measured ceiling allows ${CEILING_GBYTES} GB/s)"
+else
+  echo "bandwidth scale for the test bed: $SCALE (fastest region link under the measured ${CEILING_GBYTES} GB/s)"
+fi
 
 # 1. Calibration.
 python3 - "$CLUSTER" "$OUT/local12.json" <<'PY'
@@ -156,6 +160,8 @@ done
 echo
 echo "geo12, tiny model, 6 stages, $ITERS iterations (means over 2..$ITERS), $(nproc) cores;" \
   "calibrated ${TFLOPS} TFLOP/s per worker; test bed bandwidth x $SCALE"
+echo "forwarder ceiling at the start of this run (Mbit/s): $CEILING_MBIT_1 on one stream," \
+  "$CEILING_MBIT_8 on 8, $CEILING_MBIT_16 on 16 ($OUT/geo12_ceiling.txt)"
 printf "%-12s %8s %8s %8s %9s %9s %8s %8s\n" run mean_s median_s sim_s sim/mean \
   sim/median pred_s wan/emu
 for j in full skip; do

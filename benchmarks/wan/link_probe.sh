@@ -10,7 +10,8 @@
 # compares them with the emulated values (round trip = twice the one-way
 # latency) and reports, per case, the worst ratio of each, the start round's
 # time, the median iteration time, and what a latency round while the job
-# runs costs against an iteration.
+# runs costs against an iteration. The forwarder's own ceiling is measured
+# first (benchmarks/wan/ceiling.sh) and printed with the table.
 #
 #   sudo benchmarks/wan/link_probe.sh [BUILD_DIR]
 # Needs root (the test bed). Writes benchmarks-out/wan/link_probe.csv and
@@ -24,6 +25,10 @@ LOCAL=$BUILD/tools/detour_local/detour-local
 [[ $(id -u) -eq 0 ]] || { echo "$0: needs root for the test bed's namespaces" >&2; exit 1; }
 mkdir -p "$OUT"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# shellcheck source=benchmarks/wan/ceiling.sh
+. "$ROOT/benchmarks/wan/ceiling.sh"
+measure_ceiling "$ROOT" "$BUILD" "$OUT/link_probe_ceiling.txt"
 
 # name one_way_ms rate_mbytes_per_s
 CASES=(
@@ -114,4 +119,5 @@ echo
 cat "$OUT/link_probe_summary.txt"
 rm -f "$OUT/link_probe_summary.txt"
 echo "per link: $csv"
+echo "$CEILING_LINE (at the start)"
 echo "load average before: $load_before, after: $load_after"

@@ -14,7 +14,8 @@
 # the slots took; then the mean iteration's change (on against off, the two
 # runs of each pooled), the job's time each bulk slot cost, and that cost
 # at the default intervals (a latency round costs next to nothing: three
-# 64-byte tensors per link).
+# 64-byte tensors per link). The forwarder's own ceiling is measured first
+# (benchmarks/wan/ceiling.sh) and printed with the table.
 #
 #   sudo benchmarks/wan/running_probes.sh [--build DIR] [--interval 5s]
 #       [--iterations 40] [--one_way_ms 50] [--rate 100]
@@ -35,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     --iterations) iterations=${2:?--iterations needs a number}; shift 2 ;;
     --one_way_ms) ms=${2:?--one_way_ms needs a number}; shift 2 ;;
     --rate) rate=${2:?--rate needs MB/s}; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -50,6 +51,10 @@ LOCAL=$BUILD/tools/detour_local/detour-local
 OUT=$ROOT/benchmarks-out/wan
 mkdir -p "$OUT"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# shellcheck source=benchmarks/wan/ceiling.sh
+. "$ROOT/benchmarks/wan/ceiling.sh"
+measure_ceiling "$ROOT" "$BUILD" "$OUT/running_probes_ceiling.txt"
 
 # shellcheck source=benchmarks/wan/two_regions.sh
 . "$ROOT/benchmarks/wan/two_regions.sh"
@@ -118,4 +123,5 @@ print(f"mean iteration: off {off:.3f} s, on (both every {interval}) {on:.3f} s: 
       f"{100 * change:+.1f} %; {slots_on} bulk slots, each costing the job {per_slot:.2f} s; "
       f"at the defaults (a bulk slot every 5 min): {100 * per_slot / 300:.2f} % of its time")
 PY
+echo "$CEILING_LINE (at the start)"
 echo "load average before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg)"
