@@ -450,7 +450,14 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       fitted_at = reports;
       const int ia = cost_->NodeIndex(a), ib = cost_->NodeIndex(b);
       if (ia < 0 || ib < 0) continue;
-      const double wire = std::max(1e-6, seconds - t.latency_s[ia][ib]);
+      // A transfer's time runs from its first byte to the peer's
+      // acknowledgement: the way there, the acknowledgement's way back (the
+      // round trip a probe's ping measures) and the bytes on the wire. Only
+      // the last is the bandwidth's; with the way back left in, a long link's
+      // fit read a fraction of its rate, and every plan's prediction grew by
+      // a one-way latency per hop.
+      const double wire = seconds - t.latency_s[ia][ib] - t.latency_s[ib][ia];
+      if (!(wire >= kMinWireShare * seconds)) continue;
       links_.Fitted({a, b}, t.activation_bytes / wire, absl::Now());
       ++fitted;
     }

@@ -133,8 +133,12 @@ class RunnerPlanner {
 
   // Every link between members with transfers reported since its last fit:
   // the planner keeps the link's latency and takes the bandwidth that makes
-  // one activation's transfer last what the workers measured. Returns how
-  // many links were fitted.
+  // one activation's transfer last what the workers measured, less the
+  // round trip to the peer's acknowledgement. A transfer whose bytes took
+  // under kMinWireShare of its time was bound by the round trip, whose
+  // jitter is larger than its bytes' time: it leaves the link's bandwidth
+  // as it is. Returns how many links were fitted.
+  static constexpr double kMinWireShare = 0.1;
   int UpdateLinksFromTimings(const TimingEstimates& estimates);
   // What the job measured of its links (probes, fits); BuildCostModel lays
   // it over the region table. After changing it, RefreshLinks.

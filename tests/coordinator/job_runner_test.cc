@@ -229,10 +229,13 @@ class FakeCluster : public RunnerHost {
   }
 
   // After each step every worker reports its forward transfers (to the next
-  // node of each of its routes) as taking `seconds`; 0 = no transfers.
-  void ReportTransfers(double seconds) {
+  // node of each of its routes) as taking `seconds`, plus the link's round
+  // trip (its FakeLink's rtt: the way there and the acknowledgement's way
+  // back) when `plus_round_trip`; 0 = no transfers.
+  void ReportTransfers(double seconds, bool plus_round_trip = false) {
     absl::MutexLock lock(&mu_);
     transfer_seconds_ = seconds;
+    transfer_plus_round_trip_ = plus_round_trip;
   }
 
   // The checkpoints assignments told workers to restore, in order.
@@ -482,7 +485,9 @@ class FakeCluster : public RunnerHost {
               v1::TransferTiming* x = t->add_transfers();
               x->set_peer(route.nodes(i + 1));
               x->set_forward(true);
-              x->set_duration_s(transfer_seconds_);
+              auto link = links_.find({w.id, route.nodes(i + 1)});
+              const double rtt = link != links_.end() ? link->second.rtt : FakeLink().rtt;
+              x->set_duration_s(transfer_seconds_ + (transfer_plus_round_trip_ ? rtt : 0));
             }
           }
         }
@@ -581,6 +586,7 @@ class FakeCluster : public RunnerHost {
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
   bool checkpoint_ ABSL_GUARDED_BY(mu_) = false;
   double transfer_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  bool transfer_plus_round_trip_ ABSL_GUARDED_BY(mu_) = false;
   v1::JobSpec spec_ ABSL_GUARDED_BY(mu_);                   // of the last assignment
   std::vector<std::string> restored_ ABSL_GUARDED_BY(mu_);  // restore_from of assignments
 };
@@ -1728,6 +1734,67 @@ TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheLastIterationCrossed) {
     ++kept;
   }
   EXPECT_GT(kept, 0);
+}
+
+// A link's bandwidth is refitted from the job's transfers less their round
+// trip: a transfer is timed until the peer's acknowledgement, which comes
+// back over the reverse link. Two links whose transfers take the same time
+// beyond their (very different) round trips are fitted the same rate.
+TEST_F(JobRunnerTest, TransfersAreFittedLessTheirRoundTrip) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->SetLink("d0", "a", {0.4, 1e8, ""});
+  cluster_->SetLink("a", "d0", {0.4, 1e8, ""});
+  cluster_->SetLink("a", "b", {0.02, 1e8, ""});
+  cluster_->SetLink("b", "a", {0.02, 1e8, ""});
+  cluster_->mutable_options()->replan_every = 1;
+  cluster_->ReportTransfers(0.05, /*plus_round_trip=*/true);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  std::map<std::pair<std::string, std::string>, double> fitted;
+  for (const v1::JobLink& l : links->links()) {
+    if (l.bandwidth_source() == v1::JobLink::SOURCE_TRAFFIC) {
+      fitted[{l.from(), l.to()}] = l.bandwidth_bytes_per_s();
+    }
+  }
+  ASSERT_TRUE(fitted.count({"d0", "a"}) && fitted.count({"a", "b"})) << links->ShortDebugString();
+  // Less one way only, d0 -> a read (0.01 + 0.05) / (0.2 + 0.05) = 0.24 of
+  // a -> b.
+  const double ratio = fitted[std::make_pair("d0", "a")] / fitted[std::make_pair("a", "b")];
+  EXPECT_NEAR(ratio, 1.0, 1e-6);
+}
+
+// A transfer that took its round trip and next to nothing more was bound by
+// the round trip: its bytes' time is within the round trip's jitter, and
+// the link keeps the bandwidth its probes measured.
+TEST_F(JobRunnerTest, ARoundTripBoundTransferLeavesTheLinksBandwidthAlone) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  for (auto [from, to] : {std::make_pair("d0", "a"), std::make_pair("a", "d0"),
+                          std::make_pair("a", "b"), std::make_pair("b", "a")}) {
+    cluster_->SetLink(from, to, {0.3, 5e7, ""});
+  }
+  cluster_->mutable_options()->replan_every = 1;
+  // 0.3 s + 10 ms: the bytes took 3 % of it.
+  cluster_->ReportTransfers(0.01, /*plus_round_trip=*/true);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int seen = 0;
+  for (const v1::JobLink& l : links->links()) {
+    if (!(l.from() == "d0" && l.to() == "a") && !(l.from() == "a" && l.to() == "b")) continue;
+    ++seen;
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE) << l.ShortDebugString();
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 5e7) << l.ShortDebugString();
+  }
+  EXPECT_EQ(seen, 2);
 }
 
 // A cut link is re-probed by the latency rounds while the job runs; once
