@@ -15,6 +15,8 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -673,6 +675,33 @@ class JobRunnerTest : public ::testing::Test {
         << "the job did not end:\n"
         << Job().DebugString();
     return Job();
+  }
+
+  // A pipeline d0 -> a -> b of 4 iterations, re-planned after each, over
+  // links of round trip `rtt_d0_a` and `rtt_a_b` (both ways; rate 5e7),
+  // whose forward transfers take their round trip plus `beyond`: the
+  // bandwidths the runner published at the end, by link.
+  std::map<std::pair<std::string, std::string>, v1::JobLink> RunTransfersBeyondRoundTrips(
+      double rtt_d0_a, double rtt_a_b, double beyond) {
+    for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+    for (auto [from, to, rtt] :
+         {std::make_tuple("d0", "a", rtt_d0_a), std::make_tuple("a", "d0", rtt_d0_a),
+          std::make_tuple("a", "b", rtt_a_b), std::make_tuple("b", "a", rtt_a_b)}) {
+      cluster_->SetLink(from, to, {rtt, 5e7, ""});
+    }
+    cluster_->mutable_options()->replan_every = 1;
+    cluster_->ReportTransfers(beyond, /*plus_round_trip=*/true);
+    v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+    Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+    Start(spec, {"d0", "a", "b"});
+    const v1::Job job = AwaitEnd();
+    EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+    std::map<std::pair<std::string, std::string>, v1::JobLink> out;
+    const std::optional<v1::GetLinksResponse> links = runner_->Links();
+    EXPECT_TRUE(links.has_value());
+    if (!links.has_value()) return out;
+    for (const v1::JobLink& l : links->links()) out[{l.from(), l.to()}] = l;
+    return out;
   }
 
   static int Count(const v1::Job& job, v1::JobHistoryEvent::Kind kind) {
@@ -1741,60 +1770,27 @@ TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheLastIterationCrossed) {
 // back over the reverse link. Two links whose transfers take the same time
 // beyond their (very different) round trips are fitted the same rate.
 TEST_F(JobRunnerTest, TransfersAreFittedLessTheirRoundTrip) {
-  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
-  cluster_->SetLink("d0", "a", {0.4, 1e8, ""});
-  cluster_->SetLink("a", "d0", {0.4, 1e8, ""});
-  cluster_->SetLink("a", "b", {0.02, 1e8, ""});
-  cluster_->SetLink("b", "a", {0.02, 1e8, ""});
-  cluster_->mutable_options()->replan_every = 1;
-  cluster_->ReportTransfers(0.05, /*plus_round_trip=*/true);
-  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
-  Start(spec, {"d0", "a", "b"});
-  const v1::Job job = AwaitEnd();
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
-  const std::optional<v1::GetLinksResponse> links = runner_->Links();
-  ASSERT_TRUE(links.has_value());
-  std::map<std::pair<std::string, std::string>, double> fitted;
-  for (const v1::JobLink& l : links->links()) {
-    if (l.bandwidth_source() == v1::JobLink::SOURCE_TRAFFIC) {
-      fitted[{l.from(), l.to()}] = l.bandwidth_bytes_per_s();
-    }
-  }
-  ASSERT_TRUE(fitted.count({"d0", "a"}) && fitted.count({"a", "b"})) << links->ShortDebugString();
+  auto links = RunTransfersBeyondRoundTrips(0.4, 0.02, 0.05);
+  const v1::JobLink& far = links[{"d0", "a"}];
+  const v1::JobLink& near = links[{"a", "b"}];
+  ASSERT_EQ(far.bandwidth_source(), v1::JobLink::SOURCE_TRAFFIC) << far.ShortDebugString();
+  ASSERT_EQ(near.bandwidth_source(), v1::JobLink::SOURCE_TRAFFIC) << near.ShortDebugString();
   // Less one way only, d0 -> a read (0.01 + 0.05) / (0.2 + 0.05) = 0.24 of
   // a -> b.
-  const double ratio = fitted[std::make_pair("d0", "a")] / fitted[std::make_pair("a", "b")];
-  EXPECT_NEAR(ratio, 1.0, 1e-6);
+  EXPECT_NEAR(far.bandwidth_bytes_per_s() / near.bandwidth_bytes_per_s(), 1.0, 1e-6);
 }
 
 // A transfer that took its round trip and next to nothing more was bound by
 // the round trip: its bytes' time is within the round trip's jitter, and
 // the link keeps the bandwidth its probes measured.
 TEST_F(JobRunnerTest, ARoundTripBoundTransferLeavesTheLinksBandwidthAlone) {
-  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
-  for (auto [from, to] : {std::make_pair("d0", "a"), std::make_pair("a", "d0"),
-                          std::make_pair("a", "b"), std::make_pair("b", "a")}) {
-    cluster_->SetLink(from, to, {0.3, 5e7, ""});
-  }
-  cluster_->mutable_options()->replan_every = 1;
   // 0.3 s + 10 ms: the bytes took 3 % of it.
-  cluster_->ReportTransfers(0.01, /*plus_round_trip=*/true);
-  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
-  Start(spec, {"d0", "a", "b"});
-  const v1::Job job = AwaitEnd();
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
-  const std::optional<v1::GetLinksResponse> links = runner_->Links();
-  ASSERT_TRUE(links.has_value());
-  int seen = 0;
-  for (const v1::JobLink& l : links->links()) {
-    if (!(l.from() == "d0" && l.to() == "a") && !(l.from() == "a" && l.to() == "b")) continue;
-    ++seen;
+  auto links = RunTransfersBeyondRoundTrips(0.3, 0.3, 0.01);
+  for (const auto& link : {std::make_pair("d0", "a"), std::make_pair("a", "b")}) {
+    const v1::JobLink& l = links[link];
     EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE) << l.ShortDebugString();
     EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 5e7) << l.ShortDebugString();
   }
-  EXPECT_EQ(seen, 2);
 }
 
 // A cut link is re-probed by the latency rounds while the job runs; once
