@@ -50,6 +50,12 @@ constexpr double kPingRetryShareOfBudget = 0.25;
 constexpr absl::Duration kFirstPingRetry = absl::Milliseconds(20);
 constexpr absl::Duration kLastPingRetry = absl::Milliseconds(400);
 
+// Whether a round measures bandwidth too (else it only pings): its bulk
+// probes start at kFirstBulkBytes.
+bool MeasuresBandwidth(const v1::LinkProbe& p) {
+  return p.bulk_max_bytes() >= LinkProber::kFirstBulkBytes;
+}
+
 // Transfers in flight, one per key, and their outcomes as they come. A
 // callback that comes after the round gave up writes into state nobody reads
 // any more.
@@ -283,7 +289,7 @@ void ProbeRound::MeasureLatency() {
 }
 
 void ProbeRound::MeasureBandwidth() {
-  if (p_.bulk_max_bytes() < LinkProber::kFirstBulkBytes) return;
+  if (!MeasuresBandwidth(p_)) return;
   std::vector<std::pair<std::string, v1::LinkMeasurement*>> todo;
   for (auto& [peer, m] : links_) {
     if (m->error().empty()) todo.emplace_back(peer, m);
@@ -712,7 +718,7 @@ v1::LinkReport LinkProber::Round(const v1::LinkProbe& p) {
   // each. Striped, every worker of a round would open up to 16 TLS
   // connections to each peer at the same moment, and the peers' admission
   // would shed some of them and fail their pings.
-  if (p.bulk_max_bytes() < kFirstBulkBytes) config.direct_connections = 1;
+  if (!MeasuresBandwidth(p)) config.direct_connections = 1;
   ProbeRound round(p, me, factory_(config), probe_bytes_, [this] {
     absl::MutexLock lock(&mu_);
     return stopping_;
