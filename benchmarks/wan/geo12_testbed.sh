@@ -160,8 +160,7 @@ done
 echo
 echo "geo12, tiny model, 6 stages, $ITERS iterations (means over 2..$ITERS), $(nproc) cores;" \
   "calibrated ${TFLOPS} TFLOP/s per worker; test bed bandwidth x $SCALE"
-echo "forwarder ceiling at the start of this run (Mbit/s): $CEILING_MBIT_1 on one stream," \
-  "$CEILING_MBIT_8 on 8, $CEILING_MBIT_16 on 16 ($OUT/geo12_ceiling.txt)"
+echo "$CEILING_LINE (at the start; $OUT/geo12_ceiling.txt)"
 printf "%-12s %8s %8s %8s %9s %9s %8s %8s\n" run mean_s median_s sim_s sim/mean \
   sim/median pred_s wan/emu
 for j in full skip; do
