@@ -22,6 +22,7 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/runner_membership.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_part.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_planner.cc
+  ${CMAKE_CURRENT_LIST_DIR}/runner_reattach.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_record.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_stage_loss.cc
   ${CMAKE_CURRENT_LIST_DIR}/service_discovery.cc

@@ -21,6 +21,7 @@
 #include "coordinator/runner_iteration.h"
 #include "coordinator/runner_links.h"
 #include "coordinator/runner_part.h"
+#include "coordinator/runner_reattach.h"
 #include "coordinator/runner_stage_loss.h"
 #include "coordinator/stage_reassignment.h"
 #include "coordinator/stragglers.h"
@@ -186,7 +187,8 @@ struct RunnerSharedHolder {
 // coordinator restart) and the end. The rest is in parts, each with one job
 // and its own tests (docs/ARCHITECTURE.md): RunnerIteration (one iteration,
 // losses mid-iteration), RunnerElastic (joins, moves, pauses),
-// RunnerStageLoss (a stage's lost state: rollback, a holder's return), and the state
+// RunnerStageLoss (a stage's lost state: rollback, a holder's return),
+// RunnerReattach (taking over after a coordinator restart), and the state
 // they share (runner_part.h: membership, planning model, checkpoints, the
 // link to the members, the record).
 class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private RunnerLoop {
@@ -199,7 +201,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
         elastic_(&shared, this),
         iteration_(&shared, this, &elastic_),
         links_(&shared, this),
-        stage_loss_(&shared, this, &elastic_, &iteration_) {
+        stage_loss_(&shared, this, &elastic_, &iteration_),
+        reattach_(&shared, this, &elastic_) {
     for (v1::WorkerInfo& w : workers) membership_.mutable_infos()[w.worker_id()] = std::move(w);
   }
 
@@ -264,7 +267,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   JobEnd Drive() {
     checkpoints_.Load(LastCheckpointOfRecord());
     if (start_mode_ == JobRunner::StartMode::kReattach) {
-      if (auto e = Reattach(); e) return *e;
+      if (auto e = reattach_.Run(); e) return *e;
     } else {
       record_.SetState(
           v1::JOB_STATE_ASSIGNING,
@@ -376,82 +379,6 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       }
     }
     return AwaitStageReady(waiting, "stage builds of ");
-  }
-
-  // --- re-attaching after a coordinator restart -----------------------------------
-
-  std::optional<JobEnd> Reattach() {
-    auto stored = host_->jobs().Get(job_id_);
-    if (!stored.ok()) return Failed(std::string(stored.status().message()));
-    membership_.set_epoch(stored->epoch() + 1);
-    for (int s = 0; s < stored->stages_size(); ++s) {
-      for (const std::string& id : stored->stages(s).nodes()) membership_.Set(id, s);
-    }
-    if (members().empty()) {
-      return Failed("coordinator restarted before the job's stages were assigned; resume it");
-    }
-    record_.SetState(v1::JOB_STATE_RUNNING, absl::StrCat("re-attaching to ", members().size(),
-                                                         " workers after a coordinator restart"));
-    // Workers re-register and report what they hold (JobStatus) once their
-    // session reopens.
-    std::map<std::string, v1::JobStatus> status;
-    const absl::Time deadline = Now() + options().assign_timeout;
-    while (status.size() < members().size() && Now() < deadline) {
-      RunnerEvent ev = Wait(
-          deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
-      if (ev.end && StopRequested()) return ev.end;
-      if (ev.end) break;  // timed out: the missing ones are lost
-      for (auto& [worker, m] : ev.messages) {
-        if (m.has_job_status() && m.job_status().job_id() == job_id_ &&
-            membership_.IsMember(worker)) {
-          status[worker] = m.job_status();
-        }
-      }
-    }
-    for (const v1::WorkerInfo& w : host_->registry().List(true)) {
-      if (membership_.IsMember(w.worker_id())) membership_.mutable_infos()[w.worker_id()] = w;
-    }
-    std::vector<std::string> missing;
-    for (const auto& [id, stage] : std::map<std::string, int>(members())) {
-      if (status.count(id) && membership_.infos().count(id)) continue;
-      missing.push_back(id);
-      host_->Unreserve(job_id_, id);
-      membership_.Remove(id);
-    }
-    for (const auto& [id, s] : members()) membership_.mutable_node_order().push_back(id);
-    std::set<uint64_t> completed;
-    for (const auto& [id, st] : status) {
-      if (membership_.IsMember(id)) completed.insert(st.completed_iterations());
-    }
-    if (members().empty() || completed.size() != 1) {
-      return Failed(absl::StrCat("coordinator restarted; ",
-                                 members().empty() ? "no worker of the job came back"
-                                                   : "the workers stopped at different "
-                                                     "iterations",
-                                 "; resume the job from its last checkpoint (detourctl resume ",
-                                 job_id_, ")"));
-    }
-    next_iteration_ = *completed.begin();
-    if (absl::Status s = plan_.BuildCostModel(); !s.ok()) return Failed(s.message());
-    plan_.RebuildAssignment();
-    host_->runner_metrics().MembersChanged(static_cast<int>(members().size()));
-    if (auto e = ConfigureKfac(); e) return e;
-    // Whatever iteration was in flight is run again from its start.
-    link_.AbortIteration(next_iteration_, "the coordinator restarted; the iteration runs again");
-    for (const std::string& id : missing) {
-      AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
-               absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
-    }
-    AddEvent(v1::JobHistoryEvent::KIND_REATTACHED, next_iteration_, "",
-             absl::StrCat("re-attached ", members().size(),
-                          " workers after a coordinator "
-                          "restart; continuing at iteration ",
-                          next_iteration_));
-    if (std::string why = plan_.Infeasible(); !why.empty()) {
-      if (auto e = elastic_.Pause(next_iteration_, why); e) return e;
-    }
-    RecordStages();
-    return std::nullopt;
   }
 
   // --- waiting for workers, and losing them ----------------------------------------
@@ -711,7 +638,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
 
   // A graceful stop of the coordinator (Detach): nothing is ended and the
   // workers are not told, exactly as when the coordinator dies, so the next
-  // coordinator re-attaches the same way after either (Reattach). The
+  // coordinator re-attaches the same way after either (RunnerReattach). The
   // reservations stay too: until the sessions close, no heartbeat of a
   // member makes the manager tell it to drop the job.
   void LeaveForTheNextCoordinator() {
@@ -749,6 +676,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
   RunnerIteration iteration_;
   RunnerLinks links_;
   RunnerStageLoss stage_loss_;
+  RunnerReattach reattach_;
   absl::Time last_loss_check_ = absl::InfinitePast();
   std::map<std::string, uint64_t> outsider_messages_;  // worker -> messages ignored
   uint64_t bad_frame_reports_refused_ = 0;
