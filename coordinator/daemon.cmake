@@ -14,6 +14,7 @@ add_library(detour_coordinator_lib STATIC
   ${CMAKE_CURRENT_LIST_DIR}/link_matrix.cc
   ${CMAKE_CURRENT_LIST_DIR}/metered_job_backend.cc
   ${CMAKE_CURRENT_LIST_DIR}/pending_reason.cc
+  ${CMAKE_CURRENT_LIST_DIR}/reattach_point.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_checkpoints.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_elastic.cc
   ${CMAKE_CURRENT_LIST_DIR}/runner_iteration.cc

@@ -184,6 +184,14 @@ std::optional<RunnerIteration::IterationOutcome> RunnerIteration::Collect(uint64
       step.mutable_step()->set_epoch(epoch());
       step.mutable_step()->set_completed_microbatches(static_cast<uint32_t>(
           plan_.total_microbatches() - static_cast<int>(round->dropped().size())));
+      // Durably first: a coordinator that dies between two step messages
+      // leaves workers an iteration apart, and the one that takes over
+      // sends the rest this same step (JobRunner's re-attach).
+      absl::Status pending = record_.PendingStep(step.step());
+      pending = record_.Hold(pending, [this] { return StopRequested(); });
+      if (!pending.ok()) {
+        return End(Failed(absl::StrCat("cannot write the job record: ", pending.message())));
+      }
       link_.SendToAll(step);
       stepped = true;
       collected->overhead += absl::Now() - step_start;

@@ -1,11 +1,15 @@
 #include "coordinator/runner_reattach.h"
 
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "coordinator/reattach_point.h"
 #include "coordinator/runner_elastic.h"
 
 namespace detour {
@@ -51,20 +55,27 @@ std::optional<JobEnd> RunnerReattach::Run() {
     host_->Unreserve(job_id_, id);
     membership_.Remove(id);
   }
-  for (const auto& [id, s] : members()) membership_.mutable_node_order().push_back(id);
-  std::set<uint64_t> completed;
-  for (const auto& [id, st] : status) {
-    if (membership_.IsMember(id)) completed.insert(st.completed_iterations());
+  for (auto it = status.begin(); it != status.end();) {
+    it = membership_.IsMember(it->first) ? std::next(it) : status.erase(it);
   }
-  if (members().empty() || completed.size() != 1) {
-    return Failed(absl::StrCat("coordinator restarted; ",
-                               members().empty() ? "no worker of the job came back"
-                                                 : "the workers stopped at different "
-                                                   "iterations",
+  auto point =
+      FindReattachPoint(status, stored->has_pending_step() ? &stored->pending_step() : nullptr);
+  std::vector<std::string> behind;  // laggards that did not apply the step
+  if (point.ok() && !point->laggards.empty()) {
+    if (auto e = CatchUp(stored->pending_step(), point->laggards, &status, &behind); e) return e;
+    if (members().empty()) point = absl::FailedPreconditionError("no worker applied the step");
+  }
+  std::map<std::string, uint64_t> checksums;
+  for (const auto& [id, st] : status) checksums[id] = st.parameter_checksum();
+  absl::Status agree =
+      point.ok() ? CheckReplicasAgree(checksums, members(), point->next_iteration) : point.status();
+  if (!agree.ok()) {
+    return Failed(absl::StrCat("coordinator restarted; ", agree.message(),
                                "; resume the job from its last checkpoint (detourctl resume ",
                                job_id_, ")"));
   }
-  next_iteration_ = *completed.begin();
+  for (const auto& [id, s] : members()) membership_.mutable_node_order().push_back(id);
+  next_iteration_ = point->next_iteration;
   if (absl::Status s = plan_.BuildCostModel(); !s.ok()) return Failed(s.message());
   plan_.RebuildAssignment();
   host_->runner_metrics().MembersChanged(static_cast<int>(members().size()));
@@ -75,15 +86,74 @@ std::optional<JobEnd> RunnerReattach::Run() {
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
              absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
   }
+  for (const std::string& id : behind) {
+    AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
+             absl::StrCat("worker ", id, " did not apply the step of iteration ",
+                          next_iteration_ - 1, " that the old coordinator had not sent it"));
+  }
+  const size_t caught_up = point->laggards.size() - behind.size();
   AddEvent(v1::JobHistoryEvent::KIND_REATTACHED, next_iteration_, "",
            absl::StrCat("re-attached ", members().size(),
                         " workers after a coordinator "
                         "restart; continuing at iteration ",
-                        next_iteration_));
+                        next_iteration_,
+                        caught_up == 0 ? ""
+                                       : absl::StrCat(" (", caught_up,
+                                                      " of them first applied the step of "
+                                                      "iteration ",
+                                                      next_iteration_ - 1,
+                                                      ", which the coordinator had died "
+                                                      "sending)")));
   if (std::string why = plan_.Infeasible(); !why.empty()) {
     if (auto e = elastic_->Pause(next_iteration_, why); e) return e;
   }
   RecordStages();
+  return std::nullopt;
+}
+
+std::optional<JobEnd> RunnerReattach::CatchUp(const v1::PendingStep& pending,
+                                              const std::vector<std::string>& laggards,
+                                              std::map<std::string, v1::JobStatus>* status,
+                                              std::vector<std::string>* behind) {
+  LogInfo("job ", job_id_, ": workers ", absl::StrJoin(laggards, ", "),
+          " did not get the step of iteration ", pending.iteration(),
+          " before the coordinator restarted; sending it to them");
+  std::set<std::string> waiting;
+  const v1::CoordinatorMessage step = StepMessage(job_id_, pending);
+  for (const std::string& id : laggards) {
+    if (link_.SendTo(id, step)) waiting.insert(id);
+  }
+  const absl::Time deadline = Now() + options().assign_timeout;
+  while (!waiting.empty() && Now() < deadline) {
+    RunnerEvent ev = Wait(
+        deadline,
+        [&] {
+          return absl::StrCat("the step of iteration ", pending.iteration(), " on ",
+                              absl::StrJoin(waiting, ", "));
+        },
+        /*detect_loss=*/false);
+    if (ev.end && StopRequested()) return ev.end;
+    if (ev.end) break;
+    for (auto& [worker, m] : ev.messages) {
+      if (!m.has_result() || m.result().job_id() != job_id_ ||
+          m.result().iteration() != pending.iteration() || !waiting.count(worker)) {
+        continue;
+      }
+      v1::JobStatus& st = (*status)[worker];
+      st.set_completed_iterations(pending.iteration() + 1);
+      st.set_parameter_checksum(m.result().parameter_checksum());
+      st.set_in_iteration(false);
+      waiting.erase(worker);
+    }
+  }
+  for (const std::string& id : waiting) {
+    LogWarning("job ", job_id_, ": worker ", id, " did not apply the step of iteration ",
+               pending.iteration());
+    status->erase(id);
+    behind->push_back(id);
+    host_->Unreserve(job_id_, id);
+    membership_.Remove(id);
+  }
   return std::nullopt;
 }
 

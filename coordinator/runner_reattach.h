@@ -6,7 +6,10 @@
 #ifndef DETOUR_COORDINATOR_RUNNER_REATTACH_H_
 #define DETOUR_COORDINATOR_RUNNER_REATTACH_H_
 
+#include <map>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "coordinator/runner_part.h"
 
@@ -21,12 +24,24 @@ class RunnerReattach : private RunnerPart {
   RunnerReattach(RunnerShared* shared, RunnerLoop* loop, RunnerElastic* elastic);
 
   // Re-attaches to the workers that come back; the job's end when it cannot
-  // go on (none came back, they stopped at different iterations, its cost
-  // model cannot be built). The iteration that was in flight is aborted and
-  // runs again from its start (next_iteration).
+  // go on (none came back, they cannot be joined at one iteration:
+  // reattach_point.h, its cost model cannot be built). Workers the old
+  // coordinator died before sending the step get it first; then the
+  // iteration that was in flight is aborted and runs again from its start
+  // (next_iteration).
   std::optional<JobEnd> Run();
 
  private:
+  // The old coordinator died between its step messages of
+  // `pending.iteration()`: `laggards` (still waiting for it) get that same
+  // step. One that does not apply it within --assign_timeout leaves the job
+  // (its parameters are a step behind) and is added to `behind`. `status`
+  // takes the others' checksums after the step and their new count.
+  std::optional<JobEnd> CatchUp(const v1::PendingStep& pending,
+                                const std::vector<std::string>& laggards,
+                                std::map<std::string, v1::JobStatus>* status,
+                                std::vector<std::string>* behind);
+
   RunnerElastic* const elastic_;
 };
 

@@ -173,7 +173,21 @@ absl::Status RunnerRecord::Iteration(const IterationRecord& r) {
               }
             }
             j->set_epoch(r.epoch);
+            j->clear_pending_step();  // every worker applied it
           })
+      .status();
+}
+
+absl::Status RunnerRecord::PendingStep(const v1::StepCommand& step) {
+  return jobs_
+      ->Update(job_id_,
+               [&](v1::Job* j) {
+                 v1::PendingStep* p = j->mutable_pending_step();
+                 p->set_iteration(step.iteration());
+                 p->set_squared_norm(step.squared_norm());
+                 p->set_epoch(step.epoch());
+                 p->set_completed_microbatches(step.completed_microbatches());
+               })
       .status();
 }
 

@@ -71,6 +71,9 @@ class RunnerRecord {
   absl::Status ReplicaSync(v1::KfacReplicaSync chosen, bool sync_factors);
   // A finished iteration. An error when the record cannot be written.
   absl::Status Iteration(const IterationRecord& r);
+  // The step about to be sent (Job.pending_step), before any worker gets
+  // it; Iteration clears it. An error when the record cannot be written.
+  absl::Status PendingStep(const v1::StepCommand& step);
   // After a write the job cannot go on without failed with `failed`: on a
   // replicated store (JobBackend::Replicated) that could not be reached
   // (UNAVAILABLE, DEADLINE_EXCEEDED) or refused a deposed leader's write

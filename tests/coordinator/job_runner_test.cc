@@ -63,6 +63,7 @@ struct FakeWorker {
   uint64_t iteration = 0;
   uint64_t epoch = 0;
   bool stepped = false;
+  bool waiting_step = false;                // in an iteration whose step it has not applied
   std::map<uint32_t, v1::Route> routes;     // this iteration's, amendments applied
   std::vector<std::string> first_of_stage;  // replica group heads, by stage
 };
@@ -203,6 +204,32 @@ class FakeCluster : public RunnerHost {
     workers_[id].checksum = checksum;
   }
 
+  // ... and is in `iteration` of `epoch`, waiting for its step (the old
+  // coordinator died before sending it).
+  void HoldInIteration(const std::string& id, int stage, uint64_t checksum, uint64_t iteration,
+                       uint64_t epoch) {
+    Hold(id, stage, checksum);
+    absl::MutexLock lock(&mu_);
+    FakeWorker& w = workers_[id];
+    w.iteration = iteration;
+    w.epoch = epoch;
+    w.stepped = false;
+    w.waiting_step = true;
+  }
+
+  // Step messages sent while the job record did not hold them
+  // (Job.pending_step).
+  int StepsNotInRecord() {
+    absl::MutexLock lock(&mu_);
+    return steps_not_in_record_;
+  }
+
+  // Steps each worker applied, as (worker, iteration, squared norm).
+  std::vector<std::tuple<std::string, uint64_t, double>> Steps() {
+    absl::MutexLock lock(&mu_);
+    return steps_;
+  }
+
   std::vector<v1::WorkerInfo> Infos(const std::vector<std::string>& ids) {
     std::vector<v1::WorkerInfo> out;
     for (const v1::WorkerInfo& w : registry_.List(true)) {
@@ -290,8 +317,17 @@ class FakeCluster : public RunnerHost {
     JobRunner* runner = nullptr;
     bool poke = false;
     std::string revive;
+    bool step_in_record = false;
+    if (m.has_step()) {
+      auto job = store_.Get(m.step().job_id());
+      step_in_record = job.ok() && job->has_pending_step() &&
+                       job->pending_step().iteration() == m.step().iteration() &&
+                       job->pending_step().squared_norm() == m.step().squared_norm() &&
+                       job->pending_step().epoch() == m.step().epoch();
+    }
     {
       absl::MutexLock lock(&mu_);
+      if (m.has_step() && !step_in_record) ++steps_not_in_record_;
       runner = runner_;
       auto it = workers_.find(worker);
       if (it == workers_.end() || !it->second.alive) {
@@ -404,6 +440,7 @@ class FakeCluster : public RunnerHost {
         w.iteration = p.iteration();
         w.epoch = p.epoch();
         w.stepped = false;
+        w.waiting_step = true;
         w.routes.clear();
         for (const v1::Route& r : p.routes()) w.routes[r.microbatch()] = r;
         w.first_of_stage.clear();
@@ -455,7 +492,12 @@ class FakeCluster : public RunnerHost {
       }
       case v1::CoordinatorMessage::kStep: {
         const v1::StepCommand& s = m.step();
+        // The worker's runtime drops a step that is not for the iteration
+        // it waits in (RuntimeStep::OnStep).
+        if (!w.waiting_step || s.iteration() != w.iteration || s.epoch() != w.epoch) return false;
         w.stepped = true;
+        w.waiting_step = false;
+        steps_.emplace_back(w.id, s.iteration(), s.squared_norm());
         w.checksum = w.checksum * 31 + s.iteration() + 1;
         v1::IterationResult* r = reply(w.id).mutable_result();
         r->set_job_id(s.job_id());
@@ -530,7 +572,10 @@ class FakeCluster : public RunnerHost {
         }
         return false;
       }
-      case v1::CoordinatorMessage::kAbort: w.routes.clear(); return false;
+      case v1::CoordinatorMessage::kAbort:
+        w.routes.clear();
+        w.waiting_step = false;
+        return false;
       case v1::CoordinatorMessage::kCancel:
         w.stage = -1;
         w.routes.clear();
@@ -583,6 +628,8 @@ class FakeCluster : public RunnerHost {
   std::vector<std::string> probed_by_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> probed_after_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, FakeLink> links_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::tuple<std::string, uint64_t, double>> steps_ ABSL_GUARDED_BY(mu_);
+  int steps_not_in_record_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::pair<std::string, std::string>, std::pair<uint64_t, FakeLink>> later_links_
       ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> planned_iterations_ ABSL_GUARDED_BY(mu_);
@@ -1029,6 +1076,92 @@ TEST_F(JobRunnerTest, ReattachesAfterACoordinatorRestart) {
   ASSERT_FALSE(planned.empty());
   EXPECT_EQ(planned.front(), 3u);
   EXPECT_EQ(job.progress().iteration(), 7u);
+}
+
+// The old coordinator died between its step messages of iteration 3: d0
+// and a1 applied the step (4 iterations done), a2 and b wait for it. The
+// runner sends a2 and b the step the record holds, checks that a2 now
+// matches its replica a1, and goes on at iteration 4. Without the stored
+// step the job fails, naming what is missing.
+TEST_F(JobRunnerTest, ReattachSendsTheStepTheOldCoordinatorDiedSending) {
+  for (const char* id : {"d0", "a1", "a2", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 7);
+  auto normalized = NormalizeJobSpec(spec);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  for (const bool stored_step : {true, false}) {
+    SCOPED_TRACE(stored_step ? "the record holds the step" : "no step in the record");
+    auto created = cluster_->jobs().Create(*normalized, absl::Now(), "submitted");
+    ASSERT_TRUE(created.ok());
+    job_id_ = created->id();
+    ASSERT_TRUE(cluster_->jobs()
+                    .Update(job_id_,
+                            [&](v1::Job* j) {
+                              j->set_state(v1::JOB_STATE_RUNNING);
+                              j->set_epoch(4);
+                              for (const auto& nodes : std::vector<std::vector<std::string>>{
+                                       {"d0"}, {"a1", "a2"}, {"b"}}) {
+                                auto* s = j->add_stages();
+                                for (const std::string& id : nodes) s->add_nodes(id);
+                              }
+                              if (!stored_step) return;
+                              j->mutable_pending_step()->set_iteration(3);
+                              j->mutable_pending_step()->set_squared_norm(2.25);
+                              j->mutable_pending_step()->set_epoch(4);
+                            })
+                    .ok());
+    // a2's parameters before the step; a1 applied it (FakeCluster's step:
+    // checksum * 31 + iteration + 1).
+    const uint64_t before = 8, after = before * 31 + 4;
+    cluster_->Hold("d0", 0, 7);
+    cluster_->Hold("a1", 1, after);
+    cluster_->HoldInIteration("a2", 1, before, 3, 4);
+    cluster_->HoldInIteration("b", 2, 9, 3, 4);
+    Start(*normalized, {}, JobRunner::StartMode::kReattach);
+    for (const auto& [id, stage, done] : std::vector<std::tuple<std::string, int, uint64_t>>{
+             {"d0", 0, 4}, {"a1", 1, 4}, {"a2", 1, 3}, {"b", 2, 3}}) {
+      v1::WorkerMessage m;
+      v1::JobStatus* s = m.mutable_job_status();
+      s->set_job_id(job_id_);
+      s->set_stage(static_cast<uint32_t>(stage));
+      s->set_completed_iterations(done);
+      s->set_in_iteration(done == 3);
+      s->set_parameter_checksum(id == "a1" ? after : id == "a2" ? before : 0);
+      s->set_epoch(4);
+      runner_->Post(id, m);
+    }
+    const v1::Job job = AwaitEnd();
+    if (!stored_step) {
+      ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED) << History(job);
+      EXPECT_THAT(job.message(), HasSubstr("the workers stopped at different iterations (3 and 4) "
+                                           "and the record holds no step of iteration 3"));
+      continue;
+    }
+    ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+    EXPECT_THAT(History(job), HasSubstr("re-attached 4 workers after a coordinator restart; "
+                                        "continuing at iteration 4 (2 of them first applied the "
+                                        "step of iteration 3"));
+    const auto steps = cluster_->Steps();
+    ASSERT_GE(steps.size(), 2u);
+    EXPECT_EQ(steps[0], std::make_tuple(std::string("a2"), uint64_t{3}, 2.25));
+    EXPECT_EQ(steps[1], std::make_tuple(std::string("b"), uint64_t{3}, 2.25));
+    const std::vector<uint64_t> planned = cluster_->PlannedIterations();
+    ASSERT_FALSE(planned.empty());
+    EXPECT_EQ(planned.front(), 4u);
+    EXPECT_EQ(job.progress().iteration(), 7u);
+    EXPECT_FALSE(job.has_pending_step()) << "cleared with the progress of its iteration";
+  }
+}
+
+// Every step message goes out after the job record holds it: a coordinator
+// that dies between two of them leaves its successor the step to finish
+// with.
+TEST_F(JobRunnerTest, EveryStepIsInTheRecordBeforeAWorkerGetsIt) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  Start(Spec(3, 1, 0.0, 4), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(cluster_->Sent("step"), 12);
+  EXPECT_EQ(cluster_->StepsNotInRecord(), 0);
 }
 
 // A graceful stop of the coordinator (JobManager::Shutdown detaches every
