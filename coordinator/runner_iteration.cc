@@ -32,6 +32,7 @@ void RunnerIteration::ForgetWorker(const std::string& id) {
 // around workers lost meanwhile), check, checkpoint, record.
 RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iteration) {
   const absl::Time begin = absl::Now();
+  const uint64_t planned_epoch = epoch();
   link_.StartIteration();
   membership_.StartIteration();
   auto planned = plan_.PlanIteration(iteration, next_iteration_, epoch());
@@ -75,8 +76,11 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   if (!std::isfinite(loss)) {
     return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
   }
-  // The next re-plan's warm start, kept with the checkpoint too.
-  plan_.KeepRoutes(*planned);
+  // The next re-plan's warm start, kept with the checkpoint too, and what
+  // it took when nothing was re-run (a re-plan judges the routes by it).
+  plan_.KeepRoutes(*planned, epoch() == planned_epoch && collected.rerun == 0
+                                 ? absl::ToDoubleSeconds(absl::Now() - begin)
+                                 : 0);
   if (plan.checkpoint()) {
     if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
         s) {

@@ -46,6 +46,17 @@ class RunnerPlanner {
   static constexpr int kReplanEvaluations = 2000;
   static constexpr int kRerunEvaluations = 300;
   static constexpr int kQuickEvaluations = 200;
+  // A re-plan under a cost model refitted since the last routes were
+  // adopted keeps them unless the search's are predicted this much faster
+  // than they measured, over at least kJudgedIterations iterations (the
+  // first on them not counted; a refit can misjudge the routes it was
+  // fitted on), and the predicted saving over the job's
+  // elastic.reassign_horizon_iterations (or the iterations left) exceeds
+  // what the first iteration on them took beyond the later ones (new peer
+  // connections, cold TCP windows: docs/SCHEDULER.md §"Re-planning a
+  // running job").
+  static constexpr double kRouteSwitchMargin = 0.1;
+  static constexpr int kJudgedIterations = 2;
 
   // `job_id` names the job in log lines.
   RunnerPlanner(std::string job_id, const v1::JobSpec* spec, const v1::ClusterSpec* network,
@@ -89,21 +100,30 @@ class RunnerPlanner {
   // The plan of `iteration`: the first plan when it is still current
   // (`first_iteration` at epoch 0), otherwise a re-plan from the last
   // iteration's routes; every pipeline.full_model_every-th iteration runs
-  // the full pipeline.
+  // the full pipeline. Under a refitted cost model the last routes stay
+  // unless the search's are predicted kRouteSwitchMargin faster than they
+  // measured and the saving repays a change.
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
                                                           uint64_t first_iteration, uint64_t epoch);
-  // Routes for `count` microbatches over the live members.
+  // Routes for `count` microbatches over the live members; `warm` is kept
+  // unless the search beats it by `switch_margin` (0 = the best found;
+  // 1 = `warm` always, when it is valid).
   absl::StatusOr<planner::PlannedIteration> PlanLive(uint64_t seed, int count,
                                                      const std::vector<sim::Route>* warm,
                                                      int evaluations,
-                                                     std::optional<v1::SchedulerKind> scheduler);
+                                                     std::optional<v1::SchedulerKind> scheduler,
+                                                     double switch_margin = 0);
   // The iteration time a quick plan predicts for the membership as it is
   // now; infinity when it cannot train or the planner fails.
   double PredictIteration(uint64_t seed);
-  // The warm start of the next re-plan: the last skippipe routes. Forgotten
-  // after a membership change (they route through workers that left).
-  void KeepRoutes(const planner::PlannedIteration& planned);
-  void ForgetRoutes() { last_routes_.clear(); }
+  // The warm start of the next re-plan: the last skippipe routes, after an
+  // iteration on `planned` completed in `seconds` (wall time; 0 = not one
+  // to judge the routes by, e.g. workers were lost during it). The first
+  // iteration on new routes is not counted either: it opens new peer
+  // connections and starts their windows cold. Forgotten after a
+  // membership change (they route through workers that left).
+  void KeepRoutes(const planner::PlannedIteration& planned, double seconds = 0);
+  void ForgetRoutes() { ClearRoutes(); }
 
   // Resuming where the straight run would go on. A checkpoint's record keeps
   // what the next re-plan starts from (the assignment and the warm-start
@@ -195,6 +215,7 @@ class RunnerPlanner {
                          const std::map<std::string, v1::TimingReport>& timings);
 
  private:
+  void ClearRoutes();
   absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(v1::JobSpec live,
                                                                   planner::PlannerOptions o,
                                                                   const std::vector<int>& empty,
@@ -223,6 +244,13 @@ class RunnerPlanner {
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;
   std::vector<sim::Route> last_routes_;
+  // Iterations completed on last_routes_ (the first included), the wall
+  // times of the first and of the later ones, and the cost model they were
+  // planned under.
+  int routes_iterations_ = 0;
+  double routes_first_seconds_ = 0;
+  std::vector<double> routes_seconds_;
+  uint64_t routes_cost_version_ = 0;
   std::unique_ptr<planner::BubblePlanner> bubbles_;
   std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
   std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use

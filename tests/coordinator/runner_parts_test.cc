@@ -643,6 +643,65 @@ TEST(ResumedPlanTest, AKeptPlanThatDoesNotFitIsRefused) {
   EXPECT_FALSE(more.planner->ResumedNodeOrder(kept, 1).ok());
 }
 
+// Each route's nodes, by microbatch.
+std::vector<std::vector<int>> Nodes(const std::vector<sim::Route>& routes) {
+  std::vector<std::vector<int>> out;
+  for (const sim::Route& r : routes) out.push_back(r.nodes);
+  return out;
+}
+
+// Under a cost model refitted since the routes were adopted, a re-plan keeps
+// them unless the search's are predicted kRouteSwitchMargin faster than the
+// routes measured (the first iteration on them not counted): on the WAN
+// test bed a refit misjudged the routes it was fitted on by a third. Here
+// every link the routes use is refitted to a crawl, so the search moves off
+// them: it may when they measured 1000 s, not when they measured 1 ms, nor
+// when their first iteration took so much longer than the later ones that
+// the saving over the iterations left (13) does not repay a change.
+TEST(RoutePlanTest, ARefittedModelMustBeatWhatTheRoutesMeasured) {
+  const v1::JobSpec spec = ResumeSpec(2, 3, 2, true);
+  struct Case {
+    double first, later;  // seconds the routes took: their first iteration, the others
+    bool change;
+  };
+  for (const Case& c : {Case{1e-3, 1e-3, false}, Case{1e3, 1e3, true}, Case{1e6, 1e3, false}}) {
+    SCOPED_TRACE(absl::StrCat("the routes measured ", c.first, " s, then ", c.later, " s"));
+    PlannedJob job(spec, Workers("w", 8), 0);
+    RunnerPlanner& planner = *job.planner;
+    // Iterations until three in a row ran the same routes (the re-plans
+    // under an unchanged model may improve on the first plan).
+    std::vector<sim::Route> adopted;
+    uint64_t iteration = 0;
+    for (int same = 0; same < 3 && iteration < 12; ++iteration) {
+      auto p = planner.PlanIteration(iteration, 0, 0);
+      ASSERT_TRUE(p.ok()) << p.status();
+      same = Nodes(p->plan.routes) == Nodes(adopted) ? same + 1 : 1;
+      adopted = p->plan.routes;
+      planner.KeepRoutes(*p, same == 1 ? c.first : c.later);
+    }
+    ASSERT_LT(iteration, 12u) << "the re-plans never settled";
+    const uint64_t version = planner.cost_version();
+    for (const sim::Route& r : adopted) {
+      for (size_t i = 0; i + 1 < r.nodes.size(); ++i) {
+        const std::string a = planner.cost().node_id(r.nodes[i]);
+        const std::string b = planner.cost().node_id(r.nodes[i + 1]);
+        planner.links().Fitted({a, b}, 1e3, kT0);
+        planner.links().Fitted({b, a}, 1e3, kT0);
+      }
+    }
+    ASSERT_TRUE(planner.RefreshLinks().ok());
+    ASSERT_NE(planner.cost_version(), version);
+    auto p = planner.PlanIteration(iteration, 0, 0);
+    ASSERT_TRUE(p.ok()) << p.status();
+    if (c.change) {
+      EXPECT_NE(Nodes(p->plan.routes), Nodes(adopted)) << "changed: the crawl is avoidable";
+    } else {
+      EXPECT_EQ(Nodes(p->plan.routes), Nodes(adopted)) << "kept";
+      EXPECT_GT(p->result.iteration_time_s, 1) << "the kept routes, simulated over the crawl";
+    }
+  }
+}
+
 TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {
   Build(0.25);
   membership_.Remove("b");
