@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -700,6 +701,29 @@ class JobRunnerTest : public ::testing::Test {
     runner_->Start();
   }
 
+  // What the store held when the old coordinator died: a running job
+  // (job_id_), its stages ({d0}, {a1, a2}, {b}) and epoch 4, and what `more`
+  // adds.
+  void StoreRunningJob(const v1::JobSpec& normalized,
+                       const std::function<void(v1::Job*)>& more = nullptr) {
+    auto created = cluster_->jobs().Create(normalized, absl::Now(), "submitted");
+    ASSERT_TRUE(created.ok());
+    job_id_ = created->id();
+    ASSERT_TRUE(cluster_->jobs()
+                    .Update(job_id_,
+                            [&](v1::Job* j) {
+                              j->set_state(v1::JOB_STATE_RUNNING);
+                              j->set_epoch(4);
+                              for (const auto& nodes : std::vector<std::vector<std::string>>{
+                                       {"d0"}, {"a1", "a2"}, {"b"}}) {
+                                auto* s = j->add_stages();
+                                for (const std::string& id : nodes) s->add_nodes(id);
+                              }
+                              if (more) more(j);
+                            })
+                    .ok());
+  }
+
   v1::Job Job() {
     auto job = cluster_->jobs().Get(job_id_);
     EXPECT_TRUE(job.ok()) << job.status();
@@ -1033,21 +1057,7 @@ TEST_F(JobRunnerTest, ReattachesAfterACoordinatorRestart) {
   ASSERT_TRUE(normalized.ok()) << normalized.status();
   // What the store held when the old coordinator died: a running job, its
   // stages, its epoch.
-  auto created = cluster_->jobs().Create(*normalized, absl::Now(), "submitted");
-  ASSERT_TRUE(created.ok());
-  job_id_ = created->id();
-  ASSERT_TRUE(cluster_->jobs()
-                  .Update(job_id_,
-                          [](v1::Job* j) {
-                            j->set_state(v1::JOB_STATE_RUNNING);
-                            j->set_epoch(4);
-                            for (const auto& nodes : std::vector<std::vector<std::string>>{
-                                     {"d0"}, {"a1", "a2"}, {"b"}}) {
-                              auto* s = j->add_stages();
-                              for (const std::string& id : nodes) s->add_nodes(id);
-                            }
-                          })
-                  .ok());
+  StoreRunningJob(*normalized);
   cluster_->Hold("d0", 0, 7);
   cluster_->Hold("a1", 1, 8);
   cluster_->Hold("b", 2, 9);
@@ -1090,25 +1100,12 @@ TEST_F(JobRunnerTest, ReattachSendsTheStepTheOldCoordinatorDiedSending) {
   ASSERT_TRUE(normalized.ok()) << normalized.status();
   for (const bool stored_step : {true, false}) {
     SCOPED_TRACE(stored_step ? "the record holds the step" : "no step in the record");
-    auto created = cluster_->jobs().Create(*normalized, absl::Now(), "submitted");
-    ASSERT_TRUE(created.ok());
-    job_id_ = created->id();
-    ASSERT_TRUE(cluster_->jobs()
-                    .Update(job_id_,
-                            [&](v1::Job* j) {
-                              j->set_state(v1::JOB_STATE_RUNNING);
-                              j->set_epoch(4);
-                              for (const auto& nodes : std::vector<std::vector<std::string>>{
-                                       {"d0"}, {"a1", "a2"}, {"b"}}) {
-                                auto* s = j->add_stages();
-                                for (const std::string& id : nodes) s->add_nodes(id);
-                              }
-                              if (!stored_step) return;
-                              j->mutable_pending_step()->set_iteration(3);
-                              j->mutable_pending_step()->set_squared_norm(2.25);
-                              j->mutable_pending_step()->set_epoch(4);
-                            })
-                    .ok());
+    StoreRunningJob(*normalized, [&](v1::Job* j) {
+      if (!stored_step) return;
+      j->mutable_pending_step()->set_iteration(3);
+      j->mutable_pending_step()->set_squared_norm(2.25);
+      j->mutable_pending_step()->set_epoch(4);
+    });
     // a2's parameters before the step; a1 applied it (FakeCluster's step:
     // checksum * 31 + iteration + 1).
     const uint64_t before = 8, after = before * 31 + 4;

@@ -1,6 +1,7 @@
 #include "coordinator/planner/path_scheduler.h"
 
 #include <algorithm>
+#include <memory>
 
 #include <gtest/gtest.h>
 
@@ -103,17 +104,32 @@ TEST(PathSchedulerPropertyTest, RandomClustersGiveValidDeterministicRoutes) {
   EXPECT_GT(planned, 4 * refused);
 }
 
+// The shipped example's cost model, rules and a stage assignment.
+struct ShippedCase {
+  ShippedCase() {
+    testing::Example e = testing::LoadExample();
+    auto c = sim::CostModel::Create(e.cluster, e.job);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (c.ok()) cost = std::make_unique<sim::CostModel>(*std::move(c));
+    rules = RulesFromPipeline(e.job.pipeline());
+    if (cost == nullptr) return;
+    auto a = AssignStages(*cost, rules, 3);
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (a.ok()) assignment = *std::move(a);
+  }
+  bool ok() const { return cost != nullptr && assignment.num_stages() > 0; }
+  std::unique_ptr<sim::CostModel> cost;
+  RouteRules rules;
+  sim::StageAssignment assignment;
+};
+
 // The search only accepts improvements over the better of its two starts.
 TEST(PathSchedulerTest, NeverWorseThanItsStarts) {
-  testing::Example e = testing::LoadExample();
-  auto cost = sim::CostModel::Create(e.cluster, e.job);
-  ASSERT_TRUE(cost.ok()) << cost.status();
-  RouteRules rules = RulesFromPipeline(e.job.pipeline());
-  auto a = AssignStages(*cost, rules, 3);
-  ASSERT_TRUE(a.ok());
+  ShippedCase c;
+  ASSERT_TRUE(c.ok());
   PathSchedulerOptions o;
   o.max_evaluations = 300;
-  PathScheduler scheduler(*cost, *a, rules, o);
+  PathScheduler scheduler(*c.cost, c.assignment, c.rules, o);
   auto routes = scheduler.Run();
   ASSERT_TRUE(routes.ok()) << routes.status();
   const PathSchedulerStats& s = scheduler.stats();
@@ -125,18 +141,17 @@ TEST(PathSchedulerTest, NeverWorseThanItsStarts) {
 // it by switch_margin: below its gain the search's routes come back, above
 // it the warm start's, and the stats say which and what was found.
 TEST(PathSchedulerTest, KeepsItsWarmStartUnlessTheSearchBeatsItByTheMargin) {
-  testing::Example e = testing::LoadExample();
-  auto cost = sim::CostModel::Create(e.cluster, e.job);
-  ASSERT_TRUE(cost.ok()) << cost.status();
-  RouteRules rules = RulesFromPipeline(e.job.pipeline());
-  auto a = AssignStages(*cost, rules, 3);
-  ASSERT_TRUE(a.ok());
-  auto warm = RandomSkipRoutes(*cost, *a, rules, 7);
+  ShippedCase c;
+  ASSERT_TRUE(c.ok());
+  const sim::CostModel& cost = *c.cost;
+  const sim::StageAssignment& a = c.assignment;
+  const RouteRules& rules = c.rules;
+  auto warm = RandomSkipRoutes(cost, a, rules, 7);
   ASSERT_TRUE(warm.ok()) << warm.status();
   PathSchedulerOptions o;
   o.max_evaluations = 300;
   o.initial_routes = &*warm;
-  PathScheduler unbounded(*cost, *a, rules, o);
+  PathScheduler unbounded(cost, a, rules, o);
   auto found = unbounded.Run();
   ASSERT_TRUE(found.ok()) << found.status();
   const PathSchedulerStats best = unbounded.stats();
@@ -146,7 +161,7 @@ TEST(PathSchedulerTest, KeepsItsWarmStartUnlessTheSearchBeatsItByTheMargin) {
   EXPECT_FALSE(best.kept_warm_start);
 
   o.switch_margin = gain / 2;
-  PathScheduler below(*cost, *a, rules, o);
+  PathScheduler below(cost, a, rules, o);
   auto changed = below.Run();
   ASSERT_TRUE(changed.ok()) << changed.status();
   EXPECT_EQ(Nodes(*changed), Nodes(*found));
@@ -154,7 +169,7 @@ TEST(PathSchedulerTest, KeepsItsWarmStartUnlessTheSearchBeatsItByTheMargin) {
   EXPECT_DOUBLE_EQ(below.stats().final_objective, best.final_objective);
 
   o.switch_margin = std::min(0.99, gain * 1.5);
-  PathScheduler above(*cost, *a, rules, o);
+  PathScheduler above(cost, a, rules, o);
   auto kept = above.Run();
   ASSERT_TRUE(kept.ok()) << kept.status();
   EXPECT_EQ(Nodes(*kept), Nodes(*warm));
