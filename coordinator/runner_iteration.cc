@@ -56,6 +56,7 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   for (const v1::Route& r : plan.routes()) routes_[r.microbatch()] = r;
   IterationRound round(iteration, plan_.total_microbatches(), members(), epoch());
   link_.SendPlan(*message);
+  const absl::Time sent = absl::Now();
   Collected collected;
   collected.overhead = absl::Now() - begin;
   if (recovering_since_) {
@@ -64,6 +65,9 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   }
   const absl::Time deadline = Now() + options().iteration_timeout;
   if (auto outcome = Collect(iteration, deadline, &round, &collected); outcome) return *outcome;
+  // What the workers took, from the plan to the last result: what a re-plan
+  // judges the routes by.
+  const absl::Duration ran = absl::Now() - sent - collected.held;
 
   // Checks: replicas identical, every microbatch completed exactly once
   // (or dropped with a lost worker).
@@ -77,9 +81,9 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
     return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
   }
   // The next re-plan's warm start, kept with the checkpoint too, and what
-  // it took when nothing was re-run (a re-plan judges the routes by it).
-  plan_.KeepRoutes(*planned, epoch() == planned_epoch && collected.rerun == 0
-                                 ? absl::ToDoubleSeconds(absl::Now() - begin)
+  // the workers took when nothing was re-run and no stage file was written.
+  plan_.KeepRoutes(*planned, epoch() == planned_epoch && collected.rerun == 0 && !plan.checkpoint()
+                                 ? absl::ToDoubleSeconds(ran)
                                  : 0);
   if (plan.checkpoint()) {
     if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
@@ -191,8 +195,13 @@ std::optional<RunnerIteration::IterationOutcome> RunnerIteration::Collect(uint64
       // Durably first: a coordinator that dies between two step messages
       // leaves workers an iteration apart, and the one that takes over
       // sends the rest this same step (JobRunner's re-attach).
+      // A replicated store out of reach holds the job; the wait for the
+      // results starts again when it is back.
+      const absl::Time hold_start = absl::Now();
       absl::Status pending = record_.PendingStep(step.step());
       pending = record_.Hold(pending, [this] { return StopRequested(); });
+      deadline += absl::Now() - hold_start;
+      collected->held += absl::Now() - hold_start;
       if (!pending.ok()) {
         return End(Failed(absl::StrCat("cannot write the job record: ", pending.message())));
       }

@@ -41,6 +41,7 @@ class RunnerIteration : private RunnerPart {
     std::map<std::string, v1::TimingReport> timings;
     int rerun = 0;
     absl::Duration overhead;  // coordinator work, not waiting
+    absl::Duration held;      // holding for the job record (a store out of reach)
   };
 
   // `elastic` pauses the job when a loss leaves it unable to train.

@@ -215,6 +215,10 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
                     ReplanScheduler(iteration));
   if (!p.ok() || !warm || p->scheduler != v1::SCHEDULER_SKIPPIPE) return p;
   if (SameRoutes(p->plan.routes, last_routes_)) return p;
+  // Not judged: around empty stages (no warm start there), and K-FAC jobs
+  // (the measured iterations hold the K-FAC work the search's prediction
+  // leaves out).
+  if (!EmptyStages().empty() || kfac()) return p;
   const planner::PathSchedulerStats& s = p->search;
   const double model_gain = s.warm_start > 0 ? 1 - s.best_found / s.warm_start : 0;
   const double predicted = p->result.iteration_time_s;
@@ -226,7 +230,8 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
   // routes, the measure of one on new ones. What it gains: the predicted
   // saving over the horizon a stage move is judged by, or the iterations
   // left when fewer.
-  const double cost = std::max(0.0, routes_first_seconds_ - measured);
+  if (routes_first_seconds_ > 0) switch_cost_ = std::max(0.0, routes_first_seconds_ - measured);
+  const double cost = switch_cost_;
   const uint64_t left = spec_->iterations() > iteration ? spec_->iterations() - iteration : 0;
   const double horizon =
       static_cast<double>(std::min<uint64_t>(left, spec_->elastic().reassign_horizon_iterations()));
@@ -237,9 +242,11 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
     if (kept.ok() && SameRoutes(kept->plan.routes, last_routes_)) {
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: they took ",
               absl::StrFormat("%.3f", measured), " s (mean of ", routes_seconds_.size(),
-              " iterations, the first on them ", absl::StrFormat("%.3f", cost),
-              " s more); the refitted model predicts ", absl::StrFormat("%.3f", predicted),
-              " s for the search's routes (", absl::StrFormat("%.1f %%", model_gain * 100),
+              " iterations; a change costs ", absl::StrFormat("%.3f", cost),
+              " s, what the first iteration on new routes took beyond them); the refitted model "
+              "predicts ",
+              absl::StrFormat("%.3f", predicted), " s for the search's routes (",
+              absl::StrFormat("%.1f %%", model_gain * 100),
               " faster than it predicts the kept ones): ",
               predicted < measured * (1 - kRouteSwitchMargin)
                   ? absl::StrFormat("%.3f s saved over %.0f iterations does not repay the change",
@@ -247,6 +254,10 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
                   : absl::StrFormat("not %.0f %% faster than measured", kRouteSwitchMargin * 100));
       return kept;
     }
+    LogWarning(
+        "job ", job_id_, ": iteration ", iteration, " cannot plan its last routes again (",
+        kept.ok() ? std::string("the search left them") : std::string(kept.status().message()),
+        "); taking the search's");
   }
   LogInfo("job ", job_id_, ": iteration ", iteration,
           " changes routes: ", absl::StrFormat("%.3f", predicted), " s predicted, ",
@@ -502,6 +513,7 @@ void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double 
     routes_first_seconds_ = seconds;
   } else if (seconds > 0) {
     routes_seconds_.push_back(seconds);
+    if (static_cast<int>(routes_seconds_.size()) > kMeasuredWindow) routes_seconds_.pop_front();
   }
 }
 

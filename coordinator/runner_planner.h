@@ -13,6 +13,7 @@
 #define DETOUR_COORDINATOR_RUNNER_PLANNER_H_
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,6 +58,9 @@ class RunnerPlanner {
   // running job").
   static constexpr double kRouteSwitchMargin = 0.1;
   static constexpr int kJudgedIterations = 2;
+  // The routes' measured time is the mean of their last this many
+  // iterations (a link that degrades shows within them).
+  static constexpr int kMeasuredWindow = 8;
 
   // `job_id` names the job in log lines.
   RunnerPlanner(std::string job_id, const v1::JobSpec* spec, const v1::ClusterSpec* network,
@@ -249,7 +253,10 @@ class RunnerPlanner {
   // planned under.
   int routes_iterations_ = 0;
   double routes_first_seconds_ = 0;
-  std::vector<double> routes_seconds_;
+  std::deque<double> routes_seconds_;  // the last kMeasuredWindow
+  // What the first iteration on the last routes measured took beyond their
+  // mean, kept for routes whose first iteration was not measured.
+  double switch_cost_ = 0;
   uint64_t routes_cost_version_ = 0;
   std::unique_ptr<planner::BubblePlanner> bubbles_;
   std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s

@@ -1,5 +1,6 @@
 #include "coordinator/runner_reattach.h"
 
+#include <algorithm>
 #include <iterator>
 #include <map>
 #include <set>
@@ -58,12 +59,17 @@ std::optional<JobEnd> RunnerReattach::Run() {
   for (auto it = status.begin(); it != status.end();) {
     it = membership_.IsMember(it->first) ? std::next(it) : status.erase(it);
   }
+  // The stored epoch may lag the workers' (stage-list writes are not
+  // retried): the new one is above every epoch in play.
+  uint64_t top = stored->epoch();
+  for (const auto& [id, st] : status) top = std::max(top, st.epoch());
+  if (stored->has_pending_step()) top = std::max(top, stored->pending_step().epoch());
+  if (top + 1 > epoch()) membership_.set_epoch(top + 1);
   auto point =
       FindReattachPoint(status, stored->has_pending_step() ? &stored->pending_step() : nullptr);
   std::vector<std::string> behind;  // laggards that did not apply the step
   if (point.ok() && !point->laggards.empty()) {
     if (auto e = CatchUp(stored->pending_step(), point->laggards, &status, &behind); e) return e;
-    if (members().empty()) point = absl::FailedPreconditionError("no worker applied the step");
   }
   std::map<std::string, uint64_t> checksums;
   for (const auto& [id, st] : status) checksums[id] = st.parameter_checksum();
@@ -118,11 +124,12 @@ std::optional<JobEnd> RunnerReattach::CatchUp(const v1::PendingStep& pending,
   LogInfo("job ", job_id_, ": workers ", absl::StrJoin(laggards, ", "),
           " did not get the step of iteration ", pending.iteration(),
           " before the coordinator restarted; sending it to them");
-  std::set<std::string> waiting;
+  // A laggard whose session closed meanwhile is waited for too: the link
+  // replays the step when it reopens.
+  std::set<std::string> waiting(laggards.begin(), laggards.end());
   const v1::CoordinatorMessage step = StepMessage(job_id_, pending);
-  for (const std::string& id : laggards) {
-    if (link_.SendTo(id, step)) waiting.insert(id);
-  }
+  for (const std::string& id : laggards) link_.SendTo(id, step);
+  bool checkpoint = false;
   const absl::Time deadline = Now() + options().assign_timeout;
   while (!waiting.empty() && Now() < deadline) {
     RunnerEvent ev = Wait(
@@ -133,7 +140,6 @@ std::optional<JobEnd> RunnerReattach::CatchUp(const v1::PendingStep& pending,
         },
         /*detect_loss=*/false);
     if (ev.end && StopRequested()) return ev.end;
-    if (ev.end) break;
     for (auto& [worker, m] : ev.messages) {
       if (!m.has_result() || m.result().job_id() != job_id_ ||
           m.result().iteration() != pending.iteration() || !waiting.count(worker)) {
@@ -143,8 +149,18 @@ std::optional<JobEnd> RunnerReattach::CatchUp(const v1::PendingStep& pending,
       st.set_completed_iterations(pending.iteration() + 1);
       st.set_parameter_checksum(m.result().parameter_checksum());
       st.set_in_iteration(false);
+      checkpoint = checkpoint || m.result().has_checkpoint();
       waiting.erase(worker);
     }
+    if (ev.end) break;  // timed out, or a member failed: whoever is left is behind
+  }
+  if (checkpoint) {
+    // Its stage files are written, but the old coordinator's results of the
+    // workers that stepped before it died are gone: no manifest.
+    AddEvent(v1::JobHistoryEvent::KIND_CHECKPOINT_SKIPPED, pending.iteration() + 1, "",
+             absl::StrCat("the checkpoint after iteration ", pending.iteration(),
+                          " was not completed: the coordinator restarted during its step; the "
+                          "previous one stays the newest"));
   }
   for (const std::string& id : waiting) {
     LogWarning("job ", job_id_, ": worker ", id, " did not apply the step of iteration ",

@@ -1149,6 +1149,47 @@ TEST_F(JobRunnerTest, ReattachSendsTheStepTheOldCoordinatorDiedSending) {
   }
 }
 
+// A laggard that does not apply the stored step within --assign_timeout
+// (here: its runtime drops it, being in another iteration than it reported)
+// leaves the job; the others go on at iteration 4. The new epoch is above
+// every epoch in play, though the stored one lags the workers'.
+TEST_F(JobRunnerTest, ReattachDropsALaggardThatDoesNotApplyTheStep) {
+  for (const char* id : {"d0", "a1", "a2", "b"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->assign_timeout = absl::Seconds(2);
+  auto normalized = NormalizeJobSpec(Spec(3, 2, 0.0, 7));
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  StoreRunningJob(*normalized, [](v1::Job* j) {
+    j->set_epoch(3);  // its last stage-list write was lost
+    j->mutable_pending_step()->set_iteration(3);
+    j->mutable_pending_step()->set_squared_norm(2.25);
+    j->mutable_pending_step()->set_epoch(4);
+  });
+  cluster_->Hold("d0", 0, 7);
+  cluster_->Hold("a1", 1, 8);
+  cluster_->HoldInIteration("a2", 1, 8, 2, 4);  // drops the step of iteration 3
+  cluster_->HoldInIteration("b", 2, 9, 3, 4);
+  Start(*normalized, {}, JobRunner::StartMode::kReattach);
+  for (const auto& [id, stage, done] : std::vector<std::tuple<std::string, int, uint64_t>>{
+           {"d0", 0, 4}, {"a1", 1, 4}, {"a2", 1, 3}, {"b", 2, 3}}) {
+    v1::WorkerMessage m;
+    v1::JobStatus* s = m.mutable_job_status();
+    s->set_job_id(job_id_);
+    s->set_stage(static_cast<uint32_t>(stage));
+    s->set_completed_iterations(done);
+    s->set_in_iteration(done == 3);
+    s->set_epoch(4);
+    runner_->Post(id, m);
+  }
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker a2 did not apply the step of iteration 3"));
+  EXPECT_THAT(History(job), HasSubstr("re-attached 3 workers after a coordinator restart; "
+                                      "continuing at iteration 4 (1 of them first applied"));
+  EXPECT_EQ(job.epoch(), 5u) << "above the workers' 4, not the stored 3 + 1";
+  ASSERT_EQ(job.stages(1).nodes_size(), 1);
+  EXPECT_EQ(job.stages(1).nodes(0), "a1");
+}
+
 // Every step message goes out after the job record holds it: a coordinator
 // that dies between two of them leaves its successor the step to finish
 // with.
