@@ -200,8 +200,9 @@ std::optional<RunnerIteration::IterationOutcome> RunnerIteration::Collect(uint64
       const absl::Time hold_start = absl::Now();
       absl::Status pending = record_.PendingStep(step.step());
       pending = record_.Hold(pending, [this] { return StopRequested(); });
-      deadline += absl::Now() - hold_start;
-      collected->held += absl::Now() - hold_start;
+      const absl::Duration held = absl::Now() - hold_start;
+      deadline += held;
+      collected->held += held;
       if (!pending.ok()) {
         return End(Failed(absl::StrCat("cannot write the job record: ", pending.message())));
       }

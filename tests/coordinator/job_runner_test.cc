@@ -724,6 +724,29 @@ class JobRunnerTest : public ::testing::Test {
                     .ok());
   }
 
+  // The step the old coordinator was sending: iteration 3 of epoch 4, a
+  // squared norm of 2.25.
+  static void StepOfIteration3(v1::Job* j) {
+    j->mutable_pending_step()->set_iteration(3);
+    j->mutable_pending_step()->set_squared_norm(2.25);
+    j->mutable_pending_step()->set_epoch(4);
+  }
+
+  // `id` reports holding `stage` after `completed` iterations, as a worker
+  // does when its session reopens (JobStatus).
+  void ReportHolding(const std::string& id, int stage, uint64_t completed, uint64_t epoch,
+                     bool in_iteration = false, uint64_t checksum = 0) {
+    v1::WorkerMessage m;
+    v1::JobStatus* s = m.mutable_job_status();
+    s->set_job_id(job_id_);
+    s->set_stage(static_cast<uint32_t>(stage));
+    s->set_completed_iterations(completed);
+    s->set_in_iteration(in_iteration);
+    s->set_parameter_checksum(checksum);
+    s->set_epoch(epoch);
+    runner_->Post(id, m);
+  }
+
   v1::Job Job() {
     auto job = cluster_->jobs().Get(job_id_);
     EXPECT_TRUE(job.ok()) << job.status();
@@ -999,12 +1022,7 @@ TEST_F(JobRunnerTest, StageLossPausedUntilItsHolderComesBack) {
   // b's process survived: it registers again and reports the stage it holds.
   cluster_->AddWorker("b");
   cluster_->Hold("b", 2, 1002);
-  v1::WorkerMessage m;
-  v1::JobStatus* s = m.mutable_job_status();
-  s->set_job_id(job_id_);
-  s->set_stage(2);
-  s->set_completed_iterations(2);
-  runner_->Post("b", m);
+  ReportHolding("b", 2, 2, 0);
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
   EXPECT_THAT(History(job), HasSubstr("STAGE_LOSS_PAUSE: the job pauses until a worker holding "
@@ -1034,12 +1052,7 @@ TEST_F(JobRunnerTest, AnExcludedHolderOfAPausedStageIsNotTakenBack) {
   })) << History(Job());
   ASSERT_EQ(Job().state(), v1::JOB_STATE_RUNNING) << History(Job());
   EXPECT_THAT(History(Job()), HasSubstr("worker a (stage 1) lost: excluded: b received"));
-  v1::WorkerMessage m;
-  v1::JobStatus* s = m.mutable_job_status();
-  s->set_job_id(job_id_);
-  s->set_stage(1);
-  s->set_completed_iterations(2);
-  runner_->Post("a", m);
+  ReportHolding("a", 1, 2, 0);
   const v1::Job job = AwaitEnd();
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.message() << "\n" << History(job);
   EXPECT_THAT(History(job), Not(HasSubstr("worker a came back"))) << History(job);
@@ -1066,13 +1079,7 @@ TEST_F(JobRunnerTest, ReattachesAfterACoordinatorRestart) {
   Start(*normalized, {}, JobRunner::StartMode::kReattach);
   for (const auto& [id, stage] :
        std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a1", 1}, {"b", 2}}) {
-    v1::WorkerMessage m;
-    v1::JobStatus* s = m.mutable_job_status();
-    s->set_job_id(job_id_);
-    s->set_stage(static_cast<uint32_t>(stage));
-    s->set_completed_iterations(3);
-    s->set_epoch(4);
-    runner_->Post(id, m);
+    ReportHolding(id, stage, 3, 4);
   }
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
@@ -1101,10 +1108,7 @@ TEST_F(JobRunnerTest, ReattachSendsTheStepTheOldCoordinatorDiedSending) {
   for (const bool stored_step : {true, false}) {
     SCOPED_TRACE(stored_step ? "the record holds the step" : "no step in the record");
     StoreRunningJob(*normalized, [&](v1::Job* j) {
-      if (!stored_step) return;
-      j->mutable_pending_step()->set_iteration(3);
-      j->mutable_pending_step()->set_squared_norm(2.25);
-      j->mutable_pending_step()->set_epoch(4);
+      if (stored_step) StepOfIteration3(j);
     });
     // a2's parameters before the step; a1 applied it (FakeCluster's step:
     // checksum * 31 + iteration + 1).
@@ -1116,15 +1120,10 @@ TEST_F(JobRunnerTest, ReattachSendsTheStepTheOldCoordinatorDiedSending) {
     Start(*normalized, {}, JobRunner::StartMode::kReattach);
     for (const auto& [id, stage, done] : std::vector<std::tuple<std::string, int, uint64_t>>{
              {"d0", 0, 4}, {"a1", 1, 4}, {"a2", 1, 3}, {"b", 2, 3}}) {
-      v1::WorkerMessage m;
-      v1::JobStatus* s = m.mutable_job_status();
-      s->set_job_id(job_id_);
-      s->set_stage(static_cast<uint32_t>(stage));
-      s->set_completed_iterations(done);
-      s->set_in_iteration(done == 3);
-      s->set_parameter_checksum(id == "a1" ? after : id == "a2" ? before : 0);
-      s->set_epoch(4);
-      runner_->Post(id, m);
+      ReportHolding(id, stage, done, 4, /*in_iteration=*/done == 3,
+                    id == "a1"   ? after
+                    : id == "a2" ? before
+                                 : 0);
     }
     const v1::Job job = AwaitEnd();
     if (!stored_step) {
@@ -1160,9 +1159,7 @@ TEST_F(JobRunnerTest, ReattachDropsALaggardThatDoesNotApplyTheStep) {
   ASSERT_TRUE(normalized.ok()) << normalized.status();
   StoreRunningJob(*normalized, [](v1::Job* j) {
     j->set_epoch(3);  // its last stage-list write was lost
-    j->mutable_pending_step()->set_iteration(3);
-    j->mutable_pending_step()->set_squared_norm(2.25);
-    j->mutable_pending_step()->set_epoch(4);
+    StepOfIteration3(j);
   });
   cluster_->Hold("d0", 0, 7);
   cluster_->Hold("a1", 1, 8);
@@ -1171,14 +1168,7 @@ TEST_F(JobRunnerTest, ReattachDropsALaggardThatDoesNotApplyTheStep) {
   Start(*normalized, {}, JobRunner::StartMode::kReattach);
   for (const auto& [id, stage, done] : std::vector<std::tuple<std::string, int, uint64_t>>{
            {"d0", 0, 4}, {"a1", 1, 4}, {"a2", 1, 3}, {"b", 2, 3}}) {
-    v1::WorkerMessage m;
-    v1::JobStatus* s = m.mutable_job_status();
-    s->set_job_id(job_id_);
-    s->set_stage(static_cast<uint32_t>(stage));
-    s->set_completed_iterations(done);
-    s->set_in_iteration(done == 3);
-    s->set_epoch(4);
-    runner_->Post(id, m);
+    ReportHolding(id, stage, done, 4, /*in_iteration=*/done == 3);
   }
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
@@ -1238,13 +1228,7 @@ TEST_F(JobRunnerTest, DetachLeavesTheJobRunningForTheNextCoordinator) {
   Start(*normalized, {}, JobRunner::StartMode::kReattach);
   for (const auto& [id, stage] :
        std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a", 1}, {"b", 2}}) {
-    v1::WorkerMessage m;
-    v1::JobStatus* s = m.mutable_job_status();
-    s->set_job_id(job_id_);
-    s->set_stage(static_cast<uint32_t>(stage));
-    s->set_completed_iterations(done);
-    s->set_epoch(left.epoch());
-    runner_->Post(id, m);
+    ReportHolding(id, stage, done, left.epoch());
   }
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
