@@ -89,6 +89,8 @@ void JobManager::Recover() {
       Add(job.id(), "stored spec is invalid: ");
     }
   }
+  absl::MutexLock lock(&mu_);
+  recovered_ = true;
 }
 
 void JobManager::Add(const std::string& job_id, const std::string& invalid_prefix) {
@@ -348,17 +350,20 @@ void JobManager::Shutdown() {
   runners.clear();  // each destructor joins its runner
 }
 
-void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string& job_id) {
+std::optional<WorkerJobVerdict> JobManager::CheckWorkerJob(const std::string& worker_id,
+                                                           const std::string& job_id) {
   bool running = false;
   {
     absl::MutexLock lock(&mu_);
-    // Stopping: the next coordinator decides what the worker keeps.
-    if (shutting_down_) return;
+    // Stopping: the next coordinator decides what the worker keeps. Not
+    // recovered yet: the job may be one this coordinator is about to
+    // re-attach to.
+    if (shutting_down_ || !recovered_) return std::nullopt;
     auto reserved = reserved_.find(worker_id);
-    if (reserved != reserved_.end() && reserved->second == job_id) return;  // a live job
+    if (reserved != reserved_.end() && reserved->second == job_id) return std::nullopt;  // live
     const absl::Time now = absl::Now();
     auto told = told_to_drop_.find(worker_id);
-    if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return;
+    if (told != told_to_drop_.end() && now - told->second < absl::Seconds(5)) return std::nullopt;
     told_to_drop_[worker_id] = now;
     running = runners_.count(job_id) > 0;
   }
@@ -368,6 +373,7 @@ void JobManager::CheckWorkerJob(const std::string& worker_id, const std::string&
   m.mutable_cancel()->set_job_id(job_id);
   m.mutable_cancel()->set_reason(verdict.reason);
   control_->Send(worker_id, std::move(m)).IgnoreError();
+  return verdict;
 }
 
 WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string& job_id,

@@ -76,8 +76,13 @@ class JobManager final : public RunnerHost {
 
   // A heartbeat says `worker_id` holds `job_id`: when no runner of that job
   // has the worker, the worker is told to drop the job (at most every 5 s
-  // per worker). From a gRPC thread; never blocks.
-  void CheckWorkerJob(const std::string& worker_id, const std::string& job_id);
+  // per worker); returns what it was told, or nothing when it was told
+  // nothing. Before Recover() has run no verdict is given: the coordinator
+  // serves before it has read back the jobs it ran, and a job not re-attached
+  // yet is not a job it does not run (heartbeats repeat the question). From a
+  // gRPC thread; never blocks.
+  std::optional<WorkerJobVerdict> CheckWorkerJob(const std::string& worker_id,
+                                                 const std::string& job_id);
 
   TimingEstimates& estimates() override { return estimates_; }
 
@@ -124,6 +129,7 @@ class JobManager final : public RunnerHost {
   // Worker -> when it was last told to drop a job nobody runs.
   std::map<std::string, absl::Time> told_to_drop_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool recovered_ ABSL_GUARDED_BY(mu_) = false;  // Recover() has run
 };
 
 }  // namespace detour

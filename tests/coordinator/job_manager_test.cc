@@ -2,8 +2,19 @@
 // names a job it is no member of.
 #include "coordinator/job_manager.h"
 
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#include "absl/time/clock.h"
+#include "common/metrics/metrics.h"
+#include "common/spec.h"
+#include "coordinator/control_service.h"
+#include "coordinator/job_store.h"
+#include "coordinator/worker_registry.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/process.h"
 
 namespace detour {
 namespace {
@@ -47,6 +58,62 @@ TEST(JudgeWorkerJobTest, AReturningWorkerIsToldWhatHappened) {
       JudgeWorkerJob("w3", "job-000009", false, absl::NotFoundError("no job job-000009"));
   EXPECT_THAT(unknown.log, HasSubstr("which this coordinator does not know"));
   EXPECT_EQ(unknown.reason, "the coordinator does not know this job");
+}
+
+// Regression: a coordinator serves before it has read back the jobs it ran
+// (Coordinator::Start starts gRPC, then recovers). A worker whose heartbeat
+// came in that window was told to drop its part of a running job, which the
+// coordinator was about to re-attach to: it "does not run" the job.
+TEST(JobManagerTest, GivesNoVerdictBeforeItHasRecoveredItsJobs) {
+  const std::string dir = testing::MakeTempDir("job_manager_test");
+  JobStore jobs(dir);
+  v1::JobSpec spec;
+  spec.set_name("held");
+  spec.set_iterations(4);
+  spec.mutable_model()->set_preset("tiny");
+  spec.mutable_pipeline()->set_num_stages(2);
+  spec.mutable_pipeline()->set_data_nodes(1);
+  spec.mutable_checkpoint()->set_disabled(true);
+  auto normalized = NormalizeJobSpec(spec);
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  auto created = jobs.Create(*normalized, absl::Now(), "submitted");
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->id();
+  ASSERT_TRUE(jobs.Update(id,
+                          [](v1::Job* j) {
+                            j->set_state(v1::JOB_STATE_RUNNING);
+                            j->add_stages()->add_nodes("w0");
+                            j->add_stages()->add_nodes("w1");
+                          })
+                  .ok());
+
+  WorkerRegistry registry(absl::Seconds(30), absl::Seconds(1));
+  ControlServiceImpl control(&registry, /*auth=*/nullptr, /*require_worker_certificates=*/false,
+                             {});
+  metrics::Registry metrics;
+  JobManagerOptions options;
+  options.metrics = &metrics;
+  options.checkpoint_root = dir + "/checkpoints";
+  JobManager manager(&jobs, &registry, &control, options);
+
+  const auto early = manager.CheckWorkerJob("w1", id);
+  EXPECT_FALSE(early.has_value()) << "not recovered yet, so the job may be one it re-attaches "
+                                     "to; yet it said: "
+                                  << early.value_or(WorkerJobVerdict{}).log;
+  manager.Recover();
+  const auto member = manager.CheckWorkerJob("w1", id);
+  EXPECT_FALSE(member.has_value())
+      << "w1 holds a stage of the job; yet it said: " << member.value_or(WorkerJobVerdict{}).log;
+  const auto stranger = manager.CheckWorkerJob("w9", id);
+  ASSERT_TRUE(stranger.has_value()) << "w9 is no member of the running job";
+  EXPECT_THAT(stranger->log, HasSubstr("is back holding job " + id));
+  const auto unknown = manager.CheckWorkerJob("w8", "job-999999");
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_THAT(unknown->log, HasSubstr("which this coordinator does not know"));
+  manager.Shutdown();
+
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 }  // namespace
