@@ -13,6 +13,7 @@
 #include "common/stage_layers.h"
 #include "common/status.h"
 #include "coordinator/planner/replica_sync_choice.h"
+#include "coordinator/planner/route_validator.h"
 
 namespace detour {
 namespace {
@@ -210,38 +211,43 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
   // by a quarter), and the saving must repay the cold first iteration
   // (docs/SCHEDULER.md §"Re-planning a running job").
   const uint64_t seed = spec_->seed() + iteration;
-  const bool warm = !last_routes_.empty();
-  auto p = PlanLive(seed, total_microbatches(), warm ? &last_routes_ : nullptr, kReplanEvaluations,
+  RouteRecord& last = skip_routes_;
+  const bool warm = !last.routes.empty();
+  auto p = PlanLive(seed, total_microbatches(), warm ? &last.routes : nullptr, kReplanEvaluations,
                     ReplanScheduler(iteration));
   if (!p.ok() || !warm || p->scheduler != v1::SCHEDULER_SKIPPIPE) return p;
-  if (SameRoutes(p->plan.routes, last_routes_)) return p;
+  return JudgeRouteChange(iteration, last, *std::move(p));
+}
+
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
+    uint64_t iteration, RouteRecord& last, planner::PlannedIteration searched) {
+  if (SameRoutes(searched.plan.routes, last.routes)) return searched;
   // Not judged: around empty stages (no warm start there), and K-FAC jobs
   // (the measured iterations hold the K-FAC work the search's prediction
   // leaves out).
-  if (!EmptyStages().empty() || kfac()) return p;
-  const planner::PathSchedulerStats& s = p->search;
-  const double model_gain = s.warm_start > 0 ? 1 - s.best_found / s.warm_start : 0;
-  const double predicted = p->result.iteration_time_s;
-  const bool judged = cost_version_ != routes_cost_version_ &&
-                      static_cast<int>(routes_seconds_.size()) >= kJudgedIterations;
+  if (!EmptyStages().empty() || kfac()) return searched;
+  const planner::PathSchedulerStats& s = searched.search;
+  const double model_gain = s.warm_start > 0 ? 1 - s.final_objective / s.warm_start : 0;
+  const double predicted = searched.result.iteration_time_s;
+  const bool judged = cost_version_ != last.cost_version &&
+                      static_cast<int>(last.seconds.size()) >= kJudgedIterations;
   double measured = 0;
-  for (double x : routes_seconds_) measured += x / static_cast<double>(routes_seconds_.size());
+  for (double x : last.seconds) measured += x / static_cast<double>(last.seconds.size());
   // What the change costs: the excess of the first iteration on the last
   // routes, the measure of one on new ones. What it gains: the predicted
   // saving over the horizon a stage move is judged by, or the iterations
   // left when fewer.
-  if (routes_first_seconds_ > 0) switch_cost_ = std::max(0.0, routes_first_seconds_ - measured);
-  const double cost = switch_cost_;
+  if (last.first_seconds > 0) last.switch_cost = std::max(0.0, last.first_seconds - measured);
+  const double cost = last.switch_cost;
   const uint64_t left = spec_->iterations() > iteration ? spec_->iterations() - iteration : 0;
   const double horizon =
       static_cast<double>(std::min<uint64_t>(left, spec_->elastic().reassign_horizon_iterations()));
   const double gain = (measured - predicted) * horizon;
   if (judged && (!(predicted < measured * (1 - kRouteSwitchMargin)) || !(gain > cost))) {
-    auto kept = PlanLive(seed, total_microbatches(), &last_routes_, 0, ReplanScheduler(iteration),
-                         /*switch_margin=*/1);
-    if (kept.ok() && SameRoutes(kept->plan.routes, last_routes_)) {
+    auto kept = PlanRoutes(last.routes, searched.scheduler);
+    if (kept.ok()) {
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: they took ",
-              absl::StrFormat("%.3f", measured), " s (mean of ", routes_seconds_.size(),
+              absl::StrFormat("%.3f", measured), " s (mean of ", last.seconds.size(),
               " iterations; a change costs ", absl::StrFormat("%.3f", cost),
               " s, what the first iteration on new routes took beyond them); the refitted model "
               "predicts ",
@@ -254,15 +260,28 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
                   : absl::StrFormat("not %.0f %% faster than measured", kRouteSwitchMargin * 100));
       return kept;
     }
-    LogWarning(
-        "job ", job_id_, ": iteration ", iteration, " cannot plan its last routes again (",
-        kept.ok() ? std::string("the search left them") : std::string(kept.status().message()),
-        "); taking the search's");
+    LogWarning("job ", job_id_, ": iteration ", iteration, " cannot plan its last routes again (",
+               kept.status().message(), "); taking the search's");
   }
   LogInfo("job ", job_id_, ": iteration ", iteration,
           " changes routes: ", absl::StrFormat("%.3f", predicted), " s predicted, ",
           absl::StrFormat("%.1f %%", model_gain * 100), " faster than the last routes by the model",
           judged ? absl::StrFormat(", which measured %.3f s", measured) : std::string());
+  return searched;
+}
+
+absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanRoutes(
+    const std::vector<sim::Route>& routes, v1::SchedulerKind scheduler) const {
+  planner::PlannedIteration p;
+  p.scheduler = scheduler;
+  p.plan.assignment = assignment_;
+  p.plan.routes = routes;
+  const v1::JobSpec live = LiveSpec(total_microbatches());
+  RETURN_IF_ERROR(
+      planner::ValidateRoutes(*cost_, p.plan, planner::RulesFor(live.pipeline(), scheduler)));
+  sim::SimOptions options;
+  options.record_timeline = kfac();
+  RETURN_IF_ERROR(planner::SimulatePlanned(*cost_, live, options, p));
   return p;
 }
 
@@ -289,9 +308,9 @@ v1::CheckpointPlan RunnerPlanner::WarmStart(const std::string& dir,
     }
   }
   size_t visits = 0;
-  for (const sim::Route& r : last_routes_) visits += r.nodes.size();
+  for (const sim::Route& r : skip_routes_.routes) visits += r.nodes.size();
   if (visits > static_cast<size_t>(kMaxKeptRouteVisits)) return out;
-  for (const sim::Route& r : last_routes_) {
+  for (const sim::Route& r : skip_routes_.routes) {
     v1::PlannedRoute* route = out.add_routes();
     route->set_microbatch(static_cast<uint32_t>(r.microbatch));
     for (size_t i = 0; i < r.nodes.size(); ++i) {
@@ -423,22 +442,21 @@ absl::Status RunnerPlanner::PlanResumed(const v1::CheckpointPlan& stored, uint64
     return planned.status();
   }
   ClearRoutes();
-  last_routes_ = std::move(routes);
-  routes_cost_version_ = cost_version_;
+  skip_routes_.routes = std::move(routes);
+  skip_routes_.cost_version = cost_version_;
   first_plan_ = *std::move(planned);
   return absl::OkStatus();
 }
 
 absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanLive(
     uint64_t seed, int count, const std::vector<sim::Route>* warm, int evaluations,
-    std::optional<v1::SchedulerKind> scheduler, double switch_margin) {
+    std::optional<v1::SchedulerKind> scheduler) {
   v1::JobSpec live = LiveSpec(count);
   planner::PlannerOptions o;
   o.seed = seed;
   o.assignment = assignment_;
   o.sim.record_timeline = kfac();
   o.initial_routes = warm;
-  o.switch_margin = switch_margin;
   o.max_evaluations = evaluations;
   if (scheduler) o.scheduler = *scheduler;
   const std::vector<int> empty = EmptyStages();
@@ -502,26 +520,28 @@ double RunnerPlanner::PredictIteration(uint64_t seed) {
 
 void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double seconds) {
   if (planned.scheduler != v1::SCHEDULER_SKIPPIPE) return;
-  if (!SameRoutes(planned.plan.routes, last_routes_)) {
+  RouteRecord& last = skip_routes_;
+  if (!SameRoutes(planned.plan.routes, last.routes)) {
     ClearRoutes();
-    last_routes_ = planned.plan.routes;
-    routes_cost_version_ = cost_version_;
+    last.routes = planned.plan.routes;
+    last.cost_version = cost_version_;
   }
   // The first iteration on them opened their connections: what it took
   // beyond the later ones is what a change of routes costs.
-  if (++routes_iterations_ == 1) {
-    routes_first_seconds_ = seconds;
+  if (++last.iterations == 1) {
+    last.first_seconds = seconds;
   } else if (seconds > 0) {
-    routes_seconds_.push_back(seconds);
-    if (static_cast<int>(routes_seconds_.size()) > kMeasuredWindow) routes_seconds_.pop_front();
+    last.seconds.push_back(seconds);
+    if (static_cast<int>(last.seconds.size()) > kMeasuredWindow) last.seconds.pop_front();
   }
 }
 
 void RunnerPlanner::ClearRoutes() {
-  last_routes_.clear();
-  routes_iterations_ = 0;
-  routes_first_seconds_ = 0;
-  routes_seconds_.clear();
+  RouteRecord& last = skip_routes_;
+  last.routes.clear();
+  last.iterations = 0;
+  last.first_seconds = 0;
+  last.seconds.clear();
 }
 
 int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {

@@ -109,14 +109,12 @@ class RunnerPlanner {
   // measured and the saving repays a change.
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
                                                           uint64_t first_iteration, uint64_t epoch);
-  // Routes for `count` microbatches over the live members; `warm` is kept
-  // unless the search beats it by `switch_margin` (0 = the best found;
-  // 1 = `warm` always, when it is valid).
+  // Routes for `count` microbatches over the live members; `warm` starts
+  // the skippipe search.
   absl::StatusOr<planner::PlannedIteration> PlanLive(uint64_t seed, int count,
                                                      const std::vector<sim::Route>* warm,
                                                      int evaluations,
-                                                     std::optional<v1::SchedulerKind> scheduler,
-                                                     double switch_margin = 0);
+                                                     std::optional<v1::SchedulerKind> scheduler);
   // The iteration time a quick plan predicts for the membership as it is
   // now; infinity when it cannot train or the planner fails.
   double PredictIteration(uint64_t seed);
@@ -219,7 +217,30 @@ class RunnerPlanner {
                          const std::map<std::string, v1::TimingReport>& timings);
 
  private:
+  // The routes the last plans ran (the skippipe search's warm start) and
+  // what they measured.
+  struct RouteRecord {
+    std::vector<sim::Route> routes;
+    // Iterations completed on them (the first included), the wall times of
+    // the first and of the later ones, and the cost model they were planned
+    // under.
+    int iterations = 0;
+    double first_seconds = 0;
+    std::deque<double> seconds;  // the last kMeasuredWindow
+    uint64_t cost_version = 0;
+    // What the first iteration on the last routes measured took beyond their
+    // mean, kept for routes whose first iteration was not measured.
+    double switch_cost = 0;
+  };
   void ClearRoutes();
+  // `searched`, the search's plan of `iteration`, or the last routes planned
+  // again when the rule of PlanIteration says they stay.
+  absl::StatusOr<planner::PlannedIteration> JudgeRouteChange(uint64_t iteration, RouteRecord& last,
+                                                             planner::PlannedIteration searched);
+  // `routes` over the assignment as they are, checked against the scheduler's
+  // rules and simulated.
+  absl::StatusOr<planner::PlannedIteration> PlanRoutes(const std::vector<sim::Route>& routes,
+                                                       v1::SchedulerKind scheduler) const;
   absl::StatusOr<planner::PlannedIteration> PlanAroundEmptyStages(v1::JobSpec live,
                                                                   planner::PlannerOptions o,
                                                                   const std::vector<int>& empty,
@@ -247,17 +268,7 @@ class RunnerPlanner {
   std::set<std::pair<std::string, std::string>> cut_links_;
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;
-  std::vector<sim::Route> last_routes_;
-  // Iterations completed on last_routes_ (the first included), the wall
-  // times of the first and of the later ones, and the cost model they were
-  // planned under.
-  int routes_iterations_ = 0;
-  double routes_first_seconds_ = 0;
-  std::deque<double> routes_seconds_;  // the last kMeasuredWindow
-  // What the first iteration on the last routes measured took beyond their
-  // mean, kept for routes whose first iteration was not measured.
-  double switch_cost_ = 0;
-  uint64_t routes_cost_version_ = 0;
+  RouteRecord skip_routes_;  // of the skippipe plans
   std::unique_ptr<planner::BubblePlanner> bubbles_;
   std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
   std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use

@@ -150,13 +150,7 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
     }
   }
   stats_.evaluations = evaluator_.evaluations() - first_evaluation;
-  stats_.final_objective = stats_.best_found = best_value;
-  if (options_.switch_margin > 0 && stats_.warm_start < kInf &&
-      best_value > stats_.warm_start * (1 - options_.switch_margin)) {
-    best = *options_.initial_routes;
-    stats_.final_objective = stats_.warm_start;
-    stats_.kept_warm_start = true;
-  }
+  stats_.final_objective = best_value;
   std::sort(best.begin(), best.end(),
             [](const sim::Route& a, const sim::Route& b) { return a.microbatch < b.microbatch; });
   return best;

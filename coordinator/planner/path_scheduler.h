@@ -65,12 +65,6 @@ struct PathSchedulerOptions {
   // Optional warm start, e.g. the previous iteration's routes; ignored when
   // it breaks the rules.
   const std::vector<sim::Route>* initial_routes = nullptr;
-  // With a usable warm start: its routes are returned unless the search
-  // found routes whose objective is at least this fraction lower (0 = the
-  // best found, always). A running job's routes change only for a gain the
-  // model's error cannot explain and that pays for the change (new routes
-  // start cold: docs/SCHEDULER.md §"Re-planning a running job").
-  double switch_margin = 0;
 };
 
 struct PathSchedulerStats {
@@ -83,10 +77,6 @@ struct PathSchedulerStats {
   double lane_start = 0;
   double warm_start = 0;
   double final_objective = 0;
-  // Best objective the search found, and whether the warm start was kept
-  // instead (switch_margin); final_objective is the returned routes'.
-  double best_found = 0;
-  bool kept_warm_start = false;
 };
 
 class PathScheduler {

@@ -143,7 +143,6 @@ absl::StatusOr<PlannedIteration> PlanIteration(const sim::CostModel& cost, const
       po.robust = options.robust;
       po.objective = options.objective ? *options.objective : ObjectiveOf(job.pipeline());
       po.initial_routes = options.initial_routes;
-      if (po.initial_routes != nullptr) po.switch_margin = options.switch_margin;
       if (po.initial_routes == nullptr && !quick_routes.empty()) po.initial_routes = &quick_routes;
       PathScheduler scheduler(cost, out.plan.assignment, rules, po);
       ASSIGN_OR_RETURN(out.plan.routes, scheduler.Run());

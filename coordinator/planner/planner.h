@@ -48,11 +48,8 @@ struct PlannerOptions {
   bool robust = true;
   // Overrides the job's pipeline.plan_objective when set.
   std::optional<Objective> objective;
-  // Warm start for the skippipe search (e.g. the last iteration's routes),
-  // kept unless the search beats it by switch_margin
-  // (PathSchedulerOptions::switch_margin).
+  // Warm start for the skippipe search (e.g. the last iteration's routes).
   const std::vector<sim::Route>* initial_routes = nullptr;
-  double switch_margin = 0;
   // Simulation of the result; queue_policy is taken from the job.
   sim::SimOptions sim;
 };

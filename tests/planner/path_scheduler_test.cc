@@ -137,47 +137,6 @@ TEST(PathSchedulerTest, NeverWorseThanItsStarts) {
   EXPECT_EQ(s.evaluations, 300);
 }
 
-// A warm start (a running job's last routes) is kept unless the search beats
-// it by switch_margin: below its gain the search's routes come back, above
-// it the warm start's, and the stats say which and what was found.
-TEST(PathSchedulerTest, KeepsItsWarmStartUnlessTheSearchBeatsItByTheMargin) {
-  ShippedCase c;
-  ASSERT_TRUE(c.ok());
-  const sim::CostModel& cost = *c.cost;
-  const sim::StageAssignment& a = c.assignment;
-  const RouteRules& rules = c.rules;
-  auto warm = RandomSkipRoutes(cost, a, rules, 7);
-  ASSERT_TRUE(warm.ok()) << warm.status();
-  PathSchedulerOptions o;
-  o.max_evaluations = 300;
-  o.initial_routes = &*warm;
-  PathScheduler unbounded(cost, a, rules, o);
-  auto found = unbounded.Run();
-  ASSERT_TRUE(found.ok()) << found.status();
-  const PathSchedulerStats best = unbounded.stats();
-  ASSERT_LT(best.final_objective, best.warm_start);
-  const double gain = 1 - best.final_objective / best.warm_start;
-  ASSERT_GT(gain, 0.01) << "random routes leave the search something to gain";
-  EXPECT_FALSE(best.kept_warm_start);
-
-  o.switch_margin = gain / 2;
-  PathScheduler below(cost, a, rules, o);
-  auto changed = below.Run();
-  ASSERT_TRUE(changed.ok()) << changed.status();
-  EXPECT_EQ(Nodes(*changed), Nodes(*found));
-  EXPECT_FALSE(below.stats().kept_warm_start);
-  EXPECT_DOUBLE_EQ(below.stats().final_objective, best.final_objective);
-
-  o.switch_margin = std::min(0.99, gain * 1.5);
-  PathScheduler above(cost, a, rules, o);
-  auto kept = above.Run();
-  ASSERT_TRUE(kept.ok()) << kept.status();
-  EXPECT_EQ(Nodes(*kept), Nodes(*warm));
-  EXPECT_TRUE(above.stats().kept_warm_start);
-  EXPECT_DOUBLE_EQ(above.stats().final_objective, best.warm_start);
-  EXPECT_DOUBLE_EQ(above.stats().best_found, best.final_objective);
-}
-
 struct Comparison {
   double full = 0, random = 0, snc = 0, skippipe = 0;
   double full_iteration = 0, skippipe_iteration = 0;
