@@ -211,12 +211,21 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
   // by a quarter), and the saving must repay the cold first iteration
   // (docs/SCHEDULER.md §"Re-planning a running job").
   const uint64_t seed = spec_->seed() + iteration;
-  RouteRecord& last = skip_routes_;
-  const bool warm = !last.routes.empty();
-  auto p = PlanLive(seed, total_microbatches(), warm ? &last.routes : nullptr, kReplanEvaluations,
+  const std::vector<sim::Route>& warm = skip_routes_.routes;
+  auto p = PlanLive(seed, total_microbatches(), warm.empty() ? nullptr : &warm, kReplanEvaluations,
                     ReplanScheduler(iteration));
-  if (!p.ok() || !warm || p->scheduler != v1::SCHEDULER_SKIPPIPE) return p;
-  return JudgeRouteChange(iteration, last, *std::move(p));
+  if (!p.ok()) return p;
+  // The full scheduler's routes are the same rule's too: they change which
+  // replica each microbatch visits, and new pairs start cold as well.
+  RouteRecord* last = Record(p->scheduler);
+  if (last == nullptr || last->routes.empty()) return p;
+  return JudgeRouteChange(iteration, *last, *std::move(p));
+}
+
+RunnerPlanner::RouteRecord* RunnerPlanner::Record(v1::SchedulerKind scheduler) {
+  if (scheduler == v1::SCHEDULER_SKIPPIPE) return &skip_routes_;
+  if (scheduler == v1::SCHEDULER_FULL) return &full_routes_;
+  return nullptr;
 }
 
 absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
@@ -226,9 +235,12 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   // (the measured iterations hold the K-FAC work the search's prediction
   // leaves out).
   if (!EmptyStages().empty() || kfac()) return searched;
-  const planner::PathSchedulerStats& s = searched.search;
-  const double model_gain = s.warm_start > 0 ? 1 - s.final_objective / s.warm_start : 0;
+  // The last routes under the model as it is now.
+  auto kept = PlanRoutes(last.routes, searched.scheduler);
   const double predicted = searched.result.iteration_time_s;
+  const double model_gain = kept.ok() && kept->result.iteration_time_s > 0
+                                ? 1 - predicted / kept->result.iteration_time_s
+                                : 0;
   const bool judged = cost_version_ != last.cost_version &&
                       static_cast<int>(last.seconds.size()) >= kJudgedIterations;
   double measured = 0;
@@ -244,7 +256,6 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
       static_cast<double>(std::min<uint64_t>(left, spec_->elastic().reassign_horizon_iterations()));
   const double gain = (measured - predicted) * horizon;
   if (judged && (!(predicted < measured * (1 - kRouteSwitchMargin)) || !(gain > cost))) {
-    auto kept = PlanRoutes(last.routes, searched.scheduler);
     if (kept.ok()) {
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: they took ",
               absl::StrFormat("%.3f", measured), " s (mean of ", last.seconds.size(),
@@ -519,10 +530,11 @@ double RunnerPlanner::PredictIteration(uint64_t seed) {
 }
 
 void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double seconds) {
-  if (planned.scheduler != v1::SCHEDULER_SKIPPIPE) return;
-  RouteRecord& last = skip_routes_;
+  RouteRecord* record = Record(planned.scheduler);
+  if (record == nullptr) return;
+  RouteRecord& last = *record;
   if (!SameRoutes(planned.plan.routes, last.routes)) {
-    ClearRoutes();
+    last.Forget();
     last.routes = planned.plan.routes;
     last.cost_version = cost_version_;
   }
@@ -537,11 +549,8 @@ void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double 
 }
 
 void RunnerPlanner::ClearRoutes() {
-  RouteRecord& last = skip_routes_;
-  last.routes.clear();
-  last.iterations = 0;
-  last.first_seconds = 0;
-  last.seconds.clear();
+  skip_routes_.Forget();
+  full_routes_.Forget();
 }
 
 int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {

@@ -106,7 +106,7 @@ class RunnerPlanner {
   // iteration's routes; every pipeline.full_model_every-th iteration runs
   // the full pipeline. Under a refitted cost model the last routes stay
   // unless the search's are predicted kRouteSwitchMargin faster than they
-  // measured and the saving repays a change.
+  // measured and the saving repays a change; so do the full scheduler's.
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
                                                           uint64_t first_iteration, uint64_t epoch);
   // Routes for `count` microbatches over the live members; `warm` starts
@@ -118,12 +118,14 @@ class RunnerPlanner {
   // The iteration time a quick plan predicts for the membership as it is
   // now; infinity when it cannot train or the planner fails.
   double PredictIteration(uint64_t seed);
-  // The warm start of the next re-plan: the last skippipe routes, after an
-  // iteration on `planned` completed in `seconds` (wall time; 0 = not one
-  // to judge the routes by, e.g. workers were lost during it). The first
-  // iteration on new routes is not counted either: it opens new peer
-  // connections and starts their windows cold. Forgotten after a
-  // membership change (they route through workers that left).
+  // An iteration on `planned` completed in `seconds` (wall time; 0 = not one
+  // to judge the routes by, e.g. workers were lost during it): its routes
+  // are the last of its scheduler (skippipe's are the next re-plan's warm
+  // start; skippipe's and full's are what PlanIteration's rule judges a
+  // change against). The first iteration on new routes is not counted
+  // either: it opens new peer connections and starts their windows cold.
+  // Forgotten after a membership change (they route through workers that
+  // left).
   void KeepRoutes(const planner::PlannedIteration& planned, double seconds = 0);
   void ForgetRoutes() { ClearRoutes(); }
 
@@ -217,8 +219,8 @@ class RunnerPlanner {
                          const std::map<std::string, v1::TimingReport>& timings);
 
  private:
-  // The routes the last plans ran (the skippipe search's warm start) and
-  // what they measured.
+  // The routes a scheduler's last plans ran (skippipe's are the search's
+  // warm start) and what they measured.
   struct RouteRecord {
     std::vector<sim::Route> routes;
     // Iterations completed on them (the first included), the wall times of
@@ -231,8 +233,17 @@ class RunnerPlanner {
     // What the first iteration on the last routes measured took beyond their
     // mean, kept for routes whose first iteration was not measured.
     double switch_cost = 0;
+    // All but switch_cost.
+    void Forget() {
+      routes.clear();
+      iterations = 0;
+      first_seconds = 0;
+      seconds.clear();
+    }
   };
   void ClearRoutes();
+  // The record of `scheduler`'s routes; null for the baselines'.
+  RouteRecord* Record(v1::SchedulerKind scheduler);
   // `searched`, the search's plan of `iteration`, or the last routes planned
   // again when the rule of PlanIteration says they stay.
   absl::StatusOr<planner::PlannedIteration> JudgeRouteChange(uint64_t iteration, RouteRecord& last,
@@ -268,7 +279,10 @@ class RunnerPlanner {
   std::set<std::pair<std::string, std::string>> cut_links_;
   uint64_t cost_version_ = 0;
   std::optional<planner::PlannedIteration> first_plan_;
-  RouteRecord skip_routes_;  // of the skippipe plans
+  // Of the skippipe plans, and of the full ones (jobs with
+  // pipeline.full_model_every run both).
+  RouteRecord skip_routes_;
+  RouteRecord full_routes_;
   std::unique_ptr<planner::BubblePlanner> bubbles_;
   std::map<std::string, double> kfac_flops_;      // node -> measured K-FAC FLOP/s
   std::map<std::string, double> workload_flops_;  // node -> FLOP/s the planner's costs use
