@@ -125,17 +125,18 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::JobEvent> {
       }
       service_->watches_[this] = true;
     }
+    // The job as it is now, then each change in order: a snapshot taken
+    // apart from the subscription could reach the client after a newer
+    // change and take it back.
     auto handle = handle_;
-    listener_ = service_->store_->AddListener(job_id, [handle](const v1::Job& job) {
+    auto listener = service_->store_->Follow(job_id, [handle](const v1::Job& job) {
       handle->With([&job](WatchReactor* r) { r->Push(job); });
     });
-    // Snapshot after subscribing, so no change can fall between the two.
-    auto job = service_->store_->Get(job_id);
-    if (!job.ok()) {
-      Apply(outbox_.RequestFinish(ToGrpcStatus(job.status())));
+    if (!listener.ok()) {
+      Apply(outbox_.RequestFinish(ToGrpcStatus(listener.status())));
       return;
     }
-    Push(*job);
+    listener_ = *listener;
   }
 
   void Push(const v1::Job& job) {

@@ -216,6 +216,19 @@ uint64_t JobStore::AddListener(const std::string& id, Listener listener) {
   return handle;
 }
 
+absl::StatusOr<uint64_t> JobStore::Follow(const std::string& id, Listener listener) {
+  // Every change notifies under write_mu_, so holding it orders this
+  // snapshot before or after each change, and its call before theirs.
+  absl::MutexLock write(&write_mu_);
+  auto job = Get(id);
+  if (!job.ok()) return job.status();
+  absl::MutexLock lock(&listeners_mu_);
+  listener(*job);
+  const uint64_t handle = next_listener_++;
+  listeners_[handle] = ListenerEntry{id, std::move(listener)};
+  return handle;
+}
+
 void JobStore::RemoveListener(uint64_t handle) {
   absl::MutexLock lock(&listeners_mu_);
   listeners_.erase(handle);

@@ -83,6 +83,11 @@ class JobStore {
   // changing thread); an empty `id` listens to every job. Returns a handle
   // for RemoveListener.
   uint64_t AddListener(const std::string& id, Listener listener);
+  // Calls `listener` at once with job `id` as it is now, then after every
+  // change of it, in the order the changes were made: no change falls
+  // between the first call and the next, and none arrives before the first.
+  // NOT_FOUND (and no listener added) when the job is unknown.
+  absl::StatusOr<uint64_t> Follow(const std::string& id, Listener listener);
   void RemoveListener(uint64_t handle);
 
   // Jobs per state, for metrics.

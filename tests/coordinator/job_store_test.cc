@@ -165,6 +165,49 @@ TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
   EXPECT_EQ(seen.size(), 1u);
 }
 
+// Follow hands a follower the job as it is, then every change in order.
+// A change made while the first call runs waits for it: the follower here
+// holds its first call until the change is made (or half a second passed,
+// which is what a change that waits costs) and only then records it. A
+// snapshot handed over apart from the subscription was overtaken by such a
+// change, and a watching client saw its events taken back and shown again.
+TEST(JobStore, FollowersSeeTheJobThenEveryChangeInOrder) {
+  JobStore store(testing::MakeTempDir("jobstore"));
+  ASSERT_TRUE(store.Load().ok());
+  auto job = store.Create(Spec("a"), absl::Now(), "stored");
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(store.Follow("job-999999", [](const v1::Job&) {}).status().code(),
+            absl::StatusCode::kNotFound);
+  v1::JobHistoryEvent e;
+  e.set_kind(v1::JobHistoryEvent::KIND_CLIENT_ACTION);
+  e.set_message("first");
+  ASSERT_TRUE(store.AddEvent(job->id(), e).ok());
+
+  absl::Mutex mu;
+  std::vector<int> sizes;
+  std::atomic<int> calls{0};
+  absl::Notification first_call, changed;
+  std::thread writer([&] {
+    first_call.WaitForNotification();
+    e.set_message("second");
+    EXPECT_TRUE(store.AddEvent(job->id(), e).ok());
+    changed.Notify();
+  });
+  auto handle = store.Follow(job->id(), [&](const v1::Job& j) {
+    if (calls.fetch_add(1) == 0) {
+      first_call.Notify();
+      changed.WaitForNotificationWithTimeout(absl::Milliseconds(500));
+    }
+    absl::MutexLock lock(&mu);
+    sizes.push_back(j.history_size());
+  });
+  writer.join();
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  store.RemoveListener(*handle);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(sizes, (std::vector<int>{1, 2}));
+}
+
 TEST(JobStore, UnwritableDirectoryIsAnError) {
   JobStore store("/proc/detour-cannot-exist");
   EXPECT_EQ(store.Load().status().code(), absl::StatusCode::kFailedPrecondition);
