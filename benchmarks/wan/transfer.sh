@@ -3,7 +3,8 @@
 # the WAN test bed: two namespaces joined by detour-wanem, one link per case
 # (round trip, rate, loss, jitter). Per case, in the same run:
 #   - ceiling: iperf3 -P 16 (and one stream beside it);
-#   - wan_transfer over plaintext and over TLS, 16 and 64 MiB tensors: the
+#   - wan_transfer over plaintext and over TLS, 16 and 64 MiB tensors: what
+#     opening the connections and a 64-byte tensor over them take (open), the
 #     first tensor, isolated tensors (one at a time, after a pause) and a
 #     stream of 4 tensors queued at once, --stream_runs times: the median run
 #     and the slowest (benchmarks/wan/wan_transfer.cc).
@@ -12,7 +13,8 @@
 #
 #   sudo benchmarks/wan/transfer.sh [--build DIR]
 #       [--cases 'RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]] ...'] [--seconds N]
-#       [--mib 16,64] [--stream_runs N] [--tune] [--out DIR] [--send_args 'ARGS']
+#       [--mib 16,64] [--stream_runs N] [--tune] [--rtt_hint] [--out DIR]
+#       [--send_args 'ARGS']
 #
 # A case's jitter adds a uniform draw in [0, JITTER_MS] to each packet's
 # one-way delay on both directions; packets keep their order unless the case
@@ -22,7 +24,9 @@
 # tcp_slow_start_after_idle=0); net.core.{w,r}mem_max are global and are
 # reported, not changed. Rate 0 = no cap (the forwarder's own ceiling): the
 # sender then has no rate hint, as a worker before its first probe. --send_args
-# go to every `wan_transfer send` (e.g. '--connections 4').
+# go to every `wan_transfer send` (e.g. '--connections 4'). --rtt_hint gives the
+# sender each case's round trip too, as a worker's link probes do: its stripes
+# then open at once instead of after the first connection's handshake.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,6 +36,7 @@ seconds=6
 stream_runs=3
 mib=16,64
 tune=0
+rtt_hint=0
 out=""
 send_args=""
 prefix="wanxfer$$"
@@ -43,9 +48,10 @@ while [[ $# -gt 0 ]]; do
     --mib) mib=${2:?--mib needs sizes}; shift 2 ;;
     --stream_runs) stream_runs=${2:?--stream_runs needs a number}; shift 2 ;;
     --tune) tune=1; shift ;;
+    --rtt_hint) rtt_hint=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -116,8 +122,8 @@ iperf() {  # iperf STREAMS
 field() { sed -n "s/.*\b$2=\([^ ]*\).*/\1/p" <<<"$1"; }
 
 printf '%s\n' "case RTT rate loss [jitter]: transport, tensor, rates in MB/s (ratio to -P 16)"
-printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s\n' case transport MiB "-P 16" \
-  "1 stream" first isolated stream "stream worst" connections
+printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s %8s\n' case transport MiB "-P 16" \
+  "1 stream" first isolated stream "stream worst" connections "open ms"
 for c in $cases; do
   IFS=: read -r rtt rate loss jitter order <<<"$c"
   jitter=${jitter:-0}
@@ -131,6 +137,7 @@ for c in $cases; do
   p1=$(iperf 1)
   hint=()
   (( rate > 0 )) && hint=(--rate_mbytes "$rate")
+  (( rtt_hint )) && hint+=(--rtt_ms "$rtt")
   for mode in plain tls; do
     port=7700 certs=()
     [[ "$mode" == tls ]] && port=7701 certs=(--certs "$work/certs")
@@ -141,13 +148,14 @@ for c in $cases; do
       continue
     fi
     conn=$(field "$(grep '^rtt ' "$log")" connections)
+    open=$(field "$(grep '^rtt ' "$log")" open_ms)
     while read -r line; do
       [[ "$line" == size* ]] || continue
       ratio() { awk -v v="$1" -v c="$p16" 'BEGIN { if (c > 0) printf "%.1f (%.2f)", v, v / c; else printf "%.1f", v }'; }
-      printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s\n' "$label" "$mode" \
+      printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s %8s\n' "$label" "$mode" \
         "$(field "$line" mib)" "$p16" "$p1" "$(ratio "$(field "$line" first_mbps)")" \
         "$(ratio "$(field "$line" isolated_mbps)")" "$(ratio "$(field "$line" stream_mbps)")" \
-        "$(ratio "$(field "$line" stream_worst_mbps)")" "$conn"
+        "$(ratio "$(field "$line" stream_worst_mbps)")" "$conn" "$open"
     done <"$log"
   done
 done

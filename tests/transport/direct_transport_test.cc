@@ -6,9 +6,11 @@
 // that is not the expected worker — are refused without harm.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -454,6 +456,64 @@ TEST_F(DirectFramingTest, AVersion2SenderToAVersion1ReceiverGetsAClearError) {
   ASSERT_FALSE(link.ok());
   EXPECT_EQ(link.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(link.status().message()), HasSubstr("speaks only v1"));
+}
+
+// With the round trip known (a link probe measured it), every stripe opens
+// at once: none waits for another's greeting, so a new pair pays its
+// handshakes' round trips once. This receiver answers no hello before all
+// three stripes of the session have greeted it; a sender that waited for the
+// first stripe's answer before opening the others would wait until its
+// connect timeout.
+TEST_F(DirectFramingTest, WithTheRoundTripKnownNoStripeWaitsForAnothersGreeting) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 8), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::vector<int> greeted;
+  std::vector<uint32_t> stripes;
+  std::thread receiver([&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (greeted.size() < 3 && absl::Now() < deadline) {
+      pollfd p{listener, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const int fd = ::accept(listener, nullptr, nullptr);
+      if (fd < 0) continue;
+      timeval tv{5, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      char in[sizeof(kDirectPreface) + kDirectHelloBytes];
+      if (::recv(fd, in, sizeof(in), MSG_WAITALL) != static_cast<ssize_t>(sizeof(in))) {
+        ::close(fd);
+        continue;
+      }
+      auto hello = DecodeDirectHello(in + sizeof(kDirectPreface));
+      if (hello.ok()) stripes.push_back(hello->stripe);
+      greeted.push_back(fd);
+    }
+    if (greeted.size() == 3) {
+      for (int fd : greeted) (void)!::send(fd, kDirectPreface, sizeof(kDirectPreface), 0);
+    }
+  });
+  PeerSenderOptions o;
+  o.direct_address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  o.peer_name = "w2";
+  o.connect_timeout = absl::Seconds(5);
+  o.direct_connections = 3;
+  o.link.rtt = absl::Milliseconds(20);
+  o.link.rate_bytes_per_s = 1e8;
+  PeerSender sender("w2", o);
+  sender.Connect();
+  receiver.join();
+  EXPECT_TRUE(Eventually([&] { return sender.direct_info().connections == 3; }))
+      << greeted.size() << " of 3 stripes greeted the receiver";
+  std::sort(stripes.begin(), stripes.end());
+  EXPECT_EQ(stripes, (std::vector<uint32_t>{0, 1, 2}));
+  sender.Close();
+  for (int fd : greeted) ::close(fd);
+  ::close(listener);
 }
 
 // A TLS sender at a plaintext receiver gets a TLS alert, which it reports at

@@ -566,46 +566,70 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   }
   DirectSocketOptions socket;
   socket.bbr = options_.bbr && BbrUsable();
-  std::vector<std::unique_ptr<DirectLink>> links;
-  auto first = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
-                                std::max(absl::Milliseconds(1), deadline - absl::Now()),
-                                wake_pipe_[0], socket);
-  if (!first.ok()) return first.status();
-  // The receiver's certificate names the peer (checked in the handshake) and
-  // must be a worker's: a coordinator's or a user's certificate with the
-  // same name is not one to hand activations to.
-  if (absl::Status kind = ReceiverIsWorker(**first); !kind.ok()) return kind;
+  // One stripe: opened, its receiver checked, greeted. The receiver's
+  // certificate names the peer (checked in the handshake) and must be a
+  // worker's: a coordinator's or a user's certificate with the same name is
+  // not one to hand activations to, nor to greet.
+  auto open_stripe =
+      [&](int stripe,
+          const DirectSocketOptions& with) -> absl::StatusOr<std::unique_ptr<DirectLink>> {
+    auto link = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
+                                 std::max(absl::Milliseconds(1), deadline - absl::Now()),
+                                 wake_pipe_[0], with);
+    if (!link.ok()) return link.status();
+    if (absl::Status kind = ReceiverIsWorker(**link); !kind.ok()) return kind;
+    DirectHello mine = hello;
+    mine.stripe = static_cast<uint32_t>(stripe);
+    if (absl::Status s = (*link)->Greet(mine, deadline - absl::Now()); !s.ok()) {
+      return Annotate(s, absl::StrCat("direct transport: ", options_.direct_address));
+    }
+    return link;
+  };
   // The number of stripes: asked for, or what the link's bandwidth-delay
-  // product needs under this machine's socket-buffer limits (the RTT, when
-  // not given, is the kernel's estimate from this connection's handshake).
+  // product needs under this machine's socket-buffer limits. With the round
+  // trip known (the link probes measured it), every stripe opens at once: a
+  // new pair then pays the handshakes' round trips once instead of twice,
+  // and over a long link that is seconds of the first iteration that uses
+  // it. Otherwise the first connection's handshake gives the kernel's
+  // estimate, and the others follow it.
   LinkHint hint = options_.link;
   if (!(hint.rate_bytes_per_s > 0)) hint.rate_bytes_per_s = kDefaultLinkRateBytesPerS;
-  if (hint.rtt <= absl::ZeroDuration()) hint.rtt = (*first)->Rtt();
+  std::vector<std::unique_ptr<DirectLink>> links;
+  std::unique_ptr<DirectLink> first;
+  if (hint.rtt <= absl::ZeroDuration()) {
+    auto opened = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
+                                   std::max(absl::Milliseconds(1), deadline - absl::Now()),
+                                   wake_pipe_[0], socket);
+    if (!opened.ok()) return opened.status();
+    if (absl::Status kind = ReceiverIsWorker(**opened); !kind.ok()) return kind;
+    first = *std::move(opened);
+    hint.rtt = first->Rtt();
+  }
   const StripePlan plan = PlanStripes(hint, tcp_limits_);
   const int count = options_.direct_connections > 0
                         ? std::min(options_.direct_connections, kMaxDirectStripes)
                         : plan.connections;
   socket.sndbuf = plan.sndbuf_request;
-  if (socket.sndbuf > 0) (*first)->SetSendBuffer(socket.sndbuf);
   hello.stripes = static_cast<uint32_t>(count);
-  if (absl::Status s = (*first)->Greet(hello, deadline - absl::Now()); !s.ok()) return s;
-  links.push_back(*std::move(first));
-  // The other stripes connect in parallel: each costs a few round trips.
-  std::vector<absl::StatusOr<std::unique_ptr<DirectLink>>> more(count - 1);
+  if (first != nullptr) {
+    if (socket.sndbuf > 0) first->SetSendBuffer(socket.sndbuf);
+    if (absl::Status s = first->Greet(hello, deadline - absl::Now()); !s.ok()) return s;
+    links.push_back(std::move(first));
+  }
+  // The stripes not open yet connect in parallel: each costs a few round
+  // trips.
+  const int opened = static_cast<int>(links.size());
+  std::vector<absl::StatusOr<std::unique_ptr<DirectLink>>> more(count - opened);
   std::vector<std::thread> connecting;
-  for (int i = 1; i < count; ++i) {
-    connecting.emplace_back([this, i, hello, socket, deadline, &more] {
-      DirectHello mine = hello;
-      mine.stripe = static_cast<uint32_t>(i);
-      more[i - 1] = DirectLink::Connect(options_.direct_address, ssl_ctx_, options_.peer_name,
-                                        std::max(absl::Milliseconds(1), deadline - absl::Now()),
-                                        wake_pipe_[0], mine, socket);
-    });
+  for (int i = opened; i < count; ++i) {
+    connecting.emplace_back(
+        [&open_stripe, &more, &socket, i, opened] { more[i - opened] = open_stripe(i, socket); });
   }
   for (auto& t : connecting) t.join();
   for (auto& link : more) {
-    if (!link.ok()) return Annotate(link.status(), "stripe connection");
-    if (absl::Status kind = ReceiverIsWorker(**link); !kind.ok()) return kind;
+    if (!link.ok()) {
+      return opened == 0 ? link.status() : Annotate(link.status(), "stripe connection");
+    }
     links.push_back(*std::move(link));
   }
   absl::MutexLock lock(&mu_);
