@@ -452,7 +452,7 @@ absl::Status RunnerPlanner::PlanResumed(const v1::CheckpointPlan& stored, uint64
     assignment_ = fresh;
     return planned.status();
   }
-  ClearRoutes();
+  ForgetRoutes();
   skip_routes_.routes = std::move(routes);
   skip_routes_.cost_version = cost_version_;
   first_plan_ = *std::move(planned);
@@ -548,7 +548,7 @@ void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double 
   }
 }
 
-void RunnerPlanner::ClearRoutes() {
+void RunnerPlanner::ForgetRoutes() {
   skip_routes_.Forget();
   full_routes_.Forget();
 }
@@ -668,7 +668,7 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
 absl::Status RunnerPlanner::SetCutLinks(const std::set<std::pair<std::string, std::string>>& cuts) {
   if (cuts == cut_links_) return absl::OkStatus();
   cut_links_ = cuts;
-  ClearRoutes();  // the warm start may cross a cut link
+  ForgetRoutes();  // the warm start may cross a cut link
   RETURN_IF_ERROR(BuildCostModel());
   ++cost_version_;
   return absl::OkStatus();

@@ -127,7 +127,7 @@ class RunnerPlanner {
   // Forgotten after a membership change (they route through workers that
   // left).
   void KeepRoutes(const planner::PlannedIteration& planned, double seconds = 0);
-  void ForgetRoutes() { ClearRoutes(); }
+  void ForgetRoutes();
 
   // Resuming where the straight run would go on. A checkpoint's record keeps
   // what the next re-plan starts from (the assignment and the warm-start
@@ -241,7 +241,6 @@ class RunnerPlanner {
       seconds.clear();
     }
   };
-  void ClearRoutes();
   // The record of `scheduler`'s routes; null for the baselines'.
   RouteRecord* Record(v1::SchedulerKind scheduler);
   // `searched`, the search's plan of `iteration`, or the last routes planned
