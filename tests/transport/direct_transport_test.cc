@@ -352,6 +352,25 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
 }
 
+// Once a session's stripes are open, a striped tensor gives each of them
+// the same number of chunks: 16 MiB over 3 connections is 6 chunks, two per
+// connection, not 4 of 4 MiB of which one connection carries two.
+TEST_P(DirectTransportTest, AStripedTensorGivesEveryConnectionItsShare) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.direct_connections = 3;
+  PeerSender sender("w2", o);
+  sender.Connect();
+  ASSERT_TRUE(Eventually([&] { return sender.direct_info().connections == 3; }));
+  auto big = Pattern(16 << 20, 8);
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (16 << 20) / 4), View(big)).ok());
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_TRUE(sink_.received()[0].second == *big);
+  ActivationServer::Stats s = activations_->stats();
+  EXPECT_EQ(s.frames, 6u);
+  EXPECT_EQ(s.malformed + s.rejected + s.unauthorized + s.duplicates, 0u);
+}
+
 // Connect() opens every stripe (handshakes and hello) before the first
 // tensor, which then goes over them; a failed early connect is no error of
 // its own, and the next tensor reports the address it could not reach.

@@ -335,14 +335,18 @@ void PeerSender::Connect() {
 }
 
 void PeerSender::Send(v1::FrameHeader header, TensorView data, Done done) {
-  const size_t chunk = std::max<size_t>(kMinChunkBytes, options_.chunk_bytes);
+  const std::string key = AckKey(header.job_id(), header.iteration(), header.epoch(),
+                                 header.microbatch(), header.direction());
+  absl::MutexLock lock(&mu_);
+  // Striped over the session's connections when they are open (Connect
+  // opened them ahead, or an earlier tensor did); else cut as for one.
+  const size_t chunk = StripeChunkBytes(data.bytes, direct_info_.connections,
+                                        std::max<size_t>(kMinChunkBytes, options_.chunk_bytes),
+                                        options_.stripe_threshold_bytes);
   const uint32_t chunks =
       data.bytes == 0 ? 1 : static_cast<uint32_t>((data.bytes + chunk - 1) / chunk);
   header.set_total_bytes(data.bytes);
   header.set_num_chunks(chunks);
-  const std::string key = AckKey(header.job_id(), header.iteration(), header.epoch(),
-                                 header.microbatch(), header.direction());
-  absl::MutexLock lock(&mu_);
   if (closing_) {
     done(absl::CancelledError("sender closed"), 0);
     return;

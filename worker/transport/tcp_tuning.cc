@@ -95,6 +95,19 @@ TcpLimits ReadTcpLimits(const std::string& proc_sys, std::vector<std::string>* p
   return limits;
 }
 
+size_t StripeChunkBytes(size_t total, int stripes, size_t max_chunk, size_t threshold) {
+  constexpr size_t kPage = 4096;
+  max_chunk = std::max(kPage, max_chunk);
+  if (stripes <= 1 || total < threshold) return max_chunk;
+  const uint64_t lanes = static_cast<uint64_t>(stripes);
+  const uint64_t share = total / lanes + (total % lanes != 0);
+  const uint64_t per_stripe = share / max_chunk + (share % max_chunk != 0);
+  const uint64_t chunks = lanes * std::max<uint64_t>(1, per_stripe);
+  const uint64_t chunk = (total + chunks - 1) / chunks;
+  const uint64_t rounded = (chunk + kPage - 1) / kPage * kPage;
+  return static_cast<size_t>(std::clamp<uint64_t>(rounded, kPage, max_chunk));
+}
+
 StripePlan PlanStripes(const LinkHint& hint, const TcpLimits& limits, int max_connections) {
   max_connections = std::clamp(max_connections, 1, kMaxDirectStripes);
   StripePlan plan;

@@ -19,6 +19,7 @@
 #ifndef DETOUR_WORKER_TRANSPORT_TCP_TUNING_H_
 #define DETOUR_WORKER_TRANSPORT_TCP_TUNING_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -101,6 +102,16 @@ TcpLimits ReadTcpLimits(const std::string& proc_sys = "/proc/sys",
 // within the cap.
 StripePlan PlanStripes(const LinkHint& hint, const TcpLimits& limits,
                        int max_connections = kMaxDirectStripes);
+
+// The chunk length a tensor of `total` bytes is cut into when it is striped
+// over `stripes` connections (a tensor below `threshold`, or one
+// connection: `max_chunk`). Every stripe gets the same number of chunks of
+// at most `max_chunk`, the fewest that allows, each a multiple of 4 KiB:
+// 16 MiB over 11 stripes is 11 chunks of about 1.5 MiB, not 4 of 4 MiB on 4
+// of them. Each connection's window holds only a share of a long link, so a
+// tensor left on fewer connections takes longer, and a loss on one of them
+// holds a larger part of it.
+size_t StripeChunkBytes(size_t total, int stripes, size_t max_chunk, size_t threshold);
 
 // Warnings for links whose expected rate the limits cap: one line per
 // direction that caps it, naming the setting, the rate one connection gets,
