@@ -81,10 +81,17 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
     return End(Failed(absl::StrCat("the loss became non-finite at iteration ", iteration)));
   }
   // The next re-plan's warm start, kept with the checkpoint too, and what
-  // the workers took when nothing was re-run and no stage file was written.
-  plan_.KeepRoutes(*planned, epoch() == planned_epoch && collected.rerun == 0 && !plan.checkpoint()
-                                 ? absl::ToDoubleSeconds(ran)
-                                 : 0);
+  // the workers took when nothing was re-run and no stage file was written;
+  // of that, K-FAC's work after the pipeline as the bubble planner put it.
+  const double kfac_seconds =
+      plan_.bubbles() != nullptr
+          ? std::max(0.0, plan.predicted_time_s() - planned->result.iteration_time_s)
+          : 0;
+  plan_.KeepRoutes(*planned,
+                   epoch() == planned_epoch && collected.rerun == 0 && !plan.checkpoint()
+                       ? absl::ToDoubleSeconds(ran)
+                       : 0,
+                   kfac_seconds);
   if (plan.checkpoint()) {
     if (auto s = CommitCheckpoint(iteration + 1, plan.checkpoint_dir(), round.results(), deadline);
         s) {

@@ -231,10 +231,10 @@ RunnerPlanner::RouteRecord* RunnerPlanner::Record(v1::SchedulerKind scheduler) {
 absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
     uint64_t iteration, RouteRecord& last, planner::PlannedIteration searched) {
   if (SameRoutes(searched.plan.routes, last.routes)) return searched;
-  // Not judged: around empty stages (no warm start there), and K-FAC jobs
-  // (the measured iterations hold the K-FAC work the search's prediction
-  // leaves out).
-  if (!EmptyStages().empty() || kfac()) return searched;
+  // Not judged around empty stages (no warm start there). A K-FAC job's
+  // measured iterations are judged without the work the bubble planner put
+  // after the pipeline (KeepRoutes), as the search predicts them.
+  if (!EmptyStages().empty()) return searched;
   // The last routes under the model as it is now.
   auto kept = PlanRoutes(last.routes, searched.scheduler);
   const double predicted = searched.result.iteration_time_s;
@@ -529,9 +529,13 @@ double RunnerPlanner::PredictIteration(uint64_t seed) {
   return p.ok() ? p->result.iteration_time_s : std::numeric_limits<double>::infinity();
 }
 
-void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double seconds) {
+void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double seconds,
+                               double kfac_seconds) {
   RouteRecord* record = Record(planned.scheduler);
   if (record == nullptr) return;
+  // The pipeline's part, as the search predicts it; none when the K-FAC
+  // estimate leaves nothing of it.
+  seconds = seconds > kfac_seconds ? seconds - std::max(0.0, kfac_seconds) : 0;
   RouteRecord& last = *record;
   if (!SameRoutes(planned.plan.routes, last.routes)) {
     last.Forget();

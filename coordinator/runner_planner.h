@@ -124,9 +124,12 @@ class RunnerPlanner {
   // start; skippipe's and full's are what PlanIteration's rule judges a
   // change against). The first iteration on new routes is not counted
   // either: it opens new peer connections and starts their windows cold.
-  // Forgotten after a membership change (they route through workers that
-  // left).
-  void KeepRoutes(const planner::PlannedIteration& planned, double seconds = 0);
+  // `kfac_seconds`: what of `seconds` the bubble planner put after the
+  // pipeline (K-FAC's serial tail and preconditioning), which the search's
+  // prediction leaves out; the routes are judged on the rest. Forgotten
+  // after a membership change (they route through workers that left).
+  void KeepRoutes(const planner::PlannedIteration& planned, double seconds = 0,
+                  double kfac_seconds = 0);
   void ForgetRoutes();
 
   // Resuming where the straight run would go on. A checkpoint's record keeps
