@@ -352,6 +352,28 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
 }
 
+// A receiver that does not know the sender (no peer list named it) lets one
+// source hold only so many handshakes at once: a sender with more stripes
+// than half of that opens that many first, and the rest once they have
+// greeted the receiver and made the source trusted. Opened all at once over
+// TLS, the stripes beyond the source's share were closed during their
+// handshakes, and the session failed at every try.
+TEST_P(DirectTransportTest, MoreStripesThanAStrangerMayHandshakeStillOpen) {
+  StartServer();
+  PeerSenderOptions o = SenderOptions();
+  o.direct_connections = 16;
+  o.link.rtt = absl::Milliseconds(20);
+  o.link.rate_bytes_per_s = 1e8;
+  PeerSender sender("w2", o);
+  auto big = Pattern(16 << 20, 9);
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (16 << 20) / 4), View(big)).ok());
+  ASSERT_EQ(sink_.received().size(), 1u);
+  EXPECT_TRUE(sink_.received()[0].second == *big);
+  EXPECT_EQ(sender.direct_info().connections, 16);
+  EXPECT_EQ(server_->stats().accepted, 16u);
+  EXPECT_EQ(server_->stats().sessions, 1);
+}
+
 // Once a session's stripes are open, a striped tensor gives each of them
 // the same number of chunks: 16 MiB over 3 connections is 6 chunks, two per
 // connection, not 4 of 4 MiB of which one connection carries two.

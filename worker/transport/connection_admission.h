@@ -10,8 +10,9 @@
 // host flooding the port holds a few slots at most and many hosts flooding
 // it displace each other, oldest first, rather than the peers that finish
 // their handshake. A source with an authenticated connection open is
-// *trusted*: a sender's first stripe authenticates before it opens the
-// others at once (peer_sender.h), and several workers may share a host, so
+// *trusted*: a sender opens at most half the per-source limit of stripes
+// before one has authenticated, then the rest at once (peer_sender.h), and
+// several workers may share a host, so
 // a trusted source's handshakes are not held to the per-source limit, and
 // they make room for newcomers only when no stranger's handshake is left.
 //

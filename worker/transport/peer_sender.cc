@@ -18,6 +18,7 @@
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
+#include "worker/transport/connection_admission.h"
 #include "worker/transport/direct_link.h"
 
 namespace detour {
@@ -590,12 +591,9 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
     return link;
   };
   // The number of stripes: asked for, or what the link's bandwidth-delay
-  // product needs under this machine's socket-buffer limits. With the round
-  // trip known (the link probes measured it), every stripe opens at once: a
-  // new pair then pays the handshakes' round trips once instead of twice,
-  // and over a long link that is seconds of the first iteration that uses
-  // it. Otherwise the first connection's handshake gives the kernel's
-  // estimate, and the others follow it.
+  // product needs under this machine's socket-buffer limits. The round trip,
+  // when the hint lacks it, is the kernel's estimate from the first
+  // connection's handshake.
   LinkHint hint = options_.link;
   if (!(hint.rate_bytes_per_s > 0)) hint.rate_bytes_per_s = kDefaultLinkRateBytesPerS;
   std::vector<std::unique_ptr<DirectLink>> links;
@@ -620,22 +618,36 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
     if (absl::Status s = first->Greet(hello, deadline - absl::Now()); !s.ok()) return s;
     links.push_back(std::move(first));
   }
-  // The stripes not open yet connect in parallel: each costs a few round
-  // trips.
-  const int opened = static_cast<int>(links.size());
-  std::vector<absl::StatusOr<std::unique_ptr<DirectLink>>> more(count - opened);
-  std::vector<std::thread> connecting;
-  for (int i = opened; i < count; ++i) {
-    connecting.emplace_back(
-        [&open_stripe, &more, &socket, i, opened] { more[i - opened] = open_stripe(i, socket); });
-  }
-  for (auto& t : connecting) t.join();
-  for (auto& link : more) {
-    if (!link.ok()) {
-      return opened == 0 ? link.status() : Annotate(link.status(), "stripe connection");
+  // The stripes not open yet connect in parallel, each in a few round trips.
+  // With the round trip known (the link probes measured it) and few enough
+  // stripes, all of them at once: a new pair then pays its handshakes' round
+  // trips once instead of twice, seconds over a long link. A receiver that
+  // does not know this sender yet (its peer list has not named it) lets a
+  // source hold only so many handshakes (connection_admission.h), half of
+  // which this sender takes, the host's other senders and the link prober
+  // the rest; more stripes than that wait until a first greeting has made
+  // this source trusted.
+  constexpr int kStripesAtOnce = AdmissionLimits{}.max_unauthenticated_per_source / 2;
+  auto open_stripes = [&](int begin, int end) -> absl::Status {
+    std::vector<absl::StatusOr<std::unique_ptr<DirectLink>>> more(end - begin);
+    std::vector<std::thread> connecting;
+    for (int i = begin; i < end; ++i) {
+      connecting.emplace_back(
+          [&open_stripe, &more, &socket, i, begin] { more[i - begin] = open_stripe(i, socket); });
     }
-    links.push_back(*std::move(link));
+    for (auto& t : connecting) t.join();
+    for (auto& link : more) {
+      if (!link.ok()) {
+        return begin == 0 ? link.status() : Annotate(link.status(), "stripe connection");
+      }
+      links.push_back(*std::move(link));
+    }
+    return absl::OkStatus();
+  };
+  if (links.empty() && count > kStripesAtOnce) {
+    RETURN_IF_ERROR(open_stripes(0, kStripesAtOnce));
   }
+  RETURN_IF_ERROR(open_stripes(static_cast<int>(links.size()), count));
   absl::MutexLock lock(&mu_);
   direct_info_.connections = count;
   direct_info_.congestion_control = links.front()->congestion_control();
