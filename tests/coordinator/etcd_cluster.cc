@@ -136,16 +136,21 @@ absl::Status EtcdCluster::Start(int members, bool tls) {
   if (tls_) {
     if (absl::Status made = MakeCertificates(); !made.ok()) return made;
   }
+  // Every port is held until all are chosen, so no two are the same (one
+  // closed at once could be handed out again: two members on one port, the
+  // second of which never starts, left a 3-member cluster one kill away from
+  // losing its quorum).
+  std::vector<int> held;
   for (int i = 0; i < members; ++i) {
-    // Held until every port is chosen, so no two are the same.
     auto [client_fd, client_port] = OccupyPort();
     auto [peer_fd, peer_port] = OccupyPort();
+    held.push_back(client_fd);
+    held.push_back(peer_fd);
     client_ports_.push_back(client_port);
     peer_ports_.push_back(peer_port);
     endpoints_.push_back(absl::StrCat("127.0.0.1:", client_port));
-    ::close(client_fd);
-    ::close(peer_fd);
   }
+  for (int fd : held) ::close(fd);
   members_.resize(members);
   for (int i = 0; i < members; ++i) {
     if (absl::Status started = StartMember(i); !started.ok()) return started;
