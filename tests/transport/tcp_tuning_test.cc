@@ -192,24 +192,25 @@ TEST(PlanStripesTest, RaisedCoreCapsAreRequestedExplicitlyWhenAutotuningFallsSho
 
 TEST(StripeChunkBytesTest, EveryStripeGetsTheSameNumberOfChunks) {
   constexpr size_t kMiB = 1 << 20, k4 = 4 * kMiB, k8 = 8 * kMiB;
-  // 16 MiB over 11 stripes: 11 chunks of about 1.5 MiB, one per stripe.
-  const size_t c16 = StripeChunkBytes(16 * kMiB, 11, k4, k8);
-  EXPECT_EQ(c16 % 4096, 0u);
-  EXPECT_EQ((16 * kMiB + c16 - 1) / c16, 11u);
   // 64 MiB over 11: 4 MiB would leave some stripes two chunks and some one;
   // 22 chunks of under 3 MiB give each two.
   const size_t c64 = StripeChunkBytes(64 * kMiB, 11, k4, k8);
   EXPECT_LE(c64, k4);
+  EXPECT_EQ(c64 % 4096, 0u);
   EXPECT_EQ((64 * kMiB + c64 - 1) / c64, 22u);
+  // 16 MiB over 3: two chunks each, not 4 MiB chunks two on one stripe.
+  const size_t c16 = StripeChunkBytes(16 * kMiB, 3, k4, k8);
+  EXPECT_EQ((16 * kMiB + c16 - 1) / c16, 6u);
   // 16 MiB over 4 and 64 MiB over 4: the longest chunk already fits.
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 4, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(64 * kMiB, 4, k4, k8), k4);
-  // Below the threshold, over one connection or none known: the longest.
+  // Less than a longest chunk per stripe (16 MiB over 11), below the
+  // threshold, over one connection or none known: the longest.
+  EXPECT_EQ(StripeChunkBytes(16 * kMiB, 11, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(7 * kMiB, 11, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 1, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 0, k4, k8), k4);
   // Never under 4 KiB, nor over the longest however large the stripes' share.
-  EXPECT_EQ(StripeChunkBytes(8 * kMiB, 16, 4096, k8), 4096u);
   EXPECT_EQ(StripeChunkBytes(size_t{1} << 40, 16, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(k8, 16, 1, k8), 4096u);
 }

@@ -63,9 +63,10 @@ struct PeerSenderOptions {
   // peer. 0 = as many as the link needs (tcp_tuning.h's PlanStripes: the
   // link's rate × RTT against the socket-buffer limits), else this many
   // (at most kMaxDirectStripes). A tensor of at least stripe_threshold_bytes
-  // is cut into one contiguous range of chunks per connection, each the same
-  // count (StripeChunkBytes, once the connections are open; chunk_bytes at
-  // most); a smaller one travels whole on the least busy connection.
+  // is cut into one contiguous range of chunks per connection (of
+  // chunk_bytes; once the connections are open, of StripeChunkBytes, which
+  // gives each connection the same count); a smaller one travels whole on
+  // the least busy connection.
   int direct_connections = 0;
   size_t stripe_threshold_bytes = 8 << 20;
   // What the link to this peer is expected to carry (the cluster's link

@@ -104,13 +104,13 @@ StripePlan PlanStripes(const LinkHint& hint, const TcpLimits& limits,
                        int max_connections = kMaxDirectStripes);
 
 // The chunk length a tensor of `total` bytes is cut into when it is striped
-// over `stripes` connections (a tensor below `threshold`, or one
-// connection: `max_chunk`). Every stripe gets the same number of chunks of
-// at most `max_chunk`, the fewest that allows, each a multiple of 4 KiB:
-// 16 MiB over 11 stripes is 11 chunks of about 1.5 MiB, not 4 of 4 MiB on 4
-// of them. Each connection's window holds only a share of a long link, so a
-// tensor left on fewer connections takes longer, and a loss on one of them
-// holds a larger part of it.
+// over `stripes` connections. When it holds at least a `max_chunk` per
+// stripe, every stripe gets the same number of chunks of at most
+// `max_chunk`, the fewest that allows, each a multiple of 4 KiB: 64 MiB
+// over 11 stripes is 22 chunks of under 3 MiB, two per stripe, where 16 of
+// 4 MiB left 5 stripes with two and 6 with one, and the tensor waited for
+// the ones with two. Otherwise (a smaller tensor, one below `threshold`,
+// one connection): `max_chunk`.
 size_t StripeChunkBytes(size_t total, int stripes, size_t max_chunk, size_t threshold);
 
 // Warnings for links whose expected rate the limits cap: one line per
