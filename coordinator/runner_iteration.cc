@@ -84,9 +84,7 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   // the workers took when nothing was re-run and no stage file was written;
   // of that, K-FAC's work after the pipeline as the bubble planner put it.
   const double kfac_seconds =
-      plan_.bubbles() != nullptr
-          ? std::max(0.0, plan.predicted_time_s() - planned->result.iteration_time_s)
-          : 0;
+      plan_.bubbles() != nullptr ? plan.predicted_time_s() - planned->result.iteration_time_s : 0;
   plan_.KeepRoutes(*planned,
                    epoch() == planned_epoch && collected.rerun == 0 && !plan.checkpoint()
                        ? absl::ToDoubleSeconds(ran)

@@ -535,7 +535,8 @@ void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double 
   if (record == nullptr) return;
   // The pipeline's part, as the search predicts it; none when the K-FAC
   // estimate leaves nothing of it.
-  seconds = seconds > kfac_seconds ? seconds - std::max(0.0, kfac_seconds) : 0;
+  kfac_seconds = std::max(0.0, kfac_seconds);
+  seconds = seconds > kfac_seconds ? seconds - kfac_seconds : 0;
   RouteRecord& last = *record;
   if (!SameRoutes(planned.plan.routes, last.routes)) {
     last.Forget();

@@ -479,13 +479,14 @@ TEST_F(DirectFramingTest, AVersion2SenderToAVersion1ReceiverGetsAClearError) {
     (void)!::recv(fd, preface, sizeof(preface), MSG_WAITALL);
     ::close(fd);
   });
-  auto link =
-      DirectLink::Connect(absl::StrCat("127.0.0.1:", port), nullptr, "w2", absl::Seconds(3));
+  auto link = DirectLink::Open(absl::StrCat("127.0.0.1:", port), nullptr, "w2", absl::Seconds(3));
+  ASSERT_TRUE(link.ok()) << link.status();
+  const absl::Status greeted = (*link)->Greet(DirectHello{}, absl::Seconds(3));
   v1.join();
   ::close(listener);
-  ASSERT_FALSE(link.ok());
-  EXPECT_EQ(link.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(link.status().message()), HasSubstr("speaks only v1"));
+  ASSERT_FALSE(greeted.ok());
+  EXPECT_EQ(greeted.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(greeted.message()), HasSubstr("speaks only v1"));
 }
 
 // With the round trip known (a link probe measured it), every stripe opens

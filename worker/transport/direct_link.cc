@@ -309,21 +309,6 @@ absl::Status DirectLink::Flush(absl::Time deadline) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Connect(const std::string& address,
-                                                                std::shared_ptr<ssl_ctx_st> ctx,
-                                                                const std::string& peer_name,
-                                                                absl::Duration timeout, int wake_fd,
-                                                                const DirectHello& hello,
-                                                                const DirectSocketOptions& socket) {
-  const absl::Time deadline = absl::Now() + timeout;
-  auto link = Open(address, std::move(ctx), peer_name, timeout, wake_fd, socket);
-  if (!link.ok()) return link.status();
-  if (absl::Status s = (*link)->Greet(hello, deadline - absl::Now()); !s.ok()) {
-    return Annotate(s, absl::StrCat("direct transport: ", address));
-  }
-  return link;
-}
-
 absl::StatusOr<std::unique_ptr<DirectLink>> DirectLink::Open(const std::string& address,
                                                              std::shared_ptr<ssl_ctx_st> ctx,
                                                              const std::string& peer_name,

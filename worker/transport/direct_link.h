@@ -91,8 +91,7 @@ class DirectLink {
  public:
   // Connects to `address` (host:port) within `timeout`. With TLS (`ctx` not
   // null), handshakes and checks that the peer's certificate names
-  // `peer_name` (its worker id). Open stops there; Connect then greets
-  // (Greet) as `hello` within the same timeout.
+  // `peer_name` (its worker id). The caller then greets (Greet).
   // `wake_fd` (optional): a descriptor that becomes readable when the
   // caller gives up (it aborts the connect and every later wait).
   static absl::StatusOr<std::unique_ptr<DirectLink>> Open(const std::string& address,
@@ -100,10 +99,6 @@ class DirectLink {
                                                           const std::string& peer_name,
                                                           absl::Duration timeout, int wake_fd = -1,
                                                           const DirectSocketOptions& socket = {});
-  static absl::StatusOr<std::unique_ptr<DirectLink>> Connect(
-      const std::string& address, std::shared_ptr<ssl_ctx_st> ctx, const std::string& peer_name,
-      absl::Duration timeout, int wake_fd = -1, const DirectHello& hello = {},
-      const DirectSocketOptions& socket = {});
   // Sends the preface and `hello` and waits (up to `timeout`) for the
   // receiver's answer. A receiver that closes instead (a v1 receiver, or one
   // that refused the stripe) gives FAILED_PRECONDITION saying so, marked

@@ -571,18 +571,22 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   }
   DirectSocketOptions socket;
   socket.bbr = options_.bbr && BbrUsable();
-  // One stripe: opened, its receiver checked, greeted. The receiver's
-  // certificate names the peer (checked in the handshake) and must be a
-  // worker's: a coordinator's or a user's certificate with the same name is
-  // not one to hand activations to, nor to greet.
-  auto open_stripe =
-      [&](int stripe,
-          const DirectSocketOptions& with) -> absl::StatusOr<std::unique_ptr<DirectLink>> {
+  // One connection, its receiver checked: the receiver's certificate names
+  // the peer (checked in the handshake) and must be a worker's: a
+  // coordinator's or a user's certificate with the same name is not one to
+  // hand activations to, nor to greet.
+  auto open_checked = [&]() -> absl::StatusOr<std::unique_ptr<DirectLink>> {
     auto link = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
                                  std::max(absl::Milliseconds(1), deadline - absl::Now()),
-                                 wake_pipe_[0], with);
+                                 wake_pipe_[0], socket);
     if (!link.ok()) return link.status();
     if (absl::Status kind = ReceiverIsWorker(**link); !kind.ok()) return kind;
+    return link;
+  };
+  // One stripe: opened, checked, greeted.
+  auto open_stripe = [&](int stripe) -> absl::StatusOr<std::unique_ptr<DirectLink>> {
+    auto link = open_checked();
+    if (!link.ok()) return link.status();
     DirectHello mine = hello;
     mine.stripe = static_cast<uint32_t>(stripe);
     if (absl::Status s = (*link)->Greet(mine, deadline - absl::Now()); !s.ok()) {
@@ -599,11 +603,8 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   std::vector<std::unique_ptr<DirectLink>> links;
   std::unique_ptr<DirectLink> first;
   if (hint.rtt <= absl::ZeroDuration()) {
-    auto opened = DirectLink::Open(options_.direct_address, ssl_ctx_, options_.peer_name,
-                                   std::max(absl::Milliseconds(1), deadline - absl::Now()),
-                                   wake_pipe_[0], socket);
+    auto opened = open_checked();
     if (!opened.ok()) return opened.status();
-    if (absl::Status kind = ReceiverIsWorker(**opened); !kind.ok()) return kind;
     first = *std::move(opened);
     hint.rtt = first->Rtt();
   }
@@ -633,7 +634,7 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
     std::vector<std::thread> connecting;
     for (int i = begin; i < end; ++i) {
       connecting.emplace_back(
-          [&open_stripe, &more, &socket, i, begin] { more[i - begin] = open_stripe(i, socket); });
+          [&open_stripe, &more, i, begin] { more[i - begin] = open_stripe(i); });
     }
     for (auto& t : connecting) t.join();
     for (auto& link : more) {
