@@ -9,7 +9,8 @@
 namespace detour::planner {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+// A time that never comes: a gate not yet open, a layer not yet inverted.
+constexpr double kNever = std::numeric_limits<double>::infinity();
 constexpr double kEps = kBubbleEps;
 
 }  // namespace
@@ -203,7 +204,7 @@ void BubblePlanner::IterationPass::PlaceInGaps() {
       inv_placed[f][n].assign(count, false);
       inv_end[f][n].assign(count, 0);
     }
-    first_inversion_end[n].assign(w.layers.size(), kInf);
+    first_inversion_end[n].assign(w.layers.size(), kNever);
     if (!use_bubbles) continue;
     PlaceOnNode(n);
   }
@@ -229,18 +230,18 @@ void BubblePlanner::IterationPass::PlaceOnNode(int n) {
   auto inv_ready = [&](int f, size_t i) -> double {
     const State::NodeState& ns = st.flight[f].nodes[n];
     const Inversion& inv = ns.inversions[i];
-    if (left[f][inv.layer] > 0 || !ns.synced[inv.layer]) return kInf;
+    if (left[f][inv.layer] > 0 || !ns.synced[inv.layer]) return kNever;
     // With sync the factors were all-reduced at a previous step: ready at 0.
     double ready = done_at[f][inv.layer];
     if (i > 0 && NextPart(ns.inversions[i - 1], inv)) {
-      if (!inv_placed[f][n][i - 1]) return kInf;
+      if (!inv_placed[f][n][i - 1]) return kNever;
       ready = std::max(ready, inv_end[f][n][i - 1]);
     }
     if (f == 1) {
       const auto& front = st.flight[0].nodes[n].inversions;
       for (size_t k = 0; k < front.size(); ++k) {
         if (front[k].layer != inv.layer) continue;
-        if (!inv_placed[0][n][k]) return kInf;
+        if (!inv_placed[0][n][k]) return kNever;
         ready = std::max(ready, inv_end[0][n][k]);
       }
     }
@@ -253,7 +254,7 @@ void BubblePlanner::IterationPass::PlaceOnNode(int n) {
     double t = gs;
     while (t < ge - kEps) {
       bool placed = false;
-      double next_ready = kInf;
+      double next_ready = kNever;
       // A curvature microbatch of the node has parts placed and parts left.
       auto curvature_open = [&]() {
         for (int f = 0; f < num_refreshes; ++f) {
@@ -379,7 +380,7 @@ void BubblePlanner::IterationPass::BookCurvature() {
           // layer on this node (in the bubbles this iteration or earlier). A
           // front inversion that runs serially now only lets it in next time.
           const double gate = f == 0 ? 0 : CurvatureGate(n, l_int);
-          if (gate == kInf) {
+          if (gate == kNever) {
             (is_a ? ns.owed_a : ns.owed_b)[l] = owed;
             continue;
           }

@@ -10,8 +10,6 @@
 namespace detour::planner {
 namespace {
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
 class Clustering {
  public:
   Clustering(const sim::CostModel& cost, std::vector<int> nodes, int clusters, Rng& rng)

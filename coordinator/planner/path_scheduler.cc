@@ -15,11 +15,6 @@
 #include "coordinator/planner/route_validator.h"
 
 namespace detour::planner {
-namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-}  // namespace
 
 PathScheduler::PathScheduler(const sim::CostModel& cost, const sim::StageAssignment& assignment,
                              const RouteRules& rules, const PathSchedulerOptions& options)

@@ -4,11 +4,6 @@
 #include <limits>
 
 namespace detour::planner {
-namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-}  // namespace
 
 QuotaPacer::QuotaPacer(const sim::CostModel& cost, const sim::StageAssignment& assignment,
                        const RouteRules& rules, std::vector<int> quota, int routes)

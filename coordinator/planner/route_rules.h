@@ -5,6 +5,7 @@
 #define DETOUR_COORDINATOR_PLANNER_ROUTE_RULES_H_
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,9 @@
 #include "detour/v1/spec.pb.h"
 
 namespace detour::planner {
+
+// No route, no value yet: the planners' unreachable cost.
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
 struct RouteRules {
   int num_stages = 1;

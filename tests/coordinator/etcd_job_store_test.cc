@@ -20,19 +20,12 @@
 #include "gtest/gtest.h"
 #include "tests/coordinator/etcd_cluster.h"
 #include "tests/e2e/process.h"
+#include "tests/coordinator/tiny_spec.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-v1::JobSpec Spec(const std::string& name) {
-  v1::JobSpec spec;
-  spec.set_name(name);
-  spec.mutable_model()->set_preset("tiny");
-  spec.set_iterations(10);
-  return *NormalizeJobSpec(spec);
-}
 
 class EtcdJobStoreTest : public ::testing::Test {
  protected:
@@ -66,8 +59,8 @@ class EtcdJobStoreTest : public ::testing::Test {
 TEST_F(EtcdJobStoreTest, JobsSurviveIntoASecondStore) {
   auto a = NewStore();
   ASSERT_EQ(*a->Load(), 0);
-  auto first = a->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
-  auto second = a->Create(Spec("b"), absl::FromUnixSeconds(1001), "stored");
+  auto first = a->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto second = a->Create(TinySpec("b"), absl::FromUnixSeconds(1001), "stored");
   ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
   EXPECT_EQ(first->id(), "job-000001");
   EXPECT_EQ(second->id(), "job-000002");
@@ -84,7 +77,7 @@ TEST_F(EtcdJobStoreTest, JobsSurviveIntoASecondStore) {
   EXPECT_EQ(b->Get(second->id())->state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(b->Get(second->id())->last_checkpoint(), "checkpoints/job-000002/iter-5");
   EXPECT_EQ(b->Get(second->id())->history_size(), 1);
-  EXPECT_EQ(b->Create(Spec("c"), absl::FromUnixSeconds(1003), "stored")->id(), "job-000003");
+  EXPECT_EQ(b->Create(TinySpec("c"), absl::FromUnixSeconds(1003), "stored")->id(), "job-000003");
   // The second store continues from the revisions it read.
   EXPECT_TRUE(b->Update(second->id(), [](v1::Job* j) { j->set_message("b was here"); }).ok());
 }
@@ -93,7 +86,7 @@ TEST_F(EtcdJobStoreTest, AWriteOnAStaleRevisionIsAnErrorAndOverwritesNothing) {
   auto a = NewStore();
   auto b = NewStore();
   ASSERT_TRUE(a->Load().ok());
-  auto job = a->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = a->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   ASSERT_EQ(*b->Load(), 1);
   ASSERT_TRUE(a->Update(job->id(), [](v1::Job* j) { j->set_message("by a"); }).ok());
@@ -114,7 +107,7 @@ TEST_F(EtcdJobStoreTest, ADeposedLeadersWritesAreRefusedByEtcd) {
   ASSERT_GT(term_a, 0);
   auto a = NewStore(absl::Seconds(3), term_a);
   ASSERT_EQ(*a->Load(), 0);
-  auto job = a->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = a->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE(a->Update(job->id(), [](v1::Job* j) { j->set_message("by a"); }).ok());
 
@@ -133,7 +126,7 @@ TEST_F(EtcdJobStoreTest, ADeposedLeadersWritesAreRefusedByEtcd) {
   EXPECT_THAT(late.status().message(), HasSubstr(job->id()));
   EXPECT_THAT(late.status().message(),
               HasSubstr(absl::StrCat("now holds term ", term_b, ", ours was ", term_a)));
-  auto created = a->Create(Spec("a2"), absl::FromUnixSeconds(1001), "stored");
+  auto created = a->Create(TinySpec("a2"), absl::FromUnixSeconds(1001), "stored");
   ASSERT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition) << created.status();
   EXPECT_THAT(created.status().message(), HasSubstr("no longer leads"));
 
@@ -141,7 +134,7 @@ TEST_F(EtcdJobStoreTest, ADeposedLeadersWritesAreRefusedByEtcd) {
   ASSERT_EQ(*b->Load(), 1);
   EXPECT_EQ(b->Get(job->id())->message(), "by a");
   ASSERT_TRUE(b->Update(job->id(), [](v1::Job* j) { j->set_message("by b"); }).ok());
-  auto next = b->Create(Spec("b"), absl::FromUnixSeconds(1002), "stored");
+  auto next = b->Create(TinySpec("b"), absl::FromUnixSeconds(1002), "stored");
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->id(), "job-000002");  // a's refused create took no number
 
@@ -161,7 +154,8 @@ TEST_F(EtcdJobStoreTest, AnElectedCoordinatorsWritesAreFencedByItsTerm) {
   options.leader_ttl = absl::Seconds(30);
   auto coordinator = Coordinator::Start(options);
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
-  auto job = (*coordinator)->jobs().Create(Spec("fenced"), absl::FromUnixSeconds(1000), "stored");
+  auto job =
+      (*coordinator)->jobs().Create(TinySpec("fenced"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok()) << job.status();
   // Another leader, as if this one's lease had run out while it was paused
   // (its keep-alive thread has not noticed yet: the TTL is long).
@@ -189,7 +183,7 @@ TEST_F(EtcdJobStoreTest, IdsStayUniqueAcrossStoresCreatingAtOnce) {
   for (int i = 0; i < kStores; ++i) {
     threads.emplace_back([&, i] {
       for (int n = 0; n < kJobsEach; ++n) {
-        auto job = stores[i]->Create(Spec("x"), absl::Now(), "stored");
+        auto job = stores[i]->Create(TinySpec("x"), absl::Now(), "stored");
         EXPECT_TRUE(job.ok()) << job.status();
         if (job.ok()) ids[i].push_back(job->id());
       }
@@ -206,7 +200,7 @@ TEST_F(EtcdJobStoreTest, IdsStayUniqueAcrossStoresCreatingAtOnce) {
 TEST_F(EtcdJobStoreTest, ARecordOverEtcdsLimitIsRefusedClearly) {
   auto store = NewStore();
   ASSERT_TRUE(store->Load().ok());
-  auto job = store->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   auto big =
       store->Update(job->id(), [](v1::Job* j) { j->set_message(std::string(2 << 20, 'x')); });
@@ -227,7 +221,7 @@ TEST_F(EtcdJobStoreTest, UnreadableRecordsAreSkippedAndLeftWhereTheyAre) {
   EXPECT_EQ((*client->Get("/detour/jobs/job-000007"))->value, "{not json");
   // The counter knows nothing of them, yet no new job takes their ids.
   for (int i = 0; i < 9; ++i) {
-    auto job = store->Create(Spec("x"), absl::Now(), "stored");
+    auto job = store->Create(TinySpec("x"), absl::Now(), "stored");
     ASSERT_TRUE(job.ok()) << job.status();
     EXPECT_NE(job->id(), "job-000007");
     EXPECT_NE(job->id(), "job-000008");
@@ -237,7 +231,7 @@ TEST_F(EtcdJobStoreTest, UnreadableRecordsAreSkippedAndLeftWhereTheyAre) {
 TEST_F(EtcdJobStoreTest, LoadsInPagesBeyondOnePage) {
   auto store = NewStore();
   ASSERT_TRUE(store->Load().ok());
-  for (int i = 0; i < 300; ++i) ASSERT_TRUE(store->Create(Spec("x"), absl::Now(), "s").ok());
+  for (int i = 0; i < 300; ++i) ASSERT_TRUE(store->Create(TinySpec("x"), absl::Now(), "s").ok());
   auto reloaded = NewStore();
   EXPECT_EQ(*reloaded->Load(), 300);
   EXPECT_EQ(reloaded->List(v1::JOB_STATE_UNSPECIFIED).front().id(), "job-000300");
@@ -248,7 +242,7 @@ TEST_F(EtcdJobStoreTest, LoadsInPagesBeyondOnePage) {
 TEST_F(EtcdJobStoreTest, ACoordinatorOnEtcdServesTheJobsAnotherStored) {
   auto store = NewStore();
   ASSERT_TRUE(store->Load().ok());
-  auto job = store->Create(Spec("elsewhere"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store->Create(TinySpec("elsewhere"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   CoordinatorOptions options;
   options.listen = HostPort{"127.0.0.1", 0};
@@ -276,12 +270,12 @@ TEST_F(EtcdJobStoreClusterTest, AKilledMemberChangesNothing) {
   // not a measure of speed).
   auto store = NewStore(absl::Seconds(15));
   ASSERT_TRUE(store->Load().ok());
-  auto job = store->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   cluster_.Kill(0);  // the member the client asks first
   auto updated = store->Update(job->id(), [](v1::Job* j) { j->set_message("after the kill"); });
   ASSERT_TRUE(updated.ok()) << updated.status();
-  ASSERT_TRUE(store->Create(Spec("b"), absl::FromUnixSeconds(1001), "stored").ok());
+  ASSERT_TRUE(store->Create(TinySpec("b"), absl::FromUnixSeconds(1001), "stored").ok());
   auto reloaded = NewStore();
   ASSERT_EQ(*reloaded->Load(), 2);
   EXPECT_EQ(reloaded->Get(job->id())->message(), "after the kill");
@@ -294,7 +288,7 @@ TEST_F(EtcdJobStoreClusterTest, AKilledMemberChangesNothing) {
 TEST_F(EtcdJobStoreClusterTest, QuorumLostWritesFailClearlyAndNothingIsCorrupted) {
   auto store = NewStore(absl::Seconds(2));
   ASSERT_TRUE(store->Load().ok());
-  auto job = store->Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store->Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   ASSERT_TRUE(store->Update(job->id(), [](v1::Job* j) { j->set_message("before"); }).ok());
   cluster_.Kill(1);
@@ -306,7 +300,7 @@ TEST_F(EtcdJobStoreClusterTest, QuorumLostWritesFailClearlyAndNothingIsCorrupted
       << failed.status();
   EXPECT_THAT(failed.status().message(), HasSubstr(job->id()));
   EXPECT_THAT(failed.status().message(), HasSubstr("etcd Txn"));
-  EXPECT_FALSE(store->Create(Spec("b"), absl::FromUnixSeconds(1001), "stored").ok());
+  EXPECT_FALSE(store->Create(TinySpec("b"), absl::FromUnixSeconds(1001), "stored").ok());
 
   ASSERT_TRUE(cluster_.Restart(1).ok());
   ASSERT_TRUE(cluster_.Restart(2).ok());

@@ -16,19 +16,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/process.h"
+#include "tests/coordinator/tiny_spec.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-v1::JobSpec Spec(const std::string& name) {
-  v1::JobSpec spec;
-  spec.set_name(name);
-  spec.mutable_model()->set_preset("tiny");
-  spec.set_iterations(10);
-  return *NormalizeJobSpec(spec);
-}
 
 // Records in memory, shared by every FakeJobBackend made over the same
 // Shelf (as two coordinators share one store); `refuse` fails every write.
@@ -78,7 +71,7 @@ TEST(JobBackend, TwoStoresOnOneBackendNeverOverwriteEachOther) {
   JobStore a(std::make_unique<FakeJobBackend>(shelf));
   JobStore b(std::make_unique<FakeJobBackend>(shelf));
   ASSERT_TRUE(a.Load().ok());
-  auto job = a.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  auto job = a.Create(TinySpec("x"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   ASSERT_EQ(*b.Load(), 1);
   ASSERT_TRUE(a.Update(job->id(), [](v1::Job* j) { j->set_message("by a"); }).ok());
@@ -87,7 +80,7 @@ TEST(JobBackend, TwoStoresOnOneBackendNeverOverwriteEachOther) {
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(shelf->records[job->id()].job.message(), "by a");
   // Ids come from the backend: b's new job does not take a's number.
-  auto other = b.Create(Spec("y"), absl::FromUnixSeconds(1001), "stored");
+  auto other = b.Create(TinySpec("y"), absl::FromUnixSeconds(1001), "stored");
   ASSERT_TRUE(other.ok());
   EXPECT_NE(other->id(), job->id());
   // A store that reloads sees the other's change and can write again.
@@ -100,14 +93,14 @@ TEST(JobBackend, TwoStoresOnOneBackendNeverOverwriteEachOther) {
 TEST(JobBackend, RefusedWritesShowInMemoryAndTheNextWriteUsesTheStoredRevision) {
   auto shelf = std::make_shared<Shelf>();
   JobStore store(std::make_unique<FakeJobBackend>(shelf));
-  auto job = store.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store.Create(TinySpec("x"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   shelf->refuse = absl::UnavailableError("store down");
   auto refused = store.Update(job->id(), [](v1::Job* j) { j->set_state(v1::JOB_STATE_FAILED); });
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(store.Get(job->id())->state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(shelf->records[job->id()].job.state(), v1::JOB_STATE_PENDING);
-  EXPECT_FALSE(store.Create(Spec("y"), absl::FromUnixSeconds(1001), "stored").ok());
+  EXPECT_FALSE(store.Create(TinySpec("y"), absl::FromUnixSeconds(1001), "stored").ok());
   EXPECT_EQ(store.List(v1::JOB_STATE_UNSPECIFIED).size(), 1u);
   shelf->refuse = absl::OkStatus();
   ASSERT_TRUE(store.Update(job->id(), [](v1::Job* j) { j->set_message("back"); }).ok());
@@ -122,7 +115,7 @@ TEST(JobBackend, AJobHoldsWhileAReplicatedStoreIsOut) {
   auto shelf = std::make_shared<Shelf>();
   shelf->replicated = true;
   JobStore store(std::make_unique<FakeJobBackend>(shelf));
-  auto job = store.Create(Spec("x"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store.Create(TinySpec("x"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   RunnerRecord record(&store, job->id());
   auto refuse = [&](absl::Status s) {

@@ -14,19 +14,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/process.h"
+#include "tests/coordinator/tiny_spec.h"
 
 namespace detour {
 namespace {
 
 using ::testing::HasSubstr;
-
-v1::JobSpec Spec(const std::string& name) {
-  v1::JobSpec spec;
-  spec.set_name(name);
-  spec.mutable_model()->set_preset("tiny");
-  spec.set_iterations(10);
-  return *NormalizeJobSpec(spec);
-}
 
 TEST(JobStore, CreateListGetCancelAndPersist) {
   const std::string dir = testing::MakeTempDir("jobstore");
@@ -34,8 +27,8 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
   {
     JobStore store(dir);
     ASSERT_EQ(*store.Load(), 0);
-    auto a = store.Create(Spec("a"), t0, "stored");
-    auto b = store.Create(Spec("b"), t0, "stored");
+    auto a = store.Create(TinySpec("a"), t0, "stored");
+    auto b = store.Create(TinySpec("b"), t0, "stored");
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_EQ(a->id(), "job-000001");
     EXPECT_EQ(b->id(), "job-000002");
@@ -66,7 +59,7 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
   ASSERT_EQ(*reopened.Load(), 2);
   EXPECT_EQ(reopened.Get("job-000001")->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(reopened.Get("job-000002")->spec().name(), "b");
-  EXPECT_EQ(reopened.Create(Spec("c"), t0, "stored")->id(), "job-000003");
+  EXPECT_EQ(reopened.Create(TinySpec("c"), t0, "stored")->id(), "job-000003");
   EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/garbage.json.corrupt"));
 }
 
@@ -81,7 +74,7 @@ TEST(JobStore, AnEndedJobHasNoEta) {
   ASSERT_EQ(*store.Load(), 0);
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   for (const char* name : {"fails", "cancelled"}) {
-    auto job = store.Create(Spec(name), t0, "stored");
+    auto job = store.Create(TinySpec(name), t0, "stored");
     ASSERT_TRUE(job.ok());
     auto running = store.Update(job->id(), [](v1::Job* j) {
       j->set_state(v1::JOB_STATE_RUNNING);
@@ -105,8 +98,8 @@ TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
   {
     JobStore store(dir);
     ASSERT_TRUE(store.Load().ok());
-    ASSERT_TRUE(store.Create(Spec("a"), t0, "stored").ok());
-    ASSERT_TRUE(store.Create(Spec("b"), t0, "stored").ok());
+    ASSERT_TRUE(store.Create(TinySpec("a"), t0, "stored").ok());
+    ASSERT_TRUE(store.Create(TinySpec("b"), t0, "stored").ok());
   }
   const std::string corrupt = "{\"id\": \"job-000002\", \"spec\": {trunc";
   std::ofstream(dir + "/jobs/job-000002.json", std::ios::trunc) << corrupt;
@@ -115,7 +108,7 @@ TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
   ASSERT_EQ(*reopened.Load(), 1);
   EXPECT_TRUE(reopened.Get("job-000001").ok());
   EXPECT_FALSE(reopened.Get("job-000002").ok());
-  auto next = reopened.Create(Spec("c"), t0, "stored");
+  auto next = reopened.Create(TinySpec("c"), t0, "stored");
   ASSERT_TRUE(next.ok());
   EXPECT_EQ(next->id(), "job-000008");
   std::ifstream aside(dir + "/jobs/job-000002.json.corrupt");
@@ -133,7 +126,7 @@ TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
   const std::string dir = testing::MakeTempDir("jobstore");
   JobStore store(dir);
   ASSERT_TRUE(store.Load().ok());
-  auto job = store.Create(Spec("a"), absl::FromUnixSeconds(1000), "stored");
+  auto job = store.Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
   ASSERT_TRUE(job.ok());
   // The jobs directory becomes a file: every write fails (even for root).
   std::filesystem::rename(dir + "/jobs", dir + "/jobs.moved");
@@ -144,15 +137,15 @@ TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
   });
   EXPECT_FALSE(updated.ok());
   EXPECT_EQ(store.Get(job->id())->state(), v1::JOB_STATE_FAILED);
-  EXPECT_FALSE(store.Create(Spec("b"), absl::FromUnixSeconds(1001), "stored").ok());
+  EXPECT_FALSE(store.Create(TinySpec("b"), absl::FromUnixSeconds(1001), "stored").ok());
   EXPECT_EQ(store.List(v1::JOB_STATE_UNSPECIFIED).size(), 1u);
 }
 
 TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
   JobStore store(testing::MakeTempDir("jobstore"));
   ASSERT_TRUE(store.Load().ok());
-  auto a = store.Create(Spec("a"), absl::Now(), "stored");
-  auto b = store.Create(Spec("b"), absl::Now(), "stored");
+  auto a = store.Create(TinySpec("a"), absl::Now(), "stored");
+  auto b = store.Create(TinySpec("b"), absl::Now(), "stored");
   std::vector<v1::JobState> seen;
   const uint64_t handle =
       store.AddListener(a->id(), [&](const v1::Job& job) { seen.push_back(job.state()); });
@@ -174,7 +167,7 @@ TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
 TEST(JobStore, FollowersSeeTheJobThenEveryChangeInOrder) {
   JobStore store(testing::MakeTempDir("jobstore"));
   ASSERT_TRUE(store.Load().ok());
-  auto job = store.Create(Spec("a"), absl::Now(), "stored");
+  auto job = store.Create(TinySpec("a"), absl::Now(), "stored");
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(store.Follow("job-999999", [](const v1::Job&) {}).status().code(),
             absl::StatusCode::kNotFound);
@@ -231,8 +224,8 @@ TEST(JobStore, ReadersDoNotWaitForASlowDisk) {
     return WriteFileAtomically(path, content);
   });
   ASSERT_TRUE(store.Load().ok());
-  ASSERT_TRUE(store.Create(Spec("a"), absl::Now(), "stored").ok());
-  ASSERT_TRUE(store.Create(Spec("b"), absl::Now(), "stored").ok());
+  ASSERT_TRUE(store.Create(TinySpec("a"), absl::Now(), "stored").ok());
+  ASSERT_TRUE(store.Create(TinySpec("b"), absl::Now(), "stored").ok());
   block = true;
   std::thread updater([&] {
     EXPECT_TRUE(store.Update("job-000001", [](v1::Job* job) { job->set_message("updated"); }).ok());

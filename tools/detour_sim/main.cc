@@ -77,7 +77,7 @@ Exit status: 0 on success, 1 on bad input or a failed plan, 2 on bad usage.
 )";
 
 // The summary of `detour-sim COMMAND --help`.
-std::string Summary(const std::string& command) {
+std::string CommandSummary(const std::string& command) {
   if (command == "plan") {
     return "Assigns nodes to stages, plans every microbatch's route with one scheduler,\n"
            "simulates the iteration and reports it.";
@@ -735,7 +735,7 @@ int Main(int argc, char** argv) {
     std::cerr << "detour-sim: unknown command \"" << command << "\"; see --help\n";
     return 2;
   }
-  FlagSet flags(absl::StrCat("detour-sim ", command), Summary(command));
+  FlagSet flags(absl::StrCat("detour-sim ", command), CommandSummary(command));
   absl::StatusOr<Args> parsed = ParseArgs(command, rest, flags);
   if (!parsed.ok()) return flags.Fail(parsed.status());
   absl::Status s;
