@@ -10,11 +10,11 @@
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
 #   make checks-full  the checked builds CI runs after `make test`
 #                (tools/checks.sh notorch asan-full tsan-full): the
-#                LibTorch-free build with warnings as errors and its unit
-#                tests; ASan+UBSan+LSan with the thread-safety analysis over the
-#                whole suite with LibTorch and every e2e test, every fuzz
-#                target; TSan over the transport, net, runtime and the e2e
-#                tests with a TSan coordinator (docs/DEVELOPMENT.md)
+#                LibTorch-free build with warnings as errors (no tests);
+#                ASan+UBSan+LSan with the thread-safety analysis over the
+#                suite with LibTorch and the e2e tests labelled `sanitized`,
+#                every fuzz target; TSan over the transport, net, runtime and
+#                the same e2e tests with a TSan coordinator (docs/DEVELOPMENT.md)
 #   make checks  quicker checked builds for development, covered by
 #                checks-full (tools/checks.sh: thread-safety analysis,
 #                ASan+UBSan and TSan over the LibTorch-free suite)
