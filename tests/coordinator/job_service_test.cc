@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "tests/e2e/process.h"
 #include "tests/test_paths.h"
+#include "tests/coordinator/tiny_spec.h"
 
 namespace detour {
 namespace {
@@ -72,14 +73,6 @@ class JobServiceTest : public ::testing::Test {
   virtual const ClientAuthorizer* Auth() { return &open_; }
   virtual JobServiceImpl::Hooks Hooks() { return {}; }
 
-  static v1::JobSpec Spec(const std::string& name) {
-    v1::JobSpec spec;
-    spec.set_name(name);
-    spec.mutable_model()->set_preset("tiny");
-    spec.set_iterations(10);
-    return *NormalizeJobSpec(spec);
-  }
-
   void CreateJobs(int n, const v1::JobSpec& spec) {
     for (int i = 0; i < n; ++i) ASSERT_TRUE(store_->Create(spec, absl::Now(), "stored").ok());
   }
@@ -117,7 +110,7 @@ class JobServiceTest : public ::testing::Test {
 // Regression: List answered every job in one message; after two
 // jobs with 50 MB specs every List failed with RESOURCE_EXHAUSTED for good.
 TEST_F(JobServiceTest, ListPagesNewestFirstWithoutRepeats) {
-  CreateJobs(250, Spec("paged"));
+  CreateJobs(250, TinySpec("paged"));
   v1::ListJobsRequest request;
   auto pages = AllPages(request);  // default page size
   ASSERT_EQ(pages.size(), 3u);
@@ -141,7 +134,7 @@ TEST_F(JobServiceTest, ListPagesNewestFirstWithoutRepeats) {
   request.set_page_size(120);
   ASSERT_TRUE(List(request, &first).ok());
   EXPECT_EQ(first.jobs_size(), 120);
-  CreateJobs(1, Spec("late"));
+  CreateJobs(1, TinySpec("late"));
   request.set_page_token(first.next_page_token());
   request.set_page_size(1000);
   v1::ListJobsResponse rest;
@@ -168,7 +161,7 @@ TEST_F(JobServiceTest, ListPagesNewestFirstWithoutRepeats) {
 }
 
 TEST_F(JobServiceTest, ListRefusesATokenItDidNotHandOut) {
-  CreateJobs(3, Spec("t"));
+  CreateJobs(3, TinySpec("t"));
   for (const std::string& token :
        std::vector<std::string>{"nonsense", "job-", "job-12x", "job-000001; DROP",
                                 std::string(100, '9'), std::string("job-\0001", 6)}) {
@@ -191,7 +184,7 @@ TEST_F(JobServiceTest, ListRefusesATokenItDidNotHandOut) {
 // Big (valid) jobs: pages stop by size, each answer fits a default client's
 // 4 MiB, and every job is still reached.
 TEST_F(JobServiceTest, ListPagesStayUnderTheMessageLimit) {
-  v1::JobSpec big = Spec("big");
+  v1::JobSpec big = TinySpec("big");
   big.mutable_pipeline()->set_num_stages(1);
   big.mutable_pipeline()->set_data_nodes(SpecLimits::kMaxDataNodes);
   big.mutable_pipeline()->set_microbatches_per_data_node(1);
@@ -239,7 +232,7 @@ class OwnedJobsTest : public JobServiceTest {
   }
   v1::Job Submit(const std::string& token, const std::string& name) {
     v1::SubmitJobRequest request;
-    *request.mutable_spec() = Spec(name);
+    *request.mutable_spec() = TinySpec(name);
     v1::Job job;
     grpc::Status s = Call(token, &v1::JobService::Stub::Submit, request, &job);
     EXPECT_TRUE(s.ok()) << s.error_message();
@@ -353,7 +346,7 @@ TEST_F(OwnedJobsTest, ListFiltersByOwner) {
 
 // detourctl suggests the command and the job id meant.
 TEST_F(JobServiceTest, DetourctlSuggestsCommandsAndJobIds) {
-  CreateJobs(3, Spec("near"));
+  CreateJobs(3, TinySpec("near"));
   const std::string ctl = testing::BuildDir() + "/tools/detourctl/detourctl";
   auto run = [&](const std::vector<std::string>& args, const std::string& name, int* code) {
     std::vector<std::string> argv = {ctl, "--coordinator=" + address_, "--insecure"};
@@ -374,7 +367,7 @@ TEST_F(JobServiceTest, DetourctlSuggestsCommandsAndJobIds) {
 
 // detourctl list follows the pages: one table, one JSON document, as before.
 TEST_F(JobServiceTest, DetourctlListShowsEveryPage) {
-  CreateJobs(250, Spec("ctl"));
+  CreateJobs(250, TinySpec("ctl"));
   const std::string ctl = testing::BuildDir() + "/tools/detourctl/detourctl";
   auto run = [&](const std::vector<std::string>& args, const std::string& name) {
     std::vector<std::string> argv = {ctl, "--coordinator=" + address_, "--insecure"};
@@ -426,7 +419,7 @@ size_t Occurrences(const std::string& text, const std::string& what) {
 // the coordinator was down). Before, each exited with status 3 at the first
 // stop.
 TEST_F(JobServiceTest, DetourctlFollowsAJobAcrossRestarts) {
-  auto created = store_->Create(Spec("restart"), absl::Now(), "stored");
+  auto created = store_->Create(TinySpec("restart"), absl::Now(), "stored");
   ASSERT_TRUE(created.ok()) << created.status();
   const std::string id = created->id();
   auto add_event = [&](JobStore* store, const std::string& text) {
@@ -519,7 +512,7 @@ TEST_F(JobServiceTest, DetourctlFollowsAJobAcrossRestarts) {
 // the newest JobStore::kMaxHistory): it used to count the events shown, and
 // with the count stuck at the limit showed nothing new.
 TEST_F(JobServiceTest, DetourctlEventsFollowPastTheRecordsLimit) {
-  auto created = store_->Create(Spec("full"), absl::Now(), "stored");
+  auto created = store_->Create(TinySpec("full"), absl::Now(), "stored");
   ASSERT_TRUE(created.ok()) << created.status();
   const std::string id = created->id();
   auto add_event = [&](const std::string& text) {
@@ -619,7 +612,7 @@ TEST_F(JobServiceTest, DetourctlShowsItsOwnErrorsNotGrpcCoresLines) {
 // A watch gives up after --reconnect_for and says so (exit 3); a coordinator
 // never reached is reported at once.
 TEST_F(JobServiceTest, DetourctlWatchGivesUpAfterReconnectFor) {
-  auto created = store_->Create(Spec("gone"), absl::Now(), "stored");
+  auto created = store_->Create(TinySpec("gone"), absl::Now(), "stored");
   ASSERT_TRUE(created.ok()) << created.status();
   const std::string ctl = testing::BuildDir() + "/tools/detourctl/detourctl";
   ChildProcess watch;
