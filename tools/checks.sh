@@ -67,7 +67,10 @@ ASAN_SKIP="LinkFaultWanTest|ShippedExampleOrderingAndQuality|PlanJsonRoundTripsT
 # replica taken (SpareReplicaMovesToAThinSlowStage stays), and the slow replica
 # routed around (a planner choice from measured speeds: timing-dependent under
 # a sanitizer's slowdown).
-SANITIZED_SKIP="ElasticTest\\.(KilledReplicaJobGoesOn|EmptyStageIsSkippedThenRefilled|TwoStallsComeBackAndRefillTwoShortStages|ResumeEqualsAStraightRunBitForBit|ResumeOnAPreparedDatasetContinuesItsDataPosition|StageLosingAllReplicasTakesASpareReplica|SlowReplicaIsRoutedAroundAndNamed)$"
+SANITIZED_SKIP_TESTS=(KilledReplicaJobGoesOn EmptyStageIsSkippedThenRefilled
+  TwoStallsComeBackAndRefillTwoShortStages ResumeEqualsAStraightRunBitForBit
+  ResumeOnAPreparedDatasetContinuesItsDataPosition StageLosingAllReplicasTakesASpareReplica
+  SlowReplicaIsRoutedAroundAndNamed)
 # TSan instruments the coordinator only (the workers are build-asan-full's):
 # it also leaves out three tests whose work is the workers', not the
 # coordinator's. The bit-exact resume on skip specs (ResumeOnOtherReplicaCounts
@@ -75,7 +78,11 @@ SANITIZED_SKIP="ElasticTest\\.(KilledReplicaJobGoesOn|EmptyStageIsSkippedThenRef
 # the longest of the run), a data node killed (KilledReplicaOfAKfacJobGoesOn
 # walks the coordinator's loss) and a member flooding next-iteration frames
 # (the receiving workers' bound).
-TSAN_E2E_SKIP="ElasticTest\\.(KilledReplicaJobGoesOn|EmptyStageIsSkippedThenRefilled|TwoStallsComeBackAndRefillTwoShortStages|ResumeEqualsAStraightRunBitForBit|ResumeOnAPreparedDatasetContinuesItsDataPosition|StageLosingAllReplicasTakesASpareReplica|SlowReplicaIsRoutedAroundAndNamed|ResumeOnSkipSpecsIsBitExact|KilledDataNodeJobGoesOn|AMemberFloodingNextIterationFramesEvictsNobody)$"
+TSAN_E2E_SKIP_TESTS=("${SANITIZED_SKIP_TESTS[@]}" ResumeOnSkipSpecsIsBitExact
+  KilledDataNodeJobGoesOn AMemberFloodingNextIterationFramesEvictsNobody)
+elastic_tests_regex() { local IFS='|'; echo "ElasticTest\\.($*)\$"; }
+SANITIZED_SKIP=$(elastic_tests_regex "${SANITIZED_SKIP_TESTS[@]}")
+TSAN_E2E_SKIP=$(elastic_tests_regex "${TSAN_E2E_SKIP_TESTS[@]}")
 # The LibTorch-free fuzz targets (default asan) and the one that needs LibTorch.
 FUZZ_TARGETS=(frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors)
 TORCH_FUZZ_TARGETS=(stage_loader)
