@@ -13,6 +13,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -685,9 +686,11 @@ TEST_F(ElasticTest, JoiningWorkerGetsTheReplicaStateAndTakesPart) {
   std::string refilled = "1";
   const size_t moved = history.find(" to stage 1 at iteration");
   if (moved < joined) {
-    const size_t from = history.rfind("moved from stage ", moved);
+    constexpr std::string_view kMovedFrom = "moved from stage ";
+    const size_t from = history.rfind(kMovedFrom, moved);
     ASSERT_NE(from, std::string::npos) << history;
-    refilled = history.substr(from + 17, moved - from - 17);
+    const size_t stage = from + kMovedFrom.size();
+    refilled = history.substr(stage, moved - stage);
   }
   EXPECT_THAT(history, HasSubstr(absl::StrCat("worker ", fresh.id, " joined stage ", refilled,
                                               " at iteration")));
