@@ -51,9 +51,9 @@ configure: deps
 build: configure
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
+# A test that fails gets one retry, and the end names it (tools/test_suite.sh).
 test: build
-	cd $(BUILD_DIR) && DETOUR_SOURCE_DIR=$(CURDIR) DETOUR_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) \
-	  ctest --output-on-failure -j$(JOBS) $(CTEST_FLAGS)
+	tools/test_suite.sh $(BUILD_DIR) -j$(JOBS) $(CTEST_FLAGS)
 
 demo: build
 	@DETOUR_BUILD_DIR=$(CURDIR)/$(BUILD_DIR) tools/demo.sh

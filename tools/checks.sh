@@ -118,64 +118,16 @@ check_logs() {
 
 # The full steps run the e2e tests at ASan's/TSan's 2-10x slowdown, where a
 # timing-dependent assertion (a planner choice from measured speeds, a
-# deadline) can miss once. Such a test gets one more try (RETRY); a test that
-# fails twice fails the step, and a sanitizer report in the run's log
-# directory from any attempt fails it too (check_logs). An e2e test's own
-# processes report into the test's directory and fail that test, which the
-# retry can pass (docs/DEVELOPMENT.md). Failed attempts stay in the output
-# and are listed by retried() and retry_summary.
-RETRY=(--repeat until-pass:2)
+# deadline) can miss once. Such a test gets one more try (RETRY, from
+# tools/retry_record.sh, which make test shares); a test that fails twice
+# fails the step, and a sanitizer report in the run's log directory from any
+# attempt fails it too (check_logs). An e2e test's own processes report into
+# the test's directory and fail that test, which the retry can pass
+# (docs/DEVELOPMENT.md). Failed attempts stay in the output and are listed by
+# retried and retry_summary.
 RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}
-RETRIED_NOW=$(mktemp)
-trap 'rm -f "$RETRIED_NOW"' EXIT
-
-# retried LOG WHAT: names the tests whose first attempt failed and adds them
-# to this run's list. (grep finds nothing on a clean run: its status must not
-# end the script under set -e.)
-retried() {
-  local names
-  names=$(grep -E '^[0-9]+/[0-9]+ Test +#[0-9]+: .*\*\*\*(Failed|Timeout|Exception)' "$1" |
-            sed -E 's/^[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .*/\1/' | sort -u) || true
-  if [[ -n "$names" ]]; then
-    echo "checks: $2: failed once and passed on the retry: $(echo $names)"
-    echo "$names" >> "$RETRIED_NOW"
-  fi
-  RAN_RETRY_STEP=1
-  return 0
-}
-
-# retry_summary: the end of a run that ran sanitized ctest steps. Names every
-# test that needed a retry; fails when one also needed it in the previous
-# recorded run and tests/flaky_tests.txt does not name it; records this run.
-retry_summary() {
-  local now previous repeat known t
-  [[ -n ${RAN_RETRY_STEP:-} ]] || return 0
-  now=$(sort -u "$RETRIED_NOW")
-  previous=$( [[ -f "$RECORD" ]] && sort -u "$RECORD" || true)
-  mkdir -p "$(dirname "$RECORD")"
-  printf '%s\n' "$now" | sed '/^$/d' > "$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD"
-  if [[ -z "$now" ]]; then
-    echo "checks: no test needed a retry"
-    return 0
-  fi
-  echo "checks: tests that needed a retry in this run: $(echo $now)"
-  repeat=$(comm -12 <(printf '%s\n' "$now") <(printf '%s\n' "$previous") | sed '/^$/d')
-  [[ -z "$repeat" ]] && return 0
-  known=$(sed -E 's/#.*//; s/[[:space:]].*//; /^$/d' "$ROOT/tests/flaky_tests.txt" | sort -u)
-  local bad=()
-  for t in $repeat; do
-    if grep -qxF "$t" <<<"$known"; then
-      echo "checks: $t needed a retry in the previous recorded run too; known flaky (tests/flaky_tests.txt)"
-    else
-      bad+=("$t")
-    fi
-  done
-  if [[ ${#bad[@]} -gt 0 ]]; then
-    echo "checks: needed a retry in this run and in the previous recorded run ($RECORD): ${bad[*]}" >&2
-    echo "checks: fix the cause, or name the test in tests/flaky_tests.txt with its cause" >&2
-    return 1
-  fi
-}
+RETRY_WHO=checks
+source "$ROOT/tools/retry_record.sh"
 
 timed() {  # timed LABEL CMD...: runs CMD; prints wall and CPU time and the load
   local label=$1 rc=0 TIMEFORMAT; shift

@@ -113,6 +113,9 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   // the planner's matrix spans the emulated figures (20 ms and 10 MB/s
   // East-West, 1 ms and 50 MB/s within a region). Loose bounds: a loaded
   // machine delays the forwarder; docs/BENCHMARKS.md has the accuracy.
+  // What load cannot do is make a link faster than its shaper, so the
+  // fastest link is only asked to read above the East-West cap (a loaded CI
+  // run read 17.7 MB/s for the 50 MB/s links), never near its own rate.
   const std::string log = ReadFileToString(out + "/coordinator.log").value_or("");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(
@@ -128,7 +131,7 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   EXPECT_LE(lat_max, 30.0);
   EXPECT_GE(rate_min, 6.0);
   EXPECT_LE(rate_min, 11.0);
-  EXPECT_GE(rate_max, 20.0);
+  EXPECT_GE(rate_max, 12.0) << "no link read above the East-West links' 10 MB/s";
   EXPECT_LE(rate_max, 55.0);
 
   // The forwarder's counters, saved before the bed went down: East (e0, e1)
