@@ -13,20 +13,24 @@
 #
 #   sudo benchmarks/wan/transfer.sh [--build DIR]
 #       [--cases 'RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]] ...'] [--seconds N]
-#       [--mib 16,64] [--stream_runs N] [--tune] [--rtt_hint] [--out DIR]
-#       [--send_args 'ARGS']
+#       [--mib 16,64] [--stream_runs N] [--tune] [--initcwnd N] [--rtt_hint]
+#       [--out DIR] [--send_args 'ARGS']
 #
 # A case's jitter adds a uniform draw in [0, JITTER_MS] to each packet's
 # one-way delay on both directions; packets keep their order unless the case
 # ends in :reorder (then a later packet may overtake an earlier one).
 # --tune sets, inside the two namespaces only, the settings docs/OPERATIONS.md
-# §"Tuning the network for long links" recommends (tcp_wmem/tcp_rmem max,
+# §"Tuning for long fat networks" recommends (tcp_wmem/tcp_rmem max,
 # tcp_slow_start_after_idle=0); net.core.{w,r}mem_max are global and are
-# reported, not changed. Rate 0 = no cap (the forwarder's own ceiling): the
-# sender then has no rate hint, as a worker before its first probe. --send_args
-# go to every `wan_transfer send` (e.g. '--connections 4'). --rtt_hint gives the
-# sender each case's round trip too, as a worker's link probes do: its stripes
-# then open at once instead of after the first connection's handshake.
+# reported, not changed. --initcwnd N sets, inside the two namespaces only,
+# the window a new connection starts with, in packets, on every route
+# (`ip route change ... initcwnd N initrwnd N`; Linux's default is 10; the
+# same section). Rate 0 = no cap (the forwarder's own ceiling): the sender
+# then has no rate hint, as a worker before its first probe. --send_args go
+# to every `wan_transfer send` (e.g. '--connections 4'). --rtt_hint gives the
+# sender each case's round trip too, as a worker's link probes do: its
+# stripes then open at once instead of after the first connection's
+# handshake.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -36,6 +40,7 @@ seconds=6
 stream_runs=3
 mib=16,64
 tune=0
+initcwnd=""
 rtt_hint=0
 out=""
 send_args=""
@@ -51,7 +56,8 @@ while [[ $# -gt 0 ]]; do
     --rtt_hint) rtt_hint=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --initcwnd) initcwnd=${2:?--initcwnd needs a number of packets}; shift 2 ;;
+    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,6 +66,8 @@ die() { echo "transfer: $*" >&2; exit 1; }
   die "--seconds must be a whole number in [2, 60]"
 [[ "$stream_runs" =~ ^[0-9]+$ ]] && (( stream_runs >= 1 && stream_runs <= 20 )) ||
   die "--stream_runs must be a whole number in [1, 20]"
+[[ -z "$initcwnd" ]] || { [[ "$initcwnd" =~ ^[0-9]+$ ]] && (( initcwnd >= 1 && initcwnd <= 1024 )); } ||
+  die "--initcwnd must be a whole number of packets in [1, 1024]"
 for c in $cases; do
   [[ "$c" =~ ^[0-9]+:[0-9]+:(0|0?\.[0-9]+)(:(0|[1-9][0-9]*)(:reorder)?)?$ ]] ||
     die "--cases: '$c' is not RTT_MS:MBPS:LOSS[:JITTER_MS[:reorder]]"
@@ -99,6 +107,16 @@ if (( tune )); then
       net.ipv4.tcp_wmem="4096 131072 67108864" net.ipv4.tcp_rmem="4096 131072 67108864"
   done
 fi
+if [[ -n "$initcwnd" ]]; then
+  for ns in "$A" "$B"; do
+    ip -n "$ns" -4 route show | while read -r route; do
+      # shellcheck disable=SC2086  # the route's words are ip's arguments
+      ip -n "$ns" route change $route initcwnd "$initcwnd" initrwnd "$initcwnd" ||
+        die "could not set initcwnd on '$route' in $ns"
+    done
+  done
+fi
+routes=$(ip -n "$A" -4 route show | paste -sd ';' -)
 sysctls=$(ip netns exec "$A" sh -c 'echo "wmem_max=$(cat /proc/sys/net/core/wmem_max) rmem_max=$(cat /proc/sys/net/core/rmem_max) tcp_wmem=\"$(cat /proc/sys/net/ipv4/tcp_wmem)\" tcp_rmem=\"$(cat /proc/sys/net/ipv4/tcp_rmem)\" slow_start_after_idle=$(cat /proc/sys/net/ipv4/tcp_slow_start_after_idle) cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control)"' | tr '\t' ' ')
 
 ip netns exec "$B" iperf3 -s -D -p 5201
@@ -161,4 +179,5 @@ for c in $cases; do
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 echo "namespace settings: $sysctls"
+echo "routes in the sender's namespace: $routes"
 echo "load average before: $load_before; after: $load_after; $(nproc) cores"
