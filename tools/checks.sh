@@ -132,9 +132,9 @@ check_logs() {
 # the test's directory and fail that test, which the retry can pass
 # (docs/DEVELOPMENT.md). Failed attempts stay in the output and are listed by
 # retried and retry_summary.
-RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}
 RETRY_WHO=checks
 source "$ROOT/tools/retry_record.sh"
+RECORD=$CHECKS_RECORD
 
 timed() {  # timed LABEL CMD...: runs CMD; prints wall and CPU time and the load
   local label=$1 rc=0 TIMEFORMAT; shift

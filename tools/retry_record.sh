@@ -2,12 +2,14 @@
 # that fails once, and a record across runs so that a test which needs the
 # retry run after run is not hidden by it.
 #
-# The caller sets ROOT (the source tree), RECORD (the file that keeps the
-# names retried in the last recorded run) and RETRY_WHO (the prefix of the
-# messages). A test named in tests/flaky_tests.txt, with its cause, may need
-# the retry in two recorded runs in a row; any other test that does fails
-# the run (docs/DEVELOPMENT.md).
+# The caller sets ROOT (the source tree) and RETRY_WHO (the prefix of the
+# messages) before sourcing this, and RECORD (the file that keeps the names
+# retried in the last recorded run: CHECKS_RECORD for the checked builds,
+# CHECKS_RECORD.suite for make test) before retry_summary. A test named in
+# tests/flaky_tests.txt, with its cause, may need the retry in two recorded
+# runs in a row; any other test that does fails the run (docs/DEVELOPMENT.md).
 
+CHECKS_RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}
 RETRY=(--repeat until-pass:2)
 RETRIED_NOW=$(mktemp)
 trap 'rm -f "$RETRIED_NOW"' EXIT

@@ -20,9 +20,9 @@ fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "$1" && pwd) || { echo "test_suite: no build directory $1" >&2; exit 2; }
 shift
-RECORD=${DETOUR_CHECKS_RECORD:-${XDG_STATE_HOME:-$HOME/.local/state}/detour/checks-retried.txt}.suite
 RETRY_WHO=suite
 source "$ROOT/tools/retry_record.sh"
+RECORD=$CHECKS_RECORD.suite
 log=$(mktemp)
 trap 'rm -f "$RETRIED_NOW" "$log"' EXIT
 
