@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -154,12 +155,21 @@ class E2eTest : public ::testing::Test {
     const std::string reports = SanitizerReports(dir_);
     EXPECT_TRUE(reports.empty()) << "sanitizer reports from processes this test started:\n"
                                  << reports;
+    // A failed test's logs and data stay for whoever reads the failure.
+    if (HasFailure()) {
+      std::cerr << "the test's daemons' logs and data: " << dir_ << "\n";
+      return;
+    }
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
   }
 
   Daemon StartCoordinator(std::vector<std::string> extra = {}, const std::string& name = "c") {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
     std::remove(ready.c_str());
+    // Loopback links: probes of a few MiB measure them (the default's
+    // streams of 32 MiB probes took 20 s of a six-worker test).
     std::vector<std::string> argv = {Bin(kCoordinator),
                                      "--listen=127.0.0.1:0",
                                      "--metrics_port=0",
@@ -167,6 +177,7 @@ class E2eTest : public ::testing::Test {
                                      absl::StrCat("--data_dir=", dir_, "/coordinator"),
                                      "--worker_silence=1500ms",
                                      "--heartbeat_interval=200ms",
+                                     "--link_probe_mib=4",
                                      absl::StrCat("--ready_file=", ready)};
     AddSecurityFlags("coordinator", &argv);
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -185,8 +196,34 @@ class E2eTest : public ::testing::Test {
 
   Daemon StartWorker(int coordinator_port, const std::string& name,
                      std::vector<std::string> extra = {}) {
+    Daemon d = LaunchWorker(coordinator_port, name, std::move(extra));
+    AwaitWorker(name, absl::Seconds(20), &d);
+    return d;
+  }
+
+  // Starts `count` workers named w0..w<count-1> against the coordinator, all
+  // at once (each spends about a second starting up), and waits until every
+  // one has registered.
+  std::vector<Daemon> StartWorkers(int coordinator_port, int count,
+                                   const std::vector<std::string>& extra = {}) {
+    std::vector<Daemon> workers;
+    for (int i = 0; i < count; ++i) {
+      workers.push_back(LaunchWorker(coordinator_port, absl::StrCat("w", i), extra));
+    }
+    // Sanitized workers starting together on two cores may take a while.
+    for (int i = 0; i < count; ++i) {
+      AwaitWorker(absl::StrCat("w", i), absl::Seconds(60), &workers[i]);
+    }
+    return workers;
+  }
+
+  // A worker's process, started; AwaitWorker waits for its ready file (it
+  // writes it once registered) and reads its ports and id.
+  Daemon LaunchWorker(int coordinator_port, const std::string& name,
+                      std::vector<std::string> extra) {
     Daemon d;
     const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
+    std::remove(ready.c_str());  // a restarted worker's, of its last start
     std::vector<std::string> argv = {Bin(kWorker),
                                      "--listen=127.0.0.1:0",
                                      "--metrics_port=0",
@@ -203,32 +240,26 @@ class E2eTest : public ::testing::Test {
     AddSecurityFlags(cert_name, &argv);
     argv.insert(argv.end(), extra.begin(), extra.end());
     EXPECT_TRUE(d.process->Start(argv, absl::StrCat(dir_, "/", name, ".log")).ok());
-    auto port = WaitForReadyField(ready, "grpc_port", absl::Seconds(20));
-    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d.process->Log();
-    if (port.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*port, &d.grpc_port));
-    }
-    auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
-    if (metrics.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d.metrics_port));
-    }
-    auto data = WaitForReadyField(ready, "data_port", absl::Seconds(1));
-    if (data.ok()) {
-      EXPECT_TRUE(absl::SimpleAtoi(*data, &d.data_port));
-    }
-    auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
-    if (id.ok()) d.id = *id;
     return d;
   }
 
-  // Starts `count` workers named w0..w<count-1> against the coordinator.
-  std::vector<Daemon> StartWorkers(int coordinator_port, int count,
-                                   const std::vector<std::string>& extra = {}) {
-    std::vector<Daemon> workers;
-    for (int i = 0; i < count; ++i) {
-      workers.push_back(StartWorker(coordinator_port, absl::StrCat("w", i), extra));
+  void AwaitWorker(const std::string& name, absl::Duration timeout, Daemon* d) {
+    const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
+    auto port = WaitForReadyField(ready, "grpc_port", timeout);
+    EXPECT_TRUE(port.ok()) << port.status() << "\n" << d->process->Log();
+    if (port.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*port, &d->grpc_port));
     }
-    return workers;
+    auto metrics = WaitForReadyField(ready, "metrics_port", absl::Seconds(1));
+    if (metrics.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*metrics, &d->metrics_port));
+    }
+    auto data = WaitForReadyField(ready, "data_port", absl::Seconds(1));
+    if (data.ok()) {
+      EXPECT_TRUE(absl::SimpleAtoi(*data, &d->data_port));
+    }
+    auto id = WaitForReadyField(ready, "worker_id", absl::Seconds(1));
+    if (id.ok()) d->id = *id;
   }
 
   // --insecure, or TLS flags presenting `name`'s certificate.
