@@ -155,8 +155,10 @@ class E2eTest : public ::testing::Test {
     const std::string reports = SanitizerReports(dir_);
     EXPECT_TRUE(reports.empty()) << "sanitizer reports from processes this test started:\n"
                                  << reports;
-    // A failed test's logs and data stay for whoever reads the failure.
-    if (HasFailure()) {
+    // A failed test's logs and data stay for whoever reads the failure, and
+    // every test's with DETOUR_E2E_KEEP_DIRS=1.
+    const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
+    if (HasFailure() || (keep != nullptr && std::string(keep) == "1")) {
       std::cerr << "the test's daemons' logs and data: " << dir_ << "\n";
       return;
     }
