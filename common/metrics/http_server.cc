@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "common/metrics/exposition.h"
 
 namespace detour::metrics {
@@ -33,7 +34,14 @@ int LogMessage(const mg_connection* /*connection*/, const char* message) {
   return 1;  // handled: civetweb must not print anything itself
 }
 
-int LogAccess(const mg_connection* /*connection*/, const char* /*message*/) { return 1; }
+// civetweb's response headers take their Date from gmtime(), whose result
+// lives in one buffer per process (the one localtime() uses too): two
+// threads answering at once race on it (ThreadSanitizer found it, a
+// scrape's headers against another's). Our handlers send their headers
+// under this lock; civetweb itself calls localtime() for an access log
+// only, and the server has none (no access_log_file, no log_access
+// callback).
+ABSL_CONST_INIT absl::Mutex header_mu(absl::kConstInit);
 
 void InitCivetwebOnce() {
   // mg_init_library is not thread-safe and should run once per process.
@@ -46,8 +54,11 @@ void InitCivetwebOnce() {
 
 void SendText(mg_connection* connection, bool head_only, absl::string_view content_type,
               absl::string_view body) {
-  mg_send_http_ok(connection, std::string(content_type).c_str(),
-                  static_cast<long long>(body.size()));
+  {
+    absl::MutexLock lock(&header_mu);
+    mg_send_http_ok(connection, std::string(content_type).c_str(),
+                    static_cast<long long>(body.size()));
+  }
   if (!head_only) mg_write(connection, body.data(), body.size());
 }
 
@@ -119,7 +130,6 @@ absl::Status MetricsHttpServer::Start(const std::string& bind_address, int port)
   InitCivetwebOnce();
   mg_callbacks callbacks = {};
   callbacks.log_message = &LogMessage;
-  callbacks.log_access = &LogAccess;
   // No document_root: civetweb serves no files, only our handler.
   // Each civetweb thread serves one connection until it ends, so a few slow
   // or idle clients used to block every scrape (2 threads, 10 s timeout: 30
@@ -232,6 +242,7 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
       info != nullptr && info->request_method != nullptr ? info->request_method : "";
   const auto handler = handlers_.find(path);
   if (path != "/metrics" && path != "/healthz" && handler == handlers_.end()) {
+    absl::MutexLock lock(&header_mu);
     mg_send_http_error(connection, 404, "%s", "not found\n");
     return 404;
   }
