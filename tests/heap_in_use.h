@@ -7,14 +7,8 @@
 
 #include <malloc.h>
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DETOUR_TEST_ASAN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) && !defined(DETOUR_TEST_ASAN)
-#define DETOUR_TEST_ASAN 1
-#endif
+#include "tests/sanitized.h"
+
 #ifdef DETOUR_TEST_ASAN
 #include <sanitizer/allocator_interface.h>
 #endif
