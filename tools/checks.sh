@@ -144,16 +144,31 @@ timed() {  # timed LABEL CMD...: runs CMD; prints wall and CPU time and the load
   return $rc
 }
 
-fuzz() {  # fuzz BUILD_DIR TARGET...: each target FUZZ_SECONDS on its corpus
-  local dir=$1 t; shift
+fuzz() {  # fuzz BUILD_DIR TARGET...: each target FUZZ_SECONDS on its corpus, JOBS at a time
+  # (a fuzzer runs on one thread: two side by side halve the step's time).
+  local dir=$1 t failed=(); shift
   for t in "$@"; do
+    while [[ $(jobs -rp | wc -l) -ge $JOBS ]]; do wait -n || true; done
     mkdir -p "$dir/fuzz-corpus/$t" "$dir/fuzz-artifacts/$t"
+    rm -f "$dir/fuzz-$t.rc"
     echo "-- fuzz $t ${FUZZ_SECONDS}s"
-    "$dir/tests/fuzz/${t}_fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 \
-      -max_len=65536 -artifact_prefix="$dir/fuzz-artifacts/$t/" \
-      "$dir/fuzz-corpus/$t" "tests/fuzz/corpus/$t" > "$dir/fuzz-$t.log" 2>&1 ||
-      { tail -40 "$dir/fuzz-$t.log"; echo "checks: fuzz target $t crashed" >&2; exit 1; }
+    ( rc=0
+      "$dir/tests/fuzz/${t}_fuzzer" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 \
+        -max_len=65536 -artifact_prefix="$dir/fuzz-artifacts/$t/" \
+        "$dir/fuzz-corpus/$t" "tests/fuzz/corpus/$t" > "$dir/fuzz-$t.log" 2>&1 || rc=$?
+      echo "$rc" > "$dir/fuzz-$t.rc" ) &
   done
+  wait
+  for t in "$@"; do
+    if [[ "$(cat "$dir/fuzz-$t.rc" 2>/dev/null)" != 0 ]]; then
+      tail -40 "$dir/fuzz-$t.log"
+      failed+=("$t")
+    fi
+  done
+  if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "checks: fuzz target(s) crashed: ${failed[*]} (logs: $dir/fuzz-<target>.log)" >&2
+    exit 1
+  fi
 }
 
 tsan_canary() {  # tsan_canary BUILD_DIR: the canary's race must be reported
@@ -224,6 +239,7 @@ for step in "${steps[@]}"; do
         -DCMAKE_CXX_FLAGS="$TSA_FLAGS $ASAN_CXX_FLAGS" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
       timed "build-asan-full" cmake --build build-asan-full -j"$JOBS"
+      tools/test_costs.sh seed build-asan-full
       logs=$ROOT/build-asan-full/sanitizer-logs
       fresh_logs "$logs"
       rm -rf build-asan-full/tmp && mkdir -p build-asan-full/tmp

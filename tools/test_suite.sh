@@ -26,6 +26,8 @@ RECORD=$CHECKS_RECORD.suite
 log=$(mktemp)
 trap 'rm -f "$RETRIED_NOW" "$log"' EXIT
 
+# The costliest tests first, in a fresh build too.
+"$ROOT/tools/test_costs.sh" seed "$build"
 rc=0
 (cd "$build" && DETOUR_SOURCE_DIR=$ROOT DETOUR_BUILD_DIR=$build \
    ctest --output-on-failure "${RETRY[@]}" "$@") 2>&1 | tee "$log" || rc=$?
