@@ -13,7 +13,6 @@
 #include <random>
 #include <set>
 #include <string>
-#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -658,7 +657,13 @@ void ElasticTest::RunSkipThenRefill(const v1::JobSpec& spec) {
 // replica check) and takes part in later routes.
 TEST_F(ElasticTest, JoiningWorkerGetsTheReplicaStateAndTakesPart) {
   // Long enough (a few seconds) for a worker process to start mid-job.
-  const v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 150);
+  v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 150);
+  // No stage moves: the planner moves workers on measured speeds, which a
+  // sanitizer's slowdown makes uneven (under ASan it moved a worker into the
+  // short stage before the joiner registered, and once moved the joiner out
+  // of it right after it joined). Moves have tests of their own
+  // (SpareReplicaMovesToAThinSlowStage, coordinator_runner_parts_test).
+  spec.mutable_elastic()->set_reassign_disabled(true);
   Daemon c = StartCoordinator();
   std::vector<Daemon> workers = StartWorkers(c.grpc_port, 5, WorkerFlags());
   ElasticRun run(this, c.grpc_port, spec);
@@ -677,23 +682,11 @@ TEST_F(ElasticTest, JoiningWorkerGetsTheReplicaStateAndTakesPart) {
   const uint64_t joined_at = run.Get().progress().iteration();
   const v1::Job job = run.AwaitEnd(absl::Seconds(120));
   ExpectHealthyEnd(job, c);
-  // The joiner refills the stage short of a replica: stage 1, unless the
-  // coordinator moved a worker of another stage into stage 1 before the
-  // joiner registered (a slow start, as under ASan); then that other stage.
+  // The joiner refills the stage short of a replica.
   const std::string history = History(job);
-  const size_t joined = history.find(absl::StrCat("worker ", fresh.id, " joined stage "));
-  ASSERT_NE(joined, std::string::npos) << history;
-  std::string refilled = "1";
-  const size_t moved = history.find(" to stage 1 at iteration");
-  if (moved < joined) {
-    constexpr std::string_view kMovedFrom = "moved from stage ";
-    const size_t from = history.rfind(kMovedFrom, moved);
-    ASSERT_NE(from, std::string::npos) << history;
-    const size_t stage = from + kMovedFrom.size();
-    refilled = history.substr(stage, moved - stage);
-  }
-  EXPECT_THAT(history, HasSubstr(absl::StrCat("worker ", fresh.id, " joined stage ", refilled,
-                                              " at iteration")));
+  EXPECT_THAT(history,
+              HasSubstr(absl::StrCat("worker ", fresh.id, " joined stage 1 at iteration")));
+  EXPECT_THAT(history, Not(HasSubstr(" moved from stage "))) << history;
   EXPECT_THAT(history, HasSubstr("with the state of"));
   EXPECT_LT(joined_at, 140u);
   ASSERT_EQ(job.stages(1).nodes_size(), 2);
