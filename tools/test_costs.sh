@@ -18,6 +18,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 costs=$ROOT/tests/test_costs.txt
 usage() { sed -n '13,16p' "$0" | sed 's/^# \{0,1\}//'; }
+[[ ${1:-} == -h || ${1:-} == --help ]] && { usage; exit 0; }
 [[ $# -eq 2 ]] || { usage >&2; exit 2; }
 data=$2/Testing/Temporary/CTestCostData.txt
 case $1 in
@@ -39,6 +40,5 @@ case $1 in
     mv "$costs.new" "$costs"
     echo "test_costs: $(grep -vc '^#' "$costs") tests in $costs"
     ;;
-  -h|--help) usage ;;
   *) usage >&2; exit 2 ;;
 esac
