@@ -17,6 +17,13 @@
 #         control-client, log and runtime tests (LibTorch with one intra-op
 #         thread), then the e2e subset labelled `sanitized` (build-asan-full's
 #         tests and workers) against a TSan coordinator. Needs asan-full first.
+#   plain  (the plain build in $BUILD_DIR, default build; `make build` first)
+#         the tests asan-full leaves out, under tools/test_suite.sh's rule:
+#         the e2e tests outside `sanitized`, SANITIZED_SKIP, ASAN_SKIP, the
+#         deploy label, and PLAIN_TOO (tests whose plain run checks more than
+#         their sanitized one). With asan-full, every test of `make test` runs
+#         once, sanitized where it can be; CI runs these four steps after
+#         `make build` instead of `make test` and the three full steps.
 #
 # Quicker steps for development (`make checks`, not run by CI: the full steps
 # cover them):
@@ -35,13 +42,16 @@
 # its cause (the record: $DETOUR_CHECKS_RECORD, by default
 # ~/.local/state/detour/checks-retried.txt).
 #
-#   tools/checks.sh [notorch|tsa|asan|tsan|asan-full|tsan-full ...]  (default: tsa asan tsan)
-#   FUZZ_SECONDS=20 by default; JOBS=$(nproc).
+#   tools/checks.sh [notorch|tsa|asan|tsan|asan-full|tsan-full|plain ...]  (default: tsa asan tsan)
+#   FUZZ_SECONDS=20 by default; JOBS=$(nproc); DETOUR_UNITY_BUILD=ON builds
+#   in batches (CMakeLists.txt; CI's setting).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 CLANG=${CLANG:-clang++-14}
 JOBS=${JOBS:-$(nproc)}
+UNITY=${DETOUR_UNITY_BUILD:-OFF}
+PLAIN_BUILD=${BUILD_DIR:-build}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 command -v "$CLANG" >/dev/null || { echo "checks: $CLANG not found (tools/install_deps.sh)" >&2; exit 1; }
 steps=("$@")
@@ -92,6 +102,11 @@ TSAN_E2E_SKIP_TESTS=("${SANITIZED_SKIP_TESTS[@]}" ResumeOnSkipSpecsIsBitExact
   KilledDataNodeJobGoesOn AMemberFloodingNextIterationFramesEvictsNobody)
 elastic_tests_regex() { local IFS='|'; echo "ElasticTest\\.($*)\$"; }
 SANITIZED_SKIP=$(elastic_tests_regex "${SANITIZED_SKIP_TESTS[@]}")
+# Tests asan-full runs that the plain step runs again, because sanitized they
+# check less (tests/sanitized.h): the path scheduler's property test walks
+# 100 random clusters sanitized and 300 plain.
+PLAIN_TOO_TESTS=("PathSchedulerPropertyTest\\.")
+PLAIN_TOO=$(IFS='|'; echo "${PLAIN_TOO_TESTS[*]}")
 TSAN_E2E_SKIP=$(elastic_tests_regex "${TSAN_E2E_SKIP_TESTS[@]}")
 # The LibTorch-free fuzz targets (default asan) and the one that needs LibTorch.
 FUZZ_TARGETS=(frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors)
@@ -109,7 +124,8 @@ TSAN_OPTIONS_BASE="suppressions=$ROOT/tests/tsan/tsan.supp report_signal_unsafe=
 configure() {  # configure DIR FLAGS... : cmake with clang, logs on failure
   local dir=$1; shift
   mkdir -p "$dir"
-  cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER="$CLANG" -DDETOUR_BUILD_BENCHMARKS=OFF "$@" \
+  cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER="$CLANG" -DDETOUR_BUILD_BENCHMARKS=OFF \
+    -DDETOUR_UNITY_BUILD="$UNITY" "$@" \
     > "$dir/configure.log" 2>&1 || { cat "$dir/configure.log"; exit 1; }
 }
 
@@ -194,6 +210,20 @@ tsan_run() {  # tsan_run BUILD_DIR TEST...: each test binary, halting on a repor
     timed "$t" env TSAN_OPTIONS="halt_on_error=1 $TSAN_OPTIONS_BASE" OMP_NUM_THREADS=1 \
       DETOUR_SOURCE_DIR="$ROOT" "$dir/$t"
   done
+}
+
+test_names() {  # test_names BUILD_DIR CTEST_FILTER...: the names of the tests ctest selects
+  local dir=$1; shift
+  (cd "$dir" && ctest -N "$@") | sed -n 's/^ *Test *#[0-9]*: //p' | sort -u
+}
+
+plain_numbers() {  # plain_numbers: PLAIN_BUILD's numbers of the tests asan-full leaves out, and PLAIN_TOO
+  local covered
+  covered=$( (test_names build-asan-full -LE "deploy|e2e" -E "$ASAN_SKIP"
+              test_names build-asan-full -L sanitized -E "$SANITIZED_SKIP") | sort -u)
+  (cd "$PLAIN_BUILD" && ctest -N) | sed -n 's/^ *Test *#\([0-9]*\): \(.*\)$/\1\t\2/p' |
+    PLAIN_TOO="$PLAIN_TOO" awk -F '\t' 'NR == FNR { covered[$0] = 1; next }
+      !($2 in covered) || $2 ~ ENVIRON["PLAIN_TOO"] { print $1 }' <(echo "$covered") -
 }
 
 for step in "${steps[@]}"; do
@@ -303,7 +333,19 @@ for step in "${steps[@]}"; do
       retried build-tsan-full/ctest-e2e.log "TSan (e2e)"
       check_logs "$logs" "TSan (e2e)"
       ;;
-    *) echo "checks: unknown step $step (notorch, tsa, asan, tsan, asan-full, tsan-full)" >&2; exit 2 ;;
+    plain)
+      echo "== checks (full): the plain build's tests that asan-full leaves out ($PLAIN_BUILD)"
+      if [[ ! -f $PLAIN_BUILD/CTestTestfile.cmake || ! -f build-asan-full/CTestTestfile.cmake ]]; then
+        echo "checks: plain runs $PLAIN_BUILD's tests less asan-full's: make build, then tools/checks.sh asan-full plain" >&2
+        exit 1
+      fi
+      numbers=$(plain_numbers | paste -sd,)
+      [[ -n $numbers ]] || { echo "checks: plain: no test left to run in $PLAIN_BUILD" >&2; exit 1; }
+      echo "   $(tr ',' '\n' <<<"$numbers" | wc -l) of $(test_names "$PLAIN_BUILD" | wc -l) tests"
+      # -I 0,0,0,N,...: no range (stride 0), then these tests by number.
+      timed "plain tests" "$ROOT/tools/test_suite.sh" "$PLAIN_BUILD" -j"$JOBS" -I "0,0,0,$numbers"
+      ;;
+    *) echo "checks: unknown step $step (notorch, tsa, asan, tsan, asan-full, tsan-full, plain)" >&2; exit 2 ;;
   esac
 done
 retry_summary
