@@ -2,7 +2,10 @@
 // ThreadSanitizer, with GCC or Clang). A test that repeats one code path
 // over many random cases may run fewer of them sanitized: the sanitized run
 // looks for memory and thread errors on the path, the plain build's run
-// checks the property over all the cases. DETOUR_TEST_ASAN is defined under
+// checks the property over all the cases; such a test belongs in
+// tools/checks.sh's PLAIN_TOO, or CI runs it only sanitized (its `plain`
+// step runs the plain build's tests asan-full leaves out, and these).
+// DETOUR_TEST_ASAN is defined under
 // AddressSanitizer (tests/heap_in_use.h asks its allocator), DETOUR_TSAN
 // under ThreadSanitizer (common/tsan.h).
 #ifndef DETOUR_TESTS_SANITIZED_H_
