@@ -131,7 +131,8 @@ absl::Status EtcdCluster::StartMember(int i) {
 
 absl::Status EtcdCluster::Start(int members, bool tls) {
   if (FindEtcdBinary().empty()) return absl::FailedPreconditionError(kNoEtcd);
-  dir_ = MakeTempDir("etcd");
+  temp_.emplace("etcd");
+  dir_ = temp_->path();
   tls_ = tls;
   if (tls_) {
     if (absl::Status made = MakeCertificates(); !made.ok()) return made;

@@ -6,6 +6,7 @@
 #define DETOUR_TESTS_COORDINATOR_ETCD_CLUSTER_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "absl/time/time.h"
 #include "common/subprocess.h"
 #include "coordinator/etcd/etcd_client.h"
+#include "tests/e2e/process.h"
 
 namespace detour::testing {
 
@@ -49,6 +51,7 @@ class EtcdCluster {
 
   absl::Status MakeCertificates();
 
+  std::optional<TempDir> temp_;  // the members' logs stay when the test failed
   std::string dir_;
   bool tls_ = false;
   TlsFiles client_files_;

@@ -149,7 +149,8 @@ TEST_F(EtcdJobStoreTest, AnElectedCoordinatorsWritesAreFencedByItsTerm) {
   CoordinatorOptions options;
   options.listen = HostPort{"127.0.0.1", 0};
   options.metrics_port = -1;
-  options.data_dir = testing::MakeTempDir("coordinator_fenced");
+  const testing::TempDir data("coordinator_fenced");
+  options.data_dir = data.path();
   options.etcd.endpoints = cluster_.endpoints();
   options.leader_ttl = absl::Seconds(30);
   auto coordinator = Coordinator::Start(options);
@@ -247,7 +248,8 @@ TEST_F(EtcdJobStoreTest, ACoordinatorOnEtcdServesTheJobsAnotherStored) {
   CoordinatorOptions options;
   options.listen = HostPort{"127.0.0.1", 0};
   options.metrics_port = -1;
-  options.data_dir = testing::MakeTempDir("coordinator_on_etcd");
+  const testing::TempDir data("coordinator_on_etcd");
+  options.data_dir = data.path();
   options.etcd.endpoints = cluster_.endpoints();
   auto coordinator = Coordinator::Start(options);
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();

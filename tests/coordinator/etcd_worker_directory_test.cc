@@ -269,7 +269,8 @@ TEST_F(EtcdWorkerDirectoryTest, ANewLeaderListsThePreviousLeadersWorkers) {
   options.etcd.endpoints = cluster_.endpoints();
   options.leader_ttl = absl::Seconds(30);
   options.worker_silence = absl::Seconds(30);
-  options.data_dir = testing::MakeTempDir("directory_first");
+  const testing::TempDir first_data("directory_first");
+  options.data_dir = first_data.path();
   auto first = Coordinator::Start(options);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE((*first)->leading());
@@ -277,7 +278,8 @@ TEST_F(EtcdWorkerDirectoryTest, ANewLeaderListsThePreviousLeadersWorkers) {
   ASSERT_TRUE(Eventually([&] { return Key("gpu-1").has_value(); }));
   // A graceful hand-over: the records stay for the next leader.
   (*first)->Drain(absl::Seconds(1));
-  options.data_dir = testing::MakeTempDir("directory_second");
+  const testing::TempDir second_data("directory_second");
+  options.data_dir = second_data.path();
   auto second = Coordinator::Start(options);
   ASSERT_TRUE(second.ok()) << second.status();
   ASSERT_TRUE((*second)->leading());

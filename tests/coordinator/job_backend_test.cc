@@ -171,7 +171,8 @@ TEST(JobBackend, AJobHoldsWhileAReplicatedStoreIsOut) {
 }
 
 TEST(FileJobBackend, AWriteOnAStaleRevisionIsRefused) {
-  const std::string dir = testing::MakeTempDir("filebackend");
+  const testing::TempDir temp("filebackend");
+  const std::string& dir = temp.path();
   FileJobBackend backend(dir, WriteFileAtomically);
   ASSERT_TRUE(backend.LoadAll().ok());
   auto created = backend.Create([](uint64_t n) {

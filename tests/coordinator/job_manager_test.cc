@@ -65,7 +65,8 @@ TEST(JudgeWorkerJobTest, AReturningWorkerIsToldWhatHappened) {
 // came in that window was told to drop its part of a running job, which the
 // coordinator was about to re-attach to: it "does not run" the job.
 TEST(JobManagerTest, GivesNoVerdictBeforeItHasRecoveredItsJobs) {
-  const std::string dir = testing::MakeTempDir("job_manager_test");
+  const testing::TempDir temp("job_manager_test");
+  const std::string& dir = temp.path();
   JobStore jobs(dir);
   v1::JobSpec spec;
   spec.set_name("held");
@@ -111,9 +112,6 @@ TEST(JobManagerTest, GivesNoVerdictBeforeItHasRecoveredItsJobs) {
   ASSERT_TRUE(unknown.has_value());
   EXPECT_THAT(unknown->log, HasSubstr("which this coordinator does not know"));
   manager.Shutdown();
-
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 }  // namespace

@@ -217,7 +217,8 @@ TEST(JobMetricsTest, DetourJobFailedFiresOnARestoredFailedJob) {
     ++count;
   }
   ASSERT_EQ(count, 3 * 6) << registry.Serialize();
-  const std::string dir = testing::MakeTempDir("job_metrics_promtool");
+  const testing::TempDir temp("job_metrics_promtool");
+  const std::string& dir = temp.path();
   const std::string rules = testing::SourceDir() + "/deploy/prometheus/detour.rules.yml";
   const std::string test = dir + "/restored.test.yml";
   std::ofstream(test) << "rule_files:\n  - " << rules << "\nevaluation_interval: 1m\ntests:\n"
@@ -238,8 +239,6 @@ TEST(JobMetricsTest, DetourJobFailedFiresOnARestoredFailedJob) {
 )";
   std::string out;
   EXPECT_EQ(RunShell(absl::StrCat("/usr/bin/promtool test rules ", test), &out), 0) << out;
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
 }
 
 TEST(JobMetricsTest, NullRegistryRecordsNothing) {

@@ -674,15 +674,10 @@ void Pin(v1::JobSpec* spec, const std::vector<std::vector<std::string>>& stages)
 
 class JobRunnerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = testing::MakeTempDir("job_runner_test");
-    cluster_ = std::make_unique<FakeCluster>(dir_);
-  }
+  void SetUp() override { cluster_ = std::make_unique<FakeCluster>(dir_); }
   void TearDown() override {
     runner_.reset();
     cluster_.reset();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
   }
 
   // Stores the job and starts a runner on `workers`.
@@ -811,7 +806,8 @@ class JobRunnerTest : public ::testing::Test {
     return absl::StrJoin(lines, "\n");
   }
 
-  std::string dir_;
+  const testing::TempDir temp_{"job_runner_test"};  // outlives the runner
+  const std::string dir_ = temp_.path();
   FakeClock fake_clock_{absl::Now()};  // outlives the runner (TearDown)
   std::unique_ptr<FakeCluster> cluster_;
   std::unique_ptr<JobRunner> runner_;

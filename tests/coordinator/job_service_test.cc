@@ -37,7 +37,6 @@ using ::testing::HasSubstr;
 class JobServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = testing::MakeTempDir("jobservice");
     StartService(0);
     address_ = absl::StrCat("127.0.0.1:", running_.port);
     // A client with gRPC's default 4 MiB receive limit, as any client may be.
@@ -98,7 +97,8 @@ class JobServiceTest : public ::testing::Test {
     return pages;
   }
 
-  std::string dir_;
+  const testing::TempDir temp_{"jobservice"};  // outlives the store and the server
+  const std::string dir_ = temp_.path();
   std::unique_ptr<JobStore> store_;
   ClientAuthorizer open_{ClientAuthorizer::Mode::kOpen, {}};
   std::unique_ptr<JobServiceImpl> service_;

@@ -22,7 +22,8 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(JobStore, CreateListGetCancelAndPersist) {
-  const std::string dir = testing::MakeTempDir("jobstore");
+  const testing::TempDir temp("jobstore");
+  const std::string& dir = temp.path();
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   {
     JobStore store(dir);
@@ -69,7 +70,8 @@ TEST(JobStore, CreateListGetCancelAndPersist) {
 // An ended job shows no ETA, however it ended (a failed job kept
 // its last "eta 120s").
 TEST(JobStore, AnEndedJobHasNoEta) {
-  const std::string dir = testing::MakeTempDir("jobstore");
+  const testing::TempDir temp("jobstore");
+  const std::string& dir = temp.path();
   JobStore store(dir);
   ASSERT_EQ(*store.Load(), 0);
   const absl::Time t0 = absl::FromUnixSeconds(1000);
@@ -93,7 +95,8 @@ TEST(JobStore, AnEndedJobHasNoEta) {
 }
 
 TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
-  const std::string dir = testing::MakeTempDir("jobstore");
+  const testing::TempDir temp("jobstore");
+  const std::string& dir = temp.path();
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   {
     JobStore store(dir);
@@ -123,7 +126,8 @@ TEST(JobStore, UnreadableFilesAreKeptAsideAndNeverReused) {
 // RUNNING for ever and nothing was logged. A write the disk refuses is an
 // error the caller sees, and the change still shows (in memory).
 TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
-  const std::string dir = testing::MakeTempDir("jobstore");
+  const testing::TempDir temp("jobstore");
+  const std::string& dir = temp.path();
   JobStore store(dir);
   ASSERT_TRUE(store.Load().ok());
   auto job = store.Create(TinySpec("a"), absl::FromUnixSeconds(1000), "stored");
@@ -142,7 +146,8 @@ TEST(JobStore, RefusedWritesAreErrorsButStillShow) {
 }
 
 TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
-  JobStore store(testing::MakeTempDir("jobstore"));
+  const testing::TempDir temp("jobstore");
+  JobStore store(temp.path());
   ASSERT_TRUE(store.Load().ok());
   auto a = store.Create(TinySpec("a"), absl::Now(), "stored");
   auto b = store.Create(TinySpec("b"), absl::Now(), "stored");
@@ -165,7 +170,8 @@ TEST(JobStore, ListenersSeeChangesOfTheirJobOnly) {
 // snapshot handed over apart from the subscription was overtaken by such a
 // change, and a watching client saw its events taken back and shown again.
 TEST(JobStore, FollowersSeeTheJobThenEveryChangeInOrder) {
-  JobStore store(testing::MakeTempDir("jobstore"));
+  const testing::TempDir temp("jobstore");
+  JobStore store(temp.path());
   ASSERT_TRUE(store.Load().ok());
   auto job = store.Create(TinySpec("a"), absl::Now(), "stored");
   ASSERT_TRUE(job.ok());
@@ -213,7 +219,8 @@ TEST(JobStore, UnwritableDirectoryIsAnError) {
 // before the update. Nothing here is timed: a reader that waited would hang
 // until the generous deadline and fail the test.
 TEST(JobStore, ReadersDoNotWaitForASlowDisk) {
-  const std::string dir = testing::MakeTempDir("jobstore_slow");
+  const testing::TempDir temp("jobstore_slow");
+  const std::string& dir = temp.path();
   absl::Notification writing, release;
   std::atomic<bool> block{false};
   JobStore store(dir, [&](const std::string& path, const std::string& content) {

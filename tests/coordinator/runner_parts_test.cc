@@ -760,7 +760,8 @@ TEST(RunnerCheckpointsTest, DueEveryNAndAtTheEndUnlessAStageIsEmpty) {
 }
 
 TEST(RunnerCheckpointsTest, CommitNamesOneFilePerStageAndPruningKeepsTheNewest) {
-  const std::string root = testing::MakeTempDir("runner_checkpoints");
+  const testing::TempDir temp("runner_checkpoints");
+  const std::string& root = temp.path();
   RunnerCheckpoints c(root, "job-7");
   EXPECT_EQ(c.Dir(12), root + "/job-7/iter-000012");
   std::map<std::string, v1::IterationResult> results;
@@ -790,7 +791,6 @@ TEST(RunnerCheckpointsTest, CommitNamesOneFilePerStageAndPruningKeepsTheNewest) 
   auto iteration = RunnerCheckpoints::IterationOf(c.Dir(12));
   EXPECT_EQ(iteration.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(iteration.status().message()), HasSubstr("is not complete"));
-  std::filesystem::remove_all(root);
 }
 
 // --- RunnerLink ----------------------------------------------------------------
@@ -846,7 +846,8 @@ TEST(RunnerLinkTest, APlanCarriesOnlyTheWorkersOwnBubbleTasks) {
 // --- RunnerRecord --------------------------------------------------------------
 
 TEST(RunnerRecordTest, HistoryIsBoundedAndAnEndedJobKeepsItsEnd) {
-  const std::string dir = testing::MakeTempDir("runner_record");
+  const testing::TempDir temp("runner_record");
+  const std::string& dir = temp.path();
   JobStore store(dir);
   auto job = store.Create(SkipJob(0.25), absl::Now(), "submitted");
   ASSERT_TRUE(job.ok());
@@ -867,7 +868,6 @@ TEST(RunnerRecordTest, HistoryIsBoundedAndAnEndedJobKeepsItsEnd) {
   record.End(JobEnd{v1::JOB_STATE_FAILED, "too late"});
   stored = store.Get(job->id());
   EXPECT_EQ(stored->state(), v1::JOB_STATE_CANCELLED) << "a cancelled job stays cancelled";
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -84,10 +84,18 @@ inline std::string SanitizerReports(const std::string& dir) {
   return reports;
 }
 
-// The test binary's CA and certificates (made once, kept for its lifetime).
+// The test binary's CA and certificates: made once, removed when the binary
+// exits (its daemons have stopped by then; the next run makes new ones).
 inline const std::string& CertsDir() {
-  static const std::string* const dir = new std::string(MakeTempDir("detour-e2e-certs"));
-  return *dir;
+  struct Certs {
+    std::string path = MakeTempDir("detour-e2e-certs");
+    ~Certs() {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  };
+  static const Certs certs;
+  return certs.path;
 }
 
 // The kind tools/gen_certs.sh marks `name`'s certificate with: "coordinator"
@@ -157,8 +165,7 @@ class E2eTest : public ::testing::Test {
                                  << reports;
     // A failed test's logs and data stay for whoever reads the failure, and
     // every test's with DETOUR_E2E_KEEP_DIRS=1.
-    const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
-    if (HasFailure() || (keep != nullptr && std::string(keep) == "1")) {
+    if (HasFailure() || KeepTestDirs()) {
       std::cerr << "the test's daemons' logs and data: " << dir_ << "\n";
       return;
     }

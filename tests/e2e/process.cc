@@ -6,13 +6,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
+#include <stdexcept>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gtest/gtest.h"
 
 namespace detour::testing {
 
@@ -63,9 +68,27 @@ double MetricValue(const std::string& scrape, const std::string& series) {
 
 std::string MakeTempDir(const std::string& prefix) {
   const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", prefix, "-XXXXXX");
-  char* made = ::mkdtemp(pattern.data());
-  return made != nullptr ? std::string(made) : std::string("/tmp");
+  std::string pattern =
+      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/", prefix, "-XXXXXX");
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    throw std::runtime_error(
+        absl::StrCat("cannot make a test directory ", pattern, ": ", std::strerror(errno)));
+  }
+  return pattern;
+}
+
+bool KeepTestDirs() {
+  const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
+  return keep != nullptr && std::string(keep) == "1";
+}
+
+TempDir::~TempDir() {
+  if (::testing::Test::HasFailure() || KeepTestDirs()) {
+    std::cerr << "the test's directory: " << path_ << "\n";
+    return;
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
 }
 
 std::pair<int, int> OccupyPort() {
