@@ -19,6 +19,7 @@
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/net/address.h"
+#include "common/net/grpc_lifetime.h"
 #include "common/net/leader_redirect.h"
 #include "common/net/shutdown_signal.h"
 #include "common/net/tls.h"
@@ -314,6 +315,8 @@ void AnnounceServing(const Worker& worker, const WorkerOptions& o, const std::st
 // Starts the worker, registers it and serves until SIGTERM/SIGINT. Returns
 // the exit status.
 int RunWorker(const WorkerOptions& o, const DaemonFlags& common) {
+  // Outlives the worker: gRPC's last shutdown runs before this returns.
+  const GrpcLifetime grpc;
   if (absl::Status dir = EnsureWritableDirectory(o.data_dir, "--data_dir"); !dir.ok()) {
     LogError(dir.message());
     return 1;
