@@ -8,13 +8,15 @@
 #   make bench   build and run the benchmarks
 #   make fuzz    build the libFuzzer targets with clang and run each for
 #                FUZZ_SECONDS (default 300) on its corpus (tools/fuzz.sh)
-#   make checks-full  the checked builds CI runs after `make test`
+#   make checks-full  the checked builds CI runs after `make build`
 #                (tools/checks.sh notorch asan-full tsan-full): the
 #                LibTorch-free build with warnings as errors (no tests);
 #                ASan+UBSan+LSan with the thread-safety analysis over the
 #                suite with LibTorch and the e2e tests labelled `sanitized`,
 #                every fuzz target; TSan over the transport, net, runtime and
-#                the same e2e tests with a TSan coordinator (docs/DEVELOPMENT.md)
+#                the same e2e tests with a TSan coordinator. CI then runs
+#                `tools/checks.sh plain`: the plain build's tests these leave
+#                out, so each test of `make test` runs once (docs/DEVELOPMENT.md)
 #   make checks  quicker checked builds for development, covered by
 #                checks-full (tools/checks.sh: thread-safety analysis,
 #                ASan+UBSan and TSan over the LibTorch-free suite)
