@@ -107,6 +107,11 @@ SANITIZED_SKIP=$(elastic_tests_regex "${SANITIZED_SKIP_TESTS[@]}")
 # 100 random clusters sanitized and 300 plain.
 PLAIN_TOO_TESTS=("PathSchedulerPropertyTest\\.")
 PLAIN_TOO=$(IFS='|'; echo "${PLAIN_TOO_TESTS[*]}")
+# The tests asan-full runs (ctest filters): every test but the e2e ones, the
+# packaging checks and ASAN_SKIP; then the e2e tests labelled `sanitized` but
+# SANITIZED_SKIP. The plain step runs what these leave out.
+ASAN_UNIT_FILTER=(-LE "deploy|e2e" -E "$ASAN_SKIP")
+ASAN_E2E_FILTER=(-L sanitized -E "$SANITIZED_SKIP")
 TSAN_E2E_SKIP=$(elastic_tests_regex "${TSAN_E2E_SKIP_TESTS[@]}")
 # The LibTorch-free fuzz targets (default asan) and the one that needs LibTorch.
 FUZZ_TARGETS=(frame_decoder direct_frames job_spec route_decoder job_record checkpoint_manifest stage_file safetensors)
@@ -219,8 +224,8 @@ test_names() {  # test_names BUILD_DIR CTEST_FILTER...: the names of the tests c
 
 plain_numbers() {  # plain_numbers: PLAIN_BUILD's numbers of the tests asan-full leaves out, and PLAIN_TOO
   local covered
-  covered=$( (test_names build-asan-full -LE "deploy|e2e" -E "$ASAN_SKIP"
-              test_names build-asan-full -L sanitized -E "$SANITIZED_SKIP") | sort -u)
+  covered=$( (test_names build-asan-full "${ASAN_UNIT_FILTER[@]}"
+              test_names build-asan-full "${ASAN_E2E_FILTER[@]}") | sort -u)
   (cd "$PLAIN_BUILD" && ctest -N) | sed -n 's/^ *Test *#\([0-9]*\): \(.*\)$/\1\t\2/p' |
     PLAIN_TOO="$PLAIN_TOO" awk -F '\t' 'NR == FNR { covered[$0] = 1; next }
       !($2 in covered) || $2 ~ ENVIRON["PLAIN_TOO"] { print $1 }' <(echo "$covered") -
@@ -288,9 +293,9 @@ for step in "${steps[@]}"; do
       # install tree, container, manifests, not code); then the e2e subset
       # labelled `sanitized`, sanitized coordinator, workers and tools.
       (cd build-asan-full && timed "ctest under ASan" env "${asan_env[@]}" \
-        ctest --output-on-failure --no-tests=error -j"$JOBS" "${RETRY[@]}" -LE "deploy|e2e" -E "$ASAN_SKIP" &&
+        ctest --output-on-failure --no-tests=error -j"$JOBS" "${RETRY[@]}" "${ASAN_UNIT_FILTER[@]}" &&
         timed "e2e under ASan" env "${asan_env[@]}" \
-        ctest --output-on-failure --no-tests=error -j"$JOBS" "${RETRY[@]}" -L sanitized -E "$SANITIZED_SKIP") \
+        ctest --output-on-failure --no-tests=error -j"$JOBS" "${RETRY[@]}" "${ASAN_E2E_FILTER[@]}") \
         2>&1 | tee build-asan-full/ctest.log
       retried build-asan-full/ctest.log "ASan"
       check_logs "$logs" "ASan/UBSan/LSan"
