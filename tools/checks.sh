@@ -310,7 +310,11 @@ for step in "${steps[@]}"; do
       # DETOUR_TSAN links the annotations into the daemons too. Full debug
       # info (not OPT_FLAGS' line tables): tests/tsan/tsan.supp matches
       # qualified names of inlined frames, which line tables lack.
+      # The compiler's own linker here (GNU ld, strict about the order of
+      # static libraries), so that CI links the daemons with it too; the
+      # other builds take lld (CMakeLists.txt, DETOUR_LINKER).
       configure build-tsan-full -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDETOUR_TSAN=ON -DDETOUR_TEST_TIMEOUT_SCALE=5 -DDETOUR_WERROR=ON \
+        -DDETOUR_LINKER=default \
         -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
         -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread"
       full_tests=("${TSAN_TESTS[@]}" "${TSAN_FULL_TESTS[@]}")

@@ -28,7 +28,7 @@ PACKAGES=(
   libcivetweb-dev civetweb
   prometheus
   curl iperf3 iproute2 iputils-ping
-  clang-14 libclang-rt-14-dev clang-format-14 ccache
+  clang-14 libclang-rt-14-dev clang-format-14 ccache lld
   sentencepiece
   libssl-dev openssl
   python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
