@@ -29,7 +29,7 @@
 #include "tests/transport/recording_sink.h"
 #include "tests/transport/test_certs.h"
 #include "worker/transport/activation_server.h"
-#include "worker/transport/connection_admission.h"
+#include "common/net/connection_admission.h"
 #include "worker/transport/direct_server.h"
 #include "worker/transport/peer_sender.h"
 

@@ -22,7 +22,7 @@
 #include "common/metrics/metrics.h"
 #include "detour/v1/activation_service.pb.h"
 #include "grpcpp/generic/async_generic_service.h"
-#include "worker/transport/connection_admission.h"
+#include "common/net/connection_admission.h"
 
 namespace detour {
 

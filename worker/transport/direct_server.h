@@ -33,7 +33,7 @@
 #include "common/net/address.h"
 #include "common/net/tls.h"
 #include "worker/transport/activation_server.h"
-#include "worker/transport/connection_admission.h"
+#include "common/net/connection_admission.h"
 #include "worker/transport/direct_link.h"
 
 namespace detour {

@@ -18,7 +18,7 @@
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/proto_buffer_reader.h"
-#include "worker/transport/connection_admission.h"
+#include "common/net/connection_admission.h"
 #include "worker/transport/direct_link.h"
 
 namespace detour {

@@ -23,8 +23,8 @@
 // anywhere else, however many sources it comes from, cannot keep a peer of
 // the job from connecting. Known is an address, not an identity: a known
 // source still has to present a worker's certificate.
-#ifndef DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
-#define DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
+#ifndef DETOUR_COMMON_NET_CONNECTION_ADMISSION_H_
+#define DETOUR_COMMON_NET_CONNECTION_ADMISSION_H_
 
 #include <cstdint>
 #include <map>
@@ -174,4 +174,4 @@ class RefusalLog {
 
 }  // namespace detour
 
-#endif  // DETOUR_WORKER_TRANSPORT_CONNECTION_ADMISSION_H_
+#endif  // DETOUR_COMMON_NET_CONNECTION_ADMISSION_H_

@@ -1,4 +1,4 @@
-#include "worker/transport/connection_admission.h"
+#include "common/net/connection_admission.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
