@@ -205,6 +205,14 @@ absl::Status Coordinator::Init() {
   // Clients and workers send small messages: gRPC's buffers for all of
   // them together stay under 1 GiB.
   server_options.memory_quota_bytes = size_t{1} << 30;
+  server_options.relay.what = "coordinator gRPC";
+  // Every worker holds a connection, and after a restart they all come
+  // back at once: room for thousands, and for a thousand handshakes at a
+  // time (a flood still gets 8 per source address).
+  server_options.relay.limits.max_connections = 8192;
+  server_options.relay.limits.max_unauthenticated = 1024;
+  server_options.relay.metrics = &metrics_registry_;
+  server_options.relay.metric_prefix = "detour_coordinator_grpc";
   ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));

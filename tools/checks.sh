@@ -120,7 +120,7 @@ TORCH_FUZZ_TARGETS=(stage_loader)
 # (metrics_http_server_test is in neither: TSan reports races inside Debian's
 # civetweb, gmtime and tzset on its worker threads; docs/DEVELOPMENT.md.)
 TSAN_TESTS=(tests/transport/transport_test tests/transport/direct_transport_test
-            tests/transport/connection_admission_test tests/net/net_test
+            tests/transport/connection_admission_test tests/net/net_test tests/net/admission_relay_test
             tests/runtime/runtime_work_queue_test tests/worker/worker_control_client_test
             tests/common/log_test)
 TSAN_FULL_TESTS=(tests/runtime/runtime_parts_test tests/runtime/runtime_test)

@@ -101,6 +101,7 @@ absl::Status Worker::Init() {
   // runtime is stopped before it shuts down (Drain).
   runtime_options.peers_changed = [this](const std::vector<std::string>& addresses) {
     if (direct_) direct_->SetKnownPeers(addresses);
+    if (server_.relay) server_.relay->SetKnownPeers(addresses);
   };
   runtime_ = std::make_unique<JobRuntime>(
       runtime_options,
@@ -125,6 +126,9 @@ absl::Status Worker::Init() {
   // connections; the ActivationServer bounds the tensors it reassembles
   // (4 GiB) on top.
   server_options.memory_quota_bytes = size_t{4} << 30;
+  server_options.relay.what = "worker gRPC";
+  server_options.relay.metrics = &metrics_registry_;
+  server_options.relay.metric_prefix = "detour_worker_grpc";
   ASSIGN_OR_RETURN(auto interceptor, metrics::ServerMetricsInterceptorFactory::Create(&m));
   server_options.interceptors.push_back(std::move(interceptor));
   ASSIGN_OR_RETURN(server_, StartGrpcServer(std::move(server_options), "--listen"));

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
+#include "common/net/address.h"
 
 namespace detour {
 
@@ -68,6 +69,16 @@ std::optional<std::string> HostSource(absl::string_view host) {
     return ConnectionSource(reinterpret_cast<const sockaddr*>(&v6));
   }
   return std::nullopt;
+}
+
+std::set<std::string> SourcesOfAddresses(const std::vector<std::string>& addresses) {
+  std::set<std::string> sources;
+  for (const std::string& address : addresses) {
+    auto parsed = ParseHostPort(address, "peer address", /*allow_port_zero=*/false);
+    if (!parsed.ok()) continue;
+    if (std::optional<std::string> source = HostSource(parsed->host)) sources.insert(*source);
+  }
+  return sources;
 }
 
 ConnectionAdmission::ConnectionAdmission(AdmissionLimits limits) : limits_(limits) {}

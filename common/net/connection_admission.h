@@ -1,6 +1,7 @@
-// Which connections the direct transport's server (direct_server.h) lets in,
-// and how it reports the ones it refuses. Pure book-keeping, no sockets: the
-// server calls it under its lock, and tests drive it directly.
+// Which connections the direct transport's server (worker/transport/
+// direct_server.h) and the gRPC ports' relay (admission_relay.h) let in, and
+// how they report the ones they refuse. Pure book-keeping, no sockets: the
+// servers call it under their locks, and tests drive it directly.
 //
 // A connection is *unauthenticated* from accept until it has completed its
 // TLS handshake (a verified worker certificate), the preface and the hello;
@@ -32,6 +33,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -79,6 +81,10 @@ std::string ConnectionSource(const sockaddr* address);
 // "[2001:db8::5]"); nullopt for a name (not resolved here) or anything else.
 std::optional<std::string> HostSource(absl::string_view host);
 
+// The sources of peers' "host:port" addresses (HostSource of each host);
+// names and malformed addresses are skipped.
+std::set<std::string> SourcesOfAddresses(const std::vector<std::string>& addresses);
+
 // Not thread-safe.
 class ConnectionAdmission {
  public:
@@ -113,6 +119,12 @@ class ConnectionAdmission {
   // The job's peers' sources (ConnectionSource form), replacing the last
   // set. Connections already admitted keep their place.
   void SetKnownSources(std::set<std::string> sources) { known_ = std::move(sources); }
+  // The same from peers' "host:port" addresses (SourcesOfAddresses);
+  // returns how many sources are known.
+  size_t SetKnownPeers(const std::vector<std::string>& addresses) {
+    SetKnownSources(SourcesOfAddresses(addresses));
+    return known_.size();
+  }
   bool known(const std::string& source) const { return known_.count(source) > 0; }
   // Unauthenticated connections in the known sources' reserve.
   int reserved() const { return static_cast<int>(reserve_.size()); }

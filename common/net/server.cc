@@ -21,7 +21,17 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options, absl::s
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen.ToString(), options.security.ServerCredentials(), &port);
+  std::shared_ptr<RelayAuthSink> sink;
+  if (options.admission) {
+    sink = std::make_shared<RelayAuthSink>();
+    options.interceptors.push_back(RelayAuthInterceptorFactory(sink));
+    // Only the relay reaches it (and whoever else can open loopback
+    // connections on this host: TLS still holds for them).
+    builder.AddListeningPort("127.0.0.1:0", options.security.ServerCredentials(), &port);
+  } else {
+    builder.AddListeningPort(options.listen.ToString(), options.security.ServerCredentials(),
+                             &port);
+  }
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
@@ -58,6 +68,17 @@ absl::StatusOr<RunningServer> StartGrpcServer(GrpcServerOptions options, absl::s
         what, ": cannot listen on ", options.listen.ToString(), " (address in use or not local)"));
   }
   running.port = port;
+  if (options.admission) {
+    absl::StatusOr<std::unique_ptr<AdmissionRelay>> relay =
+        AdmissionRelay::Start(options.listen, what, port, std::move(options.relay));
+    if (!relay.ok()) {
+      running.server->Shutdown();
+      return relay.status();
+    }
+    running.relay = *std::move(relay);
+    running.relay->AttachSink(std::move(sink));
+    running.port = running.relay->port();
+  }
   SetServing(running.server.get(), true);
   return running;
 }

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/net/address.h"
+#include "common/net/admission_relay.h"
 #include "common/net/tls.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
@@ -41,11 +42,21 @@ struct GrpcServerOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   // Optional interceptor factories (e.g. RPC metrics); ownership moves in.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // Connection admission on `listen` (admission_relay.h): gRPC listens on
+  // the loopback, behind an AdmissionRelay that bounds unauthenticated
+  // connections per source and in total. Off: gRPC listens on `listen`
+  // itself, with no such bounds.
+  bool admission = true;
+  AdmissionRelayOptions relay;
 };
 
 struct RunningServer {
+  // Before `server`, so that it goes after it: the server's calls report
+  // proven callers to it until the server is gone.
+  std::unique_ptr<AdmissionRelay> relay;
   std::unique_ptr<grpc::Server> server;
-  // The bound port (the chosen one when options.listen.port was 0).
+  // The bound port (the chosen one when options.listen.port was 0): the
+  // relay's when there is one.
   int port = 0;
 };
 

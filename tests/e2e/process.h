@@ -18,8 +18,10 @@ namespace detour::testing {
 using ::detour::ChildProcess;
 using ::detour::WaitForReadyField;
 
-// A TCP connection to 127.0.0.1:port (close-on-exec), or -1.
-int ConnectLoopback(int port);
+// A TCP connection to 127.0.0.1:port (close-on-exec), or -1. From `from`
+// when given: another loopback address (127.0.0.2 ...), which the daemons'
+// connection admission counts as another source.
+int ConnectLoopback(int port, const std::string& from = "");
 
 // GET http://127.0.0.1:port/path; returns status line + headers + body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);

@@ -595,13 +595,15 @@ TEST_F(TlsTest, FrameFromANonMemberIsRejectedAndCounted) {
 
 // The sum over reasons of detour_worker_direct_connections_refused_total,
 // or -1 when the metrics cannot be read.
-double RefusedDirectConnections(int metrics_port) {
+// The sum over reasons of a refused-connections counter family.
+double RefusedConnections(int metrics_port, absl::string_view family) {
   auto scrape = HttpGet(metrics_port, "/metrics");
   if (!scrape.ok()) return -1;
   double sum = 0;
   bool seen = false;
+  const std::string prefix = absl::StrCat(family, "{");
   for (absl::string_view line : absl::StrSplit(*scrape, '\n')) {
-    if (!absl::StartsWith(line, "detour_worker_direct_connections_refused_total{")) continue;
+    if (!absl::StartsWith(line, prefix)) continue;
     const size_t space = line.rfind(' ');
     double v = 0;
     if (space == absl::string_view::npos || !absl::SimpleAtod(line.substr(space + 1), &v)) {
@@ -611,6 +613,10 @@ double RefusedDirectConnections(int metrics_port) {
     seen = true;
   }
   return seen ? sum : -1;
+}
+
+double RefusedDirectConnections(int metrics_port) {
+  return RefusedConnections(metrics_port, "detour_worker_direct_connections_refused_total");
 }
 
 // A flood of unauthenticated connections against a worker's direct
@@ -669,6 +675,68 @@ TEST_F(TlsTest, AConnectionFloodDoesNotStopTheJob) {
   }
   EXPECT_GE(lines, 1) << target.process->Log();
   EXPECT_LE(lines, 10) << "refusals must be logged in summaries:\n" << target.process->Log();
+}
+
+// The gRPC ports have the same admission (the daemons' admission relay):
+// silent connections from 20 other addresses to the coordinator's and a
+// worker's gRPC ports, 10 from each, while the two-worker job trains.
+TEST_F(TlsTest, AGrpcPortFloodDoesNotStopTheJob) {
+  TwoWorkerJob run;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(&run));
+  const Daemon& c = run.c;
+  const Daemon& target = run.workers[1];
+  const double coordinator_before =
+      RefusedConnections(c.metrics_port, "detour_coordinator_grpc_connections_refused_total");
+  const double worker_before =
+      RefusedConnections(target.metrics_port, "detour_worker_grpc_connections_refused_total");
+  ASSERT_GE(coordinator_before, 0);
+  ASSERT_GE(worker_before, 0);
+
+  std::vector<int> flood;
+  struct Closer {
+    std::vector<int>* fds;
+    ~Closer() {
+      for (int fd : *fds) ::close(fd);
+    }
+  } closer{&flood};
+  for (int host = 2; host < 22; ++host) {
+    for (int i = 0; i < 10; ++i) {
+      for (int port : {c.grpc_port, target.grpc_port}) {
+        const int fd = ConnectLoopback(port, absl::StrCat("127.0.0.", host));
+        if (fd >= 0) flood.push_back(fd);
+      }
+    }
+  }
+  EXPECT_GE(flood.size(), 360u) << "the flood could not connect";
+  const uint64_t at = GetJob(c.grpc_port, run.job.id()).progress().iteration();
+  EXPECT_TRUE(
+      Eventually([&] { return GetJob(c.grpc_port, run.job.id()).progress().iteration() >= at + 2; },
+                 absl::Seconds(60)))
+      << "iteration " << GetJob(c.grpc_port, run.job.id()).progress().iteration() << " after "
+      << at;
+  // Each address's connections beyond its 8 are refused at once.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return RefusedConnections(c.metrics_port,
+                                  "detour_coordinator_grpc_connections_refused_total") >=
+                   coordinator_before + 40 &&
+               RefusedConnections(target.metrics_port,
+                                  "detour_worker_grpc_connections_refused_total") >=
+                   worker_before + 40;
+      },
+      absl::Seconds(20)));
+  const v1::Job now = GetJob(c.grpc_port, run.job.id());
+  EXPECT_EQ(now.state(), v1::JOB_STATE_RUNNING) << now.message();
+  EXPECT_EQ(now.progress().members(), 2u);
+  for (const auto& [daemon, what] :
+       {std::pair{&c, "coordinator gRPC: refused"}, std::pair{&target, "worker gRPC: refused"}}) {
+    int lines = 0;
+    for (absl::string_view line : absl::StrSplit(daemon->process->Log(), '\n')) {
+      if (absl::StrContains(line, what)) ++lines;
+    }
+    EXPECT_GE(lines, 1) << daemon->process->Log();
+    EXPECT_LE(lines, 10) << "refusals must be logged in summaries:\n" << daemon->process->Log();
+  }
 }
 
 TEST_F(TlsTest, InsecureStillWorksWhenAskedFor) {

@@ -161,16 +161,8 @@ void DirectServer::AcceptLoop() {
 }
 
 size_t DirectServer::SetKnownPeers(const std::vector<std::string>& addresses) {
-  std::set<std::string> sources;
-  for (const std::string& address : addresses) {
-    auto parsed = ParseHostPort(address, "peer address", /*allow_port_zero=*/false);
-    if (!parsed.ok()) continue;
-    if (std::optional<std::string> source = HostSource(parsed->host)) sources.insert(*source);
-  }
-  const size_t known = sources.size();
   absl::MutexLock lock(&mu_);
-  admission_.SetKnownSources(std::move(sources));
-  return known;
+  return admission_.SetKnownPeers(addresses);
 }
 
 void DirectServer::AcceptOne() {
