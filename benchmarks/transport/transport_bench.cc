@@ -267,7 +267,7 @@ const TransportSecurity& BenchTls() {
 }
 
 struct DetourPeer {
-  explicit DetourPeer(bool tls = false, bool direct = false) {
+  explicit DetourPeer(bool tls = false, bool direct = false, bool relay = true) {
     ActivationServerOptions server_options;
     server_options.require_peer_certificates = tls;
     server = std::make_unique<ActivationServer>(&sink, server_options);
@@ -275,6 +275,7 @@ struct DetourPeer {
     options.listen = HostPort{"127.0.0.1", 0};
     if (tls) options.security = BenchTls();
     options.generic_service = server.get();
+    options.admission = relay;
     running = std::move(*StartGrpcServer(std::move(options), "bench"));
     PeerSenderOptions sender_options;
     if (tls) sender_options.security = BenchTls();
@@ -332,8 +333,8 @@ struct DetourPeer {
   std::unique_ptr<PeerSender> sender;
 };
 
-void RunDetour(benchmark::State& state, bool tls, bool direct = false) {
-  DetourPeer peer(tls, direct);
+void RunDetour(benchmark::State& state, bool tls, bool direct = false, bool relay = true) {
+  DetourPeer peer(tls, direct, relay);
   auto data = std::make_shared<std::vector<char>>(static_cast<size_t>(state.range(0)), 'x');
   uint32_t id = 0;
   for (auto _ : state) {
@@ -344,6 +345,10 @@ void RunDetour(benchmark::State& state, bool tls, bool direct = false) {
 
 void BM_Detour(benchmark::State& state) { RunDetour(state, false); }
 void BM_DetourTls(benchmark::State& state) { RunDetour(state, true); }
+// The gRPC stream without the admission relay in front of the server
+// (GrpcServerOptions::admission off): what the relay's hop costs.
+void BM_DetourUnrelayed(benchmark::State& state) { RunDetour(state, false, false, false); }
+void BM_DetourTlsUnrelayed(benchmark::State& state) { RunDetour(state, true, false, false); }
 void BM_DetourDirect(benchmark::State& state) { RunDetour(state, false, true); }
 void BM_DetourDirectTls(benchmark::State& state) { RunDetour(state, true, true); }
 
@@ -375,6 +380,20 @@ BENCHMARK(BM_DetourTls)
     ->Arg(16)
     ->Arg(1 << 20)
     ->Arg(4 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourUnrelayed)
+    ->Arg(16)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DetourTlsUnrelayed)
+    ->Arg(16)
+    ->Arg(1 << 20)
     ->Arg(16 << 20)
     ->Arg(64 << 20)
     ->UseRealTime()
