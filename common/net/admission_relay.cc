@@ -31,18 +31,18 @@ struct AdmissionRelay::Conn {
   struct Pipe {
     std::vector<char> buffer;  // allocated while bytes are in flight
     size_t begin = 0, end = 0;
-    bool eof = false;       // its reader saw the end (or failed)
-    bool shut = false;      // the end was passed on (shutdown SHUT_WR)
+    bool eof = false;   // its reader saw the end (or failed)
+    bool shut = false;  // the end was passed on (shutdown SHUT_WR)
   };
   uint64_t id = 0;
   int client = -1, backend = -1;
-  int backend_port = 0;  // our end of the loopback connection
-  bool connected = false;  // the loopback connect finished
+  int backend_port = 0;                                  // our end of the loopback connection
+  bool connected = false;                                // the loopback connect finished
   bool client_watched = false, backend_watched = false;  // in the epoll set
   std::string source;
   absl::Time arrived;
-  Pipe up;    // client -> server
-  Pipe down;  // server -> client
+  Pipe up;                                         // client -> server
+  Pipe down;                                       // server -> client
   uint32_t client_events = 0, backend_events = 0;  // what epoll watches now
 };
 
@@ -148,8 +148,8 @@ absl::StatusOr<std::unique_ptr<AdmissionRelay>> AdmissionRelay::Start(
       new AdmissionRelay(listen_fd, port, epoll_fd, wake_fd, backend_port, std::move(options)));
 }
 
-AdmissionRelay::AdmissionRelay(int listen_fd, int port, int epoll_fd, int wake_fd,
-                               int backend_port, AdmissionRelayOptions options)
+AdmissionRelay::AdmissionRelay(int listen_fd, int port, int epoll_fd, int wake_fd, int backend_port,
+                               AdmissionRelayOptions options)
     : options_(std::move(options)),
       listen_fd_(listen_fd),
       port_(port),
@@ -533,7 +533,8 @@ void RelayAuthSink::Authenticated(absl::string_view peer) {
 
 std::optional<int> LoopbackPeerPort(absl::string_view peer) {
   absl::string_view rest = peer;
-  if (!absl::ConsumePrefix(&rest, "ipv4:127.0.0.1:") && !absl::ConsumePrefix(&rest, "ipv6:[::1]:") &&
+  if (!absl::ConsumePrefix(&rest, "ipv4:127.0.0.1:") &&
+      !absl::ConsumePrefix(&rest, "ipv6:[::1]:") &&
       !absl::ConsumePrefix(&rest, "ipv6:[::ffff:127.0.0.1]:")) {
     return std::nullopt;
   }
@@ -601,8 +602,8 @@ class RelayAuthFactory : public grpc::experimental::ServerInterceptorFactoryInte
 
 }  // namespace
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-RelayAuthInterceptorFactory(std::shared_ptr<RelayAuthSink> sink) {
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> RelayAuthInterceptorFactory(
+    std::shared_ptr<RelayAuthSink> sink) {
   return std::make_unique<RelayAuthFactory>(std::move(sink));
 }
 

@@ -172,8 +172,8 @@ std::optional<int> LoopbackPeerPort(absl::string_view peer);
 
 // Server interceptors that tell `sink` which connections proved their
 // callers (above).
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-RelayAuthInterceptorFactory(std::shared_ptr<RelayAuthSink> sink);
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> RelayAuthInterceptorFactory(
+    std::shared_ptr<RelayAuthSink> sink);
 
 }  // namespace detour
 

@@ -149,7 +149,8 @@ TEST(AdmissionRelayTest, OneSourceHoldsAtMostItsShareAndOthersStillGetIn) {
     ASSERT_GE(fd, 0);
     fds.push_back(fd);
   }
-  ASSERT_TRUE(WaitFor([&] { return (*relay)->stats().accepted + (*relay)->stats().refused >= 20; }));
+  ASSERT_TRUE(
+      WaitFor([&] { return (*relay)->stats().accepted + (*relay)->stats().refused >= 20; }));
   AdmissionRelay::Stats s = (*relay)->stats();
   EXPECT_EQ(s.accepted, 4u);
   EXPECT_EQ(s.refused_by_reason[static_cast<int>(RefusalReason::kSourceLimit)], 16u);
