@@ -29,7 +29,7 @@ namespace detour {
 // server, and a buffer each way.
 struct AdmissionRelay::Conn {
   struct Pipe {
-    std::vector<char> buffer;  // allocated while bytes are in flight
+    std::unique_ptr<char[]> buffer;  // capacity bytes while bytes are in flight
     size_t begin = 0, end = 0;
     bool eof = false;   // its reader saw the end (or failed)
     bool shut = false;  // the end was passed on (shutdown SHUT_WR)
@@ -56,11 +56,12 @@ uint64_t Tag(uint64_t id, bool backend) { return (id << 1) | (backend ? 1 : 0); 
 enum class Io { kProgress, kWouldBlock, kEnd, kError };
 
 // Reads from `fd` into `p` while there is room; kEnd at end of stream.
-Io Fill(int fd, size_t capacity, std::vector<char>& buffer, size_t& begin, size_t& end) {
-  if (buffer.empty()) buffer.resize(capacity);
+Io Fill(int fd, size_t capacity, std::unique_ptr<char[]>& buffer, size_t& begin, size_t& end) {
+  // Not zeroed: only bytes received are ever sent on.
+  if (buffer == nullptr) buffer.reset(new char[capacity]);
   if (begin == end) begin = end = 0;
-  if (end == buffer.size()) return Io::kWouldBlock;
-  const ssize_t n = ::recv(fd, buffer.data() + end, buffer.size() - end, 0);
+  if (end == capacity) return Io::kWouldBlock;
+  const ssize_t n = ::recv(fd, buffer.get() + end, capacity - end, 0);
   if (n > 0) {
     end += static_cast<size_t>(n);
     return Io::kProgress;
@@ -70,9 +71,9 @@ Io Fill(int fd, size_t capacity, std::vector<char>& buffer, size_t& begin, size_
   return Io::kError;
 }
 
-Io Drain(int fd, std::vector<char>& buffer, size_t& begin, size_t& end) {
+Io Drain(int fd, const std::unique_ptr<char[]>& buffer, size_t& begin, size_t& end) {
   if (begin == end) return Io::kWouldBlock;
-  const ssize_t n = ::send(fd, buffer.data() + begin, end - begin, MSG_NOSIGNAL);
+  const ssize_t n = ::send(fd, buffer.get() + begin, end - begin, MSG_NOSIGNAL);
   if (n > 0) {
     begin += static_cast<size_t>(n);
     return Io::kProgress;
@@ -378,15 +379,23 @@ bool AdmissionRelay::Pump(Conn& c) {
     bool can_write;
   };
   Way ways[2] = {{c.client, c.backend, c.up, c.connected}, {c.backend, c.client, c.down, true}};
-  for (bool progress = true; progress;) {
+  // At most a few buffers' worth per wake-up: a connection that streams
+  // without pause must not keep the one thread from every other one (a
+  // flood of frames, a checkpoint upload starving heartbeats). The sockets
+  // stay ready, so epoll reports them again on the next round.
+  const size_t budget = 4 * capacity;
+  size_t moved = 0;
+  for (bool progress = true; progress && moved < budget;) {
     progress = false;
     for (Way& w : ways) {
       if (w.from == c.backend && !c.connected) continue;
       Conn::Pipe& p = w.p;
       if (w.can_write && p.begin < p.end) {
+        const size_t before = p.begin;
         const Io io = Drain(w.to, p.buffer, p.begin, p.end);
         if (io == Io::kError) return false;
         progress |= io == Io::kProgress;
+        if (io == Io::kProgress) moved += p.begin - before;
       }
       if (!p.eof) {
         const Io io = Fill(w.from, capacity, p.buffer, p.begin, p.end);
@@ -398,11 +407,13 @@ bool AdmissionRelay::Pump(Conn& c) {
         ::shutdown(w.to, SHUT_WR);
         p.shut = true;
       }
-      // An idle way gives its buffer back (most connections are idle).
-      if (p.begin == p.end && !p.buffer.empty()) {
-        std::vector<char>().swap(p.buffer);
-        p.begin = p.end = 0;
-      }
+    }
+  }
+  // An idle way gives its buffer back (most connections are idle).
+  for (Way& w : ways) {
+    if (w.p.begin == w.p.end && w.p.buffer != nullptr) {
+      w.p.buffer.reset();
+      w.p.begin = w.p.end = 0;
     }
   }
   return !(c.up.shut && c.down.shut);
