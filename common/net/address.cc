@@ -82,15 +82,16 @@ absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, boo
   }
   ::freeaddrinfo(result);
   if (bound < 0) return status;
-  if (bound_port != nullptr) {
-    sockaddr_storage name{};
-    socklen_t len = sizeof(name);
-    ::getsockname(bound, reinterpret_cast<sockaddr*>(&name), &len);
-    *bound_port = name.ss_family == AF_INET6
-                      ? ntohs(reinterpret_cast<sockaddr_in6*>(&name)->sin6_port)
-                      : ntohs(reinterpret_cast<sockaddr_in*>(&name)->sin_port);
-  }
+  if (bound_port != nullptr) *bound_port = LocalPort(bound);
   return bound;
+}
+
+int LocalPort(int fd) {
+  sockaddr_storage name{};
+  socklen_t len = sizeof(name);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&name), &len) != 0) return 0;
+  return name.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&name)->sin6_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in*>(&name)->sin_port);
 }
 
 absl::Status CheckPortFree(const HostPort& address, absl::string_view what) {

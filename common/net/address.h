@@ -30,6 +30,9 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, absl::string_view
 absl::StatusOr<int> BindTcp(const HostPort& address, absl::string_view what, bool listen,
                             int* bound_port = nullptr);
 
+// The local port of a socket, bound or connected (getsockname); 0 if unknown.
+int LocalPort(int fd);
+
 // True when nothing listens on host:port right now (a TCP bind succeeds
 // without SO_REUSEPORT). Used to give a clear "already in use" error before
 // gRPC or civetweb print their own.

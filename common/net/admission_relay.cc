@@ -84,14 +84,6 @@ Io Drain(int fd, const std::unique_ptr<char[]>& buffer, size_t& begin, size_t& e
   return Io::kError;
 }
 
-int LocalPort(int fd) {
-  sockaddr_storage name{};
-  socklen_t len = sizeof(name);
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&name), &len) != 0) return 0;
-  return name.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&name)->sin6_port)
-                                    : ntohs(reinterpret_cast<sockaddr_in*>(&name)->sin_port);
-}
-
 // Raises the soft limit on open files towards what `connections` relayed
 // connections need (two descriptors each, and room for the rest of the
 // process); warns when the hard limit stops it short.
@@ -158,21 +150,13 @@ AdmissionRelay::AdmissionRelay(int listen_fd, int port, int epoll_fd, int wake_f
       wake_fd_(wake_fd),
       backend_port_(backend_port),
       admission_(options_.limits),
-      refusal_log_(options_.refusal_log_interval, options_.what, "connection") {
+      refusals_(options_.refusal_log_interval, options_.what, "connection") {
+  refusals_.Export(options_.metrics, options_.metric_prefix + "_connections_refused",
+                   absl::StrCat("Connections to the ", options_.what,
+                                " port refused or closed before their caller proved itself, by "
+                                "reason (per-source and unauthenticated limits, the connection "
+                                "limit, the deadline to prove the caller)."));
   if (options_.metrics != nullptr) {
-    if (auto family = options_.metrics->AddCounter(
-            options_.metric_prefix + "_connections_refused",
-            absl::StrCat("Connections to the ", options_.what,
-                         " port refused or closed before their caller proved itself, by reason "
-                         "(per-source and unauthenticated limits, the connection limit, the "
-                         "deadline to prove the caller)."),
-            {"reason"});
-        family.ok()) {
-      for (int r = 0; r < kRefusalReasons; ++r) {
-        auto counter = (*family)->WithLabels({RefusalReasonLabel(static_cast<RefusalReason>(r))});
-        if (counter.ok()) refused_metric_[r] = *counter;
-      }
-    }
     if (auto family = options_.metrics->AddGauge(
             options_.metric_prefix + "_connections",
             absl::StrCat("Connections to the ", options_.what,
@@ -276,7 +260,7 @@ void AdmissionRelay::Loop() {
       std::optional<std::string> summary;
       {
         absl::MutexLock lock(&mu_);
-        summary = refusal_log_.Flush(now);
+        summary = refusals_.Flush(now);
       }
       if (summary.has_value()) LogWarning(*summary);
     }
@@ -508,9 +492,10 @@ AdmissionRelay::Stats AdmissionRelay::stats() const {
   absl::MutexLock lock(&mu_);
   Stats s;
   s.accepted = accepted_;
-  s.refused = refused_;
-  std::copy(std::begin(refused_by_reason_), std::end(refused_by_reason_),
-            std::begin(s.refused_by_reason));
+  s.refused = refusals_.total();
+  for (int r = 0; r < kRefusalReasons; ++r) {
+    s.refused_by_reason[r] = refusals_.of(static_cast<RefusalReason>(r));
+  }
   s.unauthenticated = admission_.unauthenticated();
   s.authenticated = admission_.authenticated();
   s.open = admission_.open();
@@ -520,12 +505,7 @@ AdmissionRelay::Stats AdmissionRelay::stats() const {
 std::optional<std::string> AdmissionRelay::RefusedLocked(RefusalReason reason,
                                                          absl::string_view source,
                                                          absl::string_view detail) {
-  ++refused_;
-  ++refused_by_reason_[static_cast<int>(reason)];
-  if (refused_metric_[static_cast<int>(reason)] != nullptr) {
-    refused_metric_[static_cast<int>(reason)]->Increment();
-  }
-  return refusal_log_.Note(reason, source, detail, absl::Now());
+  return refusals_.Count(reason, source, detail, absl::Now());
 }
 
 void AdmissionRelay::PublishLocked() {

@@ -138,14 +138,11 @@ class AdmissionRelay {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   ConnectionAdmission admission_ ABSL_GUARDED_BY(mu_);
-  RefusalLog refusal_log_ ABSL_GUARDED_BY(mu_);
+  RefusalCounter refusals_ ABSL_GUARDED_BY(mu_);
   std::map<int, uint64_t> by_backend_port_ ABSL_GUARDED_BY(mu_);
   // Admitted connections whose caller has not proven itself yet.
   std::set<uint64_t> unproven_ ABSL_GUARDED_BY(mu_);
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t refused_by_reason_[kRefusalReasons] ABSL_GUARDED_BY(mu_) = {};
-  metrics::Counter* refused_metric_[kRefusalReasons] = {};
   metrics::Gauge* unauthenticated_metric_ = nullptr;
   metrics::Gauge* authenticated_metric_ = nullptr;
 };

@@ -225,4 +225,23 @@ std::optional<std::string> RefusalLog::Flush(absl::Time now) {
   return line;
 }
 
+void RefusalCounter::Export(metrics::Registry* registry, const std::string& metric,
+                            const std::string& help) {
+  if (registry == nullptr) return;
+  auto family = registry->AddCounter(metric, help, {"reason"});
+  if (!family.ok()) return;
+  for (int r = 0; r < kRefusalReasons; ++r) {
+    auto counter = (*family)->WithLabels({RefusalReasonLabel(static_cast<RefusalReason>(r))});
+    if (counter.ok()) metric_[r] = *counter;
+  }
+}
+
+std::optional<std::string> RefusalCounter::Count(RefusalReason reason, absl::string_view source,
+                                                 absl::string_view detail, absl::Time now) {
+  ++total_;
+  ++by_reason_[static_cast<int>(reason)];
+  if (metric_[static_cast<int>(reason)] != nullptr) metric_[static_cast<int>(reason)]->Increment();
+  return log_.Note(reason, source, detail, now);
+}
+
 }  // namespace detour

@@ -37,6 +37,7 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/metrics/metrics.h"
 
 struct sockaddr;
 
@@ -182,6 +183,33 @@ class RefusalLog {
   std::map<std::string, uint64_t> sources_;  // at most kMaxSources, then "other"
   std::string last_detail_;
   static constexpr size_t kMaxSources = 64;
+};
+
+// The refusals of one port, for the server that owns it: counted by reason
+// (its stats), in a counter family labelled by reason when it has a
+// registry, and logged through a RefusalLog. Not thread-safe: the server
+// calls it under its own lock.
+class RefusalCounter {
+ public:
+  explicit RefusalCounter(absl::Duration log_interval, std::string what = "direct transport",
+                          std::string noun = "connection")
+      : log_(log_interval, std::move(what), std::move(noun)) {}
+  // Registers `metric` (a counter family with the label "reason", one
+  // series per RefusalReason) on `registry`; a null registry, none.
+  void Export(metrics::Registry* registry, const std::string& metric, const std::string& help);
+  // Counts a refusal; the line to log now, if any (RefusalLog::Note). The
+  // caller logs it after its lock.
+  std::optional<std::string> Count(RefusalReason reason, absl::string_view source,
+                                   absl::string_view detail, absl::Time now);
+  std::optional<std::string> Flush(absl::Time now) { return log_.Flush(now); }
+  uint64_t total() const { return total_; }
+  uint64_t of(RefusalReason reason) const { return by_reason_[static_cast<int>(reason)]; }
+
+ private:
+  RefusalLog log_;
+  uint64_t total_ = 0;
+  uint64_t by_reason_[kRefusalReasons] = {};
+  metrics::Counter* metric_[kRefusalReasons] = {};
 };
 
 }  // namespace detour

@@ -289,6 +289,36 @@ TEST(RefusalLogTest, WithoutATimerTheNextRefusalAfterAnIntervalBringsTheSummary)
   EXPECT_THAT(*summary, HasSubstr("handshake 5, identity 1"));
 }
 
+TEST(RefusalCounterTest, CountsByReasonExportsOneSeriesPerReasonAndLogs) {
+  metrics::Registry registry;
+  RefusalCounter refusals(absl::Seconds(10), "test port", "connection");
+  refusals.Export(&registry, "detour_test_connections_refused", "Refused, by reason.");
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::optional<std::string> first =
+      refusals.Count(RefusalReason::kDeadline, "10.0.0.9", "nothing proven", t0);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_THAT(*first, HasSubstr("test port: refused a connection from 10.0.0.9 (deadline)"));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_FALSE(refusals.Count(RefusalReason::kSourceLimit, "10.0.0.8", "x", t0).has_value());
+  }
+  EXPECT_EQ(refusals.total(), 4u);
+  EXPECT_EQ(refusals.of(RefusalReason::kDeadline), 1u);
+  EXPECT_EQ(refusals.of(RefusalReason::kSourceLimit), 3u);
+  EXPECT_EQ(refusals.of(RefusalReason::kHandshake), 0u);
+  const std::string text = registry.Serialize();
+  EXPECT_THAT(text, HasSubstr("detour_test_connections_refused_total{reason=\"deadline\"} 1"));
+  EXPECT_THAT(text, HasSubstr("detour_test_connections_refused_total{reason=\"source_limit\"} 3"));
+  EXPECT_THAT(text, HasSubstr("detour_test_connections_refused_total{reason=\"handshake\"} 0"));
+  std::optional<std::string> summary = refusals.Flush(t0 + absl::Seconds(10));
+  ASSERT_TRUE(summary.has_value());
+  EXPECT_THAT(*summary, HasSubstr("refused 3 connections"));
+  // Without a registry: counted and logged all the same.
+  RefusalCounter unexported(absl::Seconds(10));
+  unexported.Export(nullptr, "detour_test_other_refused", "x");
+  EXPECT_TRUE(unexported.Count(RefusalReason::kPreface, "10.0.0.7", "x", t0).has_value());
+  EXPECT_EQ(unexported.total(), 1u);
+}
+
 // --- a flood against a real server -------------------------------------------
 
 // A non-blocking TCP connection to 127.0.0.1:port from `source` (another

@@ -61,25 +61,18 @@ DirectServer::DirectServer(ActivationServer* activations, DirectServerOptions op
       port_(port),
       ctx_(std::move(ctx)),
       admission_(options_.admission),
-      refusal_log_(options_.refusal_log_interval) {
+      refusals_(options_.refusal_log_interval) {
   if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) wake_pipe_[0] = wake_pipe_[1] = -1;
   if (options_.metrics != nullptr) {
     accepted_metric_ = metrics::OptionalCounter(
         options_.metrics, "detour_worker_direct_connections_accepted",
         "Direct-transport connections accepted (TLS handshake and preface done).");
-    if (auto family = options_.metrics->AddCounter(
-            "detour_worker_direct_connections_refused",
-            "Direct-transport connections refused or closed before carrying frames, by reason "
-            "(limits on unauthenticated connections, the connection limit, the handshake "
-            "deadline, a failed TLS handshake, a certificate that is not a worker's, a wrong "
-            "preface, a conflicting stripe).",
-            {"reason"});
-        family.ok()) {
-      for (int r = 0; r < kRefusalReasons; ++r) {
-        auto counter = (*family)->WithLabels({RefusalReasonLabel(static_cast<RefusalReason>(r))});
-        if (counter.ok()) refused_metric_[r] = *counter;
-      }
-    }
+    refusals_.Export(
+        options_.metrics, "detour_worker_direct_connections_refused",
+        "Direct-transport connections refused or closed before carrying frames, by reason "
+        "(limits on unauthenticated connections, the connection limit, the handshake "
+        "deadline, a failed TLS handshake, a certificate that is not a worker's, a wrong "
+        "preface, a conflicting stripe).");
     if (auto family = options_.metrics->AddGauge(
             "detour_worker_direct_connections",
             "Direct-transport connections open now (peers sending tensors to this worker).");
@@ -125,9 +118,10 @@ DirectServer::Stats DirectServer::stats() const {
   absl::MutexLock lock(&mu_);
   Stats s;
   s.accepted = accepted_;
-  s.refused = refused_;
-  std::copy(std::begin(refused_by_reason_), std::end(refused_by_reason_),
-            std::begin(s.refused_by_reason));
+  s.refused = refusals_.total();
+  for (int r = 0; r < kRefusalReasons; ++r) {
+    s.refused_by_reason[r] = refusals_.of(static_cast<RefusalReason>(r));
+  }
   s.open = open_;
   s.unauthenticated = admission_.unauthenticated();
   s.sessions = static_cast<int>(sessions_.size());
@@ -151,7 +145,7 @@ void DirectServer::AcceptLoop() {
         }
       }
       finished_.clear();
-      summary = refusal_log_.Flush(absl::Now());
+      summary = refusals_.Flush(absl::Now());
     }
     if (summary.has_value()) LogWarning(*summary);
     for (std::thread& t : done) t.join();
@@ -215,12 +209,7 @@ void DirectServer::AcceptOne() {
 std::optional<std::string> DirectServer::RefusedLocked(RefusalReason reason,
                                                        absl::string_view source,
                                                        absl::string_view detail) {
-  ++refused_;
-  ++refused_by_reason_[static_cast<int>(reason)];
-  if (refused_metric_[static_cast<int>(reason)] != nullptr) {
-    refused_metric_[static_cast<int>(reason)]->Increment();
-  }
-  return refusal_log_.Note(reason, source, detail, absl::Now());
+  return refusals_.Count(reason, source, detail, absl::Now());
 }
 
 namespace {

@@ -170,17 +170,14 @@ class DirectServer {
   std::map<SessionKey, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   int open_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t refused_by_reason_[kRefusalReasons] ABSL_GUARDED_BY(mu_) = {};
   ConnectionAdmission admission_ ABSL_GUARDED_BY(mu_);
-  RefusalLog refusal_log_ ABSL_GUARDED_BY(mu_);
+  RefusalCounter refusals_ ABSL_GUARDED_BY(mu_);
   // A duplicate of each unauthenticated connection's socket, open until its
   // thread is done with the handshake: shutting it down closes the
   // connection (eviction) without racing the thread's close of its own.
   std::map<uint64_t, int> unauthenticated_fds_ ABSL_GUARDED_BY(mu_);
   std::thread acceptor_;
   metrics::Counter* accepted_metric_ = nullptr;
-  metrics::Counter* refused_metric_[kRefusalReasons] = {};
   metrics::Gauge* open_metric_ = nullptr;
 };
 
