@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <utility>
@@ -348,6 +350,9 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_EQ(got[1].second, *small);
   EXPECT_EQ(sender.direct_info().connections, 4);
   EXPECT_FALSE(sender.direct_info().congestion_control.empty());
+  const std::vector<uint64_t> written = sender.direct_info().written;
+  ASSERT_EQ(written.size(), 4u);
+  EXPECT_EQ(std::accumulate(written.begin(), written.end(), uint64_t{0}), (64u << 20) + (4u << 10));
   // Each stripe is a connection of its own, with its own handshake, all in
   // one session on the receiver.
   EXPECT_EQ(server_->stats().accepted, 4u);
@@ -359,6 +364,161 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_EQ(s.partial_tensors, 0u);
   sender.Close();
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
+}
+
+// A TCP relay on loopback in front of a server that can stop carrying what
+// one of its connections' clients send (the connection is held up, as a
+// loss or a slow path holds a connection on a WAN), while the answers still
+// flow back.
+class HoldingRelay {
+ public:
+  explicit HoldingRelay(int target_port) : target_port_(target_port) {
+    auto [fd, port] = LoopbackListener();
+    listen_fd_ = fd;
+    port_ = port;
+    acceptor_ = std::thread([this] { AcceptLoop(); });
+  }
+  ~HoldingRelay() {
+    stop_ = true;
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    acceptor_.join();
+    {
+      absl::MutexLock lock(&mu_);
+      for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+    }
+    for (auto& t : pumps_) t.join();
+    for (int fd : fds_) ::close(fd);
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+  // Holds (or releases) what the client of the `index`th connection sends.
+  void Hold(size_t index, bool held) {
+    absl::MutexLock lock(&mu_);
+    if (held_.size() <= index) held_.resize(index + 1, false);
+    held_[index] = held;
+  }
+  size_t connections() {
+    absl::MutexLock lock(&mu_);
+    return accepted_;
+  }
+
+ private:
+  bool Held(size_t index) {
+    absl::MutexLock lock(&mu_);
+    return index < held_.size() && held_[index];
+  }
+
+  void AcceptLoop() {
+    while (!stop_) {
+      pollfd p{listen_fd_, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const int client = ::accept(listen_fd_, nullptr, nullptr);
+      if (client < 0) continue;
+      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(target_port_));
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        ::close(client);
+        ::close(server);
+        continue;
+      }
+      absl::MutexLock lock(&mu_);
+      const size_t index = accepted_++;
+      fds_.push_back(client);
+      fds_.push_back(server);
+      pumps_.emplace_back([this, client, server, index] { Pump(client, server, index); });
+      pumps_.emplace_back([this, server, client] { Pump(server, client, SIZE_MAX); });
+    }
+  }
+  // Copies from `from` to `to` until either ends; while the connection is
+  // held (index != SIZE_MAX), reads nothing.
+  void Pump(int from, int to, size_t index) {
+    std::vector<char> buffer(64 << 10);
+    while (!stop_) {
+      if (index != SIZE_MAX && Held(index)) {
+        absl::SleepFor(absl::Milliseconds(5));
+        continue;
+      }
+      pollfd p{from, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const ssize_t n = ::read(from, buffer.data(), buffer.size());
+      if (n <= 0) break;
+      for (ssize_t put = 0; put < n;) {
+        const ssize_t w =
+            ::send(to, buffer.data() + put, static_cast<size_t>(n - put), MSG_NOSIGNAL);
+        if (w <= 0) return;
+        put += w;
+      }
+    }
+    ::shutdown(to, SHUT_WR);
+  }
+
+  const int target_port_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+  absl::Mutex mu_;
+  size_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<bool> held_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> fds_;            // written under mu_ by the acceptor
+  std::vector<std::thread> pumps_;  // likewise; joined after it ended
+};
+
+// The connections of a striped session take chunks as each is free: one
+// that is held up (a loss, a slow path) takes no more once its socket stops
+// taking data, and the tensors the others carry complete without it. When
+// each connection had its fixed range of every tensor, every striped tensor
+// waited for the held connection.
+TEST_P(DirectTransportTest, AHeldUpConnectionDoesNotHoldTheOthersTensors) {
+  StartServer();
+  HoldingRelay relay(server_->port());
+  PeerSenderOptions o = SenderOptions();
+  o.direct_address = absl::StrCat("127.0.0.1:", relay.port());
+  o.direct_connections = 2;
+  PeerSender sender("w2", o);
+  auto opening = Pattern(4 << 10, 1);
+  ASSERT_TRUE(SendAndWait(sender, Header(0, (4 << 10) / 4), View(opening)).ok());
+  ASSERT_EQ(relay.connections(), 2u);
+  relay.Hold(1, true);
+
+  constexpr int kTensors = 6;  // 8 MiB each: striped, 4 chunks of 2 MiB
+  std::vector<std::shared_ptr<std::vector<char>>> sent;
+  absl::Mutex mu;
+  int done = 0, failed = 0;
+  for (uint32_t mb = 1; mb <= kTensors; ++mb) {
+    sent.push_back(Pattern(8 << 20, static_cast<int>(mb)));
+    sender.Send(Header(mb, (8 << 20) / 4), View(sent.back()), [&](absl::Status s, double) {
+      absl::MutexLock lock(&mu);
+      ++(s.ok() ? done : failed);
+    });
+  }
+  // All but the one tensor whose chunk the held connection took.
+  EXPECT_TRUE(Eventually([&] {
+    absl::MutexLock lock(&mu);
+    return done >= kTensors - 1;
+  })) << "tensors done while one connection was held: "
+      << done;
+  const std::vector<uint64_t> written = sender.direct_info().written;
+  ASSERT_EQ(written.size(), 2u);
+  EXPECT_LE(std::min(written[0], written[1]), uint64_t{4} << 20)
+      << "the held connection took " << std::min(written[0], written[1]) << " bytes";
+
+  relay.Hold(1, false);
+  EXPECT_TRUE(Eventually([&] {
+    absl::MutexLock lock(&mu);
+    return done == kTensors;
+  }));
+  EXPECT_EQ(failed, 0);
+  auto got = sink_.received();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kTensors) + 1);
+  for (const auto& [header, bytes] : got) {
+    if (header.microbatch() == 0) continue;
+    EXPECT_TRUE(bytes == *sent[header.microbatch() - 1]) << header.microbatch();
+  }
+  sender.Close();
 }
 
 // A receiver that does not know the sender (no peer list named it) lets one

@@ -190,7 +190,7 @@ TEST(PlanStripesTest, RaisedCoreCapsAreRequestedExplicitlyWhenAutotuningFallsSho
   EXPECT_EQ(t.rcvbuf_request, 0);
 }
 
-TEST(StripeChunkBytesTest, EveryStripeGetsTheSameNumberOfChunks) {
+TEST(StripeChunkBytesTest, EveryStripeGetsTheSameNumberOrMebibyteChunks) {
   constexpr size_t kMiB = 1 << 20, k4 = 4 * kMiB, k8 = 8 * kMiB;
   // 64 MiB over 11: 4 MiB would leave some stripes two chunks and some one;
   // 22 chunks of under 3 MiB give each two.
@@ -204,9 +204,12 @@ TEST(StripeChunkBytesTest, EveryStripeGetsTheSameNumberOfChunks) {
   // 16 MiB over 4 and 64 MiB over 4: the longest chunk already fits.
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 4, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(64 * kMiB, 4, k4, k8), k4);
-  // Less than a longest chunk per stripe (16 MiB over 11), below the
-  // threshold, over one connection or none known: the longest.
-  EXPECT_EQ(StripeChunkBytes(16 * kMiB, 11, k4, k8), k4);
+  // Less than a longest chunk per stripe (16 MiB over 11, 8 MiB over 4):
+  // 1 MiB chunks, more than the stripes, so that every stripe can take some.
+  EXPECT_EQ(StripeChunkBytes(16 * kMiB, 11, k4, k8), kMiB);
+  EXPECT_EQ(StripeChunkBytes(k8, 4, k4, k8), kMiB);
+  EXPECT_EQ(StripeChunkBytes(k8, 16, k4, k8), kMiB);
+  // Below the threshold, over one connection or none known: the longest.
   EXPECT_EQ(StripeChunkBytes(7 * kMiB, 11, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 1, k4, k8), k4);
   EXPECT_EQ(StripeChunkBytes(16 * kMiB, 0, k4, k8), k4);

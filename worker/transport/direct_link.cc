@@ -12,6 +12,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -435,6 +436,11 @@ void DirectLink::SetSendBuffer(int64_t bytes) {
   DirectSocketOptions options;
   options.sndbuf = bytes;
   (void)ApplyDirectSocketOptions(fd_, options);
+}
+
+void DirectLink::SetNotsentLowat(int64_t bytes) {
+  const int v = static_cast<int>(std::clamp<int64_t>(bytes, 1, INT32_MAX));
+  (void)::setsockopt(fd_, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &v, sizeof(v));
 }
 
 absl::Duration DirectLink::Rtt() const {

@@ -121,6 +121,10 @@ class DirectLink {
   const DirectHello& hello() const { return hello_; }
   // The kernel's smoothed round-trip estimate (TCP_INFO); zero if unknown.
   absl::Duration Rtt() const;
+  // TCP_NOTSENT_LOWAT: the socket takes more writes only while less than
+  // `bytes` of what was written waits unsent (the rest of the send buffer
+  // holds data in flight). Best effort.
+  void SetNotsentLowat(int64_t bytes);
   // SO_SNDBUF after the connection is up (the send buffer, unlike the
   // receive buffer, does not shape the handshake).
   void SetSendBuffer(int64_t bytes);

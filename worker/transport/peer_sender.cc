@@ -135,10 +135,9 @@ class PeerSender::DirectStream : public Stream {
   DirectStream(PeerSender* owner, std::vector<std::unique_ptr<DirectLink>> links)
       : owner_(owner), links_(std::move(links)) {
     absl::MutexLock lock(&mu_);
-    queues_.resize(links_.size());
-    queued_.assign(links_.size(), 0);
     for (size_t i = 0; i < links_.size(); ++i) {
       links_[i]->SetIoTimeout(owner_->options_.ack_timeout);
+      if (links_.size() > 1) links_[i]->SetNotsentLowat(kStripeNotsentLowat);
       writers_.emplace_back([this, i] { WriteLoop(i); });
       readers_.emplace_back([this, i] { ReadAcks(i); });
     }
@@ -147,9 +146,7 @@ class PeerSender::DirectStream : public Stream {
   void Write(Chunk* chunk) override {
     {
       absl::MutexLock lock(&mu_);
-      const size_t lane = Lane(*chunk);
-      queued_[lane] += chunk->bytes;
-      queues_[lane].push_back(std::move(*chunk));
+      chunks_.push_back(std::move(*chunk));
     }
     owner_->OnWriteDone(true);
   }
@@ -182,22 +179,6 @@ class PeerSender::DirectStream : public Stream {
   }
 
  private:
-  size_t Lane(const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const size_t lanes = links_.size();
-    const v1::FrameHeader& h = chunk.header;
-    if (lanes == 1) return 0;
-    if (h.total_bytes() >= owner_->options_.stripe_threshold_bytes && h.num_chunks() > 1) {
-      const uint64_t stripes = std::min<uint64_t>(lanes, h.num_chunks());
-      return static_cast<size_t>(uint64_t{h.chunk_index()} * stripes / h.num_chunks());
-    }
-    if (h.chunk_index() == 0 || chunk.key != small_key_) {
-      small_key_ = chunk.key;
-      small_lane_ =
-          static_cast<size_t>(std::min_element(queued_.begin(), queued_.end()) - queued_.begin());
-    }
-    return small_lane_;
-  }
-
   void WriteLoop(size_t lane) {
     DirectLink* link = links_[lane].get();
     std::string header;
@@ -205,13 +186,15 @@ class PeerSender::DirectStream : public Stream {
       Chunk chunk;
       {
         absl::MutexLock lock(&mu_);
-        auto ready = [this, lane]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || !queues_[lane].empty();
+        // Whichever connection is free takes the next chunk: one that a loss
+        // holds up (its socket takes no more, TCP_NOTSENT_LOWAT) takes fewer.
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !chunks_.empty();
         };
         mu_.Await(absl::Condition(&ready));
         if (stopping_) return;
-        chunk = std::move(queues_[lane].front());
-        queues_[lane].pop_front();
+        chunk = std::move(chunks_.front());
+        chunks_.pop_front();
         ++busy_;
       }
       header.clear();
@@ -225,9 +208,9 @@ class PeerSender::DirectStream : public Stream {
       {
         absl::MutexLock lock(&mu_);
         --busy_;
-        queued_[lane] -= chunk.bytes;
         report = !stopping_;
       }
+      if (written.ok()) owner_->CountWritten(lane, chunk.bytes);
       if (!written.ok()) {
         if (report) {
           owner_->OnStreamError(absl::UnavailableError(
@@ -281,11 +264,8 @@ class PeerSender::DirectStream : public Stream {
   PeerSender* const owner_;
   const std::vector<std::unique_ptr<DirectLink>> links_;
   absl::Mutex mu_;
-  std::vector<std::deque<Chunk>> queues_ ABSL_GUARDED_BY(mu_);
-  std::vector<size_t> queued_ ABSL_GUARDED_BY(mu_);  // bytes per queue
-  std::string small_key_ ABSL_GUARDED_BY(mu_);
-  size_t small_lane_ ABSL_GUARDED_BY(mu_) = 0;
-  int busy_ ABSL_GUARDED_BY(mu_) = 0;  // frames being written
+  std::deque<Chunk> chunks_ ABSL_GUARDED_BY(mu_);  // chunks no connection has taken yet
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;              // frames being written
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool polite_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> writers_;
@@ -651,6 +631,7 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
   RETURN_IF_ERROR(open_stripes(static_cast<int>(links.size()), count));
   absl::MutexLock lock(&mu_);
   direct_info_.connections = count;
+  direct_info_.written.assign(static_cast<size_t>(count), 0);
   direct_info_.congestion_control = links.front()->congestion_control();
   direct_info_.rtt = hint.rtt;
   direct_info_.sndbuf_request = socket.sndbuf;
@@ -660,6 +641,11 @@ absl::StatusOr<std::vector<std::unique_ptr<DirectLink>>> PeerSender::ConnectDire
 DirectConnectionInfo PeerSender::direct_info() const {
   absl::MutexLock lock(&mu_);
   return direct_info_;
+}
+
+void PeerSender::CountWritten(size_t connection, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (connection < direct_info_.written.size()) direct_info_.written[connection] += bytes;
 }
 
 void PeerSender::OnStreamBroken() {

@@ -62,11 +62,12 @@ struct PeerSenderOptions {
   // Striping (direct transport): how many connections carry tensors to this
   // peer. 0 = as many as the link needs (tcp_tuning.h's PlanStripes: the
   // link's rate × RTT against the socket-buffer limits), else this many
-  // (at most kMaxDirectStripes). A tensor of at least stripe_threshold_bytes
-  // is cut into one contiguous range of chunks per connection (of
-  // chunk_bytes; once the connections are open, of StripeChunkBytes, which
-  // gives each connection the same count); a smaller one travels whole on
-  // the least busy connection.
+  // (at most kMaxDirectStripes). The connections take chunks from one
+  // queue, each when its socket has room (kStripeNotsentLowat), so one that
+  // a loss holds up takes fewer. A tensor of at least stripe_threshold_bytes
+  // is cut into chunks of chunk_bytes (once the connections are open, of
+  // StripeChunkBytes: as many per connection for a large one, 1 MiB for a
+  // smaller one); a smaller tensor, into chunks of chunk_bytes.
   int direct_connections = 0;
   size_t stripe_threshold_bytes = 8 << 20;
   // What the link to this peer is expected to carry (the cluster's link
@@ -87,6 +88,8 @@ struct DirectConnectionInfo {
   // Tries the last connect took: more than 1 when the receiver closed the
   // connections of the earlier ones (PeerSenderOptions::connect_timeout).
   int connect_attempts = 0;
+  // Tensor bytes written on each connection of the session (chunks only).
+  std::vector<uint64_t> written;
 };
 
 class PeerSender {
@@ -156,6 +159,8 @@ class PeerSender {
   void OnWriteDone(bool ok);
   void OnReadEnded();
   void OnStreamDone();
+  // A direct stripe wrote a chunk of `bytes` (DirectConnectionInfo::written).
+  void CountWritten(size_t connection, uint64_t bytes);
   // A direct stripe failed: the whole stream is given up (its tensors fail).
   void OnStreamBroken();
   // Opens the stripes of a new direct session (blocking; without mu_),

@@ -99,10 +99,12 @@ size_t StripeChunkBytes(size_t total, int stripes, size_t max_chunk, size_t thre
   constexpr size_t kPage = 4096;
   max_chunk = std::max(kPage, max_chunk);
   const uint64_t lanes = static_cast<uint64_t>(std::max(stripes, 1));
-  // Less than a longest chunk per stripe: the longest chunks, on as many
-  // stripes as they fill (cut finer to reach every stripe, 16 MiB tensors
-  // measured no better, and some streams 15-35 % slower).
-  if (stripes <= 1 || total < threshold || total / lanes < max_chunk) return max_chunk;
+  if (stripes <= 1 || total < threshold) return max_chunk;
+  // Less than a longest chunk per stripe: short chunks, more of them than
+  // the stripes if the tensor allows, so that every stripe can take some.
+  if (total / lanes < max_chunk) {
+    return static_cast<size_t>(std::clamp<uint64_t>(kMinStripeChunkBytes, kPage, max_chunk));
+  }
   const uint64_t share = total / lanes + (total % lanes != 0);
   const uint64_t per_stripe = share / max_chunk + (share % max_chunk != 0);
   const uint64_t chunks = lanes * std::max<uint64_t>(1, per_stripe);

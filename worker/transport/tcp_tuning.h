@@ -43,6 +43,19 @@ inline constexpr int kMaxDirectStripes = 16;
 // much room they reach 0.90-0.96x.
 inline constexpr double kStripeHeadroom = 1.5;
 
+// A striped session's connections take chunks from one queue, each when it
+// is free; a connection's socket counts as free once less than this much
+// written data waits unsent (TCP_NOTSENT_LOWAT). Without it a writer hands
+// the kernel chunk after chunk until the whole send buffer (megabytes) is
+// full, so a connection that a loss holds up takes as many chunks as the
+// others; with it, a held-up connection stops taking them within about a
+// megabyte, and the others carry the rest. At 100 MB/s a megabyte is 10 ms
+// of sending: far longer than a writer thread takes to wake.
+inline constexpr int64_t kStripeNotsentLowat = 1 << 20;
+// The chunk of a striped tensor of less than a longest chunk per stripe
+// (StripeChunkBytes).
+inline constexpr uint64_t kMinStripeChunkBytes = 1 << 20;
+
 // The socket-buffer limits of this machine, in bytes.
 struct TcpLimits {
   int64_t wmem_max = 212992;  // net.core.wmem_max: cap of SO_SNDBUF
@@ -104,13 +117,15 @@ StripePlan PlanStripes(const LinkHint& hint, const TcpLimits& limits,
                        int max_connections = kMaxDirectStripes);
 
 // The chunk length a tensor of `total` bytes is cut into when it is striped
-// over `stripes` connections. When it holds at least a `max_chunk` per
-// stripe, every stripe gets the same number of chunks of at most
-// `max_chunk`, the fewest that allows, each a multiple of 4 KiB: 64 MiB
-// over 11 stripes is 22 chunks of under 3 MiB, two per stripe, where 16 of
-// 4 MiB left 5 stripes with two and 6 with one, and the tensor waited for
-// the ones with two. Otherwise (a smaller tensor, one below `threshold`,
-// one connection): `max_chunk`.
+// over `stripes` connections, a multiple of 4 KiB and at most `max_chunk`.
+// When it holds at least a `max_chunk` per stripe: as many chunks for every
+// stripe, the fewest that allows (64 MiB over 11 stripes is 22 chunks of
+// under 3 MiB, where 16 of 4 MiB left 5 stripes with two and 6 with one, and
+// the tensor waited for the ones with two). Otherwise kMinStripeChunkBytes:
+// 16 MiB over 11 stripes is 16 chunks of 1 MiB, where 4 MiB chunks reached
+// only 4 of the 11. The connections take the chunks from one queue as each
+// is free, so more chunks than connections let the ones a loss holds up
+// take fewer. A tensor below `threshold`, or one connection: `max_chunk`.
 size_t StripeChunkBytes(size_t total, int stripes, size_t max_chunk, size_t threshold);
 
 // Warnings for links whose expected rate the limits cap: one line per
