@@ -31,8 +31,7 @@ std::string ReadAll(const std::string& path) {
 class IdentityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    char pattern[] = "/tmp/detour-identity-test.XXXXXX";
-    dir_ = new std::string(::mkdtemp(pattern));
+    dir_ = new std::string(testing::ProcessTempDir() + "/identity-test");
     const std::string script = testing::SourceDir() + "/tools/gen_certs.sh";
     Sh(absl::StrCat(script, " ", *dir_,
                     " --worker w1 --coordinator coordinator --client alice > /dev/null"));

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "tests/test_paths.h"
 
 namespace detour {
 namespace {
@@ -48,9 +49,7 @@ std::string Example() {
 }
 
 // Per-process names: ctest runs this binary's tests in parallel.
-std::string Temp(const std::string& name) {
-  return ::testing::TempDir() + "/" + std::to_string(::getpid()) + "." + name;
-}
+std::string Temp(const std::string& name) { return detour::testing::ProcessTempDir() + "/" + name; }
 
 void Write(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 

@@ -32,8 +32,7 @@ struct Certs {
 inline const Certs& TestCerts() {
   static const Certs* const certs = [] {
     auto* c = new Certs;
-    char pattern[] = "/tmp/detour-direct-test.XXXXXX";
-    const std::string root = ::mkdtemp(pattern);
+    const std::string root = testing::ProcessTempDir() + "/direct-test-certs";
     c->dir = root + "/ca";
     c->other_dir = root + "/other";
     const std::string script = testing::SourceDir() + "/tools/gen_certs.sh";
