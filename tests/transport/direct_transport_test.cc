@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -366,21 +365,26 @@ TEST_P(DirectTransportTest, ALargeTensorIsStripedOverSeveralConnections) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
 }
 
-// A TCP relay on loopback in front of a server that can stop carrying what
-// one of its connections' clients send (the connection is held up, as a
-// loss or a slow path holds a connection on a WAN), while the answers still
-// flow back.
-class HoldingRelay {
+// A TCP relay on loopback between a sender and the server, as a path of a
+// WAN: it can cut one connection (the `victim`-th it accepts) after
+// `cut_after` bytes from the sender, as a lost path would, and hold what the
+// sender of a connection sends (Hold), as a loss or a slow path holds a
+// connection up, while the server's answers still flow back.
+class TestRelay {
  public:
-  explicit HoldingRelay(int target_port) : target_port_(target_port) {
+  explicit TestRelay(int target_port, int victim = -1, size_t cut_after = 0)
+      : target_port_(target_port), victim_(victim), cut_after_(cut_after) {
     auto [fd, port] = LoopbackListener();
-    listen_fd_ = fd;
+    listener_ = fd;
     port_ = port;
-    acceptor_ = std::thread([this] { AcceptLoop(); });
+    acceptor_ = std::thread([this] { Accept(); });
   }
-  ~HoldingRelay() {
-    stop_ = true;
-    ::shutdown(listen_fd_, SHUT_RDWR);
+  ~TestRelay() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    ::shutdown(listener_, SHUT_RDWR);
     acceptor_.join();
     {
       absl::MutexLock lock(&mu_);
@@ -388,83 +392,90 @@ class HoldingRelay {
     }
     for (auto& t : pumps_) t.join();
     for (int fd : fds_) ::close(fd);
-    ::close(listen_fd_);
+    ::close(listener_);
   }
   int port() const { return port_; }
-  // Holds (or releases) what the client of the `index`th connection sends.
-  void Hold(size_t index, bool held) {
+  bool cut() {
     absl::MutexLock lock(&mu_);
-    if (held_.size() <= index) held_.resize(index + 1, false);
-    held_[index] = held;
+    return cut_;
   }
   size_t connections() {
     absl::MutexLock lock(&mu_);
     return accepted_;
   }
-
- private:
-  bool Held(size_t index) {
+  // Holds (or releases) what the sender of the `index`th connection sends.
+  void Hold(size_t index, bool held) {
     absl::MutexLock lock(&mu_);
-    return index < held_.size() && held_[index];
+    if (held_.size() <= index) held_.resize(index + 1, false);
+    held_[index] = held;
   }
 
-  void AcceptLoop() {
-    while (!stop_) {
-      pollfd p{listen_fd_, POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      const int client = ::accept(listen_fd_, nullptr, nullptr);
-      if (client < 0) continue;
+ private:
+  void Accept() {
+    while (true) {
+      const int client = ::accept(listener_, nullptr, nullptr);
+      if (client < 0) return;
       const int server = ::socket(AF_INET, SOCK_STREAM, 0);
       sockaddr_in addr{};
       addr.sin_family = AF_INET;
-      addr.sin_port = htons(static_cast<uint16_t>(target_port_));
       addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<uint16_t>(target_port_));
       if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
         ::close(client);
         ::close(server);
         continue;
       }
       absl::MutexLock lock(&mu_);
-      const size_t index = accepted_++;
+      const size_t n = accepted_++;
       fds_.push_back(client);
       fds_.push_back(server);
-      pumps_.emplace_back([this, client, server, index] { Pump(client, server, index); });
-      pumps_.emplace_back([this, server, client] { Pump(server, client, SIZE_MAX); });
+      pumps_.emplace_back([this, client, server, n] { Pump(client, server, n); });
+      pumps_.emplace_back([this, server, client] { Pump(server, client, kAnswers); });
     }
   }
-  // Copies from `from` to `to` until either ends; while the connection is
-  // held (index != SIZE_MAX), reads nothing.
+  // Copies from `from` to `to` until either ends. `index`: the connection's
+  // place in accept order, for what its sender sends; kAnswers for the way
+  // back (never held or cut).
   void Pump(int from, int to, size_t index) {
     std::vector<char> buffer(64 << 10);
-    while (!stop_) {
-      if (index != SIZE_MAX && Held(index)) {
-        absl::SleepFor(absl::Milliseconds(5));
-        continue;
+    size_t moved = 0;
+    while (true) {
+      if (index != kAnswers) {
+        absl::MutexLock lock(&mu_);
+        auto released = [this, index]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || index >= held_.size() || !held_[index];
+        };
+        mu_.Await(absl::Condition(&released));
+        if (stopping_) break;
       }
-      pollfd p{from, POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      const ssize_t n = ::read(from, buffer.data(), buffer.size());
+      const ssize_t n = ::recv(from, buffer.data(), buffer.size(), 0);
       if (n <= 0) break;
-      for (ssize_t put = 0; put < n;) {
-        const ssize_t w =
-            ::send(to, buffer.data() + put, static_cast<size_t>(n - put), MSG_NOSIGNAL);
-        if (w <= 0) return;
-        put += w;
+      if (::send(to, buffer.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+      moved += static_cast<size_t>(n);
+      if (index != kAnswers && static_cast<int>(index) == victim_ && moved >= cut_after_) {
+        absl::MutexLock lock(&mu_);
+        cut_ = true;
+        break;
       }
     }
-    ::shutdown(to, SHUT_WR);
+    ::shutdown(from, SHUT_RDWR);
+    ::shutdown(to, SHUT_RDWR);
   }
 
+  static constexpr size_t kAnswers = SIZE_MAX;
   const int target_port_;
-  int listen_fd_ = -1;
+  const int victim_;
+  const size_t cut_after_;
+  int listener_ = -1;
   int port_ = 0;
-  std::atomic<bool> stop_{false};
   std::thread acceptor_;
   absl::Mutex mu_;
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> pumps_;  // acceptor thread, then the destructor
   size_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<bool> held_ ABSL_GUARDED_BY(mu_);
-  std::vector<int> fds_;            // written under mu_ by the acceptor
-  std::vector<std::thread> pumps_;  // likewise; joined after it ended
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cut_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The connections of a striped session take chunks as each is free: one
@@ -474,7 +485,7 @@ class HoldingRelay {
 // waited for the held connection.
 TEST_P(DirectTransportTest, AHeldUpConnectionDoesNotHoldTheOthersTensors) {
   StartServer();
-  HoldingRelay relay(server_->port());
+  TestRelay relay(server_->port());
   PeerSenderOptions o = SenderOptions();
   o.direct_address = absl::StrCat("127.0.0.1:", relay.port());
   o.direct_connections = 2;
@@ -759,98 +770,10 @@ TEST_F(DirectFramingTest, StripesThatConflictWithTheirSessionAreRefused) {
   EXPECT_TRUE(Eventually([&] { return server_->stats().sessions == 0; }));
 }
 
-// A TCP relay between the sender and the server that cuts one connection (the
-// `victim`-th it accepts) after `cut_after` bytes from the sender, as a lost
-// path would.
-class CuttingRelay {
- public:
-  CuttingRelay(std::string target_port, int victim, size_t cut_after)
-      : target_port_(std::move(target_port)), victim_(victim), cut_after_(cut_after) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    ::listen(listener_, 32);
-    socklen_t len = sizeof(addr);
-    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
-    acceptor_ = std::thread([this] { Accept(); });
-  }
-  ~CuttingRelay() {
-    ::shutdown(listener_, SHUT_RDWR);
-    acceptor_.join();
-    {
-      absl::MutexLock lock(&mu_);
-      for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
-    }
-    for (auto& t : pumps_) t.join();
-    for (int fd : fds_) ::close(fd);
-    ::close(listener_);
-  }
-  int port() const { return port_; }
-  bool cut() {
-    absl::MutexLock lock(&mu_);
-    return cut_;
-  }
-
- private:
-  void Accept() {
-    for (int n = 0;; ++n) {
-      const int client = ::accept(listener_, nullptr, nullptr);
-      if (client < 0) return;
-      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      addr.sin_port = htons(static_cast<uint16_t>(std::stoi(target_port_)));
-      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-        ::close(client);
-        ::close(server);
-        continue;
-      }
-      const bool victim = n == victim_;
-      absl::MutexLock lock(&mu_);
-      fds_.push_back(client);
-      fds_.push_back(server);
-      pumps_.emplace_back([this, client, server, victim] { Pump(client, server, victim); });
-      pumps_.emplace_back([this, server, client] { Pump(server, client, false); });
-    }
-  }
-  void Pump(int from, int to, bool victim) {
-    std::vector<char> buffer(64 << 10);
-    size_t moved = 0;
-    while (true) {
-      const ssize_t n = ::recv(from, buffer.data(), buffer.size(), 0);
-      if (n <= 0) break;
-      if (::send(to, buffer.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
-      moved += static_cast<size_t>(n);
-      if (victim && moved >= cut_after_) {
-        absl::MutexLock lock(&mu_);
-        cut_ = true;
-        break;
-      }
-    }
-    ::shutdown(from, SHUT_RDWR);
-    ::shutdown(to, SHUT_RDWR);
-  }
-
-  const std::string target_port_;
-  const int victim_;
-  const size_t cut_after_;
-  int listener_ = -1;
-  int port_ = 0;
-  std::thread acceptor_;
-  absl::Mutex mu_;
-  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> pumps_;  // acceptor thread, then the destructor
-  bool cut_ ABSL_GUARDED_BY(mu_) = false;
-};
-
 TEST_F(DirectFramingTest, ALostStripeFailsTheTensorAndTheReceiverFreesIt) {
   ASSERT_NO_FATAL_FAILURE(StartServer());
   // The second connection of the session is cut 1 MiB into its stripe.
-  CuttingRelay relay(address_.substr(address_.rfind(':') + 1), /*victim=*/1, 1 << 20);
+  TestRelay relay(server_->port(), /*victim=*/1, 1 << 20);
   PeerSenderOptions o = SenderOptions();
   o.direct_address = absl::StrCat("127.0.0.1:", relay.port());
   o.direct_connections = 4;
