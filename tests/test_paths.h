@@ -8,10 +8,10 @@
 #include <stdlib.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 
@@ -27,30 +27,36 @@ inline std::string BuildDir() {
   return dir != nullptr ? dir : DETOUR_BUILD_DIR_DEFAULT;
 }
 
-// A directory of this test process's own under $TMPDIR (or /tmp),
-// `detour-test.XXXXXX`, made on first use and removed with what is in it
-// when the process exits (unless DETOUR_E2E_KEEP_DIRS=1, for whoever reads
-// a failure). Aborts, naming the path, when none can be made: it never
-// hands back a shared directory. For files a test makes and forgets
-// (certificates, specs, plans); an e2e test's daemons each get a TempDir
-// (tests/e2e/process.h).
+// A fresh directory under $TMPDIR (or /tmp) for one test, `prefix-XXXXXX`.
+// Throws std::runtime_error (the test fails, naming it) when none can be
+// made: never hands back a shared directory that a clean-up would empty.
+inline std::string MakeTempDir(const std::string& prefix) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern =
+      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/" + prefix + "-XXXXXX";
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    throw std::runtime_error("cannot make a test directory " + pattern + ": " +
+                             std::strerror(errno));
+  }
+  return pattern;
+}
+
+// Whether a test's directories stay after it: DETOUR_E2E_KEEP_DIRS=1.
+inline bool KeepTestDirs() {
+  const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
+  return keep != nullptr && std::string(keep) == "1";
+}
+
+// A directory of this test process's own (MakeTempDir, `detour-test-XXXXXX`),
+// made on first use and removed with what is in it when the process exits
+// (unless KeepTestDirs(), for whoever reads a failure). For files a test
+// makes and forgets (certificates, specs, plans); an e2e test's daemons each
+// get a TempDir (tests/e2e/process.h).
 inline const std::string& ProcessTempDir() {
   struct Dir {
-    std::string path;
-    Dir() {
-      const char* tmp = std::getenv("TMPDIR");
-      std::string pattern =
-          std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/detour-test.XXXXXX";
-      if (::mkdtemp(pattern.data()) == nullptr) {
-        std::fprintf(stderr, "cannot make a test directory %s: %s\n", pattern.c_str(),
-                     std::strerror(errno));
-        std::abort();
-      }
-      path = pattern;
-    }
+    std::string path = MakeTempDir("detour-test");
     ~Dir() {
-      const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
-      if (keep != nullptr && std::string(keep) == "1") return;
+      if (KeepTestDirs()) return;
       std::error_code ignored;
       std::filesystem::remove_all(path, ignored);
     }

@@ -75,22 +75,6 @@ double MetricValue(const std::string& scrape, const std::string& series) {
   return v;
 }
 
-std::string MakeTempDir(const std::string& prefix) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern =
-      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/", prefix, "-XXXXXX");
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    throw std::runtime_error(
-        absl::StrCat("cannot make a test directory ", pattern, ": ", std::strerror(errno)));
-  }
-  return pattern;
-}
-
-bool KeepTestDirs() {
-  const char* keep = std::getenv("DETOUR_E2E_KEEP_DIRS");
-  return keep != nullptr && std::string(keep) == "1";
-}
-
 TempDir::~TempDir() {
   if (::testing::Test::HasFailure() || KeepTestDirs()) {
     std::cerr << "the test's directory: " << path_ << "\n";

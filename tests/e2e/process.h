@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/subprocess.h"
+#include "tests/test_paths.h"
 
 namespace detour::testing {
 
@@ -31,11 +32,6 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 // unparseable.
 double MetricValue(const std::string& scrape, const std::string& series);
 
-// A fresh directory under $TMPDIR (or /tmp) for one test, `prefix-XXXXXX`.
-// Throws std::runtime_error (the test fails, naming it) when none can be
-// made: never hands back a shared directory that a clean-up would empty.
-std::string MakeTempDir(const std::string& prefix);
-
 // A directory of a test's own (MakeTempDir), removed with what is in it when
 // the object goes, unless the test has failed or DETOUR_E2E_KEEP_DIRS=1:
 // then it stays and its path is printed, for whoever reads the failure.
@@ -51,9 +47,6 @@ class TempDir {
  private:
   std::string path_;
 };
-
-// Whether a test's directories stay after it: DETOUR_E2E_KEEP_DIRS=1.
-bool KeepTestDirs();
 
 // Binds a TCP listener on 127.0.0.1 and returns (fd, port); the caller closes.
 std::pair<int, int> OccupyPort();
