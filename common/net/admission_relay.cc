@@ -492,10 +492,7 @@ AdmissionRelay::Stats AdmissionRelay::stats() const {
   absl::MutexLock lock(&mu_);
   Stats s;
   s.accepted = accepted_;
-  s.refused = refusals_.total();
-  for (int r = 0; r < kRefusalReasons; ++r) {
-    s.refused_by_reason[r] = refusals_.of(static_cast<RefusalReason>(r));
-  }
+  refusals_.CopyTo(&s.refused, s.refused_by_reason);
   s.unauthenticated = admission_.unauthenticated();
   s.authenticated = admission_.authenticated();
   s.open = admission_.open();

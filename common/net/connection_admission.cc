@@ -236,9 +236,16 @@ void RefusalCounter::Export(metrics::Registry* registry, const std::string& metr
   }
 }
 
+void RefusalCounter::CopyTo(uint64_t* total, uint64_t (&by_reason)[kRefusalReasons]) const {
+  *total = 0;
+  for (int r = 0; r < kRefusalReasons; ++r) {
+    by_reason[r] = by_reason_[r];
+    *total += by_reason_[r];
+  }
+}
+
 std::optional<std::string> RefusalCounter::Count(RefusalReason reason, absl::string_view source,
                                                  absl::string_view detail, absl::Time now) {
-  ++total_;
   ++by_reason_[static_cast<int>(reason)];
   if (metric_[static_cast<int>(reason)] != nullptr) metric_[static_cast<int>(reason)]->Increment();
   return log_.Note(reason, source, detail, now);

@@ -202,12 +202,12 @@ class RefusalCounter {
   std::optional<std::string> Count(RefusalReason reason, absl::string_view source,
                                    absl::string_view detail, absl::Time now);
   std::optional<std::string> Flush(absl::Time now) { return log_.Flush(now); }
-  uint64_t total() const { return total_; }
   uint64_t of(RefusalReason reason) const { return by_reason_[static_cast<int>(reason)]; }
+  // The counts, into a server's stats: the total and by reason.
+  void CopyTo(uint64_t* total, uint64_t (&by_reason)[kRefusalReasons]) const;
 
  private:
   RefusalLog log_;
-  uint64_t total_ = 0;
   uint64_t by_reason_[kRefusalReasons] = {};
   metrics::Counter* metric_[kRefusalReasons] = {};
 };

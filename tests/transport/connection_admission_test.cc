@@ -301,7 +301,10 @@ TEST(RefusalCounterTest, CountsByReasonExportsOneSeriesPerReasonAndLogs) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_FALSE(refusals.Count(RefusalReason::kSourceLimit, "10.0.0.8", "x", t0).has_value());
   }
-  EXPECT_EQ(refusals.total(), 4u);
+  uint64_t total = 0, by_reason[kRefusalReasons] = {};
+  refusals.CopyTo(&total, by_reason);
+  EXPECT_EQ(total, 4u);
+  EXPECT_EQ(by_reason[static_cast<int>(RefusalReason::kSourceLimit)], 3u);
   EXPECT_EQ(refusals.of(RefusalReason::kDeadline), 1u);
   EXPECT_EQ(refusals.of(RefusalReason::kSourceLimit), 3u);
   EXPECT_EQ(refusals.of(RefusalReason::kHandshake), 0u);
@@ -316,7 +319,8 @@ TEST(RefusalCounterTest, CountsByReasonExportsOneSeriesPerReasonAndLogs) {
   RefusalCounter unexported(absl::Seconds(10));
   unexported.Export(nullptr, "detour_test_other_refused", "x");
   EXPECT_TRUE(unexported.Count(RefusalReason::kPreface, "10.0.0.7", "x", t0).has_value());
-  EXPECT_EQ(unexported.total(), 1u);
+  unexported.CopyTo(&total, by_reason);
+  EXPECT_EQ(total, 1u);
 }
 
 // --- a flood against a real server -------------------------------------------

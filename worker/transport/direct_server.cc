@@ -118,10 +118,7 @@ DirectServer::Stats DirectServer::stats() const {
   absl::MutexLock lock(&mu_);
   Stats s;
   s.accepted = accepted_;
-  s.refused = refusals_.total();
-  for (int r = 0; r < kRefusalReasons; ++r) {
-    s.refused_by_reason[r] = refusals_.of(static_cast<RefusalReason>(r));
-  }
+  refusals_.CopyTo(&s.refused, s.refused_by_reason);
   s.open = open_;
   s.unauthenticated = admission_.unauthenticated();
   s.sessions = static_cast<int>(sessions_.size());
