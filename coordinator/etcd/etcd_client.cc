@@ -128,6 +128,14 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions optio
   return client;
 }
 
+absl::Status EtcdAnswerStatus(const grpc::Status& status) {
+  absl::Status s = FromGrpcStatus(status);
+  if (s.code() != absl::StatusCode::kUnknown) return s;
+  if (s.message() == "context deadline exceeded") return absl::DeadlineExceededError(s.message());
+  if (s.message() == "context canceled") return absl::UnavailableError(s.message());
+  return s;
+}
+
 std::string EtcdClient::Describe() const {
   return absl::StrCat("etcd://", absl::StrJoin(options_.endpoints, ","));
 }
@@ -150,7 +158,7 @@ absl::Status EtcdClient::Invoke(absl::string_view op, size_t request_bytes,
     Member& member = members_[index];
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + per_attempt)));
-    const absl::Status error = FromGrpcStatus(attempt(member, &context));
+    const absl::Status error = EtcdAnswerStatus(attempt(member, &context));
     if (error.ok()) {
       preferred_.store(index);
       return absl::OkStatus();

@@ -46,6 +46,14 @@ struct EtcdOptions {
 absl::StatusOr<std::vector<std::string>> ParseEtcdUrl(absl::string_view url,
                                                       absl::string_view flag);
 
+// A member's answer as a status. etcd answers a request that ran out of
+// time inside the server (its raft proposal did not commit: no quorum) with
+// gRPC's UNKNOWN code and Go's context error text; those are
+// DEADLINE_EXCEEDED and UNAVAILABLE here, like the same outcome seen from
+// this side, so that the call tries the next member and its caller knows
+// the outcome is unknown.
+absl::Status EtcdAnswerStatus(const grpc::Status& status);
+
 // The end of the range of every key that starts with `prefix`.
 std::string EtcdPrefixEnd(absl::string_view prefix);
 

@@ -38,6 +38,25 @@ TEST(EtcdUrl, PrefixEnd) {
   EXPECT_EQ(EtcdPrefixEnd("\xff"), std::string(1, '\0'));
 }
 
+// A member whose raft proposal timed out (no quorum) answers UNKNOWN with
+// Go's context error: the outcome is unknown, as when this side's deadline
+// passes, so the call goes on to the next member and a job store holds the
+// job rather than failing it. Other UNKNOWN answers stay what they are.
+TEST(EtcdClient, AMembersTimeoutAnswerIsAnUnknownOutcome) {
+  EXPECT_EQ(
+      EtcdAnswerStatus(grpc::Status(grpc::StatusCode::UNKNOWN, "context deadline exceeded")).code(),
+      absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(EtcdAnswerStatus(grpc::Status(grpc::StatusCode::UNKNOWN, "context canceled")).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(EtcdAnswerStatus(grpc::Status(grpc::StatusCode::UNKNOWN, "something else")).code(),
+            absl::StatusCode::kUnknown);
+  EXPECT_EQ(EtcdAnswerStatus(
+                grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "context deadline exceeded"))
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(EtcdAnswerStatus(grpc::Status::OK).ok());
+}
+
 TEST(EtcdClient, NoMemberReachableIsAnErrorNamingEachEndpoint) {
   auto [fd1, port1] = testing::OccupyPort();  // listens, never speaks gRPC
   ::close(fd1);                               // now nothing listens there
