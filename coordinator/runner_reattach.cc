@@ -33,18 +33,34 @@ std::optional<JobEnd> RunnerReattach::Run() {
   // Workers re-register and report what they hold (JobStatus) once their
   // session reopens.
   std::map<std::string, v1::JobStatus> status;
+  // Members back whose heartbeat names no part of this job (the old
+  // coordinator told them to drop it, or they restarted): nothing will come
+  // from them, so they are not waited for.
+  std::set<std::string> empty_handed;
+  auto note_empty_handed = [&] {
+    for (const v1::WorkerInfo& w : host_->registry().List(false)) {
+      if (membership_.IsMember(w.worker_id()) && !status.count(w.worker_id()) && w.session_open() &&
+          w.heartbeats() > 0 && w.job_id() != job_id_) {
+        empty_handed.insert(w.worker_id());
+      }
+    }
+  };
+  note_empty_handed();
   const absl::Time deadline = Now() + options().assign_timeout;
-  while (status.size() < members().size() && Now() < deadline) {
+  while (status.size() + empty_handed.size() < members().size() && Now() < deadline) {
     RunnerEvent ev = Wait(
-        deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false);
+        deadline, [&] { return "workers to re-attach"; }, /*detect_loss=*/false,
+        /*return_on_change=*/true);
     if (ev.end && StopRequested()) return ev.end;
     if (ev.end) break;  // timed out: the missing ones are lost
     for (auto& [worker, m] : ev.messages) {
       if (m.has_job_status() && m.job_status().job_id() == job_id_ &&
           membership_.IsMember(worker)) {
         status[worker] = m.job_status();
+        empty_handed.erase(worker);
       }
     }
+    note_empty_handed();
   }
   for (const v1::WorkerInfo& w : host_->registry().List(true)) {
     if (membership_.IsMember(w.worker_id())) membership_.mutable_infos()[w.worker_id()] = w;
@@ -76,7 +92,12 @@ std::optional<JobEnd> RunnerReattach::Run() {
   absl::Status agree =
       point.ok() ? CheckReplicasAgree(checksums, members(), point->next_iteration) : point.status();
   if (!agree.ok()) {
-    return Failed(absl::StrCat("coordinator restarted; ", agree.message(),
+    const std::string why =
+        status.empty() && !empty_handed.empty()
+            ? absl::StrCat("no worker of the job came back holding its part (",
+                           absl::StrJoin(empty_handed, ", "), " came back without it)")
+            : std::string(agree.message());
+    return Failed(absl::StrCat("coordinator restarted; ", why,
                                "; resume the job from its last checkpoint (detourctl resume ",
                                job_id_, ")"));
   }
@@ -89,8 +110,13 @@ std::optional<JobEnd> RunnerReattach::Run() {
   // Whatever iteration was in flight is run again from its start.
   link_.AbortIteration(next_iteration_, "the coordinator restarted; the iteration runs again");
   for (const std::string& id : missing) {
-    AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
-             absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
+    AddEvent(
+        v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,
+        empty_handed.count(id)
+            ? absl::StrCat("worker ", id,
+                           " came back after the coordinator restarted without its part of "
+                           "the job")
+            : absl::StrCat("worker ", id, " did not come back after the coordinator restarted"));
   }
   for (const std::string& id : behind) {
     AddEvent(v1::JobHistoryEvent::KIND_WORKER_LOST, next_iteration_, id,

@@ -140,6 +140,20 @@ class FakeCluster : public RunnerHost {
     registry_.SessionEnded(token, clock_->Now());
   }
 
+  // A heartbeat from `id` naming `job` ("" = idle), as the worker sends on
+  // its session.
+  void Beat(const std::string& id, const std::string& job) {
+    std::string token;
+    {
+      absl::MutexLock lock(&mu_);
+      token = workers_[id].token;
+    }
+    v1::Heartbeat beat;
+    beat.set_seq(1);
+    beat.set_job_id(job);
+    ASSERT_TRUE(registry_.Heartbeat(token, beat, clock_->Now()).ok());
+  }
+
   // The runner and the registry read `clock` (the real one by default).
   void UseClock(const Clock* clock) { clock_ = clock; }
 
@@ -1089,6 +1103,52 @@ TEST_F(JobRunnerTest, ReattachesAfterACoordinatorRestart) {
   ASSERT_FALSE(planned.empty());
   EXPECT_EQ(planned.front(), 3u);
   EXPECT_EQ(job.progress().iteration(), 7u);
+}
+
+// A worker back after the restart whose heartbeat names no part of the job
+// (the old coordinator told it to drop the job before it died) is not
+// waited for until --assign_timeout: the others re-attach at once, and a
+// job whose workers all came back empty-handed fails at once, saying so.
+TEST_F(JobRunnerTest, ReattachDoesNotWaitForWorkersBackWithoutTheJob) {
+  for (const char* id : {"d0", "a1", "a2", "b"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->assign_timeout = absl::Hours(1);
+  auto normalized = NormalizeJobSpec(Spec(3, 2, 0.0, 7));
+  ASSERT_TRUE(normalized.ok()) << normalized.status();
+  for (const bool any_holds : {true, false}) {
+    SCOPED_TRACE(any_holds ? "three still hold the job" : "none holds it");
+    StoreRunningJob(*normalized);
+    if (any_holds) {
+      cluster_->Hold("d0", 0, 7);
+      cluster_->Hold("a1", 1, 8);
+      cluster_->Hold("b", 2, 9);
+    }
+    cluster_->Beat("a2", "");
+    const absl::Time start = absl::Now();
+    Start(*normalized, {}, JobRunner::StartMode::kReattach);
+    if (any_holds) {
+      for (const auto& [id, stage] :
+           std::vector<std::pair<std::string, int>>{{"d0", 0}, {"a1", 1}, {"b", 2}}) {
+        cluster_->Beat(id, job_id_);
+        ReportHolding(id, stage, 3, 4);
+      }
+    } else {
+      for (const char* id : {"d0", "a1", "b"}) cluster_->Beat(id, "");
+    }
+    const v1::Job job = AwaitEnd();
+    EXPECT_LT(absl::Now() - start, absl::Minutes(1)) << "waited for --assign_timeout";
+    if (!any_holds) {
+      ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED) << History(job);
+      EXPECT_THAT(job.message(),
+                  HasSubstr("no worker of the job came back holding its part (a1, a2, b, d0 came "
+                            "back without it)"));
+      continue;
+    }
+    ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+    EXPECT_THAT(History(job), HasSubstr("re-attached 3 workers after a coordinator restart"));
+    EXPECT_THAT(History(job), HasSubstr("worker a2 came back after the coordinator restarted "
+                                        "without its part of the job"));
+    EXPECT_EQ(job.progress().iteration(), 7u);
+  }
 }
 
 // The old coordinator died between its step messages of iteration 3: d0
