@@ -39,7 +39,7 @@ absl::StatusOr<TransportSecurity> LoadBenchTls(const std::string& dir);
 
 // Makes a throwaway CA and the "bench" certificate in a new temporary
 // directory by running `gen_certs` (the path of tools/gen_certs.sh); returns
-// the directory.
+// the directory (the caller removes it once the files are loaded).
 absl::StatusOr<std::string> MakeBenchCerts(const std::string& gen_certs);
 
 }  // namespace detour

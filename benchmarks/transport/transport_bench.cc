@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <system_error>
 #include <functional>
 #include <string>
 #include <memory>
@@ -257,6 +258,9 @@ const TransportSecurity& BenchTls() {
     const absl::StatusOr<std::string> dir = MakeBenchCerts(script);
     const absl::StatusOr<TransportSecurity> loaded =
         dir.ok() ? LoadBenchTls(*dir) : absl::StatusOr<TransportSecurity>(dir.status());
+    // Loaded into memory: the files are not read again.
+    std::error_code ignored;
+    if (dir.ok()) std::filesystem::remove_all(*dir, ignored);
     if (!loaded.ok()) {
       std::fprintf(stderr, "transport_bench: %s\n", loaded.status().ToString().c_str());
       std::exit(1);

@@ -2,7 +2,6 @@
 // content in the data dir, loaded by the job store and recovered (a pending
 // job's stored spec is validated again). Nothing may crash; an unreadable
 // file is kept aside.
-#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -12,14 +11,10 @@
 
 #include "common/spec.h"
 #include "coordinator/job_store.h"
+#include "tests/fuzz/scratch_dir.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string dir = [] {
-    std::string d = (std::filesystem::temp_directory_path() /
-                     ("detour-fuzz-jobs-" + std::to_string(::getpid())))
-                        .string();
-    return d;
-  }();
+  static const std::string dir = detour::fuzz::ScratchDir("jobs");
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir + "/jobs", ec);

@@ -6,7 +6,6 @@
 // AdamW::LoadState. Every input must end in an error or a complete load,
 // never a crash or an exception. (stage_file_fuzzer covers the container
 // alone, without LibTorch, under the sanitizers.)
-#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "tests/fuzz/scratch_dir.h"
 #include "worker/model/checkpoint.h"
 
 namespace {
@@ -42,10 +42,7 @@ ModelConfig TinyConfig() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string dir = [] {
     at::set_num_threads(1);
-    const std::string d =
-        (fs::temp_directory_path() / ("detour-fuzz-stage-" + std::to_string(::getpid()))).string();
-    fs::create_directories(d);
-    return d;
+    return detour::fuzz::ScratchDir("stage");
   }();
   const std::string bytes(reinterpret_cast<const char*>(data), size);
   {
