@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/reattach_point.h"
 
 namespace detour {
 
@@ -76,19 +77,20 @@ std::vector<std::string> IterationRound::MissingResults() const {
 void IterationRound::Drop(uint32_t microbatch) { dropped_.insert(microbatch); }
 
 absl::Status IterationRound::Check() const {
-  std::map<int, std::pair<std::string, uint64_t>> checksum;
+  std::map<std::string, uint64_t> checksums;
+  std::map<std::string, int> stages;
   std::map<uint32_t, int> completions;
   for (const auto& [id, r] : results_) {
-    auto [it, fresh] =
-        checksum.emplace(static_cast<int>(r.stage()), std::make_pair(id, r.parameter_checksum()));
-    if (!fresh && it->second.second != r.parameter_checksum()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("replicas of stage ", r.stage(), " diverged at iteration ", iteration_,
-                       " (worker ", id, " differs from ", it->second.first, ")"));
-    }
+    checksums[id] = r.parameter_checksum();
+    stages[id] = static_cast<int>(r.stage());
     if (r.stage() == 0) {
       for (uint32_t mb : r.microbatches()) ++completions[mb];
     }
+  }
+  if (absl::Status agree =
+          CheckReplicasAgree(checksums, stages, absl::StrCat("diverged at iteration ", iteration_));
+      !agree.ok()) {
+    return agree;
   }
   for (const auto& [mb, n] : completions) {
     if (mb >= static_cast<uint32_t>(total_)) {

@@ -56,16 +56,17 @@ v1::CoordinatorMessage StepMessage(const std::string& job_id, const v1::PendingS
 }
 
 absl::Status CheckReplicasAgree(const std::map<std::string, uint64_t>& checksums,
-                                const std::map<std::string, int>& stages, uint64_t iteration) {
+                                const std::map<std::string, int>& stages,
+                                const std::string& differ) {
   std::map<int, std::pair<std::string, uint64_t>> first;
   for (const auto& [id, checksum] : checksums) {
     auto stage = stages.find(id);
     if (stage == stages.end()) continue;
     auto [it, fresh] = first.emplace(stage->second, std::make_pair(id, checksum));
     if (!fresh && it->second.second != checksum) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("replicas of stage ", stage->second, " differ after iteration ", iteration,
-                       " (worker ", id, " differs from ", it->second.first, ")"));
+      return absl::FailedPreconditionError(absl::StrCat("replicas of stage ", stage->second, " ",
+                                                        differ, " (worker ", id, " differs from ",
+                                                        it->second.first, ")"));
     }
   }
   return absl::OkStatus();

@@ -44,9 +44,13 @@ absl::StatusOr<ReattachPoint> FindReattachPoint(const std::map<std::string, v1::
 v1::CoordinatorMessage StepMessage(const std::string& job_id, const v1::PendingStep& pending);
 
 // Every stage's members hold the same parameters: `checksums` by worker,
-// `stages` by worker. FAILED_PRECONDITION naming the first two that differ.
+// `stages` by worker (a worker without a stage is left out).
+// FAILED_PRECONDITION naming the first two that differ: "replicas of stage S
+// <differ> (worker X differs from Y)", `differ` saying when (e.g. "differ
+// after iteration 4").
 absl::Status CheckReplicasAgree(const std::map<std::string, uint64_t>& checksums,
-                                const std::map<std::string, int>& stages, uint64_t iteration);
+                                const std::map<std::string, int>& stages,
+                                const std::string& differ);
 
 }  // namespace detour
 

@@ -90,7 +90,10 @@ std::optional<JobEnd> RunnerReattach::Run() {
   std::map<std::string, uint64_t> checksums;
   for (const auto& [id, st] : status) checksums[id] = st.parameter_checksum();
   absl::Status agree =
-      point.ok() ? CheckReplicasAgree(checksums, members(), point->next_iteration) : point.status();
+      point.ok()
+          ? CheckReplicasAgree(checksums, members(),
+                               absl::StrCat("differ after iteration ", point->next_iteration))
+          : point.status();
   if (!agree.ok()) {
     const std::string why =
         status.empty() && !empty_handed.empty()

@@ -108,10 +108,15 @@ TEST(ReattachPointTest, TheStepMessageCarriesTheStoredFields) {
 
 TEST(ReattachPointTest, ReplicasOfAStageMustHoldTheSameParameters) {
   const std::map<std::string, int> stages{{"a1", 1}, {"a2", 1}, {"b", 2}, {"d0", 0}};
-  EXPECT_TRUE(CheckReplicasAgree({{"a1", 5}, {"a2", 5}, {"b", 6}, {"d0", 7}}, stages, 4).ok());
+  EXPECT_TRUE(CheckReplicasAgree({{"a1", 5}, {"a2", 5}, {"b", 6}, {"d0", 7}}, stages,
+                                 "differ after iteration 4")
+                  .ok());
   // A worker that is no longer a member is not compared.
-  EXPECT_TRUE(CheckReplicasAgree({{"a1", 5}, {"a2", 5}, {"gone", 9}}, stages, 4).ok());
-  absl::Status s = CheckReplicasAgree({{"a1", 5}, {"a2", 6}, {"b", 6}}, stages, 4);
+  EXPECT_TRUE(
+      CheckReplicasAgree({{"a1", 5}, {"a2", 5}, {"gone", 9}}, stages, "differ after iteration 4")
+          .ok());
+  absl::Status s =
+      CheckReplicasAgree({{"a1", 5}, {"a2", 6}, {"b", 6}}, stages, "differ after iteration 4");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(
       s.message(),
