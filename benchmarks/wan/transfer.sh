@@ -7,7 +7,8 @@
 #     opening the connections and a 64-byte tensor over them take (open), the
 #     first tensor, isolated tensors (one at a time, after a pause) and a
 #     stream of 4 tensors queued at once, --stream_runs times: the median run
-#     and the slowest (benchmarks/wan/wan_transfer.cc).
+#     and the slowest, then isolated tensors again on the windows the
+#     streams opened (isolated warm; benchmarks/wan/wan_transfer.cc).
 # Prints one table row per case and transport, and the load average.
 # docs/BENCHMARKS.md §WAN "Transfers over long fat links". Needs root.
 #
@@ -57,7 +58,7 @@ while [[ $# -gt 0 ]]; do
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --send_args) send_args=${2?--send_args needs arguments}; shift 2 ;;
     --initcwnd) initcwnd=${2:?--initcwnd needs a number of packets}; shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "transfer: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -151,8 +152,8 @@ iperf() {  # iperf STREAMS
 field() { sed -n "s/.*\b$2=\([^ ]*\).*/\1/p" <<<"$1"; }
 
 printf '%s\n' "case RTT rate loss [jitter]: transport, tensor, rates in MB/s (ratio to -P 16)"
-printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s %8s\n' case transport MiB "-P 16" \
-  "1 stream" first isolated stream "stream worst" connections "open ms"
+printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %15s %11s %8s\n' case transport MiB "-P 16" \
+  "1 stream" first isolated stream "stream worst" "isolated warm" connections "open ms"
 for c in $cases; do
   IFS=: read -r rtt rate loss jitter order <<<"$c"
   jitter=${jitter:-0}
@@ -181,10 +182,11 @@ for c in $cases; do
     while read -r line; do
       [[ "$line" == size* ]] || continue
       ratio() { awk -v v="$1" -v c="$p16" 'BEGIN { if (c > 0) printf "%.1f (%.2f)", v, v / c; else printf "%.1f", v }'; }
-      printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %11s %8s\n' "$label" "$mode" \
+      printf '%-30s %-9s %5s %8s %8s %15s %15s %15s %15s %15s %11s %8s\n' "$label" "$mode" \
         "$(field "$line" mib)" "$p16" "$p1" "$(ratio "$(field "$line" first_mbps)")" \
         "$(ratio "$(field "$line" isolated_mbps)")" "$(ratio "$(field "$line" stream_mbps)")" \
-        "$(ratio "$(field "$line" stream_worst_mbps)")" "$conn" "$open"
+        "$(ratio "$(field "$line" stream_worst_mbps)")" \
+        "$(ratio "$(field "$line" isolated_warm_mbps)")" "$conn" "$open"
     done <"$log"
   done
 done

@@ -11,7 +11,9 @@
 //   - stream: --count tensors queued at once, as a stage with several
 //     microbatches ready sends them; --stream_runs times, reported as the
 //     median run and the slowest (under random loss the runs differ a lot:
-//     a best-of would flatter the link).
+//     a best-of would flatter the link);
+//   - isolated warm: isolated again after the streams, on connections
+//     whose windows the streams opened.
 // A rate is bytes / (time - round trip): the acknowledgement's trip back and
 // the first byte's trip there are latency, not bandwidth. Output: one line
 // per measurement, `key=value` fields, so scripts can pick them out.
@@ -191,30 +193,44 @@ int Send(const std::string& to, const std::string& certs, const SendPlan& plan) 
     const double bytes = static_cast<double>(mib) * (1 << 20);
     const double first = sender.Send(static_cast<size_t>(bytes), 1);
     if (first < 0) return 1;
-    std::vector<double> isolated;
-    for (int64_t i = 0; i < plan.repeats; ++i) {
-      absl::SleepFor(absl::Milliseconds(plan.idle_ms));
-      const double t = sender.Send(static_cast<size_t>(bytes), 1);
-      if (t < 0) return 1;
-      isolated.push_back(t);
-    }
+    // Tensors one at a time, each after a pause; empty when one failed.
+    auto one_at_a_time = [&] {
+      std::vector<double> times;
+      for (int64_t i = 0; i < plan.repeats; ++i) {
+        absl::SleepFor(absl::Milliseconds(plan.idle_ms));
+        const double t = sender.Send(static_cast<size_t>(bytes), 1);
+        if (t < 0) return std::vector<double>();
+        times.push_back(t);
+      }
+      return times;
+    };
+    const std::vector<double> isolated = one_at_a_time();
+    if (isolated.empty()) return 1;
     std::vector<double> stream;
     for (int64_t i = 0; i < plan.stream_runs; ++i) {
       const double t = sender.Send(static_cast<size_t>(bytes), static_cast<int>(plan.count));
       if (t < 0) return 1;
       stream.push_back(t);
     }
+    // The same isolated transfers once the streams have opened every
+    // connection's window: what a stage sees after its first iterations
+    // (`isolated` above is right after the first tensor, as in a job's
+    // first iterations).
+    const std::vector<double> warm = one_at_a_time();
+    if (warm.empty()) return 1;
     const double iso = Median(isolated);
+    const double iso_warm = Median(warm);
     const double median_stream = Median(stream);
     const double slowest_stream = *std::max_element(stream.begin(), stream.end());
     const double stream_bytes = bytes * static_cast<double>(plan.count);
     std::printf(
         "size mib=%lld first_s=%.3f first_mbps=%.1f isolated_s=%.3f isolated_mbps=%.1f "
         "stream_count=%lld stream_runs=%lld stream_s=%.3f stream_mbps=%.1f "
-        "stream_worst_mbps=%.1f\n",
+        "stream_worst_mbps=%.1f isolated_warm_s=%.3f isolated_warm_mbps=%.1f\n",
         static_cast<long long>(mib), first, Rate(bytes, first, rtt), iso, Rate(bytes, iso, rtt),
         static_cast<long long>(plan.count), static_cast<long long>(plan.stream_runs), median_stream,
-        Rate(stream_bytes, median_stream, rtt), Rate(stream_bytes, slowest_stream, rtt));
+        Rate(stream_bytes, median_stream, rtt), Rate(stream_bytes, slowest_stream, rtt), iso_warm,
+        Rate(bytes, iso_warm, rtt));
     std::fflush(stdout);
   }
   return 0;
