@@ -11,10 +11,10 @@
 
 #include "common/spec.h"
 #include "coordinator/job_store.h"
-#include "tests/fuzz/scratch_dir.h"
+#include "tests/temp_dirs.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string dir = detour::fuzz::ScratchDir("jobs");
+  static const std::string dir = detour::testing::ProcessTempDir() + "/jobs";
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir + "/jobs", ec);

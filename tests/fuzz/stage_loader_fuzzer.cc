@@ -16,7 +16,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "tests/fuzz/scratch_dir.h"
+#include "tests/temp_dirs.h"
 #include "worker/model/checkpoint.h"
 
 namespace {
@@ -42,7 +42,9 @@ ModelConfig TinyConfig() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string dir = [] {
     at::set_num_threads(1);
-    return detour::fuzz::ScratchDir("stage");
+    const std::string d = detour::testing::ProcessTempDir() + "/stage";
+    fs::create_directories(d);
+    return d;
   }();
   const std::string bytes(reinterpret_cast<const char*>(data), size);
   {
