@@ -1,0 +1,654 @@
+// The job runner's links on a fake host and fake workers
+// (tests/coordinator/fake_cluster.h): cut links routed around or judged
+// against a worker, bad frames and outsiders' messages, and the link probes
+// at start and while the job runs, as the planner's matrix shows them.
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/job_runner.h"
+#include "coordinator/link_matrix.h"
+#include "coordinator/runner_links.h"
+#include "tests/coordinator/fake_cluster.h"
+
+namespace detour::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// --- link faults ------------------------------------------------------------
+
+// True when a route of `routes` sends between `a` and `b` (either way,
+// the last hop's activation going back to the data node included).
+bool UsesLink(const std::vector<v1::Route>& routes, const std::string& a, const std::string& b) {
+  auto is = [&](const std::string& x, const std::string& y) {
+    return (x == a && y == b) || (x == b && y == a);
+  };
+  for (const v1::Route& r : routes) {
+    const int n = r.nodes_size();
+    for (int i = 0; i + 1 < n; ++i) {
+      if (is(r.nodes(i), r.nodes(i + 1))) return true;
+    }
+    if (n > 1 && is(r.nodes(n - 1), r.nodes(0))) return true;
+  }
+  return false;
+}
+
+// a1 cannot reach b1 while b1 still talks to the coordinator: the link is
+// cut, not the worker. The iteration runs again under a new epoch with
+// routes that avoid a1 - b1, nobody is evicted, and every later plan keeps
+// avoiding the pair.
+TEST_F(JobRunnerTest, ACutLinkIsRoutedAroundWithoutEvictingEither) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 5);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(job.progress().iteration(), 5u);
+  EXPECT_EQ(job.progress().members(), 5u);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link a1 - b1 cut: a1 could not reach b1 (connection "
+                                      "timed out) while b1 still talks to the coordinator"));
+  EXPECT_THAT(History(job),
+              HasSubstr("iteration 1: link(s) a1 - b1 cut; the iteration runs again"));
+  EXPECT_EQ(job.progress().microbatches_dropped(), 0u);
+  int after = 0;
+  for (const auto& [key, routes] : cluster_->Routes()) {
+    const auto [iteration, epoch] = key;
+    if (iteration < 1 || (iteration == 1 && epoch == 0)) continue;
+    ++after;
+    EXPECT_FALSE(UsesLink(routes, "a1", "b1")) << "iteration " << iteration << " epoch " << epoch;
+  }
+  EXPECT_EQ(after, 4) << "iteration 1 again, then 2, 3 and 4";
+}
+
+// With one worker per stage no plan avoids a cut a - b: the reported side
+// leaves the job as a lost worker does (and backs off from joining again);
+// an idle worker takes its stage and the job finishes.
+TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
+  for (const char* id : {"d0", "a", "b", "spare"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
+  Start(spec, {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b (stage 2) lost: unreachable from a (connection "
+                                      "timed out) and no plan avoids the link"));
+  EXPECT_THAT(History(job), HasSubstr("worker spare joined stage 2"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+}
+
+// Two members cannot reach b1: the evidence is about b1, which is lost and
+// routed around as before; no link is cut.
+TEST_F(JobRunnerTest, TwoReportersAgainstAWorkerMakeItLost) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  cluster_->ReportUnreachableWhenPlanArrives("a2", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("worker b1 (stage 2) lost: a1 and a2 could not reach it"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+}
+
+// A member reports a replica's all-reduce input as holding NaN: the sender
+// leaves the job as a lost worker would (the event says it was excluded and
+// why), the iteration runs again among the survivors and the job succeeds
+// instead of failing on a non-finite gradient; the sender is not taken
+// back. A report about a member that sends the reporter nothing in the
+// plan (d0 about b1, of another stage) excludes nobody.
+TEST_F(JobRunnerTest, AMemberThatSendsBadFramesIsExcludedAndTheJobGoesOn) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportBadFrameWhenPlanArrives("a2", "a1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return !cluster_->PlannedIterations().empty(); }));
+  for (uint64_t iteration = 0; iteration < 4; ++iteration) {  // whichever is in flight
+    v1::WorkerMessage forged;
+    forged.mutable_bad_frame()->set_job_id(job_id_);
+    forged.mutable_bad_frame()->set_iteration(iteration);
+    forged.mutable_bad_frame()->set_sender("b1");
+    forged.mutable_bad_frame()->set_direction(v1::DIRECTION_ALLREDUCE);
+    runner_->Post("d0", forged);
+  }
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  EXPECT_THAT(History(job),
+              HasSubstr("worker a1 (stage 1) lost: excluded: a2 received a frame from it with "
+                        "values no honest training sends (it holds NaN)"));
+  EXPECT_EQ(job.progress().iteration(), 4u);
+  for (const auto& [key, routes] : cluster_->Routes()) {
+    if (key.first < 2) continue;
+    for (const v1::Route& r : routes) {
+      for (const std::string& n : r.nodes()) EXPECT_NE(n, "a1") << "iteration " << key.first;
+    }
+  }
+}
+
+// A member excluded for its bad frames keeps talking about the job (a
+// JobError, a report against its accuser, a NaN norm): the job neither
+// fails nor loses anyone else, and the messages are counted by kind. b1
+// turns mute once a1 is gone, so the job waits while they arrive.
+TEST_F(JobRunnerTest, MessagesFromAnExcludedMemberAreIgnoredAndCounted) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 1000);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportBadFrameWhenPlanArrives("a2", "a1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  ASSERT_TRUE(AwaitJob(
+      [](const v1::Job& j) { return Count(j, v1::JobHistoryEvent::KIND_WORKER_LOST) == 1; }));
+  cluster_->Mute("b1");
+  v1::WorkerMessage error;
+  error.mutable_error()->set_job_id(job_id_);
+  error.mutable_error()->set_message("forged failure");
+  v1::WorkerMessage report;
+  report.mutable_bad_frame()->set_job_id(job_id_);
+  report.mutable_bad_frame()->set_sender("a2");
+  report.mutable_bad_frame()->set_direction(v1::DIRECTION_ALLREDUCE);
+  v1::WorkerMessage norm;
+  norm.mutable_grad_norm()->set_job_id(job_id_);
+  norm.mutable_grad_norm()->set_squared_norm(std::numeric_limits<double>::quiet_NaN());
+  for (uint64_t iteration = 0; iteration < 1000; iteration += 100) {
+    report.mutable_bad_frame()->set_iteration(iteration);
+    runner_->Post("a1", report);
+  }
+  runner_->Post("a1", error);
+  runner_->Post("a1", norm);
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return cluster_->OutsiderMessages() == 12; },
+                       absl::Seconds(20)))
+      << cluster_->OutsiderMessages();
+  EXPECT_EQ(cluster_->OutsiderMessages("bad_frame"), 10);
+  EXPECT_EQ(cluster_->OutsiderMessages("error"), 1);
+  const v1::Job job = Job();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 1) << History(job);
+  runner_->RequestStop(JobEnd{v1::JOB_STATE_CANCELLED, "the test is done"});
+  EXPECT_EQ(AwaitEnd().state(), v1::JOB_STATE_CANCELLED);
+}
+
+// A registered worker that was never part of the job sends it a JobError,
+// a NaN gradient norm and a report against a member while the job waits for
+// b's norm (b is mute): all are dropped and counted, and the forged error
+// neither fails the job nor costs it a worker.
+TEST_F(JobRunnerTest, MessagesFromWorkersTheJobNeverHadAreIgnoredAndCounted) {
+  for (const char* id : {"d0", "a", "b", "stranger"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->Mute("b");
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return !cluster_->PlannedIterations().empty(); }));
+  v1::WorkerMessage error;
+  error.mutable_error()->set_job_id(job_id_);
+  error.mutable_error()->set_message("forged failure");
+  v1::WorkerMessage norm;
+  norm.mutable_grad_norm()->set_job_id(job_id_);
+  norm.mutable_grad_norm()->set_squared_norm(std::numeric_limits<double>::quiet_NaN());
+  v1::WorkerMessage report;
+  report.mutable_peer_unreachable()->set_job_id(job_id_);
+  report.mutable_peer_unreachable()->set_peer("a");
+  for (int i = 0; i < 3; ++i) runner_->Post("stranger", error);
+  runner_->Post("stranger", norm);
+  runner_->Post("stranger", report);
+  ASSERT_TRUE(AwaitJob([&](const v1::Job&) { return cluster_->OutsiderMessages() == 5; },
+                       absl::Seconds(20)))
+      << cluster_->OutsiderMessages();
+  absl::SleepFor(absl::Milliseconds(1200));  // a loss check and a link confirmation later
+  const v1::Job job = Job();
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 0) << History(job);
+  EXPECT_EQ(cluster_->OutsiderMessages(), 5);
+}
+
+// Before the first plan every worker probes every other; the planner's
+// matrix (what GetLinks shows) holds what they measured: half the round
+// trip as latency, the bulk rate as bandwidth, and a failed probe's error.
+TEST_F(JobRunnerTest, ProbesAtStartMeasureEveryLinkForTheFirstPlan) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->SetLink("a", "b", {0.2, 5e6, ""});
+  cluster_->SetLink("b", "a", {0, 0, "connect: timed out"});
+  // The region table (all three are in region "local"): 40 ms, 2 GB/s.
+  cluster_->mutable_options()->network.set_intra_region_latency_ms(40);
+  cluster_->mutable_options()->network.set_intra_region_bandwidth_gbytes_per_s(2);
+  Start(Spec(3, 1, 0.0, 2), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link probes: 5 of 6 links answered (5 with a bulk rate)"));
+  EXPECT_THAT(History(job), HasSubstr("one-way latency 10.0-100.0 ms, bandwidth 5.0-100.0 MB/s"));
+  // At the start a latency round to all three, each asked about the other
+  // two, then two bulk rounds (the interval is 60 s: nothing more), in each
+  // of which every worker probes one other and takes one other's probes,
+  // a -> b, b -> d0, d0 -> a, then a -> d0, b -> a, d0 -> b.
+  EXPECT_EQ(cluster_->Sent("probe"), 9);
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_EQ(probes.size(), 9u);
+  std::map<std::string, int> named, taken;  // in the bulk rounds
+  for (size_t i = 0; i < probes.size(); ++i) {
+    SCOPED_TRACE(probes[i].ShortDebugString());
+    if (i < 3) {
+      EXPECT_EQ(probes[i].bulk_max_bytes(), 0u);
+      EXPECT_EQ(probes[i].peers_size(), 2);  // the other two
+      // Nothing measured yet: the table's figures for both.
+      ASSERT_EQ(probes[i].expected_size(), 2);
+      EXPECT_DOUBLE_EQ(probes[i].expected(1).rtt_s(), 0.08);
+      EXPECT_DOUBLE_EQ(probes[i].expected(1).bandwidth_bytes_per_s(), 2e9);
+      EXPECT_EQ(probes[i].accept_from_size(), 0);
+      EXPECT_EQ(probes[i].round(), probes[0].round());
+      continue;
+    }
+    EXPECT_EQ(probes[i].bulk_max_bytes(), uint64_t{32} << 20);
+    ASSERT_EQ(probes[i].peers_size(), 1);
+    ASSERT_EQ(probes[i].accept_from_size(), 1);
+    // What the planner expects of the link goes with it, for the worker's
+    // check of its socket limits: what the latency round measured, and
+    // the region table's figures for what it did not (b -> a failed).
+    ASSERT_EQ(probes[i].expected_size(), 1);
+    const v1::LinkExpectation& x = probes[i].expected(0);
+    EXPECT_EQ(x.peer(), probes[i].peers(0).worker_id());
+    EXPECT_DOUBLE_EQ(x.bandwidth_bytes_per_s(), 2e9);  // no rate measured yet: the table's
+    const bool b_to_a = x.peer() == "a" && probes[i].accept_from(0) == "d0";
+    if (b_to_a) {
+      EXPECT_DOUBLE_EQ(x.rtt_s(), 0.08);  // 2 x 40 ms, the table's
+    } else {
+      EXPECT_GT(x.rtt_s(), 0);
+      EXPECT_NE(x.rtt_s(), 0.08);  // measured by the fakes' pings
+    }
+    EXPECT_NE(probes[i].peers(0).worker_id(), probes[i].accept_from(0));
+    named[probes[i].peers(0).worker_id()]++;
+    taken[probes[i].accept_from(0)]++;
+    // A slot's three requests share a round, one round after another.
+    EXPECT_EQ(probes[i].round(), probes[0].round() + 1 + (i - 3) / 3);
+  }
+  // Every worker is probed by both others, and probes both.
+  const std::map<std::string, int> twice = {{"a", 2}, {"b", 2}, {"d0", 2}};
+  EXPECT_EQ(named, twice);
+  EXPECT_EQ(taken, twice);
+  // The bulk rounds share link_probe_budget (their needs, 15.2 s, are
+  // less), each slot by its need against what is left when it starts: the
+  // first holds a -> b (1 s + 60 x 200 ms = 13 s), the second none over
+  // 2.2 s (b -> a did not answer: 1 s). As the fakes answer at once, the
+  // second gets what the first left.
+  EXPECT_NEAR(probes[3].budget_ms(), 20000 * 13 / 15.2, 200);
+  EXPECT_NEAR(probes[6].budget_ms(), 20000, 200);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  EXPECT_EQ(links->probe_rounds(), 3u);
+  ASSERT_EQ(links->links_size(), 6);
+  for (const v1::JobLink& l : links->links()) {
+    SCOPED_TRACE(l.ShortDebugString());
+    if (l.from() == "b" && l.to() == "a") {
+      // Not measured: the region table's figures, and why.
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_REGION_TABLE);
+      EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_REGION_TABLE);
+      EXPECT_EQ(l.probe_error(), "connect: timed out");
+      EXPECT_FALSE(l.has_latency_measured());
+      continue;
+    }
+    EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_TRUE(l.has_latency_measured());
+    const bool slow = l.from() == "a" && l.to() == "b";
+    EXPECT_DOUBLE_EQ(l.latency_seconds(), slow ? 0.1 : 0.01);
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), slow ? 5e6 : 1e8);
+  }
+}
+
+// The bulk rounds' schedule: every ordered pair of workers exactly once; in
+// a slot a worker sends to at most one and takes from at most one, and no
+// pair is probed both ways at once.
+TEST(ProbeScheduleTest, EveryLinkOnceOneProbeInAndOutAndNoPairBothWays) {
+  for (size_t n = 0; n <= 9; ++n) {
+    SCOPED_TRACE(n);
+    std::vector<std::string> ids;
+    for (size_t i = 0; i < n; ++i) ids.push_back(absl::StrCat("w", i));
+    const auto slots = RunnerLinks::ProbeSchedule(ids);
+    EXPECT_EQ(slots.size(), n < 2 ? 0 : (n % 2 == 0 ? n : n - 1));
+    std::set<std::pair<std::string, std::string>> probed;
+    for (const auto& slot : slots) {
+      std::set<std::string> senders, takers;
+      std::set<std::pair<std::string, std::string>> pairs;
+      for (const auto& [from, to] : slot) {
+        EXPECT_NE(from, to);
+        EXPECT_TRUE(senders.insert(from).second) << from;
+        EXPECT_TRUE(takers.insert(to).second) << to;
+        EXPECT_TRUE(pairs.insert(std::minmax(from, to)).second) << from << " <-> " << to;
+        EXPECT_TRUE(probed.insert({from, to}).second) << from << " -> " << to;
+      }
+    }
+    EXPECT_EQ(probed.size(), n * (n - 1));
+  }
+}
+
+// Over long round trips a TCP window takes long to open: the bulk rounds'
+// budget grows with the round trips the latency round measured (1 s and 60
+// round trips per link, the neediest link of each slot of pairs).
+TEST_F(JobRunnerTest, TheBulkRoundsBudgetGrowsWithTheRoundTrips) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  cluster_->SetLink("a", "b", {1.0, 5e6, ""});
+  cluster_->SetLink("a", "d0", {0.5, 5e6, ""});
+  Start(Spec(3, 1, 0.0, 2), {"d0", "a", "b"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_GE(probes.size(), 9u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(probes[i].bulk_max_bytes(), 0u);
+    EXPECT_EQ(probes[i].budget_ms(), 5000u);
+  }
+  // Two slots: a -> b (1 s + 60 x 1.0 s = 61 s) with b -> d0, d0 -> a
+  // (2.2 s each), then a -> d0 (31 s) with b -> a, d0 -> b: 92 s in all,
+  // shared by need.
+  EXPECT_THAT(History(job), HasSubstr("(bulk budget 92 s for the round trips)"));
+  ASSERT_EQ(probes.size(), 9u);
+  for (size_t i = 3; i < 9; ++i) EXPECT_EQ(probes[i].budget_ms(), probes[3 * (i / 3)].budget_ms());
+  // What a slot ends early leaves goes to the later one: at least its share,
+  // at most all that is left.
+  EXPECT_GE(probes[3].budget_ms(), 61000u - 100);
+  EXPECT_GE(probes[6].budget_ms(), 31000u - 100);
+  EXPECT_LE(probes[6].budget_ms(), 92000u);
+}
+
+// A lost worker's measured links go with it: when it comes back and joins
+// again, the planner has the region table's figures for its links (until a
+// probe measures them), not what was measured of the process that died.
+TEST_F(JobRunnerTest, ALostWorkersMeasuredLinksAreForgotten) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  for (const char* id : {"d0", "a1", "a2", "b2"}) {
+    cluster_->SetLink("b1", id, {0.2, 5e6, ""});
+    cluster_->SetLink(id, "b1", {0.2, 5e6, ""});
+  }
+  v1::JobSpec spec = Spec(3, 2, 0.0, 6);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->KillWhenPlanArrives("b1", 1);    // routed around
+  cluster_->ReviveWhenPlanArrives("b1", 3);  // the same id, a new process
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_THAT(History(job), HasSubstr("worker b1 joined stage 2"));
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int with_b1 = 0;
+  for (const v1::JobLink& l : links->links()) {
+    SCOPED_TRACE(l.ShortDebugString());
+    if (l.from() != "b1" && l.to() != "b1") {
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_PROBE);
+      continue;
+    }
+    ++with_b1;
+    EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_REGION_TABLE);
+    EXPECT_NE(l.latency_seconds(), 0.1);
+  }
+  EXPECT_EQ(with_b1, 8);  // to and from d0, a1, a2 and b2
+}
+
+// Reports are bounded: a round trip or rate out of bounds, a peer the
+// worker was not asked about, and reports of an old round are ignored.
+TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
+  LinkMatrix m;
+  v1::LinkReport r;
+  r.set_round(1);
+  auto add = [&](const std::string& peer, double rtt, double rate) {
+    v1::LinkMeasurement* l = r.add_links();
+    l->set_peer(peer);
+    l->set_rtt_seconds(rtt);
+    l->set_bandwidth_bytes_per_s(rate);
+  };
+  add("b", 0.04, 2e8);
+  add("c", -1, 1e20);           // both out of bounds
+  add("x", 0.01, 1e6);          // not asked about
+  add("b", 0.5, 1);             // the same peer twice
+  add("d", std::nan(""), 1e6);  // NaN round trip, a good rate
+  const absl::Time now = absl::Now();
+  const LinkMatrix::Applied a = m.AddReport("a", r, {"b", "c", "d"}, now);
+  EXPECT_EQ(a.answered, std::vector<std::string>({"b"}));
+  EXPECT_EQ(a.rejected, 4);
+  EXPECT_EQ(a.measured.latencies, 1);
+  EXPECT_DOUBLE_EQ(a.measured.min_latency_s, 0.02);
+  EXPECT_DOUBLE_EQ(a.measured.max_latency_s, 0.02);
+  EXPECT_EQ(a.measured.rates, 2);  // b's and d's
+  EXPECT_DOUBLE_EQ(a.measured.min_rate, 1e6);
+  EXPECT_DOUBLE_EQ(a.measured.max_rate, 2e8);
+  const LinkMatrix::Entry* b = m.Find({"a", "b"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_DOUBLE_EQ(*b->latency_s, 0.02);
+  EXPECT_DOUBLE_EQ(*b->bandwidth, 2e8);
+  const LinkMatrix::Entry* c = m.Find({"a", "c"});
+  ASSERT_NE(c, nullptr);
+  EXPECT_FALSE(c->latency_s.has_value());
+  EXPECT_FALSE(c->bandwidth.has_value());
+  EXPECT_EQ(m.Find({"a", "x"}), nullptr);
+  ASSERT_NE(m.Find({"a", "d"}), nullptr);
+  EXPECT_FALSE(m.Find({"a", "d"})->latency_s.has_value());
+  EXPECT_DOUBLE_EQ(*m.Find({"a", "d"})->bandwidth, 1e6);
+  // A fit to the job's traffic replaces the bandwidth, not the latency.
+  m.Fitted({"a", "b"}, 3e8, now);
+  EXPECT_DOUBLE_EQ(*m.Find({"a", "b"})->bandwidth, 3e8);
+  EXPECT_EQ(m.Find({"a", "b"})->bandwidth_source, v1::JobLink::SOURCE_TRAFFIC);
+  EXPECT_EQ(m.Find({"a", "b"})->latency_source, v1::JobLink::SOURCE_PROBE);
+  m.Forget("b");
+  EXPECT_EQ(m.Find({"a", "b"}), nullptr);
+}
+
+// While the job runs, a latency round is followed by one bulk slot of the
+// start's schedule when link_probe_bulk_interval has passed (here: 1 ms),
+// slot after slot in turn, each over the links the last iteration did not
+// cross: every worker probes at most one peer and takes at most one other's
+// probes, within a budget of the slot's need, and what the probes find
+// replaces what the start measured. A full pipeline d0 -> a -> b -> c (the
+// loss back to d0) leaves a <-> c and b <-> d0 to the probes: of the four
+// slots over a, b, c, d0 the two of k = 2 (a -> c, b -> d0 and back).
+TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) {
+  for (const char* id : {"d0", "a", "b", "c"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+  cluster_->SetLink("a", "c", {0.2, 5e6, ""});
+  // Rounds 1-5 are the start's (a latency round and four slots).
+  cluster_->SetLinkFromRound("a", "c", 6, {0.2, 7e6, ""});
+  v1::JobSpec spec = Spec(4, 1, 0.0, 24);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}, {"c"}});
+  Start(spec, {"d0", "a", "b", "c"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  std::map<uint64_t, std::vector<v1::LinkProbe>> rounds;
+  std::map<uint64_t, std::set<std::pair<std::string, std::string>>> probed;
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  const std::vector<std::string> by = cluster_->ProbedBy();
+  ASSERT_EQ(probes.size(), by.size());
+  for (size_t i = 0; i < probes.size(); ++i) {
+    rounds[probes[i].round()].push_back(probes[i]);
+    for (const v1::Peer& peer : probes[i].peers()) {
+      probed[probes[i].round()].insert({by[i], peer.worker_id()});
+    }
+  }
+  ASSERT_GE(rounds.size(), 9u);  // the start's five, then two of each kind at least
+  const std::set<std::pair<std::string, std::string>> there = {{"a", "c"}, {"b", "d0"}};
+  const std::set<std::pair<std::string, std::string>> back = {{"c", "a"}, {"d0", "b"}};
+  bool after_latency = false;
+  int bulk_rounds = 0;
+  for (const auto& [round, requests] : rounds) {
+    if (round <= 5) continue;
+    SCOPED_TRACE(round);
+    const bool bulk = requests.front().bulk_max_bytes() > 0;
+    // A bulk slot only right after a latency round (not every latency round
+    // is followed by one: the bulk interval, 1 ms, may not have passed).
+    if (bulk) {
+      EXPECT_TRUE(after_latency);
+    }
+    after_latency = !bulk;
+    for (const v1::LinkProbe& p : requests) EXPECT_EQ(p.bulk_max_bytes() > 0, bulk);
+    if (!bulk) {
+      ASSERT_EQ(requests.size(), 4u);
+      for (const v1::LinkProbe& p : requests) EXPECT_EQ(p.peers_size(), 3);
+      continue;
+    }
+    // Two probe, two take: the slots in turn, the one with a -> c first;
+    // each has its need as its budget: 1 s + 60 round trips of its slowest
+    // link (a -> c 200 ms, the others 20 ms).
+    ASSERT_EQ(requests.size(), 4u);
+    const bool first = ++bulk_rounds % 2 == 1;
+    EXPECT_EQ(probed[round], first ? there : back);
+    EXPECT_NEAR(requests.front().budget_ms(), first ? 13000 : 2200, 2);
+    for (const v1::LinkProbe& p : requests) {
+      EXPECT_EQ(p.bulk_max_bytes(), uint64_t{32} << 20);
+      EXPECT_EQ(p.peers_size() + p.accept_from_size(), 1) << p.ShortDebugString();
+    }
+  }
+  EXPECT_GE(bulk_rounds, 2);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int seen = 0;
+  for (const v1::JobLink& l : links->links()) {
+    if (l.from() != "a" || l.to() != "c") continue;
+    ++seen;
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
+  }
+  EXPECT_EQ(seen, 1);
+}
+
+// The running bulk slots leave out the links the last iteration crossed
+// (every hop both ways, the loss back to the data node, the replicas of a
+// stage among themselves), and a link's fit to the job's transfers stops
+// once no transfer crosses it: what a slot measured of it stays.
+TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheLastIterationCrossed) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->replan_every = 1;
+  cluster_->ReportTransfers(0.05);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 30);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  using Link = std::pair<std::string, std::string>;
+  const auto routes = cluster_->Routes();
+  auto crossed = [&](uint64_t iteration) {
+    std::set<Link> out = {{"a1", "a2"}, {"a2", "a1"}, {"b1", "b2"}, {"b2", "b1"}};
+    for (const auto& [key, rs] : routes) {
+      if (key.first != iteration) continue;
+      for (const v1::Route& r : rs) {
+        std::vector<std::string> ring(r.nodes().begin(), r.nodes().end());
+        ring.push_back(r.data_node());
+        for (size_t i = 0; i + 1 < ring.size(); ++i) {
+          out.insert({ring[i], ring[i + 1]});
+          out.insert({ring[i + 1], ring[i]});
+        }
+      }
+    }
+    return out;
+  };
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  const std::vector<std::string> by = cluster_->ProbedBy();
+  const std::vector<uint64_t> after = cluster_->ProbedAfter();
+  ASSERT_EQ(probes.size(), by.size());
+  ASSERT_EQ(probes.size(), after.size());
+  std::map<Link, uint64_t> probed;  // by the running slots: after which iteration, last
+  for (size_t i = 25; i < probes.size(); ++i) {  // the start sent 25
+    if (probes[i].bulk_max_bytes() == 0) continue;
+    SCOPED_TRACE(probes[i].ShortDebugString());
+    // The plan of iteration after[i] was the last one sent.
+    const std::set<Link> carried = crossed(after[i]);
+    for (const v1::Peer& peer : probes[i].peers()) {
+      EXPECT_FALSE(carried.count({by[i], peer.worker_id()})) << by[i] << " -> " << peer.worker_id();
+      // Sent before iteration after[i] + 1, answered during it, published
+      // at the boundary after it: the last boundary is before iteration 29.
+      if (after[i] + 1 < 29) probed[{by[i], peer.worker_id()}] = after[i];
+    }
+  }
+  EXPECT_FALSE(probed.empty());
+  // A link no iteration crossed after its last probe keeps what the probe
+  // measured: no fit to old transfers overwrote it (what Links() shows was
+  // published at the last boundary, before iteration 29).
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int kept = 0;
+  for (const v1::JobLink& l : links->links()) {
+    auto p = probed.find({l.from(), l.to()});
+    if (p == probed.end()) continue;
+    bool crossed_since = false;
+    for (uint64_t it = p->second; it < 29; ++it) crossed_since |= crossed(it).count(p->first) > 0;
+    if (crossed_since) continue;
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE) << l.ShortDebugString();
+    ++kept;
+  }
+  EXPECT_GT(kept, 0);
+}
+
+// A link's bandwidth is refitted from the job's transfers less their round
+// trip: a transfer is timed until the peer's acknowledgement, which comes
+// back over the reverse link. Two links whose transfers take the same time
+// beyond their (very different) round trips are fitted the same rate.
+TEST_F(JobRunnerTest, TransfersAreFittedLessTheirRoundTrip) {
+  auto links = RunTransfersBeyondRoundTrips(0.4, 0.02, 0.05);
+  const v1::JobLink& far = links[{"d0", "a"}];
+  const v1::JobLink& near = links[{"a", "b"}];
+  ASSERT_EQ(far.bandwidth_source(), v1::JobLink::SOURCE_TRAFFIC) << far.ShortDebugString();
+  ASSERT_EQ(near.bandwidth_source(), v1::JobLink::SOURCE_TRAFFIC) << near.ShortDebugString();
+  // Less one way only, d0 -> a read (0.01 + 0.05) / (0.2 + 0.05) = 0.24 of
+  // a -> b.
+  EXPECT_NEAR(far.bandwidth_bytes_per_s() / near.bandwidth_bytes_per_s(), 1.0, 1e-6);
+}
+
+// A transfer that took its round trip and next to nothing more was bound by
+// the round trip: its bytes' time is within the round trip's jitter, and
+// the link keeps the bandwidth its probes measured.
+TEST_F(JobRunnerTest, ARoundTripBoundTransferLeavesTheLinksBandwidthAlone) {
+  // 0.3 s + 10 ms: the bytes took 3 % of it.
+  auto links = RunTransfersBeyondRoundTrips(0.3, 0.3, 0.01);
+  for (const auto& link : {std::make_pair("d0", "a"), std::make_pair("a", "b")}) {
+    const v1::JobLink& l = links[link];
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE) << l.ShortDebugString();
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 5e7) << l.ShortDebugString();
+  }
+}
+
+// A cut link is re-probed by the latency rounds while the job runs; once
+// its reporter reaches the peer again in a round sent after the cut, the
+// link is restored (history LINK_RESTORED) and the job goes on.
+TEST_F(JobRunnerTest, ACutLinkThatAnswersItsProbeAgainIsRestored) {
+  for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  v1::JobSpec spec = Spec(3, 2, 0.0, 6);
+  Pin(&spec, {{"d0"}, {"a1", "a2"}, {"b1", "b2"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a1", "b1", 1);
+  Start(spec, {"d0", "a1", "a2", "b1", "b2"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << History(job);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_RESTORED), 1) << History(job);
+  EXPECT_THAT(History(job), HasSubstr("link a1 -> b1 answered its probe again"));
+  // Bulk slots only every link_probe_bulk_interval (5 minutes): none while
+  // this job ran. The start sent 5 latency requests and 5 x 4 in its slots.
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  ASSERT_GT(probes.size(), 25u);
+  for (size_t i = 25; i < probes.size(); ++i) EXPECT_EQ(probes[i].bulk_max_bytes(), 0u) << i;
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  for (const v1::JobLink& l : links->links()) EXPECT_FALSE(l.cut()) << l.ShortDebugString();
+}
+
+}  // namespace
+}  // namespace detour::testing
