@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <cerrno>
+#include <mutex>
 
 namespace detour {
 namespace {
@@ -17,6 +18,11 @@ sigset_t ShutdownSet() {
 }
 
 }  // namespace
+
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] { signal(SIGPIPE, SIG_IGN); });
+}
 
 void BlockShutdownSignals() {
   sigset_t set = ShutdownSet();

@@ -14,9 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <csignal>
 #include <cstring>
-#include <mutex>
 #include <utility>
 
 #include "absl/strings/cord.h"
@@ -28,10 +26,6 @@
 
 namespace detour {
 
-void IgnoreSigpipe() {
-  static std::once_flag once;
-  std::call_once(once, [] { std::signal(SIGPIPE, SIG_IGN); });
-}
 namespace {
 
 constexpr absl::string_view kClosedByReceiverUrl = "detour.direct/closed_by_receiver";

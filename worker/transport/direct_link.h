@@ -38,12 +38,6 @@
 
 namespace detour {
 
-// OpenSSL writes to a direct connection's socket with write(2), handshakes
-// included: a peer that went away must fail the write, not kill the process
-// with SIGPIPE. Sets SIGPIPE to be ignored, once per process; both ends of
-// the direct transport call it before they open a connection.
-void IgnoreSigpipe();
-
 // Whether `status` (from DirectLink::Open, Connect or Greet) says that the
 // receiver accepted the TCP connection and then closed or reset it without a
 // word: no TLS alert, no answer to the hello. A receiver does that when it

@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/net/address.h"
 #include "common/net/identity.h"
+#include "common/net/shutdown_signal.h"
 
 namespace detour {
 

@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/net/identity.h"
 #include "common/net/server.h"
+#include "common/net/shutdown_signal.h"
 #include "common/status.h"
 #include "common/tsan.h"
 #include "grpcpp/generic/generic_stub.h"
