@@ -137,6 +137,53 @@ TEST(AdmissionRelayTest, CarriesBytesBothWaysAndPassesTheEnd) {
   EXPECT_EQ((*relay)->stats().accepted, 1u);
 }
 
+// A client that goes away (a reset) while the relay still holds bytes for
+// it ends its own connection only: the relay's write to its socket fails
+// without a SIGPIPE, and another client's bytes still go both ways.
+TEST(AdmissionRelayTest, AClientGoneMidStreamEndsOnlyItsConnection) {
+  Backend backend(/*echo=*/true);
+  auto relay = AdmissionRelay::Start(HostPort{"127.0.0.1", 0}, "test", backend.port(), {});
+  ASSERT_TRUE(relay.ok()) << relay.status();
+  const int gone = ConnectFrom("127.0.0.1", (*relay)->port());
+  ASSERT_GE(gone, 0);
+  // It sends without reading: the echo fills its receive buffer, then the
+  // relay's buffer towards it.
+  const std::string chunk(1 << 20, 'x');
+  std::atomic<bool> writing{true};
+  std::thread writer([&] {
+    for (int i = 0; i < 16 && writing; ++i) {
+      for (size_t off = 0; off < chunk.size() && writing;) {
+        const ssize_t w =
+            ::send(gone, chunk.data() + off, chunk.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+          off += static_cast<size_t>(w);
+        } else {
+          absl::SleepFor(absl::Milliseconds(2));
+        }
+      }
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  writing = false;
+  writer.join();
+  linger reset{1, 0};
+  ::setsockopt(gone, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+  ::close(gone);  // a reset, with the relay's bytes for it unread
+  EXPECT_TRUE(WaitFor([&] { return (*relay)->stats().open == 0; }));
+
+  const int other = ConnectFrom("127.0.0.1", (*relay)->port());
+  ASSERT_GE(other, 0);
+  ASSERT_EQ(::send(other, "ping", 4, MSG_NOSIGNAL), 4);
+  ::shutdown(other, SHUT_WR);
+  std::string got;
+  char buffer[16];
+  for (ssize_t n; (n = ::recv(other, buffer, sizeof(buffer), 0)) > 0;) got.append(buffer, n);
+  ::close(other);
+  EXPECT_EQ(got, "ping");
+  EXPECT_TRUE(WaitFor([&] { return (*relay)->stats().open == 0; }));
+  EXPECT_EQ((*relay)->stats().accepted, 2u);
+}
+
 TEST(AdmissionRelayTest, OneSourceHoldsAtMostItsShareAndOthersStillGetIn) {
   Backend backend(/*echo=*/false);
   AdmissionRelayOptions options;
