@@ -1,7 +1,6 @@
-// Pieces of the Prometheus text exposition format 0.0.4
-// (https://prometheus.io/docs/instrumenting/exposition_formats/), shared by
-// the registry and by anything that writes samples itself. Pure functions,
-// thread-safe.
+// Pieces of the Prometheus text exposition format 0.0.4 (docs/METRICS.md;
+// promtool checks what we serve), shared by the registry and by anything that
+// writes samples itself. Pure functions, thread-safe.
 #ifndef DETOUR_COMMON_METRICS_EXPOSITION_H_
 #define DETOUR_COMMON_METRICS_EXPOSITION_H_
 
