@@ -1,6 +1,7 @@
 #include "coordinator/planner/path_scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <limits>
 #include <utility>
@@ -15,6 +16,44 @@
 #include "coordinator/planner/route_validator.h"
 
 namespace detour::planner {
+namespace {
+
+// How unevenly `routes` load the nodes: the sum over nodes of their visits
+// squared (for a stage's number of visits, least when its replicas share
+// them evenly). It breaks ties between route sets the objective scores
+// alike: where the model cannot tell an even split from one replica taking
+// every microbatch (compute too small next to the links, or a bottleneck
+// elsewhere), the plan spreads them, leaving each replica slack for what the
+// model does not see.
+double Unevenness(const std::vector<sim::Route>& routes) {
+  std::vector<double> visits;
+  for (const sim::Route& r : routes) {
+    for (int node : r.nodes) {
+      if (node < 0) continue;
+      if (static_cast<size_t>(node) >= visits.size()) visits.resize(node + 1, 0);
+      ++visits[node];
+    }
+  }
+  double sum = 0;
+  for (double v : visits) sum += v * v;
+  return sum;
+}
+
+// Scores closer than this (relative) are a tie.
+constexpr double kTieTolerance = 1e-9;
+
+// Whether `value` beats `best`: lower, or tied and more even. A tie never
+// beats the warm start (`best_is_warm`): the routes a job runs on stay unless
+// something is predicted faster, since new routes start cold.
+bool Beats(double value, double unevenness, double best, double best_unevenness,
+           bool best_is_warm) {
+  if (best == kInf) return value < kInf;
+  const double tie = kTieTolerance * std::max(std::abs(best), 1e-12);
+  if (value < best - tie) return true;
+  return !best_is_warm && value <= best + tie && unevenness < best_unevenness;
+}
+
+}  // namespace
 
 PathScheduler::PathScheduler(const sim::CostModel& cost, const sim::StageAssignment& assignment,
                              const RouteRules& rules, const PathSchedulerOptions& options)
@@ -36,7 +75,10 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
 
   std::vector<sim::Route> best;
   double best_value = kInf;
-  auto consider = [&](absl::StatusOr<std::vector<sim::Route>> routes, double* slot) {
+  double best_unevenness = kInf;
+  bool best_is_warm = false;
+  auto consider = [&](absl::StatusOr<std::vector<sim::Route>> routes, double* slot,
+                      bool warm = false) {
     if (!routes.ok()) return routes.status();
     if (absl::Status valid = ValidateRoutes(cost_, sim::Plan{assignment_, *routes}, rules_);
         !valid.ok()) {
@@ -45,8 +87,12 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
     }
     const double v = Objective(*routes);
     *slot = v;
-    if (v < best_value) {
+    const double unevenness = Unevenness(*routes);
+    if (Beats(v, unevenness, best_value, best_unevenness, best_is_warm) ||
+        (warm && v <= best_value * (1 + kTieTolerance))) {
       best_value = v;
+      best_unevenness = unevenness;
+      best_is_warm = warm;
       best = *std::move(routes);
     }
     return absl::OkStatus();
@@ -75,7 +121,7 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
   }
   if (options_.initial_routes != nullptr &&
       ValidateRoutes(cost_, sim::Plan{assignment_, *options_.initial_routes}, rules_).ok()) {
-    consider(*options_.initial_routes, &stats_.warm_start).IgnoreError();
+    consider(*options_.initial_routes, &stats_.warm_start, /*warm=*/true).IgnoreError();
   }
   if (best_value == kInf) {
     return absl::FailedPreconditionError("no starting route set can be simulated");
@@ -133,8 +179,12 @@ absl::StatusOr<std::vector<sim::Route>> PathScheduler::Run() {
         search.Keep();
         if (candidate < current_value - 1e-12) ++stats_.accepted;
         current_value = candidate;
-        if (candidate < best_value) {
+        const double unevenness =
+            candidate <= best_value * (1 + kTieTolerance) + 1e-12 ? Unevenness(current) : kInf;
+        if (Beats(candidate, unevenness, best_value, best_unevenness, best_is_warm)) {
           best_value = candidate;
+          best_unevenness = unevenness;
+          best_is_warm = false;
           best = current;
         }
       } else {

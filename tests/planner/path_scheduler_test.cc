@@ -244,6 +244,66 @@ TEST(PathSchedulerTest, ReachesCollisionFreeRoutesWhenTheyExist) {
   }
 }
 
+// Replicas the objective cannot tell apart share the microbatches: the data
+// node's compute bounds the iteration and the replicas' is negligible, so
+// routes through one replica of each stage score the same as routes split
+// over both (the plan the coordinator made for a pinned 5-worker job from
+// its spec alone sent every microbatch through w1 and w3). Ties go to the
+// more even route set, unless the tie is with the warm start.
+TEST(PathSchedulerTest, TiedReplicasShareTheMicrobatches) {
+  sim::CostTables t;
+  const int nodes = 5, stages = 3;
+  for (int i = 0; i < nodes; ++i) t.node_ids.push_back(absl::StrCat("w", i));
+  t.memory_slots.assign(nodes, 3);
+  t.forward_s.assign(nodes, std::vector<double>(stages, 1e-7));
+  t.backward_s.assign(nodes, std::vector<double>(stages, 2e-7));
+  t.forward_s[0][0] = 1.0;
+  t.backward_s[0][0] = 2.0;
+  t.loss_s.assign(nodes, 0.5);
+  t.latency_s.assign(nodes, std::vector<double>(nodes, 1e-4));
+  t.bandwidth_bytes_per_s.assign(nodes, std::vector<double>(nodes, 1e9));
+  t.activation_bytes = 1e3;
+  t.stage_gradient_bytes.assign(stages, 1e3);
+  const sim::CostModel cost = *sim::CostModel::FromTables(t);
+  sim::StageAssignment a;
+  a.stage_nodes = {{0}, {1, 2}, {3, 4}};
+  RouteRules rules;
+  rules.num_stages = stages;
+  rules.visited_stages = stages;
+  rules.data_nodes = 1;
+  rules.microbatches_per_data_node = 8;
+  rules.max_jump = stages;
+  rules.memory_slots = 3;
+  PathSchedulerOptions o;
+  o.max_evaluations = 2000;
+  PathScheduler scheduler(cost, a, rules, o);
+  auto routes = scheduler.Run();
+  ASSERT_TRUE(routes.ok()) << routes.status();
+  ASSERT_TRUE(ValidateRoutes(cost, sim::Plan{a, *routes}, rules).ok());
+  std::vector<int> visits(nodes, 0);
+  for (const sim::Route& r : *routes) {
+    for (int node : r.nodes) ++visits[node];
+  }
+  EXPECT_EQ(visits[1], 4) << "w1 " << visits[1] << ", w2 " << visits[2];
+  EXPECT_EQ(visits[2], 4) << "w1 " << visits[1] << ", w2 " << visits[2];
+  EXPECT_EQ(visits[3], 4) << "w3 " << visits[3] << ", w4 " << visits[4];
+  EXPECT_EQ(visits[4], 4) << "w3 " << visits[3] << ", w4 " << visits[4];
+
+  // A warm start that ties is kept as it is, uneven or not: the routes a job
+  // runs on change only for a predicted gain (new routes start cold).
+  std::vector<sim::Route> uneven = *routes;
+  for (sim::Route& r : uneven) r.nodes = {0, 1, 3};
+  ASSERT_TRUE(ValidateRoutes(cost, sim::Plan{a, uneven}, rules).ok());
+  o.initial_routes = &uneven;
+  PathScheduler replan(cost, a, rules, o);
+  auto kept = replan.Run();
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  ASSERT_EQ(kept->size(), uneven.size());
+  for (size_t i = 0; i < uneven.size(); ++i) {
+    EXPECT_EQ((*kept)[i].nodes, uneven[i].nodes) << "microbatch " << (*kept)[i].microbatch;
+  }
+}
+
 // The SkipPipe reference's own example (skippipe_ref20): its partition and
 // published collision-aware paths (one path per data node, all six
 // microbatches on it) score 32.48 s in arrival order and 32.92 s

@@ -115,7 +115,9 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   // machine delays the forwarder; docs/BENCHMARKS.md has the accuracy.
   // What load cannot do is make a link faster than its shaper, so the
   // fastest link is only asked to read above the East-West cap (a loaded CI
-  // run read 17.7 MB/s for the 50 MB/s links), never near its own rate.
+  // run read 17.7 MB/s for the 50 MB/s links), never near its own rate; the
+  // slowest may read under two thirds of its 10 MB/s (4.6 MB/s once, when
+  // the test started beside the heaviest e2e test).
   const std::string log = ReadFileToString(out + "/coordinator.log").value_or("");
   std::smatch m;
   ASSERT_TRUE(std::regex_search(
@@ -129,7 +131,7 @@ TEST_F(LocalWanTest, TrainsAcrossTheEmulatedLinks) {
   EXPECT_LE(lat_min, 8.0);
   EXPECT_GE(lat_max, 19.0);
   EXPECT_LE(lat_max, 30.0);
-  EXPECT_GE(rate_min, 6.0);
+  EXPECT_GE(rate_min, 4.0);
   EXPECT_LE(rate_min, 11.0);
   EXPECT_GE(rate_max, 12.0) << "no link read above the East-West links' 10 MB/s";
   EXPECT_LE(rate_max, 55.0);
