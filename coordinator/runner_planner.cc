@@ -208,8 +208,9 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::PlanIteration(uint64_t 
   // changes under a cost model refitted since the last ones were adopted
   // must be predicted kRouteSwitchMargin faster than those measured (on the
   // WAN test bed the refitted model misjudged the routes it was fitted on
-  // by a quarter), and the saving must repay the cold first iteration
-  // (docs/SCHEDULER.md §"Re-planning a running job").
+  // by a quarter), and the saving must repay the cold first iteration; under
+  // the same model, the saving it predicts must (docs/SCHEDULER.md
+  // §"Re-planning a running job").
   const uint64_t seed = spec_->seed() + iteration;
   const std::vector<sim::Route>& warm = skip_routes_.routes;
   auto p = PlanLive(seed, total_microbatches(), warm.empty() ? nullptr : &warm, kReplanEvaluations,
@@ -255,6 +256,24 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   const double horizon =
       static_cast<double>(std::min<uint64_t>(left, spec_->elastic().reassign_horizon_iterations()));
   const double gain = (measured - predicted) * horizon;
+  // Under the model the last routes were planned under, its predictions were
+  // never fitted to what they measured, so the two do not compare: the
+  // search's gain by the model itself, as a share of what the routes
+  // measured, must repay a change.
+  const bool measured_enough = static_cast<int>(last.seconds.size()) >= kJudgedIterations;
+  if (!judged && measured_enough && cost_version_ == last.cost_version && kept.ok()) {
+    const double saving = model_gain * measured * horizon;
+    if (!(saving > cost)) {
+      LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: the model they were ",
+              "planned under predicts the search's ", absl::StrFormat("%.1f %%", model_gain * 100),
+              " faster, ", absl::StrFormat("%.3f", saving), " s of their measured ",
+              absl::StrFormat("%.3f", measured), " s over ", absl::StrFormat("%.0f", horizon),
+              " iterations, which does not repay a change (", absl::StrFormat("%.3f", cost),
+              " s, what the first iteration on new routes took "
+              "beyond them)");
+      return kept;
+    }
+  }
   if (judged && (!(predicted < measured * (1 - kRouteSwitchMargin)) || !(gain > cost))) {
     if (kept.ok()) {
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: they took ",

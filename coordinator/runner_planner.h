@@ -55,7 +55,9 @@ class RunnerPlanner {
   // elastic.reassign_horizon_iterations (or the iterations left) exceeds
   // what the first iteration on them took beyond the later ones (new peer
   // connections, cold TCP windows: docs/SCHEDULER.md §"Re-planning a
-  // running job").
+  // running job"). Under the model the last routes were planned under, the
+  // search's gain by that model, as a share of what they measured, must
+  // repay the change instead.
   static constexpr double kRouteSwitchMargin = 0.1;
   static constexpr int kJudgedIterations = 2;
   // The routes' measured time is the mean of their last this many
@@ -106,7 +108,9 @@ class RunnerPlanner {
   // iteration's routes; every pipeline.full_model_every-th iteration runs
   // the full pipeline. Under a refitted cost model the last routes stay
   // unless the search's are predicted kRouteSwitchMargin faster than they
-  // measured and the saving repays a change; so do the full scheduler's.
+  // measured and the saving repays a change; under the same model, unless
+  // the model's gain on what they measured repays it; so do the full
+  // scheduler's.
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
                                                           uint64_t first_iteration, uint64_t epoch);
   // Routes for `count` microbatches over the live members; `warm` starts
