@@ -51,7 +51,8 @@ class RunnerPlanner {
   // adopted keeps them unless the search's are predicted this much faster
   // than they measured, over at least kJudgedIterations iterations (the
   // first on them not counted; a refit can misjudge the routes it was
-  // fitted on), and the predicted saving over the job's
+  // fitted on), and the predicted saving (the lesser of the measure less the
+  // prediction and the model's own gain on the measure) over the job's
   // elastic.reassign_horizon_iterations (or the iterations left) exceeds
   // what the first iteration on them took beyond the later ones (new peer
   // connections, cold TCP windows: docs/SCHEDULER.md §"Re-planning a
