@@ -242,8 +242,9 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   const double model_gain = kept.ok() && kept->result.iteration_time_s > 0
                                 ? 1 - predicted / kept->result.iteration_time_s
                                 : 0;
-  const bool judged = cost_version_ != last.cost_version &&
-                      static_cast<int>(last.seconds.size()) >= kJudgedIterations;
+  const bool refitted = cost_version_ != last.cost_version;
+  const bool measured_enough = static_cast<int>(last.seconds.size()) >= kJudgedIterations;
+  const bool judged = refitted && measured_enough;
   double measured = 0;
   for (double x : last.seconds) measured += x / static_cast<double>(last.seconds.size());
   // What the change costs: the excess of the first iteration on the last
@@ -264,8 +265,7 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   // never fitted to what they measured, so the two do not compare: the
   // search's gain by the model itself, as a share of what the routes
   // measured, must repay a change.
-  const bool measured_enough = static_cast<int>(last.seconds.size()) >= kJudgedIterations;
-  if (!judged && measured_enough && cost_version_ == last.cost_version && kept.ok()) {
+  if (!refitted && measured_enough && kept.ok()) {
     const double saving = model_gain * measured * horizon;
     if (!(saving > cost)) {
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: the model they were ",
@@ -273,8 +273,7 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
               " faster, ", absl::StrFormat("%.3f", saving), " s of their measured ",
               absl::StrFormat("%.3f", measured), " s over ", absl::StrFormat("%.0f", horizon),
               " iterations, which does not repay a change (", absl::StrFormat("%.3f", cost),
-              " s, what the first iteration on new routes took "
-              "beyond them)");
+              " s, what the first iteration on new routes took beyond them)");
       return kept;
     }
   }

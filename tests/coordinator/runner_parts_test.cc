@@ -653,6 +653,19 @@ std::vector<std::vector<int>> Nodes(const std::vector<sim::Route>& routes) {
   return out;
 }
 
+// Measures every link `routes` cross, both ways, at `rate` bytes/s (a refit's
+// input; RefreshLinks makes it the model's).
+void FitEveryHop(RunnerPlanner& planner, const std::vector<sim::Route>& routes, double rate) {
+  for (const sim::Route& r : routes) {
+    for (size_t i = 0; i + 1 < r.nodes.size(); ++i) {
+      const std::string a = planner.cost().node_id(r.nodes[i]);
+      const std::string b = planner.cost().node_id(r.nodes[i + 1]);
+      planner.links().Fitted({a, b}, rate, kT0);
+      planner.links().Fitted({b, a}, rate, kT0);
+    }
+  }
+}
+
 // Under a cost model refitted since the routes were adopted, a re-plan keeps
 // them unless the search's are predicted kRouteSwitchMargin faster than the
 // routes measured (the first iteration on them not counted): on the WAN
@@ -710,14 +723,7 @@ TEST(RoutePlanTest, ARefittedModelMustBeatWhatTheRoutesMeasured) {
         planner.KeepRoutes(*settled, c.recent + tail, tail);
       }
       const uint64_t version = planner.cost_version();
-      for (const sim::Route& r : adopted) {
-        for (size_t i = 0; i + 1 < r.nodes.size(); ++i) {
-          const std::string a = planner.cost().node_id(r.nodes[i]);
-          const std::string b = planner.cost().node_id(r.nodes[i + 1]);
-          planner.links().Fitted({a, b}, 1e3, kT0);
-          planner.links().Fitted({b, a}, 1e3, kT0);
-        }
-      }
+      FitEveryHop(planner, adopted, 1e3);
       ASSERT_TRUE(planner.RefreshLinks().ok());
       ASSERT_NE(planner.cost_version(), version);
       auto p = planner.PlanIteration(iteration, 0, 0);
@@ -738,9 +744,8 @@ TEST(RoutePlanTest, ARefittedModelMustBeatWhatTheRoutesMeasured) {
 // that gain, as a share of what the routes measured, repays what the first
 // iteration on new routes costs beyond the later ones. The routes here
 // cross links measured to crawl before they were adopted, which the search
-// avoids; measured at
-// 1 s an iteration, a first iteration of 1 s costs nothing and they change,
-// one of 10^6 s keeps them.
+// avoids; measured at 1 s an iteration, a first iteration of 1 s costs
+// nothing and they change, one of 10^6 s keeps them.
 TEST(RoutePlanTest, UnderTheSameModelAChangeMustRepayItsFirstIteration) {
   const v1::JobSpec skip = ResumeSpec(2, 3, 2, true);
   for (const double first : {1.0, 1e6}) {
@@ -753,14 +758,7 @@ TEST(RoutePlanTest, UnderTheSameModelAChangeMustRepayItsFirstIteration) {
     // Every link the routes use is measured to crawl, before they are
     // adopted: the model they run under rates them slow, and the search finds
     // others.
-    for (const sim::Route& r : start->plan.routes) {
-      for (size_t i = 0; i + 1 < r.nodes.size(); ++i) {
-        const std::string a = planner.cost().node_id(r.nodes[i]);
-        const std::string b = planner.cost().node_id(r.nodes[i + 1]);
-        planner.links().Fitted({a, b}, 1e3, kT0);
-        planner.links().Fitted({b, a}, 1e3, kT0);
-      }
-    }
+    FitEveryHop(planner, start->plan.routes, 1e3);
     ASSERT_TRUE(planner.RefreshLinks().ok());
     ASSERT_TRUE(planner::SimulatePlanned(planner.cost(), skip, sim::SimOptions(), *start).ok());
     const uint64_t version = planner.cost_version();
