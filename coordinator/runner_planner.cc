@@ -245,14 +245,12 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   const bool refitted = cost_version_ != last.cost_version;
   const bool measured_enough = static_cast<int>(last.seconds.size()) >= kJudgedIterations;
   const bool judged = refitted && measured_enough;
-  double measured = 0;
-  for (double x : last.seconds) measured += x / static_cast<double>(last.seconds.size());
-  // What the change costs: the excess of the first iteration on the last
-  // routes, the measure of one on new ones. What it gains: the predicted
-  // saving over the horizon a stage move is judged by, or the iterations
-  // left when fewer.
-  if (last.first_seconds > 0) last.switch_cost = std::max(0.0, last.first_seconds - measured);
-  const double cost = last.switch_cost;
+  const double measured = last.Measured();
+  // What the change costs: what the first iteration on the last routes (or
+  // on one of the few before them, the most) took beyond their mean. What it
+  // gains: the predicted saving over the horizon a stage move is judged by,
+  // or the iterations left when fewer.
+  const double cost = last.SwitchCost();
   const uint64_t left = spec_->iterations() > iteration ? spec_->iterations() - iteration : 0;
   const double horizon =
       static_cast<double>(std::min<uint64_t>(left, spec_->elastic().reassign_horizon_iterations()));
@@ -262,18 +260,26 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
   // otherwise pass a change it rates a few per cent faster.
   const double gain = std::min(measured - predicted, model_gain * measured) * horizon;
   // Under the model the last routes were planned under, its predictions were
-  // never fitted to what they measured, so the two do not compare: the
-  // search's gain by the model itself, as a share of what the routes
-  // measured, must repay a change.
-  if (!refitted && measured_enough && kept.ok()) {
-    const double saving = model_gain * measured * horizon;
+  // never fitted to what they measured, so the two do not compare; nor are
+  // routes with fewer than kJudgedIterations measured judged against their
+  // measure. The search's gain by the model itself, as a share of what the
+  // routes measured (of what the model predicts for them before any later
+  // iteration was measured), must repay a change.
+  if (!judged && kept.ok()) {
+    const bool any = !last.seconds.empty();
+    const double base = any ? measured : kept->result.iteration_time_s;
+    const double saving = model_gain * base * horizon;
     if (!(saving > cost)) {
-      LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: the model they were ",
-              "planned under predicts the search's ", absl::StrFormat("%.1f %%", model_gain * 100),
-              " faster, ", absl::StrFormat("%.3f", saving), " s of their measured ",
-              absl::StrFormat("%.3f", measured), " s over ", absl::StrFormat("%.0f", horizon),
+      LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: the ",
+              refitted ? "refitted model" : "model they were planned under",
+              " predicts the search's ", absl::StrFormat("%.1f %%", model_gain * 100), " faster, ",
+              absl::StrFormat("%.3f", saving), " s of their ",
+              any ? absl::StrFormat("measured %.3f s (mean of %d iterations)", measured,
+                                    static_cast<int>(last.seconds.size()))
+                  : absl::StrFormat("predicted %.3f s (none measured yet)", base),
+              " over ", absl::StrFormat("%.0f", horizon),
               " iterations, which does not repay a change (", absl::StrFormat("%.3f", cost),
-              " s, what the first iteration on new routes took beyond them)");
+              " s, what the first iteration on new routes took beyond the later ones)");
       return kept;
     }
   }
@@ -282,8 +288,8 @@ absl::StatusOr<planner::PlannedIteration> RunnerPlanner::JudgeRouteChange(
       LogInfo("job ", job_id_, ": iteration ", iteration, " keeps its routes: they took ",
               absl::StrFormat("%.3f", measured), " s (mean of ", last.seconds.size(),
               " iterations; a change costs ", absl::StrFormat("%.3f", cost),
-              " s, what the first iteration on new routes took beyond them); the refitted model "
-              "predicts ",
+              " s, what the first iteration on new routes took beyond the later ones); the "
+              "refitted model predicts ",
               absl::StrFormat("%.3f", predicted), " s for the search's routes (",
               absl::StrFormat("%.1f %%", model_gain * 100),
               " faster than it predicts the kept ones): ",
@@ -573,6 +579,30 @@ void RunnerPlanner::KeepRoutes(const planner::PlannedIteration& planned, double 
     last.seconds.push_back(seconds);
     if (static_cast<int>(last.seconds.size()) > kMeasuredWindow) last.seconds.pop_front();
   }
+}
+
+double RunnerPlanner::RouteRecord::Measured() const {
+  double mean = 0;
+  for (double x : seconds) mean += x / static_cast<double>(seconds.size());
+  return mean;
+}
+
+double RunnerPlanner::RouteRecord::SwitchCost() const {
+  double cost = 0;
+  for (double x : past_costs) cost = std::max(cost, x);
+  if (first_seconds > 0 && !seconds.empty()) cost = std::max(cost, first_seconds - Measured());
+  return cost;
+}
+
+void RunnerPlanner::RouteRecord::Forget() {
+  if (first_seconds > 0 && !seconds.empty()) {
+    past_costs.push_back(std::max(0.0, first_seconds - Measured()));
+    if (static_cast<int>(past_costs.size()) >= kSwitchCosts) past_costs.pop_front();
+  }
+  routes.clear();
+  iterations = 0;
+  first_seconds = 0;
+  seconds.clear();
 }
 
 void RunnerPlanner::ForgetRoutes() {

@@ -56,14 +56,20 @@ class RunnerPlanner {
   // elastic.reassign_horizon_iterations (or the iterations left) exceeds
   // what the first iteration on them took beyond the later ones (new peer
   // connections, cold TCP windows: docs/SCHEDULER.md §"Re-planning a
-  // running job"). Under the model the last routes were planned under, the
-  // search's gain by that model, as a share of what they measured, must
-  // repay the change instead.
+  // running job"). Under the model the last routes were planned under, or
+  // with fewer measured iterations, the search's gain by the model, as a
+  // share of what they measured (of the model's prediction for them before
+  // any was), must repay the change instead.
   static constexpr double kRouteSwitchMargin = 0.1;
   static constexpr int kJudgedIterations = 2;
   // The routes' measured time is the mean of their last this many
   // iterations (a link that degrades shows within them).
   static constexpr int kMeasuredWindow = 8;
+  // What a change of routes costs is the largest of what the first
+  // iteration on each of the last this many routes took beyond their mean:
+  // a change that reused most peer pairs costs little, and the next one may
+  // not.
+  static constexpr int kSwitchCosts = 4;
 
   // `job_id` names the job in log lines.
   RunnerPlanner(std::string job_id, const v1::JobSpec* spec, const v1::ClusterSpec* network,
@@ -109,9 +115,9 @@ class RunnerPlanner {
   // iteration's routes; every pipeline.full_model_every-th iteration runs
   // the full pipeline. Under a refitted cost model the last routes stay
   // unless the search's are predicted kRouteSwitchMargin faster than they
-  // measured and the saving repays a change; under the same model, unless
-  // the model's gain on what they measured repays it; so do the full
-  // scheduler's.
+  // measured and the saving repays a change; otherwise unless the model's
+  // gain on what they measured (or on its prediction for them) repays it;
+  // so do the full scheduler's.
   absl::StatusOr<planner::PlannedIteration> PlanIteration(uint64_t iteration,
                                                           uint64_t first_iteration, uint64_t epoch);
   // Routes for `count` microbatches over the live members; `warm` starts
@@ -238,16 +244,18 @@ class RunnerPlanner {
     double first_seconds = 0;
     std::deque<double> seconds;  // the last kMeasuredWindow
     uint64_t cost_version = 0;
-    // What the first iteration on the last routes measured took beyond their
-    // mean, kept for routes whose first iteration was not measured.
-    double switch_cost = 0;
-    // All but switch_cost.
-    void Forget() {
-      routes.clear();
-      iterations = 0;
-      first_seconds = 0;
-      seconds.clear();
-    }
+    // What the first iteration on each of the routes before these took beyond
+    // their mean, for the last kSwitchCosts - 1 whose first and a later
+    // iteration were measured (kept across Forget).
+    std::deque<double> past_costs;
+    // The mean of `seconds` (0 when none).
+    double Measured() const;
+    // What a change of routes costs: the largest of what the first iteration
+    // on these took beyond their mean (once measured) and `past_costs`.
+    double SwitchCost() const;
+    // Forgets the routes and their times, keeping what their first
+    // iteration cost in `past_costs`.
+    void Forget();
   };
   // The record of `scheduler`'s routes; null for the baselines'.
   RouteRecord* Record(v1::SchedulerKind scheduler);

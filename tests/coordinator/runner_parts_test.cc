@@ -809,6 +809,66 @@ TEST(RoutePlanTest, ARefitSavesOnlyTheModelsOwnGainOnWhatTheRoutesMeasured) {
   }
 }
 
+// Routes with fewer than kJudgedIterations measured iterations (a change
+// right after a change) are judged too: by the model's gain on what they
+// measured, or on its own prediction for them before any later iteration
+// was measured. And what a change costs is the most the first iteration on
+// any of the last kSwitchCosts routes took beyond their later ones: routes
+// whose first iteration cost nothing (they reused the pairs of the routes
+// before) do not make the next change look free. Here routes whose first
+// iteration took 10^6 s against 1 s later are followed by `cheap` routes
+// whose first took 1 s, then by routes over links measured to crawl, which
+// the search avoids; the crawl's routes stay while the costly first
+// iteration is among the last kSwitchCosts, and change once it is not, or
+// when it cost nothing.
+TEST(RoutePlanTest, AChangeRightAfterAChangeMustRepayTheCostliestRecentOne) {
+  const v1::JobSpec skip = ResumeSpec(2, 3, 2, true);
+  struct Case {
+    double first;  // the first iteration on the costly routes
+    int cheap;     // routes after them whose first iteration cost nothing
+    int measured;  // iterations measured on the crawl's routes after their first
+    bool change;
+  };
+  const int k = RunnerPlanner::kSwitchCosts;
+  for (const Case& c :
+       {Case{1e6, 0, 0, false}, Case{1e6, 0, 1, false}, Case{1.0, 0, 0, true},
+        Case{1.0, 0, 1, true}, Case{1e6, k - 2, 1, false}, Case{1e6, k - 1, 1, true}}) {
+    SCOPED_TRACE(absl::StrCat("the costly first iteration took ", c.first, " s, ", c.cheap,
+                              " cheap routes after it, ", c.measured,
+                              " measured on the crawl's routes"));
+    PlannedJob job(skip, Workers("w", 8), 0);
+    RunnerPlanner& planner = *job.planner;
+    auto crawl = planner.PlanLive(skip.seed(), planner.total_microbatches(), nullptr,
+                                  /*evaluations=*/0, v1::SCHEDULER_SKIPPIPE);
+    ASSERT_TRUE(crawl.ok()) << crawl.status();
+    FitEveryHop(planner, crawl->plan.routes, 1e3);
+    ASSERT_TRUE(planner.RefreshLinks().ok());
+    ASSERT_TRUE(planner::SimulatePlanned(planner.cost(), skip, sim::SimOptions(), *crawl).ok());
+    auto other = planner.PlanLive(skip.seed(), planner.total_microbatches(), &crawl->plan.routes,
+                                  RunnerPlanner::kReplanEvaluations, v1::SCHEDULER_SKIPPIPE);
+    ASSERT_TRUE(other.ok()) << other.status();
+    ASSERT_NE(Nodes(other->plan.routes), Nodes(crawl->plan.routes)) << "no way round the crawl";
+    const uint64_t version = planner.cost_version();
+    // The records, oldest first, alternating so that the last is the crawl's.
+    const int records = c.cheap + 2;
+    for (int r = 0; r + 1 < records; ++r) {
+      const planner::PlannedIteration& routes = (records - 1 - r) % 2 == 0 ? *crawl : *other;
+      planner.KeepRoutes(routes, r == 0 ? c.first : 1.0);
+      planner.KeepRoutes(routes, 1.0);
+    }
+    planner.KeepRoutes(*crawl, 1.0);
+    for (int i = 0; i < c.measured; ++i) planner.KeepRoutes(*crawl, 1.0);
+    auto p = planner.PlanIteration(3, 0, 0);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_EQ(planner.cost_version(), version) << "the model changed";
+    if (c.change) {
+      EXPECT_NE(Nodes(p->plan.routes), Nodes(crawl->plan.routes)) << "changed";
+    } else {
+      EXPECT_EQ(Nodes(p->plan.routes), Nodes(crawl->plan.routes)) << "kept";
+    }
+  }
+}
+
 TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {
   Build(0.25);
   membership_.Remove("b");
