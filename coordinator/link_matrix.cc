@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace detour {
 
@@ -57,6 +58,7 @@ LinkMatrix::Applied LinkMatrix::AddReport(const std::string& from, const v1::Lin
     }
     if (rate_ok) {
       e.bandwidth = rate;
+      e.probed_bandwidth = rate;
       e.bandwidth_source = v1::JobLink::SOURCE_PROBE;
       e.bandwidth_time = now;
       applied.measured.AddRate(rate);
@@ -74,6 +76,26 @@ void LinkMatrix::Fitted(const Link& link, double bytes_per_s, absl::Time now) {
   e.bandwidth = bytes_per_s;
   e.bandwidth_source = v1::JobLink::SOURCE_TRAFFIC;
   e.bandwidth_time = now;
+}
+
+LinkMatrix::TrafficShare LinkMatrix::ProbeTrafficShare() const {
+  std::vector<double> shares;
+  for (const auto& [link, e] : entries_) {
+    if (e.bandwidth_source != v1::JobLink::SOURCE_TRAFFIC || !e.bandwidth || !e.probed_bandwidth ||
+        !(*e.probed_bandwidth > 0)) {
+      continue;
+    }
+    shares.push_back(*e.bandwidth / *e.probed_bandwidth);
+  }
+  TrafficShare out;
+  out.links = static_cast<int>(shares.size());
+  if (shares.empty()) return out;
+  std::sort(shares.begin(), shares.end());
+  out.low = shares.front();
+  out.high = shares.back();
+  if (out.links < kMinShareLinks) return out;
+  out.share = std::clamp(shares[shares.size() / 2], kMinTrafficShare, 1.0);
+  return out;
 }
 
 void LinkMatrix::Forget(const std::string& id) {

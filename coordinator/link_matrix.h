@@ -37,6 +37,8 @@ class LinkMatrix {
     std::optional<double> bandwidth;  // bytes/s
     v1::JobLink::Source bandwidth_source = v1::JobLink::SOURCE_REGION_TABLE;
     absl::Time bandwidth_time = absl::InfinitePast();
+    // The last probe's rate, kept when the job's transfers refit `bandwidth`.
+    std::optional<double> probed_bandwidth;
     std::string probe_error;
     absl::Time probe_time = absl::InfinitePast();  // last report about it
   };
@@ -67,6 +69,24 @@ class LinkMatrix {
                     const std::set<std::string>& peers, absl::Time now);
   // The bandwidth that makes the job's own transfers last what they took.
   void Fitted(const Link& link, double bytes_per_s, absl::Time now);
+
+  // What the job's transfers carry of what probes measured, as a share:
+  // the median of bandwidth / probed_bandwidth over the links whose
+  // bandwidth is fitted to the transfers and that a probe measured too,
+  // bounded to [kMinTrafficShare, 1]; 1 with fewer than kMinShareLinks such
+  // links. Probes time bulk transfers on a link alone; the job's transfers
+  // are activations among the job's own traffic, and on the WAN test bed
+  // they carried an eighth of the probes' rate (docs/RUNTIME.md
+  // §"Timings and re-planning input"). With how many links, and their
+  // spread.
+  struct TrafficShare {
+    double share = 1;
+    int links = 0;
+    double low = 0, high = 0;  // the lowest and highest link's share
+  };
+  static constexpr double kMinTrafficShare = 0.01;
+  static constexpr int kMinShareLinks = 3;
+  TrafficShare ProbeTrafficShare() const;
   // `id` left: its links go.
   void Forget(const std::string& id);
 

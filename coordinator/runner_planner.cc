@@ -74,14 +74,20 @@ absl::Status RunnerPlanner::BuildCostModel() {
   if (!links_.entries().empty() || !cut_links_.empty()) {
     // Links the workers measured (probes: latency and bandwidth; fits to
     // the job's transfers: bandwidth) replace the region table's; cut ones
-    // crawl both ways.
+    // crawl both ways. A probe's rate is planned at the share of it the
+    // job's transfers carry where both measured a link: otherwise a refit
+    // rates every link the job used below every link it did not.
     sim::CostTables t = cost->tables();
+    const double share = links_.ProbeTrafficShare().share;
     for (const auto& [link, e] : links_.entries()) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
       if (a < 0 || b < 0 || a == b) continue;
       if (e.latency_s) t.latency_s[a][b] = *e.latency_s;
-      if (e.bandwidth) t.bandwidth_bytes_per_s[a][b] = *e.bandwidth;
+      if (e.bandwidth) {
+        t.bandwidth_bytes_per_s[a][b] =
+            *e.bandwidth * (e.bandwidth_source == v1::JobLink::SOURCE_PROBE ? share : 1.0);
+      }
     }
     for (const auto& [first, second] : cut_links_) {
       const int a = cost->NodeIndex(first);
@@ -639,6 +645,17 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       ++fitted;
     }
   }
+  const LinkMatrix::TrafficShare share = links_.ProbeTrafficShare();
+  if (fitted > 0 && share.links > 0) {
+    LogInfo("job ", job_id_, ": ", fitted, " links fitted to the job's transfers; the ",
+            share.links, " a probe measured too carry ",
+            absl::StrFormat("%.2f-%.2f", share.low, share.high), " of the probe's rate",
+            share.links >= LinkMatrix::kMinShareLinks
+                ? absl::StrFormat(" (median %.2f): links known by probes only are planned at "
+                                  "%.2f of what their probes measured",
+                                  share.share, share.share)
+                : std::string());
+  }
   return fitted;
 }
 
@@ -691,6 +708,9 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
   };
   if (links_.last_round() != absl::InfinitePast())
     stamp(links_.last_round(), out.mutable_last_probe());
+  const LinkMatrix::TrafficShare share = links_.ProbeTrafficShare();
+  out.set_probe_traffic_share(share.share);
+  out.set_probe_traffic_links(static_cast<uint32_t>(share.links));
   if (cost_ == nullptr) return out;
   const sim::CostTables& t = cost_->tables();
   for (const auto& [a, sa] : membership_->members()) {
@@ -703,6 +723,7 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
       l->set_to(b);
       l->set_latency_seconds(t.latency_s[ia][ib]);
       l->set_bandwidth_bytes_per_s(t.bandwidth_bytes_per_s[ia][ib]);
+      l->set_measured_bandwidth_bytes_per_s(t.bandwidth_bytes_per_s[ia][ib]);
       l->set_latency_source(v1::JobLink::SOURCE_REGION_TABLE);
       l->set_bandwidth_source(v1::JobLink::SOURCE_REGION_TABLE);
       l->set_cut(cuts.count(std::minmax(a, b)) > 0);
@@ -713,6 +734,7 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
         }
         if (e->bandwidth) {
           l->set_bandwidth_source(e->bandwidth_source);
+          l->set_measured_bandwidth_bytes_per_s(*e->bandwidth);
           stamp(e->bandwidth_time, l->mutable_bandwidth_measured());
         }
         l->set_probe_error(e->probe_error);

@@ -450,6 +450,58 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   EXPECT_EQ(m.Find({"a", "b"}), nullptr);
 }
 
+// The share of probes' rates the job's transfers carry: the median over
+// links both measured, bounded to [kMinTrafficShare, 1], and 1 until
+// kMinShareLinks links have both; links fitted without a probe, or probed
+// again since their fit, do not count.
+TEST(LinkMatrixTest, TheShareOfProbesRatesTheJobsTransfersCarry) {
+  LinkMatrix m;
+  v1::LinkReport r;
+  r.set_round(1);
+  for (const char* peer : {"b", "c", "d", "e"}) {
+    v1::LinkMeasurement* l = r.add_links();
+    l->set_peer(peer);
+    l->set_rtt_seconds(0.1);
+    l->set_bandwidth_bytes_per_s(1e8);
+  }
+  const absl::Time now = absl::Now();
+  m.AddReport("a", r, {"b", "c", "d", "e"}, now);
+  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 1);
+  EXPECT_EQ(m.ProbeTrafficShare().links, 0);
+  m.Fitted({"a", "b"}, 1e7, now);
+  m.Fitted({"a", "c"}, 2e7, now);
+  m.Fitted({"x", "y"}, 1e3, now);  // no probe measured it
+  LinkMatrix::TrafficShare share = m.ProbeTrafficShare();
+  EXPECT_EQ(share.links, 2);
+  EXPECT_DOUBLE_EQ(share.share, 1) << "too few links to tell";
+  EXPECT_DOUBLE_EQ(share.low, 0.1);
+  EXPECT_DOUBLE_EQ(share.high, 0.2);
+  m.Fitted({"a", "d"}, 5e7, now);
+  share = m.ProbeTrafficShare();
+  EXPECT_EQ(share.links, 3);
+  EXPECT_DOUBLE_EQ(share.share, 0.2);
+  EXPECT_DOUBLE_EQ(*m.Find({"a", "b"})->probed_bandwidth, 1e8) << "kept through the fit";
+  // Refitted again, the share is of the probe's rate, not the last fit's.
+  m.Fitted({"a", "b"}, 3e7, now);
+  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 0.3);
+  // A probe measures a fitted link again: it no longer counts.
+  v1::LinkReport again;
+  again.set_round(2);
+  v1::LinkMeasurement* l = again.add_links();
+  l->set_peer("d");
+  l->set_rtt_seconds(0.1);
+  l->set_bandwidth_bytes_per_s(1e8);
+  m.AddReport("a", again, {"d"}, now);
+  EXPECT_EQ(m.ProbeTrafficShare().links, 2);
+  // Bounded: transfers faster than probes do not raise probes' rates, and a
+  // share of nothing is kMinTrafficShare.
+  m.Fitted({"a", "d"}, 1e12, now);
+  m.Fitted({"a", "e"}, 1e12, now);
+  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 1);
+  for (const char* peer : {"b", "c", "d", "e"}) m.Fitted({"a", peer}, 1, now);
+  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, LinkMatrix::kMinTrafficShare);
+}
+
 // While the job runs, a latency round is followed by one bulk slot of the
 // start's schedule when link_probe_bulk_interval has passed (here: 1 ms),
 // slot after slot in turn, each over the links the last iteration did not

@@ -750,7 +750,11 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
                          "of its workers the one-way latency and the bandwidth, where each\n"
                          "came from (probe: measured by the workers' link probes; traffic:\n"
                          "fitted to the job's own transfers; table: the cluster's region\n"
-                         "table, never measured) and when. With --json the GetLinks answer.",
+                         "table, never measured) and when. Once the job's transfers were\n"
+                         "fitted on links its probes measured too, links known by probes only\n"
+                         "are planned at the share of the probes' rates the transfers carried\n"
+                         "(a header line says which; NOTE has what the probe measured). With\n"
+                         "--json the GetLinks answer.",
                          &id);
       rc >= 0) {
     return rc;
@@ -770,12 +774,25 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
   std::cout << "job " << response.job_id() << ": " << response.links_size() << " links, "
             << response.probe_rounds() << " probe round(s), last " << Ago(response.last_probe())
             << "\n";
+  const double share = response.probe_traffic_share();
+  if (share > 0 && share < 1) {
+    std::cout << absl::StrFormat(
+        "links known by probes only are planned at %.2f of what their probes measured (the "
+        "median share the job's transfers carried on the %u links both measured)\n",
+        share, response.probe_traffic_links());
+  }
   std::vector<std::vector<std::string>> rows = {
       {"FROM", "TO", "LATENCY", "SOURCE", "MEASURED", "BANDWIDTH", "SOURCE", "MEASURED", "NOTE"}};
   for (const v1::JobLink& l : response.links()) {
     std::string note = l.cut() ? "cut" : "";
     if (!l.probe_error().empty()) {
       absl::StrAppend(&note, note.empty() ? "" : "; ", "probe: ", l.probe_error());
+    }
+    if (l.measured_bandwidth_bytes_per_s() != l.bandwidth_bytes_per_s() &&
+        l.measured_bandwidth_bytes_per_s() > 0 && !l.cut()) {
+      absl::StrAppend(
+          &note, note.empty() ? "" : "; ",
+          absl::StrFormat("measured %.1f MB/s", l.measured_bandwidth_bytes_per_s() / 1e6));
     }
     rows.push_back({l.from(), l.to(), absl::StrFormat("%.1f ms", l.latency_seconds() * 1e3),
                     SourceName(l.latency_source()), Ago(l.latency_measured()),
