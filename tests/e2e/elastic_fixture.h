@@ -38,29 +38,6 @@ class ElasticTest : public E2eTest {
   // EmptyStageIsSkippedThenRefilled with `spec` (4 stages of one worker
   // each, routes skipping one).
   void RunSkipThenRefill(const v1::JobSpec& spec);
-  // Follows a job until its Watch stream ends (at a final state): the loss of
-  // every progress update, by the iteration count it reports (a later update
-  // of the same count wins, so an iteration redone after a resume replaces
-  // the earlier one), and the last job seen in `final_job` when not null.
-  std::map<uint64_t, double> WatchLossMap(int port, const std::string& id,
-                                          v1::Job* final_job = nullptr,
-                                          absl::Duration timeout = absl::Seconds(300)) {
-    auto stub = v1::JobService::NewStub(Channel(port));
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    v1::WatchJobRequest request;
-    request.set_job_id(id);
-    auto reader = stub->Watch(&context, request);
-    std::map<uint64_t, double> losses;
-    v1::JobEvent event;
-    while (reader->Read(&event)) {
-      const v1::JobProgress& p = event.job().progress();
-      if (p.iteration() > 0) losses[p.iteration()] = p.loss();
-      if (final_job != nullptr) *final_job = event.job();
-    }
-    reader->Finish().IgnoreError();
-    return losses;
-  }
 };
 
 // An elastic job that notices a closed session within half a second.

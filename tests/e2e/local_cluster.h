@@ -14,11 +14,13 @@
 
 #include <stdlib.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -355,25 +357,44 @@ class E2eTest : public ::testing::Test {
     return job;
   }
 
-  // Follows a job until it ends; returns the loss of every iteration (from
-  // the progress events) and the final job in `final_job`.
-  std::vector<double> WatchLosses(int port, const std::string& id, v1::Job* final_job,
-                                  absl::Duration timeout) {
+  // Follows a job until its Watch stream ends (at a final state, or at
+  // `timeout`): the loss of every progress update, by the iteration count it
+  // reports (a later update of the same count wins, so an iteration redone
+  // after a resume replaces the earlier one), and the last job seen in
+  // `final_job` when not null; how the stream ended in `status` when not
+  // null.
+  std::map<uint64_t, double> WatchLossMap(int port, const std::string& id,
+                                          v1::Job* final_job = nullptr,
+                                          absl::Duration timeout = absl::Seconds(300),
+                                          grpc::Status* status = nullptr) {
     auto stub = v1::JobService::NewStub(Channel(port));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     v1::WatchJobRequest request;
     request.set_job_id(id);
     auto reader = stub->Watch(&context, request);
-    std::vector<double> losses;
+    std::map<uint64_t, double> losses;
     v1::JobEvent event;
     while (reader->Read(&event)) {
       const v1::JobProgress& p = event.job().progress();
-      if (p.iteration() > losses.size()) losses.push_back(p.loss());
-      *final_job = event.job();
+      if (p.iteration() > 0) losses[p.iteration()] = p.loss();
+      if (final_job != nullptr) *final_job = event.job();
     }
-    grpc::Status status = reader->Finish();
+    const grpc::Status finished = reader->Finish();
+    if (status != nullptr) *status = finished;
+    return losses;
+  }
+
+  // WatchLossMap's losses in iteration order, for a job that runs straight
+  // through; the stream must end OK.
+  std::vector<double> WatchLosses(int port, const std::string& id, v1::Job* final_job,
+                                  absl::Duration timeout) {
+    grpc::Status status;
+    const std::map<uint64_t, double> by_iteration =
+        WatchLossMap(port, id, final_job, timeout, &status);
     EXPECT_TRUE(status.ok()) << status.error_message();
+    std::vector<double> losses;
+    for (const auto& [iteration, loss] : by_iteration) losses.push_back(loss);
     return losses;
   }
 
