@@ -155,9 +155,10 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
                                                         << c.process->Log();
   ASSERT_EQ(losses.size(), 6u);
   EXPECT_LT(losses.back(), losses.front());
-  // Every worker the routes visit reports its timings (routes need not
-  // visit all 8: links probes measured are planned at the share of their
-  // rate the job's transfers carry, so a refit need not move them).
+  // The workers the routes visit report their timings: a refit had them
+  // from at least the 6 the first plan visits (routes need not visit all 8:
+  // links probes measured are planned at the share of their rate the job's
+  // transfers carry, so a refit need not move the routes).
   int visited = 0;
   for (const auto& [worker, visits] : final_job.progress().planned_visits()) {
     if (visits > 0) ++visited;
@@ -169,7 +170,8 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
     timed = std::max(timed, std::atoi(log.c_str() + at + marker.size()));
   }
   EXPECT_GE(visited, 6);
-  EXPECT_GE(timed, visited) << log;
+  EXPECT_GE(timed, 6) << log;
+  EXPECT_LE(timed, 8) << log;
   ASSERT_EQ(final_job.stages_size(), 4);
   for (const auto& stage : final_job.stages()) EXPECT_EQ(stage.nodes_size(), 2);
   // Workers are released afterwards.
