@@ -593,16 +593,20 @@ double RunnerPlanner::RouteRecord::Measured() const {
   return mean;
 }
 
+std::optional<double> RunnerPlanner::RouteRecord::OwnCost() const {
+  if (!(first_seconds > 0) || seconds.empty()) return std::nullopt;
+  return std::max(0.0, first_seconds - Measured());
+}
+
 double RunnerPlanner::RouteRecord::SwitchCost() const {
-  double cost = 0;
+  double cost = OwnCost().value_or(0);
   for (double x : past_costs) cost = std::max(cost, x);
-  if (first_seconds > 0 && !seconds.empty()) cost = std::max(cost, first_seconds - Measured());
   return cost;
 }
 
 void RunnerPlanner::RouteRecord::Forget() {
-  if (first_seconds > 0 && !seconds.empty()) {
-    past_costs.push_back(std::max(0.0, first_seconds - Measured()));
+  if (const std::optional<double> own = OwnCost()) {
+    past_costs.push_back(*own);
     if (static_cast<int>(past_costs.size()) >= kSwitchCosts) past_costs.pop_front();
   }
   routes.clear();

@@ -250,8 +250,11 @@ class RunnerPlanner {
     std::deque<double> past_costs;
     // The mean of `seconds` (0 when none).
     double Measured() const;
-    // What a change of routes costs: the largest of what the first iteration
-    // on these took beyond their mean (once measured) and `past_costs`.
+    // What the first iteration on these took beyond their mean; none until
+    // it and a later one were measured.
+    std::optional<double> OwnCost() const;
+    // What a change of routes costs: the largest of OwnCost and
+    // `past_costs`.
     double SwitchCost() const;
     // Forgets the routes and their times, keeping what their first
     // iteration cost in `past_costs`.

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_manifest.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "coordinator/job_store.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/route_validator.h"
@@ -667,6 +668,20 @@ void FitEveryHop(RunnerPlanner& planner, const std::vector<sim::Route>& routes, 
   }
 }
 
+// Routes planned without a search, over links then measured to crawl
+// (FitEveryHop at 1 kB/s) and simulated under that model: the model they run
+// under rates them slow, and the search finds others.
+absl::StatusOr<planner::PlannedIteration> RoutesOverACrawl(RunnerPlanner& planner,
+                                                           const v1::JobSpec& spec) {
+  ASSIGN_OR_RETURN(planner::PlannedIteration routes,
+                   planner.PlanLive(spec.seed(), planner.total_microbatches(), nullptr,
+                                    /*evaluations=*/0, v1::SCHEDULER_SKIPPIPE));
+  FitEveryHop(planner, routes.plan.routes, 1e3);
+  RETURN_IF_ERROR(planner.RefreshLinks());
+  RETURN_IF_ERROR(planner::SimulatePlanned(planner.cost(), spec, sim::SimOptions(), routes));
+  return routes;
+}
+
 // Under a cost model refitted since the routes were adopted, a re-plan keeps
 // them unless the search's are predicted kRouteSwitchMargin faster than the
 // routes measured (the first iteration on them not counted): on the WAN
@@ -753,15 +768,9 @@ TEST(RoutePlanTest, UnderTheSameModelAChangeMustRepayItsFirstIteration) {
     SCOPED_TRACE(absl::StrCat("the first iteration on the routes took ", first, " s"));
     PlannedJob job(skip, Workers("w", 8), 0);
     RunnerPlanner& planner = *job.planner;
-    auto start = planner.PlanLive(skip.seed(), planner.total_microbatches(), nullptr,
-                                  /*evaluations=*/0, v1::SCHEDULER_SKIPPIPE);
+    // Every link the routes use is measured to crawl before they are adopted.
+    auto start = RoutesOverACrawl(planner, skip);
     ASSERT_TRUE(start.ok()) << start.status();
-    // Every link the routes use is measured to crawl, before they are
-    // adopted: the model they run under rates them slow, and the search finds
-    // others.
-    FitEveryHop(planner, start->plan.routes, 1e3);
-    ASSERT_TRUE(planner.RefreshLinks().ok());
-    ASSERT_TRUE(planner::SimulatePlanned(planner.cost(), skip, sim::SimOptions(), *start).ok());
     const uint64_t version = planner.cost_version();
     planner.KeepRoutes(*start, first);
     for (int i = 0; i < RunnerPlanner::kJudgedIterations; ++i) planner.KeepRoutes(*start, 1.0);
@@ -839,12 +848,8 @@ TEST(RoutePlanTest, AChangeRightAfterAChangeMustRepayTheCostliestRecentOne) {
                               " measured on the crawl's routes"));
     PlannedJob job(skip, Workers("w", 8), 0);
     RunnerPlanner& planner = *job.planner;
-    auto crawl = planner.PlanLive(skip.seed(), planner.total_microbatches(), nullptr,
-                                  /*evaluations=*/0, v1::SCHEDULER_SKIPPIPE);
+    auto crawl = RoutesOverACrawl(planner, skip);
     ASSERT_TRUE(crawl.ok()) << crawl.status();
-    FitEveryHop(planner, crawl->plan.routes, 1e3);
-    ASSERT_TRUE(planner.RefreshLinks().ok());
-    ASSERT_TRUE(planner::SimulatePlanned(planner.cost(), skip, sim::SimOptions(), *crawl).ok());
     auto other = planner.PlanLive(skip.seed(), planner.total_microbatches(), &crawl->plan.routes,
                                   RunnerPlanner::kReplanEvaluations, v1::SCHEDULER_SKIPPIPE);
     ASSERT_TRUE(other.ok()) << other.status();

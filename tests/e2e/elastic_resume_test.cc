@@ -255,13 +255,15 @@ TEST_F(ElasticTest, ResumeOnSkipSpecsIsBitExact) {
 
 // A job on a prepared dataset (DATA_SOURCE_SHARDS) checkpoints every 8
 // iterations, is cancelled after the first, `detourctl resume`d, and
-// continues from the data position its last checkpoint implies — the data a data node reads is a
-// function of the seed and the iteration, so the resumed run's per-iteration losses are the
-// uninterrupted run's, bit for bit on CPU (one data node, one activation slot, no re-planning: the
-// same computation). Were the resumed job to read from the start of the dataset again, the
-// iterations after the checkpoint would see other samples and other losses. The job runs 32
-// iterations so that the cancel, sent once it reaches iteration 9, comes
-// before its end however loaded the machine (with 16 it once ended first).
+// continues from the data position its last checkpoint implies — the data a
+// data node reads is a function of the seed and the iteration, so the
+// resumed run's per-iteration losses are the uninterrupted run's, bit for
+// bit on CPU (one data node, one activation slot, no re-planning: the same
+// computation). Were the resumed job to read from the start of the dataset
+// again, the iterations after the checkpoint would see other samples and
+// other losses. The job runs 32 iterations so that the cancel, sent once it
+// reaches iteration 9, comes before its end however loaded the machine (with
+// 16 it once ended first).
 TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
   const std::string text = absl::StrCat(dir_, "/corpus.txt");
   ASSERT_TRUE(WriteFileAtomically(text, model::GenerateCorpus(8, 200000)).ok());
@@ -272,12 +274,13 @@ TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
   ASSERT_TRUE(prepared.ok()) << prepared.status();
 
   constexpr uint64_t kIterations = 32;
+  constexpr uint64_t kEvery = 8;  // checkpoint.every_iterations
   v1::JobSpec spec = MicroJob(3, 1, 1, 0.0, kIterations);
   spec.set_name("shards");
   spec.mutable_data()->set_source(v1::DATA_SOURCE_SHARDS);
   spec.mutable_data()->set_path(prep.output);
   spec.mutable_pipeline()->set_memory_slots(1);
-  spec.mutable_checkpoint()->set_every_iterations(8);
+  spec.mutable_checkpoint()->set_every_iterations(kEvery);
   spec.mutable_checkpoint()->set_keep_last(4);
   spec.mutable_elastic()->set_disabled(true);
   spec = *NormalizeJobSpec(spec);
@@ -302,7 +305,7 @@ TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
     resumed = WatchLossMap(c.grpc_port, interrupted.id(), &cancelled, absl::Seconds(180));
   });
   ElasticRun run(this, c.grpc_port, interrupted.id());
-  EXPECT_TRUE(run.ReachIteration(9, absl::Seconds(120)));
+  EXPECT_TRUE(run.ReachIteration(kEvery + 1, absl::Seconds(120)));
   std::string out;
   EXPECT_EQ(RunCtl({Bin(kCtl), at, "cancel", interrupted.id()}, &out), 0) << out;
   watch.join();
@@ -313,9 +316,9 @@ TEST_F(ElasticTest, ResumeOnAPreparedDatasetContinuesItsDataPosition) {
   const std::string name = std::filesystem::path(cancelled.last_checkpoint()).filename().string();
   ASSERT_TRUE(absl::StartsWith(name, "iter-") && absl::SimpleAtoi(name.substr(5), &saved))
       << cancelled.last_checkpoint();
-  ASSERT_GE(saved, 8u);
+  ASSERT_GE(saved, kEvery);
   ASSERT_LT(saved, kIterations);
-  ASSERT_EQ(saved % 8, 0u);
+  ASSERT_EQ(saved % kEvery, 0u);
   EXPECT_LT(resumed.rbegin()->first, kIterations);
   auto manifest = model::ReadManifest(cancelled.last_checkpoint());
   ASSERT_TRUE(manifest.ok()) << manifest.status();
