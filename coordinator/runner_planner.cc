@@ -71,6 +71,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
   ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
+  LinkMatrix::TrafficShare share;
   if (!links_.entries().empty() || !cut_links_.empty()) {
     // Links the workers measured (probes: latency and bandwidth; fits to
     // the job's transfers: bandwidth) replace the region table's; cut ones
@@ -78,7 +79,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
     // job's transfers carry where both measured a link: otherwise a refit
     // rates every link the job used below every link it did not.
     sim::CostTables t = cost->tables();
-    const double share = links_.ProbeTrafficShare().share;
+    share = links_.ProbeTrafficShare();
     for (const auto& [link, e] : links_.entries()) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
@@ -86,7 +87,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
       if (e.latency_s) t.latency_s[a][b] = *e.latency_s;
       if (e.bandwidth) {
         t.bandwidth_bytes_per_s[a][b] =
-            *e.bandwidth * (e.bandwidth_source == v1::JobLink::SOURCE_PROBE ? share : 1.0);
+            *e.bandwidth * (e.bandwidth_source == v1::JobLink::SOURCE_PROBE ? share.share : 1.0);
       }
     }
     for (const auto& [first, second] : cut_links_) {
@@ -100,6 +101,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
     if (!cost.ok()) return Annotate(cost.status(), "cost model with measured links");
   }
   cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
+  planned_share_ = share;
   return absl::OkStatus();
 }
 
@@ -649,17 +651,6 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       ++fitted;
     }
   }
-  const LinkMatrix::TrafficShare share = links_.ProbeTrafficShare();
-  if (fitted > 0 && share.links > 0) {
-    LogInfo("job ", job_id_, ": ", fitted, " links fitted to the job's transfers; the ",
-            share.links, " a probe measured too carry ",
-            absl::StrFormat("%.2f-%.2f", share.low, share.high), " of the probe's rate",
-            share.links >= LinkMatrix::kMinShareLinks
-                ? absl::StrFormat(" (median %.2f): links known by probes only are planned at "
-                                  "%.2f of what their probes measured",
-                                  share.share, share.share)
-                : std::string());
-  }
   return fitted;
 }
 
@@ -690,6 +681,17 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
     return samples;
   }
   ++cost_version_;
+  const LinkMatrix::TrafficShare& share = planned_share_;
+  if (links > 0 && share.links > 0) {
+    LogInfo("job ", job_id_, ": ", links, " links fitted to the job's transfers; the ", share.links,
+            " a probe measured too carry ", absl::StrFormat("%.2f-%.2f", share.low, share.high),
+            " of the probe's rate",
+            share.links >= LinkMatrix::kMinShareLinks
+                ? absl::StrFormat(" (median %.2f): links known by probes only are planned at "
+                                  "%.2f of what their probes measured",
+                                  share.share, share.share)
+                : std::string());
+  }
   LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
            " links measured");
   return samples;
@@ -712,9 +714,8 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
   };
   if (links_.last_round() != absl::InfinitePast())
     stamp(links_.last_round(), out.mutable_last_probe());
-  const LinkMatrix::TrafficShare share = links_.ProbeTrafficShare();
-  out.set_probe_traffic_share(share.share);
-  out.set_probe_traffic_links(static_cast<uint32_t>(share.links));
+  out.set_probe_traffic_share(planned_share_.share);
+  out.set_probe_traffic_links(static_cast<uint32_t>(planned_share_.links));
   if (cost_ == nullptr) return out;
   const sim::CostTables& t = cost_->tables();
   for (const auto& [a, sa] : membership_->members()) {
