@@ -26,6 +26,7 @@
 #include "common/spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/runtime/frame_admission.h"
 #include "worker/runtime/runtime_part.h"
 
 namespace detour {
@@ -641,6 +642,46 @@ TEST_F(JobRuntimeTest, HeldReceivedTensorsAreBounded) {
   h.set_sender("d0");
   held.clear();
   EXPECT_TRUE(runtime_["r0"]->Allocate(h).ok());
+}
+
+// A frame the receiver admitted is used, however many plausible frames its
+// sender flooded it with: d0 floods r0 with frames of later epochs before
+// r0 has its plan, then its real forwards arrive, early too, and the
+// iteration completes. (A count of early frames per sender, below the byte
+// quota the admission enforces, once dropped such a real frame after its
+// sender had been told it arrived: the iteration waited for it forever.)
+TEST_F(JobRuntimeTest, AnAdmittedEarlyFrameIsNotDroppedForTheSendersFlood) {
+  AssignAll();
+  v1::FrameHeader h;
+  h.set_job_id("job");
+  h.set_iteration(0);
+  h.set_direction(v1::DIRECTION_FORWARD);
+  h.set_sender("d0");
+  h.set_hop(1);
+  for (int64_t d : {2, 16, 32}) h.add_shape(d);
+  h.set_dtype(v1::DTYPE_FP32);
+  h.set_total_bytes(2 * 16 * 32 * 4);
+  // More than the 36 early frames per sender the count allowed (four per
+  // microbatch of the job, two per replica, 16), fewer than d0's quota.
+  constexpr int kFlood = 40;
+  for (int i = 0; i < kFlood; ++i) {
+    h.set_epoch(1 + i % FrameAdmission::kMaxEpochsAhead);
+    h.set_microbatch(i % 4);
+    auto b = runtime_["r0"]->Allocate(h);
+    ASSERT_TRUE(b.ok()) << "flood frame " << i << ": " << b.status();
+    std::memset(b->data, 0, b->bytes);
+    runtime_["r0"]->Deliver(h, *std::move(b));
+  }
+  for (const std::string id : {"d0", "d1", "r1"}) runtime_[id]->OnCoordinatorMessage(Plan(0));
+  // d0's and d1's forwards reach r0 while it has no plan (r0's thread keeps
+  // them as early frames well within this wait; were one to come after the
+  // plan, it would be taken as it comes and the test would check less).
+  absl::SleepFor(absl::Milliseconds(300));
+  runtime_["r0"]->OnCoordinatorMessage(Plan(0));
+  auto results = Step(0, {"d0", "d1", "r0", "r1"}, 0);
+  ASSERT_EQ(results.size(), 4u) << "r0 lost d0's real forward among its flood";
+  EXPECT_THAT(Mbs(results["d0"]), ElementsAre(0, 1));
+  EXPECT_EQ(results["r0"].parameter_checksum(), results["r1"].parameter_checksum());
 }
 
 // A member's NaN or huge activation is dropped by its receiver, which

@@ -226,16 +226,10 @@ void RuntimePipeline::OnTensor(const v1::FrameHeader& h, at::Tensor t) {
 }
 
 void RuntimePipeline::KeepEarly(const v1::FrameHeader& h, const at::Tensor& t) {
-  // Per sender: one member's flood must not crowd out another's real frame.
-  const size_t most = 4 * static_cast<size_t>(spec_.pipeline().data_nodes()) *
-                          spec_.pipeline().microbatches_per_data_node() +
-                      2 * group_.size() + 16;
-  size_t kept = 0;
-  for (const auto& e : early_) kept += e.first.sender() == h.sender() ? 1 : 0;
-  if (kept >= most) {
-    metrics_.UnexpectedFrame();
-    return;
-  }
+  // Every frame here passed FrameAdmission, which bounds the bytes each
+  // sender holds on this worker and refuses, visibly to the sender, a frame
+  // past them. No second bound may drop one here: the sender was told it
+  // arrived, and a real frame dropped among a flood was waited for forever.
   early_.emplace_back(h, t);
 }
 

@@ -40,10 +40,9 @@ class RuntimePipeline : private RuntimePart {
   void RunLoss(uint32_t mb, const at::Tensor& hidden);
   void RunBackward(uint32_t mb, int pos, const at::Tensor& grad);
   // A tensor that belongs to work not known yet (the next iteration's plan
-  // or a newer route is on the way). An honest iteration sends this node at
-  // most a forward and a backward per microbatch plus the replicas'
-  // all-reduce inputs (and the same again for re-runs); more from one
-  // sender is a flood and is dropped, without touching other senders' share.
+  // or a newer route is on the way): kept until that work arrives. What one
+  // sender may hold here is bounded where its frames are admitted
+  // (FrameAdmission's quota), which refuses a flood's excess to its sender.
   void KeepEarly(const v1::FrameHeader& h, const at::Tensor& t);
 
   RuntimeReduce* const reduce_;
