@@ -157,8 +157,8 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
   EXPECT_LT(losses.back(), losses.front());
   // The workers the routes visit report their timings: a refit had them
   // from at least the 6 the first plan visits (routes need not visit all 8:
-  // links probes measured are planned as slow as the job's transfers run on
-  // the links fitted to them, so a refit need not move the routes).
+  // links probes measured are planned at the share of their rate the job's
+  // transfers carry, so a refit need not move the routes).
   int visited = 0;
   for (const auto& [worker, visits] : final_job.progress().planned_visits()) {
     if (visits > 0) ++visited;
