@@ -70,32 +70,39 @@ LinkMatrix::Applied LinkMatrix::AddReport(const std::string& from, const v1::Lin
   return applied;
 }
 
-void LinkMatrix::Fitted(const Link& link, double bytes_per_s, absl::Time now) {
+void LinkMatrix::Fitted(const Link& link, double bytes_per_s, double round_trips, absl::Time now) {
   if (!std::isfinite(bytes_per_s) || bytes_per_s <= 0 || bytes_per_s > kMaxBytesPerS) return;
   Entry& e = entries_[link];
   e.bandwidth = bytes_per_s;
   e.bandwidth_source = v1::JobLink::SOURCE_TRAFFIC;
   e.bandwidth_time = now;
+  if (std::isfinite(round_trips) && round_trips > 0 && round_trips <= kMaxRoundTrips) {
+    e.round_trips = round_trips;
+  } else {
+    e.round_trips.reset();
+  }
 }
 
-LinkMatrix::TrafficShare LinkMatrix::ProbeTrafficShare() const {
-  std::vector<double> shares;
+LinkMatrix::TransferRounds LinkMatrix::TransferRoundTrips() const {
+  std::vector<double> rounds;
   for (const auto& [link, e] : entries_) {
-    if (e.bandwidth_source != v1::JobLink::SOURCE_TRAFFIC || !e.bandwidth || !e.probed_bandwidth ||
-        !(*e.probed_bandwidth > 0)) {
-      continue;
+    if (e.bandwidth_source == v1::JobLink::SOURCE_TRAFFIC && e.round_trips) {
+      rounds.push_back(*e.round_trips);
     }
-    shares.push_back(*e.bandwidth / *e.probed_bandwidth);
   }
-  TrafficShare out;
-  out.links = static_cast<int>(shares.size());
-  if (shares.empty()) return out;
-  std::sort(shares.begin(), shares.end());
-  out.low = shares.front();
-  out.high = shares.back();
-  if (out.links < kMinShareLinks) return out;
-  out.share = std::clamp(shares[shares.size() / 2], kMinTrafficShare, 1.0);
+  TransferRounds out;
+  out.links = static_cast<int>(rounds.size());
+  if (rounds.empty()) return out;
+  std::sort(rounds.begin(), rounds.end());
+  out.low = rounds.front();
+  out.high = rounds.back();
+  if (out.links >= kMinFitLinks) out.round_trips = rounds[rounds.size() / 2];
   return out;
+}
+
+double LinkMatrix::PlannedProbeRate(double probed, double bytes, double rtt_s, double round_trips) {
+  if (!(probed > 0) || !(bytes > 0) || !(rtt_s > 0) || !(round_trips > 0)) return probed;
+  return bytes / std::max(bytes / probed, round_trips * rtt_s);
 }
 
 void LinkMatrix::Forget(const std::string& id) {

@@ -39,6 +39,8 @@ class LinkMatrix {
     absl::Time bandwidth_time = absl::InfinitePast();
     // The last probe's rate, kept when the job's transfers refit `bandwidth`.
     std::optional<double> probed_bandwidth;
+    // The last fit's time on the wire, in round trips (Fitted).
+    std::optional<double> round_trips;
     std::string probe_error;
     absl::Time probe_time = absl::InfinitePast();  // last report about it
   };
@@ -67,26 +69,31 @@ class LinkMatrix {
   };
   Applied AddReport(const std::string& from, const v1::LinkReport& report,
                     const std::set<std::string>& peers, absl::Time now);
-  // The bandwidth that makes the job's own transfers last what they took.
-  void Fitted(const Link& link, double bytes_per_s, absl::Time now);
+  // The bandwidth that makes the job's own transfers last what they took,
+  // and what they took on the wire (beyond the way there and the
+  // acknowledgement's way back) in the link's round trips: `round_trips`,
+  // ignored unless finite, positive and at most kMaxRoundTrips.
+  void Fitted(const Link& link, double bytes_per_s, double round_trips, absl::Time now);
 
-  // What the job's transfers carry of what probes measured, as a share:
-  // the median of bandwidth / probed_bandwidth over the links whose
-  // bandwidth is fitted to the transfers and that a probe measured too,
-  // bounded to [kMinTrafficShare, 1]; 1 with fewer than kMinShareLinks such
-  // links. Probes time bulk transfers on a link alone; the job's transfers
-  // are activations among the job's own traffic, and on the WAN test bed
-  // they carried an eighth of the probes' rate (docs/RUNTIME.md
-  // §"Timings and re-planning input"). With how many links, and their
-  // spread.
-  struct TrafficShare {
-    double share = 1;
+  // How long the job's transfers stay on the wire, in round trips: the
+  // median over the links whose bandwidth is fitted to the transfers (0
+  // with fewer than kMinFitLinks), with how many and their spread. On the
+  // WAN test bed a 64 KiB activation took 0.2-2.4 round trips (median 0.5)
+  // beyond the first, however fast a probe had measured its link: the
+  // windows, not the link's rate, set it. A link known by probes only is
+  // planned by it (PlannedProbeRate).
+  struct TransferRounds {
+    double round_trips = 0;
     int links = 0;
-    double low = 0, high = 0;  // the lowest and highest link's share
+    double low = 0, high = 0;  // the lowest and highest link's
   };
-  static constexpr double kMinTrafficShare = 0.01;
-  static constexpr int kMinShareLinks = 3;
-  TrafficShare ProbeTrafficShare() const;
+  static constexpr int kMinFitLinks = 3;
+  static constexpr double kMaxRoundTrips = 1000;
+  TransferRounds TransferRoundTrips() const;
+  // The rate to plan a link known by probes only at, for transfers of
+  // `bytes`: they take the probe's rate or `round_trips` of the link's round
+  // trip `rtt_s`, whichever is slower. `probed` when either is unknown.
+  static double PlannedProbeRate(double probed, double bytes, double rtt_s, double round_trips);
   // `id` left: its links go.
   void Forget(const std::string& id);
 

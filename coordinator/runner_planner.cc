@@ -71,24 +71,33 @@ absl::Status RunnerPlanner::BuildCostModel() {
   ASSIGN_OR_RETURN(cluster_, NormalizeClusterSpec(cluster));
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
-  LinkMatrix::TrafficShare share;
+  LinkMatrix::TransferRounds rounds;
   if (!links_.entries().empty() || !cut_links_.empty()) {
     // Links the workers measured (probes: latency and bandwidth; fits to
     // the job's transfers: bandwidth) replace the region table's; cut ones
-    // crawl both ways. A probe's rate is planned at the share of it the
-    // job's transfers carry where both measured a link: otherwise a refit
-    // rates every link the job used below every link it did not.
+    // crawl both ways. A link known by probes only is planned as slow as
+    // the job's transfers run on the links fitted to them: the probe's rate,
+    // or their median time on the wire in round trips, whichever is slower.
+    // Otherwise a refit rates every link the job did not use far above
+    // those it did, and the search leaves the second for the first.
     sim::CostTables t = cost->tables();
-    share = links_.ProbeTrafficShare();
+    rounds = links_.TransferRoundTrips();
     for (const auto& [link, e] : links_.entries()) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
       if (a < 0 || b < 0 || a == b) continue;
       if (e.latency_s) t.latency_s[a][b] = *e.latency_s;
-      if (e.bandwidth) {
-        t.bandwidth_bytes_per_s[a][b] =
-            *e.bandwidth * (e.bandwidth_source == v1::JobLink::SOURCE_PROBE ? share.share : 1.0);
-      }
+    }
+    for (const auto& [link, e] : links_.entries()) {
+      const int a = cost->NodeIndex(link.first);
+      const int b = cost->NodeIndex(link.second);
+      if (a < 0 || b < 0 || a == b || !e.bandwidth) continue;
+      t.bandwidth_bytes_per_s[a][b] =
+          e.bandwidth_source == v1::JobLink::SOURCE_PROBE
+              ? LinkMatrix::PlannedProbeRate(*e.bandwidth, t.activation_bytes,
+                                             t.latency_s[a][b] + t.latency_s[b][a],
+                                             rounds.round_trips)
+              : *e.bandwidth;
     }
     for (const auto& [first, second] : cut_links_) {
       const int a = cost->NodeIndex(first);
@@ -101,7 +110,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
     if (!cost.ok()) return Annotate(cost.status(), "cost model with measured links");
   }
   cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
-  planned_share_ = share;
+  planned_rounds_ = rounds;
   return absl::OkStatus();
 }
 
@@ -647,7 +656,8 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       // a one-way latency per hop.
       const double wire = seconds - t.latency_s[ia][ib] - t.latency_s[ib][ia];
       if (!(wire >= kMinWireShare * seconds)) continue;
-      links_.Fitted({a, b}, t.activation_bytes / wire, absl::Now());
+      const double rtt = t.latency_s[ia][ib] + t.latency_s[ib][ia];
+      links_.Fitted({a, b}, t.activation_bytes / wire, rtt > 0 ? wire / rtt : 0, absl::Now());
       ++fitted;
     }
   }
@@ -681,15 +691,17 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
     return samples;
   }
   ++cost_version_;
-  const LinkMatrix::TrafficShare& share = planned_share_;
-  if (links > 0 && share.links > 0) {
-    LogInfo("job ", job_id_, ": ", links, " links fitted to the job's transfers; the ", share.links,
-            " a probe measured too carry ", absl::StrFormat("%.2f-%.2f", share.low, share.high),
-            " of the probe's rate",
-            share.links >= LinkMatrix::kMinShareLinks
+  const LinkMatrix::TransferRounds& rounds = planned_rounds_;
+  if (links > 0 && rounds.links > 0) {
+    LogInfo("job ", job_id_, ": ", links,
+            " links fitted to the job's transfers; on the wire (beyond the way there and the "
+            "acknowledgement's way back) they took ",
+            absl::StrFormat("%.2f-%.2f", rounds.low, rounds.high), " round trips on the ",
+            rounds.links, " fitted",
+            rounds.links >= LinkMatrix::kMinFitLinks
                 ? absl::StrFormat(" (median %.2f): links known by probes only are planned at "
-                                  "%.2f of what their probes measured",
-                                  share.share, share.share)
+                                  "their probe's rate or %.2f round trips, whichever is slower",
+                                  rounds.round_trips, rounds.round_trips)
                 : std::string());
   }
   LogDebug("job ", job_id_, ": node speeds updated from ", changed, " workers' timings, ", links,
@@ -714,8 +726,8 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
   };
   if (links_.last_round() != absl::InfinitePast())
     stamp(links_.last_round(), out.mutable_last_probe());
-  out.set_probe_traffic_share(planned_share_.share);
-  out.set_probe_traffic_links(static_cast<uint32_t>(planned_share_.links));
+  out.set_transfer_round_trips(planned_rounds_.round_trips);
+  out.set_transfer_round_trip_links(static_cast<uint32_t>(planned_rounds_.links));
   if (cost_ == nullptr) return out;
   const sim::CostTables& t = cost_->tables();
   for (const auto& [a, sa] : membership_->members()) {

@@ -292,9 +292,10 @@ class RunnerPlanner {
   std::map<std::string, double> speeds_;  // measured relative speeds
   // Measured links: probes and fits.
   LinkMatrix links_;
-  // The probe share the cost model was built with (BuildCostModel computes
-  // it once; the refit's log line and LinkSnapshot read it).
-  LinkMatrix::TrafficShare planned_share_;
+  // The transfers' round trips the cost model was built with
+  // (BuildCostModel computes them once; the refit's log line and
+  // LinkSnapshot read them).
+  LinkMatrix::TransferRounds planned_rounds_;
   // Link -> TimingEstimates::TransferReports when it was last fitted.
   std::map<std::pair<std::string, std::string>, uint64_t> refit_reports_;
   std::set<std::pair<std::string, std::string>> cut_links_;

@@ -3,6 +3,7 @@
 // against a worker, bad frames and outsiders' messages, and the link probes
 // at start and while the job runs, as the planner's matrix shows them.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
@@ -442,7 +443,7 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   EXPECT_FALSE(m.Find({"a", "d"})->latency_s.has_value());
   EXPECT_DOUBLE_EQ(*m.Find({"a", "d"})->bandwidth, 1e6);
   // A fit to the job's traffic replaces the bandwidth, not the latency.
-  m.Fitted({"a", "b"}, 3e8, now);
+  m.Fitted({"a", "b"}, 3e8, 1.0, now);
   EXPECT_DOUBLE_EQ(*m.Find({"a", "b"})->bandwidth, 3e8);
   EXPECT_EQ(m.Find({"a", "b"})->bandwidth_source, v1::JobLink::SOURCE_TRAFFIC);
   EXPECT_EQ(m.Find({"a", "b"})->latency_source, v1::JobLink::SOURCE_PROBE);
@@ -450,11 +451,12 @@ TEST(LinkMatrixTest, IgnoresWhatWasNotAskedAndWhatIsOutOfBounds) {
   EXPECT_EQ(m.Find({"a", "b"}), nullptr);
 }
 
-// The share of probes' rates the job's transfers carry: the median over
-// links both measured, bounded to [kMinTrafficShare, 1], and 1 until
-// kMinShareLinks links have both; links fitted without a probe, or probed
-// again since their fit, do not count.
-TEST(LinkMatrixTest, TheShareOfProbesRatesTheJobsTransfersCarry) {
+// How long the job's transfers stay on the wire, in round trips: the median
+// over the links fitted to them, 0 until kMinFitLinks links are; a fit
+// without round trips, or out of bounds, or a link probed again since its
+// fit, does not count. And a link known by probes only is planned at its
+// probe's rate or that many of its round trips, whichever is slower.
+TEST(LinkMatrixTest, TheJobsTransfersRoundTripsPlanTheLinksOnlyProbesMeasured) {
   LinkMatrix m;
   v1::LinkReport r;
   r.set_round(1);
@@ -466,24 +468,30 @@ TEST(LinkMatrixTest, TheShareOfProbesRatesTheJobsTransfersCarry) {
   }
   const absl::Time now = absl::Now();
   m.AddReport("a", r, {"b", "c", "d", "e"}, now);
-  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 1);
-  EXPECT_EQ(m.ProbeTrafficShare().links, 0);
-  m.Fitted({"a", "b"}, 1e7, now);
-  m.Fitted({"a", "c"}, 2e7, now);
-  m.Fitted({"x", "y"}, 1e3, now);  // no probe measured it
-  LinkMatrix::TrafficShare share = m.ProbeTrafficShare();
-  EXPECT_EQ(share.links, 2);
-  EXPECT_DOUBLE_EQ(share.share, 1) << "too few links to tell";
-  EXPECT_DOUBLE_EQ(share.low, 0.1);
-  EXPECT_DOUBLE_EQ(share.high, 0.2);
-  m.Fitted({"a", "d"}, 5e7, now);
-  share = m.ProbeTrafficShare();
-  EXPECT_EQ(share.links, 3);
-  EXPECT_DOUBLE_EQ(share.share, 0.2);
+  EXPECT_DOUBLE_EQ(m.TransferRoundTrips().round_trips, 0);
+  EXPECT_EQ(m.TransferRoundTrips().links, 0);
+  m.Fitted({"a", "b"}, 1e7, 0.5, now);
+  m.Fitted({"a", "c"}, 2e7, 2.0, now);
+  m.Fitted({"x", "y"}, 1e3, std::nan(""), now);  // no round trip known
+  LinkMatrix::TransferRounds rounds = m.TransferRoundTrips();
+  EXPECT_EQ(rounds.links, 2);
+  EXPECT_DOUBLE_EQ(rounds.round_trips, 0) << "too few links to tell";
+  EXPECT_DOUBLE_EQ(rounds.low, 0.5);
+  EXPECT_DOUBLE_EQ(rounds.high, 2.0);
+  m.Fitted({"a", "d"}, 5e7, 0.8, now);
+  rounds = m.TransferRoundTrips();
+  EXPECT_EQ(rounds.links, 3);
+  EXPECT_DOUBLE_EQ(rounds.round_trips, 0.8);
   EXPECT_DOUBLE_EQ(*m.Find({"a", "b"})->probed_bandwidth, 1e8) << "kept through the fit";
-  // Refitted again, the share is of the probe's rate, not the last fit's.
-  m.Fitted({"a", "b"}, 3e7, now);
-  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 0.3);
+  // Refitted, the link counts its last fit.
+  m.Fitted({"a", "b"}, 3e7, 0.9, now);
+  EXPECT_DOUBLE_EQ(m.TransferRoundTrips().round_trips, 0.9);
+  // Out of bounds: the fit stands, its round trips do not.
+  m.Fitted({"a", "b"}, 3e7, LinkMatrix::kMaxRoundTrips * 2, now);
+  EXPECT_EQ(m.TransferRoundTrips().links, 2);
+  m.Fitted({"a", "b"}, 3e7, -1, now);
+  EXPECT_EQ(m.TransferRoundTrips().links, 2);
+  EXPECT_EQ(m.Find({"a", "b"})->bandwidth_source, v1::JobLink::SOURCE_TRAFFIC);
   // A probe measures a fitted link again: it no longer counts.
   v1::LinkReport again;
   again.set_round(2);
@@ -492,14 +500,18 @@ TEST(LinkMatrixTest, TheShareOfProbesRatesTheJobsTransfersCarry) {
   l->set_rtt_seconds(0.1);
   l->set_bandwidth_bytes_per_s(1e8);
   m.AddReport("a", again, {"d"}, now);
-  EXPECT_EQ(m.ProbeTrafficShare().links, 2);
-  // Bounded: transfers faster than probes do not raise probes' rates, and a
-  // share of nothing is kMinTrafficShare.
-  m.Fitted({"a", "d"}, 1e12, now);
-  m.Fitted({"a", "e"}, 1e12, now);
-  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, 1);
-  for (const char* peer : {"b", "c", "d", "e"}) m.Fitted({"a", peer}, 1, now);
-  EXPECT_DOUBLE_EQ(m.ProbeTrafficShare().share, LinkMatrix::kMinTrafficShare);
+  EXPECT_EQ(m.TransferRoundTrips().links, 1);
+
+  // 64 KiB over a 100 ms round trip: at 100 MB/s the bytes take 0.66 ms,
+  // half a round trip 50 ms, so the link is planned at 64 KiB / 50 ms; at
+  // 1 MB/s the bytes take 66 ms, longer: the probe's rate stands.
+  const double bytes = 65536;
+  EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e8, bytes, 0.1, 0.5), bytes / 0.05);
+  EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e6, bytes, 0.1, 0.5), 1e6);
+  // Unknown round trips, round trip or size: the probe's rate.
+  EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e8, bytes, 0.1, 0), 1e8);
+  EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e8, bytes, 0, 0.5), 1e8);
+  EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e8, 0, 0.1, 0.5), 1e8);
 }
 
 // While the job runs, a latency round is followed by one bulk slot of the

@@ -662,8 +662,8 @@ void FitEveryHop(RunnerPlanner& planner, const std::vector<sim::Route>& routes, 
     for (size_t i = 0; i + 1 < r.nodes.size(); ++i) {
       const std::string a = planner.cost().node_id(r.nodes[i]);
       const std::string b = planner.cost().node_id(r.nodes[i + 1]);
-      planner.links().Fitted({a, b}, rate, kT0);
-      planner.links().Fitted({b, a}, rate, kT0);
+      planner.links().Fitted({a, b}, rate, /*round_trips=*/0, kT0);
+      planner.links().Fitted({b, a}, rate, /*round_trips=*/0, kT0);
     }
   }
 }
@@ -806,8 +806,8 @@ TEST(RoutePlanTest, ARefitSavesOnlyTheModelsOwnGainOnWhatTheRoutesMeasured) {
     const sim::Route& r = p0->plan.routes[0];
     const std::string a = planner.cost().node_id(r.nodes[0]);
     const std::string b = planner.cost().node_id(r.nodes[1]);
-    planner.links().Fitted({a, b}, 4e7, kT0);
-    planner.links().Fitted({b, a}, 4e7, kT0);
+    planner.links().Fitted({a, b}, 4e7, /*round_trips=*/0, kT0);
+    planner.links().Fitted({b, a}, 4e7, /*round_trips=*/0, kT0);
     ASSERT_TRUE(planner.RefreshLinks().ok());
     auto p = planner.PlanIteration(1 + RunnerPlanner::kJudgedIterations, 0, 0);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -875,13 +875,16 @@ TEST(RoutePlanTest, AChangeRightAfterAChangeMustRepayTheCostliestRecentOne) {
   }
 }
 
-// Links known by probes only are planned at the share of the probes' rates
-// the job's transfers carry on links both measured (on the WAN test bed an
-// eighth): otherwise a refit rates every link the job used below every one it
-// did not, and the search leaves the first for the second. Every link of 8
-// workers is probed at 100 MB/s; three of one worker's are fitted at 10, 20
-// and 40 MB/s, so the rest are planned at 20 MB/s.
-TEST(PlannerLinksTest, ProbedLinksArePlannedAtTheShareTheJobsTransfersCarry) {
+// Links known by probes only are planned as slow as the job's transfers run
+// on the links fitted to them: a transfer takes the probe's rate or their
+// median time on the wire in round trips, whichever is slower (on the WAN
+// test bed half a round trip for a 64 KiB activation, far longer than its
+// bytes at the probes' rates): otherwise a refit rates every link the job
+// used below every one it did not, and the search leaves the first for the
+// second. Every link of 8 workers is probed at 100 MB/s over 20 ms; three of
+// one worker's are fitted with 0.5, 1 and 2 round trips on the wire, so the
+// rest take one round trip per transfer.
+TEST(PlannerLinksTest, ProbedLinksArePlannedAtTheRoundTripsTheJobsTransfersTake) {
   const v1::JobSpec skip = ResumeSpec(2, 3, 2, true);
   const std::vector<std::string> ids = Workers("w", 8);
   PlannedJob job(skip, ids, 0);
@@ -904,26 +907,30 @@ TEST(PlannerLinksTest, ProbedLinksArePlannedAtTheShareTheJobsTransfersCarry) {
     return planner.cost().tables().bandwidth_bytes_per_s[planner.cost().NodeIndex(a)]
                                                         [planner.cost().NodeIndex(b)];
   };
+  const double bytes = planner.cost().tables().activation_bytes;
+  ASSERT_LT(bytes / 1e8, 0.02) << "the activation must take less than a round trip at 100 MB/s";
   EXPECT_DOUBLE_EQ(rate(ids[2], ids[3]), 1e8);
-  planner.links().Fitted({ids[0], ids[1]}, 1e7, kT0);
-  planner.links().Fitted({ids[0], ids[2]}, 2e7, kT0);
+  planner.links().Fitted({ids[0], ids[1]}, 1e7, 0.5, kT0);
+  planner.links().Fitted({ids[0], ids[2]}, 2e7, 2.0, kT0);
   ASSERT_TRUE(planner.RefreshLinks().ok());
   EXPECT_DOUBLE_EQ(rate(ids[2], ids[3]), 1e8) << "two links do not tell";
-  planner.links().Fitted({ids[0], ids[3]}, 4e7, kT0);
+  planner.links().Fitted({ids[0], ids[3]}, 4e7, 1.0, kT0);
   ASSERT_TRUE(planner.RefreshLinks().ok());
   EXPECT_DOUBLE_EQ(rate(ids[0], ids[1]), 1e7) << "fitted links keep their fit";
   EXPECT_DOUBLE_EQ(rate(ids[0], ids[3]), 4e7);
-  EXPECT_DOUBLE_EQ(rate(ids[2], ids[3]), 2e7);
-  EXPECT_DOUBLE_EQ(rate(ids[1], ids[0]), 2e7);
-  // GetLinks shows what the planner uses, what was measured, and the share.
+  const double planned = bytes / 0.02;  // one round trip of 20 ms
+  EXPECT_DOUBLE_EQ(rate(ids[2], ids[3]), planned);
+  EXPECT_DOUBLE_EQ(rate(ids[1], ids[0]), planned);
+  // GetLinks shows what the planner uses, what was measured, and the round
+  // trips.
   const v1::GetLinksResponse shown = planner.LinkSnapshot({});
-  EXPECT_DOUBLE_EQ(shown.probe_traffic_share(), 0.2);
-  EXPECT_EQ(shown.probe_traffic_links(), 3u);
+  EXPECT_DOUBLE_EQ(shown.transfer_round_trips(), 1.0);
+  EXPECT_EQ(shown.transfer_round_trip_links(), 3u);
   int seen = 0;
   for (const v1::JobLink& l : shown.links()) {
     if (l.from() == ids[2] && l.to() == ids[3]) {
       ++seen;
-      EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 2e7);
+      EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), planned);
       EXPECT_DOUBLE_EQ(l.measured_bandwidth_bytes_per_s(), 1e8);
       EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
     }

@@ -774,12 +774,13 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
   std::cout << "job " << response.job_id() << ": " << response.links_size() << " links, "
             << response.probe_rounds() << " probe round(s), last " << Ago(response.last_probe())
             << "\n";
-  const double share = response.probe_traffic_share();
-  if (share > 0 && share < 1) {
+  const double rounds = response.transfer_round_trips();
+  if (rounds > 0) {
     std::cout << absl::StrFormat(
-        "links known by probes only are planned at %.2f of what their probes measured (the "
-        "median share the job's transfers carried on the %u links both measured)\n",
-        share, response.probe_traffic_links());
+        "links known by probes only are planned at their probe's rate or %.2f round trips per "
+        "transfer, whichever is slower (the median time on the wire of the job's transfers on "
+        "the %u links fitted to them)\n",
+        rounds, response.transfer_round_trip_links());
   }
   std::vector<std::vector<std::string>> rows = {
       {"FROM", "TO", "LATENCY", "SOURCE", "MEASURED", "BANDWIDTH", "SOURCE", "MEASURED", "NOTE"}};
