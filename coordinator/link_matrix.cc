@@ -58,7 +58,6 @@ LinkMatrix::Applied LinkMatrix::AddReport(const std::string& from, const v1::Lin
     }
     if (rate_ok) {
       e.bandwidth = rate;
-      e.probed_bandwidth = rate;
       e.bandwidth_source = v1::JobLink::SOURCE_PROBE;
       e.bandwidth_time = now;
       applied.measured.AddRate(rate);

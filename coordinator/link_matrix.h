@@ -37,8 +37,6 @@ class LinkMatrix {
     std::optional<double> bandwidth;  // bytes/s
     v1::JobLink::Source bandwidth_source = v1::JobLink::SOURCE_REGION_TABLE;
     absl::Time bandwidth_time = absl::InfinitePast();
-    // The last probe's rate, kept when the job's transfers refit `bandwidth`.
-    std::optional<double> probed_bandwidth;
     // The last fit's time on the wire, in round trips (Fitted).
     std::optional<double> round_trips;
     std::string probe_error;

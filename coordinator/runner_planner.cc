@@ -654,9 +654,9 @@ int RunnerPlanner::UpdateLinksFromTimings(const TimingEstimates& estimates) {
       // the last is the bandwidth's; with the way back left in, a long link's
       // fit read a fraction of its rate, and every plan's prediction grew by
       // a one-way latency per hop.
-      const double wire = seconds - t.latency_s[ia][ib] - t.latency_s[ib][ia];
-      if (!(wire >= kMinWireShare * seconds)) continue;
       const double rtt = t.latency_s[ia][ib] + t.latency_s[ib][ia];
+      const double wire = seconds - rtt;
+      if (!(wire >= kMinWireShare * seconds)) continue;
       links_.Fitted({a, b}, t.activation_bytes / wire, rtt > 0 ? wire / rtt : 0, absl::Now());
       ++fitted;
     }

@@ -751,10 +751,10 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
                          "came from (probe: measured by the workers' link probes; traffic:\n"
                          "fitted to the job's own transfers; table: the cluster's region\n"
                          "table, never measured) and when. Once the job's transfers were\n"
-                         "fitted on links its probes measured too, links known by probes only\n"
-                         "are planned at the share of the probes' rates the transfers carried\n"
-                         "(a header line says which; NOTE has what the probe measured). With\n"
-                         "--json the GetLinks answer.",
+                         "fitted on three links or more, links known by probes only are\n"
+                         "planned at their probe's rate or the transfers' median round trips,\n"
+                         "whichever is slower (a header line says how many; NOTE has what the\n"
+                         "probe measured). With --json the GetLinks answer.",
                          &id);
       rc >= 0) {
     return rc;
