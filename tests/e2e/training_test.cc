@@ -155,10 +155,12 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
                                                         << c.process->Log();
   ASSERT_EQ(losses.size(), 6u);
   EXPECT_LT(losses.back(), losses.front());
-  // The workers the routes visit report their timings: a refit had them
-  // from at least the 6 the first plan visits (routes need not visit all 8:
-  // links probes measured are planned at the share of their rate the job's
-  // transfers carry, so a refit need not move the routes).
+  // The workers the routes visit report their timings, and a refit uses
+  // them. Every plan visits both data nodes and at least one replica of each
+  // of the other 3 stages, so at least 5 workers; which of the 8 beyond that
+  // depends on what the probes measured on this machine at the time (a link
+  // the job has not used yet is planned from its probe), so 5 is the bound a
+  // plan must meet, for the last plan and for the timings a refit had.
   int visited = 0;
   for (const auto& [worker, visits] : final_job.progress().planned_visits()) {
     if (visits > 0) ++visited;
@@ -169,8 +171,8 @@ TEST_F(TrainingTest, SkipWithReplicasTrainsAndKeepsReplicasIdentical) {
   for (size_t at = log.find(marker); at != std::string::npos; at = log.find(marker, at + 1)) {
     timed = std::max(timed, std::atoi(log.c_str() + at + marker.size()));
   }
-  EXPECT_GE(visited, 6);
-  EXPECT_GE(timed, 6) << log;
+  EXPECT_GE(visited, 5);
+  EXPECT_GE(timed, 5) << log;
   EXPECT_LE(timed, 8) << log;
   ASSERT_EQ(final_job.stages_size(), 4);
   for (const auto& stage : final_job.stages()) EXPECT_EQ(stage.nodes_size(), 2);
