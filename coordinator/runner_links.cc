@@ -371,12 +371,31 @@ void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members,
   if (ids != bulk_ids_) {  // another schedule: start it from its first slot
     bulk_ids_ = ids;
     next_bulk_slot_ = 0;
+    bulk_asked_.clear();
   }
   const auto slots = ProbeSchedule(ids);
+  // A link no bulk probe has rated yet (the start's budget ran out before
+  // its probes finished: the longest links, on a large cluster) is planned
+  // at the region table's rate: the first slot, from the next in turn, with
+  // one that no running slot has asked about goes first, out of turn (the
+  // turn keeps its place). Asked once: a link its probes cannot rate within
+  // a slot's budget does not take every slot after it.
+  std::optional<size_t> unrated;
+  for (size_t k = 0; k < slots.size() && !unrated; ++k) {
+    const size_t i = (next_bulk_slot_ + k) % slots.size();
+    for (const auto& link : UncarriedLinks(slots[i], carried)) {
+      const LinkMatrix::Entry* e = plan_.links().Find(link);
+      const bool rated = e != nullptr && e->bandwidth.has_value() &&
+                         e->bandwidth_source != v1::JobLink::SOURCE_REGION_TABLE;
+      if (!rated && !bulk_asked_.count(link)) unrated = i;
+    }
+  }
   // The next slot in turn with a link to measure.
   for (size_t tried = 0; tried < slots.size(); ++tried) {
-    const auto links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()], carried);
+    const size_t i = unrated ? *unrated : next_bulk_slot_++ % slots.size();
+    const auto links = UncarriedLinks(slots[i], carried);
     if (links.empty()) continue;
+    for (const auto& link : links) bulk_asked_.insert(link);
     std::map<std::string, std::vector<v1::Peer>> asked;
     std::map<std::string, std::vector<std::string>> accept;
     for (const auto& [from, to] : links) {

@@ -101,7 +101,9 @@ class RunnerLinks : private RunnerPart {
   // Sends the next slot (of ProbeSchedule over `members`, in turn) that has
   // links neither cut nor `carried`, as one bulk round over those links, its
   // budget their need (SlotNeed), at most 30 s (the next round waits for its
-  // reports). Nothing when no slot has any.
+  // reports). Nothing when no slot has any. A slot with a link that has no
+  // rate from a probe or the job's transfers, and that no running slot has
+  // asked about yet, goes first, out of turn.
   void SendBulkSlot(const std::map<std::string, v1::Peer>& members,
                     const std::set<std::pair<std::string, std::string>>& carried);
   // Waits for the round in flight's reports until its deadline.
@@ -129,6 +131,9 @@ class RunnerLinks : private RunnerPart {
   absl::Time last_bulk_ = absl::InfinitePast();
   std::vector<std::string> bulk_ids_;
   size_t next_bulk_slot_ = 0;
+  // Links a running bulk slot of this schedule has asked about (each
+  // unrated one is put first once).
+  std::set<std::pair<std::string, std::string>> bulk_asked_;
   bool dirty_ = false;  // reports not yet in the cost model
   // (from, to) -> the newest round in which the link answered.
   std::map<std::pair<std::string, std::string>, uint64_t> answered_;

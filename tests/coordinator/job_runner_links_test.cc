@@ -590,6 +590,54 @@ TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) 
   EXPECT_EQ(seen, 1);
 }
 
+// A link the start's bulk probes could not rate (its probe gave a round
+// trip and no rate: planned at the region table's) is measured by the first
+// running bulk slot, out of turn; the turn then goes on where it was. Same
+// pipeline as above: the slots with links to measure are a -> c, b -> d0
+// ("there", first in turn) and c -> a, d0 -> b ("back"); c -> a is unrated.
+TEST_F(JobRunnerTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
+  for (const char* id : {"d0", "a", "b", "c"}) cluster_->AddWorker(id);
+  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+  cluster_->SetLink("c", "a", {0.2, 0, ""});
+  // Rounds 1-5 are the start's (a latency round and four slots).
+  cluster_->SetLinkFromRound("c", "a", 6, {0.2, 7e6, ""});
+  v1::JobSpec spec = Spec(4, 1, 0.0, 24);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}, {"c"}});
+  Start(spec, {"d0", "a", "b", "c"});
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(History(job),
+              HasSubstr("link probes: 12 of 12 links answered (11 with a bulk rate)"));
+  std::map<uint64_t, std::set<std::pair<std::string, std::string>>> bulk;
+  const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+  const std::vector<std::string> by = cluster_->ProbedBy();
+  ASSERT_EQ(probes.size(), by.size());
+  for (size_t i = 0; i < probes.size(); ++i) {
+    if (probes[i].round() <= 5 || probes[i].bulk_max_bytes() == 0) continue;
+    for (const v1::Peer& peer : probes[i].peers()) {
+      bulk[probes[i].round()].insert({by[i], peer.worker_id()});
+    }
+  }
+  ASSERT_GE(bulk.size(), 3u);
+  const std::set<std::pair<std::string, std::string>> there = {{"a", "c"}, {"b", "d0"}};
+  const std::set<std::pair<std::string, std::string>> back = {{"c", "a"}, {"d0", "b"}};
+  auto slot = bulk.begin();
+  EXPECT_EQ(slot->second, back);       // out of turn
+  EXPECT_EQ((++slot)->second, there);  // the turn's first
+  EXPECT_EQ((++slot)->second, back);
+  const std::optional<v1::GetLinksResponse> links = runner_->Links();
+  ASSERT_TRUE(links.has_value());
+  int seen = 0;
+  for (const v1::JobLink& l : links->links()) {
+    if (l.from() != "c" || l.to() != "a") continue;
+    ++seen;
+    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 7e6);
+  }
+  EXPECT_EQ(seen, 1);
+}
+
 // The running bulk slots leave out the links the last iteration crossed
 // (every hop both ways, the loss back to the data node, the replicas of a
 // stage among themselves), and a link's fit to the job's transfers stops
