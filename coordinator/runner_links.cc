@@ -379,36 +379,36 @@ void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members,
   // at the region table's rate: the first slot, from the next in turn, with
   // one that no running slot has asked about goes first, out of turn (the
   // turn keeps its place). Asked once: a link its probes cannot rate within
-  // a slot's budget does not take every slot after it.
-  std::optional<size_t> unrated;
-  for (size_t k = 0; k < slots.size() && !unrated; ++k) {
-    const size_t i = (next_bulk_slot_ + k) % slots.size();
-    for (const auto& link : UncarriedLinks(slots[i], carried)) {
-      const LinkMatrix::Entry* e = plan_.links().Find(link);
-      const bool rated = e != nullptr && e->bandwidth.has_value() &&
-                         e->bandwidth_source != v1::JobLink::SOURCE_REGION_TABLE;
-      if (!rated && !bulk_asked_.count(link)) unrated = i;
+  // a slot's budget does not take every slot after it. (The matrix holds a
+  // bandwidth only from a probe or a fit to the job's transfers.)
+  auto first_time_unrated = [&](const std::pair<std::string, std::string>& link) {
+    const LinkMatrix::Entry* e = plan_.links().Find(link);
+    return (e == nullptr || !e->bandwidth.has_value()) && !bulk_asked_.count(link);
+  };
+  std::vector<std::pair<std::string, std::string>> links;
+  for (size_t k = 0; k < slots.size() && links.empty(); ++k) {
+    auto candidate = UncarriedLinks(slots[(next_bulk_slot_ + k) % slots.size()], carried);
+    if (std::any_of(candidate.begin(), candidate.end(), first_time_unrated)) {
+      links = std::move(candidate);
     }
   }
-  // The next slot in turn with a link to measure.
-  for (size_t tried = 0; tried < slots.size(); ++tried) {
-    const size_t i = unrated ? *unrated : next_bulk_slot_++ % slots.size();
-    const auto links = UncarriedLinks(slots[i], carried);
-    if (links.empty()) continue;
-    for (const auto& link : links) bulk_asked_.insert(link);
-    std::map<std::string, std::vector<v1::Peer>> asked;
-    std::map<std::string, std::vector<std::string>> accept;
-    for (const auto& [from, to] : links) {
-      asked[from].push_back(members.at(to));
-      accept[to].push_back(from);
-    }
-    // The latency rounds keep their own pace.
-    const absl::Time latency_round = last_round_;
-    SendRound(asked, accept, options().link_probe_bytes,
-              std::clamp(SlotNeed(links), kLinkProbeBase, kMaxRunningBulkBudget));
-    last_round_ = latency_round;
-    return;
+  // Else the next slot in turn with a link to measure.
+  for (size_t tried = 0; tried < slots.size() && links.empty(); ++tried) {
+    links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()], carried);
   }
+  if (links.empty()) return;
+  for (const auto& link : links) bulk_asked_.insert(link);
+  std::map<std::string, std::vector<v1::Peer>> asked;
+  std::map<std::string, std::vector<std::string>> accept;
+  for (const auto& [from, to] : links) {
+    asked[from].push_back(members.at(to));
+    accept[to].push_back(from);
+  }
+  // The latency rounds keep their own pace.
+  const absl::Time latency_round = last_round_;
+  SendRound(asked, accept, options().link_probe_bytes,
+            std::clamp(SlotNeed(links), kLinkProbeBase, kMaxRunningBulkBudget));
+  last_round_ = latency_round;
 }
 
 void RunnerLinks::Publish() {

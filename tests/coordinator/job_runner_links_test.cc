@@ -513,6 +513,37 @@ TEST(LinkMatrixTest, TheJobsTransfersRoundTripsPlanTheLinksOnlyProbesMeasured) {
   EXPECT_DOUBLE_EQ(LinkMatrix::PlannedProbeRate(1e8, 0, 0.1, 0.5), 1e8);
 }
 
+using LinkPair = std::pair<std::string, std::string>;
+
+// The (prober, peer) links each probe round of `probes` asked about, by
+// round; `by` names the worker each probe was sent to.
+std::map<uint64_t, std::set<LinkPair>> ProbedLinksByRound(const std::vector<v1::LinkProbe>& probes,
+                                                          const std::vector<std::string>& by) {
+  std::map<uint64_t, std::set<LinkPair>> out;
+  EXPECT_EQ(probes.size(), by.size());
+  for (size_t i = 0; i < probes.size() && i < by.size(); ++i) {
+    for (const v1::Peer& peer : probes[i].peers()) {
+      out[probes[i].round()].insert({by[i], peer.worker_id()});
+    }
+  }
+  return out;
+}
+
+// The one entry of `links` from `from` to `to`; nullptr, and a failure,
+// unless there is exactly one.
+const v1::JobLink* OnlyLink(const v1::GetLinksResponse& links, const std::string& from,
+                            const std::string& to) {
+  const v1::JobLink* found = nullptr;
+  int seen = 0;
+  for (const v1::JobLink& l : links.links()) {
+    if (l.from() != from || l.to() != to) continue;
+    ++seen;
+    found = &l;
+  }
+  EXPECT_EQ(seen, 1) << from << " -> " << to;
+  return seen == 1 ? found : nullptr;
+}
+
 // While the job runs, a latency round is followed by one bulk slot of the
 // start's schedule when link_probe_bulk_interval has passed (here: 1 ms),
 // slot after slot in turn, each over the links the last iteration did not
@@ -533,20 +564,13 @@ TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) 
   Start(spec, {"d0", "a", "b", "c"});
   const v1::Job job = AwaitEnd();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
-  std::map<uint64_t, std::vector<v1::LinkProbe>> rounds;
-  std::map<uint64_t, std::set<std::pair<std::string, std::string>>> probed;
   const std::vector<v1::LinkProbe> probes = cluster_->Probes();
-  const std::vector<std::string> by = cluster_->ProbedBy();
-  ASSERT_EQ(probes.size(), by.size());
-  for (size_t i = 0; i < probes.size(); ++i) {
-    rounds[probes[i].round()].push_back(probes[i]);
-    for (const v1::Peer& peer : probes[i].peers()) {
-      probed[probes[i].round()].insert({by[i], peer.worker_id()});
-    }
-  }
+  std::map<uint64_t, std::set<LinkPair>> probed = ProbedLinksByRound(probes, cluster_->ProbedBy());
+  std::map<uint64_t, std::vector<v1::LinkProbe>> rounds;
+  for (const v1::LinkProbe& p : probes) rounds[p.round()].push_back(p);
   ASSERT_GE(rounds.size(), 9u);  // the start's five, then two of each kind at least
-  const std::set<std::pair<std::string, std::string>> there = {{"a", "c"}, {"b", "d0"}};
-  const std::set<std::pair<std::string, std::string>> back = {{"c", "a"}, {"d0", "b"}};
+  const std::set<LinkPair> there = {{"a", "c"}, {"b", "d0"}};
+  const std::set<LinkPair> back = {{"c", "a"}, {"d0", "b"}};
   bool after_latency = false;
   int bulk_rounds = 0;
   for (const auto& [round, requests] : rounds) {
@@ -580,14 +604,10 @@ TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) 
   EXPECT_GE(bulk_rounds, 2);
   const std::optional<v1::GetLinksResponse> links = runner_->Links();
   ASSERT_TRUE(links.has_value());
-  int seen = 0;
-  for (const v1::JobLink& l : links->links()) {
-    if (l.from() != "a" || l.to() != "c") continue;
-    ++seen;
-    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
-    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
-  }
-  EXPECT_EQ(seen, 1);
+  const v1::JobLink* ac = OnlyLink(*links, "a", "c");
+  ASSERT_NE(ac, nullptr);
+  EXPECT_EQ(ac->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+  EXPECT_DOUBLE_EQ(ac->bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
 }
 
 // A link the start's bulk probes could not rate (its probe gave a round
@@ -609,33 +629,27 @@ TEST_F(JobRunnerTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
   EXPECT_THAT(History(job),
               HasSubstr("link probes: 12 of 12 links answered (11 with a bulk rate)"));
-  std::map<uint64_t, std::set<std::pair<std::string, std::string>>> bulk;
+  // The running bulk slots' links (the start's rounds are 1-5).
   const std::vector<v1::LinkProbe> probes = cluster_->Probes();
-  const std::vector<std::string> by = cluster_->ProbedBy();
-  ASSERT_EQ(probes.size(), by.size());
-  for (size_t i = 0; i < probes.size(); ++i) {
-    if (probes[i].round() <= 5 || probes[i].bulk_max_bytes() == 0) continue;
-    for (const v1::Peer& peer : probes[i].peers()) {
-      bulk[probes[i].round()].insert({by[i], peer.worker_id()});
-    }
+  const std::map<uint64_t, std::set<LinkPair>> probed =
+      ProbedLinksByRound(probes, cluster_->ProbedBy());
+  std::map<uint64_t, std::set<LinkPair>> bulk;
+  for (const v1::LinkProbe& p : probes) {
+    if (p.round() > 5 && p.bulk_max_bytes() > 0) bulk[p.round()] = probed.at(p.round());
   }
   ASSERT_GE(bulk.size(), 3u);
-  const std::set<std::pair<std::string, std::string>> there = {{"a", "c"}, {"b", "d0"}};
-  const std::set<std::pair<std::string, std::string>> back = {{"c", "a"}, {"d0", "b"}};
+  const std::set<LinkPair> there = {{"a", "c"}, {"b", "d0"}};
+  const std::set<LinkPair> back = {{"c", "a"}, {"d0", "b"}};
   auto slot = bulk.begin();
   EXPECT_EQ(slot->second, back);       // out of turn
   EXPECT_EQ((++slot)->second, there);  // the turn's first
   EXPECT_EQ((++slot)->second, back);
   const std::optional<v1::GetLinksResponse> links = runner_->Links();
   ASSERT_TRUE(links.has_value());
-  int seen = 0;
-  for (const v1::JobLink& l : links->links()) {
-    if (l.from() != "c" || l.to() != "a") continue;
-    ++seen;
-    EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_PROBE);
-    EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), 7e6);
-  }
-  EXPECT_EQ(seen, 1);
+  const v1::JobLink* ca = OnlyLink(*links, "c", "a");
+  ASSERT_NE(ca, nullptr);
+  EXPECT_EQ(ca->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+  EXPECT_DOUBLE_EQ(ca->bandwidth_bytes_per_s(), 7e6);
 }
 
 // The running bulk slots leave out the links the last iteration crossed
