@@ -1,26 +1,21 @@
 // Where tests find the source tree (spec examples) and the build tree (the
 // daemons' binaries): $DETOUR_SOURCE_DIR / $DETOUR_BUILD_DIR when set, else
-// the paths compiled in by detour_add_test. And where a test process keeps
-// its scratch files (tests/temp_dirs.h).
+// the paths configured into the build's one generated source
+// (tests/test_paths.cc.in, the detour_test_paths library every test links).
+// No test compiles a path in, so a clone in another folder hits the compiler
+// cache a build here filled. And where a test process keeps its scratch
+// files (tests/temp_dirs.h).
 #ifndef DETOUR_TESTS_TEST_PATHS_H_
 #define DETOUR_TESTS_TEST_PATHS_H_
 
-#include <cstdlib>
 #include <string>
 
 #include "tests/temp_dirs.h"
 
 namespace detour::testing {
 
-inline std::string SourceDir() {
-  const char* dir = std::getenv("DETOUR_SOURCE_DIR");
-  return dir != nullptr ? dir : DETOUR_SOURCE_DIR_DEFAULT;
-}
-
-inline std::string BuildDir() {
-  const char* dir = std::getenv("DETOUR_BUILD_DIR");
-  return dir != nullptr ? dir : DETOUR_BUILD_DIR_DEFAULT;
-}
+std::string SourceDir();
+std::string BuildDir();
 
 }  // namespace detour::testing
 

@@ -9,14 +9,15 @@
 #include <sstream>
 #include <string>
 
+#include "tests/test_paths.h"
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 namespace {
 
 TEST(FuzzCorpus, EveryInputRunsCleanly) {
-  const char* env = std::getenv("DETOUR_SOURCE_DIR");
-  const std::string root = env ? env : DETOUR_TEST_SOURCE_DIR;
-  const std::filesystem::path dir = std::filesystem::path(root) / DETOUR_FUZZ_CORPUS;
+  const std::filesystem::path dir =
+      std::filesystem::path(detour::testing::SourceDir()) / DETOUR_FUZZ_CORPUS;
   ASSERT_TRUE(std::filesystem::is_directory(dir)) << dir;
   int inputs = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {

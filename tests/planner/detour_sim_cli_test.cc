@@ -19,10 +19,8 @@
 namespace detour {
 namespace {
 
-std::string SourceDir() {
-  const char* dir = std::getenv("DETOUR_SOURCE_DIR");
-  return dir ? dir : DETOUR_TEST_SOURCE_DIR;
-}
+using detour::testing::BuildDir;
+using detour::testing::SourceDir;
 
 struct SimRun {
   int code = -1;
@@ -30,8 +28,8 @@ struct SimRun {
 };
 
 SimRun Sim(const std::string& args, bool merge_stderr = true) {
-  const std::string cmd =
-      absl::StrCat(DETOUR_SIM_BINARY, " ", args, merge_stderr ? " 2>&1" : " 2>/dev/null");
+  const std::string cmd = absl::StrCat(BuildDir(), "/tools/detour_sim/detour-sim ", args,
+                                       merge_stderr ? " 2>&1" : " 2>/dev/null");
   SimRun r;
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return r;

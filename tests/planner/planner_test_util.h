@@ -12,13 +12,11 @@
 #include "common/spec.h"
 #include "coordinator/planner/route_rules.h"
 #include "detour/v1/spec.pb.h"
+#include "tests/test_paths.h"
 
 namespace detour::planner::testing {
 
-inline std::string SourceDir() {
-  const char* dir = std::getenv("DETOUR_SOURCE_DIR");
-  return dir ? dir : DETOUR_TEST_SOURCE_DIR;
-}
+using detour::testing::SourceDir;
 
 // Every node computes any stage in 1 s forward, 2 s backward, 0.5 s loss;
 // links 0.1 s latency + 0.1 s serialisation.

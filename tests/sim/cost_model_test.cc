@@ -5,14 +5,12 @@
 #include <string>
 
 #include "common/spec.h"
+#include "tests/test_paths.h"
 
 namespace detour::sim {
 namespace {
 
-std::string SourceDir() {
-  const char* dir = std::getenv("DETOUR_SOURCE_DIR");
-  return dir ? dir : DETOUR_TEST_SOURCE_DIR;
-}
+using detour::testing::SourceDir;
 
 v1::ClusterSpec TwoRegionCluster() {
   v1::ClusterSpec c;
