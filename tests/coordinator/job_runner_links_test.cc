@@ -544,33 +544,63 @@ const v1::JobLink* OnlyLink(const v1::GetLinksResponse& links, const std::string
   return seen == 1 ? found : nullptr;
 }
 
+// The running probes: a latency round every 1 ms, each followed by a bulk
+// slot of the start's schedule when link_probe_bulk_interval (1 ms) has
+// passed. RunPipeline runs the full pipeline d0 -> a -> b -> c (the loss back
+// to d0), 24 iterations: of the four slots over a, b, c, d0 the two with
+// links it leaves to the probes are a -> c, b -> d0 (there_, first in turn)
+// and c -> a, d0 -> b (back_). The start's probe rounds are 1-5 (a latency
+// round and four slots).
+class RunningBulkSlotsTest : public JobRunnerTest {
+ protected:
+  void SetUp() override {
+    JobRunnerTest::SetUp();
+    cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
+    cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+  }
+
+  // Runs the pipeline to its end (a failure, with its history, unless it
+  // succeeded).
+  v1::Job RunPipeline() {
+    const std::vector<std::string> workers = {"d0", "a", "b", "c"};
+    for (const std::string& id : workers) cluster_->AddWorker(id);
+    v1::JobSpec spec = Spec(4, 1, 0.0, 24);
+    Pin(&spec, {{"d0"}, {"a"}, {"b"}, {"c"}});
+    Start(spec, workers);
+    const v1::Job job = AwaitEnd();
+    EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+    return job;
+  }
+
+  // The planner's entry for from -> to at the end; a failure unless there
+  // is exactly one.
+  std::optional<v1::JobLink> FinalLink(const std::string& from, const std::string& to) {
+    const std::optional<v1::GetLinksResponse> links = runner_->Links();
+    EXPECT_TRUE(links.has_value());
+    if (!links) return std::nullopt;
+    const v1::JobLink* l = OnlyLink(*links, from, to);
+    return l != nullptr ? std::optional<v1::JobLink>(*l) : std::nullopt;
+  }
+
+  const std::set<LinkPair> there_ = {{"a", "c"}, {"b", "d0"}};
+  const std::set<LinkPair> back_ = {{"c", "a"}, {"d0", "b"}};
+};
+
 // While the job runs, a latency round is followed by one bulk slot of the
-// start's schedule when link_probe_bulk_interval has passed (here: 1 ms),
-// slot after slot in turn, each over the links the last iteration did not
-// cross: every worker probes at most one peer and takes at most one other's
-// probes, within a budget of the slot's need, and what the probes find
-// replaces what the start measured. A full pipeline d0 -> a -> b -> c (the
-// loss back to d0) leaves a <-> c and b <-> d0 to the probes: of the four
-// slots over a, b, c, d0 the two of k = 2 (a -> c, b -> d0 and back).
-TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) {
-  for (const char* id : {"d0", "a", "b", "c"}) cluster_->AddWorker(id);
-  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
-  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+// start's schedule when link_probe_bulk_interval has passed, slot after slot
+// in turn, each over the links the last iteration did not cross: every
+// worker probes at most one peer and takes at most one other's probes,
+// within a budget of the slot's need, and what the probes find replaces
+// what the start measured.
+TEST_F(RunningBulkSlotsTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) {
   cluster_->SetLink("a", "c", {0.2, 5e6, ""});
-  // Rounds 1-5 are the start's (a latency round and four slots).
   cluster_->SetLinkFromRound("a", "c", 6, {0.2, 7e6, ""});
-  v1::JobSpec spec = Spec(4, 1, 0.0, 24);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}, {"c"}});
-  Start(spec, {"d0", "a", "b", "c"});
-  const v1::Job job = AwaitEnd();
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  ASSERT_EQ(RunPipeline().state(), v1::JOB_STATE_SUCCEEDED);
   const std::vector<v1::LinkProbe> probes = cluster_->Probes();
   std::map<uint64_t, std::set<LinkPair>> probed = ProbedLinksByRound(probes, cluster_->ProbedBy());
   std::map<uint64_t, std::vector<v1::LinkProbe>> rounds;
   for (const v1::LinkProbe& p : probes) rounds[p.round()].push_back(p);
   ASSERT_GE(rounds.size(), 9u);  // the start's five, then two of each kind at least
-  const std::set<LinkPair> there = {{"a", "c"}, {"b", "d0"}};
-  const std::set<LinkPair> back = {{"c", "a"}, {"d0", "b"}};
   bool after_latency = false;
   int bulk_rounds = 0;
   for (const auto& [round, requests] : rounds) {
@@ -594,7 +624,7 @@ TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) 
     // link (a -> c 200 ms, the others 20 ms).
     ASSERT_EQ(requests.size(), 4u);
     const bool first = ++bulk_rounds % 2 == 1;
-    EXPECT_EQ(probed[round], first ? there : back);
+    EXPECT_EQ(probed[round], first ? there_ : back_);
     EXPECT_NEAR(requests.front().budget_ms(), first ? 13000 : 2200, 2);
     for (const v1::LinkProbe& p : requests) {
       EXPECT_EQ(p.bulk_max_bytes(), uint64_t{32} << 20);
@@ -602,31 +632,21 @@ TEST_F(JobRunnerTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfterSlot) 
     }
   }
   EXPECT_GE(bulk_rounds, 2);
-  const std::optional<v1::GetLinksResponse> links = runner_->Links();
-  ASSERT_TRUE(links.has_value());
-  const v1::JobLink* ac = OnlyLink(*links, "a", "c");
-  ASSERT_NE(ac, nullptr);
+  const std::optional<v1::JobLink> ac = FinalLink("a", "c");
+  ASSERT_TRUE(ac.has_value());
   EXPECT_EQ(ac->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
   EXPECT_DOUBLE_EQ(ac->bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
 }
 
 // A link the start's bulk probes could not rate (its probe gave a round
 // trip and no rate: planned at the region table's) is measured by the first
-// running bulk slot, out of turn; the turn then goes on where it was. Same
-// pipeline as above: the slots with links to measure are a -> c, b -> d0
-// ("there", first in turn) and c -> a, d0 -> b ("back"); c -> a is unrated.
-TEST_F(JobRunnerTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
-  for (const char* id : {"d0", "a", "b", "c"}) cluster_->AddWorker(id);
-  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
-  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
+// running bulk slot, out of turn; the turn then goes on where it was. c -> a
+// (in back_) is unrated.
+TEST_F(RunningBulkSlotsTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
   cluster_->SetLink("c", "a", {0.2, 0, ""});
-  // Rounds 1-5 are the start's (a latency round and four slots).
   cluster_->SetLinkFromRound("c", "a", 6, {0.2, 7e6, ""});
-  v1::JobSpec spec = Spec(4, 1, 0.0, 24);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}, {"c"}});
-  Start(spec, {"d0", "a", "b", "c"});
-  const v1::Job job = AwaitEnd();
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.message() << "\n" << History(job);
+  const v1::Job job = RunPipeline();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_THAT(History(job),
               HasSubstr("link probes: 12 of 12 links answered (11 with a bulk rate)"));
   // The running bulk slots' links (the start's rounds are 1-5).
@@ -638,16 +658,12 @@ TEST_F(JobRunnerTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
     if (p.round() > 5 && p.bulk_max_bytes() > 0) bulk[p.round()] = probed.at(p.round());
   }
   ASSERT_GE(bulk.size(), 3u);
-  const std::set<LinkPair> there = {{"a", "c"}, {"b", "d0"}};
-  const std::set<LinkPair> back = {{"c", "a"}, {"d0", "b"}};
   auto slot = bulk.begin();
-  EXPECT_EQ(slot->second, back);       // out of turn
-  EXPECT_EQ((++slot)->second, there);  // the turn's first
-  EXPECT_EQ((++slot)->second, back);
-  const std::optional<v1::GetLinksResponse> links = runner_->Links();
-  ASSERT_TRUE(links.has_value());
-  const v1::JobLink* ca = OnlyLink(*links, "c", "a");
-  ASSERT_NE(ca, nullptr);
+  EXPECT_EQ(slot->second, back_);       // out of turn
+  EXPECT_EQ((++slot)->second, there_);  // the turn's first
+  EXPECT_EQ((++slot)->second, back_);
+  const std::optional<v1::JobLink> ca = FinalLink("c", "a");
+  ASSERT_TRUE(ca.has_value());
   EXPECT_EQ(ca->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
   EXPECT_DOUBLE_EQ(ca->bandwidth_bytes_per_s(), 7e6);
 }
@@ -656,10 +672,8 @@ TEST_F(JobRunnerTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
 // (every hop both ways, the loss back to the data node, the replicas of a
 // stage among themselves), and a link's fit to the job's transfers stops
 // once no transfer crosses it: what a slot measured of it stays.
-TEST_F(JobRunnerTest, RunningBulkSlotsLeaveOutTheLinksTheLastIterationCrossed) {
+TEST_F(RunningBulkSlotsTest, RunningBulkSlotsLeaveOutTheLinksTheLastIterationCrossed) {
   for (const char* id : {"d0", "a1", "a2", "b1", "b2"}) cluster_->AddWorker(id);
-  cluster_->mutable_options()->link_probe_interval = absl::Milliseconds(1);
-  cluster_->mutable_options()->link_probe_bulk_interval = absl::Milliseconds(1);
   cluster_->mutable_options()->replan_every = 1;
   cluster_->ReportTransfers(0.05);
   v1::JobSpec spec = Spec(3, 2, 0.0, 30);
