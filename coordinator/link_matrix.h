@@ -78,8 +78,8 @@ class LinkMatrix {
   // with fewer than kMinFitLinks), with how many and their spread. On the
   // WAN test bed a 64 KiB activation took 0.2-2.4 round trips (median 0.5)
   // beyond the first, however fast a probe had measured its link: the
-  // windows, not the link's rate, set it. A link known by probes only is
-  // planned by it (PlannedProbeRate).
+  // windows, not the link's rate, set it. A link known by probes only (its
+  // rate, or only its round trip) is planned by it (PlannedProbeRate).
   struct TransferRounds {
     double round_trips = 0;
     int links = 0;
@@ -89,8 +89,9 @@ class LinkMatrix {
   static constexpr double kMaxRoundTrips = 1000;
   TransferRounds TransferRoundTrips() const;
   // The rate to plan a link known by probes only at, for transfers of
-  // `bytes`: they take the probe's rate or `round_trips` of the link's round
-  // trip `rtt_s`, whichever is slower. `probed` when either is unknown.
+  // `bytes`: they take `probed` (the probe's rate, or the region table's for
+  // a link whose bulk probe never finished) or `round_trips` of the link's
+  // round trip `rtt_s`, whichever is slower. `probed` when either is unknown.
   static double PlannedProbeRate(double probed, double bytes, double rtt_s, double round_trips);
   // `id` left: its links go.
   void Forget(const std::string& id);

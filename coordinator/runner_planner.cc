@@ -72,14 +72,17 @@ absl::Status RunnerPlanner::BuildCostModel() {
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
   LinkMatrix::TransferRounds rounds;
+  table_bandwidth_ = cost->tables().bandwidth_bytes_per_s;
   if (!links_.entries().empty() || !cut_links_.empty()) {
     // Links the workers measured (probes: latency and bandwidth; fits to
     // the job's transfers: bandwidth) replace the region table's; cut ones
     // crawl both ways. A link known by probes only is planned as slow as
-    // the job's transfers run on the links fitted to them: the probe's rate,
-    // or their median time on the wire in round trips, whichever is slower.
-    // Otherwise a refit rates every link the job did not use far above
-    // those it did, and the search leaves the second for the first.
+    // the job's transfers run on the links fitted to them: its rate (the
+    // probe's, or the table's where its bulk probe never finished but its
+    // round trip was measured), or their median time on the wire in round
+    // trips, whichever is slower. Otherwise a refit rates every link the job
+    // did not use far above those it did, and the search leaves the second
+    // for the first.
     sim::CostTables t = cost->tables();
     rounds = links_.TransferRoundTrips();
     for (const auto& [link, e] : links_.entries()) {
@@ -91,13 +94,15 @@ absl::Status RunnerPlanner::BuildCostModel() {
     for (const auto& [link, e] : links_.entries()) {
       const int a = cost->NodeIndex(link.first);
       const int b = cost->NodeIndex(link.second);
-      if (a < 0 || b < 0 || a == b || !e.bandwidth) continue;
-      t.bandwidth_bytes_per_s[a][b] =
-          e.bandwidth_source == v1::JobLink::SOURCE_PROBE
-              ? LinkMatrix::PlannedProbeRate(*e.bandwidth, t.activation_bytes,
-                                             t.latency_s[a][b] + t.latency_s[b][a],
-                                             rounds.round_trips)
-              : *e.bandwidth;
+      if (a < 0 || b < 0 || a == b) continue;
+      double& planned = t.bandwidth_bytes_per_s[a][b];
+      if (e.bandwidth && e.bandwidth_source == v1::JobLink::SOURCE_TRAFFIC) {
+        planned = *e.bandwidth;
+      } else if (e.bandwidth || e.latency_source == v1::JobLink::SOURCE_PROBE) {
+        planned =
+            LinkMatrix::PlannedProbeRate(e.bandwidth ? *e.bandwidth : planned, t.activation_bytes,
+                                         t.latency_s[a][b] + t.latency_s[b][a], rounds.round_trips);
+      }
     }
     for (const auto& [first, second] : cut_links_) {
       const int a = cost->NodeIndex(first);
@@ -700,7 +705,8 @@ std::vector<ForwardSample> RunnerPlanner::UpdateSpeedsFromTimings(
             rounds.links, " fitted",
             rounds.links >= LinkMatrix::kMinFitLinks
                 ? absl::StrFormat(" (median %.2f): links known by probes only are planned at "
-                                  "their probe's rate or %.2f round trips, whichever is slower",
+                                  "their probe's rate (the table's where only their round trip "
+                                  "was measured) or %.2f round trips, whichever is slower",
                                   rounds.round_trips, rounds.round_trips)
                 : std::string());
   }
@@ -740,7 +746,7 @@ v1::GetLinksResponse RunnerPlanner::LinkSnapshot(
       l->set_to(b);
       l->set_latency_seconds(t.latency_s[ia][ib]);
       l->set_bandwidth_bytes_per_s(t.bandwidth_bytes_per_s[ia][ib]);
-      l->set_measured_bandwidth_bytes_per_s(t.bandwidth_bytes_per_s[ia][ib]);
+      l->set_measured_bandwidth_bytes_per_s(table_bandwidth_[ia][ib]);
       l->set_latency_source(v1::JobLink::SOURCE_REGION_TABLE);
       l->set_bandwidth_source(v1::JobLink::SOURCE_REGION_TABLE);
       l->set_cut(cuts.count(std::minmax(a, b)) > 0);

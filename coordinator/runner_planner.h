@@ -296,6 +296,9 @@ class RunnerPlanner {
   // (BuildCostModel computes them once; the refit's log line and
   // LinkSnapshot read them).
   LinkMatrix::TransferRounds planned_rounds_;
+  // The region table's bandwidth by node index, before measured links
+  // replaced or slowed it (LinkSnapshot shows it as what the table says).
+  std::vector<std::vector<double>> table_bandwidth_;
   // Link -> TimingEstimates::TransferReports when it was last fitted.
   std::map<std::pair<std::string, std::string>, uint64_t> refit_reports_;
   std::set<std::pair<std::string, std::string>> cut_links_;

@@ -944,6 +944,71 @@ TEST(PlannerLinksTest, ProbedLinksArePlannedAtTheRoundTripsTheJobsTransfersTake)
   EXPECT_EQ(seen, 2);
 }
 
+// A link whose round trip a probe measured but whose bulk probe never
+// finished (the longest links of a large cluster, in the start's budget)
+// has only the region table's rate; it is planned by the job's round trips
+// like one a probe rated, not at the table's rate the job's transfers never
+// reach. A link nothing measured keeps the table's figures.
+TEST(PlannerLinksTest, LinksWithARoundTripButNoProbeRateArePlannedByTheRoundTripsToo) {
+  const v1::JobSpec skip = ResumeSpec(2, 3, 2, true);
+  const std::vector<std::string> ids = Workers("w", 8);
+  PlannedJob job(skip, ids, 0);
+  RunnerPlanner& planner = *job.planner;
+  auto rate = [&](const std::string& a, const std::string& b) {
+    return planner.cost().tables().bandwidth_bytes_per_s[planner.cost().NodeIndex(a)]
+                                                        [planner.cost().NodeIndex(b)];
+  };
+  const double table = rate(ids[2], ids[3]);
+  ASSERT_GT(table, 0);
+  const std::set<std::string> all(ids.begin(), ids.end());
+  // Every worker but the last measures every round trip, and rates only its
+  // links to w0..w3; w7 sends no report at all.
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    v1::LinkReport r;
+    r.set_round(1);
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (j == i) continue;
+      v1::LinkMeasurement* l = r.add_links();
+      l->set_peer(ids[j]);
+      l->set_rtt_seconds(0.02);
+      if (j < 4) l->set_bandwidth_bytes_per_s(1e8);
+    }
+    planner.links().AddReport(ids[i], r, all, kT0);
+  }
+  ASSERT_TRUE(planner.RefreshLinks().ok());
+  const double bytes = planner.cost().tables().activation_bytes;
+  ASSERT_LT(bytes / table, 0.02) << "the table's rate must move an activation within a round trip";
+  EXPECT_DOUBLE_EQ(rate(ids[2], ids[5]), table) << "no fits yet: the table's rate";
+  planner.links().Fitted({ids[0], ids[1]}, 1e7, 0.5, kT0);
+  planner.links().Fitted({ids[0], ids[2]}, 2e7, 2.0, kT0);
+  planner.links().Fitted({ids[0], ids[3]}, 4e7, 1.0, kT0);
+  ASSERT_TRUE(planner.RefreshLinks().ok());
+  const double planned = bytes / 0.02;  // one round trip of 20 ms
+  EXPECT_DOUBLE_EQ(rate(ids[2], ids[3]), planned) << "rated by a probe";
+  EXPECT_DOUBLE_EQ(rate(ids[2], ids[5]), planned) << "its round trip measured, not its rate";
+  EXPECT_DOUBLE_EQ(rate(ids[7], ids[5]), table) << "nothing measured: the table's figures";
+  EXPECT_DOUBLE_EQ(rate(ids[0], ids[1]), 1e7) << "fitted links keep their fit";
+  // GetLinks: planned at the round trips, measured = the table's figure.
+  const v1::GetLinksResponse shown = planner.LinkSnapshot({});
+  int seen = 0;
+  for (const v1::JobLink& l : shown.links()) {
+    if (l.from() == ids[2] && l.to() == ids[5]) {
+      ++seen;
+      EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), planned);
+      EXPECT_DOUBLE_EQ(l.measured_bandwidth_bytes_per_s(), table);
+      EXPECT_EQ(l.bandwidth_source(), v1::JobLink::SOURCE_REGION_TABLE);
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_PROBE);
+    }
+    if (l.from() == ids[7] && l.to() == ids[5]) {
+      ++seen;
+      EXPECT_DOUBLE_EQ(l.bandwidth_bytes_per_s(), table);
+      EXPECT_DOUBLE_EQ(l.measured_bandwidth_bytes_per_s(), table);
+      EXPECT_EQ(l.latency_source(), v1::JobLink::SOURCE_REGION_TABLE);
+    }
+  }
+  EXPECT_EQ(seen, 2);
+}
+
 TEST_F(PlannerPartTest, AMoveIntoAnEmptyStageCostsThePauseWithoutADonor) {
   Build(0.25);
   membership_.Remove("b");

@@ -752,9 +752,10 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
                          "fitted to the job's own transfers; table: the cluster's region\n"
                          "table, never measured) and when. Once the job's transfers were\n"
                          "fitted on three links or more, links known by probes only are\n"
-                         "planned at their probe's rate or the transfers' median round trips,\n"
-                         "whichever is slower (a header line says how many; NOTE has what the\n"
-                         "probe measured). With --json the GetLinks answer.",
+                         "planned at their probe's rate (the table's where a probe measured\n"
+                         "only the round trip) or the transfers' median round trips, whichever\n"
+                         "is slower (a header line says how many; NOTE has what the probe\n"
+                         "measured or the table says). With --json the GetLinks answer.",
                          &id);
       rc >= 0) {
     return rc;
@@ -777,9 +778,9 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
   const double rounds = response.transfer_round_trips();
   if (rounds > 0) {
     std::cout << absl::StrFormat(
-        "links known by probes only are planned at their probe's rate or %.2f round trips per "
-        "transfer, whichever is slower (the median time on the wire of the job's transfers on "
-        "the %u links fitted to them)\n",
+        "links known by probes only are planned at their probe's rate (the table's where only "
+        "their round trip was measured) or %.2f round trips per transfer, whichever is slower "
+        "(the median time on the wire of the job's transfers on the %u links fitted to them)\n",
         rounds, response.transfer_round_trip_links());
   }
   std::vector<std::vector<std::string>> rows = {
@@ -793,7 +794,10 @@ int CmdLinks(Globals g, const std::vector<std::string>& args) {
         l.measured_bandwidth_bytes_per_s() > 0 && !l.cut()) {
       absl::StrAppend(
           &note, note.empty() ? "" : "; ",
-          absl::StrFormat("measured %.1f MB/s", l.measured_bandwidth_bytes_per_s() / 1e6));
+          absl::StrFormat(
+              "%s %.1f MB/s",
+              l.bandwidth_source() == v1::JobLink::SOURCE_REGION_TABLE ? "table" : "measured",
+              l.measured_bandwidth_bytes_per_s() / 1e6));
     }
     rows.push_back({l.from(), l.to(), absl::StrFormat("%.1f ms", l.latency_seconds() * 1e3),
                     SourceName(l.latency_source()), Ago(l.latency_measured()),
