@@ -154,6 +154,24 @@ std::vector<std::vector<std::pair<std::string, std::string>>> RunnerLinks::Probe
   return slots;
 }
 
+std::vector<std::pair<std::string, std::string>> RunnerLinks::OneSlotOf(
+    const std::vector<std::pair<std::string, std::string>>& links) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::set<std::string> sending, taking;
+  std::set<std::pair<std::string, std::string>> chosen;
+  for (const auto& link : links) {
+    if (link.first == link.second || sending.count(link.first) || taking.count(link.second) ||
+        chosen.count({link.second, link.first})) {
+      continue;
+    }
+    sending.insert(link.first);
+    taking.insert(link.second);
+    chosen.insert(link);
+    out.push_back(link);
+  }
+  return out;
+}
+
 void RunnerLinks::AwaitRound() {
   while (!waiting_.empty() && Now() < round_deadline_) {
     RunnerEvent ev = Wait(
@@ -376,22 +394,23 @@ void RunnerLinks::SendBulkSlot(const std::map<std::string, v1::Peer>& members,
   const auto slots = ProbeSchedule(ids);
   // A link no bulk probe has rated yet (the start's budget ran out before
   // its probes finished: the longest links, on a large cluster) is planned
-  // at the region table's rate: the first slot, from the next in turn, with
-  // one that no running slot has asked about goes first, out of turn (the
-  // turn keeps its place). Asked once: a link its probes cannot rate within
+  // at the region table's rate: those no running slot has asked about go
+  // first, out of turn (the turn keeps its place), gathered from every slot
+  // of the schedule into as few slots as its rules allow. They are the
+  // longest links, spread over most slots of the schedule, and a short job
+  // has few running slots. Asked once: a link its probes cannot rate within
   // a slot's budget does not take every slot after it. (The matrix holds a
   // bandwidth only from a probe or a fit to the job's transfers.)
-  auto first_time_unrated = [&](const std::pair<std::string, std::string>& link) {
-    const LinkMatrix::Entry* e = plan_.links().Find(link);
-    return (e == nullptr || !e->bandwidth.has_value()) && !bulk_asked_.count(link);
-  };
-  std::vector<std::pair<std::string, std::string>> links;
-  for (size_t k = 0; k < slots.size() && links.empty(); ++k) {
-    auto candidate = UncarriedLinks(slots[(next_bulk_slot_ + k) % slots.size()], carried);
-    if (std::any_of(candidate.begin(), candidate.end(), first_time_unrated)) {
-      links = std::move(candidate);
+  std::vector<std::pair<std::string, std::string>> unrated;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    for (const auto& link : UncarriedLinks(slots[(next_bulk_slot_ + k) % slots.size()], carried)) {
+      const LinkMatrix::Entry* e = plan_.links().Find(link);
+      if ((e == nullptr || !e->bandwidth.has_value()) && !bulk_asked_.count(link)) {
+        unrated.push_back(link);
+      }
     }
   }
+  std::vector<std::pair<std::string, std::string>> links = OneSlotOf(unrated);
   // Else the next slot in turn with a link to measure.
   for (size_t tried = 0; tried < slots.size() && links.empty(); ++tried) {
     links = UncarriedLinks(slots[next_bulk_slot_++ % slots.size()], carried);

@@ -54,6 +54,12 @@ class RunnerLinks : private RunnerPart {
   // k = n/2 would pair ids both ways and is split into its two directions.
   static std::vector<std::vector<std::pair<std::string, std::string>>> ProbeSchedule(
       const std::vector<std::string>& ids);
+  // Of `links`, in their order, the most that one slot takes under
+  // ProbeSchedule's rules (each worker sends to one peer and takes one
+  // other's probes, no pair both ways): a link that would break one is
+  // left for a later slot.
+  static std::vector<std::pair<std::string, std::string>> OneSlotOf(
+      const std::vector<std::pair<std::string, std::string>>& links);
   // At an iteration boundary: a latency round when link_probe_interval has
   // passed since the last round (and none is outstanding); when
   // link_probe_bulk_interval had passed since the last bulk probes as it was
@@ -101,9 +107,9 @@ class RunnerLinks : private RunnerPart {
   // Sends the next slot (of ProbeSchedule over `members`, in turn) that has
   // links neither cut nor `carried`, as one bulk round over those links, its
   // budget their need (SlotNeed), at most 30 s (the next round waits for its
-  // reports). Nothing when no slot has any. A slot with a link that has no
-  // rate from a probe or the job's transfers, and that no running slot has
-  // asked about yet, goes first, out of turn.
+  // reports). Nothing when no slot has any. Links with no rate from a probe
+  // or the job's transfers, that no running slot has asked about yet, go
+  // first, out of turn, as many in one slot as its rules allow (OneSlotOf).
   void SendBulkSlot(const std::map<std::string, v1::Peer>& members,
                     const std::set<std::pair<std::string, std::string>>& carried);
   // Waits for the round in flight's reports until its deadline.

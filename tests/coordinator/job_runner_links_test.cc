@@ -341,6 +341,23 @@ TEST(ProbeScheduleTest, EveryLinkOnceOneProbeInAndOutAndNoPairBothWays) {
   }
 }
 
+// One slot of links that the schedule spreads over several: each worker
+// sends one probe stream and takes one, no pair both ways; the links that
+// would break a rule wait, in their order.
+TEST(ProbeScheduleTest, OneSlotTakesWhatItsRulesAllowInOrder) {
+  using Links = std::vector<std::pair<std::string, std::string>>;
+  EXPECT_EQ(RunnerLinks::OneSlotOf({}), Links{});
+  EXPECT_EQ(RunnerLinks::OneSlotOf({{"a", "b"},
+                                    {"a", "c"},  // a sends already
+                                    {"c", "b"},  // b takes already
+                                    {"b", "a"},  // a <-> b both ways
+                                    {"c", "c"},  // no link
+                                    {"c", "d"},
+                                    {"b", "c"},
+                                    {"d", "a"}}),
+            (Links{{"a", "b"}, {"c", "d"}, {"b", "c"}, {"d", "a"}}));
+}
+
 // Over long round trips a TCP window takes long to open: the bulk rounds'
 // budget grows with the round trips the latency round measured (1 s and 60
 // round trips per link, the neediest link of each slot of pairs).
@@ -638,17 +655,20 @@ TEST_F(RunningBulkSlotsTest, WhileTheJobRunsBulkSlotsFollowLatencyRoundsSlotAfte
   EXPECT_DOUBLE_EQ(ac->bandwidth_bytes_per_s(), 7e6);  // a bulk slot while it ran
 }
 
-// A link the start's bulk probes could not rate (its probe gave a round
-// trip and no rate: planned at the region table's) is measured by the first
-// running bulk slot, out of turn; the turn then goes on where it was. c -> a
-// (in back_) is unrated.
+// The links the start's bulk probes could not rate (their probe gave a
+// round trip and no rate: planned at the region table's) are measured by
+// the first running bulk slot, out of turn, together where the schedule has
+// them in different slots; the turn then goes on where it was. c -> a (in
+// back_) and b -> d0 (in there_) are unrated.
 TEST_F(RunningBulkSlotsTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFirst) {
   cluster_->SetLink("c", "a", {0.2, 0, ""});
   cluster_->SetLinkFromRound("c", "a", 6, {0.2, 7e6, ""});
+  cluster_->SetLink("b", "d0", {0.02, 0, ""});
+  cluster_->SetLinkFromRound("b", "d0", 6, {0.02, 9e6, ""});
   const v1::Job job = RunPipeline();
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_THAT(History(job),
-              HasSubstr("link probes: 12 of 12 links answered (11 with a bulk rate)"));
+              HasSubstr("link probes: 12 of 12 links answered (10 with a bulk rate)"));
   // The running bulk slots' links (the start's rounds are 1-5).
   const std::vector<v1::LinkProbe> probes = cluster_->Probes();
   const std::map<uint64_t, std::set<LinkPair>> probed =
@@ -659,13 +679,17 @@ TEST_F(RunningBulkSlotsTest, ARunningBulkSlotMeasuresALinkTheStartCouldNotRateFi
   }
   ASSERT_GE(bulk.size(), 3u);
   auto slot = bulk.begin();
-  EXPECT_EQ(slot->second, back_);       // out of turn
-  EXPECT_EQ((++slot)->second, there_);  // the turn's first
+  EXPECT_EQ(slot->second, (std::set<LinkPair>{{"b", "d0"}, {"c", "a"}}));  // out of turn
+  EXPECT_EQ((++slot)->second, there_);                                     // the turn's first
   EXPECT_EQ((++slot)->second, back_);
   const std::optional<v1::JobLink> ca = FinalLink("c", "a");
   ASSERT_TRUE(ca.has_value());
   EXPECT_EQ(ca->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
   EXPECT_DOUBLE_EQ(ca->bandwidth_bytes_per_s(), 7e6);
+  const std::optional<v1::JobLink> bd = FinalLink("b", "d0");
+  ASSERT_TRUE(bd.has_value());
+  EXPECT_EQ(bd->bandwidth_source(), v1::JobLink::SOURCE_PROBE);
+  EXPECT_DOUBLE_EQ(bd->bandwidth_bytes_per_s(), 9e6);
 }
 
 // The running bulk slots leave out the links the last iteration crossed
