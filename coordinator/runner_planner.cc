@@ -72,7 +72,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
   auto cost = sim::CostModel::Create(cluster_, *spec_);
   if (!cost.ok()) return Annotate(cost.status(), "cost model");
   LinkMatrix::TransferRounds rounds;
-  table_bandwidth_ = cost->tables().bandwidth_bytes_per_s;
+  std::vector<std::vector<double>> table = cost->tables().bandwidth_bytes_per_s;
   if (!links_.entries().empty() || !cut_links_.empty()) {
     // Links the workers measured (probes: latency and bandwidth; fits to
     // the job's transfers: bandwidth) replace the region table's; cut ones
@@ -116,6 +116,7 @@ absl::Status RunnerPlanner::BuildCostModel() {
   }
   cost_ = std::make_unique<sim::CostModel>(*std::move(cost));
   planned_rounds_ = rounds;
+  table_bandwidth_ = std::move(table);  // indexed as cost_'s nodes
   return absl::OkStatus();
 }
 
