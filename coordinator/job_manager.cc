@@ -380,9 +380,12 @@ WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string&
                                 bool running, const absl::StatusOr<v1::Job>& stored) {
   WorkerJobVerdict v;
   const std::string told = "; telling it to drop its part";
-  if (running) {
+  const bool ended = stored.ok() && JobStore::IsFinal(stored->state());
+  if (running && !ended) {
     // A worker that stalled or was cut off past --worker_silence: the job
-    // lost it and went on (or paused) without it.
+    // lost it and went on (or paused) without it. A job that has just ended
+    // still has its runner while it winds down, and its workers' last
+    // heartbeats name it: they were not lost.
     v.log = absl::StrCat("worker ", worker_id, " is back holding job ", job_id,
                          ", which runs on without it (it was removed from the job when it was "
                          "lost)",
@@ -394,7 +397,7 @@ WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string&
     v.log = absl::StrCat("worker ", worker_id, " holds job ", job_id,
                          ", which this coordinator does not know", told);
     v.reason = "the coordinator does not know this job";
-  } else if (JobStore::IsFinal(stored->state())) {
+  } else if (ended) {
     const std::string state = absl::AsciiStrToLower(v1::JobState_Name(stored->state()).substr(10));
     v.log = absl::StrCat("worker ", worker_id, " still holds job ", job_id, ", which ended (",
                          state, ": ", stored->message(), ")", told);

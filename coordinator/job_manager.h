@@ -33,8 +33,10 @@ struct WorkerJobVerdict {
   std::string log;
   std::string reason;
 };
-// `running`: this coordinator runs the job (the worker was removed from it,
-// e.g. lost while stalled); `stored`: the job's record, or why there is none.
+// `running`: this coordinator has a runner for the job (the worker was
+// removed from it, e.g. lost while stalled, unless the record says the job
+// has ended and the runner is winding down); `stored`: the job's record, or
+// why there is none.
 WorkerJobVerdict JudgeWorkerJob(const std::string& worker_id, const std::string& job_id,
                                 bool running, const absl::StatusOr<v1::Job>& stored);
 

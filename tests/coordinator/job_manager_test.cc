@@ -48,6 +48,18 @@ TEST(JudgeWorkerJobTest, AReturningWorkerIsToldWhatHappened) {
               HasSubstr("which ended (failed: stage 1 has no worker left); telling it to drop"));
   EXPECT_EQ(ended.reason, "the job ended (failed)");
 
+  // Regression: a job that had just ended still had its runner while it
+  // wound down, and every worker whose last heartbeat named it was logged
+  // as "removed from the job when it was lost" (seen at the end of WAN test
+  // bed runs that lost no worker).
+  const WorkerJobVerdict winding_down =
+      JudgeWorkerJob("w3", "job-000001", /*running=*/true,
+                     Stored(v1::JOB_STATE_SUCCEEDED, "trained 30 iterations"));
+  EXPECT_THAT(winding_down.log,
+              HasSubstr("which ended (succeeded: trained 30 iterations); telling it to drop"));
+  EXPECT_THAT(winding_down.log, Not(HasSubstr("lost")));
+  EXPECT_EQ(winding_down.reason, "the job ended (succeeded)");
+
   const WorkerJobVerdict restarted =
       JudgeWorkerJob("w3", "job-000001", false, Stored(v1::JOB_STATE_PENDING, ""));
   EXPECT_THAT(restarted.log,
