@@ -199,8 +199,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
         RunnerPart(&shared, this),
         start_mode_(start),
         elastic_(&shared, this),
-        iteration_(&shared, this, &elastic_),
         links_(&shared, this),
+        iteration_(&shared, this, &elastic_, &links_),
         stage_loss_(&shared, this, &elastic_, &iteration_),
         reattach_(&shared, this, &elastic_) {
     for (v1::WorkerInfo& w : workers) membership_.mutable_infos()[w.worker_id()] = std::move(w);
@@ -673,8 +673,8 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
 
   const JobRunner::StartMode start_mode_;
   RunnerElastic elastic_;
-  RunnerIteration iteration_;
   RunnerLinks links_;
+  RunnerIteration iteration_;
   RunnerStageLoss stage_loss_;
   RunnerReattach reattach_;
   absl::Time last_loss_check_ = absl::InfinitePast();

@@ -12,11 +12,13 @@
 #include "common/status.h"
 #include "coordinator/planner/plan_proto.h"
 #include "coordinator/runner_elastic.h"
+#include "coordinator/runner_links.h"
 
 namespace detour {
 
-RunnerIteration::RunnerIteration(RunnerShared* shared, RunnerLoop* loop, RunnerElastic* elastic)
-    : RunnerPart(shared, loop), elastic_(elastic) {}
+RunnerIteration::RunnerIteration(RunnerShared* shared, RunnerLoop* loop, RunnerElastic* elastic,
+                                 RunnerLinks* links)
+    : RunnerPart(shared, loop), elastic_(elastic), links_(links) {}
 
 void RunnerIteration::Started(uint64_t iteration) {
   started_ = absl::Now();
@@ -47,6 +49,9 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
     }
   }
   if (auto crossed = plan_.CrossedCut(planned->plan); crossed) {
+    // One failed transfer may be a connection that broke, not the path:
+    // the link is probed before a worker leaves for it.
+    if (links_->ConfirmCut(*crossed)) return Done(Outcome::kRetry);
     return RemoveUnreachable(iteration, *crossed);
   }
   auto message = PlanMessage(iteration, *planned);
@@ -376,9 +381,10 @@ RunnerIteration::IterationOutcome RunnerIteration::RunAgainAroundCuts(
 }
 
 // The planner found no plan that avoids a cut link (e.g. the only worker
-// of the next stage, or two replicas whose all-reduce needs it): the
-// reported side of the link leaves the job, as a lost worker does, and
-// does not rejoin before the join back-off.
+// of the next stage, or two replicas whose all-reduce needs it), and its
+// probe did not answer (RunnerLinks::ConfirmCut): the reported side of the
+// link leaves the job, as a lost worker does, and does not rejoin before
+// the join back-off.
 RunnerIteration::IterationOutcome RunnerIteration::RemoveUnreachable(
     uint64_t iteration, const std::pair<std::string, std::string>& link) {
   const LinkCut* cut = membership_.CutReport(link);

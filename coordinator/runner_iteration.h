@@ -23,6 +23,7 @@
 namespace detour {
 
 class RunnerElastic;
+class RunnerLinks;
 
 class RunnerIteration : private RunnerPart {
  public:
@@ -44,8 +45,10 @@ class RunnerIteration : private RunnerPart {
     absl::Duration held;      // holding for the job record (a store out of reach)
   };
 
-  // `elastic` pauses the job when a loss leaves it unable to train.
-  RunnerIteration(RunnerShared* shared, RunnerLoop* loop, RunnerElastic* elastic);
+  // `elastic` pauses the job when a loss leaves it unable to train;
+  // `links` checks a cut link no plan avoids before a worker leaves for it.
+  RunnerIteration(RunnerShared* shared, RunnerLoop* loop, RunnerElastic* elastic,
+                  RunnerLinks* links);
 
   // The run (or the resumed run) starts at `iteration`: the ETA counts from
   // here.
@@ -79,6 +82,7 @@ class RunnerIteration : private RunnerPart {
                                          absl::Time deadline);
 
   RunnerElastic* const elastic_;
+  RunnerLinks* const links_;
   uint64_t started_iteration_ = 0;
   absl::Time started_;
   // This iteration's routes (re-runs replace theirs).

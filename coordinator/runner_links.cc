@@ -31,6 +31,11 @@ constexpr absl::Duration kStartLatencyBudget = absl::Seconds(5);
 constexpr absl::Duration kMaxBulkBudget = absl::Seconds(120);
 // The most a bulk slot while the job runs may take.
 constexpr absl::Duration kMaxRunningBulkBudget = absl::Seconds(30);
+// Budget of the latency round that checks a cut link no plan avoids.
+constexpr absl::Duration kConfirmBudget = absl::Seconds(5);
+// A link restored by that check and cut again within this is not checked
+// again: its reported side leaves the job at once.
+constexpr absl::Duration kReconfirmAfter = absl::Minutes(10);
 
 }  // namespace
 
@@ -285,13 +290,7 @@ void RunnerLinks::OnReport(const std::string& worker, const v1::LinkReport& repo
   if (waiting_.empty()) plan_.links().RoundDone(Now());
 }
 
-void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
-  if (!waiting_.empty() && Now() > round_deadline_) {
-    LogWarning("job ", job_id_, ": link probe round ", round_, ": no report from ", waiting_.size(),
-               " worker(s)");
-    waiting_.clear();
-    plan_.links().RoundDone(Now());
-  }
+void RunnerLinks::RestoreAnswered() {
   // Cut links whose reporter reached the peer again, in a round sent after
   // the cut.
   bool restored = false;
@@ -319,6 +318,40 @@ void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
       LogWarning("job ", job_id_, ": restoring links: ", s.message());
     }
   }
+}
+
+bool RunnerLinks::ConfirmCut(const std::pair<std::string, std::string>& link) {
+  if (!options().link_probe) return false;
+  for (auto it = confirmed_.begin(); it != confirmed_.end();) {
+    it = Now() - it->second >= kReconfirmAfter ? confirmed_.erase(it) : std::next(it);
+  }
+  if (confirmed_.count(link)) return false;  // restored so lately, and cut again
+  const LinkCut* cut = membership_.CutReport(link);
+  if (cut == nullptr) return false;
+  const std::string reporter = cut->reporter, peer = cut->peer;
+  const std::map<std::string, v1::Peer> members = MemberPeerMap();
+  if (!members.count(reporter) || !members.count(peer)) return false;
+  AwaitRound();  // one in flight first: its answers are no news of the cut
+  cut_round_.emplace(link, round_);
+  LogInfo("job ", job_id_, ": no plan avoids the cut link ", reporter, " - ", peer, "; asking ",
+          reporter, " to probe ", peer, " before ", peer, " leaves the job");
+  SendRound({{reporter, {members.at(peer)}}}, {}, /*bulk_bytes=*/0, kConfirmBudget);
+  AwaitRound();
+  RestoreAnswered();
+  Publish();
+  if (membership_.CutReport(link) != nullptr) return false;
+  confirmed_[link] = Now();
+  return true;
+}
+
+void RunnerLinks::AtBoundary(const std::map<uint32_t, v1::Route>& routes) {
+  if (!waiting_.empty() && Now() > round_deadline_) {
+    LogWarning("job ", job_id_, ": link probe round ", round_, ": no report from ", waiting_.size(),
+               " worker(s)");
+    waiting_.clear();
+    plan_.links().RoundDone(Now());
+  }
+  RestoreAnswered();
   if (dirty_) {
     dirty_ = false;
     if (absl::Status s = plan_.RefreshLinks(); !s.ok()) {

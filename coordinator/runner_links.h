@@ -69,6 +69,16 @@ class RunnerLinks : private RunnerPart {
   // cut links that answered are restored.
   // `routes`: those of the iteration just run (the job's traffic).
   void AtBoundary(const std::map<uint32_t, v1::Route>& routes);
+  // A cut link that no plan avoids (RunnerPlanner::CrossedCut), before its
+  // reported side leaves the job: one failed transfer may be a connection
+  // that broke (a reset, a handshake that timed out on a busy link), not the
+  // path. Asks the reporter to probe the peer (a latency round of that link
+  // alone, 5 s, after any round in flight) and returns true when the peer
+  // answered: the link is restored (LINK_RESTORED) and plans may use it.
+  // False, and nothing asked, without link probes, when either side is no
+  // member, or when the same link was restored so in the last 10 minutes
+  // and has been cut again.
+  bool ConfirmCut(const std::pair<std::string, std::string>& link);
   // A LinkReport from `worker` (from the runner's Wait).
   void OnReport(const std::string& worker, const v1::LinkReport& report);
   // Publishes the matrix as the planner sees it now.
@@ -112,6 +122,9 @@ class RunnerLinks : private RunnerPart {
   // first, out of turn, as many in one slot as its rules allow (OneSlotOf).
   void SendBulkSlot(const std::map<std::string, v1::Peer>& members,
                     const std::set<std::pair<std::string, std::string>>& carried);
+  // Restores the cut links whose reporter reached the peer in a round sent
+  // after the cut (history LINK_RESTORED), and gives the planner the rest.
+  void RestoreAnswered();
   // Waits for the round in flight's reports until its deadline.
   void AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
@@ -146,6 +159,8 @@ class RunnerLinks : private RunnerPart {
   // Cut links -> the newest round sent when the runner first saw them cut:
   // only an answer to a later round restores them.
   std::map<std::pair<std::string, std::string>, uint64_t> cut_round_;
+  // Cut links ConfirmCut restored -> when.
+  std::map<std::pair<std::string, std::string>, absl::Time> confirmed_;
 
   mutable absl::Mutex published_mu_;
   std::optional<v1::GetLinksResponse> published_ ABSL_GUARDED_BY(published_mu_);

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/runner_elastic.h"
 #include "coordinator/runner_iteration.h"
+#include "coordinator/runner_links.h"
 #include "coordinator/runner_part.h"
 #include "coordinator/runner_stage_loss.h"
 #include "tests/coordinator/fake_cluster.h"
@@ -115,7 +116,9 @@ class RunnerStageLossTest : public JobRunnerTest {
     shared_->plan.RebuildAssignment();
     shared_->next_iteration = 3;
     elastic_ = std::make_unique<RunnerElastic>(shared_.get(), loop_.get());
-    iteration_ = std::make_unique<RunnerIteration>(shared_.get(), loop_.get(), elastic_.get());
+    links_ = std::make_unique<RunnerLinks>(shared_.get(), loop_.get());
+    iteration_ =
+        std::make_unique<RunnerIteration>(shared_.get(), loop_.get(), elastic_.get(), links_.get());
     loss_ = std::make_unique<RunnerStageLoss>(shared_.get(), loop_.get(), elastic_.get(),
                                               iteration_.get());
   }
@@ -147,6 +150,7 @@ class RunnerStageLossTest : public JobRunnerTest {
   std::unique_ptr<RunnerShared> shared_;
   std::unique_ptr<FakeLoop> loop_;
   std::unique_ptr<RunnerElastic> elastic_;
+  std::unique_ptr<RunnerLinks> links_;
   std::unique_ptr<RunnerIteration> iteration_;
   std::unique_ptr<RunnerStageLoss> loss_;
 };
