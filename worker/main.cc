@@ -95,7 +95,10 @@ void RegisterWorkerFlags(FlagSet* flags, WorkerOptions* o, WorkerFlagValues* v) 
                 "hold NaN): the worker is excluded and the job goes on; frame_flood (with each "
                 "forward activation from iteration N on, copies labelled as the next "
                 "iteration's, every microbatch in each of the next 4 epochs): the receivers' "
-                "quotas take it and the job goes on; default none");
+                "quotas take it and the job goes on; broken_transfer (its first all-reduce "
+                "tensor of iteration N is reported failed, as a connection reset would, though "
+                "it arrived): the coordinator probes the link, finds it answering and nobody "
+                "leaves; default none");
   flags->String("metrics_bind", &o->metrics_bind,
                 "address for the /metrics HTTP endpoint (0.0.0.0 for every interface)");
   flags->String("metrics_advertise", &o->metrics_advertise,
@@ -154,13 +157,15 @@ absl::Status ParseFaultInjection(const std::string& text,
                                              {"duplicate_microbatch", Kind::kDuplicateMicrobatch},
                                              {"missing_microbatch", Kind::kMissingMicrobatch},
                                              {"nan_activations", Kind::kNanActivations},
-                                             {"frame_flood", Kind::kFrameFlood}};
+                                             {"frame_flood", Kind::kFrameFlood},
+                                             {"broken_transfer", Kind::kBrokenTransfer}};
   uint64_t iteration = 0;
   if (parts.size() != 2 || !kinds.count(parts[0]) || !absl::SimpleAtoi(parts[1], &iteration)) {
     return absl::InvalidArgumentError(absl::StrCat("--inject_fault: \"", text,
                                                    "\" is not KIND@ITERATION with KIND diverge, "
                                                    "duplicate_microbatch, missing_microbatch, "
-                                                   "nan_activations or frame_flood"));
+                                                   "nan_activations, frame_flood or "
+                                                   "broken_transfer"));
   }
   fault->kind = kinds.at(parts[0]);
   fault->iteration = iteration;

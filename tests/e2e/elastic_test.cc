@@ -415,6 +415,36 @@ TEST_F(ElasticTest, AMemberFloodingNextIterationFramesEvictsNobody) {
   EXPECT_GE(unexpected, 32) << workers[3].process->Log();
 }
 
+// A member reports its replica unreachable while the link works (a real
+// worker, by fault injection: its first all-reduce tensor of iteration 3 is
+// reported failed, as a connection reset on one of its stripes would fail
+// it, though it arrived). The two replicas must all-reduce, so no plan
+// avoids the link: the coordinator asks the reporter to probe its replica
+// first, the probe answers over the real transport, the link is restored
+// and the job goes on with all five; nobody leaves (before, the replica was
+// removed at once).
+TEST_F(ElasticTest, AReplicaReportedUnreachableThatAnswersItsProbeStays) {
+  // Iterations here take about 50 ms; the coordinator judges a report after
+  // the reported worker's session has stayed open for 1 s.
+  const v1::JobSpec spec = PinnedFiveJob(60);
+  Daemon c = StartCoordinator();
+  std::vector<Daemon> workers =
+      StartFiveWith(this, c.grpc_port, "w1", "--inject_fault=broken_transfer@3");
+  ElasticRun run(this, c.grpc_port, spec);
+  const v1::Job job = run.AwaitEnd(absl::Seconds(180));
+  ExpectHealthyEnd(job, c);
+  const std::string history = History(job);
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << history;
+  EXPECT_EQ(job.progress().members(), 5u);
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_CUT), 1) << history << c.process->Log();
+  EXPECT_THAT(history, HasSubstr("link w1 - w2 cut")) << history;
+  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_LINK_RESTORED), 1) << history;
+  EXPECT_THAT(history, HasSubstr("link w1 -> w2 answered its probe again")) << history;
+  EXPECT_THAT(c.process->Log(), HasSubstr("asking w1 to probe w2"));
+  EXPECT_THAT(workers[1].process->Log(),
+              HasSubstr("--inject_fault: reporting the all-reduce tensor to w2"));
+}
+
 // Stage 2's fast replica dies and leaves a slow one (ten times slower)
 // while stage 1 has two fast replicas: at the next iteration boundary the
 // planner predicts that moving one of them to stage 2 repays its cost, so

@@ -82,7 +82,11 @@ struct JobRuntimeOptions {
   // exclude it and go on); kFrameFlood: with each forward activation from
   // that iteration on it sends the receiver copies labelled as the next
   // iteration's, every microbatch in each of the next 4 epochs (its quota
-  // there must take the flood, not its peers').
+  // there must take the flood, not its peers'); kBrokenTransfer: the first
+  // all-reduce tensor it sends at that iteration is reported failed, as a
+  // connection reset would fail it, though it went through (once: the
+  // iteration's re-run sends normally), so it reports the replica
+  // unreachable while the link works.
   struct FaultInjection {
     enum class Kind {
       kNone,
@@ -90,7 +94,8 @@ struct JobRuntimeOptions {
       kDuplicateMicrobatch,
       kMissingMicrobatch,
       kNanActivations,
-      kFrameFlood
+      kFrameFlood,
+      kBrokenTransfer
     };
     Kind kind = Kind::kNone;
     uint64_t iteration = 0;

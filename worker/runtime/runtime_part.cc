@@ -89,7 +89,8 @@ RuntimePart::RuntimePart(RuntimeShared* shared, RuntimeCore* core)
       state_from_(shared->state_from),
       it_(shared->it),
       early_(shared->early),
-      replay_(shared->replay) {}
+      replay_(shared->replay),
+      fault_done_(shared->fault_done) {}
 
 PeerEndpoint RuntimePart::Endpoint(const v1::Peer& p) const {
   PeerEndpoint e{p.worker_id(), p.address(), p.region(), p.data_address(), LinkHint{}};
@@ -167,9 +168,22 @@ void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uin
                      options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kFrameFlood &&
                      iteration >= options_.fault.iteration;
   const v1::FrameHeader sent = flood ? h : v1::FrameHeader();
+  const bool broken =
+      direction == v1::DIRECTION_ALLREDUCE && !fault_done_ &&
+      options_.fault.kind == JobRuntimeOptions::FaultInjection::Kind::kBrokenTransfer &&
+      iteration == options_.fault.iteration;
+  if (broken) {
+    fault_done_ = true;
+    LogWarning("job ", job_id_, ": --inject_fault: reporting the all-reduce tensor to ", to,
+               " of iteration ", iteration, " failed, as a connection reset would");
+  }
   transport_->Send(
       to, std::move(h), std::move(view),
-      [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
+      [this, job, iteration, to, direction, bytes, broken](absl::Status s, double t) {
+        if (broken && s.ok()) {
+          s = absl::UnavailableError(absl::StrCat(
+              "direct transport to ", to, ": connection reset (--inject_fault broken_transfer)"));
+        }
         core_->Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
       });
   if (flood) SendFlood(to, sent, holder);

@@ -107,6 +107,7 @@ struct RuntimeShared {
   std::unique_ptr<RunningIteration> it;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>> early;
   std::vector<v1::WorkerMessage> replay;
+  bool fault_done = false;  // a one-time injected fault (kBrokenTransfer) fired
 };
 
 // The executor's services to the parts.
@@ -196,6 +197,7 @@ class RuntimePart {
   std::unique_ptr<RunningIteration>& it_;
   std::vector<std::pair<v1::FrameHeader, at::Tensor>>& early_;
   std::vector<v1::WorkerMessage>& replay_;
+  bool& fault_done_;
 
  private:
   void OnTransferDone(const std::string& job, uint64_t iteration, const std::string& to,
