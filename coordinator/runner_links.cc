@@ -335,7 +335,9 @@ bool RunnerLinks::ConfirmCut(const std::pair<std::string, std::string>& link) {
   cut_round_.emplace(link, round_);
   LogInfo("job ", job_id_, ": no plan avoids the cut link ", reporter, " - ", peer, "; asking ",
           reporter, " to probe ", peer, " before ", peer, " leaves the job");
-  SendRound({{reporter, {members.at(peer)}}}, {}, /*bulk_bytes=*/0, kConfirmBudget);
+  // The peer takes probes only from those its newest request names.
+  SendRound({{reporter, {members.at(peer)}}}, {{peer, {reporter}}}, /*bulk_bytes=*/0,
+            kConfirmBudget);
   AwaitRound();
   RestoreAnswered();
   Publish();

@@ -95,17 +95,25 @@ TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
                                       "timed out) and no plan avoids the link"));
   EXPECT_THAT(History(job), HasSubstr("worker spare joined stage 2"));
   EXPECT_EQ(job.progress().iteration(), 4u);
-  // The check: a probe of that link alone, sent to the reporter.
+  // The check: a probe of that link alone, sent to the reporter, and the
+  // peer told to take it (a worker refuses probes its newest request does
+  // not name).
   const std::vector<v1::LinkProbe> probes = cluster_->Probes();
   const std::vector<std::string> by = cluster_->ProbedBy();
-  int checks = 0;
+  int checks = 0, accepts = 0;
   for (size_t i = 0; i < probes.size(); ++i) {
     if (probes[i].peers_size() == 1 && probes[i].peers(0).worker_id() == "b" &&
         probes[i].bulk_max_bytes() == 0 && by[i] == "a") {
       ++checks;
+      EXPECT_EQ(probes[i].round(), probes.back().round());
+    }
+    if (by[i] == "b" && probes[i].peers_size() == 0 && probes[i].accept_from_size() == 1 &&
+        probes[i].accept_from(0) == "a" && probes[i].round() == probes.back().round()) {
+      ++accepts;
     }
   }
   EXPECT_EQ(checks, 1);
+  EXPECT_EQ(accepts, 1);
 }
 
 // Regression (seen over the WAN test bed): one stripe of a replica pair's
