@@ -52,6 +52,13 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
     // One failed transfer may be a connection that broke, not the path:
     // the link is probed before a worker leaves for it.
     if (links_->ConfirmCut(*crossed)) return Done(Outcome::kRetry);
+    // Stopped while the probe ran (a cancel, a coordinator stopping with its
+    // jobs): nobody leaves for an unfinished check.
+    if (StopRequested()) {
+      RunnerEvent ev = Wait(
+          Now(), [] { return std::string("the stop"); }, /*detect_loss=*/false);
+      if (ev.end) return End(*std::move(ev.end));
+    }
     return RemoveUnreachable(iteration, *crossed);
   }
   auto message = PlanMessage(iteration, *planned);

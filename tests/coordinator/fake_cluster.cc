@@ -265,6 +265,10 @@ bool FakeCluster::Answer(FakeWorker& w, const v1::CoordinatorMessage& m,
       probes_.push_back(p);
       probed_by_.push_back(w.id);
       probed_after_.push_back(planned_iterations_.empty() ? 0 : planned_iterations_.back());
+      if (w.probes_silent_after && !planned_iterations_.empty() &&
+          planned_iterations_.back() >= *w.probes_silent_after) {
+        return false;
+      }
       v1::LinkReport* r = reply(w.id).mutable_link_report();
       r->set_job_id(p.job_id());
       r->set_round(p.round());

@@ -45,7 +45,10 @@ struct FakeWorker {
   double speed = 1;
   bool alive = true;
   bool mute = false;  // takes plans but never answers them
-  int stage = -1;     // -1: holds no stage
+  // Takes link probe requests sent after the plan of this iteration but
+  // never reports on them (a probe that hangs).
+  std::optional<uint64_t> probes_silent_after;
+  int stage = -1;  // -1: holds no stage
   uint64_t checksum = 0;
   uint64_t iteration = 0;
   uint64_t epoch = 0;
@@ -148,6 +151,13 @@ class FakeCluster : public RunnerHost {
   void Mute(const std::string& id) {
     absl::MutexLock lock(&mu_);
     workers_[id].mute = true;
+  }
+
+  // `id` never reports on the link probes it is asked for once the runner
+  // has sent a plan of `iteration` or later.
+  void SilenceProbesAfterPlan(const std::string& id, uint64_t iteration) {
+    absl::MutexLock lock(&mu_);
+    workers_[id].probes_silent_after = iteration;
   }
 
   void ReportUnreachableWhenPlanArrives(const std::string& reporter, const std::string& peer,

@@ -16,6 +16,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "coordinator/job_runner.h"
 #include "coordinator/link_matrix.h"
 #include "coordinator/runner_links.h"
@@ -114,6 +116,36 @@ TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
   }
   EXPECT_EQ(checks, 1);
   EXPECT_EQ(accepts, 1);
+}
+
+// The coordinator stops (and leaves its jobs to the next one) while the
+// probe of a cut link no plan avoids is out: the unfinished check removes
+// nobody, and the job stays RUNNING with its three workers untold.
+TEST_F(JobRunnerTest, AStopWhileACutLinkIsProbedRemovesNobody) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
+  cluster_->SilenceProbesAfterPlan("a", 1);
+  Start(spec, {"d0", "a", "b"});
+  bool asked = false;
+  for (int i = 0; i < 200 && !asked; ++i) {
+    const std::vector<v1::LinkProbe> probes = cluster_->Probes();
+    const std::vector<std::string> by = cluster_->ProbedBy();
+    for (size_t p = 0; p < probes.size(); ++p) {
+      asked |= by[p] == "a" && probes[p].peers_size() == 1 &&
+               probes[p].peers(0).worker_id() == "b" && probes[p].bulk_max_bytes() == 0;
+    }
+    if (!asked) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(asked) << History(Job());
+  runner_->Detach();
+  runner_.reset();
+  cluster_->set_runner(nullptr);
+  const v1::Job left = Job();
+  ASSERT_EQ(left.state(), v1::JOB_STATE_RUNNING) << left.message() << "\n" << History(left);
+  EXPECT_EQ(Count(left, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(left);
+  EXPECT_EQ(cluster_->Sent("cancel"), 0) << History(left);
 }
 
 // Regression (seen over the WAN test bed): one stripe of a replica pair's
