@@ -627,8 +627,10 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       link_.SendOnce(id, m);
     }
     host_->runner_metrics().MembersChanged(-static_cast<int>(members().size()));
-    host_->Release(job_id_);
+    // The record first: a member's heartbeat that finds it released then
+    // finds the job ended too, and is told so (JudgeWorkerJob).
     record_.End(end);
+    host_->Release(job_id_);
     if (end.state == v1::JOB_STATE_FAILED) {
       LogWarning("job ", job_id_, " failed: ", end.message);
     } else {

@@ -51,14 +51,11 @@ RunnerIteration::IterationOutcome RunnerIteration::RunIteration(uint64_t iterati
   if (auto crossed = plan_.CrossedCut(planned->plan); crossed) {
     // One failed transfer may be a connection that broke, not the path:
     // the link is probed before a worker leaves for it.
-    if (links_->ConfirmCut(*crossed)) return Done(Outcome::kRetry);
+    std::optional<JobEnd> end;
+    if (links_->ConfirmCut(*crossed, &end)) return Done(Outcome::kRetry);
     // Stopped while the probe ran (a cancel, a coordinator stopping with its
-    // jobs): nobody leaves for an unfinished check.
-    if (StopRequested()) {
-      RunnerEvent ev = Wait(
-          Now(), [] { return std::string("the stop"); }, /*detect_loss=*/false);
-      if (ev.end) return End(*std::move(ev.end));
-    }
+    // jobs), or a member's error: nobody leaves for an unfinished check.
+    if (end) return End(*std::move(end));
     return RemoveUnreachable(iteration, *crossed);
   }
   auto message = PlanMessage(iteration, *planned);

@@ -177,13 +177,22 @@ std::vector<std::pair<std::string, std::string>> RunnerLinks::OneSlotOf(
   return out;
 }
 
-void RunnerLinks::AwaitRound() {
+std::optional<JobEnd> RunnerLinks::AwaitRound() {
+  static constexpr char kAwaited[] = "link probes";
+  std::optional<JobEnd> end;
   while (!waiting_.empty() && Now() < round_deadline_) {
     RunnerEvent ev = Wait(
-        round_deadline_, [&] { return "link probes"; }, /*detect_loss=*/false);
-    if (ev.end) break;  // stopped or timed out: go on with what came
+        round_deadline_, [&] { return kAwaited; }, /*detect_loss=*/false);
+    if (!ev.end) continue;
+    // Timed out: go on with what came. Stopped, or a member's error: the
+    // caller's to act on.
+    if (StopRequested() || ev.end->message != absl::StrCat("timed out waiting for ", kAwaited)) {
+      end = std::move(ev.end);
+    }
+    break;
   }
   if (!waiting_.empty()) plan_.links().RoundDone(Now());  // else OnReport did
+  return end;
 }
 
 absl::Duration RunnerLinks::SlotNeed(
@@ -320,7 +329,8 @@ void RunnerLinks::RestoreAnswered() {
   }
 }
 
-bool RunnerLinks::ConfirmCut(const std::pair<std::string, std::string>& link) {
+bool RunnerLinks::ConfirmCut(const std::pair<std::string, std::string>& link,
+                             std::optional<JobEnd>* end) {
   if (!options().link_probe) return false;
   for (auto it = confirmed_.begin(); it != confirmed_.end();) {
     it = Now() - it->second >= kReconfirmAfter ? confirmed_.erase(it) : std::next(it);
@@ -331,14 +341,20 @@ bool RunnerLinks::ConfirmCut(const std::pair<std::string, std::string>& link) {
   const std::string reporter = cut->reporter, peer = cut->peer;
   const std::map<std::string, v1::Peer> members = MemberPeerMap();
   if (!members.count(reporter) || !members.count(peer)) return false;
-  AwaitRound();  // one in flight first: its answers are no news of the cut
+  // One in flight first: its answers are no news of the cut.
+  if ((*end = AwaitRound())) return false;
   cut_round_.emplace(link, round_);
   LogInfo("job ", job_id_, ": no plan avoids the cut link ", reporter, " - ", peer, "; asking ",
           reporter, " to probe ", peer, " before ", peer, " leaves the job");
-  // The peer takes probes only from those its newest request names.
+  // The peer takes probes only from those its newest request names. The
+  // latency rounds to every member keep their interval from the last one.
+  const absl::Time latency_round = last_round_;
   SendRound({{reporter, {members.at(peer)}}}, {{peer, {reporter}}}, /*bulk_bytes=*/0,
             kConfirmBudget);
-  AwaitRound();
+  last_round_ = latency_round;
+  *end = AwaitRound();
+  waiting_.clear();  // a silent reporter was counted (RoundDone), not to be waited for again
+  if (*end) return false;
   RestoreAnswered();
   Publish();
   if (membership_.CutReport(link) != nullptr) return false;

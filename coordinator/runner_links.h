@@ -77,8 +77,10 @@ class RunnerLinks : private RunnerPart {
   // answered: the link is restored (LINK_RESTORED) and plans may use it.
   // False, and nothing asked, without link probes, when either side is no
   // member, or when the same link was restored so in the last 10 minutes
-  // and has been cut again.
-  bool ConfirmCut(const std::pair<std::string, std::string>& link);
+  // and has been cut again. False with `*end` set when the job was stopped
+  // or a member reported an error while it waited: nobody is to leave for
+  // the unfinished check.
+  bool ConfirmCut(const std::pair<std::string, std::string>& link, std::optional<JobEnd>* end);
   // A LinkReport from `worker` (from the runner's Wait).
   void OnReport(const std::string& worker, const v1::LinkReport& report);
   // Publishes the matrix as the planner sees it now.
@@ -125,8 +127,9 @@ class RunnerLinks : private RunnerPart {
   // Restores the cut links whose reporter reached the peer in a round sent
   // after the cut (history LINK_RESTORED), and gives the planner the rest.
   void RestoreAnswered();
-  // Waits for the round in flight's reports until its deadline.
-  void AwaitRound();
+  // Waits for the round in flight's reports until its deadline; the job's
+  // end when it was stopped or a member reported an error meanwhile.
+  std::optional<JobEnd> AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
   // the matrix has), and the bulk rounds' budget: what the slots need
   // together, at least link_probe_budget, at most kMaxBulkBudget.

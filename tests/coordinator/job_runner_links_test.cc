@@ -118,6 +118,23 @@ TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
   EXPECT_EQ(accepts, 1);
 }
 
+// Waits up to 10 s until `reporter` has been asked to probe `peer` alone
+// (the check of a cut link no plan avoids).
+bool AwaitCutCheck(FakeCluster* cluster, const std::string& reporter, const std::string& peer) {
+  for (int i = 0; i < 200; ++i) {
+    const std::vector<v1::LinkProbe> probes = cluster->Probes();
+    const std::vector<std::string> by = cluster->ProbedBy();
+    for (size_t p = 0; p < probes.size(); ++p) {
+      if (by[p] == reporter && probes[p].peers_size() == 1 &&
+          probes[p].peers(0).worker_id() == peer && probes[p].bulk_max_bytes() == 0) {
+        return true;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return false;
+}
+
 // The coordinator stops (and leaves its jobs to the next one) while the
 // probe of a cut link no plan avoids is out: the unfinished check removes
 // nobody, and the job stays RUNNING with its three workers untold.
@@ -128,17 +145,7 @@ TEST_F(JobRunnerTest, AStopWhileACutLinkIsProbedRemovesNobody) {
   cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
   cluster_->SilenceProbesAfterPlan("a", 1);
   Start(spec, {"d0", "a", "b"});
-  bool asked = false;
-  for (int i = 0; i < 200 && !asked; ++i) {
-    const std::vector<v1::LinkProbe> probes = cluster_->Probes();
-    const std::vector<std::string> by = cluster_->ProbedBy();
-    for (size_t p = 0; p < probes.size(); ++p) {
-      asked |= by[p] == "a" && probes[p].peers_size() == 1 &&
-               probes[p].peers(0).worker_id() == "b" && probes[p].bulk_max_bytes() == 0;
-    }
-    if (!asked) absl::SleepFor(absl::Milliseconds(50));
-  }
-  ASSERT_TRUE(asked) << History(Job());
+  ASSERT_TRUE(AwaitCutCheck(cluster_.get(), "a", "b")) << History(Job());
   runner_->Detach();
   runner_.reset();
   cluster_->set_runner(nullptr);
@@ -146,6 +153,27 @@ TEST_F(JobRunnerTest, AStopWhileACutLinkIsProbedRemovesNobody) {
   ASSERT_EQ(left.state(), v1::JOB_STATE_RUNNING) << left.message() << "\n" << History(left);
   EXPECT_EQ(Count(left, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(left);
   EXPECT_EQ(cluster_->Sent("cancel"), 0) << History(left);
+}
+
+// A member reports a fatal error while the probe of a cut link no plan
+// avoids is out: the job fails with that error, as it would at any other
+// time, and nobody is removed for the unfinished check.
+TEST_F(JobRunnerTest, AMemberErrorWhileACutLinkIsProbedFailsTheJob) {
+  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
+  cluster_->SilenceProbesAfterPlan("a", 1);
+  Start(spec, {"d0", "a", "b"});
+  ASSERT_TRUE(AwaitCutCheck(cluster_.get(), "a", "b")) << History(Job());
+  v1::WorkerMessage error;
+  error.mutable_error()->set_job_id(job_id_);
+  error.mutable_error()->set_message("stage 0: out of memory");
+  runner_->Post("d0", error);
+  const v1::Job job = AwaitEnd();
+  ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.message() << "\n" << History(job);
+  EXPECT_THAT(job.message(), HasSubstr("stage 0: out of memory"));
+  EXPECT_EQ(Count(job, v1::JobHistoryEvent::KIND_WORKER_LOST), 0) << History(job);
 }
 
 // Regression (seen over the WAN test bed): one stripe of a replica pair's

@@ -179,13 +179,16 @@ void RuntimePart::SendTensor(const std::string& to, v1::Direction direction, uin
   }
   transport_->Send(
       to, std::move(h), std::move(view),
-      [this, job, iteration, to, direction, bytes, broken](absl::Status s, double t) {
-        if (broken && s.ok()) {
-          s = absl::UnavailableError(absl::StrCat(
-              "direct transport to ", to, ": connection reset (--inject_fault broken_transfer)"));
-        }
+      [this, job, iteration, to, direction, bytes](absl::Status s, double t) {
         core_->Post([=] { OnTransferDone(job, iteration, to, direction, bytes, s, t); });
       });
+  if (broken) {  // now, while the iteration is this one: the real send's ack may come late
+    OnTransferDone(
+        job, iteration, to, direction, bytes,
+        absl::UnavailableError(absl::StrCat("direct transport to ", to,
+                                            ": connection reset (--inject_fault broken_transfer)")),
+        0);
+  }
   if (flood) SendFlood(to, sent, holder);
 }
 
