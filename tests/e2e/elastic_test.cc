@@ -455,12 +455,14 @@ TEST_F(ElasticTest, SpareReplicaMovesToAThinSlowStage) {
   v1::JobSpec spec = ElasticJob(3, 1, 2, 0.0, 40);
   spec.mutable_pipeline()->set_scheduler(v1::SCHEDULER_SKIPPIPE);
   spec.mutable_pipeline()->set_microbatches_per_data_node(8);
-  // A move must repay its cost within 8 iterations. Before the kill stage 2
+  // A move must repay its cost within 5 iterations. Before the kill stage 2
   // has a fast replica, and moving a stage-1 replica there gains little per
   // iteration (under ASan once 0.036 s, repaid in 28 iterations: with the
-  // iterations left as the horizon it moved before the kill); after the
-  // kill the slow replica alone makes every iteration far longer.
-  spec.mutable_elastic()->set_reassign_horizon_iterations(8);
+  // iterations left as the horizon it moved before the kill; and once, in
+  // CI on 2026-12-07, 0.16 s, repaid in 7.7: within the 8 this test had);
+  // after the kill the slow replica alone makes every iteration far longer
+  // (repaid in 1.6-3.0 plain).
+  spec.mutable_elastic()->set_reassign_horizon_iterations(5);
   PinFiveWorkers(&spec);
   spec = *NormalizeJobSpec(spec);
   Daemon c = StartCoordinator({"--replan_every=2"});
