@@ -591,6 +591,7 @@ class JobRunner::Impl : private RunnerSharedHolder, private RunnerPart, private 
       if (!ev.messages.empty()) return ev;
       if (Now() > deadline) {
         ev.end = Failed(absl::StrCat("timed out waiting for ", describe()));
+        ev.timed_out = true;
         return ev;
       }
     }

@@ -178,17 +178,14 @@ std::vector<std::pair<std::string, std::string>> RunnerLinks::OneSlotOf(
 }
 
 std::optional<JobEnd> RunnerLinks::AwaitRound() {
-  static constexpr char kAwaited[] = "link probes";
   std::optional<JobEnd> end;
   while (!waiting_.empty() && Now() < round_deadline_) {
     RunnerEvent ev = Wait(
-        round_deadline_, [&] { return kAwaited; }, /*detect_loss=*/false);
+        round_deadline_, [&] { return "link probes"; }, /*detect_loss=*/false);
     if (!ev.end) continue;
     // Timed out: go on with what came. Stopped, or a member's error: the
     // caller's to act on.
-    if (StopRequested() || ev.end->message != absl::StrCat("timed out waiting for ", kAwaited)) {
-      end = std::move(ev.end);
-    }
+    if (!ev.timed_out) end = std::move(ev.end);
     break;
   }
   if (!waiting_.empty()) plan_.links().RoundDone(Now());  // else OnReport did

@@ -37,7 +37,8 @@ struct RunnerEvent {
   // Links between live members found cut (the planner already avoids them).
   std::vector<LinkCut> cuts;
   std::optional<JobEnd> end;
-  bool changed = false;  // the registry changed (return_on_change)
+  bool timed_out = false;  // `end` is the deadline passing
+  bool changed = false;    // the registry changed (return_on_change)
 };
 
 // The drive loop's services to the parts.

@@ -77,6 +77,14 @@ TEST_F(JobRunnerTest, ACutLinkIsRoutedAroundWithoutEvictingEither) {
   EXPECT_EQ(after, 4) << "iteration 1 again, then 2, 3 and 4";
 }
 
+// Whether `probe`, sent to `by`, is the check of a cut link no plan avoids:
+// `by` asked to probe `peer` alone, round trips only.
+bool IsCutCheck(const v1::LinkProbe& probe, const std::string& by, const std::string& reporter,
+                const std::string& peer) {
+  return by == reporter && probe.peers_size() == 1 && probe.peers(0).worker_id() == peer &&
+         probe.bulk_max_bytes() == 0;
+}
+
 // With one worker per stage no plan avoids a cut a - b. a is asked to
 // probe b first; b does not answer, so the reported side leaves the job as
 // a lost worker does (and backs off from joining again); an idle worker
@@ -104,8 +112,7 @@ TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
   const std::vector<std::string> by = cluster_->ProbedBy();
   int checks = 0, accepts = 0;
   for (size_t i = 0; i < probes.size(); ++i) {
-    if (probes[i].peers_size() == 1 && probes[i].peers(0).worker_id() == "b" &&
-        probes[i].bulk_max_bytes() == 0 && by[i] == "a") {
+    if (IsCutCheck(probes[i], by[i], "a", "b")) {
       ++checks;
       EXPECT_EQ(probes[i].round(), probes.back().round());
     }
@@ -118,17 +125,27 @@ TEST_F(JobRunnerTest, AnUnavoidableCutLinkRemovesTheUnreachableSide) {
   EXPECT_EQ(accepts, 1);
 }
 
+// d0, a and b, one per stage: a reports b unreachable at iteration 1, no
+// plan avoids the link, and a never answers the probe it is then asked
+// for. The job's spec; the caller starts it and awaits the check
+// (AwaitCutCheck).
+v1::JobSpec HangingCutCheck(FakeCluster* cluster) {
+  for (const char* id : {"d0", "a", "b"}) cluster->AddWorker(id);
+  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
+  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
+  cluster->ReportUnreachableWhenPlanArrives("a", "b", 1);
+  cluster->SilenceProbesAfterPlan("a", 1);
+  return spec;
+}
+
 // Waits up to 10 s until `reporter` has been asked to probe `peer` alone
-// (the check of a cut link no plan avoids).
+// (IsCutCheck).
 bool AwaitCutCheck(FakeCluster* cluster, const std::string& reporter, const std::string& peer) {
   for (int i = 0; i < 200; ++i) {
     const std::vector<v1::LinkProbe> probes = cluster->Probes();
     const std::vector<std::string> by = cluster->ProbedBy();
     for (size_t p = 0; p < probes.size(); ++p) {
-      if (by[p] == reporter && probes[p].peers_size() == 1 &&
-          probes[p].peers(0).worker_id() == peer && probes[p].bulk_max_bytes() == 0) {
-        return true;
-      }
+      if (IsCutCheck(probes[p], by[p], reporter, peer)) return true;
     }
     absl::SleepFor(absl::Milliseconds(50));
   }
@@ -139,12 +156,7 @@ bool AwaitCutCheck(FakeCluster* cluster, const std::string& reporter, const std:
 // probe of a cut link no plan avoids is out: the unfinished check removes
 // nobody, and the job stays RUNNING with its three workers untold.
 TEST_F(JobRunnerTest, AStopWhileACutLinkIsProbedRemovesNobody) {
-  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
-  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
-  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
-  cluster_->SilenceProbesAfterPlan("a", 1);
-  Start(spec, {"d0", "a", "b"});
+  Start(HangingCutCheck(cluster_.get()), {"d0", "a", "b"});
   ASSERT_TRUE(AwaitCutCheck(cluster_.get(), "a", "b")) << History(Job());
   runner_->Detach();
   runner_.reset();
@@ -159,12 +171,7 @@ TEST_F(JobRunnerTest, AStopWhileACutLinkIsProbedRemovesNobody) {
 // avoids is out: the job fails with that error, as it would at any other
 // time, and nobody is removed for the unfinished check.
 TEST_F(JobRunnerTest, AMemberErrorWhileACutLinkIsProbedFailsTheJob) {
-  for (const char* id : {"d0", "a", "b"}) cluster_->AddWorker(id);
-  v1::JobSpec spec = Spec(3, 1, 0.0, 4);
-  Pin(&spec, {{"d0"}, {"a"}, {"b"}});
-  cluster_->ReportUnreachableWhenPlanArrives("a", "b", 1);
-  cluster_->SilenceProbesAfterPlan("a", 1);
-  Start(spec, {"d0", "a", "b"});
+  Start(HangingCutCheck(cluster_.get()), {"d0", "a", "b"});
   ASSERT_TRUE(AwaitCutCheck(cluster_.get(), "a", "b")) << History(Job());
   v1::WorkerMessage error;
   error.mutable_error()->set_job_id(job_id_);
