@@ -16,6 +16,12 @@
 #   sudo benchmarks/wan/link_probe.sh [BUILD_DIR]
 # Needs root (the test bed). Writes benchmarks-out/wan/link_probe.csv and
 # prints a table with the load average before and after.
+#
+# LINK_PROBE_CASES replaces the cases ("name one_way_ms rate_mbytes_per_s",
+# several separated by ";"), e.g. LINK_PROBE_CASES="far-300ms 300 67";
+# LINK_PROBE_BIN_DIR runs the daemons from another folder (detour-local's
+# --bin_dir: a copy of an older build's detour-worker beside this build's
+# other binaries), for a before-and-after in one sitting.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=${1:-$ROOT/build}
@@ -36,6 +42,14 @@ CASES=(
   "wan-50ms 50 100"
   "far-150ms 150 50"
 )
+if [[ -n "${LINK_PROBE_CASES:-}" ]]; then
+  IFS=';' read -r -a CASES <<<"$LINK_PROBE_CASES"
+fi
+BIN_ARGS=()
+if [[ -n "${LINK_PROBE_BIN_DIR:-}" ]]; then
+  [[ -d "$LINK_PROBE_BIN_DIR" ]] || { echo "$0: LINK_PROBE_BIN_DIR $LINK_PROBE_BIN_DIR is not a folder" >&2; exit 1; }
+  BIN_ARGS=(--bin_dir "$LINK_PROBE_BIN_DIR")
+fi
 
 # shellcheck source=benchmarks/wan/two_regions.sh
 . "$ROOT/benchmarks/wan/two_regions.sh"
@@ -52,7 +66,7 @@ for c in "${CASES[@]}"; do
   rm -rf "$run"
   echo "== $name: $ms ms one way, $rate MB/s between the regions" >&2
   timeout -k 5 300 "$LOCAL" --wan --wan_prefix "lp$$" --cluster "$cluster" \
-    --job "$OUT/link_probe_job.json" --out "$run" >"$run.out" 2>&1 ||
+    --job "$OUT/link_probe_job.json" --out "$run" "${BIN_ARGS[@]}" >"$run.out" 2>&1 ||
     { echo "$0: detour-local failed for $name (see $run.out)" >&2; cat "$run.out" >&2; exit 1; }
   # Workers w1, w2 are East (e0, e1); w3, w4 West (the launcher's order).
   python3 - "$name" "$ms" "$rate" "$run" "$csv" <<'PY' >>"$OUT/link_probe_summary.txt"

@@ -38,6 +38,10 @@ struct FakeLink {
   // the windows and the stream's first) each take this much longer, as
   // connections whose windows open over a long round trip do.
   double opening_seconds = 0;
+  // Each tensor of 4 MiB or less over 64 KiB (the single probes) takes this
+  // much longer, as one connection's window opening again after it idled
+  // over a long round trip.
+  double single_seconds = 0;
 };
 
 // Completes each tensor after the time its link would take (a real sleep,
@@ -78,6 +82,7 @@ class FakeTransport final : public PeerTransport {
       rate *= std::min(1.0, static_cast<double>(sent_[to]) / l.ramp_bytes);
     }
     double opening = 0;
+    if (data.bytes > (64 << 10) && data.bytes <= (4 << 20)) opening = l.single_seconds;
     if (data.bytes > (4 << 20) && opened_[to] < 2) {
       ++opened_[to];
       opening = l.opening_seconds;
@@ -183,7 +188,8 @@ class LinkProberTest : public ::testing::Test {
 };
 
 // Latency is the smallest ping round trip; bandwidth the best bulk rate:
-// single probes of 1, 2 and 4 MiB, then one of the largest size and a stream
+// single probes of 1, 2 and 4 MiB (over a long round trip the first only),
+// then one of the largest size and a stream
 // of more (two queued at a time), which reaches the rate of a link whose
 // window opens slowly. A
 // peer that cannot be reached is reported with the error; the worker itself
@@ -208,14 +214,15 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   EXPECT_NEAR(fast->bandwidth_bytes_per_s(), 400e6, 400e6 * 2e-2);
   EXPECT_TRUE(fast->error().empty()) << fast->error();
   EXPECT_NEAR(slow->rtt_seconds(), 0.05, 1e-6);
-  // 1, 2, 4 MiB see the window opening (at most 7 MiB / 12 MB of the
-  // rate); 32 MiB and the stream of 2 × 32 MiB after it get the full rate.
+  // 1 MiB sees the window opening (1 MiB / 12 MB of the rate); 32 MiB and
+  // the stream of 2 × 32 MiB after it get the full rate.
   EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 100e6, 100e6 * 2e-2);
-  // Pings, the single probes, the 32 MiB one that opens the windows, then
+  // Pings, the single probes (1, 2 and 4 MiB; over a round trip of 50 ms
+  // or more the first only), the 32 MiB one that opens the windows, then
   // the stream: at least three more, at most 256 MiB of them.
-  const uint64_t before_stream =
-      3 * LinkProber::kPingBytes + (uint64_t{7} << 20) + (uint64_t{32} << 20);
   for (const v1::LinkMeasurement* m : {slow, fast}) {
+    const uint64_t singles = m == slow ? uint64_t{1} << 20 : uint64_t{7} << 20;
+    const uint64_t before_stream = 3 * LinkProber::kPingBytes + singles + (uint64_t{32} << 20);
     EXPECT_GE(m->probe_bytes(), before_stream + (uint64_t{96} << 20)) << m->peer();
     EXPECT_LE(m->probe_bytes(), before_stream + (uint64_t{256} << 20)) << m->peer();
   }
@@ -253,8 +260,39 @@ TEST_F(LinkProberTest, TheStreamsRateLeavesTheWindowsOpeningOut) {
   EXPECT_NEAR(far->bandwidth_bytes_per_s(), 100e6, 100e6 * 5e-2);
   // At least five probes in the stream (four intervals to measure).
   const uint64_t before_stream =
-      3 * LinkProber::kPingBytes + (uint64_t{7} << 20) + (uint64_t{32} << 20);
+      3 * LinkProber::kPingBytes + (uint64_t{1} << 20) + (uint64_t{32} << 20);
   EXPECT_GE(far->probe_bytes(), before_stream + (uint64_t{5 * 32} << 20));
+}
+
+// Over a long round trip every single probe meets a window opening again
+// (on the test bed 1, 2 and 4 MiB took 7-11 round trips each of a 0.6 s
+// link): only the first is sent, and the link's share goes to the striped
+// probe and the stream, which read the link. Here all three would take 3.3 s
+// of the 5.5 s, and the stream would have two acknowledgements (about 0.7 of
+// the rate over its whole time) instead of five.
+TEST_F(LinkProberTest, OverALongRoundTripOneSingleProbeLeadsToTheStream) {
+  FakeLink long_link{0.1, 100e6, 0, false};
+  long_link.single_seconds = 1.0;   // ten round trips more per single probe
+  long_link.opening_seconds = 0.3;  // the striped probe's and the stream's first
+  Make({{"far", long_link}, {"near", {0.002, 100e6, 0, false}}});
+  prober_->OnProbe(Probe({"far"}, 32 << 20, 5500));
+  const v1::LinkReport r = AwaitReport();
+  const v1::LinkMeasurement* far = Find(r, "far");
+  ASSERT_NE(far, nullptr) << r.ShortDebugString();
+  EXPECT_TRUE(far->error().empty()) << far->error();
+  EXPECT_NEAR(far->bandwidth_bytes_per_s(), 100e6, 100e6 * 5e-2);
+  const uint64_t before_stream =
+      3 * LinkProber::kPingBytes + (uint64_t{1} << 20) + (uint64_t{32} << 20);
+  EXPECT_GE(far->probe_bytes(), before_stream + (uint64_t{5 * 32} << 20));
+  EXPECT_EQ(far->probe_bytes() % (uint64_t{32} << 20), before_stream % (uint64_t{32} << 20))
+      << "single probes other than the first 1 MiB";
+  // A short link keeps the three.
+  prober_->OnProbe(Probe({"near"}, 32 << 20, 10000));
+  const v1::LinkReport near_report = AwaitReport();
+  const v1::LinkMeasurement* near = Find(near_report, "near");
+  ASSERT_NE(near, nullptr) << near_report.ShortDebugString();
+  EXPECT_EQ(near->probe_bytes() % (uint64_t{32} << 20),
+            (3 * LinkProber::kPingBytes + (uint64_t{7} << 20)) % (uint64_t{32} << 20));
 }
 
 // Under in-process emulation the delays are the sender's, not the network's:

@@ -29,6 +29,14 @@ constexpr double kMinWireSeconds = 0.0005;
 // Single bulk probes go up to this size; larger ones are striped over
 // several connections (peer_sender.h) and are measured as a stream.
 constexpr uint64_t kLastSingleBytes = uint64_t{4} << 20;
+// On a link whose round trip is at least this, a stream follows (the
+// largest probe is striped) and only the first single probe is sent: each
+// of 1, 2 and 4 MiB takes 7-11 round trips of a window opening again (4.4,
+// 6.7 and 5.6 s over a 0.6 s round trip on the test bed), reads a fraction of
+// the link, and the three took most of the link's share before its stream.
+// The first stays: a floor for a link too slow for the striped probe to
+// finish within its share.
+constexpr double kOneSingleFromRttSeconds = 0.05;
 // The stream measurement (after one probe of bulk_max_bytes alone, which
 // opens the connections' windows): kStreamDepth probes of that size queued
 // at all times, one more sent as each is acknowledged, until it has run
@@ -308,7 +316,10 @@ void ProbeRound::MeasureBandwidth() {
 void ProbeRound::MeasureLink(const std::string& peer, v1::LinkMeasurement* m,
                              absl::Time peer_deadline) {
   double best = 0;
-  const uint64_t last_single = std::min(kLastSingleBytes, p_.bulk_max_bytes());
+  const bool streams = p_.bulk_max_bytes() > kLastSingleBytes;
+  const uint64_t last_single = streams && m->rtt_seconds() >= kOneSingleFromRttSeconds
+                                   ? LinkProber::kFirstBulkBytes
+                                   : std::min(kLastSingleBytes, p_.bulk_max_bytes());
   for (uint64_t size = LinkProber::kFirstBulkBytes; size <= last_single && !stop_(); size *= 2) {
     const std::optional<double> rate = Measure(peer, m, size, 1, peer_deadline, best);
     if (!rate.has_value()) {
@@ -317,7 +328,7 @@ void ProbeRound::MeasureLink(const std::string& peer, v1::LinkMeasurement* m,
     }
     best = std::max(best, *rate);
   }
-  if (p_.bulk_max_bytes() > last_single && !stop_()) {
+  if (streams && !stop_()) {
     // The first striped probe opens the connections' windows (and counts
     // too); the stream follows at once, before they close again.
     if (const std::optional<double> warm =
