@@ -195,19 +195,12 @@ std::optional<JobEnd> RunnerLinks::AwaitRound() {
 absl::Duration RunnerLinks::SlotNeed(
     const std::vector<std::pair<std::string, std::string>>& slot) const {
   absl::Duration most = absl::ZeroDuration();
-  const RegionLinks table(plan_.network());
   for (const auto& [from, to] : slot) {
     const LinkMatrix::Entry* e = plan_.links().Find({from, to});
     const bool probed =
         e != nullptr && e->latency_s.has_value() && e->latency_source == v1::JobLink::SOURCE_PROBE;
-    // The rate the worker is told to expect (measured, or the table's).
-    std::optional<double> rate;
-    if (auto x = Expectation(from, to, table); x && x->bandwidth_bytes_per_s() > 0) {
-      rate = x->bandwidth_bytes_per_s();
-    }
     most = std::max(
-        most, LinkProbeNeed(probed ? std::optional<double>(2 * *e->latency_s) : std::nullopt, rate,
-                            options().link_probe_bytes));
+        most, LinkProbeNeed(probed ? std::optional<double>(2 * *e->latency_s) : std::nullopt));
   }
   return most;
 }
@@ -278,7 +271,7 @@ void RunnerLinks::ProbeAtStart() {
     absl::StrAppendFormat(&what, ", bandwidth %.1f-%.1f MB/s", m.min_rate / 1e6, m.max_rate / 1e6);
   }
   if (budget > options().link_probe_budget) {
-    absl::StrAppendFormat(&what, " (bulk budget %.0f s for the links' round trips and rates)",
+    absl::StrAppendFormat(&what, " (bulk budget %.0f s for the round trips)",
                           absl::ToDoubleSeconds(budget));
   }
   if (silent > 0) absl::StrAppend(&what, "; no report from ", silent, " worker(s)");

@@ -131,9 +131,8 @@ class RunnerLinks : private RunnerPart {
   // end when it was stopped or a member reported an error meanwhile.
   std::optional<JobEnd> AwaitRound();
   // What a slot needs (its neediest link, LinkProbeNeed of the round trips
-  // the matrix has and the rates the workers are told to expect), and the
-  // bulk rounds' budget: what the slots need together, at least
-  // link_probe_budget, at most kMaxBulkBudget.
+  // the matrix has), and the bulk rounds' budget: what the slots need
+  // together, at least link_probe_budget, at most kMaxBulkBudget.
   absl::Duration SlotNeed(const std::vector<std::pair<std::string, std::string>>& slot) const;
   absl::Duration BulkBudget(
       const std::vector<std::vector<std::pair<std::string, std::string>>>& slots) const;

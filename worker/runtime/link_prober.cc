@@ -302,24 +302,14 @@ void ProbeRound::MeasureBandwidth() {
   for (auto& [peer, m] : links_) {
     if (m->error().empty()) todo.emplace_back(peer, m);
   }
-  // The rates the coordinator expects of the links (measured, or the region
-  // table's), the other half of each link's need.
-  std::map<std::string, double> expected;
-  for (const v1::LinkExpectation& e : p_.expected()) {
-    if (e.bandwidth_bytes_per_s() > 0) expected[e.peer()] = e.bandwidth_bytes_per_s();
-  }
   for (size_t i = 0; i < todo.size() && !stop_(); ++i) {
-    std::vector<absl::Duration> needs;
+    std::vector<std::optional<double>> rtts;
     for (size_t j = i; j < todo.size(); ++j) {
       const double rtt = todo[j].second->rtt_seconds();
-      auto rate = expected.find(todo[j].first);
-      needs.push_back(
-          LinkProbeNeed(rtt > 0 ? std::optional<double>(rtt) : std::nullopt,
-                        rate == expected.end() ? std::nullopt : std::optional<double>(rate->second),
-                        p_.bulk_max_bytes()));
+      rtts.push_back(rtt > 0 ? std::optional<double>(rtt) : std::nullopt);
     }
     const absl::Time now = absl::Now();
-    MeasureLink(todo[i].first, todo[i].second, now + LinkProber::BulkShare(deadline_ - now, needs));
+    MeasureLink(todo[i].first, todo[i].second, now + LinkProber::BulkShare(deadline_ - now, rtts));
   }
 }
 
@@ -516,12 +506,11 @@ void LinkProber::SetWorkerId(const std::string& id) {
 }
 
 absl::Duration LinkProber::BulkShare(absl::Duration left,
-                                     const std::vector<absl::Duration>& needs) {
-  if (needs.empty() || left <= absl::ZeroDuration()) return absl::ZeroDuration();
+                                     const std::vector<std::optional<double>>& rtts) {
+  if (rtts.empty() || left <= absl::ZeroDuration()) return absl::ZeroDuration();
   absl::Duration total = absl::ZeroDuration();
-  for (absl::Duration need : needs) total += need;
-  if (total <= absl::ZeroDuration()) return left / static_cast<int64_t>(needs.size());
-  return left * absl::FDivDuration(needs[0], total);
+  for (const std::optional<double>& rtt : rtts) total += LinkProbeNeed(rtt);
+  return left * absl::FDivDuration(LinkProbeNeed(rtts[0]), total);
 }
 
 absl::Status LinkProber::Validate(const v1::LinkProbe& p) {

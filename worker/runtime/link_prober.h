@@ -113,13 +113,13 @@ class LinkProber {
   static std::vector<std::pair<std::string, std::string>> CappedLinks(const v1::LinkProbe& probe,
                                                                       const TcpLimits& limits);
 
-  // The next link's share of what is `left` of a round's budget: `needs`
-  // holds the needs of the links still to measure (LinkProbeNeed of their
-  // round trips and expected rates, common/link_probe_need.h, the measure
-  // the coordinator sized the budget by), the next one first, and each gets
-  // in proportion to its need. What a link leaves unspent goes to those
-  // after it.
-  static absl::Duration BulkShare(absl::Duration left, const std::vector<absl::Duration>& needs);
+  // The next link's share of what is `left` of a round's budget: `rtts`
+  // holds the round trips (seconds; none where unknown) of the links still
+  // to measure, the next one first, and each gets in proportion to its need
+  // (common/link_probe_need.h, the measure the coordinator sized the budget
+  // by). What a link leaves unspent goes to those after it.
+  static absl::Duration BulkShare(absl::Duration left,
+                                  const std::vector<std::optional<double>>& rtts);
 
  private:
   v1::LinkReport Round(const v1::LinkProbe& probe);
