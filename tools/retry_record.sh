@@ -19,8 +19,10 @@ trap 'rm -f "$RETRIED_NOW"' EXIT
 # end the script under set -e.)
 retried() {
   local names
-  names=$(grep -E '^[0-9]+/[0-9]+ Test +#[0-9]+: .*\*\*\*(Failed|Timeout|Exception)' "$1" |
-            sed -E 's/^[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .*/\1/' | sort -u) || true
+  # ctest pads the counter to the total's width (" 6/42 Test #317: ..."):
+  # leading spaces are part of the line.
+  names=$(grep -E '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*\*\*\*(Failed|Timeout|Exception)' "$1" |
+            sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .*/\1/' | sort -u) || true
   if [[ -n "$names" ]]; then
     echo "$RETRY_WHO: $2: failed once and passed on the retry: $(echo $names)"
     echo "$names" >> "$RETRIED_NOW"
