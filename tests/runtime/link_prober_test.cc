@@ -172,6 +172,12 @@ class LinkProberTest : public ::testing::Test {
     return r;
   }
 
+  // What a link's probes send before its stream: three pings, the single
+  // probes (`single_mib` MiB in all), the 32 MiB one that opens the windows.
+  static uint64_t BeforeStream(uint64_t single_mib) {
+    return 3 * LinkProber::kPingBytes + (single_mib << 20) + (uint64_t{32} << 20);
+  }
+
   static const v1::LinkMeasurement* Find(const v1::LinkReport& r, const std::string& peer) {
     for (const v1::LinkMeasurement& m : r.links()) {
       if (m.peer() == peer) return &m;
@@ -221,8 +227,7 @@ TEST_F(LinkProberTest, MeasuresLatencyAndTheRateAnOpeningWindowReaches) {
   // or more the first only), the 32 MiB one that opens the windows, then
   // the stream: at least three more, at most 256 MiB of them.
   for (const v1::LinkMeasurement* m : {slow, fast}) {
-    const uint64_t singles = m == slow ? uint64_t{1} << 20 : uint64_t{7} << 20;
-    const uint64_t before_stream = 3 * LinkProber::kPingBytes + singles + (uint64_t{32} << 20);
+    const uint64_t before_stream = BeforeStream(m == slow ? 1 : 7);
     EXPECT_GE(m->probe_bytes(), before_stream + (uint64_t{96} << 20)) << m->peer();
     EXPECT_LE(m->probe_bytes(), before_stream + (uint64_t{256} << 20)) << m->peer();
   }
@@ -259,8 +264,7 @@ TEST_F(LinkProberTest, TheStreamsRateLeavesTheWindowsOpeningOut) {
   EXPECT_TRUE(far->error().empty()) << far->error();
   EXPECT_NEAR(far->bandwidth_bytes_per_s(), 100e6, 100e6 * 5e-2);
   // At least five probes in the stream (four intervals to measure).
-  const uint64_t before_stream =
-      3 * LinkProber::kPingBytes + (uint64_t{1} << 20) + (uint64_t{32} << 20);
+  const uint64_t before_stream = BeforeStream(1);
   EXPECT_GE(far->probe_bytes(), before_stream + (uint64_t{5 * 32} << 20));
 }
 
@@ -281,8 +285,7 @@ TEST_F(LinkProberTest, OverALongRoundTripOneSingleProbeLeadsToTheStream) {
   ASSERT_NE(far, nullptr) << r.ShortDebugString();
   EXPECT_TRUE(far->error().empty()) << far->error();
   EXPECT_NEAR(far->bandwidth_bytes_per_s(), 100e6, 100e6 * 5e-2);
-  const uint64_t before_stream =
-      3 * LinkProber::kPingBytes + (uint64_t{1} << 20) + (uint64_t{32} << 20);
+  const uint64_t before_stream = BeforeStream(1);
   EXPECT_GE(far->probe_bytes(), before_stream + (uint64_t{5 * 32} << 20));
   EXPECT_EQ(far->probe_bytes() % (uint64_t{32} << 20), before_stream % (uint64_t{32} << 20))
       << "single probes other than the first 1 MiB";
@@ -291,8 +294,7 @@ TEST_F(LinkProberTest, OverALongRoundTripOneSingleProbeLeadsToTheStream) {
   const v1::LinkReport near_report = AwaitReport();
   const v1::LinkMeasurement* near = Find(near_report, "near");
   ASSERT_NE(near, nullptr) << near_report.ShortDebugString();
-  EXPECT_EQ(near->probe_bytes() % (uint64_t{32} << 20),
-            (3 * LinkProber::kPingBytes + (uint64_t{7} << 20)) % (uint64_t{32} << 20));
+  EXPECT_EQ(near->probe_bytes() % (uint64_t{32} << 20), BeforeStream(7) % (uint64_t{32} << 20));
 }
 
 // Under in-process emulation the delays are the sender's, not the network's:
