@@ -474,14 +474,29 @@ TEST_F(ElasticTest, SpareReplicaMovesToAThinSlowStage) {
   workers[3].process->Signal(SIGKILL);
   const v1::Job job = run.AwaitEnd(absl::Seconds(240));
   ExpectHealthyEnd(job, c);
-  ASSERT_EQ(Count(job, v1::JobHistoryEvent::KIND_REASSIGNED), 1) << History(job);
-  EXPECT_THAT(History(job), HasSubstr("from stage 1 to stage 2"));
-  EXPECT_THAT(History(job), HasSubstr("with the state of w4"));
-  EXPECT_THAT(History(job), HasSubstr("repaid in"));
-  ASSERT_EQ(job.stages(1).nodes_size(), 1);
-  ASSERT_EQ(job.stages(2).nodes_size(), 2);
+  // The first move after the kill is the one this test is about. Later
+  // moves are the planner's to make too: once, against a TSan coordinator,
+  // it named the slow w4 a straggler 28 iterations later and moved it to
+  // stage 1, so only a job with the one move keeps the 1-and-2 layout.
+  const v1::JobHistoryEvent* first = nullptr;
+  for (const auto& e : job.history()) {
+    if (e.kind() == v1::JobHistoryEvent::KIND_REASSIGNED) {
+      first = &e;
+      break;
+    }
+  }
+  ASSERT_NE(first, nullptr) << History(job);
+  EXPECT_THAT(first->message(), HasSubstr("from stage 1 to stage 2")) << History(job);
+  EXPECT_THAT(first->message(), HasSubstr("with the state of w4")) << History(job);
+  EXPECT_THAT(first->message(), HasSubstr("repaid in")) << History(job);
+  const int moves = Count(job, v1::JobHistoryEvent::KIND_REASSIGNED);
+  if (moves == 1) {
+    EXPECT_EQ(job.stages(1).nodes_size(), 1);
+    EXPECT_EQ(job.stages(2).nodes_size(), 2);
+  }
+  EXPECT_EQ(job.stages(1).nodes_size() + job.stages(2).nodes_size(), 3) << job.DebugString();
   EXPECT_EQ(job.progress().members(), 4u);
-  EXPECT_EQ(MetricValue(c, "detour_coordinator_job_workers_reassigned_total"), 1);
+  EXPECT_EQ(MetricValue(c, "detour_coordinator_job_workers_reassigned_total"), moves);
 }
 
 // With skip routes and elastic.on_stage_loss REINITIALIZE, a stage that
