@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/transport/peer_sender.h"
 
 namespace detour {
 namespace {
@@ -295,6 +296,64 @@ TEST_F(LinkProberTest, OverALongRoundTripOneSingleProbeLeadsToTheStream) {
   const v1::LinkMeasurement* near = Find(near_report, "near");
   ASSERT_NE(near, nullptr) << near_report.ShortDebugString();
   EXPECT_EQ(near->probe_bytes() % (uint64_t{32} << 20), BeforeStream(7) % (uint64_t{32} << 20));
+}
+
+// A slow link's stream of 32 MiB probes would end with its share before its
+// acknowledgements tell the rate: here (20 MB/s, 4.5 s) the probe that opens
+// the windows takes 2.3 s and the stream's first ends after the share, so
+// the link would read the opening probe's 0.77 of its rate. Expected at
+// 20 MB/s, it gets 8 MiB probes (four bandwidth-delay products of 2 MB),
+// and the stream's acknowledgements measure it.
+TEST_F(LinkProberTest, ASlowLinkExpectedSlowGetsProbesThatFitItsShare) {
+  FakeLink slow_link{0.1, 20e6, 0, false};
+  slow_link.single_seconds = 0.1;   // the 1 MiB probe reads a quarter of the link
+  slow_link.opening_seconds = 0.5;  // the striped probe's and the stream's first
+  Make({{"slow", slow_link}});
+  v1::LinkProbe probe = Probe({"slow"}, 32 << 20, 4500);
+  v1::LinkExpectation* e = probe.add_expected();
+  e->set_peer("slow");
+  e->set_rtt_s(0.1);
+  e->set_bandwidth_bytes_per_s(20e6);
+  prober_->OnProbe(probe);
+  const v1::LinkReport r = AwaitReport();
+  const v1::LinkMeasurement* slow = Find(r, "slow");
+  ASSERT_NE(slow, nullptr) << r.ShortDebugString();
+  EXPECT_TRUE(slow->error().empty()) << slow->error();
+  EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 20e6, 20e6 * 5e-2);
+  // Pings, the 1 MiB probe, then 8 MiB probes only: the opening one and at
+  // least five in the stream.
+  const uint64_t before = 3 * LinkProber::kPingBytes + (uint64_t{1} << 20);
+  EXPECT_EQ((slow->probe_bytes() - before) % (uint64_t{8} << 20), 0u) << slow->probe_bytes();
+  EXPECT_GE(slow->probe_bytes(), before + (uint64_t{6 * 8} << 20));
+  EXPECT_LT(slow->probe_bytes(), before + (uint64_t{2 * 32} << 20));
+}
+
+TEST_F(LinkProberTest, StreamProbesAreSizedToFitHalfTheShareAtTheExpectedRate) {
+  const uint64_t mib = uint64_t{1} << 20;
+  const uint64_t max = 32 * mib;
+  // Unknown rate, or a fast link: the largest.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 0, 0.1, absl::Seconds(6)), max);
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 100e6, 0.05, absl::Seconds(4.1)), max);
+  // 20 MB/s in 6 s: six probes in 3 s are at most 10 MB each.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 20e6, 0.1, absl::Seconds(6)), 8 * mib);
+  // 20 MB/s in 12 s: 20 MB each.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 20e6, 0.1, absl::Seconds(12)), 16 * mib);
+  // 11 MB/s over 40 ms in 3.1 s: 2 MiB, under the stripe threshold (its
+  // bandwidth-delay product, 0.44 MB, fits one connection's window).
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 11e6, 0.04, absl::Seconds(3.1)), 2 * mib);
+  // Never below the smallest, however slow.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 1e6, 0.1, absl::Seconds(2)), 2 * mib);
+  // Nor below four expected bandwidth-delay products (two in flight then
+  // carry a link four times faster than expected): 100 ms at 20 MB/s is
+  // 2 MB, so 8 MiB however short the share; 300 ms is 6 MB, so 32 MiB
+  // (16 MiB is 16.8 MB) where the share alone would take 16.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 20e6, 0.1, absl::ZeroDuration()), 8 * mib);
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 20e6, 0.3, absl::Seconds(12)), max);
+  EXPECT_EQ(LinkProber::StreamProbeBytes(max, 20e6, 0.2, absl::Seconds(6)), 16 * mib);
+  // A largest size at or under the smallest stays as it is.
+  EXPECT_EQ(LinkProber::StreamProbeBytes(3 * mib, 1e6, 0.1, absl::Seconds(2)), 3 * mib);
+  // Under the stripe threshold a probe rides one connection.
+  EXPECT_LT(LinkProber::kSmallestStreamProbeBytes, PeerSenderOptions{}.stripe_threshold_bytes);
 }
 
 // Under in-process emulation the delays are the sender's, not the network's:

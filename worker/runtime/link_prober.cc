@@ -37,8 +37,8 @@ constexpr uint64_t kLastSingleBytes = uint64_t{4} << 20;
 // The first stays: a floor for a link too slow for the striped probe to
 // finish within its share.
 constexpr double kOneSingleFromRttSeconds = 0.05;
-// The stream measurement (after one probe of bulk_max_bytes alone, which
-// opens the connections' windows): kStreamDepth probes of that size queued
+// The stream measurement (after one probe of its size alone, which opens the
+// connections' windows): kStreamDepth probes of that size queued
 // at all times, one more sent as each is acknowledged, until it has run
 // kStreamTime and kStreamRtts round trips, kMaxStreamBytes were sent (but
 // never fewer than kStreamMinProbes), or the link's share of the
@@ -163,6 +163,9 @@ class ProbeRound {
       m->set_peer(peer.worker_id());
       links_[peer.worker_id()] = m;
     }
+    for (const v1::LinkExpectation& e : p.expected()) {
+      expected_rate_[e.peer()] = e.bandwidth_bytes_per_s();
+    }
     transport_->SetPeers(endpoints);
   }
 
@@ -176,9 +179,10 @@ class ProbeRound {
 
  private:
   // First single probes of growing size up to kLastSingleBytes (tensors that
-  // small travel whole on one connection), then one of bulk_max_bytes and
-  // right after it a stream of more (kStreamDepth queued at once), which
-  // finds every striped connection's window open.
+  // small travel whole on one connection), then one of bulk_max_bytes (less
+  // on a link expected too slow for it: LinkProber::StreamProbeBytes) and
+  // right after it a stream of more of that size (kStreamDepth queued at
+  // once), which finds every striped connection's window open.
   void MeasureLink(const std::string& peer, v1::LinkMeasurement* m, absl::Time peer_deadline);
   // Sends `count` probes of `size` to `peer` at once and waits for all: the
   // rate of the whole (0 when too short to tell); nothing when one failed or
@@ -186,12 +190,12 @@ class ProbeRound {
   // says an earlier size measured the link).
   std::optional<double> Measure(const std::string& peer, v1::LinkMeasurement* m, uint64_t size,
                                 int count, absl::Time peer_deadline, double best);
-  // The stream of probes of bulk_max_bytes (kStreamDepth, kStreamTime): the
+  // The stream of probes of `size` (kStreamDepth, kStreamTime): the
   // rate between its first acknowledgement and its last (or, with too few,
   // of what was acknowledged over its time less one round trip);
   // nothing when a probe failed (the error is set) or none was acknowledged
   // within the link's share of the budget (an error unless `best` > 0).
-  std::optional<double> Stream(const std::string& peer, v1::LinkMeasurement* m,
+  std::optional<double> Stream(const std::string& peer, v1::LinkMeasurement* m, uint64_t size,
                                absl::Time peer_deadline, double best);
   std::pair<v1::FrameHeader, TensorView> Probe(uint64_t bytes);
   void CountSent(v1::LinkMeasurement* m, uint64_t bytes);
@@ -208,6 +212,7 @@ class ProbeRound {
   uint32_t sequence_ = 0;
   v1::LinkReport report_;
   std::map<std::string, v1::LinkMeasurement*> links_;  // into report_
+  std::map<std::string, double> expected_rate_;        // bytes/s, per peer (p.expected)
 };
 
 std::pair<v1::FrameHeader, TensorView> ProbeRound::Probe(uint64_t bytes) {
@@ -331,10 +336,13 @@ void ProbeRound::MeasureLink(const std::string& peer, v1::LinkMeasurement* m,
   if (streams && !stop_()) {
     // The first striped probe opens the connections' windows (and counts
     // too); the stream follows at once, before they close again.
-    if (const std::optional<double> warm =
-            Measure(peer, m, p_.bulk_max_bytes(), 1, peer_deadline, best)) {
+    auto expected = expected_rate_.find(peer);
+    const uint64_t size = LinkProber::StreamProbeBytes(
+        p_.bulk_max_bytes(), expected == expected_rate_.end() ? 0.0 : expected->second,
+        m->rtt_seconds(), peer_deadline - absl::Now());
+    if (const std::optional<double> warm = Measure(peer, m, size, 1, peer_deadline, best)) {
       best = std::max(best, *warm);
-      if (const std::optional<double> rate = Stream(peer, m, peer_deadline, best)) {
+      if (const std::optional<double> rate = Stream(peer, m, size, peer_deadline, best)) {
         best = std::max(best, *rate);
       }
     }
@@ -380,8 +388,7 @@ std::optional<double> ProbeRound::Measure(const std::string& peer, v1::LinkMeasu
 }
 
 std::optional<double> ProbeRound::Stream(const std::string& peer, v1::LinkMeasurement* m,
-                                         absl::Time peer_deadline, double best) {
-  const uint64_t size = p_.bulk_max_bytes();
+                                         uint64_t size, absl::Time peer_deadline, double best) {
   const uint64_t most = std::max<uint64_t>(kStreamMinProbes, kMaxStreamBytes / size);
   const double ack = m->rtt_seconds() / rtt_factor_;  // what a transfer's ack adds
   const absl::Time start = absl::Now();
@@ -511,6 +518,21 @@ absl::Duration LinkProber::BulkShare(absl::Duration left,
   absl::Duration total = absl::ZeroDuration();
   for (const std::optional<double>& rtt : rtts) total += LinkProbeNeed(rtt);
   return left * absl::FDivDuration(LinkProbeNeed(rtts[0]), total);
+}
+
+uint64_t LinkProber::StreamProbeBytes(uint64_t bulk_max, double expected_rate, double rtt_s,
+                                      absl::Duration left) {
+  if (!(expected_rate > 0) || !(rtt_s >= 0)) return bulk_max;
+  // The striped probe and the stream's fewest.
+  const double probes = static_cast<double>(1 + kStreamMinProbes);
+  const double room = absl::ToDoubleSeconds(left) / 2;
+  const double floor = 4 * expected_rate * rtt_s;
+  uint64_t size = bulk_max;
+  while (size / 2 >= kSmallestStreamProbeBytes && static_cast<double>(size / 2) >= floor &&
+         probes * static_cast<double>(size) / expected_rate > room) {
+    size /= 2;
+  }
+  return size;
 }
 
 absl::Status LinkProber::Validate(const v1::LinkProbe& p) {

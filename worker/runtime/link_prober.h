@@ -13,7 +13,8 @@
 // on one connection), and last one bulk_max_bytes probe, which the
 // transport stripes over its connections and which opens their windows over
 // a long round trip, and as soon as it is acknowledged a stream of more of
-// that size, two queued at all times, for at least 10 round trips, 0.25 s
+// that size (smaller on a link expected too slow for it: StreamProbeBytes),
+// two queued at all times, for at least 10 round trips, 0.25 s
 // and 5 probes (at most 256 MiB), which finds the windows open. A single measurement's
 // rate is its bytes over its time less one round trip; the stream's is the
 // bytes acknowledged after its first acknowledgement over the time from
@@ -77,6 +78,14 @@ class LinkProber {
   // Bounds on a LinkProbe's expected links.
   static constexpr double kMaxExpectedRttS = 60;
   static constexpr double kMaxExpectedRate = 1e13;  // bytes/s
+  // The smallest probe of a link's stream. One under the direct transport's
+  // stripe threshold (PeerSenderOptions::stripe_threshold_bytes, 8 MiB)
+  // travels whole on one connection, which carries the link where its
+  // window holds the bandwidth-delay product: StreamProbeBytes keeps a
+  // probe at four expected products or more, so a 2 or 4 MiB probe is
+  // chosen only for a link whose product is at most 1 MiB, well within
+  // what Linux's autotuning gives one connection by default (4 MiB).
+  static constexpr uint64_t kSmallestStreamProbeBytes = uint64_t{2} << 20;
 
   // `base`: this worker's transport configuration (region, security); a
   // round's emulation comes from its LinkProbe. `metrics` may be null.
@@ -120,6 +129,19 @@ class LinkProber {
   // by). What a link leaves unspent goes to those after it.
   static absl::Duration BulkShare(absl::Duration left,
                                   const std::vector<std::optional<double>>& rtts);
+
+  // The size of a link's striped probe and of its stream's probes, chosen
+  // when the striped probe is sent with `left` of the link's share still to
+  // spend: `bulk_max`, halved while the striped probe and the stream's
+  // fewest probes (six) would take over half of `left` at the link's
+  // `expected_rate` (bytes/s), but not below kSmallestStreamProbeBytes and
+  // not below four times the expected bandwidth-delay product over
+  // `rtt_s` (two probes in flight then carry a link up to four times faster
+  // than expected). A stream of large probes on a slow link ends with the
+  // share before its acknowledgements tell its rate. `bulk_max` when the
+  // rate is unknown (0) or `bulk_max` is below the smallest.
+  static uint64_t StreamProbeBytes(uint64_t bulk_max, double expected_rate, double rtt_s,
+                                   absl::Duration left);
 
  private:
   v1::LinkReport Round(const v1::LinkProbe& probe);
