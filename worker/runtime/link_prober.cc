@@ -334,8 +334,9 @@ void ProbeRound::MeasureLink(const std::string& peer, v1::LinkMeasurement* m,
     best = std::max(best, *rate);
   }
   if (streams && !stop_()) {
-    // The first striped probe opens the connections' windows (and counts
-    // too); the stream follows at once, before they close again.
+    // The first probe of the stream's size (striped from 8 MiB) opens the
+    // connections' windows (and counts too); the stream follows at once,
+    // before they close again.
     auto expected = expected_rate_.find(peer);
     const uint64_t size = LinkProber::StreamProbeBytes(
         p_.bulk_max_bytes(), expected == expected_rate_.end() ? 0.0 : expected->second,
