@@ -232,17 +232,20 @@ TEST_F(CliTest, DaemonsStopOnSignalsInEveryState) {
 
 // Two workers on one host with default metrics ports: the second one used to
 // fail on 9471. The default follows the gRPC port (+2400), and --port_offset
-// (what detour-worker@N passes) moves both.
+// (what detour-worker@N passes) moves both. The data ports (+1200) follow
+// too, so the block must have those free as well (once in CI another test's
+// process held the second worker's).
 TEST_F(CliTest, TwoWorkersOnOneHostDoNotCollide) {
   Daemon c = StartCoordinator();
   int base = 0;
   for (int tries = 0; tries < 50 && base == 0; ++tries) {
     auto [fd, port] = OccupyPort();
     ::close(fd);
-    if (port + 2401 <= 65535 && PortFree(port) && PortFree(port + 1) && PortFree(port + 2400) &&
-        PortFree(port + 2401)) {
-      base = port;
+    bool all_free = port + 2401 <= 65535;
+    for (int offset : {0, 1200, 2400}) {
+      all_free = all_free && PortFree(port + offset) && PortFree(port + offset + 1);
     }
+    if (all_free) base = port;
   }
   ASSERT_GT(base, 0) << "no free block of ports";
   // StartWorker passes --metrics_port=0; these run with the defaults.
