@@ -174,9 +174,10 @@ class LinkProberTest : public ::testing::Test {
   }
 
   // What a link's probes send before its stream: three pings, the single
-  // probes (`single_mib` MiB in all), the 32 MiB one that opens the windows.
-  static uint64_t BeforeStream(uint64_t single_mib) {
-    return 3 * LinkProber::kPingBytes + (single_mib << 20) + (uint64_t{32} << 20);
+  // probes (`single_mib` MiB in all), the one that opens the windows (32 MiB
+  // unless the link is expected too slow for it).
+  static uint64_t BeforeStream(uint64_t single_mib, uint64_t opening_mib = 32) {
+    return 3 * LinkProber::kPingBytes + (single_mib << 20) + (opening_mib << 20);
   }
 
   static const v1::LinkMeasurement* Find(const v1::LinkReport& r, const std::string& peer) {
@@ -321,11 +322,11 @@ TEST_F(LinkProberTest, ASlowLinkExpectedSlowGetsProbesThatFitItsShare) {
   EXPECT_TRUE(slow->error().empty()) << slow->error();
   EXPECT_NEAR(slow->bandwidth_bytes_per_s(), 20e6, 20e6 * 5e-2);
   // Pings, the 1 MiB probe, then 8 MiB probes only: the opening one and at
-  // least five in the stream.
-  const uint64_t before = 3 * LinkProber::kPingBytes + (uint64_t{1} << 20);
-  EXPECT_EQ((slow->probe_bytes() - before) % (uint64_t{8} << 20), 0u) << slow->probe_bytes();
-  EXPECT_GE(slow->probe_bytes(), before + (uint64_t{6 * 8} << 20));
-  EXPECT_LT(slow->probe_bytes(), before + (uint64_t{2 * 32} << 20));
+  // least five in the stream; less than a 32 MiB opening probe and one more.
+  const uint64_t before_stream = BeforeStream(1, 8);
+  EXPECT_EQ((slow->probe_bytes() - before_stream) % (uint64_t{8} << 20), 0u) << slow->probe_bytes();
+  EXPECT_GE(slow->probe_bytes(), before_stream + (uint64_t{5 * 8} << 20));
+  EXPECT_LT(slow->probe_bytes(), BeforeStream(1) + (uint64_t{32} << 20));
 }
 
 TEST_F(LinkProberTest, StreamProbesAreSizedToFitHalfTheShareAtTheExpectedRate) {
